@@ -1,0 +1,128 @@
+"""Stage 3, batch: where batches are formed. Dynamic batching with a size cap and a wait deadline,
+and the batch-bucket arithmetic (pad up to a bucket, split what exceeds the largest)."""
+
+from __future__ import annotations
+
+import bisect
+import queue
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .load import Item
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds ``n`` items (``buckets`` sorted ascending).
+
+    Raises:
+        ValueError: ``n`` < 1 or ``n`` larger than the largest bucket.
+    """
+    if n < 1:
+        raise ValueError(f"batch size must be >= 1, got {n}")
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"batch of {n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+def split_into_buckets(n: int, buckets: Sequence[int]) -> list[tuple[int, int]]:
+    """Split ``n`` items into chunks that each run as one bucket: ``[(chunk_size, bucket), ...]``.
+
+    Whole largest buckets first, then the remainder padded to the smallest bucket that holds it,
+    so no chunk pads more than the remainder needs.
+
+    >>> split_into_buckets(1100, (1, 8, 512))
+    [(512, 512), (512, 512), (76, 512)]
+    """
+    out, big = [], buckets[-1]
+    while n > big:
+        out.append((big, big))
+        n -= big
+    if n > 0:
+        out.append((n, bucket_for(n, buckets)))
+    return out
+
+
+@dataclass
+class Batch:
+    """A group of good items the compute stage runs together; ``t_queued`` is for queue-wait stats."""
+
+    items: list[Item]
+    t_queued: float = field(default_factory=time.perf_counter)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class Batcher:
+    """The batch stage: collects preprocessed items into batches.
+
+    A batch is closed when it holds ``max_batch_size`` items or ``max_wait_ms`` after its first item
+    arrived, whichever is first, or when the stream ends. Items that already carry an error skip
+    batching and go straight on (their position is restored at the end).
+
+    Args:
+        get: ``get(timeout_s) -> item | None`` from the preprocess queue (None on timeout).
+        put: ``put(obj, block=True) -> bool`` into the compute queue (blocking put: backpressure;
+            ``block=False`` returns False when the queue is full).
+        n_end: how many end markers (one per preprocess worker) close the stream.
+        end: the end marker.
+    """
+
+    def __init__(self, get: Callable, put: Callable, max_batch_size: int, max_wait_ms: float,
+                 n_end: int, end, stats, stopped: Callable[[], bool]):
+        self.get, self.put = get, put
+        self.max_batch_size, self.max_wait_s = max_batch_size, max_wait_ms / 1e3
+        self.n_end, self.end, self.stats, self.stopped = n_end, end, stats, stopped
+        self.batches = 0
+        self.batched_items = 0
+
+    def _flush(self, items: list[Item], block: bool = True) -> bool:
+        """Hand ``items`` to the compute stage; with ``block=False`` only if it has room now."""
+        if not items:
+            return True
+        if not self.put(Batch(items), block):
+            return False
+        self.batches += 1
+        self.batched_items += len(items)
+        return True
+
+    def run(self) -> None:
+        ends = 0
+        pending: list[Item] = []
+        deadline = 0.0
+        while ends < self.n_end and not self.stopped():
+            now = time.perf_counter()
+            if pending and now >= deadline:
+                # Deadline passed: send the partial batch if compute can take it now; while compute
+                # is busy keep filling it instead (bigger batches exactly when they pay off).
+                if self._flush(pending, block=False):
+                    pending = []
+                    continue
+                timeout = 0.001
+            else:
+                timeout = max(deadline - now, 0.0) if pending else 0.05
+            it = self.get(timeout)
+            if it is None:
+                continue
+            if it is self.end:
+                ends += 1
+                continue
+            self.stats.begin()
+            now = time.perf_counter()
+            self.stats.waited(now - it.t_queued)
+            if it.error is not None:
+                self.stats.end(1)
+                self.put(it)
+                continue
+            if not pending:
+                deadline = now + self.max_wait_s
+            pending.append(it)
+            self.stats.end(1)
+            if len(pending) >= self.max_batch_size:
+                self._flush(pending)
+                pending = []
+        if not self.stopped():
+            self._flush(pending)
+            self.put(self.end)

@@ -1,0 +1,150 @@
+"""The ``fullthrottle`` command line.
+
+Exit status of ``fullthrottle classify``: 0 every item classified; 1 at least one item failed
+(its error is in the output); 2 bad usage or configuration (unknown model, weights that do not fit,
+CUDA asked for but absent); 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+SAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg", "motorcycle_left.png")
+
+
+def sample_photos() -> list[str]:
+    """Paths of a few real photos that ship with scikit-image (no download).
+
+    Raises:
+        FileNotFoundError: scikit-image is not installed.
+    """
+    spec = importlib.util.find_spec("skimage")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("no inputs given and scikit-image (whose sample photos are the "
+                                "default inputs) is not installed: pass image paths or URLs")
+    data = os.path.join(list(spec.submodule_search_locations)[0], "data")
+    return [os.path.join(data, name) for name in SAMPLE_PHOTOS if os.path.exists(os.path.join(data, name))]
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fullthrottle",
+        description="GPU inference that keeps the GPU busy: load (asyncio) -> preprocess (threads) -> "
+                    "dynamic batching -> model on the device -> top-k on the device.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    c = sub.add_parser(
+        "classify", help="classify images (files, folders, globs, URLs) with a torchvision ResNet",
+        description="Classify images and print top-k ImageNet labels. With no INPUT, classifies a few "
+                    "sample photos that ship with scikit-image. Without --weights the model is "
+                    "randomly initialised and its labels are meaningless (the output says so).",
+        epilog="Exit status: 0 all items ok; 1 some item failed (see its error); 2 usage or "
+               "configuration error; 130 interrupted.")
+    c.add_argument("inputs", nargs="*", metavar="INPUT",
+                   help="image file, folder (recursive), glob pattern or http(s) URL")
+    c.add_argument("--model", default="resnet18", help="resnet18 | resnet34 | resnet50 (default: %(default)s)")
+    c.add_argument("--weights", help="state dict: .safetensors, or .pth (loaded with weights_only=True)")
+    c.add_argument("--batch-size", type=_positive_int, default=64, help="max batch size (default: %(default)s)")
+    c.add_argument("--max-wait-ms", type=float, default=5.0,
+                   help="how long a batch may wait to fill, ms (default: %(default)s)")
+    c.add_argument("--threads", type=_positive_int, default=None,
+                   help="preprocess threads (default: one per CPU core)")
+    c.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
+    c.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype on CUDA (default: bfloat16 on CUDA; CPU always float32)")
+    c.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default: %(default)s)")
+    c.add_argument("--out", help="write one JSON line per item to this file ('-' for stdout)")
+    c.add_argument("--unordered", action="store_true", help="emit results in completion order")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--report-json", help="write the run summary (rates, latency, stages) as JSON here")
+    return p
+
+
+def _format_result(r) -> str:
+    if r.ok:
+        return f"{r.id}: " + ", ".join(f"{lab} {p:.3f}" for lab, p in zip(r.labels, r.probs))
+    return f"{r.id}: ERROR {r.error}"
+
+
+def cmd_classify(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from .compute import resolve_device
+    from .config import Config
+    from .models import WeightsError
+    from .pipeline import Pipeline
+
+    inputs = args.inputs
+    try:
+        if not inputs:
+            inputs = sample_photos()
+            print(f"no inputs given: classifying {len(inputs)} sample photos from scikit-image",
+                  file=sys.stderr)
+        device = resolve_device(args.device)
+        dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+        cfg = Config(model=args.model, weights=args.weights, device=str(device), dtype=dtype,
+                     max_batch_size=args.batch_size, max_wait_ms=args.max_wait_ms,
+                     threads=args.threads, top_k=args.top_k, ordered=not args.unordered)
+        pipe = Pipeline(cfg)
+    except (ValueError, FileNotFoundError, RuntimeError, WeightsError) as e:
+        print(f"fullthrottle: error: {e}", file=sys.stderr)
+        return 2
+    if pipe.engine.random_weights:
+        print("WARNING: no --weights given: the model is randomly initialised, labels are meaningless",
+              file=sys.stderr)
+    out = None
+    if args.out == "-":
+        out = sys.stdout
+    elif args.out:
+        out = open(args.out, "w", encoding="utf-8")
+    failed = 0
+    bar = tqdm(unit="img", desc="classify", disable=args.no_progress or None, file=sys.stderr,
+               total=len(inputs) if all(os.path.isfile(str(i)) for i in inputs) else None)
+    try:
+        for r in pipe.run(inputs):
+            failed += not r.ok
+            if out is not None:
+                out.write(json.dumps(r.to_dict()) + "\n")
+            if out is None:
+                tqdm.write(_format_result(r), file=sys.stdout)
+            elif not r.ok and out is not sys.stdout:
+                tqdm.write(_format_result(r), file=sys.stderr)
+            bar.update(1)
+    except KeyboardInterrupt:
+        bar.close()
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        bar.close()
+        if out is not None and out is not sys.stdout:
+            out.close()
+    rep = pipe.last_report
+    print(rep.format(), file=sys.stderr)
+    if device.type == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name(device)}", file=sys.stderr)
+    if args.report_json:
+        with open(args.report_json, "w", encoding="utf-8") as f:
+            json.dump(rep.to_dict(), f, indent=2)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "classify":
+        return cmd_classify(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Stage 4, compute: pinned staging ring, H2D on a copy stream, normalise + model on a compute stream.
+
+One batch on CUDA goes like this (``n`` images, ``S`` = crop size, ``k`` = top-k)::
+
+    host numpy crops --memcpy--> pinned slot (n,S,S,3) u8 --H2D, copy stream--> device slot (n,S,S,3) u8
+        --event--> compute stream: NHWC->NCHW view (= channels_last), float, normalise, model -> (n,C)
+        -> softmax, top-k (n,k) --D2H into pinned--> event "done"
+
+The ring has ``staging_slots`` (>= 2) slots; a slot is reused only after the decode stage has read
+its results, so at most that many batches are in flight and host memory stays flat. On CPU the same
+code runs with plain tensors, no streams and no events.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import Config
+from .decode import topk_probs
+from .models import build_model, imagenet_labels, load_weights
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``"auto"`` -> CUDA if available else CPU; otherwise ``torch.device(spec)``.
+
+    Raises:
+        RuntimeError: CUDA asked for but not available.
+    """
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' requested but CUDA is not available on this machine "
+                           "(use --device cpu or auto)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {spec!r}: use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+@dataclass
+class Slot:
+    """One entry of the staging ring: host and device buffers plus the events that order them."""
+
+    index: int
+    host_in: torch.Tensor          # (maxB, S, S, 3) uint8, pinned on CUDA
+    host_np: np.ndarray            # numpy view of host_in (filled without torch ops)
+    dev_in: torch.Tensor           # (maxB, S, S, 3) uint8 on the device (host_in itself on CPU)
+    out_probs: torch.Tensor        # (maxB, k) float32, pinned on CUDA
+    out_idx: torch.Tensor          # (maxB, k) int64, pinned on CUDA
+    copied: torch.cuda.Event | None = None
+    done: torch.cuda.Event | None = None
+    n: int = 0
+    k: int = 0
+    error: str | None = None
+
+
+class Engine:
+    """The model on its device, fed through the staging ring.
+
+    Args:
+        config: the run's :class:`~fullthrottle.config.Config`.
+        model: an ``nn.Module`` mapping float ``(B, 3, S, S)`` to logits ``(B, C)``; when ``None`` it
+            is built from ``config.model`` (a torchvision ResNet name) and ``config.weights``.
+
+    Raises:
+        ValueError: unknown model name, bad dtype; WeightsError: weights that do not fit.
+    """
+
+    def __init__(self, config: Config, model: nn.Module | None = None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.cuda = self.device.type == "cuda"
+        self.dtype = _DTYPES[config.dtype] if self.cuda else torch.float32
+        self.channels_last = config.channels_last and self.cuda
+        if model is None and isinstance(config.model, nn.Module):
+            model = config.model
+        self.model_name = config.model if isinstance(config.model, str) else type(model).__name__
+        if model is None:
+            model = build_model(config.model)
+        self.random_weights = config.weights is None and isinstance(config.model, str)
+        if config.weights is not None:
+            load_weights(model, config.weights)
+        model = model.eval().to(self.device, self.dtype)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model
+        self.labels = list(config.labels) if config.labels is not None else imagenet_labels()
+        self.mean = torch.tensor(config.mean, device=self.device).view(1, 3, 1, 1) * 255.0
+        self.inv_std = 1.0 / (torch.tensor(config.std, device=self.device).view(1, 3, 1, 1) * 255.0)
+        self.max_batch = max(config.buckets)
+        s = config.crop_size
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.compute_stream = torch.cuda.Stream(self.device)
+        self.slots = []
+        for i in range(config.staging_slots):
+            host_in = torch.empty((self.max_batch, s, s, 3), dtype=torch.uint8, pin_memory=self.cuda)
+            k = config.top_k
+            slot = Slot(
+                index=i, host_in=host_in, host_np=host_in.numpy(),
+                dev_in=torch.empty_like(host_in, device=self.device) if self.cuda else host_in,
+                out_probs=torch.empty((self.max_batch, k), dtype=torch.float32, pin_memory=self.cuda),
+                out_idx=torch.empty((self.max_batch, k), dtype=torch.int64, pin_memory=self.cuda),
+            )
+            if self.cuda:
+                slot.copied, slot.done = torch.cuda.Event(), torch.cuda.Event()
+            self.slots.append(slot)
+        self._free: list[Slot] = []
+        self._cv = threading.Condition()
+        self.reset()
+
+    def reset(self) -> None:
+        """Wait for outstanding device work and mark every slot free (start of a run)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        with self._cv:
+            self._free = list(self.slots)
+            self._cv.notify_all()
+
+    # -- the math -------------------------------------------------------------------------------
+    def normalize(self, x_u8: torch.Tensor) -> torch.Tensor:
+        """``(B, S, S, 3)`` uint8 NHWC on the device -> ``(B, 3, S, S)`` in the compute dtype.
+
+        The NCHW result of permuting NHWC memory *is* a channels_last tensor, so no copy is made
+        for the layout; ``(x - 255*mean) / (255*std)`` is computed in float32, then cast.
+        """
+        x = x_u8.permute(0, 3, 1, 2).float()
+        x = (x - self.mean) * self.inv_std
+        x = x.to(self.dtype)
+        return x if self.channels_last else x.contiguous()
+
+    @torch.inference_mode()
+    def forward(self, x_u8: torch.Tensor) -> torch.Tensor:
+        """Logits for a uint8 batch: ``(B, S, S, 3)`` uint8 on the device -> ``(B, C)`` float32."""
+        return self.model(self.normalize(x_u8)).float()
+
+    # -- the staging ring -----------------------------------------------------------------------
+    def acquire(self, stopped=lambda: False) -> Slot | None:
+        """A free slot, blocking until the decode stage releases one (``None`` if ``stopped()``)."""
+        with self._cv:
+            while not self._free:
+                if stopped():
+                    return None
+                self._cv.wait(0.05)
+            return self._free.pop(0)
+
+    def release(self, slot: Slot) -> None:
+        with self._cv:
+            self._free.append(slot)
+            self._cv.notify()
+
+    @torch.inference_mode()
+    def submit(self, slot: Slot, arrays: list[np.ndarray]) -> Slot:
+        """Stage ``arrays`` (each ``(S, S, 3)`` uint8) in ``slot`` and launch copy, model and top-k.
+
+        Returns at once on CUDA (the work is queued on the streams; ``slot.done`` marks its end);
+        on CPU it returns when the results are in ``slot.out_probs`` / ``slot.out_idx``.
+        A failure of the model is stored in ``slot.error`` (it belongs to this batch's items).
+        """
+        n = len(arrays)
+        if n > self.max_batch:
+            raise ValueError(f"batch of {n} exceeds the staging capacity {self.max_batch}")
+        slot.n, slot.error, slot.k = n, None, 0
+        for i, a in enumerate(arrays):  # plain memcpy into pinned memory: no torch op, no intra-op pool
+            slot.host_np[i] = a
+        k = self.config.top_k
+        try:
+            if not self.cuda:
+                probs, idx = topk_probs(self.forward(slot.dev_in[:n]), k)
+                slot.k = probs.shape[1]
+                slot.out_probs[:n, :probs.shape[1]] = probs
+                slot.out_idx[:n, :idx.shape[1]] = idx
+                return slot
+            with torch.cuda.stream(self.copy_stream):
+                slot.dev_in[:n].copy_(slot.host_in[:n], non_blocking=True)
+                slot.copied.record(self.copy_stream)
+            with torch.cuda.stream(self.compute_stream):
+                self.compute_stream.wait_event(slot.copied)
+                probs, idx = topk_probs(self.forward(slot.dev_in[:n]), k)
+                slot.k = probs.shape[1]
+                slot.out_probs[:n, :probs.shape[1]].copy_(probs, non_blocking=True)
+                slot.out_idx[:n, :idx.shape[1]].copy_(idx, non_blocking=True)
+                slot.done.record(self.compute_stream)
+        except Exception as e:  # noqa: BLE001 - belongs to this batch's items, not the run
+            slot.error = f"compute failed: {type(e).__name__}: {e}"
+        return slot
+
+    def collect(self, slot: Slot) -> tuple[np.ndarray, np.ndarray]:
+        """Wait for ``slot``'s batch and copy out its results: ``(n, k)`` float32 probs, int64 ids.
+
+        The caller releases the slot afterwards (:meth:`release`).
+        """
+        if self.cuda and slot.error is None:
+            slot.done.synchronize()
+        n, k = slot.n, slot.k
+        return slot.out_probs[:n, :k].numpy().copy(), slot.out_idx[:n, :k].numpy().copy()

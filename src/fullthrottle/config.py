@@ -1,0 +1,118 @@
+"""The one knob set that drives the library, the CLI and (later) the server."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """Powers of two up to ``max_batch_size``, plus ``max_batch_size`` itself.
+
+    >>> default_buckets(48)
+    (1, 2, 4, 8, 16, 32, 48)
+    """
+    out, b = [], 1
+    while b < max_batch_size:
+        out.append(b)
+        b *= 2
+    out.append(max_batch_size)
+    return tuple(out)
+
+
+@dataclass
+class Config:
+    """Everything a run can be tuned with.
+
+    Attributes:
+        model: a torchvision ResNet name (``"resnet18"``, ``"resnet34"``, ``"resnet50"``) or any
+            ``nn.Module`` taking float ``(B, 3, 224, 224)`` and returning logits ``(B, C)``.
+        weights: ``.safetensors`` or ``.pth`` state dict (loaded with ``weights_only=True``); ``None``
+            means random initialisation (labels are then meaningless).
+        labels: class names for a custom module; ImageNet's 1000 names by default.
+        device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype: compute dtype on CUDA: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (CPU always runs fp32).
+        channels_last: run the model in NHWC memory format on CUDA.
+        graphs: replay the model as CUDA graphs, one per batch bucket (CUDA only; ignored on CPU).
+        max_batch_size: largest batch the batcher forms (images).
+        max_wait_ms: how long (ms) the batcher waits for a batch to fill once its first item arrived.
+        buckets: batch sizes the compute stage runs; partial batches are padded up to the next one.
+            Default: powers of two up to ``max_batch_size``.
+        threads: preprocess (decode + resize) threads; default one per CPU core.
+        torch_threads: torch's intra-op CPU threads, set process-wide when the pipeline is built.
+            Default: 1 on CUDA (the model runs on the GPU, and a wide intra-op pool would fight the
+            preprocess threads for the cores: see DESIGN.md), unchanged on CPU.
+        top_k: how many classes come back per image.
+        ordered: yield results in input order (default) or in completion order.
+        queue_size: capacity of each inter-stage queue (items or batches).
+        max_in_flight: most items between load and the consumer at once (bounds memory, also
+            for the reorder buffer); default ``4 * max_batch_size + 2 * threads``.
+        load_concurrency: concurrent file reads / HTTP requests in the load stage.
+        http_timeout_s: timeout (s) for one HTTP(S) request.
+        max_file_bytes: largest input accepted (bytes); larger files fail with an error.
+        max_image_pixels: largest width*height accepted; checked on the header, before decoding.
+        resize_size / crop_size: the eval transform (shorter side to 256, center crop 224).
+        mean / std: normalisation, applied on the device (ImageNet's by default).
+        staging_slots: pinned host staging buffers (and device input buffers) in the ring, >= 2.
+    """
+
+    model: Any = "resnet18"
+    weights: str | None = None
+    labels: list[str] | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+    channels_last: bool = True
+    graphs: bool = False
+    max_batch_size: int = 64
+    max_wait_ms: float = 5.0
+    buckets: tuple[int, ...] | None = None
+    threads: int | None = None
+    torch_threads: int | None = None
+    top_k: int = 5
+    ordered: bool = True
+    queue_size: int = 256
+    max_in_flight: int | None = None
+    load_concurrency: int = 32
+    http_timeout_s: float = 10.0
+    max_file_bytes: int = 256 * 1024 * 1024
+    max_image_pixels: int = 89_478_485  # Pillow's own decompression-bomb threshold
+    resize_size: int = 256
+    crop_size: int = 224
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    staging_slots: int = 3
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.staging_slots < 2:
+            raise ValueError(f"staging_slots must be >= 2, got {self.staging_slots}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.buckets is None:
+            self.buckets = default_buckets(self.max_batch_size)
+        else:
+            b = tuple(sorted(set(int(x) for x in self.buckets)))
+            if not b or b[0] < 1:
+                raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
+            self.buckets = b
+            # the batcher never forms more than the largest bucket holds
+            self.max_batch_size = min(self.max_batch_size, b[-1]) if self.max_batch_size else b[-1]
+
+    @property
+    def num_threads(self) -> int:
+        return self.threads or (os.cpu_count() or 1)
+
+    @property
+    def in_flight_limit(self) -> int:
+        return self.max_in_flight or (4 * self.max_batch_size + 2 * self.num_threads)

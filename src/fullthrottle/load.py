@@ -1,0 +1,223 @@
+"""Stage 1, load: turn inputs (files, directories, globs, URLs, bytes) into items with bytes, on asyncio.
+
+Reading is I/O-bound, so one event loop (in its own thread) keeps up to ``load_concurrency`` reads
+and HTTP requests in flight. Every item gets its index (input order) and id (path, URL or a name
+for in-memory bytes) here and keeps them to the end; a failed read becomes that item's error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: file name endings a directory walk picks up (decoding itself goes by content, not by name)
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff")
+
+
+@dataclass
+class Item:
+    """One input on its way through the stages.
+
+    ``data`` holds the encoded bytes after load, ``array`` the ``(224, 224, 3)`` uint8 RGB crop after
+    preprocess; ``error`` is set instead when a stage failed for this item.
+    """
+
+    index: int
+    id: str
+    source: Any = None
+    data: bytes | None = None
+    array: np.ndarray | None = None
+    error: str | None = None
+    t_start: float = field(default_factory=time.perf_counter)
+    t_queued: float = 0.0
+
+
+def is_url(s: str) -> bool:
+    return s.startswith(("http://", "https://"))
+
+
+def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
+    """Yield ``(id, source)`` for every item named by ``inputs``, lazily, in order.
+
+    Accepts: paths (``str`` or ``Path``) to files; directories (walked recursively, sorted, files
+    whose names end in :data:`IMAGE_SUFFIXES`); glob patterns (``**`` allowed); http(s) URLs;
+    ``bytes`` (id ``<bytes #i>``); ``(id, bytes)`` pairs. A path that matches nothing is yielded as
+    is, and fails with "file not found" in the load stage.
+    """
+    for i, src in enumerate(inputs):
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            yield f"<bytes #{i}>", bytes(src)
+        elif isinstance(src, tuple) and len(src) == 2 and isinstance(src[1], (bytes, bytearray)):
+            yield str(src[0]), bytes(src[1])
+        elif isinstance(src, (str, os.PathLike)):
+            s = os.fspath(src)
+            if is_url(s):
+                yield s, s
+            elif os.path.isdir(s):
+                for root, dirs, files in os.walk(s):
+                    dirs.sort()
+                    for name in sorted(files):
+                        if name.lower().endswith(IMAGE_SUFFIXES):
+                            p = os.path.join(root, name)
+                            yield p, Path(p)
+            elif any(c in s for c in "*?[") and not os.path.exists(s):
+                for p in sorted(glob.iglob(s, recursive=True)):
+                    if os.path.isfile(p):
+                        yield p, Path(p)
+            else:
+                yield s, Path(s)
+        else:
+            raise TypeError(f"cannot load input of type {type(src).__name__}: {src!r:.80}")
+
+
+def _read_file(path: Path, max_bytes: int) -> bytes:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise LoadError(f"file not found: {path}") from None
+    if not path.is_file():
+        raise LoadError(f"not a regular file: {path}")
+    if size > max_bytes:
+        raise LoadError(f"file too large: {size} bytes exceeds max_file_bytes={max_bytes}")
+    with open(path, "rb") as f:
+        return f.read(max_bytes + 1)
+
+
+class LoadError(IOError):
+    """A read or download that failed for one item."""
+
+
+async def _fetch(client, url: str, max_bytes: int) -> bytes:
+    import httpx
+
+    try:
+        async with client.stream("GET", url) as r:
+            if r.status_code != 200:
+                raise LoadError(f"HTTP {r.status_code} {r.reason_phrase} for {url}")
+            declared = r.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+                raise LoadError(f"download too large: {declared} bytes exceeds max_file_bytes={max_bytes}")
+            buf = bytearray()
+            async for chunk in r.aiter_bytes():
+                buf += chunk
+                if len(buf) > max_bytes:
+                    raise LoadError(f"download too large: over max_file_bytes={max_bytes}")
+            return bytes(buf)
+    except httpx.TimeoutException:
+        raise LoadError(f"timeout fetching {url}") from None
+    except httpx.HTTPError as e:
+        raise LoadError(f"cannot fetch {url}: {type(e).__name__}: {e}") from None
+
+
+class Loader:
+    """The load stage: an asyncio loop in its own thread feeding a bounded queue.
+
+    Args:
+        inputs: anything :func:`expand` accepts.
+        out: the bounded queue to the preprocess stage (receives :class:`Item` and, at the end,
+            ``n_end`` copies of ``end``).
+        window: a semaphore with one permit per item allowed in flight (released by the consumer).
+        stop: set to abandon the stage.
+        stats: the stage's :class:`~fullthrottle.report.StageStats`.
+    """
+
+    def __init__(self, inputs, out, put, window: threading.Semaphore, stop: threading.Event,
+                 stats, concurrency: int, timeout_s: float, max_bytes: int, n_end: int, end):
+        self.inputs, self.out, self.put = inputs, out, put
+        self.window, self.stop, self.stats = window, stop, stats
+        self.concurrency, self.timeout_s, self.max_bytes = concurrency, timeout_s, max_bytes
+        self.n_end, self.end = n_end, end
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._thread_main, name="ft-load", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # noqa: BLE001 - reported to the consumer
+            if not self.stop.is_set():
+                self.error = e
+                self.stop.set()
+
+    async def _acquire_window(self) -> bool:
+        if self.window.acquire(blocking=False):
+            return True
+        while not self.stop.is_set():
+            if await asyncio.to_thread(self.window.acquire, True, 0.05):
+                return True
+        return False
+
+    async def _emit(self, item) -> None:
+        item.t_queued = time.perf_counter()
+        if not self.put(self.out, item, block=False):
+            await asyncio.to_thread(self.put, self.out, item)
+
+    async def _load_one(self, client_box, item: Item, sem: asyncio.Semaphore) -> None:
+        async with sem:
+            self.stats.begin()
+            try:
+                src = item.source
+                if isinstance(src, bytes):
+                    item.data = src
+                elif isinstance(src, str):
+                    if client_box[0] is None:
+                        import httpx
+
+                        client_box[0] = httpx.AsyncClient(
+                            timeout=self.timeout_s, follow_redirects=True,
+                            limits=httpx.Limits(max_connections=self.concurrency))
+                    item.data = await _fetch(client_box[0], src, self.max_bytes)
+                else:
+                    item.data = await asyncio.to_thread(_read_file, src, self.max_bytes)
+            except LoadError as e:
+                item.error = str(e)
+            except OSError as e:
+                item.error = f"cannot read {item.id}: {e.strerror or e}"
+            finally:
+                item.source = None
+                self.stats.end(1)
+        await self._emit(item)
+
+    async def _main(self) -> None:
+        sem = asyncio.Semaphore(self.concurrency)
+        client_box: list = [None]
+        tasks: set[asyncio.Task] = set()
+        try:
+            for index, (item_id, src) in enumerate(expand(self.inputs)):
+                if not await self._acquire_window():
+                    return
+                item = Item(index=index, id=item_id, source=src)
+                if isinstance(src, bytes):  # nothing to wait for: no task, no hop
+                    item.data, item.source = src, None
+                    self.stats.add(1, 0.0)
+                    await self._emit(item)
+                    continue
+                t = asyncio.create_task(self._load_one(client_box, item, sem))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+                if len(tasks) >= 2 * self.concurrency:
+                    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                if self.stop.is_set():
+                    return
+            while tasks:
+                await asyncio.wait(tasks, timeout=0.05)
+                if self.stop.is_set():
+                    return
+            for _ in range(self.n_end):
+                await asyncio.to_thread(self.put, self.out, self.end)
+        finally:
+            for t in tasks:
+                t.cancel()
+            if client_box[0] is not None:
+                await client_box[0].aclose()

@@ -1,0 +1,386 @@
+"""The five stages wired together with bounded queues; the library's entry point.
+
+::
+
+    Loader (asyncio thread) -q1-> preprocess threads -q2-> Batcher thread -q3-> compute thread
+        -q4-> decode thread -> reorder buffer -> your iterator (sync or async)
+
+Every queue is bounded, and a window of ``max_in_flight`` permits (taken when an item starts
+loading, given back when you receive its result) bounds everything in between, the reorder buffer
+included: memory stays flat however long the input stream is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from .batch import Batch, Batcher
+from .compute import Engine
+from .config import Config
+from .decode import Result
+from .load import Item, Loader
+from .preprocess import ImageError, preprocess
+from .report import Report, StageStats
+
+_END = object()
+
+
+class PipelineError(RuntimeError):
+    """A stage failed for a reason that is not any single item's (a bug, a dead device)."""
+
+
+class Run:
+    """One pass of an input stream through the stages (internal: use :meth:`Pipeline.run`)."""
+
+    def __init__(self, engine: Engine, config: Config, inputs: Iterable):
+        self.engine, self.config = engine, config
+        self.stop_event = threading.Event()
+        self.error: BaseException | None = None
+        nthreads = config.num_threads
+        qs = config.queue_size
+        self.q1: queue.Queue = queue.Queue(qs)
+        self.q2: queue.Queue = queue.Queue(qs)
+        self.q3: queue.Queue = queue.Queue(2)  # small: the batcher keeps filling while compute is busy
+        self.q4: queue.Queue = queue.Queue(config.staging_slots + 2)
+        self.out: queue.Queue = queue.Queue()  # bounded by the window
+        self.window = threading.Semaphore(config.in_flight_limit)
+        self.stats = {
+            "load": StageStats("load", config.load_concurrency),
+            "preprocess": StageStats("preprocess", nthreads),
+            "batch": StageStats("batch", 1),
+            "compute": StageStats("compute", 1),
+            "decode": StageStats("decode", 1),
+        }
+        self.loader = Loader(inputs, self.q1, self._put, self.window, self.stop_event,
+                             self.stats["load"], config.load_concurrency, config.http_timeout_s,
+                             config.max_file_bytes, nthreads, _END)
+        self.batcher = Batcher(lambda t: self._get(self.q2, t), lambda o, block=True: self._put(self.q3, o, block),
+                               config.max_batch_size, config.max_wait_ms, nthreads, _END,
+                               self.stats["batch"], self.stop_event.is_set)
+        self.threads = [threading.Thread(target=self._guard(self._preprocess_worker),
+                                         name=f"ft-preprocess-{i}", daemon=True) for i in range(nthreads)]
+        self.threads += [
+            threading.Thread(target=self._guard(self.batcher.run), name="ft-batch", daemon=True),
+            threading.Thread(target=self._guard(self._compute_worker), name="ft-compute", daemon=True),
+            threading.Thread(target=self._guard(self._decode_worker), name="ft-decode", daemon=True),
+        ]
+        self.latencies: list[float] = []
+        self.t0 = 0.0
+        self.t_end = 0.0
+        self.done = False
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _put(self, q: queue.Queue, obj, block: bool = True) -> bool:
+        """Put with backpressure; gives up (False) when the run is stopped."""
+        if not block:
+            try:
+                q.put_nowait(obj)
+                return True
+            except queue.Full:
+                return False
+        while not self.stop_event.is_set():
+            try:
+                q.put(obj, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _get(self, q: queue.Queue, timeout: float | None = 0.05):
+        try:
+            return q.get(timeout=timeout) if timeout else q.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _guard(self, fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - a stage died: stop and report it
+                if self.error is None:
+                    self.error = e
+                self.stop_event.set()
+        return run
+
+    def start(self) -> None:
+        self.engine.reset()
+        self.t0 = time.perf_counter()
+        self.loader.start()
+        for t in self.threads:
+            t.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every stage and join its thread (at most ``timeout`` seconds in all)."""
+        self.stop_event.set()
+        deadline = time.perf_counter() + timeout
+        for t in [self.loader.thread, *self.threads]:
+            if t.is_alive():
+                t.join(max(0.0, deadline - time.perf_counter()))
+
+    # -- stages ---------------------------------------------------------------------------------
+    def _preprocess_worker(self) -> None:
+        cfg, st = self.config, self.stats["preprocess"]
+        while not self.stop_event.is_set():
+            it = self._get(self.q1)
+            if it is None:
+                continue
+            if it is _END:
+                self._put(self.q2, _END)
+                return
+            st.begin()
+            st.waited(time.perf_counter() - it.t_queued)
+            if it.error is None:
+                try:
+                    it.array = preprocess(it.data, cfg.resize_size, cfg.crop_size, cfg.max_image_pixels)
+                except ImageError as e:
+                    it.error = f"{it.id}: {e}"
+                except Exception as e:  # noqa: BLE001 - a decoder crash belongs to this item
+                    it.error = f"{it.id}: cannot decode image: {type(e).__name__}: {e}"
+            it.data = None
+            st.end(1)
+            it.t_queued = time.perf_counter()
+            self._put(self.q2, it)
+
+    def _compute_worker(self) -> None:
+        st, eng = self.stats["compute"], self.engine
+        while not self.stop_event.is_set():
+            obj = self._get(self.q3)
+            if obj is None:
+                continue
+            if obj is _END:
+                self._put(self.q4, _END)
+                return
+            if isinstance(obj, Item):  # an item that failed earlier: pass it on
+                self._put(self.q4, obj)
+                continue
+            st.waited(time.perf_counter() - obj.t_queued, len(obj))
+            slot = eng.acquire(self.stop_event.is_set)
+            if slot is None:
+                return
+            st.begin()
+            eng.submit(slot, [it.array for it in obj.items])
+            for it in obj.items:
+                it.array = None
+            st.end(len(obj))
+            self._put(self.q4, (obj, slot, time.perf_counter()))
+
+    def _decode_worker(self) -> None:
+        st, eng, labels = self.stats["decode"], self.engine, self.engine.labels
+        pending: dict[int, Result] = {}
+        next_index = 0
+        ordered = self.config.ordered
+        while not self.stop_event.is_set():
+            obj = self._get(self.q4)
+            if obj is None:
+                continue
+            if obj is _END:
+                break
+            out: list[Result] = []
+            if isinstance(obj, Item):
+                st.begin()
+                out.append(Result(obj.index, obj.id, error=obj.error or "unknown error"))
+                st.end(1)
+            else:
+                batch, slot, t_q = obj
+                assert isinstance(batch, Batch)
+                if slot.error is None:
+                    probs, idx = eng.collect(slot)  # waits for the device
+                st.begin()
+                st.waited(time.perf_counter() - t_q, len(batch))
+                for i, it in enumerate(batch.items):
+                    if slot.error is not None:
+                        out.append(Result(it.index, it.id, error=f"{it.id}: {slot.error}"))
+                    else:
+                        ids = idx[i].tolist()
+                        out.append(Result(it.index, it.id, labels=[labels[c] if c < len(labels) else str(c)
+                                                                    for c in ids],
+                                          class_ids=ids, probs=probs[i].tolist()))
+                eng.release(slot)
+                st.end(len(batch))
+            now = time.perf_counter()
+            for r, src in zip(out, [obj] if isinstance(obj, Item) else obj[0].items):
+                r.latency_ms = 1e3 * (now - src.t_start)
+            if not ordered:
+                for r in out:
+                    self.out.put(r)
+                continue
+            for r in out:
+                pending[r.index] = r
+            while next_index in pending:
+                self.out.put(pending.pop(next_index))
+                next_index += 1
+        for i in sorted(pending):  # only reached when the stream ended: nothing is missing
+            self.out.put(pending.pop(i))
+        self.out.put(_END)
+
+    # -- consumer side --------------------------------------------------------------------------
+    def get_many(self, timeout: float = 0.1) -> list[Result] | None:
+        """Results ready now (waiting up to ``timeout`` s for the first); ``None`` once finished.
+
+        Raises:
+            PipelineError: a stage failed (not an item: the run cannot continue).
+        """
+        out: list = []
+        try:
+            out.append(self.out.get(timeout=timeout))
+            while True:
+                out.append(self.out.get_nowait())
+        except queue.Empty:
+            pass
+        finished = bool(out) and out[-1] is _END
+        if finished:
+            out.pop()
+        err = self.error or self.loader.error
+        if err is not None and not self.done:
+            self.done = True
+            self.stop()
+            raise PipelineError(f"pipeline stage failed: {type(err).__name__}: {err}") from err
+        for r in out:
+            self.latencies.append(r.latency_ms)
+        if finished:
+            self.done = True
+            self.t_end = time.perf_counter()
+            return out if out else None
+        return out
+
+    def report(self, ok: int, failed: int) -> Report:
+        wall = (self.t_end or time.perf_counter()) - self.t0
+        eng = self.engine
+        batches = self.batcher.batches
+        return Report(
+            items=ok + failed, ok=ok, failed=failed, wall_s=wall, latencies_ms=list(self.latencies),
+            stages=[s.snapshot(wall) for s in self.stats.values()], batches=batches,
+            mean_batch_size=self.batcher.batched_items / batches if batches else 0.0,
+            device=str(eng.device), model=eng.model_name, dtype=str(eng.dtype).removeprefix("torch."),
+            random_weights=eng.random_weights)
+
+
+class Pipeline:
+    """Classify images through the five overlapped stages.
+
+    Build it once (the model is loaded and placed on the device here), then call :meth:`run` or
+    :meth:`arun` for each input stream; one stream at a time.
+
+    Args:
+        config: a :class:`~fullthrottle.config.Config`; keyword arguments override its fields.
+        model: optional ``nn.Module`` (float ``(B, 3, 224, 224)`` -> logits ``(B, C)``) instead of a
+            named torchvision ResNet.
+
+    Example::
+
+        with Pipeline(Config(model="resnet18", device="auto")) as pipe:
+            for r in pipe.run(["photos/", "https://example.com/cat.jpg"]):
+                print(r.id, r.labels[0] if r.ok else r.error)
+            print(pipe.last_report.format())
+
+    Raises:
+        ValueError / WeightsError / RuntimeError: bad config, weights that do not fit, no CUDA.
+    """
+
+    def __init__(self, config: Config | None = None, model: nn.Module | None = None, **overrides):
+        config = config or Config()
+        if overrides:
+            config = replace(config, **overrides)
+        self.config = config
+        self.engine = Engine(config, model)
+        n = config.torch_threads or (1 if self.engine.cuda else None)
+        if n is not None:
+            torch.set_num_threads(n)
+        self.last_report: Report | None = None
+        self._busy = threading.Lock()
+
+    @property
+    def device(self):
+        return self.engine.device
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the device buffers (the pipeline cannot be used afterwards)."""
+        self.engine.slots.clear()
+
+    def _begin(self, inputs: Iterable) -> Run:
+        if isinstance(inputs, (str, bytes)) or hasattr(inputs, "__fspath__"):
+            inputs = [inputs]
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this Pipeline is already running a stream; finish it first "
+                               "(or build a second Pipeline)")
+        run = Run(self.engine, self.config, inputs)
+        run.start()
+        return run
+
+    def _finish(self, run: Run, ok: int, failed: int) -> None:
+        try:
+            run.stop()
+            self.last_report = run.report(ok, failed)
+        finally:
+            self._busy.release()
+
+    def run(self, inputs: Iterable) -> Iterator[Result]:
+        """Classify ``inputs`` and yield one :class:`~fullthrottle.decode.Result` per item.
+
+        ``inputs``: paths, directories, globs, URLs, ``bytes``, or ``(id, bytes)`` pairs (see
+        :func:`fullthrottle.load.expand`). Results come in input order unless ``ordered=False``.
+        Breaking out of the loop (or Ctrl-C) stops every stage and joins its threads.
+
+        Raises:
+            PipelineError: a stage failed for a reason that belongs to no single item.
+        """
+        run = self._begin(inputs)
+        ok = failed = 0
+        try:
+            while True:
+                got = run.get_many(0.1)
+                if got is None:
+                    break
+                for r in got:
+                    ok += r.ok
+                    failed += not r.ok
+                    run.window.release()  # this item has left the pipeline
+                    yield r
+                if run.done:
+                    break
+        finally:
+            self._finish(run, ok, failed)
+
+    async def arun(self, inputs: Iterable) -> AsyncIterator[Result]:
+        """Async twin of :meth:`run`; cancelling the consuming task stops every stage."""
+        run = self._begin(inputs)
+        loop = asyncio.get_running_loop()
+        ok = failed = 0
+        try:
+            while True:
+                got = await loop.run_in_executor(None, run.get_many, 0.1)
+                if got is None:
+                    break
+                for r in got:
+                    ok += r.ok
+                    failed += not r.ok
+                    run.window.release()  # this item has left the pipeline
+                    yield r
+                if run.done:
+                    break
+        finally:
+            self._finish(run, ok, failed)
+
+    def classify(self, inputs: Iterable) -> list[Result]:
+        """All results of :meth:`run` as a list."""
+        return list(self.run(inputs))
+
+
+def classify(inputs: Iterable, **config) -> list[Result]:
+    """One-shot helper: ``classify(["img.jpg"], model="resnet18", device="cpu")`` -> results."""
+    with Pipeline(Config(**config)) as pipe:
+        return pipe.classify(inputs)

@@ -1,0 +1,132 @@
+"""The stage report: busy %, items/s and queue wait per stage, from counters the stages keep anyway."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+STAGES = ("load", "preprocess", "batch", "compute", "decode")
+
+
+class StageStats:
+    """Counters of one stage, safe to update from its worker threads.
+
+    Busy time is the union of the intervals in which at least one worker of the stage was working
+    on an item (so a stage with 16 threads, all busy all the time, is 100% busy, not 1600%); it does
+    not include waiting on an input queue, or (for decode) waiting for the GPU to finish.
+    """
+
+    def __init__(self, name: str, workers: int = 1):
+        self.name, self.workers = name, workers
+        self._lock = threading.Lock()
+        self.items = 0
+        self.busy_s = 0.0           # union of busy intervals (s)
+        self.work_s = 0.0           # sum over workers of busy time (s)
+        self.queue_wait_s = 0.0     # sum over items of time spent in this stage's input queue (s)
+        self.queue_waits = 0
+        self._active = 0
+        self._since = 0.0
+        self._starts: dict[int, float] = {}
+
+    def begin(self) -> None:
+        """A worker starts on an item."""
+        now = time.perf_counter()
+        with self._lock:
+            if self._active == 0:
+                self._since = now
+            self._active += 1
+            self._starts[threading.get_ident()] = now
+
+    def end(self, n_items: int = 1) -> None:
+        """The worker that called :meth:`begin` finished ``n_items`` items."""
+        now = time.perf_counter()
+        with self._lock:
+            start = self._starts.pop(threading.get_ident(), now)
+            self.work_s += now - start
+            self._active -= 1
+            if self._active == 0:
+                self.busy_s += now - self._since
+            self.items += n_items
+
+    def add(self, n_items: int, busy_s: float) -> None:
+        """Count items processed outside begin/end (a zero-cost pass-through, say)."""
+        with self._lock:
+            self.items += n_items
+            self.busy_s += busy_s
+            self.work_s += busy_s
+
+    def waited(self, seconds: float, n: int = 1) -> None:
+        """``n`` items waited ``seconds`` each in this stage's input queue."""
+        with self._lock:
+            self.queue_wait_s += seconds * n
+            self.queue_waits += n
+
+    def snapshot(self, wall_s: float) -> dict:
+        with self._lock:
+            busy = self.busy_s + (time.perf_counter() - self._since if self._active else 0.0)
+            return {
+                "stage": self.name,
+                "workers": self.workers,
+                "items": self.items,
+                "busy_pct": 100.0 * min(busy / wall_s, 1.0) if wall_s > 0 else 0.0,
+                "worker_busy_pct": (100.0 * min(self.work_s / (wall_s * self.workers), 1.0)
+                                    if wall_s > 0 else 0.0),
+                "items_per_s": self.items / wall_s if wall_s > 0 else 0.0,
+                "mean_queue_wait_ms": (1e3 * self.queue_wait_s / self.queue_waits
+                                       if self.queue_waits else 0.0),
+            }
+
+
+@dataclass
+class Report:
+    """What one run did: counts, rates (img/s), latency percentiles (ms), per-stage figures."""
+
+    items: int = 0
+    ok: int = 0
+    failed: int = 0
+    wall_s: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list, repr=False)
+    stages: list[dict] = field(default_factory=list)
+    batches: int = 0
+    mean_batch_size: float = 0.0
+    device: str = ""
+    model: str = ""
+    dtype: str = ""
+    random_weights: bool = False
+
+    @property
+    def images_per_s(self) -> float:
+        return self.items / self.wall_s if self.wall_s > 0 else 0.0
+
+    def latency_ms(self, q: float) -> float:
+        """The ``q``-th percentile (0..100) of per-item latency (ms) from load start to result."""
+        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "items": self.items, "ok": self.ok, "failed": self.failed,
+            "wall_s": self.wall_s, "images_per_s": self.images_per_s,
+            "latency_p50_ms": self.latency_ms(50), "latency_p99_ms": self.latency_ms(99),
+            "batches": self.batches, "mean_batch_size": self.mean_batch_size,
+            "device": self.device, "model": self.model, "dtype": self.dtype,
+            "random_weights": self.random_weights, "stages": self.stages,
+        }
+
+    def format(self) -> str:
+        """A human summary, a few lines."""
+        lines = [
+            f"{self.items} items: {self.ok} ok, {self.failed} failed in {self.wall_s:.2f} s "
+            f"= {self.images_per_s:.1f} img/s on {self.device} ({self.model}, {self.dtype})",
+            f"latency per item: p50 {self.latency_ms(50):.1f} ms, p99 {self.latency_ms(99):.1f} ms; "
+            f"{self.batches} batches, mean size {self.mean_batch_size:.1f}",
+            f"{'stage':<11}{'workers':>8}{'busy %':>8}{'items/s':>10}{'queue wait ms':>15}",
+        ]
+        for s in self.stages:
+            lines.append(f"{s['stage']:<11}{s['workers']:>8}{s['busy_pct']:>8.1f}"
+                         f"{s['items_per_s']:>10.1f}{s['mean_queue_wait_ms']:>15.2f}")
+        if self.random_weights:
+            lines.append("NOTE: the model has random weights (no --weights given): labels are meaningless.")
+        return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""Shared fixtures: the sample images and bad inputs live in ../shared/data beside the repo."""
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _find_data() -> Path:
+    env = os.environ.get("FULLTHROTTLE_DATA")
+    # tests/data is a copy of ../shared/data (the 200 ImageNet samples and the bad inputs), so that a
+    # fresh clone tests on its own
+    for cand in ([Path(env)] if env else []) + [ROOT / "tests" / "data", ROOT.parent / "shared" / "data"]:
+        if (cand / "imagenet-sample").is_dir():
+            return cand
+    raise RuntimeError("test data not found: set FULLTHROTTLE_DATA to the folder holding "
+                       "imagenet-sample/ and bad-inputs/")
+
+
+DATA = _find_data()
+SAMPLES = sorted((DATA / "imagenet-sample").glob("*.JPEG"))
+BAD = DATA / "bad-inputs"
+
+
+@pytest.fixture(scope="session")
+def samples():
+    assert len(SAMPLES) == 200, f"expected the 200 sample images under {DATA}"
+    return SAMPLES
+
+
+@pytest.fixture(scope="session")
+def bad_dir():
+    return BAD
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def no_thread_leak():
+    """Asserts that a test leaves no fullthrottle thread running (waits up to 5 s)."""
+    yield
+    import time
+
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("ft-")]
+        if not alive:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"threads left running: {alive}")

@@ -1,0 +1,97 @@
+"""Every file in ../shared/data/bad-inputs gives what that folder's README says."""
+
+import resource
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fullthrottle.preprocess import ImageError, decode, preprocess
+
+ERRORS = {
+    "truncated.jpg": r"truncated or corrupt",
+    "empty.jpg": r"empty file",
+    "not-an-image.jpg": r"not a supported image",
+    "bomb-40000x40000.png": r"image too large: 40000x40000",
+}
+
+
+@pytest.mark.parametrize("name,pattern", sorted(ERRORS.items()))
+def test_errors(bad_dir, name, pattern):
+    with pytest.raises(ImageError, match=pattern):
+        preprocess((bad_dir / name).read_bytes())
+
+
+def test_bomb_does_not_allocate(bad_dir):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ImageError):
+        decode((bad_dir / "bomb-40000x40000.png").read_bytes())
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 100 * 1024  # a decode would need 4.8 GB
+
+
+def _decoded(bad_dir, name):
+    return decode((bad_dir / name).read_bytes(), min_side=256)
+
+
+def test_png_named_as_jpeg_decoded_by_content(bad_dir):
+    a = _decoded(bad_dir, "png-named-as.JPEG")
+    ref = np.asarray(Image.open(bad_dir / "png-named-as.JPEG").convert("RGB"))
+    np.testing.assert_array_equal(a, ref)
+
+
+def test_cmyk_gives_correct_rgb(bad_dir):
+    a = _decoded(bad_dir, "cmyk.jpg").astype(np.float32)
+    # the same photo decoded normally (the RGB copy of it among the bad inputs)
+    ref = _decoded(bad_dir, "progressive.jpg").astype(np.float32)
+    assert a.shape == ref.shape == (375, 500, 3)
+    assert np.abs(a - ref).mean() < 8.0, np.abs(a - ref).mean()
+
+
+def test_gray16_ramp_preserved(bad_dir):
+    a = _decoded(bad_dir, "gray16.png")
+    assert a.dtype == np.uint8 and a.ndim == 3 and a.shape[2] == 3
+    assert np.array_equal(a[..., 0], a[..., 1]) and np.array_equal(a[..., 1], a[..., 2])
+    raw = np.asarray(Image.open(bad_dir / "gray16.png"), dtype=np.float64)
+    # 8-bit value tracks the 16-bit ramp (value / 257), not clipped to white
+    np.testing.assert_allclose(a[..., 0], raw / 257.0, atol=1.0)
+    assert a.min() < 10 and a.max() > 245 and len(np.unique(a)) > 200
+
+
+def test_rgba_to_rgb(bad_dir):
+    a = _decoded(bad_dir, "rgba.png")
+    ref = np.asarray(Image.open(bad_dir / "rgba.png").convert("RGB"))
+    assert a.shape == ref.shape and a.shape[2] == 3
+    np.testing.assert_array_equal(a, ref)
+
+
+def test_exif_rotation_applied(bad_dir):
+    from PIL import ImageOps
+
+    a = _decoded(bad_dir, "exif-rotated.jpg")
+    with Image.open(bad_dir / "exif-rotated.jpg") as im:
+        assert im.getexif().get(0x0112) == 6
+        raw_w, raw_h = im.size
+        upright = np.asarray(ImageOps.exif_transpose(im).convert("RGB"))
+    assert a.shape[:2] == (raw_w, raw_h)  # rotated by 90 degrees
+    assert np.abs(a.astype(np.int16) - upright.astype(np.int16)).mean() < 1.0
+
+
+def test_animated_gif_first_frame(bad_dir):
+    a = _decoded(bad_dir, "animated.gif")
+    with Image.open(bad_dir / "animated.gif") as im:
+        assert getattr(im, "n_frames", 1) == 3
+        im.seek(0)
+        first = np.asarray(im.convert("RGB"))
+    np.testing.assert_array_equal(a, first)
+
+
+@pytest.mark.parametrize("name", ["tiny-1x1.jpg", "progressive.jpg", "photo.webp", "large-6000x4000.jpg"])
+def test_valid_results(bad_dir, name):
+    out = preprocess((bad_dir / name).read_bytes())
+    assert out.shape == (224, 224, 3) and out.dtype == np.uint8
+
+
+def test_large_jpeg_uses_reduced_decode(bad_dir):
+    a = _decoded(bad_dir, "large-6000x4000.jpg")
+    assert a.shape == (1000, 1500, 3)  # 1/4 scale, not 4000x6000

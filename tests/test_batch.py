@@ -1,0 +1,132 @@
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fullthrottle.batch import Batch, Batcher, bucket_for, split_into_buckets
+from fullthrottle.config import Config, default_buckets
+from fullthrottle.load import Item
+from fullthrottle.report import StageStats
+
+END = object()
+
+
+def test_default_buckets():
+    assert default_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert default_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert default_buckets(1) == (1,)
+    assert Config(max_batch_size=8).buckets == (1, 2, 4, 8)
+
+
+def test_bucket_for():
+    b = (1, 2, 4, 8)
+    assert [bucket_for(n, b) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    with pytest.raises(ValueError, match="exceeds the largest bucket 8"):
+        bucket_for(9, b)
+    with pytest.raises(ValueError):
+        bucket_for(0, b)
+
+
+def test_split_into_buckets():
+    assert split_into_buckets(1100, (1, 8, 512)) == [(512, 512), (512, 512), (76, 512)]
+    assert split_into_buckets(9, (1, 2, 4, 8)) == [(8, 8), (1, 1)]
+    assert split_into_buckets(8, (1, 2, 4, 8)) == [(8, 8)]
+    assert split_into_buckets(3, (4,)) == [(3, 4)]
+
+
+def _run_batcher(items, max_batch, wait_ms, feed_delay=0.0, n_end=1):
+    q_in: queue.Queue = queue.Queue()
+    out: list = []
+
+    def put(o, block=True):
+        out.append(o)
+        return True
+
+    def get(t):
+        try:
+            return q_in.get(timeout=t) if t else q_in.get_nowait()
+        except queue.Empty:
+            return None
+
+    b = Batcher(get, put, max_batch, wait_ms, n_end, END, StageStats("batch"), lambda: False)
+    th = threading.Thread(target=b.run)
+    th.start()
+    for it in items:
+        it.t_queued = time.perf_counter()
+        q_in.put(it)
+        if feed_delay:
+            time.sleep(feed_delay)
+    for _ in range(n_end):
+        q_in.put(END)
+    th.join(5)
+    assert not th.is_alive()
+    assert out[-1] is END
+    return out[:-1]
+
+
+def _items(n, errors=()):
+    return [Item(i, f"#{i}", array=None if i in errors else np.zeros(1), error="bad" if i in errors else None)
+            for i in range(n)]
+
+
+def test_full_batches_when_items_are_ready():
+    out = _run_batcher(_items(20), max_batch=8, wait_ms=1000)
+    assert [len(b) for b in out] == [8, 8, 4]  # last one flushed at end of stream, not after 1 s
+    assert [it.index for b in out for it in b.items] == list(range(20))
+
+
+def test_deadline_closes_partial_batches():
+    t0 = time.perf_counter()
+    out = _run_batcher(_items(3), max_batch=64, wait_ms=20, feed_delay=0.1)
+    assert [len(b) for b in out] == [1, 1, 1]  # each waited 20 ms, not for 64 items
+    assert time.perf_counter() - t0 < 2
+
+
+def test_errors_bypass_batches():
+    out = _run_batcher(_items(10, errors={3, 7}), max_batch=4, wait_ms=1000)
+    errs = [o for o in out if isinstance(o, Item)]
+    batches = [o for o in out if isinstance(o, Batch)]
+    assert [e.index for e in errs] == [3, 7]
+    assert sorted(it.index for b in batches for it in b.items) == [0, 1, 2, 4, 5, 6, 8, 9]
+    assert all(len(b) <= 4 for b in batches)
+
+
+def test_waits_for_every_worker_end_marker():
+    out = _run_batcher(_items(5), max_batch=2, wait_ms=1000, n_end=3)
+    assert sum(len(b) for b in out) == 5
+
+
+def test_busy_consumer_grows_batches():
+    """While compute cannot take a batch, the batcher keeps filling the one it holds."""
+    q_in: queue.Queue = queue.Queue()
+    sent: list = []
+    room = threading.Event()
+
+    def put(o, block=True):
+        if not block and not room.is_set():
+            return False
+        sent.append(o)
+        return True
+
+    def get(t):
+        try:
+            return q_in.get(timeout=t) if t else q_in.get_nowait()
+        except queue.Empty:
+            return None
+
+    b = Batcher(get, put, 100, 1.0, 1, END, StageStats("batch"), lambda: False)
+    th = threading.Thread(target=b.run)
+    th.start()
+    for it in _items(30):
+        it.t_queued = time.perf_counter()
+        q_in.put(it)
+        time.sleep(0.002)
+    time.sleep(0.05)
+    assert sent == []  # deadline long past, but compute is busy: still filling
+    room.set()
+    time.sleep(0.1)
+    q_in.put(END)
+    th.join(5)
+    assert len(sent[0]) == 30 and sent[-1] is END

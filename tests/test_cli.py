@@ -1,0 +1,64 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fullthrottle.cli import main, sample_photos
+
+
+def test_help_explains():
+    out = subprocess.run([sys.executable, "-m", "fullthrottle.cli", "classify", "--help"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0
+    for word in ("--batch-size", "--max-wait-ms", "--weights", "Exit status", "randomly initialised"):
+        assert word in out.stdout
+
+
+def test_default_inputs_are_real_photos():
+    photos = sample_photos()
+    assert len(photos) >= 3 and any(p.endswith("chelsea.png") for p in photos)
+
+
+def test_classify_default_photos(capsys):
+    rc = main(["classify", "--device", "cpu", "--no-progress", "--batch-size", "4"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert "chelsea.png:" in out
+    assert "randomly initialised" in err and "img/s" in err and "p99" in err
+    for stage in ("load", "preprocess", "batch", "compute", "decode"):
+        assert f"\n{stage} " in err
+
+
+def test_classify_bad_inputs_jsonl(tmp_path, bad_dir, capsys):
+    out = tmp_path / "r.jsonl"
+    rep = tmp_path / "rep.json"
+    rc = main(["classify", str(bad_dir), "--device", "cpu", "--no-progress", "--out", str(out),
+               "--report-json", str(rep), "--top-k", "3"])
+    assert rc == 1  # some items failed
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    by_name = {r["id"].rsplit("/", 1)[-1]: r for r in rows}
+    assert len(rows) == 14 and "README.md" not in by_name
+    assert "truncated or corrupt" in by_name["truncated.jpg"]["error"]
+    assert "empty file" in by_name["empty.jpg"]["error"]
+    assert "not a supported image" in by_name["not-an-image.jpg"]["error"]
+    assert "image too large" in by_name["bomb-40000x40000.png"]["error"]
+    for ok in ("png-named-as.JPEG", "cmyk.jpg", "gray16.png", "rgba.png", "exif-rotated.jpg", "tiny-1x1.jpg",
+               "progressive.jpg", "animated.gif", "photo.webp", "large-6000x4000.jpg"):
+        assert len(by_name[ok]["top_k"]) == 3, by_name[ok]
+    summary = json.loads(rep.read_text())
+    assert summary["ok"] == 10 and summary["failed"] == 4
+    err = capsys.readouterr().err
+    assert "ERROR" in err and "truncated" in err
+
+
+@pytest.mark.parametrize("args,msg", [(["--model", "resnet19"], "unknown model"),
+                                      (["--weights", "/nonexistent.safetensors"], "weights file not found")])
+def test_config_errors_exit_2(args, msg, capsys):
+    rc = main(["classify", "--device", "cpu", "--no-progress", *args])
+    assert rc == 2 and msg in capsys.readouterr().err
+
+
+def test_console_script_installed():
+    out = subprocess.run(["fullthrottle", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "classify" in out.stdout

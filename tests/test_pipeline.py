@@ -1,0 +1,286 @@
+import asyncio
+import http.server
+import threading
+import time
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torchvision.transforms import v2
+
+from fullthrottle import Config, Pipeline, PipelineError
+from fullthrottle.models import WeightsError
+from fullthrottle.preprocess import preprocess
+
+LABELS = [f"class{i}" for i in range(10)]
+
+
+class Tiny(nn.Module):
+    """A small CNN so that pipeline tests run fast on 2 CPU cores: (B,3,224,224) -> (B,10)."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv = nn.Conv2d(3, 8, 7, stride=8)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+
+
+NORM = v2.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+
+
+def reference_logits(model, arrays):
+    """Plain eager PyTorch on the same uint8 crops: (N,224,224,3) -> (N,C) float32."""
+    x = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255.0
+    with torch.no_grad():
+        return model(NORM(x))
+
+
+def tiny_pipe(**kw):
+    kw.setdefault("device", "cpu")
+    kw.setdefault("max_batch_size", 8)
+    kw.setdefault("threads", 2)
+    return Pipeline(Config(labels=LABELS, **kw), model=Tiny())
+
+
+def test_resnet18_logits_equal_eager(samples):
+    torch.manual_seed(0)
+    pipe = Pipeline(Config(model="resnet18", device="cpu", max_batch_size=4))
+    arrays = [preprocess(p.read_bytes()) for p in samples[:4]]
+    x = torch.from_numpy(np.stack(arrays))
+    ours = pipe.engine.forward(x)
+    ref = reference_logits(pipe.engine.model, arrays)
+    assert ours.shape == (4, 1000) and ours.dtype == torch.float32
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+    # and through the whole pipeline: the top-5 probabilities are softmax of those logits
+    res = pipe.classify([p for p in samples[:4]])
+    pref, iref = torch.softmax(ref, -1).topk(5)
+    for r, pr, ir in zip(res, pref, iref):
+        assert r.class_ids == ir.tolist()
+        np.testing.assert_allclose(r.probs, pr.numpy(), atol=1e-6)
+        assert r.labels[0] == pipe.engine.labels[ir[0]]
+    assert pipe.engine.random_weights
+
+
+def test_order_preserved_with_5pct_corrupt(samples, no_thread_leak):
+    model = Tiny()
+    good = [p.read_bytes() for p in samples[:100]]
+    inputs, expect = [], {}
+    for i, data in enumerate(good):
+        if i % 20 == 7:  # 5% corrupt, of three kinds
+            bad = [b"", b"this is not an image", data[: len(data) // 3]][i % 3]
+            inputs.append((f"bad{i}", bad))
+        inputs.append((f"good{i}", data))
+    ref = reference_logits(model, [preprocess(d) for d in good])
+    ref_top = torch.softmax(ref, -1).topk(3)
+    for i in range(len(good)):
+        expect[f"good{i}"] = ref_top.indices[i].tolist()
+    pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2, top_k=3), model=model)
+    res = list(pipe.run(inputs))
+    assert [r.index for r in res] == list(range(len(inputs)))
+    assert [r.id for r in res] == [i for i, _ in inputs]
+    n_bad = 0
+    for r in res:
+        if r.id.startswith("bad"):
+            n_bad += 1
+            assert not r.ok and r.id in r.error
+        else:
+            assert r.ok, r.error
+            assert r.class_ids == expect[r.id]
+    assert n_bad == 5
+    rep = pipe.last_report
+    assert rep.ok == 100 and rep.failed == 5 and rep.items == 105
+
+
+def test_unordered_gives_same_results(samples):
+    pipe = tiny_pipe(ordered=False)
+    inputs = [p for p in samples[:30]]
+    a = {r.id: r.class_ids for r in pipe.run(inputs)}
+    pipe2 = tiny_pipe()
+    b = {r.id: r.class_ids for r in pipe2.run(inputs)}
+    assert a == b and len(a) == 30
+
+
+def test_break_stops_every_thread(samples, no_thread_leak):
+    pipe = tiny_pipe()
+    n = 0
+    for _ in pipe.run([p for p in samples] * 3):
+        n += 1
+        if n == 5:
+            break
+    assert n == 5
+    # the pipeline is usable again afterwards
+    assert len(pipe.classify(samples[:3])) == 3
+
+
+def test_cancel_async_iterator_stops_every_thread(samples, no_thread_leak):
+    pipe = tiny_pipe()
+    got = []
+
+    async def consume():
+        async for r in pipe.arun([p for p in samples] * 3):
+            got.append(r)
+
+    async def main():
+        task = asyncio.create_task(consume())
+        while len(got) < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert len(got) >= 3
+
+
+def test_async_iterator_results(samples):
+    pipe = tiny_pipe()
+
+    async def main():
+        return [r async for r in pipe.arun(samples[:12])]
+
+    res = asyncio.run(main())
+    assert [r.index for r in res] == list(range(12))
+    sync = pipe.classify(samples[:12])
+    assert [r.class_ids for r in res] == [r.class_ids for r in sync]
+
+
+def test_backpressure_bounds_items_in_flight(samples):
+    """With a slow consumer the loader never runs more than max_in_flight items ahead."""
+    data = samples[0].read_bytes()
+    pulled = [0]
+
+    def source():
+        for i in range(200):
+            pulled[0] += 1
+            yield (f"x{i}", data)
+
+    pipe = tiny_pipe(max_in_flight=10)
+    worst = 0
+    consumed = 0
+    for r in pipe.run(source()):
+        consumed += 1
+        time.sleep(0.002)
+        worst = max(worst, pulled[0] - consumed)
+    assert consumed == 200
+    assert worst <= 10 + 1  # the window, plus the one item the generator yields before it waits
+
+
+def test_model_failure_belongs_to_its_batch(samples, no_thread_leak):
+    class Flaky(Tiny):
+        calls = 0
+
+        def forward(self, x):
+            Flaky.calls += 1
+            if Flaky.calls == 2:
+                raise RuntimeError("boom")
+            return super().forward(x)
+
+    pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=4, threads=1, max_wait_ms=1000),
+                    model=Flaky())
+    res = pipe.classify(samples[:12])
+    bad = [r for r in res if not r.ok]
+    assert len(bad) == 4 and all("compute failed: RuntimeError: boom" in r.error for r in bad)
+    assert sum(r.ok for r in res) == 8
+
+
+def test_missing_file_and_glob_and_dir(tmp_path, samples):
+    (tmp_path / "sub").mkdir()
+    for i, p in enumerate(samples[:3]):
+        (tmp_path / "sub" / f"img{i}.jpg").write_bytes(p.read_bytes())
+    (tmp_path / "sub" / "notes.txt").write_text("skip me")
+    pipe = tiny_pipe()
+    res = pipe.classify([str(tmp_path), str(tmp_path / "sub" / "*.jpg"), str(tmp_path / "nope.jpg")])
+    assert [r.ok for r in res] == [True] * 6 + [False]
+    assert "file not found" in res[-1].error
+    assert res[0].class_ids == res[3].class_ids
+
+
+def test_weights_safetensors_and_pth(tmp_path, samples):
+    from safetensors.torch import save_file
+
+    import torchvision
+
+    torch.manual_seed(1)
+    src = torchvision.models.resnet18(weights=None).eval()
+    save_file(src.state_dict(), str(tmp_path / "w.safetensors"))
+    torch.save({"state_dict": src.state_dict()}, tmp_path / "w.pth")
+    arrays = [preprocess(samples[0].read_bytes())]
+    ref = reference_logits(src, arrays)
+    for name in ("w.safetensors", "w.pth"):
+        pipe = Pipeline(Config(model="resnet18", weights=str(tmp_path / name), device="cpu", max_batch_size=1))
+        assert not pipe.engine.random_weights
+        torch.testing.assert_close(pipe.engine.forward(torch.from_numpy(np.stack(arrays))), ref,
+                                   atol=1e-5, rtol=0)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def test_weights_never_unpickle_code(tmp_path):
+    torch.save({"x": _Evil()}, tmp_path / "evil.pth")
+    with pytest.raises(WeightsError, match="cannot read weights"):
+        Pipeline(Config(model="resnet18", weights=str(tmp_path / "evil.pth"), device="cpu"))
+
+
+def test_weights_that_do_not_fit(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"fc.weight": torch.zeros(3, 3)}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(WeightsError, match="do not fit"):
+        Pipeline(Config(model="resnet18", weights=str(tmp_path / "bad.safetensors"), device="cpu"))
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unknown model"):
+        Pipeline(Config(model="resnet19", device="cpu"))
+    with pytest.raises(ValueError, match="dtype"):
+        Config(dtype="int8")
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Config(max_batch_size=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            Pipeline(Config(device="cuda"))
+
+
+@pytest.fixture
+def http_server(samples, tmp_path):
+    (tmp_path / "a.jpg").write_bytes(samples[0].read_bytes())
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a, **k: None
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_http_urls(http_server, samples):
+    pipe = tiny_pipe()
+    res = pipe.classify([f"{http_server}/a.jpg", f"{http_server}/missing.jpg", samples[0]])
+    assert res[0].ok and res[0].id == f"{http_server}/a.jpg"
+    assert not res[1].ok and "HTTP 404" in res[1].error
+    assert res[0].class_ids == res[2].class_ids and res[0].probs == res[2].probs
+
+
+def test_one_stream_at_a_time(samples):
+    pipe = tiny_pipe()
+    it = pipe.run(samples[:20])
+    next(it)
+    with pytest.raises(RuntimeError, match="already running"):
+        next(pipe.run(samples[:2]))
+    it.close()
+    assert len(pipe.classify(samples[:2])) == 2
+
+
+def test_stage_failure_is_raised(samples):
+    pipe = tiny_pipe()
+    with pytest.raises(PipelineError, match="TypeError"):
+        list(pipe.run([samples[0], 12345]))

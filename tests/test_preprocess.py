@@ -1,0 +1,89 @@
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms import v2
+
+from fullthrottle.preprocess import ImageError, decode, jpeg_is_complete, preprocess, sniff
+
+REF = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224)])
+
+
+def reference(path) -> np.ndarray:
+    """torchvision's own eval transform on a PIL-decoded image: (224, 224, 3) uint8."""
+    rgb = np.array(Image.open(path).convert("RGB"))
+    return REF(torch.from_numpy(rgb).permute(2, 0, 1)).permute(1, 2, 0).numpy()
+
+
+def test_matches_torchvision_v2_on_200_samples(samples):
+    """Tolerance: bit-exact, except where a JPEG is big enough for reduced-size (DCT-scaled) decoding.
+
+    Our resize is the same uint8 antialiased-bilinear kernel torchvision v2 runs, and OpenCV and
+    Pillow share libjpeg-turbo's decoder, so normal images match exactly. A JPEG whose shorter side is
+    >= 1024 px is decoded at 1/2 (or less) by the JPEG library's DCT scaling, which averages pixels
+    slightly differently from the antialiased resize: we allow a mean absolute difference of 1.0
+    (on 0..255) for those, far below what changes a prediction.
+    """
+    exact, reduced = 0, 0
+    for p in samples:
+        ours = preprocess(p.read_bytes())
+        assert ours.shape == (224, 224, 3) and ours.dtype == np.uint8
+        ref = reference(p)
+        diff = np.abs(ours.astype(np.int16) - ref.astype(np.int16))
+        w, h = Image.open(p).size
+        if min(w, h) >= 1024:
+            reduced += 1
+            assert diff.mean() <= 1.0, (p.name, diff.mean())
+        else:
+            assert diff.max() == 0, (p.name, diff.mean(), diff.max())
+            exact += 1
+    assert exact + reduced == 200 and exact >= 190
+
+
+def _jpeg(arr: np.ndarray, **kw) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="JPEG", **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("w,h", [(1, 1), (224, 224), (300, 100), (100, 300), (257, 256), (5000, 200)])
+def test_output_shape_and_center(w, h):
+    rng = np.random.default_rng(w * h)
+    arr = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    ours = preprocess(buf.getvalue())
+    ref = REF(torch.from_numpy(arr).permute(2, 0, 1)).permute(1, 2, 0).numpy()
+    assert ours.shape == (224, 224, 3)
+    np.testing.assert_array_equal(ours, ref)
+
+
+def test_sniff_by_content():
+    assert sniff(b"\xff\xd8\xff\xe0rest") == "JPEG"
+    assert sniff(b"\x89PNG\r\n\x1a\n....") == "PNG"
+    assert sniff(b"GIF89a...") == "GIF"
+    assert sniff(b"RIFF\x00\x00\x00\x00WEBPVP8 ") == "WEBP"
+    assert sniff(b"hello world") is None
+
+
+def test_truncation_detector():
+    data = _jpeg(np.full((64, 64, 3), 128, np.uint8))
+    assert jpeg_is_complete(data)
+    assert not jpeg_is_complete(data[: len(data) // 2])
+
+
+def test_reduced_decode_for_large_jpeg():
+    arr = np.random.default_rng(0).integers(0, 255, (2400, 3200, 3), dtype=np.uint8)
+    data = _jpeg(arr, quality=80)
+    full = decode(data, min_side=0)
+    small = decode(data, min_side=256)
+    assert full.shape == (2400, 3200, 3)
+    assert small.shape == (600, 800, 3)  # 1/4: shorter side 600 >= 2 * 256, 1/8 would be 300 < 512
+
+
+def test_pixel_limit_is_checked_on_header_before_decoding():
+    arr = np.zeros((100, 100, 3), np.uint8)
+    with pytest.raises(ImageError, match="image too large: 100x100"):
+        decode(_jpeg(arr), max_pixels=5000)
