@@ -1,0 +1,64 @@
+"""GPU tests (marker ``gpu``; skipped without CUDA). Run on the device before resolving GPU issues."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from fullthrottle import Config, Pipeline
+from fullthrottle.preprocess import preprocess
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def crops(samples):
+    return torch.from_numpy(np.stack([preprocess(p.read_bytes()) for p in samples]))  # (200,224,224,3) u8
+
+
+def _logits(pipe, crops, bs=50):
+    dev = pipe.engine.device
+    return torch.cat([pipe.engine.forward(crops[i:i + bs].to(dev)).cpu() for i in range(0, len(crops), bs)])
+
+
+def test_cuda_fp32_equals_cpu(crops):
+    """fp32 on CUDA against fp32 on CPU, same weights. cuDNN may run fp32 convolutions in TF32
+    (PyTorch's default for convolutions), so the tolerance is relative: ||gpu-cpu|| / ||cpu|| <= 1e-2,
+    and top-1 must agree on >= 99% of the 200 images."""
+    torch.manual_seed(0)
+    cpu = Pipeline(Config(model="resnet18", device="cpu", max_batch_size=50))
+    gpu = Pipeline(Config(device="cuda", dtype="float32", max_batch_size=50),
+                   model=copy.deepcopy(cpu.engine.model))
+    cpu_ref = _logits(cpu, crops)
+    out = _logits(gpu, crops)
+    rel = (out - cpu_ref).norm() / cpu_ref.norm()
+    agree = (out.argmax(1) == cpu_ref.argmax(1)).float().mean().item()
+    print(f"fp32 cuda vs cpu: rel err {rel:.2e}, top-1 agreement {agree:.3f}")
+    assert rel <= 1e-2 and agree >= 0.99
+
+
+def test_bf16_top1_agrees_with_fp32(crops):
+    torch.manual_seed(0)
+    fp32 = Pipeline(Config(model="resnet18", device="cuda", dtype="float32", max_batch_size=50))
+    ref = _logits(fp32, crops)
+    bf16 = Pipeline(Config(device="cuda", dtype="bfloat16", channels_last=True, max_batch_size=50),
+                    model=copy.deepcopy(fp32.engine.model))
+    out = _logits(bf16, crops)
+    agree = (out.argmax(1) == ref.argmax(1)).float().mean().item()
+    print(f"bf16 vs fp32 top-1 agreement on 200 images: {agree:.3f}")
+    assert agree >= 0.99
+
+
+def test_pipeline_on_cuda_matches_engine(samples, no_thread_leak):
+    torch.manual_seed(0)
+    pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="float32", max_batch_size=16, threads=8))
+    res = pipe.classify(list(samples) + [samples[0].parent.parent / "bad-inputs"])
+    good = [r for r in res if r.ok]
+    assert len(res) == 214 and len(good) == 210
+    crops = torch.from_numpy(np.stack([preprocess(p.read_bytes()) for p in samples[:32]])).cuda()
+    probs = torch.softmax(pipe.engine.forward(crops), -1).topk(5)
+    for r, ids in zip(res[:32], probs.indices.cpu()):
+        assert r.class_ids[0] == ids[0].item()
+    rep = pipe.last_report
+    assert rep.ok == 210 and rep.failed == 4 and rep.device.startswith("cuda")
