@@ -63,12 +63,12 @@ def run_dataloader(blobs, n, workers, batch, model, warm_frac=0.25):
             "img_per_s": (seen - n_warm) / (t_end - t_warm)}
 
 
-def run_fullthrottle(blobs, n, threads, batch, warm_frac=0.25):
+def run_fullthrottle(blobs, n, threads, batch, graphs=True, warm_frac=0.25):
     from fullthrottle import Config, Pipeline
 
     torch.manual_seed(0)
     pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="bfloat16", channels_last=True,
-                           max_batch_size=batch, threads=threads, max_wait_ms=5))
+                           max_batch_size=batch, threads=threads, max_wait_ms=5, graphs=graphs))
     list(pipe.run([blobs[i % len(blobs)] for i in range(2000)]))  # warm-up (cuDNN autotune, pools)
     seen, t_warm, n_warm = 0, None, 0
     inputs = (blobs[i % len(blobs)] for i in range(n))
@@ -109,11 +109,14 @@ def main():
     print("fullthrottle ...", flush=True)
     ft = run_fullthrottle(blobs, args.n, args.workers, args.batch)
     print({k: v for k, v in ft.items() if k != "stages"}, flush=True)
+    print("fullthrottle, graphs off ...", flush=True)
+    ft_eager = run_fullthrottle(blobs, args.n, args.workers, args.batch, graphs=False)
+    print({k: v for k, v in ft_eager.items() if k != "stages"}, flush=True)
     payload = {
         "benchmark": "e2e_cpu_decode", "machine": machine_info(), "images": args.images,
         "n": args.n, "workers_or_threads": args.workers, "batch": args.batch,
         "model": "resnet18 bf16 channels_last eager, random weights",
-        "baseline_dataloader_pil": dl, "fullthrottle": ft,
+        "baseline_dataloader_pil": dl, "fullthrottle": ft, "fullthrottle_no_graphs": ft_eager,
         "ratio_fullthrottle_over_dataloader": ft["img_per_s"] / dl["img_per_s"],
     }
     write_json(args.out, payload)

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
     c.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype on CUDA (default: bfloat16 on CUDA; CPU always float32)")
+    c.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay the model as CUDA graphs, one per batch bucket (CUDA only; default: on)")
+    c.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (kernel fusion) before graph capture; slow start")
     c.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default: %(default)s)")
     c.add_argument("--out", help="write one JSON line per item to this file ('-' for stdout)")
     c.add_argument("--unordered", action="store_true", help="emit results in completion order")
@@ -95,7 +99,8 @@ def cmd_classify(args) -> int:
         dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
         cfg = Config(model=args.model, weights=args.weights, device=str(device), dtype=dtype,
                      max_batch_size=args.batch_size, max_wait_ms=args.max_wait_ms,
-                     threads=args.threads, top_k=args.top_k, ordered=not args.unordered)
+                     threads=args.threads, top_k=args.top_k, ordered=not args.unordered,
+                     graphs=args.graphs, compile=args.compile)
         pipe = Pipeline(cfg)
     except (ValueError, FileNotFoundError, RuntimeError, WeightsError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)

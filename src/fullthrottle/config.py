@@ -36,7 +36,10 @@ class Config:
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         dtype: compute dtype on CUDA: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (CPU always runs fp32).
         channels_last: run the model in NHWC memory format on CUDA.
-        graphs: replay the model as CUDA graphs, one per batch bucket (CUDA only; ignored on CPU).
+        graphs: replay normalise + model + top-k as CUDA graphs, one per batch bucket, captured when
+            the pipeline is built (CUDA only; CPU runs eager).
+        compile: ``torch.compile(mode="max-autotune-no-cudagraphs")`` the model before capture (kernel
+            fusion only; the graphs stay ours). Slow first build.
         max_batch_size: largest batch the batcher forms (images).
         max_wait_ms: how long (ms) the batcher waits for a batch to fill once its first item arrived.
         buckets: batch sizes the compute stage runs; partial batches are padded up to the next one.
@@ -65,7 +68,8 @@ class Config:
     device: str = "auto"
     dtype: str = "float32"
     channels_last: bool = True
-    graphs: bool = False
+    graphs: bool = True
+    compile: bool = False
     max_batch_size: int = 64
     max_wait_ms: float = 5.0
     buckets: tuple[int, ...] | None = None

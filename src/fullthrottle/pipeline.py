@@ -260,7 +260,8 @@ class Run:
             stages=[s.snapshot(wall) for s in self.stats.values()], batches=batches,
             mean_batch_size=self.batcher.batched_items / batches if batches else 0.0,
             device=str(eng.device), model=eng.model_name, dtype=str(eng.dtype).removeprefix("torch."),
-            random_weights=eng.random_weights)
+            random_weights=eng.random_weights,
+            graphs=eng.runner.info.format() if eng.runner is not None and eng.runner.info else "")
 
 
 class Pipeline:

@@ -96,6 +96,7 @@ class Report:
     model: str = ""
     dtype: str = ""
     random_weights: bool = False
+    graphs: str = ""
 
     @property
     def images_per_s(self) -> float:
@@ -112,7 +113,7 @@ class Report:
             "latency_p50_ms": self.latency_ms(50), "latency_p99_ms": self.latency_ms(99),
             "batches": self.batches, "mean_batch_size": self.mean_batch_size,
             "device": self.device, "model": self.model, "dtype": self.dtype,
-            "random_weights": self.random_weights, "stages": self.stages,
+            "random_weights": self.random_weights, "graphs": self.graphs, "stages": self.stages,
         }
 
     def format(self) -> str:
@@ -127,6 +128,8 @@ class Report:
         for s in self.stages:
             lines.append(f"{s['stage']:<11}{s['workers']:>8}{s['busy_pct']:>8.1f}"
                          f"{s['items_per_s']:>10.1f}{s['mean_queue_wait_ms']:>15.2f}")
+        if self.graphs:
+            lines.append(self.graphs)
         if self.random_weights:
             lines.append("NOTE: the model has random weights (no --weights given): labels are meaningless.")
         return "\n".join(lines)

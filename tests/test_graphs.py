@@ -1,0 +1,175 @@
+import threading
+import time
+
+import pytest
+import torch
+import torchvision
+
+from fullthrottle.graphs import GraphRunner, graph_module
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def _sizes():
+    out = set()
+    for b in BUCKETS:
+        out |= {1, 3, b - 1, b, b + 1}
+    return sorted(s for s in out if s >= 1)
+
+
+# ---- CPU (CI): splitting, padding arithmetic and the eager fallback ---------------------------
+
+def test_eager_fallback_splits_and_matches():
+    calls = []
+
+    def fn(x):
+        calls.append(x.shape[0])
+        return x * 2 + 1, x.sum(dim=1)
+
+    r = GraphRunner(fn, (5,), torch.float32, (1, 4, 8), "cpu")
+    assert not r.graphs_enabled and r.graphs == {}
+    x = torch.randn(19, 5)
+    a, s = r(x)
+    assert calls == [8, 8, 3]  # split into the largest bucket, remainder unpadded on the eager path
+    torch.testing.assert_close(a, x * 2 + 1, rtol=0, atol=0)
+    torch.testing.assert_close(s, x.sum(dim=1), rtol=0, atol=0)
+
+
+def test_eager_fallback_module():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+    runner = graph_module(m, (3, 16, 16), BUCKETS, device="cpu", graphs=True)  # CPU: eager
+    x = torch.randn(70, 3, 16, 16)
+    with torch.no_grad():
+        ref = m(x)
+    torch.testing.assert_close(runner(x), ref, rtol=0, atol=0)
+
+
+def test_wrong_item_shape_is_a_clear_error():
+    r = GraphRunner(lambda x: x, (3,), torch.float32, (1, 2), "cpu")
+    with pytest.raises(ValueError, match=r"expected input \(B, 3\)"):
+        r(torch.zeros(2, 4))
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def resnet():
+    torch.manual_seed(0)
+    return torchvision.models.resnet18().eval()
+
+
+@pytest.mark.gpu
+def test_fp32_graphs_equal_eager_every_bucket(resnet):
+    prev = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # compare fp32 against fp32, not TF32 choices per shape
+    try:
+        model = resnet.cuda().float()
+        runner = graph_module(model, (3, 224, 224), BUCKETS, device="cuda", dtype=torch.float32)
+        assert sorted(runner.graphs) == list(BUCKETS)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for n in _sizes():
+            x = torch.randn(n, 3, 224, 224, device="cuda", generator=gen)
+            with torch.inference_mode():
+                ref = model(x)
+            out = runner(x)
+            assert out.shape == ref.shape
+            rel = ((out - ref).norm() / ref.norm()).item()
+            assert rel <= 1e-4, (n, rel)
+    finally:
+        torch.backends.cudnn.allow_tf32 = prev
+
+
+@pytest.mark.gpu
+def test_bf16_graphs_top1_matches_eager(resnet):
+    model = resnet.cuda().to(torch.bfloat16).to(memory_format=torch.channels_last)
+    runner = graph_module(model, (3, 224, 224), BUCKETS, device="cuda", dtype=torch.bfloat16,
+                          channels_last=True)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(200, 3, 224, 224, device="cuda", generator=gen)
+    with torch.inference_mode():
+        ref = model(x.to(torch.bfloat16).contiguous(memory_format=torch.channels_last))
+    out = runner(x)
+    agree = (out.argmax(1) == ref.argmax(1)).float().mean().item()
+    assert agree >= 0.99, agree
+
+
+@pytest.mark.gpu
+def test_back_to_back_replays_keep_their_results(resnet):
+    model = resnet.cuda().float()
+    runner = graph_module(model, (3, 224, 224), (4,), device="cuda")
+    x1 = torch.randn(4, 3, 224, 224, device="cuda")
+    x2 = torch.randn(4, 3, 224, 224, device="cuda")
+    with torch.inference_mode():
+        r1, r2 = model(x1), model(x2)
+    # raw replays share the static output: the second overwrites the first unless it is consumed
+    _, (o1,) = runner.replay(x1)
+    keep = o1.clone()
+    _, (o2,) = runner.replay(x2)
+    assert o1.data_ptr() == o2.data_ptr()
+    torch.testing.assert_close(keep, r1, rtol=1e-3, atol=1e-3)
+    # the public call copies out: both results stay their own
+    a = runner(x1)
+    b = runner(x2)
+    torch.testing.assert_close(a, r1, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(b, r2, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_engine_slots_in_flight_keep_their_results(samples):
+    """Two batches submitted back to back (no collect in between) through the graphed engine."""
+    import numpy as np
+
+    from fullthrottle import Config
+    from fullthrottle.compute import Engine
+    from fullthrottle.preprocess import preprocess
+
+    torch.manual_seed(0)
+    eng = Engine(Config(model="resnet18", device="cuda", dtype="float32", max_batch_size=8, graphs=True))
+    arr = [preprocess(p.read_bytes()) for p in samples[:16]]
+    a, b = eng.acquire(), eng.acquire()
+    eng.submit(a, arr[:8])
+    eng.submit(b, arr[8:13])  # padded to bucket 8
+    pa, ia = eng.collect(a)
+    pb, ib = eng.collect(b)
+    ref = torch.softmax(eng.forward(torch.from_numpy(np.stack(arr[:13])).cuda()), -1).topk(5)
+    assert (ia[:, 0] == ref.indices[:8, 0].cpu().numpy()).all()
+    assert (ib[:, 0] == ref.indices[8:13, 0].cpu().numpy()).all()
+    np.testing.assert_allclose(pb[:, 0], ref.values[8:13, 0].cpu().numpy(), rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_capture_while_another_thread_copies_pinned(resnet):
+    stop = threading.Event()
+    copies = [0]
+    errors = []
+
+    def copier():
+        try:
+            s = torch.cuda.Stream()
+            src = torch.randn(1 << 20, pin_memory=True)
+            dst = torch.empty(1 << 20, device="cuda")
+            with torch.cuda.stream(s):
+                while not stop.is_set():
+                    dst.copy_(src, non_blocking=True)
+                    s.synchronize()
+                    copies[0] += 1
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=copier)
+    t.start()
+    try:
+        while copies[0] < 10 and not errors:
+            time.sleep(0.001)
+        model = resnet.cuda().float()
+        runner = graph_module(model, (3, 224, 224), BUCKETS, device="cuda")
+    finally:
+        stop.set()
+        t.join()
+    assert not errors and copies[0] > 10
+    x = torch.randn(5, 3, 224, 224, device="cuda")
+    with torch.inference_mode():
+        ref = model(x)
+    torch.testing.assert_close(runner(x), ref, rtol=2e-2, atol=2e-2)
+    assert runner.info.total_capture_s > 0 and runner.info.pool_bytes > 0
