@@ -53,8 +53,9 @@ def test_wrong_item_shape_is_a_clear_error():
 
 # ---- GPU ------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def resnet():
+    """A fresh seeded ResNet18 per test (graph_module moves and casts the module in place)."""
     torch.manual_seed(0)
     return torchvision.models.resnet18().eval()
 
