@@ -79,7 +79,9 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, warm_frac=0.25):
             t_warm, n_warm = time.perf_counter(), seen
     t_end = time.perf_counter()
     rep = pipe.last_report
-    return {"images": seen, "steady_images": seen - n_warm, "steady_s": t_end - t_warm,
+    eng = pipe.engine
+    return {"threads": threads, "graphs": graphs, "switch_interval_s": sys.getswitchinterval(),
+            "compute_staging_s": eng.staging_s, "compute_launch_s": eng.launch_s,"images": seen, "steady_images": seen - n_warm, "steady_s": t_end - t_warm,
             "img_per_s": (seen - n_warm) / (t_end - t_warm), "whole_run_img_per_s": rep.images_per_s,
             "latency_p50_ms": rep.latency_ms(50), "latency_p99_ms": rep.latency_ms(99),
             "mean_batch_size": rep.mean_batch_size, "stages": rep.stages}
@@ -91,6 +93,9 @@ def main():
     ap.add_argument("--images", default="640x480", choices=("640x480", "mixed"))
     ap.add_argument("--workers", type=int, default=16, help="DataLoader workers / fullthrottle threads")
     ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--ft-threads", default="", help="extra fullthrottle thread counts to try, e.g. 8,12")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="also try fullthrottle with this sys.setswitchinterval (s)")
     ap.add_argument("--out", default="bench/results/e2e_cpu_decode.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -112,12 +117,25 @@ def main():
     print("fullthrottle, graphs off ...", flush=True)
     ft_eager = run_fullthrottle(blobs, args.n, args.workers, args.batch, graphs=False)
     print({k: v for k, v in ft_eager.items() if k != "stages"}, flush=True)
+    extra = []
+    for t in [int(x) for x in args.ft_threads.split(",") if x]:
+        print(f"fullthrottle, {t} threads ...", flush=True)
+        extra.append(run_fullthrottle(blobs, args.n, t, args.batch))
+        print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
+    if args.switch_interval:
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(args.switch_interval)
+        print(f"fullthrottle, switch interval {args.switch_interval} ...", flush=True)
+        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch))
+        print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
+        sys.setswitchinterval(old)
     payload = {
         "benchmark": "e2e_cpu_decode", "machine": machine_info(), "images": args.images,
         "n": args.n, "workers_or_threads": args.workers, "batch": args.batch,
         "model": "resnet18 bf16 channels_last eager, random weights",
         "baseline_dataloader_pil": dl, "fullthrottle": ft, "fullthrottle_no_graphs": ft_eager,
         "ratio_fullthrottle_over_dataloader": ft["img_per_s"] / dl["img_per_s"],
+        "fullthrottle_variants": extra,
     }
     write_json(args.out, payload)
     print(f"fullthrottle {ft['img_per_s']:.0f} img/s vs DataLoader+PIL {dl['img_per_s']:.0f} img/s "

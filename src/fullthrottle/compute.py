@@ -14,6 +14,7 @@ code runs with plain tensors, no streams and no events.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,6 +119,8 @@ class Engine:
         self._free: list[Slot] = []
         self._cv = threading.Condition()
         self.runner: GraphRunner | None = None
+        self.staging_s = 0.0  # host time copying crops into pinned memory (s)
+        self.launch_s = 0.0   # host time issuing copies, model/graph replay, top-k (s)
         if config.graphs and self.cuda:
             k = config.top_k
             # normalise + model + softmax + top-k, all inside one graph per bucket
@@ -179,8 +182,11 @@ class Engine:
         if n > self.max_batch:
             raise ValueError(f"batch of {n} exceeds the staging capacity {self.max_batch}")
         slot.n, slot.error, slot.k = n, None, 0
+        t0 = time.perf_counter()
         if arrays:  # one copy op into pinned memory: one GIL hand-off per batch, not one per image
             torch.stack([torch.from_numpy(a) for a in arrays], out=slot.host_in[:n])
+        t1 = time.perf_counter()
+        self.staging_s += t1 - t0
         k = self.config.top_k
         try:
             if not self.cuda:
@@ -205,6 +211,7 @@ class Engine:
                 slot.done.record(self.compute_stream)
         except Exception as e:  # noqa: BLE001 - belongs to this batch's items, not the run
             slot.error = f"compute failed: {type(e).__name__}: {e}"
+        self.launch_s += time.perf_counter() - t1
         return slot
 
     def collect(self, slot: Slot) -> tuple[np.ndarray, np.ndarray]:

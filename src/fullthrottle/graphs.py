@@ -117,6 +117,7 @@ class GraphRunner:
             self.info = GraphInfo(capture_ms, time.perf_counter() - t_all,
                                   torch.cuda.memory_reserved(dev) - reserved0)
 
+    @torch.inference_mode()
     def replay(self, x: torch.Tensor) -> tuple[int, Outputs]:
         """Copy ``x`` (``n`` <= largest bucket rows, on the device) into the static input and replay.
 

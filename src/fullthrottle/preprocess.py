@@ -83,6 +83,10 @@ def jpeg_is_complete(data: bytes) -> bool:
     truncation has to be detected on the bytes. Inside entropy-coded data every 0xFF byte is
     followed by 0x00 (byte stuffing), so ``FF D9`` / ``FF DA`` can only be markers.
     """
+    # fast path (the GIL is held while bytes are scanned): an EOI near the end, no scan after it
+    eoi = data.rfind(b"\xff\xd9", max(0, len(data) - 4096))
+    if eoi > 0 and data.find(b"\xff\xda", eoi) < 0:
+        return data.find(b"\xff\xda", 0, eoi) > 0
     return data.rfind(b"\xff\xd9") > data.rfind(b"\xff\xda") > 0
 
 
