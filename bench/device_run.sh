@@ -20,7 +20,7 @@ if [[ $parts == *probe* ]]; then
   python3 bench/threads_probe.py --threads 1,8,12,16,24 --out "$OUT/threads_probe.json" 2>&1 | tail -25
 fi
 if [[ $parts == *e2e640* || $parts == *e2e,* || $parts == *e2e ]]; then
-  python3 bench/e2e_cpu_decode.py --images 640x480 --out "$OUT/e2e_cpu_decode_640x480.json" 2>&1 | tail -4
+  python3 bench/e2e_cpu_decode.py --images 640x480 ${E2E_ARGS:-} --out "$OUT/e2e_cpu_decode_640x480.json" 2>&1 | tail -4
 fi
 if [[ $parts == *e2emixed* || $parts == *e2e,* || $parts == *e2e ]]; then
   python3 bench/e2e_cpu_decode.py --images mixed --n 20000 --out "$OUT/e2e_cpu_decode_mixed.json" 2>&1 | tail -4
