@@ -188,7 +188,7 @@ def resize_crop(rgb: np.ndarray, resize_size: int = 256, crop_size: int = 224) -
     Args:
         rgb: ``(H, W, 3)`` uint8.
     Returns:
-        ``(crop_size, crop_size, 3)`` uint8 (a view into the resized image).
+        ``(crop_size, crop_size, 3)`` uint8, C-contiguous.
     """
     h, w = rgb.shape[:2]
     if h <= w:
@@ -200,8 +200,9 @@ def resize_crop(rgb: np.ndarray, resize_size: int = 256, crop_size: int = 224) -
         t = F.interpolate(t, size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
     top = int(round((nh - crop_size) / 2.0))
     left = int(round((nw - crop_size) / 2.0))
-    # the crop is a numpy view (no copy here: the compute stage copies it into pinned memory)
-    return t[0].permute(1, 2, 0).numpy()[top:top + crop_size, left:left + crop_size]
+    # C-contiguous on purpose: the compute stage stacks crops into pinned memory, and a strided
+    # uint8 source makes that copy run 3 bytes at a time (measured: 60 ms per 124-image batch)
+    return np.ascontiguousarray(t[0].permute(1, 2, 0).numpy()[top:top + crop_size, left:left + crop_size])
 
 
 def preprocess(data: bytes, resize_size: int = 256, crop_size: int = 224,
