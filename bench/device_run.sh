@@ -7,7 +7,9 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 parts=${1:-tests,classify,e2e}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip -e failed (using PYTHONPATH)"
-if [[ $parts == *tests* ]]; then
+if [[ $parts == *gputests* ]]; then
+  python3 -m pytest -q -s -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed|agreement" | tail -12
+elif [[ $parts == *tests* ]]; then
   python3 -m pytest -q -s tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
   python3 -m pytest -q tests 2>&1 | tee -a "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed" | tail -12
 fi
