@@ -130,3 +130,34 @@ def test_busy_consumer_grows_batches():
     q_in.put(END)
     th.join(5)
     assert len(sent[0]) == 30 and sent[-1] is END
+
+
+def test_busy_device_grows_batches_past_deadline():
+    """While the device has batches in flight, a partial batch keeps filling past its deadline."""
+    q_in: queue.Queue = queue.Queue()
+    sent: list = []
+    busy = threading.Event()
+    busy.set()
+
+    def get(t):
+        try:
+            return q_in.get(timeout=t) if t else q_in.get_nowait()
+        except queue.Empty:
+            return None
+
+    b = Batcher(get, lambda o, block=True: sent.append(o) or True, 100, 1.0, 1, END, StageStats("batch"),
+                lambda: False, device_busy=busy.is_set)
+    th = threading.Thread(target=b.run)
+    th.start()
+    for it in _items(20):
+        it.t_queued = time.perf_counter()
+        q_in.put(it)
+        time.sleep(0.003)
+    assert sent == []
+    busy.clear()  # device idles: the held batch goes at once
+    deadline = time.time() + 2
+    while not sent and time.time() < deadline:
+        time.sleep(0.005)
+    assert len(sent) == 1 and len(sent[0]) == 20
+    q_in.put(END)
+    th.join(5)

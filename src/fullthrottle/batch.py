@@ -68,11 +68,14 @@ class Batcher:
             ``block=False`` returns False when the queue is full).
         n_end: how many end markers (one per preprocess worker) close the stream.
         end: the end marker.
+        device_busy: True while the compute stage already has enough batches in flight (then a
+            partial batch past its deadline keeps filling instead of being sent).
     """
 
     def __init__(self, get: Callable, put: Callable, max_batch_size: int, max_wait_ms: float,
-                 n_end: int, end, stats, stopped: Callable[[], bool]):
-        self.get, self.put = get, put
+                 n_end: int, end, stats, stopped: Callable[[], bool],
+                 device_busy: Callable[[], bool] = lambda: False):
+        self.get, self.put, self.device_busy = get, put, device_busy
         self.max_batch_size, self.max_wait_s = max_batch_size, max_wait_ms / 1e3
         self.n_end, self.end, self.stats, self.stopped = n_end, end, stats, stopped
         self.batches = 0
@@ -95,9 +98,10 @@ class Batcher:
         while ends < self.n_end and not self.stopped():
             now = time.perf_counter()
             if pending and now >= deadline:
-                # Deadline passed: send the partial batch if compute can take it now; while compute
-                # is busy keep filling it instead (bigger batches exactly when they pay off).
-                if self._flush(pending, block=False):
+                # Deadline passed: send the partial batch if compute can take it now and the device
+                # is not already working on two batches; otherwise keep filling it (bigger batches
+                # exactly when they pay off: per-batch host costs are amortised under load).
+                if not self.device_busy() and self._flush(pending, block=False):
                     pending = []
                     continue
                 timeout = 0.001

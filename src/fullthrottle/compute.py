@@ -163,6 +163,10 @@ class Engine:
                 self._cv.wait(0.05)
             return self._free.pop(0)
 
+    def in_flight(self) -> int:
+        """Batches submitted and not yet collected by the decode stage."""
+        return len(self.slots) - len(self._free)
+
     def release(self, slot: Slot) -> None:
         with self._cv:
             self._free.append(slot)

@@ -64,7 +64,8 @@ class Run:
                              config.max_file_bytes, nthreads, _END)
         self.batcher = Batcher(lambda t: self._get(self.q2, t), lambda o, block=True: self._put(self.q3, o, block),
                                config.max_batch_size, config.max_wait_ms, nthreads, _END,
-                               self.stats["batch"], self.stop_event.is_set)
+                               self.stats["batch"], self.stop_event.is_set,
+                               lambda: engine.in_flight() >= 2)
         self.threads = [threading.Thread(target=self._guard(self._preprocess_worker),
                                          name=f"ft-preprocess-{i}", daemon=True) for i in range(nthreads)]
         self.threads += [
