@@ -280,7 +280,17 @@ def test_one_stream_at_a_time(samples):
     assert len(pipe.classify(samples[:2])) == 2
 
 
+def test_bad_input_types_and_empty_matches_are_per_item_errors(samples, tmp_path):
+    pipe = tiny_pipe()
+    res = pipe.classify([samples[0], 12345, str(tmp_path), str(tmp_path / "*.jpg"), samples[1]])
+    assert [r.ok for r in res] == [True, False, False, False, True]
+    assert "cannot load an input of type int" in res[1].error
+    assert "no image files" in res[2].error
+    assert "no files match the pattern" in res[3].error
+
+
 def test_stage_failure_is_raised(samples):
     pipe = tiny_pipe()
+    pipe.engine.labels = None  # a bug inside a stage (not any item's fault) must surface
     with pytest.raises(PipelineError, match="TypeError"):
-        list(pipe.run([samples[0], 12345]))
+        list(pipe.run([samples[0]]))

@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                "configuration error; 130 interrupted.")
     c.add_argument("inputs", nargs="*", metavar="INPUT",
                    help="image file, folder (recursive), glob pattern or http(s) URL")
-    c.add_argument("--model", default="resnet18", help="resnet18 | resnet34 | resnet50 (default: %(default)s)")
+    c.add_argument("--model", default="resnet18",
+                   help="torchvision ResNet: resnet18 | resnet34 | resnet50 | resnet101 | resnet152 "
+                        "(default: %(default)s)")
     c.add_argument("--weights", help="state dict: .safetensors, or .pth (loaded with weights_only=True)")
     c.add_argument("--batch-size", type=_positive_int, default=64, help="max batch size (default: %(default)s)")
     c.add_argument("--max-wait-ms", type=float, default=5.0,
@@ -90,6 +92,10 @@ def cmd_classify(args) -> int:
     from .pipeline import Pipeline
 
     inputs = args.inputs
+    for path in (args.out, args.report_json):
+        if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            print(f"fullthrottle: error: cannot write {path}: its folder does not exist", file=sys.stderr)
+            return 2
     try:
         if not inputs:
             inputs = sample_photos()
@@ -112,12 +118,13 @@ def cmd_classify(args) -> int:
     if args.out == "-":
         out = sys.stdout
     elif args.out:
-        out = open(args.out, "w", encoding="utf-8")
+        out = open(args.out, "w", encoding="utf-8")  # checked before the model is built (below)
     failed = 0
     bar = tqdm(unit="img", desc="classify", disable=args.no_progress or None, file=sys.stderr,
                total=len(inputs) if all(os.path.isfile(str(i)) for i in inputs) else None)
+    results = pipe.run(inputs)
     try:
-        for r in pipe.run(inputs):
+        for r in results:
             failed += not r.ok
             if out is not None:
                 out.write(json.dumps(r.to_dict()) + "\n")
@@ -127,6 +134,7 @@ def cmd_classify(args) -> int:
                 tqdm.write(_format_result(r), file=sys.stderr)
             bar.update(1)
     except KeyboardInterrupt:
+        results.close()  # stop every stage and join its thread before the interpreter exits
         bar.close()
         print("interrupted", file=sys.stderr)
         return 130
@@ -147,7 +155,14 @@ def cmd_classify(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "classify":
-        return cmd_classify(args)
+        rc = cmd_classify(args)
+        if rc == 130 and argv is None:
+            # Interrupted: our stages are joined, but native thread pools may still be tearing down;
+            # skip interpreter finalisation, which can otherwise abort (exit 134) in their destructors.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        return rc
     return 2
 
 

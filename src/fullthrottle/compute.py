@@ -37,9 +37,12 @@ def resolve_device(spec: str) -> torch.device:
     """
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"unsupported device {spec!r}: use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' requested but CUDA is not available on this machine "
+        raise RuntimeError(f"device {spec!r} requested but CUDA is not available on this machine "
                            "(use --device cpu or auto)")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {spec!r}: use auto, cpu, cuda or cuda:N")

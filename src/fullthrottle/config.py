@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +48,7 @@ class Config:
         threads: preprocess (decode + resize) threads; default one per CPU core.
         torch_threads: torch's intra-op CPU threads, set process-wide when the pipeline is built.
             Default: 1 on CUDA (the model runs on the GPU, and a wide intra-op pool would fight the
-            preprocess threads for the cores: see DESIGN.md), unchanged on CPU.
+            preprocess threads for the cores), unchanged on CPU.
         top_k: how many classes come back per image.
         ordered: yield results in input order (default) or in completion order.
         queue_size: capacity of each inter-stage queue (items or batches).
@@ -93,7 +94,7 @@ class Config:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_wait_ms < 0:
+        if not math.isfinite(self.max_wait_ms) or self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")

@@ -41,6 +41,10 @@ class Item:
     t_queued: float = 0.0
 
 
+class BadSource(str):
+    """A source that names no loadable item; the string is the item's error."""
+
+
 def is_url(s: str) -> bool:
     return s.startswith(("http://", "https://"))
 
@@ -50,8 +54,9 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
 
     Accepts: paths (``str`` or ``Path``) to files; directories (walked recursively, sorted, files
     whose names end in :data:`IMAGE_SUFFIXES`); glob patterns (``**`` allowed); http(s) URLs;
-    ``bytes`` (id ``<bytes #i>``); ``(id, bytes)`` pairs. A path that matches nothing is yielded as
-    is, and fails with "file not found" in the load stage.
+    ``bytes`` (id ``<bytes #i>``); ``(id, bytes)`` pairs. A path that does not exist fails with "file
+    not found" in the load stage; an empty directory, a pattern that matches nothing and an input of
+    another type each become one item carrying that error (:class:`BadSource`).
     """
     for i, src in enumerate(inputs):
         if isinstance(src, (bytes, bytearray, memoryview)):
@@ -60,23 +65,32 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
             yield str(src[0]), bytes(src[1])
         elif isinstance(src, (str, os.PathLike)):
             s = os.fspath(src)
+            found = 0
             if is_url(s):
                 yield s, s
-            elif os.path.isdir(s):
+                continue
+            if os.path.isdir(s):
                 for root, dirs, files in os.walk(s):
                     dirs.sort()
                     for name in sorted(files):
                         if name.lower().endswith(IMAGE_SUFFIXES):
                             p = os.path.join(root, name)
+                            found += 1
                             yield p, Path(p)
+                if not found:
+                    yield s, BadSource(f"no image files (*{', *'.join(IMAGE_SUFFIXES)}) in directory {s}")
             elif any(c in s for c in "*?[") and not os.path.exists(s):
                 for p in sorted(glob.iglob(s, recursive=True)):
                     if os.path.isfile(p):
+                        found += 1
                         yield p, Path(p)
+                if not found:
+                    yield s, BadSource(f"no files match the pattern {s}")
             else:
                 yield s, Path(s)
         else:
-            raise TypeError(f"cannot load input of type {type(src).__name__}: {src!r:.80}")
+            yield f"<input #{i}>", BadSource(
+                f"cannot load an input of type {type(src).__name__} (give a path, URL, bytes or (id, bytes))")
 
 
 def _read_file(path: Path, max_bytes: int) -> bytes:
@@ -168,6 +182,8 @@ class Loader:
             self.stats.begin()
             try:
                 src = item.source
+                if isinstance(src, BadSource):
+                    raise LoadError(str(src))
                 if isinstance(src, bytes):
                     item.data = src
                 elif isinstance(src, str):
@@ -177,7 +193,11 @@ class Loader:
                         client_box[0] = httpx.AsyncClient(
                             timeout=self.timeout_s, follow_redirects=True,
                             limits=httpx.Limits(max_connections=self.concurrency))
-                    item.data = await _fetch(client_box[0], src, self.max_bytes)
+                    try:  # the whole request, not each read: a dripping server cannot hold an item
+                        item.data = await asyncio.wait_for(_fetch(client_box[0], src, self.max_bytes),
+                                                           self.timeout_s)
+                    except asyncio.TimeoutError:
+                        raise LoadError(f"timeout after {self.timeout_s:g} s fetching {src}") from None
                 else:
                     item.data = await asyncio.to_thread(_read_file, src, self.max_bytes)
             except LoadError as e:

@@ -61,7 +61,9 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     except WeightsError:
         raise
     except Exception as e:  # pickle refusal, corrupt file, header errors
-        raise WeightsError(f"cannot read weights from {p}: {e}") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise WeightsError(f"cannot read weights from {p}: not a safe state dict file "
+                           f"(loaded with weights_only=True; {type(e).__name__}: {first[:200]})") from None
     for key in ("state_dict", "model"):
         if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
             sd = sd[key]
