@@ -36,6 +36,16 @@ def test_split_into_buckets():
     assert split_into_buckets(3, (4,)) == [(3, 4)]
 
 
+def _getter(q: queue.Queue):
+    """``get(timeout_s) -> item | None``, as the pipeline hands it to the Batcher."""
+    def get(t):
+        try:
+            return q.get(timeout=t) if t else q.get_nowait()
+        except queue.Empty:
+            return None
+    return get
+
+
 def _run_batcher(items, max_batch, wait_ms, feed_delay=0.0, n_end=1):
     q_in: queue.Queue = queue.Queue()
     out: list = []
@@ -44,11 +54,7 @@ def _run_batcher(items, max_batch, wait_ms, feed_delay=0.0, n_end=1):
         out.append(o)
         return True
 
-    def get(t):
-        try:
-            return q_in.get(timeout=t) if t else q_in.get_nowait()
-        except queue.Empty:
-            return None
+    get = _getter(q_in)
 
     b = Batcher(get, put, max_batch, wait_ms, n_end, END, StageStats("batch"), lambda: False)
     th = threading.Thread(target=b.run)
@@ -110,11 +116,7 @@ def test_busy_consumer_grows_batches():
         sent.append(o)
         return True
 
-    def get(t):
-        try:
-            return q_in.get(timeout=t) if t else q_in.get_nowait()
-        except queue.Empty:
-            return None
+    get = _getter(q_in)
 
     b = Batcher(get, put, 100, 1.0, 1, END, StageStats("batch"), lambda: False)
     th = threading.Thread(target=b.run)
@@ -139,11 +141,7 @@ def test_busy_device_grows_batches_past_deadline():
     busy = threading.Event()
     busy.set()
 
-    def get(t):
-        try:
-            return q_in.get(timeout=t) if t else q_in.get_nowait()
-        except queue.Empty:
-            return None
+    get = _getter(q_in)
 
     b = Batcher(get, lambda o, block=True: sent.append(o) or True, 100, 1.0, 1, END, StageStats("batch"),
                 lambda: False, device_busy=busy.is_set)
