@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from .gpumon import nvtx_range
 from .load import Item
 
 
@@ -85,7 +86,9 @@ class Batcher:
         """Hand ``items`` to the compute stage; with ``block=False`` only if it has room now."""
         if not items:
             return True
-        if not self.put(Batch(items), block):
+        with nvtx_range(f"batch {len(items)}"):
+            ok = self.put(Batch(items), block)
+        if not ok:
             return False
         self.batches += 1
         self.batched_items += len(items)

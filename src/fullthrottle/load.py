@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from .gpumon import nvtx_range
+
 #: file name endings a directory walk picks up (decoding itself goes by content, not by name)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff")
 
@@ -94,6 +96,11 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
 
 
 def _read_file(path: Path, max_bytes: int) -> bytes:
+    with nvtx_range("load"):
+        return _read_file_inner(path, max_bytes)
+
+
+def _read_file_inner(path: Path, max_bytes: int) -> bytes:
     try:
         size = path.stat().st_size
     except FileNotFoundError:

@@ -26,6 +26,7 @@ from .batch import Batch, Batcher
 from .compute import Engine
 from .config import Config
 from .decode import Result
+from .gpumon import GpuMonitor, nvtx_range
 from .load import Item, Loader
 from .preprocess import ImageError, preprocess
 from .report import Report, StageStats
@@ -74,6 +75,7 @@ class Run:
             threading.Thread(target=self._guard(self._decode_worker), name="ft-decode", daemon=True),
         ]
         self.latencies: list[float] = []
+        self.gpumon = GpuMonitor((engine.device.index or 0) if engine.cuda else None)
         self.t0 = 0.0
         self.t_end = 0.0
         self.done = False
@@ -113,6 +115,7 @@ class Run:
 
     def start(self) -> None:
         self.engine.reset()
+        self.gpumon.__enter__()
         self.t0 = time.perf_counter()
         self.loader.start()
         for t in self.threads:
@@ -121,6 +124,7 @@ class Run:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop every stage and join its thread (at most ``timeout`` seconds in all)."""
         self.stop_event.set()
+        self.gpumon.__exit__(None, None, None)
         deadline = time.perf_counter() + timeout
         for t in [self.loader.thread, *self.threads]:
             if t.is_alive():
@@ -140,7 +144,8 @@ class Run:
             st.waited(time.perf_counter() - it.t_queued)
             if it.error is None:
                 try:
-                    it.array = preprocess(it.data, cfg.resize_size, cfg.crop_size, cfg.max_image_pixels)
+                    with nvtx_range("preprocess"):
+                            it.array = preprocess(it.data, cfg.resize_size, cfg.crop_size, cfg.max_image_pixels)
                 except ImageError as e:
                     it.error = f"{it.id}: {e}"
                 except Exception as e:  # noqa: BLE001 - a decoder crash belongs to this item
@@ -167,7 +172,8 @@ class Run:
             if slot is None:
                 return
             st.begin()
-            eng.submit(slot, [it.array for it in obj.items])
+            with nvtx_range(f"compute batch {len(obj)}"):
+                eng.submit(slot, [it.array for it in obj.items])
             for it in obj.items:
                 it.array = None
             st.end(len(obj))
@@ -193,7 +199,8 @@ class Run:
                 batch, slot, t_q = obj
                 assert isinstance(batch, Batch)
                 if slot.error is None:
-                    probs, idx = eng.collect(slot)  # waits for the device
+                    with nvtx_range("decode: wait for device"):
+                        probs, idx = eng.collect(slot)  # waits for the device
                 st.begin()
                 st.waited(time.perf_counter() - t_q, len(batch))
                 for i, it in enumerate(batch.items):
@@ -261,7 +268,8 @@ class Run:
             stages=[s.snapshot(wall) for s in self.stats.values()], batches=batches,
             mean_batch_size=self.batcher.batched_items / batches if batches else 0.0,
             device=str(eng.device), model=eng.model_name, dtype=str(eng.dtype).removeprefix("torch."),
-            random_weights=eng.random_weights,
+            random_weights=eng.random_weights, gpu_util_pct=self.gpumon.mean_util_pct,
+            gpu_mem_max_bytes=self.gpumon.max_mem_bytes,
             graphs=eng.runner.info.format() if eng.runner is not None and eng.runner.info else "")
 
 

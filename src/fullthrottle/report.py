@@ -80,6 +80,35 @@ class StageStats:
             }
 
 
+def verdict(stages: list[dict], gpu_util_pct: float | None, on_gpu: bool) -> str:
+    """One line naming the bottleneck, from the stage counters and the GPU's utilisation.
+
+    The busiest stage (preprocess counted per worker thread, the others as wall-clock busy) limits
+    the run if it is at least 70% busy; otherwise nothing inside the pipeline is saturated and the
+    source (disk, network, the caller's iterator) is the limit. On a GPU a busy compute *thread* with
+    an idle GPU means the host (staging copies, launches, the GIL) is the limit, not the GPU.
+
+    >>> verdict([{"stage": "preprocess", "workers": 16, "busy_pct": 99, "worker_busy_pct": 98},
+    ...          {"stage": "compute", "workers": 1, "busy_pct": 20, "worker_busy_pct": 20}], 31.0, True)
+    'preprocess-bound: GPU busy 31%, preprocess threads busy 98%'
+    """
+    gpu = "n/a" if gpu_util_pct is None else f"{gpu_util_pct:.0f}%"
+    load = {s["stage"]: (s["worker_busy_pct"] if s["stage"] == "preprocess" else s["busy_pct"]) for s in stages}
+    if not load:
+        return "no stages ran"
+    stage = max(load, key=load.get)
+    pct = load[stage]
+    what = {"preprocess": "preprocess threads", "compute": "compute thread"}.get(stage, f"{stage} stage")
+    if pct < 70:
+        return f"source-bound: no stage is saturated (busiest: {what} {pct:.0f}%), GPU busy {gpu}"
+    if stage == "compute" and on_gpu:
+        if gpu_util_pct is not None and gpu_util_pct < 70:
+            return (f"compute-bound on the host: compute thread busy {pct:.0f}% (staging copies, launches, "
+                    f"GIL waits) while GPU busy {gpu}")
+        return f"compute-bound (GPU): GPU busy {gpu}, compute thread busy {pct:.0f}%"
+    return f"{stage}-bound: GPU busy {gpu}, {what} busy {pct:.0f}%"
+
+
 @dataclass
 class Report:
     """What one run did: counts, rates (img/s), latency percentiles (ms), per-stage figures."""
@@ -97,6 +126,12 @@ class Report:
     dtype: str = ""
     random_weights: bool = False
     graphs: str = ""
+    gpu_util_pct: float | None = None
+    gpu_mem_max_bytes: int | None = None
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.stages, self.gpu_util_pct, self.device.startswith("cuda"))
 
     @property
     def images_per_s(self) -> float:
@@ -114,6 +149,8 @@ class Report:
             "batches": self.batches, "mean_batch_size": self.mean_batch_size,
             "device": self.device, "model": self.model, "dtype": self.dtype,
             "random_weights": self.random_weights, "graphs": self.graphs, "stages": self.stages,
+            "gpu_util_mean_pct": self.gpu_util_pct, "gpu_mem_max_bytes": self.gpu_mem_max_bytes,
+            "verdict": self.verdict,
         }
 
     def format(self) -> str:
@@ -128,6 +165,10 @@ class Report:
         for s in self.stages:
             lines.append(f"{s['stage']:<11}{s['workers']:>8}{s['busy_pct']:>8.1f}"
                          f"{s['items_per_s']:>10.1f}{s['mean_queue_wait_ms']:>15.2f}")
+        gpu = "n/a" if self.gpu_util_pct is None else f"{self.gpu_util_pct:.0f}%"
+        mem = "" if self.gpu_mem_max_bytes is None else f", memory used up to {self.gpu_mem_max_bytes / 2**30:.1f} GiB"
+        lines.append(f"GPU utilisation (NVML): {gpu}{mem}")
+        lines.append(f"bottleneck: {self.verdict}")
         if self.graphs:
             lines.append(self.graphs)
         if self.random_weights:

@@ -1,0 +1,67 @@
+"""The stage report names the bottleneck; both cases are forced on CPU."""
+
+import time
+
+import torch
+
+import fullthrottle.pipeline as pl
+from fullthrottle import Config, Pipeline
+from fullthrottle.gpumon import GpuMonitor
+from fullthrottle.report import verdict
+
+from test_pipeline import LABELS, Tiny
+
+
+class SlowModel(Tiny):
+    def forward(self, x):
+        time.sleep(0.05 * x.shape[0])  # 50 ms per image: the model is the bottleneck
+        return super().forward(x)
+
+
+def test_slow_model_is_compute_bound(samples):
+    pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=4, threads=2), model=SlowModel())
+    res = pipe.classify(samples[:24])
+    assert all(r.ok for r in res)
+    rep = pipe.last_report
+    assert rep.verdict.startswith("compute-bound"), rep.format()
+    assert "GPU busy n/a" in rep.verdict
+    stages = {s["stage"]: s for s in rep.stages}
+    assert stages["compute"]["busy_pct"] > 80 and stages["preprocess"]["worker_busy_pct"] < 50
+
+
+def test_slow_decoder_is_preprocess_bound(samples, monkeypatch):
+    real = pl.preprocess
+
+    def slow(data, *a, **k):
+        time.sleep(0.05)  # 50 ms per image on each of 2 threads: 40 img/s at most
+        return real(data, *a, **k)
+
+    monkeypatch.setattr(pl, "preprocess", slow)
+    pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2), model=Tiny())
+    pipe.classify(samples[:40])
+    rep = pipe.last_report
+    assert rep.verdict.startswith("preprocess-bound"), rep.format()
+    assert "preprocess threads busy" in rep.verdict
+    assert "bottleneck: preprocess-bound" in rep.format()
+    assert rep.to_dict()["verdict"] == rep.verdict
+
+
+def test_verdict_rules():
+    def st(pre, comp):
+        return [{"stage": "preprocess", "workers": 16, "busy_pct": pre, "worker_busy_pct": pre},
+                {"stage": "compute", "workers": 1, "busy_pct": comp, "worker_busy_pct": comp}]
+
+    assert verdict(st(98, 20), 31.0, True) == "preprocess-bound: GPU busy 31%, preprocess threads busy 98%"
+    assert verdict(st(40, 99), 95.0, True).startswith("compute-bound (GPU): GPU busy 95%")
+    assert verdict(st(40, 99), 20.0, True).startswith("compute-bound on the host")
+    assert verdict(st(30, 20), None, False).startswith("source-bound")
+
+
+def test_gpu_monitor_without_gpu_reports_na():
+    with GpuMonitor(None) as m:
+        pass
+    assert m.mean_util_pct is None and m.to_dict()["gpu_util_mean_pct"] is None
+    if not torch.cuda.is_available():
+        with GpuMonitor(0) as m:
+            time.sleep(0.01)
+        assert m.mean_util_pct is None
