@@ -4,33 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import socket
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
 SAMPLES = ROOT / "tests" / "data" / "imagenet-sample"
 
 
 def machine_info() -> dict:
-    import cv2
-    import PIL
-    import torch
-    import torchvision
+    from fullthrottle.benchmarks import machine_info as info
 
-    info = {
-        "host": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0], "torch": torch.__version__, "torchvision": torchvision.__version__,
-        "opencv": cv2.__version__, "pillow": PIL.__version__,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-    }
-    return info
+    return info()
 
 
 def jpegs_640x480(quality: int = 90) -> list[bytes]:

@@ -73,7 +73,83 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--unordered", action="store_true", help="emit results in completion order")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument("--report-json", help="write the run summary (rates, latency, stages) as JSON here")
+    b = sub.add_parser(
+        "bench", help="reproduce the field's experiments (threads, batch, transfer, e2e): JSON + PNG",
+        description="Run one experiment side by side on this machine and write PREFIX.json (machine, "
+                    "versions, command, every point) and PREFIX.png. --quick makes a small CPU run.")
+    bsub = b.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
+    helps = {"threads": "decode+resize img/s vs thread count: GIL-releasing kernels vs pure Python",
+             "batch": "model img/s vs batch size: CPU, GPU eager fp32/bf16, CUDA graphs (, compile)",
+             "transfer": "H2D + model: pageable blocking, pinned non_blocking, copy stream 2 in flight (CUDA)",
+             "e2e": "images to top-5: fullthrottle vs naive loop vs DataLoader (PIL, OpenCV)"}
+    for name, text in helps.items():
+        e = bsub.add_parser(name, help=text, description=text)
+        e.add_argument("--out", default=None, help="output prefix (default: fullthrottle-bench-EXPERIMENT)")
+        e.add_argument("--quick", action="store_true", help="a small, fast run (what CI runs on CPU)")
+        if name in ("threads", "e2e"):
+            e.add_argument("--images", nargs="*", default=None,
+                           help="image files/folders/globs (default: scikit-image's sample photos)")
+        if name == "threads":
+            e.add_argument("--threads", default=None, help="comma list (default: 1,2,4,... up to 2x cores)")
+            e.add_argument("--seconds", type=float, default=2.0, help="per point (default: %(default)s)")
+        if name in ("batch", "transfer"):
+            e.add_argument("--batches", default=None, help="comma list of batch sizes")
+            e.add_argument("--model", default="resnet18")
+        if name == "batch":
+            e.add_argument("--compile", action="store_true", help="also torch.compile + graphs (slow start)")
+        if name == "e2e":
+            e.add_argument("--n", type=_positive_int, default=20000, help="images per method (default: %(default)s)")
+            e.add_argument("--workers", type=_positive_int, default=os.cpu_count() or 1,
+                           help="DataLoader workers and fullthrottle threads (default: cores)")
+            e.add_argument("--batch", type=_positive_int, default=128)
+            e.add_argument("--device", default="auto")
+            e.add_argument("--model", default="resnet18")
     return p
+
+
+def _blobs(paths: list[str] | None) -> list[bytes]:
+    from .load import BadSource, expand
+
+    paths = paths or sample_photos()
+    out = [p.read_bytes() for _, p in expand(paths) if not isinstance(p, (str, BadSource))]
+    if not out:
+        raise FileNotFoundError(f"no image files found in {paths}")
+    return out
+
+
+def _ints(s: str | None, default: list[int]) -> list[int]:
+    return [int(x) for x in s.split(",")] if s else default
+
+
+def cmd_bench(args) -> int:
+    from . import benchmarks as B
+
+    exp = args.experiment
+    prefix = args.out or f"fullthrottle-bench-{exp}"
+    try:
+        if exp == "threads":
+            cores = os.cpu_count() or 1
+            default = sorted({1, 2, *[2**i for i in range(1, 8) if 2**i <= 2 * cores], cores, 2 * cores})
+            res = B.bench_threads(_blobs(args.images), [1, 2] if args.quick else _ints(args.threads, default),
+                                  0.3 if args.quick else args.seconds)
+        elif exp == "batch":
+            res = B.bench_batch(_ints(args.batches, [1, 2] if args.quick else [2**i for i in range(11)]),
+                                args.model, args.compile, iters=1 if args.quick else 10)
+        elif exp == "transfer":
+            res = B.bench_transfer(_ints(args.batches, [1, 8] if args.quick else [1, 8, 32, 128, 512]), args.model)
+        else:
+            n, workers, batch = (48, 2, 8) if args.quick else (args.n, args.workers, args.batch)
+            res = B.bench_e2e(_blobs(args.images), n, workers, batch, args.device, args.model)
+    except (RuntimeError, ValueError, FileNotFoundError) as e:
+        print(f"fullthrottle bench {exp}: {e}", file=sys.stderr)
+        return 2
+    res["machine"] = B.machine_info()
+    with open(prefix + ".json", "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=2)
+    B.plot(res, prefix + ".png")
+    print(json.dumps({k: v for k, v in res.items() if k not in ("machine",)}, indent=1)[:4000])
+    print(f"wrote {prefix}.json and {prefix}.png", file=sys.stderr)
+    return 0
 
 
 def _format_result(r) -> str:
@@ -154,6 +230,8 @@ def cmd_classify(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return cmd_bench(args)
     if args.command == "classify":
         rc = cmd_classify(args)
         if rc == 130 and argv is None:
