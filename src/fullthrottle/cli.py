@@ -144,6 +144,7 @@ def cmd_bench(args) -> int:
         print(f"fullthrottle bench {exp}: {e}", file=sys.stderr)
         return 2
     res["machine"] = B.machine_info()
+    res["machine"]["command"] = "fullthrottle " + " ".join(args.argv)
     with open(prefix + ".json", "w", encoding="utf-8") as f:
         json.dump(res, f, indent=2)
     B.plot(res, prefix + ".png")
@@ -230,6 +231,7 @@ def cmd_classify(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command == "bench":
         return cmd_bench(args)
     if args.command == "classify":
