@@ -81,6 +81,7 @@ class Batcher:
         self.n_end, self.end, self.stats, self.stopped = n_end, end, stats, stopped
         self.batches = 0
         self.batched_items = 0
+        self.on_batch: Callable[[int], None] | None = None  # observer, e.g. a metrics histogram
 
     def _flush(self, items: list[Item], block: bool = True) -> bool:
         """Hand ``items`` to the compute stage; with ``block=False`` only if it has room now."""
@@ -92,6 +93,8 @@ class Batcher:
             return False
         self.batches += 1
         self.batched_items += len(items)
+        if self.on_batch is not None:
+            self.on_batch(len(items))
         return True
 
     def run(self) -> None:

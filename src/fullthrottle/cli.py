@@ -73,6 +73,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--unordered", action="store_true", help="emit results in completion order")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument("--report-json", help="write the run summary (rates, latency, stages) as JSON here")
+    v = sub.add_parser(
+        "serve", help="HTTP API with cross-request dynamic batching, Prometheus metrics, overload control",
+        description="Serve POST /v1/classify (raw image body, multipart files, or JSON {\"urls\": [...]}), "
+                    "GET /healthz, /readyz, /metrics. Concurrent requests share batches. Full queue: 503 "
+                    "with Retry-After; past the deadline: 504; body too large: 413; undecodable image: 422. "
+                    "SIGTERM finishes in-flight requests, then exits 0.")
+    v.add_argument("--model", default="resnet18")
+    v.add_argument("--weights", help="state dict: .safetensors, or .pth (weights_only=True)")
+    v.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, local only)")
+    v.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
+    v.add_argument("--max-batch-size", type=_positive_int, default=64)
+    v.add_argument("--max-wait-ms", type=float, default=5.0)
+    v.add_argument("--max-queue", type=_positive_int, default=256, help="images waiting before 503")
+    v.add_argument("--timeout-s", type=float, default=30.0, help="per-request deadline before 504")
+    v.add_argument("--max-body-mb", type=float, default=32.0, help="request body limit before 413 (MiB)")
+    v.add_argument("--threads", type=_positive_int, default=None, help="preprocess threads")
+    v.add_argument("--device", default="auto")
+    v.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    v.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
+    v.add_argument("--top-k", type=_positive_int, default=5)
     b = sub.add_parser(
         "bench", help="reproduce the field's experiments (threads, batch, transfer, e2e): JSON + PNG",
         description="Run one experiment side by side on this machine and write PREFIX.json (machine, "
@@ -119,6 +139,33 @@ def _blobs(paths: list[str] | None) -> list[bytes]:
 
 def _ints(s: str | None, default: list[int]) -> list[int]:
     return [int(x) for x in s.split(",")] if s else default
+
+
+def cmd_serve(args) -> int:
+    from .compute import resolve_device
+    from .config import Config
+    from .serve import ServeOptions, run_server
+
+    try:
+        device = resolve_device(args.device)
+        cfg = Config(model=args.model, weights=args.weights, device=str(device),
+                     dtype=args.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
+                     max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, threads=args.threads,
+                     top_k=args.top_k, graphs=args.graphs, ordered=False)
+        if args.weights is not None and not os.path.isfile(args.weights):
+            raise FileNotFoundError(f"weights file not found: {args.weights}")
+        if args.timeout_s <= 0 or args.max_body_mb <= 0:
+            raise ValueError("--timeout-s and --max-body-mb must be > 0")
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        print(f"fullthrottle: error: {e}", file=sys.stderr)
+        return 2
+    if args.weights is None:
+        print("WARNING: no --weights given: the model is randomly initialised, labels are meaningless",
+              file=sys.stderr)
+    run_server(cfg, args.host, args.port,
+               ServeOptions(max_queue=args.max_queue, timeout_s=args.timeout_s,
+                            max_body_bytes=int(args.max_body_mb * 2**20)))
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -234,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command == "bench":
         return cmd_bench(args)
+    if args.command == "serve":
+        return cmd_serve(args)
     if args.command == "classify":
         rc = cmd_classify(args)
         if rc == 130 and argv is None:

@@ -305,6 +305,9 @@ class Pipeline:
         if n is not None:
             torch.set_num_threads(n)
         self.last_report: Report | None = None
+        self.current_run: Run | None = None
+        #: called with each batch's size as the batcher forms it (from the batcher's thread)
+        self.on_batch = None
         self._busy = threading.Lock()
 
     @property
@@ -328,6 +331,8 @@ class Pipeline:
             raise RuntimeError("this Pipeline is already running a stream; finish it first "
                                "(or build a second Pipeline)")
         run = Run(self.engine, self.config, inputs)
+        run.batcher.on_batch = self.on_batch
+        self.current_run = run
         run.start()
         return run
 

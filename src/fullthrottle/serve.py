@@ -1,0 +1,350 @@
+"""Respond over HTTP: ``fullthrottle serve``. FastAPI + uvicorn in front of one long-running pipeline.
+
+Every request's images join the same stream, so concurrent requests share batches (and graphs):
+
+    HTTP handlers (asyncio) --bounded submission queue--> Pipeline (preprocess threads, batcher,
+        compute, decode) --dispatcher thread--> the waiting request's future
+
+Overload and faults: a full submission queue answers 503 with Retry-After; a request past its
+deadline answers 504; a body over the limit 413; an image that cannot be decoded 422 with the reason.
+SIGTERM (uvicorn's graceful shutdown) stops accepting, lets in-flight requests finish, exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
+
+from .config import Config
+from .decode import Result
+from .pipeline import Pipeline
+
+MAX_IMAGES_PER_REQUEST = 64
+
+
+class Overloaded(RuntimeError):
+    """The submission queue is full (HTTP 503)."""
+
+
+class BatchingService:
+    """One pipeline run fed by many concurrent callers; thread-safe, asyncio-friendly.
+
+    Args:
+        pipeline: a built :class:`~fullthrottle.pipeline.Pipeline` (its config should have
+            ``ordered=False``: results are routed by index, not order).
+        max_queue: images waiting to enter the pipeline before :meth:`submit` refuses (503).
+    """
+
+    def __init__(self, pipeline: Pipeline, max_queue: int = 256):
+        self.pipeline = pipeline
+        self.q: queue.Queue = queue.Queue(max_queue)
+        self._lock = threading.Lock()
+        self._count = itertools.count()
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._closing = threading.Event()
+        self.error: BaseException | None = None
+        self._results = pipeline.run(self._source())
+        self._thread = threading.Thread(target=self._dispatch, name="ft-dispatch", daemon=True)
+        self._thread.start()
+
+    def _source(self):
+        while True:
+            try:
+                yield self.q.get(timeout=0.05)
+            except queue.Empty:
+                if self._closing.is_set():
+                    return
+
+    def _dispatch(self) -> None:
+        try:
+            for r in self._results:
+                with self._lock:
+                    waiter = self._waiting.pop(r.index, None)
+                if waiter is not None:
+                    loop, fut = waiter
+                    loop.call_soon_threadsafe(_resolve, fut, r)
+        except BaseException as e:  # noqa: BLE001 - the pipeline died: fail every waiter
+            self.error = e
+            with self._lock:
+                waiters, self._waiting = list(self._waiting.values()), {}
+            for loop, fut in waiters:
+                loop.call_soon_threadsafe(_fail, fut, e)
+
+    def submit(self, item_id: str, data: bytes) -> asyncio.Future:
+        """Queue one image; returns a future for its :class:`~fullthrottle.decode.Result`.
+
+        Raises:
+            Overloaded: the queue is full. RuntimeError: the service is shutting down or failed.
+        """
+        if self._closing.is_set() or self.error is not None:
+            raise RuntimeError("the service is shutting down" if self.error is None
+                               else f"the pipeline failed: {self.error}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:  # index order == queue order, as the loader enumerates the source
+            idx = next(self._count)
+            try:
+                self.q.put_nowait((item_id, data))
+            except queue.Full:
+                self._count = itertools.count(idx)  # the index was not used
+                raise Overloaded(f"queue full ({self.q.maxsize} images waiting)") from None
+            self._waiting[idx] = (loop, fut)
+        return fut
+
+    def queued(self) -> int:
+        return self.q.qsize()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Let queued and in-flight images finish, then stop the pipeline run."""
+        self._closing.set()
+        self._thread.join(timeout)
+        self._results.close()
+
+
+def _resolve(fut: asyncio.Future, r: Result) -> None:
+    if not fut.done():
+        fut.set_result(r)
+
+
+def _fail(fut: asyncio.Future, e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(RuntimeError(f"pipeline failed: {e}"))
+
+
+@dataclass
+class ServeOptions:
+    """Server knobs (besides the pipeline's :class:`~fullthrottle.config.Config`).
+
+    Attributes:
+        max_queue: images waiting before 503.
+        timeout_s: per-request deadline (s) before 504.
+        max_body_bytes: request body limit (bytes) before 413.
+        retry_after_s: the Retry-After header sent with 503 (s).
+        url_timeout_s: timeout (s) for fetching one image URL of a JSON request.
+    """
+
+    max_queue: int = 256
+    timeout_s: float = 30.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    retry_after_s: int = 1
+    url_timeout_s: float = 10.0
+
+
+def create_app(config: Config, options: ServeOptions | None = None, model=None):
+    """The FastAPI app: ``POST /v1/classify``, ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
+
+    The pipeline (model load, graph capture) is built in the app's lifespan, so ``/healthz`` answers
+    while ``/readyz`` says 503 until the model is ready.
+    """
+    import contextlib
+
+    import httpx
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    opts = options or ServeOptions()
+    reg = CollectorRegistry()
+    m_requests = Counter("fullthrottle_requests", "HTTP requests", ["route", "status"], registry=reg)
+    m_latency = Histogram("fullthrottle_request_latency_seconds", "request latency (s)", ["route"],
+                          registry=reg, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+    m_queue_wait = Histogram("fullthrottle_item_latency_seconds", "per-image latency in the pipeline (s)",
+                             registry=reg, buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 5))
+    m_batch = Histogram("fullthrottle_batch_size", "batch sizes formed by the batcher", registry=reg,
+                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+    m_queued = Gauge("fullthrottle_queue_images", "images waiting to enter the pipeline", registry=reg)
+    m_busy = Gauge("fullthrottle_stage_busy_percent", "stage busy % since start", ["stage"], registry=reg)
+    m_gpu = Gauge("fullthrottle_gpu_utilization_percent", "GPU utilisation (NVML)", registry=reg)
+    m_gpu_mem = Gauge("fullthrottle_gpu_memory_used_bytes", "GPU memory used (NVML)", registry=reg)
+    state: dict = {"service": None, "ready": False, "t0": time.perf_counter()}
+    cfg = config if not config.ordered else Config(**{**config.__dict__, "ordered": False})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        def build():
+            pipe = Pipeline(cfg, model=model)
+            pipe.on_batch = m_batch.observe
+            return BatchingService(pipe, opts.max_queue)
+
+        state["service"] = await asyncio.to_thread(build)
+        state["ready"] = True
+        state["http"] = httpx.AsyncClient(timeout=opts.url_timeout_s, follow_redirects=True)
+        try:
+            yield
+        finally:
+            state["ready"] = False
+            await state["http"].aclose()
+            await asyncio.to_thread(state["service"].close)
+
+    app = FastAPI(title="fullthrottle", lifespan=lifespan,
+                  description="Image classification with cross-request dynamic batching on the GPU.")
+
+    def reply(route: str, status: int, body: dict, headers: dict | None = None):
+        m_requests.labels(route, str(status)).inc()
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.get("/healthz")
+    async def healthz():
+        return reply("/healthz", 200, {"status": "alive"})
+
+    @app.get("/readyz")
+    async def readyz():
+        if not state["ready"]:
+            return reply("/readyz", 503, {"status": "loading"})
+        svc = state["service"]
+        eng = svc.pipeline.engine
+        return reply("/readyz", 200, {"status": "ready", "device": str(eng.device), "model": eng.model_name,
+                                      "graphs": eng.runner.info.format() if eng.runner else None})
+
+    @app.get("/metrics")
+    async def metrics():
+        svc = state["service"]
+        if svc is not None:
+            m_queued.set(svc.queued())
+            run = svc.pipeline.current_run
+            if run is not None:
+                wall = time.perf_counter() - run.t0
+                for st in run.stats.values():
+                    snap = st.snapshot(wall)
+                    m_busy.labels(snap["stage"]).set(snap["worker_busy_pct"] if snap["stage"] == "preprocess"
+                                                     else snap["busy_pct"])
+                mon = run.gpumon
+                if mon.utils:
+                    m_gpu.set(mon.utils[-1])
+                    m_gpu_mem.set(mon.mems[-1])
+        return PlainTextResponse(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
+
+    async def read_images(request: Request) -> list[tuple[str, bytes]]:
+        """(id, bytes) for every image in the request. Raises _HTTPError."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > opts.max_body_bytes:
+            raise _HTTPError(413, f"request body of {declared} bytes exceeds the limit of {opts.max_body_bytes}")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > opts.max_body_bytes:
+                raise _HTTPError(413, f"request body exceeds the limit of {opts.max_body_bytes} bytes")
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype == "multipart/form-data":
+            form = await _parse_form(request, bytes(body))
+            images = [(f.filename or f"file{i}", await f.read()) for i, f in enumerate(form)]
+        elif ctype == "application/json":
+            import json
+
+            try:
+                payload = json.loads(body)
+                urls = payload.get("urls") if isinstance(payload, dict) else None
+                if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+                    raise ValueError
+            except ValueError:
+                raise _HTTPError(400, 'JSON body must be {"urls": ["http(s)://...", ...]}') from None
+            images = []
+            for u in urls:
+                if not u.startswith(("http://", "https://")):
+                    raise _HTTPError(400, f"not an http(s) URL: {u[:200]}")
+                try:
+                    r = await state["http"].get(u)
+                except httpx.HTTPError as e:
+                    raise _HTTPError(422, f"cannot fetch {u}: {type(e).__name__}") from None
+                if r.status_code != 200:
+                    raise _HTTPError(422, f"cannot fetch {u}: HTTP {r.status_code}")
+                images.append((u, r.content))
+        else:
+            images = [("body", bytes(body))]
+        if not images:
+            raise _HTTPError(400, "no image in the request")
+        if len(images) > MAX_IMAGES_PER_REQUEST:
+            raise _HTTPError(413, f"{len(images)} images in one request; at most {MAX_IMAGES_PER_REQUEST}")
+        return images
+
+    @app.post("/v1/classify")
+    async def classify(request: Request):
+        route, t0 = "/v1/classify", time.perf_counter()
+        try:
+            if not state["ready"]:
+                raise _HTTPError(503, "model is loading", {"Retry-After": str(opts.retry_after_s)})
+            images = await read_images(request)
+            svc = state["service"]
+            futs = []
+            try:
+                for item_id, data in images:
+                    futs.append(svc.submit(item_id, data))
+            except Overloaded as e:
+                for f in futs:
+                    f.cancel()
+                raise _HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
+            except RuntimeError as e:
+                raise _HTTPError(503, str(e)) from None
+            remaining = opts.timeout_s - (time.perf_counter() - t0)
+            try:
+                results = await asyncio.wait_for(asyncio.gather(*futs), max(remaining, 0.001))
+            except asyncio.TimeoutError:
+                raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
+            for r in results:
+                m_queue_wait.observe(r.latency_ms / 1e3)
+            body = {"results": [r.to_dict() | {"index": i, "id": iid}
+                                for i, (r, (iid, _)) in enumerate(zip(results, images))]}
+            status = 422 if all(not r.ok for r in results) else 200
+            if status == 422:
+                body["detail"] = "; ".join(r.error.split(": ", 1)[-1] for r in results)
+            return reply(route, status, body)
+        except _HTTPError as e:
+            return reply(route, e.status, {"detail": e.detail}, e.headers)
+        finally:
+            m_latency.labels(route).observe(time.perf_counter() - t0)
+
+    return app
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, detail: str, headers: dict | None = None):
+        super().__init__(detail)
+        self.status, self.detail, self.headers = status, detail, headers
+
+
+async def _parse_form(request, body: bytes):
+    """The uploaded files of a multipart body (already read and size-checked)."""
+    from starlette.datastructures import UploadFile
+    from starlette.formparsers import MultiPartParser
+
+    async def stream():
+        yield body
+        yield b""
+
+    parser = MultiPartParser(request.headers, stream(), max_files=MAX_IMAGES_PER_REQUEST + 1,
+                             max_part_size=len(body) + 1)
+    form = await parser.parse()
+    return [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
+
+
+def run_server(config: Config, host: str = "127.0.0.1", port: int = 8000,
+               options: ServeOptions | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (graceful: in-flight requests finish), then return (exit status 0)."""
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        # uvicorn re-raises the captured signal after its graceful shutdown, so the process would die
+        # of SIGTERM (status -15) after draining; we drain the same way and then return normally.
+        @contextlib.contextmanager
+        def capture_signals(self):
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    opts = options or ServeOptions()
+    _Server(uvicorn.Config(create_app(config, opts), host=host, port=port, log_level="info",
+                           timeout_graceful_shutdown=opts.timeout_s)).run()

@@ -1,0 +1,172 @@
+"""The HTTP server on 127.0.0.1 and an ephemeral port: real uvicorn, real httpx clients, bounded loops."""
+
+import concurrent.futures as cf
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from fullthrottle import Config, Pipeline
+from fullthrottle.serve import ServeOptions, create_app
+
+from test_pipeline import LABELS, Tiny
+
+
+class SlowTiny(Tiny):
+    def forward(self, x):
+        time.sleep(0.05 * x.shape[0])
+        return super().forward(x)
+
+
+class Server:
+    def __init__(self, model, options=None, **cfg):
+        cfg = {"labels": LABELS, "device": "cpu", "max_batch_size": 8, "threads": 2, **cfg}
+        app = create_app(Config(**cfg), options or ServeOptions(), model=model)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        while httpx.get(self.url + "/readyz").status_code != 200 and time.time() < deadline:
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def post_image(url, data, timeout=30):
+    return httpx.post(url + "/v1/classify", content=data, headers={"content-type": "image/jpeg"},
+                      timeout=timeout)
+
+
+def test_concurrent_clients_get_library_results_and_share_batches(samples):
+    ref = {r.id: r for r in Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2),
+                                     model=Tiny()).classify([(p.name, p.read_bytes()) for p in samples[:40]])}
+    with Server(Tiny(), max_wait_ms=20) as s:
+        with cf.ThreadPoolExecutor(16) as ex:
+            resps = list(ex.map(lambda p: (p.name, post_image(s.url, p.read_bytes())), samples[:40]))
+        for name, r in resps:
+            assert r.status_code == 200, r.text
+            top = r.json()["results"][0]["top_k"]
+            assert [t["class_id"] for t in top] == ref[name].class_ids
+            assert [t["prob"] for t in top] == pytest.approx(ref[name].probs, abs=1e-5)
+        metrics = httpx.get(s.url + "/metrics").text
+        count = float(re.search(r"fullthrottle_batch_size_count (\S+)", metrics).group(1))
+        ones = float(re.search(r'fullthrottle_batch_size_bucket\{le="1.0"\} (\S+)', metrics).group(1))
+        total = float(re.search(r"fullthrottle_batch_size_sum (\S+)", metrics).group(1))
+        assert total == 40 and count < 40 and ones < count  # some batches held more than one request
+        assert 'fullthrottle_requests_total{route="/v1/classify",status="200"} 40.0' in metrics
+
+
+def test_multipart_and_json_urls(samples, http_server):
+    with Server(Tiny()) as s:
+        files = [("files", (p.name, p.read_bytes(), "image/jpeg")) for p in samples[:3]]
+        r = httpx.post(s.url + "/v1/classify", files=files, timeout=30)
+        assert r.status_code == 200 and [x["id"] for x in r.json()["results"]] == [p.name for p in samples[:3]]
+        r2 = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/a.jpg"]}, timeout=30)
+        assert r2.status_code == 200
+        assert r2.json()["results"][0]["top_k"] == r.json()["results"][0]["top_k"]
+        r3 = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/missing.jpg"]}, timeout=30)
+        assert r3.status_code == 422 and "HTTP 404" in r3.json()["detail"]
+        assert httpx.post(s.url + "/v1/classify", json={"nope": 1}).status_code == 400
+
+
+@pytest.fixture
+def http_server(samples, tmp_path):
+    import http.server
+    from functools import partial
+
+    (tmp_path / "a.jpg").write_bytes(samples[0].read_bytes())
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a, **k: None
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_bad_inputs_give_422_with_reason_and_server_survives(bad_dir, samples):
+    expect_422 = {"truncated.jpg": "truncated", "empty.jpg": "empty file", "not-an-image.jpg": "not a supported",
+                  "bomb-40000x40000.png": "image too large"}
+    with Server(Tiny(), ServeOptions(max_body_bytes=3 * 2**20)) as s:
+        for f in sorted(bad_dir.iterdir()):
+            if f.name == "README.md":
+                continue
+            r = post_image(s.url, f.read_bytes())
+            if f.name in expect_422:
+                assert r.status_code == 422 and expect_422[f.name] in r.json()["detail"], (f.name, r.text)
+            else:
+                assert r.status_code == 200, (f.name, r.text)
+        assert post_image(s.url, samples[0].read_bytes()).status_code == 200
+
+
+def test_body_limit_413(samples):
+    with Server(Tiny(), ServeOptions(max_body_bytes=50_000)) as s:
+        r = post_image(s.url, samples[0].read_bytes() + b"\0" * 60_000)
+        assert r.status_code == 413 and "exceeds the limit" in r.json()["detail"]
+
+
+def test_flood_gets_503_then_serves_normally(samples):
+    data = samples[0].read_bytes()
+    with Server(SlowTiny(), ServeOptions(max_queue=2, timeout_s=60), max_batch_size=2) as s:
+        with cf.ThreadPoolExecutor(32) as ex:
+            codes = list(ex.map(lambda _: post_image(s.url, data, timeout=60), range(40)))
+        statuses = [r.status_code for r in codes]
+        assert 503 in statuses and 200 in statuses and set(statuses) <= {200, 503}
+        refused = next(r for r in codes if r.status_code == 503)
+        assert refused.headers["retry-after"] == "1" and "overloaded" in refused.json()["detail"]
+        assert post_image(s.url, data).status_code == 200
+        assert 'status="503"' in httpx.get(s.url + "/metrics").text
+
+
+def test_deadline_504(samples):
+    with Server(SlowTiny(), ServeOptions(timeout_s=0.05)) as s:
+        r = post_image(s.url, samples[0].read_bytes())
+        assert r.status_code == 504 and "deadline" in r.json()["detail"]
+        assert httpx.get(s.url + "/healthz").status_code == 200
+
+
+def test_default_host_is_loopback():
+    from fullthrottle.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert args.host == "127.0.0.1"
+
+
+def test_sigterm_drains_in_flight_requests(samples, tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "fullthrottle.cli", "serve", "--device", "cpu", "--port", "0",
+                             "--threads", "2", "--max-wait-ms", "50"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url, deadline = None, time.time() + 60
+        while url is None and time.time() < deadline:
+            line = proc.stderr.readline()
+            m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+        assert url, "server did not start"
+        with cf.ThreadPoolExecutor(6) as ex:
+            futs = [ex.submit(post_image, url, p.read_bytes(), 60) for p in samples[:6]]
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            codes = [f.result().status_code for f in futs]
+        assert codes == [200] * 6
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
