@@ -63,12 +63,13 @@ def run_dataloader(blobs, n, workers, batch, model, warm_frac=0.25):
             "img_per_s": (seen - n_warm) / (t_end - t_warm)}
 
 
-def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, warm_frac=0.25):
+def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu_decode=False, warm_frac=0.25):
     from fullthrottle import Config, Pipeline
 
     torch.manual_seed(0)
     pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="bfloat16", channels_last=True,
-                           max_batch_size=batch, threads=threads, max_wait_ms=max_wait_ms, graphs=graphs))
+                           max_batch_size=batch, threads=threads, max_wait_ms=max_wait_ms, graphs=graphs,
+                           gpu_decode=gpu_decode))
     list(pipe.run([blobs[i % len(blobs)] for i in range(2000)]))  # warm-up (cuDNN autotune, pools)
     seen, t_warm, n_warm = 0, None, 0
     inputs = (blobs[i % len(blobs)] for i in range(n))
@@ -80,7 +81,9 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, war
     t_end = time.perf_counter()
     rep = pipe.last_report
     eng = pipe.engine
-    return {"threads": threads, "graphs": graphs, "max_wait_ms": max_wait_ms, "switch_interval_s": sys.getswitchinterval(),
+    return {"threads": threads, "graphs": graphs, "max_wait_ms": max_wait_ms, "gpu_decode": gpu_decode,
+            "gpu_share": eng.splitter.gpu_share if gpu_decode else 0.0,
+            "gpu_util_mean_pct": rep.gpu_util_pct, "verdict": rep.verdict, "switch_interval_s": sys.getswitchinterval(),
             "compute_staging_s": eng.staging_s, "compute_launch_s": eng.launch_s,"images": seen, "steady_images": seen - n_warm, "steady_s": t_end - t_warm,
             "img_per_s": (seen - n_warm) / (t_end - t_warm), "whole_run_img_per_s": rep.images_per_s,
             "latency_p50_ms": rep.latency_ms(50), "latency_p99_ms": rep.latency_ms(99),
@@ -94,6 +97,7 @@ def main():
     ap.add_argument("--workers", type=int, default=16, help="DataLoader workers / fullthrottle threads")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--ft-threads", default="", help="extra fullthrottle thread counts to try, e.g. 8,12")
+    ap.add_argument("--gpu-decode", action="store_true", help="also run fullthrottle with GPU JPEG decoding")
     ap.add_argument("--ft-waits", default="", help="extra fullthrottle max_wait_ms values to try, e.g. 50")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="also try fullthrottle with this sys.setswitchinterval (s)")
@@ -122,6 +126,10 @@ def main():
     for t in [int(x) for x in args.ft_threads.split(",") if x]:
         print(f"fullthrottle, {t} threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, t, args.batch))
+        print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
+    if args.gpu_decode:
+        print("fullthrottle, GPU decode ...", flush=True)
+        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, gpu_decode=True))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     for w in [float(x) for x in args.ft_waits.split(",") if x]:
         print(f"fullthrottle, max_wait_ms {w} ...", flush=True)

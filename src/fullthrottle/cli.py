@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype on CUDA (default: bfloat16 on CUDA; CPU always float32)")
     c.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay the model as CUDA graphs, one per batch bucket (CUDA only; default: on)")
+    c.add_argument("--gpu-decode", action="store_true",
+                   help="also decode JPEGs on the GPU (nvJPEG), split with the CPU threads by measured rates")
     c.add_argument("--compile", action="store_true",
                    help="torch.compile the model (kernel fusion) before graph capture; slow start")
     c.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default: %(default)s)")
@@ -93,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     v.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
     v.add_argument("--top-k", type=_positive_int, default=5)
+    v.add_argument("--gpu-decode", action="store_true", help="also decode JPEGs on the GPU (nvJPEG)")
     b = sub.add_parser(
         "bench", help="reproduce the field's experiments (threads, batch, transfer, e2e): JSON + PNG",
         description="Run one experiment side by side on this machine and write PREFIX.json (machine, "
@@ -151,7 +154,7 @@ def cmd_serve(args) -> int:
         cfg = Config(model=args.model, weights=args.weights, device=str(device),
                      dtype=args.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
                      max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, threads=args.threads,
-                     top_k=args.top_k, graphs=args.graphs, ordered=False)
+                     top_k=args.top_k, graphs=args.graphs, ordered=False, gpu_decode=args.gpu_decode)
         if args.weights is not None and not os.path.isfile(args.weights):
             raise FileNotFoundError(f"weights file not found: {args.weights}")
         if args.timeout_s <= 0 or args.max_body_mb <= 0:
@@ -230,7 +233,7 @@ def cmd_classify(args) -> int:
         cfg = Config(model=args.model, weights=args.weights, device=str(device), dtype=dtype,
                      max_batch_size=args.batch_size, max_wait_ms=args.max_wait_ms,
                      threads=args.threads, top_k=args.top_k, ordered=not args.unordered,
-                     graphs=args.graphs, compile=args.compile)
+                     graphs=args.graphs, compile=args.compile, gpu_decode=args.gpu_decode)
         pipe = Pipeline(cfg)
     except (ValueError, FileNotFoundError, RuntimeError, WeightsError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)

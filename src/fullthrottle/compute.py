@@ -23,8 +23,10 @@ from torch import nn
 
 from .config import Config
 from .decode import topk_probs
+from .gpu_decode import GpuJpegDecoder, RateSplitter, resize_crop_batch
 from .graphs import GraphRunner
 from .models import build_model, imagenet_labels, load_weights
+from .preprocess import ImageError, preprocess
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,6 +66,7 @@ class Slot:
     n: int = 0
     k: int = 0
     error: str | None = None
+    item_errors: dict | None = None  # row -> error, for images the GPU decoder and the CPU both refused
 
 
 class Engine:
@@ -122,6 +125,8 @@ class Engine:
         self._free: list[Slot] = []
         self._cv = threading.Condition()
         self.runner: GraphRunner | None = None
+        self.gpu_decoder = GpuJpegDecoder(self.device) if config.gpu_decode and self.cuda else None
+        self.splitter = RateSplitter(config.num_threads)
         self.staging_s = 0.0  # host time copying crops into pinned memory (s)
         self.launch_s = 0.0   # host time issuing copies, model/graph replay, top-k (s)
         if config.graphs and self.cuda:
@@ -176,37 +181,74 @@ class Engine:
             self._cv.notify()
 
     @torch.inference_mode()
-    def submit(self, slot: Slot, arrays: list[np.ndarray] | None, n: int | None = None) -> Slot:
+    def _gpu_rows(self, slot: Slot, k: int, blobs: list[bytes]) -> None:
+        """Decode ``blobs`` with :attr:`gpu_decoder` into rows ``k..k+len(blobs)`` of ``slot.dev_in``.
+
+        An image the GPU decoder refuses is decoded by the CPU path here instead; one both refuse gets
+        its error in ``slot.item_errors``. Records the GPU rate for the CPU/GPU split.
+        """
+        t0 = time.perf_counter()
+        decoded = self.gpu_decoder(blobs)
+        good, rows = [], []
+        for j, d in enumerate(decoded):
+            if isinstance(d, Exception):
+                try:
+                    arr = preprocess(blobs[j], self.config.resize_size, self.config.crop_size,
+                                     self.config.max_image_pixels)
+                    slot.dev_in[k + j].copy_(torch.from_numpy(arr))
+                except ImageError as e:
+                    slot.item_errors[k + j] = str(e)
+            else:
+                good.append(d)
+                rows.append(k + j)
+        if good:
+            s = self.config.crop_size
+            out = torch.empty((len(good), s, s, 3), dtype=torch.uint8, device=slot.dev_in.device)
+            resize_crop_batch(good, out, self.config.resize_size, s)
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                slot.dev_in[rows[0]:rows[0] + len(rows)].copy_(out)
+            else:
+                slot.dev_in[torch.tensor(rows, device=out.device)] = out
+        self.splitter.record_gpu(len(blobs), time.perf_counter() - t0)
+
+    def submit(self, slot: Slot, arrays: list[np.ndarray] | None, n: int | None = None,
+               gpu_blobs: list[bytes] = ()) -> Slot:
         """Stage ``arrays`` (each ``(S, S, 3)`` uint8) in ``slot`` and launch copy, model and top-k.
 
         With ``arrays=None`` the first ``n`` rows of ``slot.host_in`` are taken as already filled.
+        ``gpu_blobs`` (JPEG bytes) are decoded by :attr:`gpu_decoder` into the rows after the arrays.
 
         Returns at once on CUDA (the work is queued on the streams; ``slot.done`` marks its end);
         on CPU it returns when the results are in ``slot.out_probs`` / ``slot.out_idx``.
         A failure of the model is stored in ``slot.error`` (it belongs to this batch's items).
         """
-        n = len(arrays) if arrays is not None else int(n)
+        k_cpu = len(arrays) if arrays is not None else int(n)
+        n = k_cpu + len(gpu_blobs)
         if n > self.max_batch:
             raise ValueError(f"batch of {n} exceeds the staging capacity {self.max_batch}")
-        slot.n, slot.error, slot.k = n, None, 0
+        slot.n, slot.error, slot.k, slot.item_errors = n, None, 0, {}
         t0 = time.perf_counter()
         if arrays:  # one copy op into pinned memory: one GIL hand-off per batch, not one per image
-            torch.stack([torch.from_numpy(a) for a in arrays], out=slot.host_in[:n])
+            torch.stack([torch.from_numpy(a) for a in arrays], out=slot.host_in[:k_cpu])
         t1 = time.perf_counter()
         self.staging_s += t1 - t0
         k = self.config.top_k
         try:
             if not self.cuda:
+                if gpu_blobs:
+                    self._gpu_rows(slot, k_cpu, list(gpu_blobs))
                 probs, idx = topk_probs(self.forward(slot.dev_in[:n]), k)
                 slot.k = probs.shape[1]
                 slot.out_probs[:n, :probs.shape[1]] = probs
                 slot.out_idx[:n, :idx.shape[1]] = idx
                 return slot
             with torch.cuda.stream(self.copy_stream):
-                slot.dev_in[:n].copy_(slot.host_in[:n], non_blocking=True)
+                slot.dev_in[:k_cpu].copy_(slot.host_in[:k_cpu], non_blocking=True)
                 slot.copied.record(self.copy_stream)
             with torch.cuda.stream(self.compute_stream):
                 self.compute_stream.wait_event(slot.copied)
+                if gpu_blobs:
+                    self._gpu_rows(slot, k_cpu, list(gpu_blobs))
                 if self.runner is not None:  # one replay; outputs consumed below, in stream order
                     _, (probs, idx) = self.runner.replay(slot.dev_in[:n])
                     probs, idx = probs[:n], idx[:n]

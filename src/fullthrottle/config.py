@@ -39,6 +39,8 @@ class Config:
         channels_last: run the model in NHWC memory format on CUDA.
         graphs: replay normalise + model + top-k as CUDA graphs, one per batch bucket, captured when
             the pipeline is built (CUDA only; CPU runs eager).
+        gpu_decode: decode JPEGs on the GPU (nvJPEG) as well as on the CPU threads, split by their
+            measured rates; only JPEGs nvJPEG decodes like the CPU path go there (CUDA only).
         compile: ``torch.compile(mode="max-autotune-no-cudagraphs")`` the model before capture (kernel
             fusion only; the graphs stay ours). Slow first build.
         max_batch_size: largest batch the batcher forms (images).
@@ -71,6 +73,7 @@ class Config:
     channels_last: bool = True
     graphs: bool = True
     compile: bool = False
+    gpu_decode: bool = False
     max_batch_size: int = 64
     max_wait_ms: float = 5.0
     buckets: tuple[int, ...] | None = None

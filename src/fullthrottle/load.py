@@ -39,6 +39,7 @@ class Item:
     data: bytes | None = None
     array: np.ndarray | None = None
     error: str | None = None
+    on_gpu: bool = False  # decode this JPEG on the GPU (data kept, no array)
     t_start: float = field(default_factory=time.perf_counter)
     t_queued: float = 0.0
 

@@ -28,6 +28,7 @@ from .config import Config
 from .decode import Result
 from .gpumon import GpuMonitor, nvtx_range
 from .load import Item, Loader
+from .gpu_decode import gpu_eligible
 from .preprocess import ImageError, preprocess
 from .report import Report, StageStats
 
@@ -133,6 +134,7 @@ class Run:
     # -- stages ---------------------------------------------------------------------------------
     def _preprocess_worker(self) -> None:
         cfg, st = self.config, self.stats["preprocess"]
+        gpu, splitter = self.engine.gpu_decoder, self.engine.splitter
         while not self.stop_event.is_set():
             it = self._get(self.q1)
             if it is None:
@@ -142,15 +144,22 @@ class Run:
                 return
             st.begin()
             st.waited(time.perf_counter() - it.t_queued)
-            if it.error is None:
+            if it.error is None and gpu is not None and gpu_eligible(it.data, cfg.max_image_pixels)[0] \
+                    and splitter.choose() == "gpu":
+                it.on_gpu = True  # only the header was read here; the compute stage decodes it
+            elif it.error is None:
+                t0 = time.perf_counter()
                 try:
                     with nvtx_range("preprocess"):
-                            it.array = preprocess(it.data, cfg.resize_size, cfg.crop_size, cfg.max_image_pixels)
+                        it.array = preprocess(it.data, cfg.resize_size, cfg.crop_size, cfg.max_image_pixels)
                 except ImageError as e:
                     it.error = f"{it.id}: {e}"
                 except Exception as e:  # noqa: BLE001 - a decoder crash belongs to this item
                     it.error = f"{it.id}: cannot decode image: {type(e).__name__}: {e}"
-            it.data = None
+                if gpu is not None:
+                    splitter.record_cpu(1, time.perf_counter() - t0)
+            if not it.on_gpu:
+                it.data = None
             st.end(1)
             it.t_queued = time.perf_counter()
             self._put(self.q2, it)
@@ -172,10 +181,13 @@ class Run:
             if slot is None:
                 return
             st.begin()
+            on_cpu = [it for it in obj.items if not it.on_gpu]
+            on_gpu = [it for it in obj.items if it.on_gpu]
+            obj.items = on_cpu + on_gpu  # rows: CPU-decoded crops first, then the GPU's
             with nvtx_range(f"compute batch {len(obj)}"):
-                eng.submit(slot, [it.array for it in obj.items])
+                eng.submit(slot, [it.array for it in on_cpu], gpu_blobs=[it.data for it in on_gpu])
             for it in obj.items:
-                it.array = None
+                it.array = it.data = None
             st.end(len(obj))
             self._put(self.q4, (obj, slot, time.perf_counter()))
 
@@ -206,6 +218,8 @@ class Run:
                 for i, it in enumerate(batch.items):
                     if slot.error is not None:
                         out.append(Result(it.index, it.id, error=f"{it.id}: {slot.error}"))
+                    elif slot.item_errors and i in slot.item_errors:
+                        out.append(Result(it.index, it.id, error=f"{it.id}: {slot.item_errors[i]}"))
                     else:
                         ids = idx[i].tolist()
                         out.append(Result(it.index, it.id, labels=[labels[c] if c < len(labels) else str(c)

@@ -1,0 +1,215 @@
+"""Preprocess on the GPU: batched nvJPEG decoding, batched resize + crop, and the CPU/GPU split.
+
+The 16 CPU cores of our H200 machine decode ~4k JPEGs/s; nvJPEG decodes ~21k/s
+(../shared/DESIGN.md), so on CUDA the preprocess threads only read headers and route:
+
+- :func:`gpu_eligible` sends to the GPU only what nvJPEG decodes exactly like the CPU path: complete
+  (nvJPEG silently greys a truncated file), 1- or 3-component (no CMYK), baseline/extended/progressive
+  JPEGs without an EXIF rotation. Everything else takes the CPU path, per item.
+- :class:`RateSplitter` splits the eligible items between the CPU threads and the GPU decoder by their
+  measured rates, so both decoders work at once and the total approaches the sum of the two.
+- :func:`resize_crop_batch` resizes decoded images with the same antialiased bilinear filter and
+  crop as the CPU path, one ``interpolate`` per distinct image size (not one Python call per image
+  when the photos share a size), writing straight into the compute stage's ``(n, S, S, 3)`` buffer.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .preprocess import jpeg_is_complete, sniff
+
+
+def _exif_orientation(app1: bytes) -> int:
+    """EXIF orientation tag (1..8) from an APP1 payload starting with ``Exif\\0\\0``; 1 if absent."""
+    tiff = app1[6:]
+    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
+        return 1
+    e = "<" if tiff[:2] == b"II" else ">"
+    (ifd,) = struct.unpack(e + "I", tiff[4:8])
+    if ifd + 2 > len(tiff):
+        return 1
+    (n,) = struct.unpack(e + "H", tiff[ifd:ifd + 2])
+    for k in range(n):
+        off = ifd + 2 + 12 * k
+        if off + 12 > len(tiff):
+            break
+        tag, _typ, _cnt = struct.unpack(e + "HHI", tiff[off:off + 8])
+        if tag == 0x0112:
+            return struct.unpack(e + "H", tiff[off + 8:off + 10])[0]
+    return 1
+
+
+def jpeg_info(data: bytes) -> dict | None:
+    """SOF marker, component count, size and EXIF orientation of a JPEG, from its header only."""
+    i, n, orient = 2, len(data), 1
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:
+            i += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            i += 2
+            continue
+        (seg,) = struct.unpack(">H", data[i + 2:i + 4])
+        if marker == 0xE1 and data[i + 4:i + 10] == b"Exif\x00\x00":
+            try:
+                orient = _exif_orientation(data[i + 4:i + 2 + seg])
+            except struct.error:
+                orient = 0
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            if i + 10 > n:
+                return None
+            h, w = struct.unpack(">HH", data[i + 5:i + 9])
+            return {"sof": marker, "components": data[i + 9], "width": w, "height": h, "orientation": orient}
+        i += 2 + seg
+    return None
+
+
+def gpu_eligible(data: bytes, max_pixels: int = 89_478_485) -> tuple[bool, str]:
+    """Whether nvJPEG gives the same image as the CPU path; ``(False, reason)`` routes it to the CPU."""
+    if sniff(data) != "JPEG":
+        return False, "not a JPEG"
+    info = jpeg_info(data)
+    if info is None:
+        return False, "unreadable JPEG header"
+    if info["sof"] not in (0xC0, 0xC1, 0xC2):
+        return False, "lossless/arithmetic JPEG"
+    if info["components"] not in (1, 3):
+        return False, f"{info['components']}-component (CMYK/YCCK) JPEG"
+    if info["orientation"] != 1:
+        return False, "EXIF orientation"
+    if info["width"] * info["height"] > max_pixels or info["width"] == 0 or info["height"] == 0:
+        return False, "size out of range"
+    if not jpeg_is_complete(data):
+        return False, "truncated"
+    return True, ""
+
+
+class RateSplitter:
+    """Splits work between the CPU decode threads and the GPU decoder by their measured rates.
+
+    Each decoder reports (items, seconds) as it works; the GPU share is
+    ``gpu_rate / (gpu_rate + cpu_rate)`` with exponentially weighted rates (img/s), and
+    :meth:`choose` hands out "gpu"/"cpu" deterministically in that proportion (an error-diffusion
+    accumulator, so 3 of every 4 items go to the GPU at a 0.75 share, not a random 75%).
+
+    Args:
+        cpu_workers: CPU decode threads (the CPU rate is per-thread rate x threads).
+        initial_gpu_share: the share before both rates are measured.
+        alpha: weight of a new measurement in the moving average.
+    """
+
+    def __init__(self, cpu_workers: int, initial_gpu_share: float = 0.8, alpha: float = 0.1):
+        self.cpu_workers, self.alpha = cpu_workers, alpha
+        self._cpu_s_per_item: float | None = None
+        self._gpu_s_per_item: float | None = None
+        self._share = initial_gpu_share
+        self._acc = 0.0
+        self._lock = threading.Lock()
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def record_cpu(self, items: int, seconds: float) -> None:
+        """One CPU thread decoded ``items`` in ``seconds``."""
+        if items > 0 and seconds > 0:
+            with self._lock:
+                self._cpu_s_per_item = self._ewma(self._cpu_s_per_item, seconds / items)
+                self._update()
+
+    def record_gpu(self, items: int, seconds: float) -> None:
+        """The GPU decoder decoded (and resized) ``items`` in ``seconds``."""
+        if items > 0 and seconds > 0:
+            with self._lock:
+                self._gpu_s_per_item = self._ewma(self._gpu_s_per_item, seconds / items)
+                self._update()
+
+    def _update(self) -> None:
+        if self._cpu_s_per_item and self._gpu_s_per_item:
+            cpu_rate = self.cpu_workers / self._cpu_s_per_item
+            gpu_rate = 1.0 / self._gpu_s_per_item
+            self._share = gpu_rate / (gpu_rate + cpu_rate)
+
+    @property
+    def gpu_share(self) -> float:
+        """Fraction (0..1) of eligible items sent to the GPU."""
+        return self._share
+
+    def choose(self) -> str:
+        """``"gpu"`` or ``"cpu"`` for the next eligible item."""
+        with self._lock:
+            self._acc += self._share
+            if self._acc >= 1.0:
+                self._acc -= 1.0
+                return "gpu"
+            return "cpu"
+
+
+def resize_size(h: int, w: int, resize: int) -> tuple[int, int]:
+    """torchvision v2 Resize(resize) output size: shorter side to ``resize``, longer truncated."""
+    return (resize, int(resize * w / h)) if h <= w else (int(resize * h / w), resize)
+
+
+def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256, crop: int = 224) -> None:
+    """Resize (antialiased bilinear) + center-crop decoded images into ``out``.
+
+    Args:
+        images: ``(3, H, W)`` uint8 tensors on one device (sizes may differ).
+        out: ``(len(images), crop, crop, 3)`` uint8 on that device (NHWC, like the staging buffers).
+
+    Images of the same size are resized together (one kernel for the group). Arithmetic is float32,
+    rounded to uint8: within 1/255 of the CPU path's uint8 kernel on almost every pixel.
+    """
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, im in enumerate(images):
+        groups.setdefault(tuple(im.shape[1:]), []).append(i)
+    for (h, w), idx in groups.items():
+        x = torch.stack([images[i] for i in idx]) if len(idx) > 1 else images[idx[0]][None]
+        nh, nw = resize_size(h, w, resize)
+        if (nh, nw) != (h, w):
+            x = F.interpolate(x.float(), size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
+            x = x.round_().clamp_(0, 255).to(torch.uint8)
+        top, left = int(round((nh - crop) / 2.0)), int(round((nw - crop) / 2.0))
+        x = x[:, :, top:top + crop, left:left + crop].permute(0, 2, 3, 1)
+        if len(idx) == len(images) and idx == list(range(len(images))):
+            out.copy_(x)
+        else:
+            out[torch.tensor(idx, device=out.device)] = x
+
+
+class GpuJpegDecoder:
+    """nvJPEG through ``torchvision.io.decode_jpeg(list, device=...)``, one call per batch.
+
+    Calling it with ``n`` JPEG byte strings returns ``n`` entries: a ``(3, H, W)`` uint8 tensor on
+    the device, or the exception that image raised (a failed batch call is retried image by image, so
+    one bad image never fails the others).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __call__(self, blobs: Sequence[bytes]) -> list:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+        try:
+            return list(decode_jpeg(tensors, mode=ImageReadMode.RGB, device=self.device))
+        except Exception:  # noqa: BLE001 - find the culprit(s), keep the rest
+            out = []
+            for t in tensors:
+                try:
+                    out.append(decode_jpeg(t, mode=ImageReadMode.RGB, device=self.device))
+                except Exception as e:  # noqa: BLE001
+                    out.append(e)
+            return out
+
+
+Decoder = Callable[[Sequence[bytes]], list]

@@ -1,0 +1,126 @@
+"""GPU JPEG decoding: routing, the rate-based split and the mixed CPU/GPU batches, with a fake decoder on
+CPU (CI); the real nvJPEG path is checked against the CPU path under the ``gpu`` marker."""
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from fullthrottle import Config, Pipeline
+from fullthrottle.gpu_decode import RateSplitter, gpu_eligible, jpeg_info, resize_crop_batch
+from fullthrottle.preprocess import decode, preprocess, resize_crop
+
+from test_pipeline import LABELS, Tiny
+
+ROUTE = {"truncated.jpg": (False, "truncated"), "cmyk.jpg": (False, "4-component"),
+         "exif-rotated.jpg": (False, "EXIF orientation"), "png-named-as.JPEG": (False, "not a JPEG"),
+         "empty.jpg": (False, "not a JPEG"), "not-an-image.jpg": (False, "not a JPEG"),
+         "photo.webp": (False, "not a JPEG"), "animated.gif": (False, "not a JPEG"),
+         "progressive.jpg": (True, ""), "tiny-1x1.jpg": (True, ""), "large-6000x4000.jpg": (True, "")}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTE))
+def test_routing_of_bad_inputs(bad_dir, name):
+    ok, reason = gpu_eligible((bad_dir / name).read_bytes())
+    assert ok == ROUTE[name][0] and ROUTE[name][1] in reason
+
+
+def test_samples_are_eligible(samples):
+    infos = [jpeg_info(p.read_bytes()) for p in samples]
+    assert all(i is not None for i in infos)
+    assert sum(gpu_eligible(p.read_bytes())[0] for p in samples) >= 190
+
+
+def test_rate_split_follows_measured_rates():
+    s = RateSplitter(cpu_workers=16, initial_gpu_share=0.5)
+    assert [s.choose() for _ in range(4)].count("gpu") == 2
+    for _ in range(50):
+        s.record_cpu(1, 0.004)       # 16 threads x 250 img/s = 4000 img/s
+        s.record_gpu(100, 0.005)     # 20000 img/s
+    assert s.gpu_share == pytest.approx(20000 / 24000, rel=1e-6)
+    picks = [s.choose() for _ in range(600)]
+    assert picks.count("gpu") == 500  # deterministic proportion, not a random draw
+
+
+def test_batched_gpu_resize_matches_cpu_path(samples):
+    rgbs = [decode(p.read_bytes()) for p in samples[:12]]
+    rgbs += [rgbs[0].copy(), rgbs[0].copy()]  # a same-size group, resized in one call
+    imgs = [torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1) for a in rgbs]
+    out = torch.empty((len(imgs), 224, 224, 3), dtype=torch.uint8)
+    resize_crop_batch(imgs, out)
+    for a, o in zip(rgbs, out):
+        ref = resize_crop(a).astype(np.int16)
+        diff = np.abs(o.numpy().astype(np.int16) - ref)
+        assert diff.mean() <= 0.5 and diff.max() <= 2
+
+
+class FakeGpuDecoder:
+    """The GPU decoder's contract on CPU: (3,H,W) uint8 tensors, or the exception per image."""
+
+    def __init__(self, fail_every=0):
+        self.calls, self.images, self.fail_every = 0, 0, fail_every
+
+    def __call__(self, blobs):
+        self.calls += 1
+        out = []
+        for b in blobs:
+            self.images += 1
+            if self.fail_every and self.images % self.fail_every == 0:
+                out.append(RuntimeError("fake nvJPEG failure"))
+                continue
+            rgb = cv2.imdecode(np.frombuffer(b, np.uint8), cv2.IMREAD_COLOR)[:, :, ::-1]
+            out.append(torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1))
+        return out
+
+
+def _pipe(gpu_decode):
+    pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2, top_k=3), model=Tiny())
+    if gpu_decode is not None:
+        pipe.engine.gpu_decoder = gpu_decode
+    return pipe
+
+
+def test_mixed_cpu_gpu_batches_equal_cpu_only(samples, bad_dir):
+    inputs = [p for p in samples[:60]] + [bad_dir]
+    ref = {r.id: r for r in _pipe(None).run(inputs)}
+    fake = FakeGpuDecoder(fail_every=7)  # some GPU failures fall back to the CPU path, per item
+    pipe = _pipe(fake)
+    res = list(pipe.run(inputs))
+    assert fake.images > 20, "the split sent nothing to the (fake) GPU decoder"
+    assert [r.id for r in res] == list(ref)
+    for r in res:
+        assert r.ok == ref[r.id].ok, (r.id, r.error, ref[r.id].error)
+        if r.ok:
+            assert r.class_ids[0] == ref[r.id].class_ids[0]
+            assert r.probs[0] == pytest.approx(ref[r.id].probs[0], abs=1e-3)
+        else:
+            assert r.error.split(": ", 1)[1] == ref[r.id].error.split(": ", 1)[1]
+    assert 0 < pipe.engine.splitter.gpu_share < 1
+
+
+@pytest.mark.gpu
+def test_nvjpeg_against_cpu_path(samples, bad_dir):
+    """Mean absolute difference per pixel <= 2/255 against the CPU path; top-1 agreement >= 99%."""
+    from fullthrottle.gpu_decode import GpuJpegDecoder
+
+    dec = GpuJpegDecoder(torch.device("cuda"))
+    blobs = [p.read_bytes() for p in samples if gpu_eligible(p.read_bytes())[0]]
+    imgs = dec(blobs)
+    assert not any(isinstance(i, Exception) for i in imgs)
+    out = torch.empty((len(imgs), 224, 224, 3), dtype=torch.uint8, device="cuda")
+    resize_crop_batch(imgs, out)
+    ref = np.stack([preprocess(b) for b in blobs])
+    mad = np.abs(out.cpu().numpy().astype(np.int16) - ref.astype(np.int16)).mean()
+    print(f"nvJPEG vs CPU path: mean abs diff {mad:.3f} / 255 over {len(blobs)} images")
+    assert mad <= 2.0
+    torch.manual_seed(0)
+    cpu_pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="float32", max_batch_size=32))
+    gpu_pipe = Pipeline(Config(device="cuda", dtype="float32", max_batch_size=32, gpu_decode=True),
+                        model=cpu_pipe.engine.model)
+    a = {r.id: r for r in cpu_pipe.run(list(samples) + [bad_dir])}
+    b = {r.id: r for r in gpu_pipe.run(list(samples) + [bad_dir])}
+    assert a.keys() == b.keys()
+    assert all(a[k].ok == b[k].ok for k in a)
+    agree = np.mean([a[k].class_ids[0] == b[k].class_ids[0] for k in a if a[k].ok])
+    print(f"top-1 agreement CPU vs GPU decode: {agree:.3f}")
+    assert agree >= 0.99
