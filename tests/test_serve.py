@@ -170,3 +170,14 @@ def test_sigterm_drains_in_flight_requests(samples, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_two_replicas_share_the_load(samples):
+    with Server(SlowTiny(), ServeOptions(devices=("cpu", "cpu")), max_wait_ms=1) as s:
+        with cf.ThreadPoolExecutor(8) as ex:
+            codes = list(ex.map(lambda p: post_image(s.url, p.read_bytes()).status_code, samples[:16]))
+        assert codes == [200] * 16
+        assert httpx.get(s.url + "/readyz").json()["devices"] == ["cpu", "cpu"]
+        metrics = httpx.get(s.url + "/metrics").text
+        busy = re.findall(r'fullthrottle_stage_busy_percent\{replica="(\d)",stage="compute"\} (\S+)', metrics)
+        assert {r for r, v in busy if float(v) > 0} == {"0", "1"}  # both replicas computed

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-body-mb", type=float, default=32.0, help="request body limit before 413 (MiB)")
     v.add_argument("--threads", type=_positive_int, default=None, help="preprocess threads")
     v.add_argument("--device", default="auto")
+    v.add_argument("--gpus", default=None,
+                   help="'all' or N: one model replica per GPU (default with --device auto: every GPU)")
     v.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     v.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
     v.add_argument("--top-k", type=_positive_int, default=5)
@@ -159,6 +161,15 @@ def cmd_serve(args) -> int:
             raise FileNotFoundError(f"weights file not found: {args.weights}")
         if args.timeout_s <= 0 or args.max_body_mb <= 0:
             raise ValueError("--timeout-s and --max-body-mb must be > 0")
+        devices = None
+        if args.gpus is not None:
+            import torch
+
+            count = torch.cuda.device_count()
+            want = count if args.gpus == "all" else int(args.gpus)
+            if want < 1 or want > count:
+                raise ValueError(f"--gpus {args.gpus}: this machine has {count} CUDA device(s)")
+            devices = tuple(f"cuda:{i}" for i in range(want))
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
         return 2
@@ -167,7 +178,7 @@ def cmd_serve(args) -> int:
               file=sys.stderr)
     run_server(cfg, args.host, args.port,
                ServeOptions(max_queue=args.max_queue, timeout_s=args.timeout_s,
-                            max_body_bytes=int(args.max_body_mb * 2**20)))
+                            max_body_bytes=int(args.max_body_mb * 2**20), devices=devices))
     return 0
 
 

@@ -98,13 +98,26 @@ class BatchingService:
         return fut
 
     def queued(self) -> int:
+        """Images waiting to enter the pipeline."""
         return self.q.qsize()
+
+    def pending(self) -> int:
+        """Images submitted and not yet answered."""
+        return len(self._waiting)
 
     def close(self, timeout: float = 30.0) -> None:
         """Let queued and in-flight images finish, then stop the pipeline run."""
         self._closing.set()
         self._thread.join(timeout)
         self._results.close()
+
+
+def _default_devices(device: str) -> list[str]:
+    import torch
+
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return [device]
 
 
 def _resolve(fut: asyncio.Future, r: Result) -> None:
@@ -127,6 +140,9 @@ class ServeOptions:
         max_body_bytes: request body limit (bytes) before 413.
         retry_after_s: the Retry-After header sent with 503 (s).
         url_timeout_s: timeout (s) for fetching one image URL of a JSON request.
+        devices: one model replica (its own pipeline) per device; default: every visible GPU when the
+            config's device is "auto"/"cuda" and CUDA exists, else the config's device. Each request
+            goes to the replica with the fewest images waiting.
     """
 
     max_queue: int = 256
@@ -134,6 +150,7 @@ class ServeOptions:
     max_body_bytes: int = 32 * 1024 * 1024
     retry_after_s: int = 1
     url_timeout_s: float = 10.0
+    devices: tuple[str, ...] | None = None
 
 
 def create_app(config: Config, options: ServeOptions | None = None, model=None):
@@ -159,21 +176,31 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                              registry=reg, buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 5))
     m_batch = Histogram("fullthrottle_batch_size", "batch sizes formed by the batcher", registry=reg,
                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
-    m_queued = Gauge("fullthrottle_queue_images", "images waiting to enter the pipeline", registry=reg)
-    m_busy = Gauge("fullthrottle_stage_busy_percent", "stage busy % since start", ["stage"], registry=reg)
-    m_gpu = Gauge("fullthrottle_gpu_utilization_percent", "GPU utilisation (NVML)", registry=reg)
-    m_gpu_mem = Gauge("fullthrottle_gpu_memory_used_bytes", "GPU memory used (NVML)", registry=reg)
-    state: dict = {"service": None, "ready": False, "t0": time.perf_counter()}
+    m_queued = Gauge("fullthrottle_queue_images", "images waiting to enter the pipeline", ["replica"],
+                     registry=reg)
+    m_busy = Gauge("fullthrottle_stage_busy_percent", "stage busy % since start", ["replica", "stage"],
+                   registry=reg)
+    m_gpu = Gauge("fullthrottle_gpu_utilization_percent", "GPU utilisation (NVML)", ["replica"], registry=reg)
+    m_gpu_mem = Gauge("fullthrottle_gpu_memory_used_bytes", "GPU memory used (NVML)", ["replica"],
+                      registry=reg)
+    state: dict = {"services": [], "ready": False, "t0": time.perf_counter()}
     cfg = config if not config.ordered else Config(**{**config.__dict__, "ordered": False})
+    devices = list(opts.devices or _default_devices(cfg.device))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         def build():
-            pipe = Pipeline(cfg, model=model)
-            pipe.on_batch = m_batch.observe
-            return BatchingService(pipe, opts.max_queue)
+            import copy
 
-        state["service"] = await asyncio.to_thread(build)
+            services = []
+            for dev in devices:
+                pipe = Pipeline(Config(**{**cfg.__dict__, "device": dev}),
+                                model=copy.deepcopy(model) if model is not None else None)
+                pipe.on_batch = m_batch.observe
+                services.append(BatchingService(pipe, opts.max_queue))
+            return services
+
+        state["services"] = await asyncio.to_thread(build)
         state["ready"] = True
         state["http"] = httpx.AsyncClient(timeout=opts.url_timeout_s, follow_redirects=True)
         try:
@@ -181,7 +208,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         finally:
             state["ready"] = False
             await state["http"].aclose()
-            await asyncio.to_thread(state["service"].close)
+            for svc in state["services"]:
+                await asyncio.to_thread(svc.close)
 
     app = FastAPI(title="fullthrottle", lifespan=lifespan,
                   description="Image classification with cross-request dynamic batching on the GPU.")
@@ -198,27 +226,27 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     async def readyz():
         if not state["ready"]:
             return reply("/readyz", 503, {"status": "loading"})
-        svc = state["service"]
-        eng = svc.pipeline.engine
-        return reply("/readyz", 200, {"status": "ready", "device": str(eng.device), "model": eng.model_name,
-                                      "graphs": eng.runner.info.format() if eng.runner else None})
+        engines = [svc.pipeline.engine for svc in state["services"]]
+        return reply("/readyz", 200, {"status": "ready", "devices": [str(e.device) for e in engines],
+                                      "model": engines[0].model_name,
+                                      "graphs": [e.runner.info.format() if e.runner else None for e in engines]})
 
     @app.get("/metrics")
     async def metrics():
-        svc = state["service"]
-        if svc is not None:
-            m_queued.set(svc.queued())
+        for i, svc in enumerate(state["services"]):
+            rep = str(i)
+            m_queued.labels(rep).set(svc.queued())
             run = svc.pipeline.current_run
             if run is not None:
                 wall = time.perf_counter() - run.t0
                 for st in run.stats.values():
                     snap = st.snapshot(wall)
-                    m_busy.labels(snap["stage"]).set(snap["worker_busy_pct"] if snap["stage"] == "preprocess"
-                                                     else snap["busy_pct"])
+                    m_busy.labels(rep, snap["stage"]).set(snap["worker_busy_pct"] if snap["stage"] == "preprocess"
+                                                          else snap["busy_pct"])
                 mon = run.gpumon
                 if mon.utils:
-                    m_gpu.set(mon.utils[-1])
-                    m_gpu_mem.set(mon.mems[-1])
+                    m_gpu.labels(rep).set(mon.utils[-1])
+                    m_gpu_mem.labels(rep).set(mon.mems[-1])
         return PlainTextResponse(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
 
     async def read_images(request: Request) -> list[tuple[str, bytes]]:
@@ -271,7 +299,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             if not state["ready"]:
                 raise _HTTPError(503, "model is loading", {"Retry-After": str(opts.retry_after_s)})
             images = await read_images(request)
-            svc = state["service"]
+            svc = min(state["services"], key=lambda v: v.queued() + v.pending())
             futs = []
             try:
                 for item_id, data in images:
