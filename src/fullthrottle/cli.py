@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 
 SAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg", "motorcycle_left.png")
 
@@ -98,6 +99,27 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
     v.add_argument("--top-k", type=_positive_int, default=5)
     v.add_argument("--gpu-decode", action="store_true", help="also decode JPEGs on the GPU (nvJPEG)")
+    g = sub.add_parser(
+        "generate", help="LLM text generation (Llama family) with a static KV cache and CUDA graphs",
+        description="Generate from a Hugging Face Llama folder (config.json + safetensors, tokenizer.json "
+                    "for text), or from a randomly initialised config (--random) for benchmarks. Tokens "
+                    "stream to stdout as they are produced.")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model-dir", help="Hugging Face Llama folder (config.json, *.safetensors)")
+    src.add_argument("--random", choices=("tiny", "llama2-7b"), help="random weights of this shape")
+    g.add_argument("--prompt", help="text (needs tokenizer.json in --model-dir)")
+    g.add_argument("--tokens", help="comma-separated prompt token ids (instead of --prompt)")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--max-seq-len", type=_positive_int, default=None,
+                   help="KV cache length (default: prompt + max new tokens)")
+    g.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
     b = sub.add_parser(
         "bench", help="reproduce the field's experiments (threads, batch, transfer, e2e): JSON + PNG",
         description="Run one experiment side by side on this machine and write PREFIX.json (machine, "
@@ -179,6 +201,76 @@ def cmd_serve(args) -> int:
     run_server(cfg, args.host, args.port,
                ServeOptions(max_queue=args.max_queue, timeout_s=args.timeout_s,
                             max_body_bytes=int(args.max_body_mb * 2**20), devices=devices))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .compute import resolve_device
+    from .generate import Generator, GenerateStats
+    from .llama import Llama, LlamaConfig, load_hf
+
+    try:
+        device = resolve_device(args.device)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+        tok = None
+        if args.model_dir:
+            model = load_hf(args.model_dir, device, dtype)
+            tj = os.path.join(args.model_dir, "tokenizer.json")
+            if os.path.isfile(tj):
+                from tokenizers import Tokenizer
+
+                tok = Tokenizer.from_file(tj)
+        else:
+            cfg = (LlamaConfig.llama2_7b() if args.random == "llama2-7b" else
+                   LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2))
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = Llama(cfg).to(dtype).eval()
+            print("WARNING: random weights: the tokens are meaningless", file=sys.stderr)
+        if args.tokens:
+            ids = [int(x) for x in args.tokens.split(",")]
+        elif args.prompt is not None:
+            if tok is None:
+                raise ValueError("--prompt needs a tokenizer.json in --model-dir; give --tokens instead")
+            ids = tok.encode(args.prompt).ids
+        else:
+            raise ValueError("give --prompt TEXT or --tokens IDS")
+        if any(i < 0 or i >= model.cfg.vocab_size for i in ids):
+            raise ValueError(f"token ids must be in [0, {model.cfg.vocab_size})")
+        eos = model.cfg.eos_token_id
+        eos = eos[0] if isinstance(eos, list) else eos
+        t0 = time.perf_counter()
+        gen = Generator(model, max_batch=1, max_seq_len=args.max_seq_len or len(ids) + args.max_new_tokens,
+                        graphs=args.graphs)
+        ready_s = time.perf_counter() - t0
+        st = GenerateStats()
+
+        stop_id = eos if args.model_dir else None
+        finished = [False]
+
+        def show(chunks):
+            if finished[0]:
+                return
+            toks = chunks[0]
+            if stop_id is not None and stop_id in toks:
+                toks, finished[0] = toks[:toks.index(stop_id) + 1], True
+            text = tok.decode(toks) if tok is not None else " ".join(map(str, toks)) + " "
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        gen.generate([ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                     eos_id=stop_id, stats=st, on_tokens=show)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"fullthrottle: error: {e}", file=sys.stderr)
+        return 2
+    print(file=sys.stdout)
+    print(f"{st.new_tokens} tokens in {st.decode_s:.2f} s = {st.tokens_per_s:.1f} tok/s (decode), prefill "
+          f"{1e3 * st.prefill_s:.1f} ms; ready in {ready_s:.2f} s (graphs: {sorted(gen.graphs) or 'off'}) "
+          f"on {device}", file=sys.stderr)
     return 0
 
 
@@ -297,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(args)
     if args.command == "serve":
         return cmd_serve(args)
+    if args.command == "generate":
+        return cmd_generate(args)
     if args.command == "classify":
         rc = cmd_classify(args)
         if rc == 130 and argv is None:

@@ -1,0 +1,228 @@
+"""A Llama-architecture decoder in plain PyTorch, with a static KV cache (after gpt-fast's model.py).
+
+RMSNorm, rotary embeddings (with Llama-3 frequency scaling), grouped-query attention, SwiGLU.
+Module and parameter names mirror Hugging Face's ``LlamaForCausalLM`` (minus the ``model.`` prefix),
+so its ``config.json`` + safetensors shards load directly, without transformers at run time.
+
+Shapes: B batch rows, S new tokens, T cache length, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | list | None = 2
+    head_dim: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LlamaConfig:
+        """From a Hugging Face ``config.json`` dict (unknown keys kept in ``extra``).
+
+        Reads both layouts: ``rope_theta`` + ``rope_scaling`` at top level (transformers 4), and
+        ``rope_parameters`` (transformers 5).
+        """
+        d = dict(d)
+        rp = d.get("rope_parameters")
+        if isinstance(rp, dict):
+            d.setdefault("rope_theta", rp.get("rope_theta", 10000.0))
+            if rp.get("rope_type", "default") != "default":
+                d.setdefault("rope_scaling", rp)
+        names = set(cls.__dataclass_fields__) - {"extra"}
+        return cls(**{k: v for k, v in d.items() if k in names}, extra={k: v for k, v in d.items() if k not in names})
+
+    @classmethod
+    def llama2_7b(cls) -> LlamaConfig:
+        return cls()
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies ``(D/2,)`` float32, with Llama-3 scaling when ``rope_scaling`` asks for it.
+
+    Llama 3.1 scaling (Meta's reference code; HF ``_compute_llama3_parameters``): wavelengths longer
+    than ``original_max / low_freq_factor`` are divided by ``factor``, shorter than
+    ``original_max / high_freq_factor`` kept, and those between interpolated smoothly.
+    """
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling or {}
+    if rs.get("rope_type", rs.get("type")) != "llama3":
+        return inv
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.k_cache: torch.Tensor | None = None  # (maxB, Hkv, T, D)
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x, cos, sin, pos, row0, mask):
+        B, S, _ = x.shape                                                 # x: (B, S, dim)
+        q = self.q_proj(x).view(B, S, self.h, self.d).transpose(1, 2)     # (B, H, S, D)
+        k = self.k_proj(x).view(B, S, self.hkv, self.d).transpose(1, 2)   # (B, Hkv, S, D)
+        v = self.v_proj(x).view(B, S, self.hkv, self.d).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin                                # cos, sin: (B, 1, S, D)
+        k = k * cos + rotate_half(k) * sin
+        idx = pos[:, None, :, None].expand(B, self.hkv, S, self.d)        # where each new token goes
+        kc = self.k_cache[row0:row0 + B].scatter_(2, idx, k)              # (B, Hkv, T, D), in place
+        vc = self.v_cache[row0:row0 + B].scatter_(2, idx, v)
+        rep = self.h // self.hkv                                          # grouped-query attention
+        kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)     # mask: (B, 1, S, T)
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))   # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, pos, row0, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, row0, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    """``forward(tokens (B, S) int64, pos (B, S) int64, row0)`` -> logits ``(B, S, vocab)`` float32.
+
+    ``pos`` are the tokens' positions (also their KV-cache slots); rows ``row0..row0+B`` of the cache
+    are used. Call :meth:`setup_cache` first.
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.max_seq_len = 0
+
+    def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
+        """Preallocate the static KV cache: per layer ``(max_batch, Hkv, max_seq_len, D)``, zeros."""
+        p = next(self.parameters())
+        for blk in self.layers:
+            a = blk.self_attn
+            a.k_cache = torch.zeros(max_batch, a.hkv, max_seq_len, a.d, dtype=p.dtype, device=p.device)
+            a.v_cache = torch.zeros_like(a.k_cache)
+        self.max_seq_len = max_seq_len
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, row0: int = 0) -> torch.Tensor:
+        x = self.embed_tokens(tokens)                                        # (B, S, dim)
+        freqs = pos[..., None].float() * self.inv_freq                       # (B, S, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]                      # (B, 1, S, D)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        t = torch.arange(self.max_seq_len, device=tokens.device)
+        mask = t[None, None, None, :] <= pos[:, None, :, None]                # (B, 1, S, T) causal
+        for blk in self.layers:
+            x = blk(x, cos, sin, pos, row0, mask)
+        return self.lm_head(self.norm(x)).float()
+
+
+def load_hf(path: str | Path, device="cpu", dtype=torch.float32) -> Llama:
+    """A Hugging Face Llama folder (``config.json`` + ``*.safetensors``) -> :class:`Llama`.
+
+    Raises:
+        FileNotFoundError: no config.json or no safetensors shard. ValueError: weights that do not fit.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no .safetensors weights in {path} (.bin pickles are not loaded)")
+    cfg = LlamaConfig.from_dict(json.loads((path / "config.json").read_text()))
+    with torch.device("meta"):
+        model = Llama(cfg)
+    sd = {}
+    for s in shards:
+        sd.update({k.removeprefix("model."): v for k, v in load_file(str(s)).items()})
+    if cfg.tie_word_embeddings:
+        sd.setdefault("lm_head.weight", sd["embed_tokens.weight"])
+    sd = {k: v for k, v in sd.items() if "rotary_emb" not in k}
+    missing = set(model.state_dict()) - set(sd)
+    unexpected = set(sd) - set(model.state_dict())
+    if missing or unexpected:
+        raise ValueError(f"weights in {path} do not fit: missing {sorted(missing)[:4]}, "
+                         f"unexpected {sorted(unexpected)[:4]}")
+    model.load_state_dict(sd, assign=True)
+    model.inv_freq = rope_inv_freq(cfg)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.to(device, dtype).eval()

@@ -1,0 +1,123 @@
+"""The Llama engine against transformers (test-only dependency) on a tiny random config, fp32 on CPU."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fullthrottle.generate import Generator, sample  # noqa: E402
+from fullthrottle.llama import LlamaConfig, load_hf  # noqa: E402
+
+ROPE3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 32}
+
+
+@pytest.fixture(scope="module", params=[None, ROPE3], ids=["rope", "llama3-rope"])
+def pair(request, tmp_path_factory):
+    torch.manual_seed(0)
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rope_theta=500000.0)
+    if request.param:
+        kw["rope_scaling"] = request.param
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+    d = tmp_path_factory.mktemp("llama")
+    hf.save_pretrained(d)
+    return hf, load_hf(d)
+
+
+def test_logits_equal_transformers(pair):
+    hf, ours = pair
+    ours.setup_cache(1, 64)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    out = ours(ids, torch.arange(40)[None])
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_greedy_tokens_equal_transformers(pair):
+    hf, ours = pair
+    gen = Generator(ours, max_batch=4, max_seq_len=96, graphs=False)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    got = gen.generate(prompts, max_new_tokens=24)
+    for p, toks in zip(prompts, got):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+        assert toks == ref[0, len(p):].tolist()
+
+
+def test_max_seq_len_is_a_clear_error(pair):
+    _, ours = pair
+    gen = Generator(ours, max_batch=2, max_seq_len=32, graphs=False)
+    with pytest.raises(ValueError, match="exceeds max_seq_len 32"):
+        gen.generate([[1] * 20], max_new_tokens=13)
+    assert len(gen.generate([[1] * 20], max_new_tokens=12)[0]) == 12
+
+
+def test_eos_stops_a_row(pair):
+    _, ours = pair
+    gen = Generator(ours, max_batch=2, max_seq_len=64, graphs=False)
+    free = gen.generate([[3, 4, 5]], max_new_tokens=10)[0]
+    eos = free[3]
+    stopped = gen.generate([[3, 4, 5], [7, 8]], max_new_tokens=10, eos_id=eos)
+    assert stopped[0] == free[:free.index(eos) + 1]
+
+
+def test_sampling_seeded_and_filters():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    z = torch.zeros(4, 1)
+    noise = torch.empty(4, 50).exponential_()
+    greedy = sample(logits, z, torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1), noise)
+    assert greedy.tolist() == logits.argmax(-1).tolist()
+    one = torch.ones(4, 1)
+    top1 = sample(logits, one, torch.ones(4, 1, dtype=torch.long), torch.ones(4, 1), noise)
+    assert top1.tolist() == logits.argmax(-1).tolist()  # top-k 1 is greedy whatever the noise
+    tiny_p = sample(logits, one, torch.zeros(4, 1, dtype=torch.long), torch.full((4, 1), 1e-6), noise)
+    assert tiny_p.tolist() == logits.argmax(-1).tolist()  # nucleus of one token
+    top5 = torch.stack([sample(logits, one, torch.full((4, 1), 5), torch.ones(4, 1),
+                               torch.empty(4, 50).exponential_()) for _ in range(200)])
+    allowed = logits.topk(5).indices
+    assert all(top5[:, r].unsqueeze(1).eq(allowed[r]).any(1).all() for r in range(4))
+    assert len(set(top5[:, 0].tolist())) > 1  # it does sample
+
+
+def test_config_from_transformers5_layout():
+    cfg = LlamaConfig.from_dict({"hidden_size": 64, "num_attention_heads": 4,
+                                 "rope_parameters": {"rope_theta": 5e5, **ROPE3}})
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling["rope_type"] == "llama3" and cfg.head_dim == 16
+
+
+@pytest.mark.gpu
+def test_graph_tokens_equal_eager_and_padding_rows_do_not_matter(pair):
+    _, ours = pair
+    model = ours.cuda()
+    eager = Generator(model, max_batch=8, max_seq_len=96, graphs=False)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    ref = eager.generate(prompts, max_new_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    graphed = Generator(model, max_batch=8, max_seq_len=96, graphs=True)
+    assert sorted(graphed.graphs) == [1, 2, 4, 8]
+    assert graphed.generate(prompts, max_new_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=7) == ref
+    assert graphed.generate(prompts, max_new_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=8) != ref
+    alone = [graphed.generate([p], max_new_tokens=30)[0] for p in prompts]
+    assert graphed.generate(prompts, max_new_tokens=30) == alone  # greedy: batch-mates change nothing
+
+
+def test_cli_generate_streams_the_library_tokens(pair, tmp_path, capsys):
+    from fullthrottle.cli import main
+
+    hf, ours = pair
+    hf.save_pretrained(tmp_path / "m")
+    gen = Generator(ours, max_batch=1, max_seq_len=30, graphs=False)
+    eos = hf.config.eos_token_id
+    ref = gen.generate([[5, 6, 7]], max_new_tokens=20, eos_id=eos)[0]
+    rc = main(["generate", "--model-dir", str(tmp_path / "m"), "--tokens", "5,6,7", "--max-new-tokens", "20",
+               "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert [int(t) for t in out.split()] == ref
+    assert "tok/s" in err
+    assert main(["generate", "--model-dir", str(tmp_path / "m"), "--tokens", "999"]) == 2
