@@ -124,7 +124,8 @@ class Attention(nn.Module):
         kc = self.k_cache[row0:row0 + B].scatter_(2, idx, k)              # (B, Hkv, T, D), in place
         vc = self.v_cache[row0:row0 + B].scatter_(2, idx, v)
         rep = self.h // self.hkv                                          # grouped-query attention
-        kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
+        if rep > 1:  # (a copy: with rep == 1, as in Llama-2-7B, the cache is read in place)
+            kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)     # mask: (B, 1, S, T)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, self.h * self.d))
 

@@ -35,6 +35,24 @@ from .report import Report, StageStats
 _END = object()
 
 
+def limit_heap_fragmentation(threshold: int = 128 * 1024) -> bool:
+    """Serve allocations of ``threshold`` bytes and more with mmap (glibc ``mallopt``), process-wide.
+
+    Decoded images and crops (0.1-1 MB each) are allocated and freed by many threads; glibc's
+    per-thread arenas then fragment and RSS creeps up without bound (measured: 814 -> 1380 MiB over
+    18k images on CPU). With large blocks mmapped, freed memory goes straight back to the OS and RSS
+    stays flat (751 MiB over the same 18k). Returns False where glibc is absent (nothing changed).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 class PipelineError(RuntimeError):
     """A stage failed for a reason that is not any single item's (a bug, a dead device)."""
 
@@ -314,6 +332,7 @@ class Pipeline:
         if overrides:
             config = replace(config, **overrides)
         self.config = config
+        limit_heap_fragmentation()
         self.engine = Engine(config, model)
         n = config.torch_threads or (1 if self.engine.cuda else None)
         if n is not None:
