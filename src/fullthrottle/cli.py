@@ -120,6 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seq-len", type=_positive_int, default=None,
                    help="KV cache length (default: prompt + max new tokens)")
     g.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
+    m = sub.add_parser(
+        "embed", help="text embeddings (sentence-transformers models; all-MiniLM-L6-v2 by default)",
+        description="Embed one text per line of FILE (or '-' for stdin; .jsonl lines may be "
+                    "{\"text\": ...}). Writes JSON lines (text index, truncated flag, vector) or a .npy "
+                    "(N, dim) float32 array. Texts longer than the model's max_seq_length are truncated, "
+                    "as sentence-transformers does, and flagged.")
+    m.add_argument("file", metavar="FILE|-")
+    m.add_argument("--model-dir", default=None, help="sentence-transformers folder (default: all-MiniLM-L6-v2)")
+    m.add_argument("--out", required=True, help="output: .npy or .jsonl")
+    m.add_argument("--device", default="auto")
+    m.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="default: float16 on CUDA, float32 on CPU")
+    m.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
+    m.add_argument("--no-progress", action="store_true")
     b = sub.add_parser(
         "bench", help="reproduce the field's experiments (threads, batch, transfer, e2e): JSON + PNG",
         description="Run one experiment side by side on this machine and write PREFIX.json (machine, "
@@ -274,6 +288,68 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _read_texts(path: str):
+    f = sys.stdin if path == "-" else open(path, encoding="utf-8")
+    try:
+        for line in f:
+            line = line.rstrip("\n")
+            if path.endswith(".jsonl") and line.strip():
+                obj = json.loads(line)
+                yield obj["text"] if isinstance(obj, dict) else str(obj)
+            else:
+                yield line
+    finally:
+        if f is not sys.stdin:
+            f.close()
+
+
+def cmd_embed(args) -> int:
+    import numpy as np
+    from tqdm import tqdm
+
+    from .embed import Embedder
+
+    if not (args.out.endswith(".npy") or args.out.endswith(".jsonl")):
+        print("fullthrottle: error: --out must end in .npy or .jsonl", file=sys.stderr)
+        return 2
+    if args.file != "-" and not os.path.isfile(args.file):
+        print(f"fullthrottle: error: no such file: {args.file}", file=sys.stderr)
+        return 2
+    try:
+        emb = Embedder(args.model_dir, args.device, args.dtype, args.graphs)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"fullthrottle: error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    vectors, n, n_trunc = [], 0, 0
+    bar = tqdm(unit="text", desc="embed", disable=args.no_progress or None, file=sys.stderr)
+    jsonl = open(args.out, "w", encoding="utf-8") if args.out.endswith(".jsonl") else None
+    try:
+        for block in emb.embed_stream(_read_texts(args.file)):
+            if jsonl is not None:
+                for k in range(len(block.vectors)):
+                    jsonl.write(json.dumps({"index": n + k, "truncated": bool(block.truncated[k]),
+                                            "embedding": [round(float(v), 7) for v in block.vectors[k]]}) + "\n")
+            else:
+                vectors.append(block.vectors)
+            n += len(block.vectors)
+            n_trunc += int(block.truncated.sum())
+            bar.update(len(block.vectors))
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError) as e:
+        print(f"fullthrottle: error: cannot read texts from {args.file}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        bar.close()
+        if jsonl is not None:
+            jsonl.close()
+    if jsonl is None:
+        np.save(args.out, np.concatenate(vectors) if vectors else np.zeros((0, emb.dim), np.float32))
+    dt = time.perf_counter() - t0
+    print(f"{n} texts in {dt:.2f} s = {n / dt if dt else 0:.1f} texts/s on {emb.device} ({emb.dtype}); "
+          f"{n_trunc} truncated to {emb.max_seq_length} tokens; wrote {args.out}", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from . import benchmarks as B
 
@@ -391,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve(args)
     if args.command == "generate":
         return cmd_generate(args)
+    if args.command == "embed":
+        return cmd_embed(args)
     if args.command == "classify":
         rc = cmd_classify(args)
         if rc == 130 and argv is None:

