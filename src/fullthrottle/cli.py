@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
     v.add_argument("--top-k", type=_positive_int, default=5)
     v.add_argument("--gpu-decode", action="store_true", help="also decode JPEGs on the GPU (nvJPEG)")
+    v.add_argument("--embed-model", default=None, metavar="DIR|default",
+                   help="also serve POST /v1/embeddings with this sentence-transformers folder "
+                        "('default': all-MiniLM-L6-v2)")
     g = sub.add_parser(
         "generate", help="LLM text generation (Llama family) with a static KV cache and CUDA graphs",
         description="Generate from a Hugging Face Llama folder (config.json + safetensors, tokenizer.json "
@@ -214,7 +217,8 @@ def cmd_serve(args) -> int:
               file=sys.stderr)
     run_server(cfg, args.host, args.port,
                ServeOptions(max_queue=args.max_queue, timeout_s=args.timeout_s,
-                            max_body_bytes=int(args.max_body_mb * 2**20), devices=devices))
+                            max_body_bytes=int(args.max_body_mb * 2**20), devices=devices,
+                            embed_model=args.embed_model))
     return 0
 
 

@@ -112,6 +112,57 @@ class BatchingService:
         self._results.close()
 
 
+class EmbedService:
+    """Cross-request batching for text embeddings: one thread drains every waiting request (up to
+    ``max_texts`` texts) into one :meth:`~fullthrottle.embed.Embedder.embed` call."""
+
+    def __init__(self, embedder, max_texts: int = 1024, max_queue: int = 256):
+        self.embedder, self.max_texts = embedder, max_texts
+        self.q: queue.Queue = queue.Queue(max_queue)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ft-embed", daemon=True)
+        self._thread.start()
+
+    def submit(self, texts: list[str]) -> asyncio.Future:
+        """Raises Overloaded when ``max_queue`` requests are already waiting."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        try:
+            self.q.put_nowait((texts, loop, fut))
+        except queue.Full:
+            raise Overloaded(f"queue full ({self.q.maxsize} requests waiting)") from None
+        return fut
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                reqs = [self.q.get(timeout=0.05)]
+            except queue.Empty:
+                continue
+            n = len(reqs[0][0])
+            while n < self.max_texts:
+                try:
+                    reqs.append(self.q.get_nowait())
+                    n += len(reqs[-1][0])
+                except queue.Empty:
+                    break
+            try:
+                res = self.embedder.embed([t for r in reqs for t in r[0]])
+            except Exception as e:  # noqa: BLE001 - answer every waiting request
+                for _, loop, fut in reqs:
+                    loop.call_soon_threadsafe(_fail, fut, e)
+                continue
+            k = 0
+            for texts, loop, fut in reqs:
+                part = (res.vectors[k:k + len(texts)], res.truncated[k:k + len(texts)], res.tokens[k:k + len(texts)])
+                k += len(texts)
+                loop.call_soon_threadsafe(_resolve, fut, part)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 def _default_devices(device: str) -> list[str]:
     import torch
 
@@ -140,6 +191,8 @@ class ServeOptions:
         max_body_bytes: request body limit (bytes) before 413.
         retry_after_s: the Retry-After header sent with 503 (s).
         url_timeout_s: timeout (s) for fetching one image URL of a JSON request.
+        embed_model: serve ``POST /v1/embeddings`` with this sentence-transformers folder ("default":
+            all-MiniLM-L6-v2); None leaves the route off.
         devices: one model replica (its own pipeline) per device; default: every visible GPU when the
             config's device is "auto"/"cuda" and CUDA exists, else the config's device. Each request
             goes to the replica with the fewest images waiting.
@@ -151,6 +204,7 @@ class ServeOptions:
     retry_after_s: int = 1
     url_timeout_s: float = 10.0
     devices: tuple[str, ...] | None = None
+    embed_model: str | None = None
 
 
 def create_app(config: Config, options: ServeOptions | None = None, model=None):
@@ -201,6 +255,12 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             return services
 
         state["services"] = await asyncio.to_thread(build)
+        if opts.embed_model is not None:
+            from .embed import Embedder
+
+            path = None if opts.embed_model == "default" else opts.embed_model
+            state["embed"] = EmbedService(await asyncio.to_thread(Embedder, path, devices[0]),
+                                          max_queue=opts.max_queue)
         state["ready"] = True
         state["http"] = httpx.AsyncClient(timeout=opts.url_timeout_s, follow_redirects=True)
         try:
@@ -210,6 +270,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             await state["http"].aclose()
             for svc in state["services"]:
                 await asyncio.to_thread(svc.close)
+            if state.get("embed") is not None:
+                await asyncio.to_thread(state["embed"].close)
 
     app = FastAPI(title="fullthrottle", lifespan=lifespan,
                   description="Image classification with cross-request dynamic batching on the GPU.")
@@ -291,6 +353,45 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         if len(images) > MAX_IMAGES_PER_REQUEST:
             raise _HTTPError(413, f"{len(images)} images in one request; at most {MAX_IMAGES_PER_REQUEST}")
         return images
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        """OpenAI embeddings shape: ``{"input": str | [str], "model": ...}`` -> ``{"data": [...]}``."""
+        route, t0 = "/v1/embeddings", time.perf_counter()
+        try:
+            svc = state.get("embed")
+            if svc is None:
+                raise _HTTPError(404, "embeddings are not enabled (start the server with --embed-model)")
+            body = await request.body()
+            if len(body) > opts.max_body_bytes:
+                raise _HTTPError(413, f"request body exceeds the limit of {opts.max_body_bytes} bytes")
+            import json
+
+            try:
+                payload = json.loads(body)
+                texts = payload.get("input") if isinstance(payload, dict) else None
+            except ValueError:
+                texts = None
+            texts = [texts] if isinstance(texts, str) else texts
+            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+                raise _HTTPError(400, 'JSON body must be {"input": "text" | ["text", ...]}')
+            try:
+                fut = svc.submit(texts)
+            except Overloaded as e:
+                raise _HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
+            try:
+                vecs, trunc, toks = await asyncio.wait_for(fut, opts.timeout_s)
+            except asyncio.TimeoutError:
+                raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
+            data = [{"object": "embedding", "index": i, "embedding": v.tolist(), "truncated": bool(t)}
+                    for i, (v, t) in enumerate(zip(vecs, trunc))]
+            n_tok = int(toks.sum())
+            return reply(route, 200, {"object": "list", "data": data, "model": payload.get("model") or "default",
+                                      "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}})
+        except _HTTPError as e:
+            return reply(route, e.status, {"detail": e.detail}, e.headers)
+        finally:
+            m_latency.labels(route).observe(time.perf_counter() - t0)
 
     @app.post("/v1/classify")
     async def classify(request: Request):
