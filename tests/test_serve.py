@@ -203,3 +203,36 @@ def test_embeddings_route_matches_library():
         assert httpx.post(s.url + "/v1/embeddings", json={"input": [1, 2]}).status_code == 400
     with Server(Tiny()) as s:
         assert httpx.post(s.url + "/v1/embeddings", json={"input": "x"}).status_code == 404
+
+
+def test_completions_route_batches_and_streams():
+    import json
+
+    from fullthrottle.generate import Generator
+    from fullthrottle.llama import Llama, LlamaConfig
+
+    torch_ = pytest.importorskip("torch")
+    torch_.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
+    model = Llama(cfg).eval()
+    ref_gen = Generator(model, max_batch=1, max_seq_len=64, graphs=False)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    refs = [ref_gen.generate([p], max_new_tokens=12)[0] for p in prompts]
+    gen = Generator(model, max_batch=4, max_seq_len=64, graphs=False)
+    with Server(Tiny(), ServeOptions(llm=(gen, None))) as s:
+        with cf.ThreadPoolExecutor(3) as ex:
+            resps = list(ex.map(lambda p: httpx.post(s.url + "/v1/completions", json={
+                "prompt": p, "max_tokens": 12, "temperature": 0}, timeout=60), prompts))
+        for r, ref in zip(resps, refs):
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == ref
+        with httpx.stream("POST", s.url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 12,
+                                                                  "temperature": 0, "stream": True}) as st:
+            events = [line[6:] for line in st.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        streamed = [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]]
+        assert streamed == refs[0] and len(events) > 2
+        bad = httpx.post(s.url + "/v1/completions", json={"prompt": [1], "max_tokens": 100}, timeout=30)
+        assert bad.status_code == 400 and "exceeds the context" in bad.json()["detail"]
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "text"}).status_code == 400

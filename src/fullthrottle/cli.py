@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
     v.add_argument("--top-k", type=_positive_int, default=5)
     v.add_argument("--gpu-decode", action="store_true", help="also decode JPEGs on the GPU (nvJPEG)")
+    v.add_argument("--llm-model-dir", default=None, metavar="DIR",
+                   help="also serve POST /v1/completions with this Hugging Face Llama folder")
+    v.add_argument("--llm-max-batch", type=_positive_int, default=8, help="LLM rows per decode batch")
+    v.add_argument("--llm-max-seq-len", type=_positive_int, default=2048, help="LLM context (KV cache) length")
     v.add_argument("--embed-model", default=None, metavar="DIR|default",
                    help="also serve POST /v1/embeddings with this sentence-transformers folder "
                         "('default': all-MiniLM-L6-v2)")
@@ -215,10 +219,29 @@ def cmd_serve(args) -> int:
     if args.weights is None:
         print("WARNING: no --weights given: the model is randomly initialised, labels are meaningless",
               file=sys.stderr)
+    llm = None
+    if args.llm_model_dir:
+        import torch
+
+        from .generate import Generator
+        from .llama import load_hf
+
+        try:
+            model = load_hf(args.llm_model_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"fullthrottle: error: {e}", file=sys.stderr)
+            return 2
+        tok = None
+        tj = os.path.join(args.llm_model_dir, "tokenizer.json")
+        if os.path.isfile(tj):
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(tj)
+        llm = (Generator(model, args.llm_max_batch, args.llm_max_seq_len, graphs=args.graphs), tok)
     run_server(cfg, args.host, args.port,
                ServeOptions(max_queue=args.max_queue, timeout_s=args.timeout_s,
                             max_body_bytes=int(args.max_body_mb * 2**20), devices=devices,
-                            embed_model=args.embed_model))
+                            embed_model=args.embed_model, llm=llm))
     return 0
 
 

@@ -147,6 +147,7 @@ class Generator:
                  stats: GenerateStats | None = None, on_tokens=None) -> list[list[int]]:
         """Token ids in, new token ids out (one list per prompt, stopped after EOS, which is kept).
 
+        ``temperature``, ``top_k`` and ``top_p`` may be one value or a list with one per prompt.
         ``on_tokens(chunks)``, if given, is called every ``check_every`` steps with each row's new
         tokens since the last call (streaming; rows past their EOS keep repeating it).
 
@@ -168,9 +169,13 @@ class Generator:
         dev = self.device
         st = stats or GenerateStats()
         t0 = time.perf_counter()
-        self.temp.fill_(temperature)
-        self.topk.fill_(top_k)
-        self.topp.fill_(top_p)
+        for buf, val in ((self.temp, temperature), (self.topk, top_k), (self.topp, top_p)):
+            if isinstance(val, (list, tuple)):  # one value per prompt
+                if len(val) != n:
+                    raise ValueError(f"{len(val)} sampling values for {n} prompts")
+                buf[:n, 0] = torch.tensor(val, dtype=buf.dtype)
+            else:
+                buf.fill_(val)
         self.eos.fill_(-1 if eos_id is None else eos_id)
         self.done.zero_()
         self.done[n:] = True  # padding rows

@@ -163,6 +163,73 @@ class EmbedService:
         self._thread.join(5)
 
 
+class CompletionService:
+    """LLM requests batched across callers: a thread takes up to ``max_batch`` waiting requests and
+    runs them as one :meth:`~fullthrottle.generate.Generator.generate` call (per-row sampling values),
+    streaming each request's tokens to its asyncio queue as chunks arrive."""
+
+    def __init__(self, generator, tokenizer=None, max_queue: int = 256):
+        self.gen, self.tok = generator, tokenizer
+        self.q: queue.Queue = queue.Queue(max_queue)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ft-llm", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: dict) -> asyncio.Queue:
+        """Queue ``req`` (ids, max_tokens, temperature, top_k, top_p, eos); returns the queue that
+        receives lists of new token ids, then None at the end (or an Exception)."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        try:
+            self.q.put_nowait((req, loop, out))
+        except queue.Full:
+            raise Overloaded(f"queue full ({self.q.maxsize} requests waiting)") from None
+        return out
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                batch = [self.q.get(timeout=0.05)]
+            except queue.Empty:
+                continue
+            while len(batch) < self.gen.max_batch:
+                try:
+                    batch.append(self.q.get_nowait())
+                except queue.Empty:
+                    break
+            reqs = [b[0] for b in batch]
+            eos = reqs[0]["eos"]
+            done = [False] * len(batch)
+
+            def on_tokens(chunks):
+                for i, ((_, loop, out), toks) in enumerate(zip(batch, chunks)):
+                    if done[i]:
+                        continue
+                    toks = toks[:reqs[i]["max_tokens"] - reqs[i].setdefault("sent", 0)]
+                    if eos is not None and eos in toks:
+                        toks, done[i] = toks[:toks.index(eos) + 1], True
+                    reqs[i]["sent"] += len(toks)
+                    if reqs[i]["sent"] >= reqs[i]["max_tokens"]:
+                        done[i] = True
+                    if toks:
+                        loop.call_soon_threadsafe(out.put_nowait, toks)
+
+            try:
+                self.gen.generate([r["ids"] for r in reqs], max(r["max_tokens"] for r in reqs),
+                                  [r["temperature"] for r in reqs], [r["top_k"] for r in reqs],
+                                  [r["top_p"] for r in reqs], seed=reqs[0].get("seed"), eos_id=eos,
+                                  on_tokens=on_tokens)
+                for _, loop, out in batch:
+                    loop.call_soon_threadsafe(out.put_nowait, None)
+            except Exception as e:  # noqa: BLE001 - every request in the batch gets the error
+                for _, loop, out in batch:
+                    loop.call_soon_threadsafe(out.put_nowait, e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 def _default_devices(device: str) -> list[str]:
     import torch
 
@@ -205,6 +272,7 @@ class ServeOptions:
     url_timeout_s: float = 10.0
     devices: tuple[str, ...] | None = None
     embed_model: str | None = None
+    llm: object | None = None  # a (Generator, tokenizer or None) pair: serves POST /v1/completions
 
 
 def create_app(config: Config, options: ServeOptions | None = None, model=None):
@@ -255,6 +323,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             return services
 
         state["services"] = await asyncio.to_thread(build)
+        if opts.llm is not None:
+            state["llm"] = CompletionService(*opts.llm, max_queue=opts.max_queue)
         if opts.embed_model is not None:
             from .embed import Embedder
 
@@ -272,6 +342,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 await asyncio.to_thread(svc.close)
             if state.get("embed") is not None:
                 await asyncio.to_thread(state["embed"].close)
+            if state.get("llm") is not None:
+                await asyncio.to_thread(state["llm"].close)
 
     app = FastAPI(title="fullthrottle", lifespan=lifespan,
                   description="Image classification with cross-request dynamic batching on the GPU.")
@@ -388,6 +460,90 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             n_tok = int(toks.sum())
             return reply(route, 200, {"object": "list", "data": data, "model": payload.get("model") or "default",
                                       "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}})
+        except _HTTPError as e:
+            return reply(route, e.status, {"detail": e.detail}, e.headers)
+        finally:
+            m_latency.labels(route).observe(time.perf_counter() - t0)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        """OpenAI completions subset: prompt (text, or a list of token ids), max_tokens, temperature,
+        top_p, top_k, seed, stream (server-sent events, one chunk per few tokens)."""
+        import json
+
+        from fastapi.responses import StreamingResponse
+
+        route, t0 = "/v1/completions", time.perf_counter()
+        try:
+            svc = state.get("llm")
+            if svc is None:
+                raise _HTTPError(404, "completions are not enabled (start the server with --llm-model-dir)")
+            try:
+                p = json.loads(await request.body())
+                if not isinstance(p, dict):
+                    raise ValueError
+            except ValueError:
+                raise _HTTPError(400, "JSON object body required") from None
+            prompt = p.get("prompt")
+            if isinstance(prompt, str):
+                if svc.tok is None:
+                    raise _HTTPError(400, "this model has no tokenizer: send prompt as a list of token ids")
+                ids = svc.tok.encode(prompt).ids
+            elif isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
+                ids = prompt
+            else:
+                raise _HTTPError(400, "prompt must be a string or a non-empty list of token ids")
+            vocab = svc.gen.model.cfg.vocab_size
+            max_tokens = p.get("max_tokens", 16)
+            if not isinstance(max_tokens, int) or max_tokens < 1:
+                raise _HTTPError(400, "max_tokens must be a positive integer")
+            if any(i < 0 or i >= vocab for i in ids):
+                raise _HTTPError(400, f"token ids must be in [0, {vocab})")
+            if len(ids) + max_tokens > svc.gen.max_seq_len:
+                raise _HTTPError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                      f"context of {svc.gen.max_seq_len}")
+            eos = svc.gen.model.cfg.eos_token_id
+            req = {"ids": ids, "max_tokens": max_tokens, "temperature": float(p.get("temperature", 1.0)),
+                   "top_p": float(p.get("top_p", 1.0)), "top_k": int(p.get("top_k", 0)), "seed": p.get("seed"),
+                   "eos": eos[0] if isinstance(eos, list) else eos}
+            try:
+                out = svc.submit(req)
+            except Overloaded as e:
+                raise _HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
+
+            def text(toks):
+                return svc.tok.decode(toks) if svc.tok is not None else None
+
+            if p.get("stream"):
+                async def events():
+                    while True:
+                        item = await out.get()
+                        if item is None or isinstance(item, Exception):
+                            break
+                        chunk = {"object": "text_completion", "choices": [
+                            {"index": 0, "text": text(item), "token_ids": item, "finish_reason": None}]}
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                    yield "data: [DONE]\n\n"
+
+                m_requests.labels(route, "200").inc()
+                return StreamingResponse(events(), media_type="text/event-stream")
+            toks: list[int] = []
+            deadline = t0 + opts.timeout_s
+            while True:
+                try:
+                    item = await asyncio.wait_for(out.get(), max(deadline - time.perf_counter(), 0.001))
+                except asyncio.TimeoutError:
+                    raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
+                if item is None:
+                    break
+                if isinstance(item, Exception):
+                    raise _HTTPError(500, f"generation failed: {item}")
+                toks += item
+            finish = "stop" if req["eos"] is not None and toks and toks[-1] == req["eos"] else "length"
+            return reply(route, 200, {"object": "text_completion", "choices": [
+                {"index": 0, "text": text(toks), "token_ids": toks, "finish_reason": finish}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(toks),
+                          "total_tokens": len(ids) + len(toks)}})
         except _HTTPError as e:
             return reply(route, e.status, {"detail": e.detail}, e.headers)
         finally:
