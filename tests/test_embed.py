@@ -24,7 +24,7 @@ def varied_texts(n=1000):
         for name in sorted(dir(mod)):
             d = getattr(getattr(mod, name, None), "__doc__", None)
             if isinstance(d, str) and d.strip():
-                docs.append(d.strip())
+                docs.append(d.strip().split("\n\n")[0])  # first paragraph: short, like real queries
     extra = ["", " ", "🙂🚀🔥 emoji only?", "東京は日本の首都です。", "Москва — столица России.",
              "مرحبا بالعالم", "नमस्ते दुनिया", "a", "word " * 800, "x" * 3000, "GPU " * 300,
              "Mixed 中文 and English and עברית."]
