@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
-import time
 from pathlib import Path
 
 import cv2
@@ -21,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from common import jpegs_640x480, machine_info, write_json  # noqa: E402
 
+from fullthrottle.benchmarks import _rate  # noqa: E402
 from fullthrottle.preprocess import preprocess  # noqa: E402
 
 
@@ -45,26 +44,6 @@ RECIPES = {"decode_only": decode_only, "current_preprocess": preprocess, "cv2_ar
            "torch_min": torch_min}
 
 
-def rate(fn, blobs, nthreads, seconds=2.0):
-    stop = time.perf_counter() + seconds
-    counts = [0] * nthreads
-
-    def work(k):
-        i = k
-        while time.perf_counter() < stop:
-            fn(blobs[i % len(blobs)])
-            i += nthreads
-            counts[k] += 1
-
-    ts = [threading.Thread(target=work, args=(k,)) for k in range(nthreads)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return sum(counts) / (time.perf_counter() - t0)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", default="1,8,16,32")
@@ -77,7 +56,7 @@ def main():
     for name, fn in RECIPES.items():
         fn(blobs[0])
         for n in [int(x) for x in args.threads.split(",")]:
-            r = rate(fn, blobs, n)
+            r = _rate(lambda k, fn=fn: fn(blobs[k % len(blobs)]), n, 2.0)
             rows.append({"recipe": name, "threads": n, "img_per_s": r})
             print(f"{name:<20}{n:>4}{r:>10.0f}", flush=True)
     write_json(args.out, {"benchmark": "threads_probe", "machine": machine_info(), "rows": rows})

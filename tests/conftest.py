@@ -59,3 +59,19 @@ def no_thread_leak():
             return
         time.sleep(0.05)
     raise AssertionError(f"threads left running: {alive}")
+
+
+@pytest.fixture
+def http_server(samples, tmp_path):
+    """A static file server on 127.0.0.1 (ephemeral port) holding ``a.jpg`` (a sample photo)."""
+    import http.server
+    from functools import partial
+
+    (tmp_path / "a.jpg").write_bytes(samples[0].read_bytes())
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a, **k: None
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()

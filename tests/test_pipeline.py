@@ -1,8 +1,5 @@
 import asyncio
-import http.server
-import threading
 import time
-from functools import partial
 
 import numpy as np
 import pytest
@@ -247,19 +244,6 @@ def test_config_errors():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             Pipeline(Config(device="cuda"))
-
-
-@pytest.fixture
-def http_server(samples, tmp_path):
-    (tmp_path / "a.jpg").write_bytes(samples[0].read_bytes())
-    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
-    handler.log_message = lambda *a, **k: None
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
 
 
 def test_http_urls(http_server, samples):

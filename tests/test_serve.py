@@ -85,21 +85,6 @@ def test_multipart_and_json_urls(samples, http_server):
         assert httpx.post(s.url + "/v1/classify", json={"nope": 1}).status_code == 400
 
 
-@pytest.fixture
-def http_server(samples, tmp_path):
-    import http.server
-    from functools import partial
-
-    (tmp_path / "a.jpg").write_bytes(samples[0].read_bytes())
-    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
-    handler.log_message = lambda *a, **k: None
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
-
-
 def test_bad_inputs_give_422_with_reason_and_server_survives(bad_dir, samples):
     expect_422 = {"truncated.jpg": "truncated", "empty.jpg": "empty file", "not-an-image.jpg": "not a supported",
                   "bomb-40000x40000.png": "image too large"}

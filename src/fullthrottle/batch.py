@@ -4,7 +4,6 @@ and the batch-bucket arithmetic (pad up to a bucket, split what exceeds the larg
 from __future__ import annotations
 
 import bisect
-import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field

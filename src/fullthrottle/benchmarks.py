@@ -170,7 +170,7 @@ def bench_batch(batches: list[int], model: str = "resnet18", compile: bool = Fal
                 n = max(1, iters if devname == "cuda" else min(iters, max(1, 16 // bs)))
                 s = _time_per_call(step, dev, n * (10 if devname == "cuda" else 1))
             rows.append({"config": name, "batch": bs, "img_per_s": bs / s})
-        del m, runner
+        m = runner = None  # free this config's model before the next
     return {"experiment": "batch", "model": model, "rows": rows}
 
 

@@ -15,62 +15,13 @@ The 16 CPU cores of our H200 machine decode ~4k JPEGs/s; nvJPEG decodes ~21k/s
 
 from __future__ import annotations
 
-import struct
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .preprocess import jpeg_is_complete, sniff
-
-
-def _exif_orientation(app1: bytes) -> int:
-    """EXIF orientation tag (1..8) from an APP1 payload starting with ``Exif\\0\\0``; 1 if absent."""
-    tiff = app1[6:]
-    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
-        return 1
-    e = "<" if tiff[:2] == b"II" else ">"
-    (ifd,) = struct.unpack(e + "I", tiff[4:8])
-    if ifd + 2 > len(tiff):
-        return 1
-    (n,) = struct.unpack(e + "H", tiff[ifd:ifd + 2])
-    for k in range(n):
-        off = ifd + 2 + 12 * k
-        if off + 12 > len(tiff):
-            break
-        tag, _typ, _cnt = struct.unpack(e + "HHI", tiff[off:off + 8])
-        if tag == 0x0112:
-            return struct.unpack(e + "H", tiff[off + 8:off + 10])[0]
-    return 1
-
-
-def jpeg_info(data: bytes) -> dict | None:
-    """SOF marker, component count, size and EXIF orientation of a JPEG, from its header only."""
-    i, n, orient = 2, len(data), 1
-    while i + 4 <= n:
-        if data[i] != 0xFF:
-            return None
-        marker = data[i + 1]
-        if marker == 0xFF:
-            i += 1
-            continue
-        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
-            i += 2
-            continue
-        (seg,) = struct.unpack(">H", data[i + 2:i + 4])
-        if marker == 0xE1 and data[i + 4:i + 10] == b"Exif\x00\x00":
-            try:
-                orient = _exif_orientation(data[i + 4:i + 2 + seg])
-            except struct.error:
-                orient = 0
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            if i + 10 > n:
-                return None
-            h, w = struct.unpack(">HH", data[i + 5:i + 9])
-            return {"sof": marker, "components": data[i + 9], "width": w, "height": h, "orientation": orient}
-        i += 2 + seg
-    return None
+from .preprocess import jpeg_info, jpeg_is_complete, sniff
 
 
 def gpu_eligible(data: bytes, max_pixels: int = 89_478_485) -> tuple[bool, str]:

@@ -55,24 +55,51 @@ def sniff(data: bytes) -> str | None:
     return None
 
 
-def _jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from a JPEG's SOF marker, walking the marker segments; ``None`` if not found."""
-    i, n = 2, len(data)
-    while i + 9 < n:
+def _exif_orientation(app1: bytes) -> int:
+    """EXIF orientation tag (1..8) from an APP1 payload starting with ``Exif\\0\\0``; 1 if absent."""
+    tiff = app1[6:]
+    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
+        return 1
+    e = "<" if tiff[:2] == b"II" else ">"
+    (ifd,) = struct.unpack(e + "I", tiff[4:8])
+    if ifd + 2 > len(tiff):
+        return 1
+    (n,) = struct.unpack(e + "H", tiff[ifd:ifd + 2])
+    for k in range(n):
+        off = ifd + 2 + 12 * k
+        if off + 12 > len(tiff):
+            break
+        tag, _typ, _cnt = struct.unpack(e + "HHI", tiff[off:off + 8])
+        if tag == 0x0112:
+            return struct.unpack(e + "H", tiff[off + 8:off + 10])[0]
+    return 1
+
+
+def jpeg_info(data: bytes) -> dict | None:
+    """SOF marker, component count, size and EXIF orientation of a JPEG, from its header only."""
+    i, n, orient = 2, len(data), 1
+    while i + 4 <= n:
         if data[i] != 0xFF:
             return None
         marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
+        if marker == 0xFF:
             i += 1
             continue
         if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
             i += 2
             continue
-        (seg_len,) = struct.unpack(">H", data[i + 2:i + 4])
+        (seg,) = struct.unpack(">H", data[i + 2:i + 4])
+        if marker == 0xE1 and data[i + 4:i + 10] == b"Exif\x00\x00":
+            try:
+                orient = _exif_orientation(data[i + 4:i + 2 + seg])
+            except struct.error:
+                orient = 0
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            if i + 10 > n:
+                return None
             h, w = struct.unpack(">HH", data[i + 5:i + 9])
-            return w, h
-        i += 2 + seg_len
+            return {"sof": marker, "components": data[i + 9], "width": w, "height": h, "orientation": orient}
+        i += 2 + seg
     return None
 
 
@@ -97,9 +124,9 @@ def header_size(data: bytes, fmt: str | None) -> tuple[int, int, str]:
         ImageError: the data is not an image format we can read.
     """
     if fmt == "JPEG":
-        wh = _jpeg_size(data)
-        if wh is not None:
-            return wh[0], wh[1], fmt
+        info = jpeg_info(data)
+        if info is not None:
+            return info["width"], info["height"], fmt
     if fmt == "PNG" and len(data) >= 24 and data[12:16] == b"IHDR":
         w, h = struct.unpack(">II", data[16:24])
         return w, h, fmt
