@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--unordered", action="store_true", help="emit results in completion order")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument("--report-json", help="write the run summary (rates, latency, stages) as JSON here")
+    c.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run as a Ray Data job (a local Ray cluster, or the one at ADDRESS); "
+                        "needs pip install 'fullthrottle[ray]'")
+    c.add_argument("--ray-actors", type=_positive_int, default=2, help="Ray actors (one per GPU)")
     v = sub.add_parser(
         "serve", help="HTTP API with cross-request dynamic batching, Prometheus metrics, overload control",
         description="Serve POST /v1/classify (raw image body, multipart files, or JSON {\"urls\": [...]}), "
@@ -415,6 +419,43 @@ def _format_result(r) -> str:
     return f"{r.id}: ERROR {r.error}"
 
 
+def _classify_ray(args) -> int:
+    from .ray_jobs import classify_on_ray
+
+    if importlib.util.find_spec("ray") is None:
+        print("fullthrottle: error: --ray needs Ray: pip install 'fullthrottle[ray]'", file=sys.stderr)
+        return 2
+    cfg = {"model": args.model, "weights": args.weights, "device": args.device, "top_k": args.top_k,
+           "max_batch_size": args.batch_size, "max_wait_ms": args.max_wait_ms, "threads": args.threads,
+           "graphs": args.graphs, "gpu_decode": args.gpu_decode}
+    if args.dtype:
+        cfg["dtype"] = args.dtype
+    inputs = args.inputs or sample_photos()
+    out = open(args.out, "w", encoding="utf-8") if args.out and args.out != "-" else None
+    t0, ok, failed = time.perf_counter(), 0, 0
+    try:
+        for row in classify_on_ray(inputs, cfg, None if args.ray == "local" else args.ray,
+                                   concurrency=args.ray_actors, batch_size=args.batch_size):
+            good = row["error"] is None
+            ok += good
+            failed += not good
+            line = json.dumps(row)
+            if out is not None:
+                out.write(line + "\n")
+            elif args.out == "-":
+                print(line)
+            else:
+                print(f"{row['id']}: " + (", ".join(f"{lab} {p:.3f}" for lab, p in zip(row["labels"], row["probs"]))
+                                          if good else f"ERROR {row['error']}"))
+    finally:
+        if out is not None:
+            out.close()
+    dt = time.perf_counter() - t0
+    print(f"{ok + failed} items: {ok} ok, {failed} failed in {dt:.1f} s on Ray "
+          f"({args.ray_actors} actors)", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def cmd_classify(args) -> int:
     import torch
     from tqdm import tqdm
@@ -425,6 +466,8 @@ def cmd_classify(args) -> int:
     from .pipeline import Pipeline
 
     inputs = args.inputs
+    if args.ray is not None:
+        return _classify_ray(args)
     for path in (args.out, args.report_json):
         if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             print(f"fullthrottle: error: cannot write {path}: its folder does not exist", file=sys.stderr)
