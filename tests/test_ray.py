@@ -43,3 +43,69 @@ def test_offline_job_one_result_per_item_across_two_nodes(cluster, tmp_path, sam
         else:
             assert row["error"].split(": ", 1)[1] == r.error.split(": ", 1)[1]
     assert len({r["node"] for r in rows if r["node"]}) == 2  # both worker nodes did work
+
+
+def test_ray_serve_same_answers_and_survives_a_killed_replica(cluster, tmp_path, samples):
+    import concurrent.futures as cf
+    import socket
+    import time
+
+    import httpx
+    import torchvision
+    from ray import serve
+    from safetensors.torch import save_file
+
+    from fullthrottle import Config, Pipeline
+    from fullthrottle.ray_jobs import serve_on_ray
+
+    torch.manual_seed(1)
+    save_file(torchvision.models.resnet18().state_dict(), str(tmp_path / "w.safetensors"))
+    cfg = Config(model="resnet18", weights=str(tmp_path / "w.safetensors"), device="cpu", threads=1,
+                 max_batch_size=8)
+    ref = {r.id: r for r in Pipeline(cfg).classify([(p.name, p.read_bytes()) for p in samples[:12]])}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve_on_ray(cfg, replicas=2, port=port, blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+
+        def ask(p):
+            r = httpx.post(url + "/v1/classify", content=p.read_bytes(), headers={"content-type": "image/jpeg"},
+                           timeout=60)
+            return p.name, r
+
+        def check(results):
+            for name, r in results:
+                if r.status_code != 200:
+                    continue
+                top = r.json()["results"][0]["top_k"]
+                assert [t["class_id"] for t in top] == ref[name].class_ids  # never a wrong answer
+
+        with cf.ThreadPoolExecutor(6) as ex:
+            first = list(ex.map(ask, samples[:12]))
+        assert all(r.status_code == 200 for _, r in first)
+        check(first)
+        from ray.util.state import list_actors
+
+        replicas = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "ServeReplica" in a.class_name]
+        assert len(replicas) == 2
+        ray.kill(ray.get_actor(replicas[0].name, namespace="serve"))
+        with cf.ThreadPoolExecutor(6) as ex:
+            during = list(ex.map(ask, samples[:12]))
+        check(during)
+        time.sleep(5)  # recovery: Serve restarts the replica
+        with cf.ThreadPoolExecutor(6) as ex:
+            after = list(ex.map(ask, samples[:12]))
+        assert all(r.status_code == 200 for _, r in after)
+        check(after)
+    finally:
+        serve.shutdown()

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
     v.add_argument("--top-k", type=_positive_int, default=5)
     v.add_argument("--gpu-decode", action="store_true", help="also decode JPEGs on the GPU (nvJPEG)")
+    v.add_argument("--ray", action="store_true",
+                   help="deploy on Ray Serve (one replica per GPU; --replicas); needs fullthrottle[ray]")
+    v.add_argument("--replicas", type=_positive_int, default=1, help="Ray Serve replicas (with --ray)")
     v.add_argument("--llm-model-dir", default=None, metavar="DIR",
                    help="also serve POST /v1/completions with this Hugging Face Llama folder")
     v.add_argument("--llm-max-batch", type=_positive_int, default=8, help="LLM rows per decode batch")
@@ -242,6 +245,16 @@ def cmd_serve(args) -> int:
 
             tok = Tokenizer.from_file(tj)
         llm = (Generator(model, args.llm_max_batch, args.llm_max_seq_len, graphs=args.graphs), tok)
+    if args.ray:
+        if importlib.util.find_spec("ray") is None:
+            print("fullthrottle: error: --ray needs Ray Serve: pip install 'fullthrottle[ray]'", file=sys.stderr)
+            return 2
+        from .ray_jobs import serve_on_ray
+
+        serve_on_ray(cfg, ServeOptions(max_queue=args.max_queue, timeout_s=args.timeout_s,
+                                       max_body_bytes=int(args.max_body_mb * 2**20)),
+                     replicas=args.replicas, host=args.host, port=args.port)
+        return 0
     run_server(cfg, args.host, args.port,
                ServeOptions(max_queue=args.max_queue, timeout_s=args.timeout_s,
                             max_body_bytes=int(args.max_body_mb * 2**20), devices=devices,

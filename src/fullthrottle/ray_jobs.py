@@ -107,3 +107,38 @@ def classify_on_ray(inputs, config: dict, address: str | None = None, concurrenc
     for k in sorted(out):
         yield out[k]
 
+
+
+def serve_on_ray(config, options=None, replicas: int = 1, host: str = "127.0.0.1", port: int = 8000,
+                 num_gpus: float | None = None, blocking: bool = True):
+    """Deploy ``fullthrottle serve``'s app on Ray Serve: ``replicas`` replicas (one GPU each on CUDA),
+    the same routes and response shapes, each replica feeding its own dynamic batcher.
+
+    Args:
+        config: the pipeline's :class:`~fullthrottle.config.Config` (a model name; weights readable
+            on every node).
+        options: :class:`~fullthrottle.serve.ServeOptions`.
+        blocking: wait until interrupted (the CLI); False returns after the deployment is running.
+
+    Raises:
+        ImportError: Ray Serve is not installed.
+    """
+    import ray
+    from ray import serve
+
+    from .serve import create_app
+
+    if num_gpus is None:
+        import torch
+
+        num_gpus = 1 if config.device != "cpu" and torch.cuda.is_available() else 0
+    if not ray.is_initialized():
+        ray.init(ignore_reinit_error=True, log_to_driver=False)
+
+    @serve.deployment(num_replicas=replicas, ray_actor_options={"num_gpus": num_gpus, "num_cpus": 0.5})
+    @serve.ingress(lambda: create_app(config, options))
+    class Fullthrottle:
+        """One replica: the whole fullthrottle app (pipeline built in the app's lifespan)."""
+
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(Fullthrottle.bind(), name="fullthrottle", route_prefix="/", blocking=blocking)
