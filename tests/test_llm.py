@@ -56,6 +56,17 @@ def test_max_seq_len_is_a_clear_error(pair):
     assert len(gen.generate([[1] * 20], max_new_tokens=12)[0]) == 12
 
 
+def test_sampling_values_are_checked(pair):
+    _, ours = pair
+    gen = Generator(ours, max_batch=1, max_seq_len=32, graphs=False)
+    for kw, msg in (({"temperature": -1.0}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+                    ({"top_p": 0.0}, "top_p"), ({"top_p": 2.0}, "top_p"), ({"top_k": -5}, "top_k")):
+        with pytest.raises(ValueError, match=msg):
+            gen.generate([[1, 2]], max_new_tokens=4, **kw)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        Generator(ours, max_batch=1, max_seq_len=ours.cfg.max_position_embeddings + 1, graphs=False)
+
+
 def test_eos_stops_a_row(pair):
     _, ours = pair
     gen = Generator(ours, max_batch=2, max_seq_len=64, graphs=False)

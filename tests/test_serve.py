@@ -83,6 +83,15 @@ def test_multipart_and_json_urls(samples, http_server):
         r3 = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/missing.jpg"]}, timeout=30)
         assert r3.status_code == 422 and "HTTP 404" in r3.json()["detail"]
         assert httpx.post(s.url + "/v1/classify", json={"nope": 1}).status_code == 400
+        mixed = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/a.jpg", f"{http_server}/x.jpg"]},
+                           timeout=30)
+        assert mixed.status_code == 200  # one URL failing does not lose the other's result
+        assert "top_k" in mixed.json()["results"][0] and "HTTP 404" in mixed.json()["results"][1]["error"]
+        too_many = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/a.jpg"] * 65})
+        assert too_many.status_code == 413
+        bad_mp = httpx.post(s.url + "/v1/classify", content=b"garbage",
+                            headers={"content-type": "multipart/form-data; boundary=xyz"})
+        assert bad_mp.status_code == 400 and "multipart" in bad_mp.json()["detail"]
 
 
 def test_bad_inputs_give_422_with_reason_and_server_survives(bad_dir, samples):
@@ -186,6 +195,7 @@ def test_embeddings_route_matches_library():
         r = httpx.post(s.url + "/v1/embeddings", json={"input": texts}, timeout=30).json()
         assert [d["index"] for d in r["data"]] == [0, 1, 2, 3] and r["usage"]["prompt_tokens"] > 0
         assert httpx.post(s.url + "/v1/embeddings", json={"input": [1, 2]}).status_code == 400
+        assert httpx.post(s.url + "/v1/embeddings", json={"input": ["a"] * 2049}).status_code == 413
     with Server(Tiny()) as s:
         assert httpx.post(s.url + "/v1/embeddings", json={"input": "x"}).status_code == 404
 
@@ -216,8 +226,12 @@ def test_completions_route_batches_and_streams():
                                                                   "temperature": 0, "stream": True}) as st:
             events = [line[6:] for line in st.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
         streamed = [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]]
         assert streamed == refs[0] and len(events) > 2
         bad = httpx.post(s.url + "/v1/completions", json={"prompt": [1], "max_tokens": 100}, timeout=30)
         assert bad.status_code == 400 and "exceeds the context" in bad.json()["detail"]
         assert httpx.post(s.url + "/v1/completions", json={"prompt": "text"}).status_code == 400
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": [True, False]}).status_code == 400
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1], "top_p": 0})
+        assert r.status_code == 400 and "top_p" in r.json()["detail"]

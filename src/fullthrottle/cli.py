@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--llm-model-dir", default=None, metavar="DIR",
                    help="also serve POST /v1/completions with this Hugging Face Llama folder")
     v.add_argument("--llm-max-batch", type=_positive_int, default=8, help="LLM rows per decode batch")
-    v.add_argument("--llm-max-seq-len", type=_positive_int, default=2048, help="LLM context (KV cache) length")
+    v.add_argument("--llm-max-seq-len", type=_positive_int, default=None,
+                   help="LLM context (KV cache) length (default: the model's, at most 4096)")
     v.add_argument("--embed-model", default=None, metavar="DIR|default",
                    help="also serve POST /v1/embeddings with this sentence-transformers folder "
                         "('default': all-MiniLM-L6-v2)")
@@ -193,7 +194,13 @@ def _blobs(paths: list[str] | None) -> list[bytes]:
 
 
 def _ints(s: str | None, default: list[int]) -> list[int]:
-    return [int(x) for x in s.split(",")] if s else default
+    try:
+        vals = [int(x) for x in s.split(",")] if s else default
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {s!r}") from None
+    if any(v < 1 for v in vals):
+        raise ValueError(f"expected positive integers, got {s!r}")
+    return vals
 
 
 def cmd_serve(args) -> int:
@@ -244,7 +251,12 @@ def cmd_serve(args) -> int:
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(tj)
-        llm = (Generator(model, args.llm_max_batch, args.llm_max_seq_len, graphs=args.graphs), tok)
+        try:
+            seq = args.llm_max_seq_len or min(model.cfg.max_position_embeddings, 4096)
+            llm = (Generator(model, args.llm_max_batch, seq, graphs=args.graphs), tok)
+        except ValueError as e:
+            print(f"fullthrottle: error: {e}", file=sys.stderr)
+            return 2
     if args.ray:
         if importlib.util.find_spec("ray") is None:
             print("fullthrottle: error: --ray needs Ray Serve: pip install 'fullthrottle[ray]'", file=sys.stderr)
@@ -289,8 +301,13 @@ def cmd_generate(args) -> int:
             with torch.device(device):
                 model = Llama(cfg).to(dtype).eval()
             print("WARNING: random weights: the tokens are meaningless", file=sys.stderr)
+        if args.tokens and args.prompt is not None:
+            raise ValueError("give either --prompt or --tokens, not both")
         if args.tokens:
-            ids = [int(x) for x in args.tokens.split(",")]
+            try:
+                ids = [int(x) for x in args.tokens.split(",")]
+            except ValueError:
+                raise ValueError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
         elif args.prompt is not None:
             if tok is None:
                 raise ValueError("--prompt needs a tokenizer.json in --model-dir; give --tokens instead")
@@ -335,10 +352,12 @@ def cmd_generate(args) -> int:
 def _read_texts(path: str):
     f = sys.stdin if path == "-" else open(path, encoding="utf-8")
     try:
-        for line in f:
+        for no, line in enumerate(f, 1):
             line = line.rstrip("\n")
             if path.endswith(".jsonl") and line.strip():
                 obj = json.loads(line)
+                if isinstance(obj, dict) and not isinstance(obj.get("text"), str):
+                    raise ValueError(f"line {no}: a JSON object needs a string field 'text'")
                 yield obj["text"] if isinstance(obj, dict) else str(obj)
             else:
                 yield line
@@ -357,7 +376,11 @@ def cmd_embed(args) -> int:
         print("fullthrottle: error: --out must end in .npy or .jsonl", file=sys.stderr)
         return 2
     if args.file != "-" and not os.path.isfile(args.file):
-        print(f"fullthrottle: error: no such file: {args.file}", file=sys.stderr)
+        what = "is a directory, not a file" if os.path.isdir(args.file) else "no such file"
+        print(f"fullthrottle: error: {args.file}: {what}", file=sys.stderr)
+        return 2
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        print(f"fullthrottle: error: cannot write {args.out}: its folder does not exist", file=sys.stderr)
         return 2
     try:
         emb = Embedder(args.model_dir, args.device, args.dtype, args.graphs)
@@ -379,7 +402,7 @@ def cmd_embed(args) -> int:
             n += len(block.vectors)
             n_trunc += int(block.truncated.sum())
             bar.update(len(block.vectors))
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError) as e:
+    except (UnicodeDecodeError, ValueError) as e:
         print(f"fullthrottle: error: cannot read texts from {args.file}: {e}", file=sys.stderr)
         return 2
     finally:

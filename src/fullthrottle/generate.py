@@ -90,6 +90,9 @@ class Generator:
         self.max_batch = self.buckets[-1]
         self.max_seq_len = max_seq_len
         self.check_every = check_every
+        if max_seq_len > model.cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's context "
+                             f"(max_position_embeddings {model.cfg.max_position_embeddings})")
         model.setup_cache(self.max_batch, max_seq_len)
         B, V = self.max_batch, model.cfg.vocab_size
         dev = self.device
@@ -141,6 +144,21 @@ class Generator:
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
 
+    @staticmethod
+    def check_sampling(temperature, top_k, top_p) -> None:
+        """Raises ValueError for a temperature < 0 or not finite, top_k < 0, top_p outside (0, 1]."""
+        import math
+
+        for t in (temperature if isinstance(temperature, (list, tuple)) else [temperature]):
+            if not math.isfinite(t) or t < 0:
+                raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
+        for k in (top_k if isinstance(top_k, (list, tuple)) else [top_k]):
+            if k < 0:
+                raise ValueError(f"top_k must be >= 0 (0 = off), got {k}")
+        for p in (top_p if isinstance(top_p, (list, tuple)) else [top_p]):
+            if not (0 < p <= 1):
+                raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")
+
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_id: int | None = None,
@@ -154,6 +172,7 @@ class Generator:
         Raises:
             ValueError: empty prompt, too many prompts, or prompt + max_new_tokens > max_seq_len.
         """
+        self.check_sampling(temperature, top_k, top_p)
         n = len(prompts)
         if n == 0 or n > self.max_batch:
             raise ValueError(f"between 1 and {self.max_batch} prompts per call, got {n}")

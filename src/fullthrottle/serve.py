@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import queue
 import threading
 import time
@@ -26,6 +27,7 @@ from .decode import Result
 from .pipeline import Pipeline
 
 MAX_IMAGES_PER_REQUEST = 64
+MAX_TEXTS_PER_REQUEST = 2048
 
 
 class Overloaded(RuntimeError):
@@ -146,6 +148,9 @@ class EmbedService:
                     n += len(reqs[-1][0])
                 except queue.Empty:
                     break
+            reqs = [r for r in reqs if not r[2].done()]  # skip requests whose caller gave up (504)
+            if not reqs:
+                continue
             try:
                 res = self.embedder.embed([t for r in reqs for t in r[0]])
             except Exception as e:  # noqa: BLE001 - answer every waiting request
@@ -160,7 +165,7 @@ class EmbedService:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        self._thread.join(60)  # a batch in progress finishes (bounded by MAX_TEXTS_PER_REQUEST)
 
 
 class CompletionService:
@@ -395,29 +400,36 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 raise _HTTPError(413, f"request body exceeds the limit of {opts.max_body_bytes} bytes")
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype == "multipart/form-data":
-            form = await _parse_form(request, bytes(body))
+            try:
+                form = await _parse_form(request, bytes(body))
+            except Exception as e:  # noqa: BLE001 - starlette's MultiPartException and parser errors
+                raise _HTTPError(400, f"malformed multipart body: {e}") from None
             images = [(f.filename or f"file{i}", await f.read()) for i, f in enumerate(form)]
         elif ctype == "application/json":
-            import json
-
             try:
                 payload = json.loads(body)
                 urls = payload.get("urls") if isinstance(payload, dict) else None
                 if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
                     raise ValueError
-            except ValueError:
-                raise _HTTPError(400, 'JSON body must be {"urls": ["http(s)://...", ...]}') from None
-            images = []
+            except ValueError as e:
+                what = "malformed JSON" if isinstance(e, json.JSONDecodeError) else "wrong shape"
+                raise _HTTPError(400, f'{what}: the body must be {{"urls": ["http(s)://...", ...]}}') from None
+            if len(urls) > MAX_IMAGES_PER_REQUEST:
+                raise _HTTPError(413, f"{len(urls)} images in one request; at most {MAX_IMAGES_PER_REQUEST}")
             for u in urls:
                 if not u.startswith(("http://", "https://")):
                     raise _HTTPError(400, f"not an http(s) URL: {u[:200]}")
+
+            async def fetch(u):
                 try:
                     r = await state["http"].get(u)
                 except httpx.HTTPError as e:
-                    raise _HTTPError(422, f"cannot fetch {u}: {type(e).__name__}") from None
+                    return u, _FetchError(f"cannot fetch {u}: {type(e).__name__}")
                 if r.status_code != 200:
-                    raise _HTTPError(422, f"cannot fetch {u}: HTTP {r.status_code}")
-                images.append((u, r.content))
+                    return u, _FetchError(f"cannot fetch {u}: HTTP {r.status_code}")
+                return u, r.content
+
+            images = list(await asyncio.gather(*(fetch(u) for u in urls)))
         else:
             images = [("body", bytes(body))]
         if not images:
@@ -437,8 +449,6 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             body = await request.body()
             if len(body) > opts.max_body_bytes:
                 raise _HTTPError(413, f"request body exceeds the limit of {opts.max_body_bytes} bytes")
-            import json
-
             try:
                 payload = json.loads(body)
                 texts = payload.get("input") if isinstance(payload, dict) else None
@@ -447,6 +457,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             texts = [texts] if isinstance(texts, str) else texts
             if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
                 raise _HTTPError(400, 'JSON body must be {"input": "text" | ["text", ...]}')
+            if len(texts) > MAX_TEXTS_PER_REQUEST:
+                raise _HTTPError(413, f"{len(texts)} texts in one request; at most {MAX_TEXTS_PER_REQUEST}")
             try:
                 fut = svc.submit(texts)
             except Overloaded as e:
@@ -469,8 +481,6 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     async def completions(request: Request):
         """OpenAI completions subset: prompt (text, or a list of token ids), max_tokens, temperature,
         top_p, top_k, seed, stream (server-sent events, one chunk per few tokens)."""
-        import json
-
         from fastapi.responses import StreamingResponse
 
         route, t0 = "/v1/completions", time.perf_counter()
@@ -489,7 +499,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 if svc.tok is None:
                     raise _HTTPError(400, "this model has no tokenizer: send prompt as a list of token ids")
                 ids = svc.tok.encode(prompt).ids
-            elif isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
+            elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool)
+                                                            for i in prompt):
                 ids = prompt
             else:
                 raise _HTTPError(400, "prompt must be a string or a non-empty list of token ids")
@@ -502,6 +513,13 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             if len(ids) + max_tokens > svc.gen.max_seq_len:
                 raise _HTTPError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                                       f"context of {svc.gen.max_seq_len}")
+            if not isinstance(p.get("stream", False), bool):
+                raise _HTTPError(400, "stream must be true or false")
+            try:
+                svc.gen.check_sampling(float(p.get("temperature", 1.0)), int(p.get("top_k", 0)),
+                                       float(p.get("top_p", 1.0)))
+            except (TypeError, ValueError) as e:
+                raise _HTTPError(400, str(e)) from None
             eos = svc.gen.model.cfg.eos_token_id
             req = {"ids": ids, "max_tokens": max_tokens, "temperature": float(p.get("temperature", 1.0)),
                    "top_p": float(p.get("top_p", 1.0)), "top_k": int(p.get("top_k", 0)), "seed": p.get("seed"),
@@ -516,13 +534,20 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
 
             if p.get("stream"):
                 async def events():
+                    last = None
                     while True:
                         item = await out.get()
                         if item is None or isinstance(item, Exception):
                             break
+                        last = item[-1]
                         chunk = {"object": "text_completion", "choices": [
                             {"index": 0, "text": text(item), "token_ids": item, "finish_reason": None}]}
                         yield f"data: {json.dumps(chunk)}\n\n"
+                    finish = ("error" if isinstance(item, Exception) else
+                              "stop" if req["eos"] is not None and last == req["eos"] else "length")
+                    end = {"object": "text_completion", "choices": [
+                        {"index": 0, "text": "", "token_ids": [], "finish_reason": finish}]}
+                    yield f"data: {json.dumps(end)}\n\n"
                     yield "data: [DONE]\n\n"
 
                 m_requests.labels(route, "200").inc()
@@ -560,7 +585,12 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             futs = []
             try:
                 for item_id, data in images:
-                    futs.append(svc.submit(item_id, data))
+                    if isinstance(data, _FetchError):  # that URL's own error; the others go on
+                        f = asyncio.get_running_loop().create_future()
+                        f.set_result(Result(-1, item_id, error=f"{item_id}: {data}"))
+                        futs.append(f)
+                    else:
+                        futs.append(svc.submit(item_id, data))
             except Overloaded as e:
                 for f in futs:
                     f.cancel()
@@ -586,6 +616,10 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             m_latency.labels(route).observe(time.perf_counter() - t0)
 
     return app
+
+
+class _FetchError(str):
+    """A URL of a JSON request that could not be fetched (that image's error)."""
 
 
 class _HTTPError(Exception):
