@@ -48,6 +48,7 @@ def test_classify_bad_inputs_jsonl(tmp_path, bad_dir, capsys):
         assert len(by_name[ok]["top_k"]) == 3, by_name[ok]
     summary = json.loads(rep.read_text())
     assert summary["ok"] == 10 and summary["failed"] == 4
+    assert summary["images_per_s"] == pytest.approx(10 / summary["wall_s"])  # failed items don't count
     err = capsys.readouterr().err
     assert "ERROR" in err and "truncated" in err
 

@@ -135,7 +135,8 @@ class Report:
 
     @property
     def images_per_s(self) -> float:
-        return self.items / self.wall_s if self.wall_s > 0 else 0.0
+        """Images classified successfully per second (failed items excluded)."""
+        return self.ok / self.wall_s if self.wall_s > 0 else 0.0
 
     def latency_ms(self, q: float) -> float:
         """The ``q``-th percentile (0..100) of per-item latency (ms) from load start to result."""
