@@ -3,12 +3,20 @@
 # and the benchmarks. Everything lands under $OUT. Usage (device tool): bash bench/device_run.sh [PARTS]
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src
-OUT=${OUT:-out}; mkdir -p "$OUT"
+FINAL=${OUT:-out}; OUT=$FINAL/r; mkdir -p "$OUT"   # everything goes in one tarball at the end
+trap 'tar -C "$FINAL" -czf "$FINAL/results.tgz" r && rm -rf "$FINAL/r"' EXIT
 parts=${1:-tests,classify,e2e}
+if compgen -G ".whl/*.whl" >/dev/null; then   # carried wheels (fastapi, uvicorn, pydantic, ...)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+# the embedding model, carried as fp16 safetensors
+[[ -f .data/minilm/config.json ]] && export FULLTHROTTLE_EMBED_MODEL=$PWD/.data/minilm
+gpu_sel=""; [[ -n ${FULLTHROTTLE_EMBED_MODEL:-} ]] || gpu_sel="--deselect tests/test_embed.py::test_gpu_half_precision_and_graphs"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip -e failed (using PYTHONPATH)"
 if [[ $parts == *gputests* ]]; then
-  python3 -m pytest -q -s -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed|agreement" | tail -12
+  python3 -m pytest -q -s -m gpu $gpu_sel tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed|agreement" | tail -12
 elif [[ $parts == *tests* ]]; then
   python3 -m pytest -q -s tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
   python3 -m pytest -q tests 2>&1 | tee -a "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed" | tail -12
@@ -34,6 +42,12 @@ if [[ $parts == *gpudecode* ]]; then   # issue 04: CPU+GPU JPEG decode end to en
   python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -3
   python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --n 20000 --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -3
 fi
+if [[ $parts == *soak* ]]; then        # issue 04: 100k images through nvJPEG, memory at start and end
+  python3 bench/gpu_decode_soak.py --out "$OUT/gpu_decode_soak.json" 2>&1 | tail -3
+fi
+if [[ $parts == *embtest* ]]; then
+  python3 -m pytest -q -s -m gpu tests/test_embed.py 2>&1 | tee "$OUT/embed_tests.log" | tail -3
+fi
 if [[ $parts == *llm* ]]; then         # issue 06 (needs transformers, present on the device)
   python3 bench/llm.py --out "$OUT/llm_llama2_7b.json" 2>&1 | tail -8
 fi
@@ -44,6 +58,6 @@ if [[ $parts == *serveload* ]]; then   # issue 05: carry fastapi/uvicorn/starlet
   python3 bench/serve_load.py --out "$OUT/serve_load.json" 2>&1 | tail -4
 fi
 if [[ $parts == *benchcli* ]]; then    # issue 03: the four experiments at full size, JSON + PNG
-  for e in threads batch transfer; do fullthrottle bench $e --out "$OUT/bench_$e" 2>&1 | tail -2; done
-  fullthrottle bench e2e --images tests/data/imagenet-sample --n 30000 --out "$OUT/bench_e2e" 2>&1 | tail -2
+  for e in threads batch transfer; do python3 -m fullthrottle.cli bench $e --out "$OUT/bench_$e" 2>&1 | tail -2; done
+  python3 -m fullthrottle.cli bench e2e --images tests/data/imagenet-sample --n 30000 --out "$OUT/bench_e2e" 2>&1 | tail -2
 fi

@@ -174,3 +174,35 @@ def test_capture_while_another_thread_copies_pinned(resnet):
         ref = model(x)
     torch.testing.assert_close(runner(x), ref, rtol=2e-2, atol=2e-2)
     assert runner.info.total_capture_s > 0 and runner.info.pool_bytes > 0
+
+
+def test_fold_batchnorm_matches_eager_and_leaves_untraceable_models_alone():
+    from fullthrottle.compute import fold_batchnorm
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    for m in model.modules():  # non-trivial running statistics, so that folding has work to do
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    folded, ok = fold_batchnorm(model)
+    assert ok and not any(isinstance(m, torch.nn.BatchNorm2d) for m in folded.modules())
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())  # the original is untouched
+    x = torch.randn(3, 3, 224, 224)
+    with torch.inference_mode():
+        ref, out = model(x), folded(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    assert out.argmax(1).tolist() == ref.argmax(1).tolist()
+
+    class Branchy(torch.nn.Module):  # data-dependent control flow: torch.fx cannot trace it
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = torch.nn.Conv2d(3, 3, 1), torch.nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            return self.bn(self.conv(x)) if x.sum() > 0 else x
+
+    m = Branchy().eval()
+    assert fold_batchnorm(m) == (m, False)

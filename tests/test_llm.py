@@ -115,6 +115,11 @@ def test_graph_tokens_equal_eager_and_padding_rows_do_not_matter(pair):
     assert graphed.generate(prompts, max_new_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=8) != ref
     alone = [graphed.generate([p], max_new_tokens=30)[0] for p in prompts]
     assert graphed.generate(prompts, max_new_tokens=30) == alone  # greedy: batch-mates change nothing
+    full = graphed.generate([prompts[0]], max_new_tokens=96 - len(prompts[0]))[0]  # up to the cache's end
+    assert len(full) == 96 - len(prompts[0])
+    with pytest.raises(ValueError, match="max_seq_len 96"):  # one past it: a clear error, no device assert
+        graphed.generate([prompts[0]], max_new_tokens=97 - len(prompts[0]))
+    assert graphed.generate(prompts, max_new_tokens=30) == alone  # and the engine is still usable
 
 
 def test_cli_generate_streams_the_library_tokens(pair, tmp_path, capsys):

