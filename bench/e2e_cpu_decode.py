@@ -63,13 +63,14 @@ def run_dataloader(blobs, n, workers, batch, model, warm_frac=0.25):
             "img_per_s": (seen - n_warm) / (t_end - t_warm)}
 
 
-def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu_decode=False, warm_frac=0.25):
+def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu_decode=False, warm_frac=0.25,
+                     preprocess="auto"):
     from fullthrottle import Config, Pipeline
 
     torch.manual_seed(0)
     pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="bfloat16", channels_last=True,
                            max_batch_size=batch, threads=threads, max_wait_ms=max_wait_ms, graphs=graphs,
-                           gpu_decode=gpu_decode))
+                           gpu_decode=gpu_decode, preprocess=preprocess))
     list(pipe.run([blobs[i % len(blobs)] for i in range(2000)]))  # warm-up (cuDNN autotune, pools)
     seen, t_warm, n_warm = 0, None, 0
     inputs = (blobs[i % len(blobs)] for i in range(n))
@@ -81,7 +82,10 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     t_end = time.perf_counter()
     rep = pipe.last_report
     eng = pipe.engine
-    return {"threads": threads, "graphs": graphs, "max_wait_ms": max_wait_ms, "gpu_decode": gpu_decode,
+    n_procs = len(pipe.decoders) if pipe.decoders is not None else 0
+    pipe.close()
+    return {"threads": threads, "preprocess": preprocess, "decoder_processes": n_procs,
+            "graphs": graphs, "max_wait_ms": max_wait_ms, "gpu_decode": gpu_decode,
             "gpu_share": eng.splitter.gpu_share if gpu_decode else 0.0,
             "gpu_util_mean_pct": rep.gpu_util_pct, "verdict": rep.verdict, "switch_interval_s": sys.getswitchinterval(),
             "compute_staging_s": eng.staging_s, "compute_launch_s": eng.launch_s,"images": seen, "steady_images": seen - n_warm, "steady_s": t_end - t_warm,
@@ -98,6 +102,8 @@ def main():
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--ft-threads", default="", help="extra fullthrottle thread counts to try, e.g. 8,12")
     ap.add_argument("--gpu-decode", action="store_true", help="also run fullthrottle with GPU JPEG decoding")
+    ap.add_argument("--thread-decode", action="store_true",
+                    help="also run fullthrottle with decoding in threads (preprocess='threads')")
     ap.add_argument("--ft-waits", default="", help="extra fullthrottle max_wait_ms values to try, e.g. 50")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="also try fullthrottle with this sys.setswitchinterval (s)")
@@ -126,6 +132,10 @@ def main():
     for t in [int(x) for x in args.ft_threads.split(",") if x]:
         print(f"fullthrottle, {t} threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, t, args.batch))
+        print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
+    if args.thread_decode:
+        print("fullthrottle, decoding in threads ...", flush=True)
+        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, preprocess="threads"))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     if args.gpu_decode:
         print("fullthrottle, GPU decode ...", flush=True)

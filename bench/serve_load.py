@@ -100,12 +100,34 @@ async def load(url: str, blobs: list[bytes], n: int, conc: int) -> dict:
 
         await asyncio.gather(*(one(i) for i in range(min(n, 4 * conc))))  # warm-up
         lat.clear()
+        errors = 0
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(n)))
         wall = time.perf_counter() - t0
-    a = np.array(lat) * 1e3
-    return {"concurrency": conc, "requests": n, "img_per_s": n / wall, "p50_ms": float(np.percentile(a, 50)),
-            "p99_ms": float(np.percentile(a, 99)), "errors": errors}
+    return {"lat": lat, "wall": wall, "errors": errors, "n": n}
+
+
+def _client_proc(args):
+    url, n, conc = args
+    return asyncio.run(load(url, jpegs_640x480(), n, conc))
+
+
+def load_many(url: str, blobs: list[bytes], n: int, conc: int, procs: int = 1) -> dict:
+    """``n`` requests at ``conc`` concurrency from ``procs`` client processes (one asyncio loop each, so
+    the client's own Python does not cap the rate); img/s = all requests / the slowest client's wall."""
+    if procs <= 1:
+        parts = [asyncio.run(load(url, blobs, n, conc))]
+    else:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        with cf.ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn")) as ex:
+            parts = list(ex.map(_client_proc, [(url, n // procs, max(1, conc // procs))] * procs))
+    a = np.concatenate([np.array(p["lat"]) for p in parts]) * 1e3
+    total = sum(p["n"] for p in parts)
+    return {"concurrency": conc, "client_processes": procs, "requests": total,
+            "img_per_s": total / max(p["wall"] for p in parts), "p50_ms": float(np.percentile(a, 50)),
+            "p99_ms": float(np.percentile(a, 99)), "errors": sum(p["errors"] for p in parts)}
 
 
 def main():
@@ -114,6 +136,10 @@ def main():
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--concurrency", default="1,8,64")
+    ap.add_argument("--client-procs", type=int, default=1, help="client processes sharing the concurrency")
+    ap.add_argument("--compare-gpus", action="store_true",
+                    help="issue 08: `fullthrottle serve --gpus all` against one GPU (no plain baseline)")
+    ap.add_argument("--server-args", default="", help="extra `fullthrottle serve` arguments, e.g. '--gpu-decode'")
     ap.add_argument("--baseline-server", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.device == "auto":
@@ -128,23 +154,33 @@ def main():
     blobs = jpegs_640x480()
     conc = [int(c) for c in args.concurrency.split(",")]
     out = {}
-    for name in ("fullthrottle", "plain_fastapi_eager"):
+    ft = [sys.executable, "-m", "fullthrottle.cli", "serve", "--device", args.device, "--max-wait-ms", "2",
+          *args.server_args.split()]
+    if args.compare_gpus:
+        servers = {"fullthrottle_1_gpu": ft + ["--gpus", "1"], "fullthrottle_all_gpus": ft + ["--gpus", "all"]}
+    else:
+        servers = {"fullthrottle": ft, "plain_fastapi_eager": [sys.executable, __file__, "--device", args.device,
+                                                               "--baseline-server"]}
+    for name, cmd in servers.items():
         port = free_port()
-        cmd = ([sys.executable, "-m", "fullthrottle.cli", "serve", "--port", str(port), "--device", args.device,
-                "--max-wait-ms", "2"] if name == "fullthrottle" else
-               [sys.executable, __file__, "--baseline-server", str(port), "--device", args.device])
+        cmd = cmd + ([str(port)] if cmd[-1] == "--baseline-server" else ["--port", str(port)])
         proc = start(cmd, port)
         try:
-            out[name] = [asyncio.run(load(f"http://127.0.0.1:{port}", blobs, args.requests, c)) for c in conc]
+            out[name] = [load_many(f"http://127.0.0.1:{port}", blobs, args.requests, c, args.client_procs)
+                         for c in conc]
             print(name, out[name], flush=True)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    ratios = {f"c{c}": a["img_per_s"] / b["img_per_s"] for c, a, b in
-              zip(conc, out["fullthrottle"], out["plain_fastapi_eager"])}
+    a_name, b_name = list(servers)[::-1] if args.compare_gpus else list(servers)
+    ratios = {f"c{c}": a["img_per_s"] / b["img_per_s"] for c, a, b in zip(conc, out[a_name], out[b_name])}
+    import torch
+
     write_json(args.out, {"benchmark": "serve_load", "machine": machine_info(), "device": args.device,
+                          "gpus": torch.cuda.device_count(), "ratio": f"{a_name} / {b_name}",
+                          "server_args": args.server_args, "command": " ".join(sys.argv),
                           "images": "200 ImageNet samples at 640x480, JPEG", "model": "resnet18 random weights",
-                          **out, "throughput_ratio_fullthrottle_over_plain": ratios})
+                          **out, "throughput_ratio": ratios})
     print(ratios)
 
 

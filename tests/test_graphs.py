@@ -206,3 +206,31 @@ def test_fold_batchnorm_matches_eager_and_leaves_untraceable_models_alone():
 
     m = Branchy().eval()
     assert fold_batchnorm(m) == (m, False)
+
+
+def _double(x):
+    return x * 2
+
+
+def _double_slowly(x):
+    for _ in range(50):  # the same result, 50x the kernels
+        x = x + 0
+    return x * 2
+
+
+def test_candidates_run_the_first_one_eagerly_on_cpu():
+    runner = GraphRunner({"fast": _double, "slow": _double_slowly}, (4,), torch.float32, (1, 2, 4), "cpu")
+    x = torch.arange(12.0).view(3, 4)
+    assert torch.equal(runner(x), x * 2) and runner.info is None
+
+
+@pytest.mark.gpu
+def test_candidates_are_timed_per_bucket_and_the_fastest_kept():
+    runner = GraphRunner({"fast": _double, "slow": _double_slowly}, (4096,), torch.float32, (1, 8, 64), "cuda")
+    info = runner.info
+    assert sorted(info.variant) == [1, 8, 64] and all(set(v) == {"fast", "slow"} for v in info.replay_ms.values())
+    assert all(info.variant[b] == min(info.replay_ms[b], key=info.replay_ms[b].get) for b in info.variant)
+    assert list(info.variant.values()).count("fast") >= 2  # 51 launches vs 1: measurably slower
+    x = torch.randn(37, 4096, device="cuda")
+    assert torch.equal(runner(x), x * 2)
+    assert "fastest replay kept" in info.format()

@@ -278,3 +278,40 @@ def test_stage_failure_is_raised(samples):
     pipe.engine.labels = None  # a bug inside a stage (not any item's fault) must surface
     with pytest.raises(PipelineError, match="TypeError"):
         list(pipe.run([samples[0]]))
+
+
+def test_decoder_processes_give_the_thread_results(samples, bad_dir, no_thread_leak):
+    """preprocess="processes": bit-identical results and the same per-item errors as the threads;
+    a worker killed mid-run costs at most the item it held; close() leaves no process behind."""
+    import os
+    import signal
+
+    inputs = [str(p) for p in samples[:40]] + sorted(str(p) for p in bad_dir.iterdir())
+    with tiny_pipe() as pipe:
+        ref = pipe.classify(inputs)
+    with tiny_pipe(preprocess="processes") as pipe:
+        assert len(pipe.decoders) == 2
+        got = pipe.classify(inputs)
+        assert [(r.id, r.ok, r.error, r.class_ids) for r in got] == [(r.id, r.ok, r.error, r.class_ids) for r in ref]
+        for a, b in zip(got, ref):  # batch mates differ (timing), so CPU kernels may round differently
+            np.testing.assert_allclose(a.probs or [], b.probs or [], rtol=1e-5, atol=1e-7)
+        for p in samples[:5]:  # the crops themselves are bit-identical
+            assert np.array_equal(pipe.decoders[1](p.read_bytes()), preprocess(p.read_bytes()))
+        victim = pipe.decoders[0].proc
+        stream = pipe.run(str(p) for p in samples[:120])
+        first = [next(stream) for _ in range(10)]
+        os.kill(victim.pid, signal.SIGKILL)
+        rest = first + list(stream)
+        assert len(rest) == 120
+        died = [r for r in rest if not r.ok]
+        assert len(died) <= 1 and all("decoder process died" in r.error for r in died)
+        ok_ref = {r.id: r.class_ids for r in pipe.classify([str(p) for p in samples[:120]])}
+        assert all(r.class_ids == ok_ref[r.id] for r in rest if r.ok)
+        assert pipe.decoders[0].proc is not victim and pipe.decoders[0].proc.poll() is None
+        procs = [w.proc for w in pipe.decoders.workers]
+    assert all(p.poll() is not None for p in procs)  # closed with the pipeline
+
+
+def test_preprocess_mode_is_checked():
+    with pytest.raises(ValueError, match="preprocess must be"):
+        Config(preprocess="fork")

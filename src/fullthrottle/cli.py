@@ -14,6 +14,8 @@ import os
 import sys
 import time
 
+from .config import usable_cores
+
 SAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg", "motorcycle_left.png")
 
 
@@ -41,7 +43,8 @@ def _positive_int(s: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fullthrottle",
-        description="GPU inference that keeps the GPU busy: load (asyncio) -> preprocess (threads) -> "
+        description="GPU inference that keeps the GPU busy: load (asyncio) -> preprocess (threads or "
+                    "worker processes) -> "
                     "dynamic batching -> model on the device -> top-k on the device.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser(
@@ -62,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a batch may wait to fill, ms (default: %(default)s)")
     c.add_argument("--threads", type=_positive_int, default=None,
                    help="preprocess threads (default: one per CPU core)")
+    c.add_argument("--preprocess", default="auto", choices=("auto", "threads", "processes"),
+                   help="decode in the threads themselves, or hand each image to the thread's own worker "
+                        "process, outside this process's GIL (auto: processes on CUDA, threads on CPU)")
     c.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
     c.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype on CUDA (default: bfloat16 on CUDA; CPU always float32)")
@@ -96,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--timeout-s", type=float, default=30.0, help="per-request deadline before 504")
     v.add_argument("--max-body-mb", type=float, default=32.0, help="request body limit before 413 (MiB)")
     v.add_argument("--threads", type=_positive_int, default=None, help="preprocess threads")
+    v.add_argument("--preprocess", default="auto", choices=("auto", "threads", "processes"),
+                   help="decode in threads or in one worker process per thread (auto: processes on CUDA)")
     v.add_argument("--device", default="auto")
     v.add_argument("--gpus", default=None,
                    help="'all' or N: one model replica per GPU (default with --device auto: every GPU)")
@@ -175,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
             e.add_argument("--compile", action="store_true", help="also torch.compile + graphs (slow start)")
         if name == "e2e":
             e.add_argument("--n", type=_positive_int, default=20000, help="images per method (default: %(default)s)")
-            e.add_argument("--workers", type=_positive_int, default=os.cpu_count() or 1,
+            e.add_argument("--workers", type=_positive_int, default=usable_cores(),
                            help="DataLoader workers and fullthrottle threads (default: cores)")
             e.add_argument("--batch", type=_positive_int, default=128)
             e.add_argument("--device", default="auto")
@@ -213,7 +221,8 @@ def cmd_serve(args) -> int:
         cfg = Config(model=args.model, weights=args.weights, device=str(device),
                      dtype=args.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
                      max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, threads=args.threads,
-                     top_k=args.top_k, graphs=args.graphs, ordered=False, gpu_decode=args.gpu_decode)
+                     top_k=args.top_k, graphs=args.graphs, ordered=False, gpu_decode=args.gpu_decode,
+                     preprocess=args.preprocess)
         if args.weights is not None and not os.path.isfile(args.weights):
             raise FileNotFoundError(f"weights file not found: {args.weights}")
         if args.timeout_s <= 0 or args.max_body_mb <= 0:
@@ -424,7 +433,7 @@ def cmd_bench(args) -> int:
     prefix = args.out or f"fullthrottle-bench-{exp}"
     try:
         if exp == "threads":
-            cores = os.cpu_count() or 1
+            cores = usable_cores()
             default = sorted({1, 2, *[2**i for i in range(1, 8) if 2**i <= 2 * cores], cores, 2 * cores})
             res = B.bench_threads(_blobs(args.images), [1, 2] if args.quick else _ints(args.threads, default),
                                   0.3 if args.quick else args.seconds)
@@ -518,7 +527,8 @@ def cmd_classify(args) -> int:
         cfg = Config(model=args.model, weights=args.weights, device=str(device), dtype=dtype,
                      max_batch_size=args.batch_size, max_wait_ms=args.max_wait_ms,
                      threads=args.threads, top_k=args.top_k, ordered=not args.unordered,
-                     graphs=args.graphs, compile=args.compile, gpu_decode=args.gpu_decode)
+                     graphs=args.graphs, compile=args.compile, gpu_decode=args.gpu_decode,
+                     preprocess=args.preprocess)
         pipe = Pipeline(cfg)
     except (ValueError, FileNotFoundError, RuntimeError, WeightsError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
@@ -552,6 +562,7 @@ def cmd_classify(args) -> int:
         return 130
     finally:
         bar.close()
+        pipe.close()  # stops the decoder processes
         if out is not None and out is not sys.stdout:
             out.close()
     rep = pipe.last_report

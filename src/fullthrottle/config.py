@@ -24,6 +24,14 @@ def default_buckets(max_batch_size: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: taskset, cgroups), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @dataclass
 class Config:
     """Everything a run can be tuned with.
@@ -52,6 +60,10 @@ class Config:
         buckets: batch sizes the compute stage runs; partial batches are padded up to the next one.
             Default: powers of two up to ``max_batch_size``.
         threads: preprocess (decode + resize) threads; default one per CPU core.
+        preprocess: where those threads decode: ``"threads"`` (in this process), ``"processes"`` (each
+            thread hands its images to its own worker process, outside this process's GIL, like a
+            ``DataLoader``'s workers; bit-identical results), or ``"auto"``: processes on CUDA, where
+            the compute thread must not wait for the GIL, threads on CPU.
         torch_threads: torch's intra-op CPU threads, set process-wide when the pipeline is built.
             Default: 1 on CUDA (the model runs on the GPU, and a wide intra-op pool would fight the
             preprocess threads for the cores), unchanged on CPU.
@@ -83,6 +95,7 @@ class Config:
     max_wait_ms: float = 5.0
     buckets: tuple[int, ...] | None = None
     threads: int | None = None
+    preprocess: str = "auto"
     torch_threads: int | None = None
     top_k: int = 5
     ordered: bool = True
@@ -110,6 +123,8 @@ class Config:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
         if self.staging_slots < 2:
             raise ValueError(f"staging_slots must be >= 2, got {self.staging_slots}")
+        if self.preprocess not in ("auto", "threads", "processes"):
+            raise ValueError(f"preprocess must be 'auto', 'threads' or 'processes', got {self.preprocess!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.buckets is None:
@@ -124,7 +139,7 @@ class Config:
 
     @property
     def num_threads(self) -> int:
-        return self.threads or (os.cpu_count() or 1)
+        return self.threads or usable_cores()
 
     @property
     def in_flight_limit(self) -> int:

@@ -13,6 +13,7 @@ included: memory stays flat however long the input stream is.
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 import time
@@ -30,6 +31,7 @@ from .gpumon import GpuMonitor, nvtx_range
 from .load import Item, Loader
 from .gpu_decode import gpu_eligible
 from .preprocess import ImageError, preprocess
+from .preprocess_procs import DecoderPool, WorkerDied
 from .report import Report, StageStats
 
 _END = object()
@@ -62,8 +64,9 @@ class PipelineError(RuntimeError):
 class Run:
     """One pass of an input stream through the stages (internal: use :meth:`Pipeline.run`)."""
 
-    def __init__(self, engine: Engine, config: Config, inputs: Iterable):
+    def __init__(self, engine: Engine, config: Config, inputs: Iterable, decoders=None):
         self.engine, self.config = engine, config
+        self.decoders = decoders  # a DecoderPool (one worker process per preprocess thread) or None
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
         nthreads = config.num_threads
@@ -88,7 +91,7 @@ class Run:
                                config.max_batch_size, config.max_wait_ms, nthreads, _END,
                                self.stats["batch"], self.stop_event.is_set,
                                lambda: engine.in_flight() >= 2)
-        self.threads = [threading.Thread(target=self._guard(self._preprocess_worker),
+        self.threads = [threading.Thread(target=self._guard(functools.partial(self._preprocess_worker, i)),
                                          name=f"ft-preprocess-{i}", daemon=True) for i in range(nthreads)]
         self.threads += [
             threading.Thread(target=self._guard(self.batcher.run), name="ft-batch", daemon=True),
@@ -152,9 +155,14 @@ class Run:
                 t.join(max(0.0, deadline - time.perf_counter()))
 
     # -- stages ---------------------------------------------------------------------------------
-    def _preprocess_worker(self) -> None:
+    def _preprocess_worker(self, index: int) -> None:
         cfg, st = self.config, self.stats["preprocess"]
         gpu, splitter = self.engine.gpu_decoder, self.engine.splitter
+        if self.decoders is not None:
+            decode = self.decoders[index]  # this thread's worker process
+        else:
+            def decode(data):
+                return preprocess(data, cfg.resize_size, cfg.crop_size, cfg.max_image_pixels)
         while not self.stop_event.is_set():
             it = self._get(self.q1)
             if it is None:
@@ -171,8 +179,8 @@ class Run:
                 t0 = time.perf_counter()
                 try:
                     with nvtx_range("preprocess"):
-                        it.array = preprocess(it.data, cfg.resize_size, cfg.crop_size, cfg.max_image_pixels)
-                except ImageError as e:
+                        it.array = decode(it.data)
+                except (ImageError, WorkerDied) as e:
                     it.error = f"{it.id}: {e}"
                 except Exception as e:  # noqa: BLE001 - a decoder crash belongs to this item
                     it.error = f"{it.id}: cannot decode image: {type(e).__name__}: {e}"
@@ -339,6 +347,10 @@ class Pipeline:
         n = config.torch_threads or (1 if self.engine.cuda else None)
         if n is not None:
             torch.set_num_threads(n)
+        use_procs = config.preprocess == "processes" or (config.preprocess == "auto" and self.engine.cuda)
+        #: one decoder process per preprocess thread (config.preprocess), started once, reused by every run
+        self.decoders = DecoderPool(config.num_threads, config.resize_size, config.crop_size,
+                                    config.max_image_pixels) if use_procs else None
         self.last_report: Report | None = None
         self.current_run: Run | None = None
         #: called with each batch's size as the batcher forms it (from the batcher's thread)
@@ -356,7 +368,10 @@ class Pipeline:
         self.close()
 
     def close(self) -> None:
-        """Release the device buffers (the pipeline cannot be used afterwards)."""
+        """Stop the decoder processes and release the device buffers (the pipeline cannot be used
+        afterwards)."""
+        if self.decoders is not None:
+            self.decoders.close()
         self.engine.slots.clear()
 
     def _begin(self, inputs: Iterable) -> Run:
@@ -365,7 +380,7 @@ class Pipeline:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("this Pipeline is already running a stream; finish it first "
                                "(or build a second Pipeline)")
-        run = Run(self.engine, self.config, inputs)
+        run = Run(self.engine, self.config, inputs, self.decoders)
         run.batcher.on_batch = self.on_batch
         self.current_run = run
         run.start()

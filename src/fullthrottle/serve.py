@@ -13,6 +13,7 @@ SIGTERM (uvicorn's graceful shutdown) stops accepting, lets in-flight requests f
 from __future__ import annotations
 
 import asyncio
+import os
 import itertools
 import json
 import queue
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
-from .config import Config
+from .config import Config, usable_cores
 from .decode import Result
 from .pipeline import Pipeline
 
@@ -108,10 +109,11 @@ class BatchingService:
         return len(self._waiting)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Let queued and in-flight images finish, then stop the pipeline run."""
+        """Let queued and in-flight images finish, then stop the pipeline run and its decoder processes."""
         self._closing.set()
         self._thread.join(timeout)
         self._results.close()
+        self.pipeline.close()
 
 
 class EmbedService:
@@ -320,8 +322,10 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             import copy
 
             services = []
+            # the cores are shared: by default each replica gets its share of preprocess threads
+            threads = cfg.threads or max(1, usable_cores() // len(devices))
             for dev in devices:
-                pipe = Pipeline(Config(**{**cfg.__dict__, "device": dev}),
+                pipe = Pipeline(Config(**{**cfg.__dict__, "device": dev, "threads": threads}),
                                 model=copy.deepcopy(model) if model is not None else None)
                 pipe.on_batch = m_batch.observe
                 services.append(BatchingService(pipe, opts.max_queue))
