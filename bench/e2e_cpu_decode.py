@@ -102,6 +102,7 @@ def main():
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--ft-threads", default="", help="extra fullthrottle thread counts to try, e.g. 8,12")
     ap.add_argument("--gpu-decode", action="store_true", help="also run fullthrottle with GPU JPEG decoding")
+    ap.add_argument("--skip-no-graphs", action="store_true", help="skip the graphs-off fullthrottle run")
     ap.add_argument("--thread-decode", action="store_true",
                     help="also run fullthrottle with decoding in threads (preprocess='threads')")
     ap.add_argument("--ft-waits", default="", help="extra fullthrottle max_wait_ms values to try, e.g. 50")
@@ -125,9 +126,11 @@ def main():
     print("fullthrottle ...", flush=True)
     ft = run_fullthrottle(blobs, args.n, args.workers, args.batch)
     print({k: v for k, v in ft.items() if k != "stages"}, flush=True)
-    print("fullthrottle, graphs off ...", flush=True)
-    ft_eager = run_fullthrottle(blobs, args.n, args.workers, args.batch, graphs=False)
-    print({k: v for k, v in ft_eager.items() if k != "stages"}, flush=True)
+    ft_eager = None
+    if not args.skip_no_graphs:
+        print("fullthrottle, graphs off ...", flush=True)
+        ft_eager = run_fullthrottle(blobs, args.n, args.workers, args.batch, graphs=False)
+        print({k: v for k, v in ft_eager.items() if k != "stages"}, flush=True)
     extra = []
     for t in [int(x) for x in args.ft_threads.split(",") if x]:
         print(f"fullthrottle, {t} threads ...", flush=True)

@@ -308,6 +308,10 @@ def test_decoder_processes_give_the_thread_results(samples, bad_dir, no_thread_l
         ok_ref = {r.id: r.class_ids for r in pipe.classify([str(p) for p in samples[:120]])}
         assert all(r.class_ids == ok_ref[r.id] for r in rest if r.ok)
         assert pipe.decoders[0].proc is not victim and pipe.decoders[0].proc.poll() is None
+        for r in pipe.run(str(p) for p in samples[:120]):  # stopped with images out at the workers
+            break
+        again = pipe.classify(inputs)  # every answer still goes to its own item
+        assert [(r.id, r.error, r.class_ids) for r in again] == [(r.id, r.error, r.class_ids) for r in ref]
         procs = [w.proc for w in pipe.decoders.workers]
     assert all(p.poll() is not None for p in procs)  # closed with the pipeline
 

@@ -13,7 +13,7 @@ included: memory stays flat however long the input stream is.
 from __future__ import annotations
 
 import asyncio
-import functools
+import multiprocessing.connection as mp_connection
 import queue
 import threading
 import time
@@ -87,12 +87,18 @@ class Run:
         self.loader = Loader(inputs, self.q1, self._put, self.window, self.stop_event,
                              self.stats["load"], config.load_concurrency, config.http_timeout_s,
                              config.max_file_bytes, nthreads, _END)
+        # with decoder processes one dispatcher thread feeds them all: fewer threads asking for the GIL
+        n_pre = 1 if decoders is not None else nthreads
         self.batcher = Batcher(lambda t: self._get(self.q2, t), lambda o, block=True: self._put(self.q3, o, block),
-                               config.max_batch_size, config.max_wait_ms, nthreads, _END,
+                               config.max_batch_size, config.max_wait_ms, n_pre, _END,
                                self.stats["batch"], self.stop_event.is_set,
                                lambda: engine.in_flight() >= 2)
-        self.threads = [threading.Thread(target=self._guard(functools.partial(self._preprocess_worker, i)),
-                                         name=f"ft-preprocess-{i}", daemon=True) for i in range(nthreads)]
+        if decoders is not None:
+            self.threads = [threading.Thread(target=self._guard(self._dispatch_to_processes),
+                                             name="ft-preprocess-dispatch", daemon=True)]
+        else:
+            self.threads = [threading.Thread(target=self._guard(self._preprocess_worker),
+                                             name=f"ft-preprocess-{i}", daemon=True) for i in range(nthreads)]
         self.threads += [
             threading.Thread(target=self._guard(self.batcher.run), name="ft-batch", daemon=True),
             threading.Thread(target=self._guard(self._compute_worker), name="ft-compute", daemon=True),
@@ -155,14 +161,75 @@ class Run:
                 t.join(max(0.0, deadline - time.perf_counter()))
 
     # -- stages ---------------------------------------------------------------------------------
-    def _preprocess_worker(self, index: int) -> None:
+    def _route_to_gpu(self, it: Item) -> bool:
+        """Whether the compute stage's GPU decoder takes ``it`` (eligible JPEG, and the rate split says so)."""
+        gpu = self.engine.gpu_decoder
+        if it.error is None and gpu is not None and gpu_eligible(it.data, self.config.max_image_pixels)[0] \
+                and self.engine.splitter.choose() == "gpu":
+            it.on_gpu = True  # only the header was read here; the compute stage decodes it
+            return True
+        return False
+
+    def _dispatch_to_processes(self) -> None:
+        """Preprocess with worker processes: one thread keeps every :class:`DecoderProcess` busy.
+
+        Each worker has at most one image out; the thread waits on all their sockets at once
+        (``multiprocessing.connection.wait``) and on the input queue, so it holds the GIL only for a
+        few microseconds per image.
+        """
+        st, splitter = self.stats["preprocess"], self.engine.splitter
+        workers = list(self.decoders.workers)
+        idle = list(range(len(workers)))
+        out: dict = {}  # connection -> (worker index, item, t0)
+        ended = False
+        try:
+            while not self.stop_event.is_set():
+                while idle and not ended:  # hand out work while workers are free
+                    it = self._get(self.q1, None if out else 0.05)
+                    if it is None:
+                        break
+                    if it is _END:
+                        ended = True
+                        break
+                    st.waited(time.perf_counter() - it.t_queued)
+                    if it.error is not None or self._route_to_gpu(it):
+                        st.add(1, 0.0)
+                        if not it.on_gpu:
+                            it.data = None
+                        it.t_queued = time.perf_counter()
+                        self._put(self.q2, it)
+                        continue
+                    w = idle.pop()
+                    st.begin()
+                    workers[w].send(it.data)
+                    out[workers[w].conn] = (w, it, time.perf_counter())
+                if ended and not out:
+                    self._put(self.q2, _END)
+                    return
+                if not out:
+                    continue
+                for conn in mp_connection.wait(list(out), timeout=0.002 if idle and not ended else 0.05):
+                    w, it, t0 = out.pop(conn)
+                    try:
+                        it.array = workers[w].receive()
+                    except (ImageError, WorkerDied) as e:
+                        it.error = f"{it.id}: {e}"
+                    except Exception as e:  # noqa: BLE001 - a decoder crash belongs to this item
+                        it.error = f"{it.id}: cannot decode image: {type(e).__name__}: {e}"
+                    if self.engine.gpu_decoder is not None:
+                        splitter.record_cpu(1, time.perf_counter() - t0)
+                    it.data = None
+                    st.end(1)
+                    idle.append(w)
+                    it.t_queued = time.perf_counter()
+                    self._put(self.q2, it)
+        finally:
+            for conn, (w, _it, _t0) in out.items():  # stopped mid-run: keep each worker's replies in step
+                workers[w].discard_reply()
+
+    def _preprocess_worker(self) -> None:
         cfg, st = self.config, self.stats["preprocess"]
         gpu, splitter = self.engine.gpu_decoder, self.engine.splitter
-        if self.decoders is not None:
-            decode = self.decoders[index]  # this thread's worker process
-        else:
-            def decode(data):
-                return preprocess(data, cfg.resize_size, cfg.crop_size, cfg.max_image_pixels)
         while not self.stop_event.is_set():
             it = self._get(self.q1)
             if it is None:
@@ -172,15 +239,14 @@ class Run:
                 return
             st.begin()
             st.waited(time.perf_counter() - it.t_queued)
-            if it.error is None and gpu is not None and gpu_eligible(it.data, cfg.max_image_pixels)[0] \
-                    and splitter.choose() == "gpu":
-                it.on_gpu = True  # only the header was read here; the compute stage decodes it
+            if self._route_to_gpu(it):
+                pass
             elif it.error is None:
                 t0 = time.perf_counter()
                 try:
                     with nvtx_range("preprocess"):
-                        it.array = decode(it.data)
-                except (ImageError, WorkerDied) as e:
+                        it.array = preprocess(it.data, cfg.resize_size, cfg.crop_size, cfg.max_image_pixels)
+                except ImageError as e:
                     it.error = f"{it.id}: {e}"
                 except Exception as e:  # noqa: BLE001 - a decoder crash belongs to this item
                     it.error = f"{it.id}: cannot decode image: {type(e).__name__}: {e}"

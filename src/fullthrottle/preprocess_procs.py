@@ -80,17 +80,31 @@ class DecoderProcess:
             ImageError: the item cannot be decoded (same message as the thread path).
             WorkerDied: the worker process died on this item; a new one has been started.
         """
-        buf = bytearray(1 + self.crop_bytes)
         with self._lock:
-            try:
-                self.conn.send_bytes(data)
-                n = self.conn.recv_bytes_into(buf)
-            except (EOFError, OSError) as e:
-                code = self.proc.poll()
-                self.close()
-                self._start()
-                raise WorkerDied(f"decoder process died on this item (exit code {code}): "
-                                 f"{type(e).__name__}") from None
+            self.send(data)
+            return self.receive()
+
+    def send(self, data: bytes) -> None:
+        """Hand one image to the worker (:meth:`receive` gets the answer; one request at a time).
+
+        A worker that died earlier is noticed by :meth:`receive`.
+        """
+        try:
+            self.conn.send_bytes(data)
+        except OSError:
+            pass  # the worker is gone: receive() reports it for this item and restarts it
+
+    def receive(self) -> np.ndarray:
+        """The answer to the last :meth:`send`: the crop, or the item's error raised (see :meth:`__call__`)."""
+        buf = bytearray(1 + self.crop_bytes)
+        try:
+            n = self.conn.recv_bytes_into(buf)
+        except (EOFError, OSError) as e:
+            code = self.proc.poll()
+            self.close()
+            self._start()
+            raise WorkerDied(f"decoder process died on this item (exit code {code}): "
+                             f"{type(e).__name__}") from None
         status = buf[0]
         if status == _OK:
             return np.frombuffer(buf, np.uint8, count=self.crop_bytes, offset=1).reshape(
@@ -99,6 +113,18 @@ class DecoderProcess:
         if status == _IMAGE_ERROR:
             raise ImageError(msg)
         raise RuntimeError(msg)
+
+    def discard_reply(self, timeout: float = 10.0) -> None:
+        """Read and drop the answer to an outstanding request (a run stopped while it was out), so the
+        next request gets its own answer; a worker that does not answer in ``timeout`` s is replaced."""
+        if self.conn.poll(timeout):
+            try:
+                self.receive()
+                return
+            except (ImageError, WorkerDied, RuntimeError):
+                return
+        self.close()
+        self._start()
 
     def close(self) -> None:
         """Stop the worker (closing its socket ends its loop; killed if it does not exit in 2 s)."""
