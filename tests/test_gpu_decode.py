@@ -73,19 +73,25 @@ class FakeGpuDecoder:
         return out
 
 
-def _pipe(gpu_decode):
-    pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2, top_k=3), model=Tiny())
+def _pipe(gpu_decode, preprocess="threads"):
+    pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2, top_k=3,
+                           preprocess=preprocess), model=Tiny())
     if gpu_decode is not None:
         pipe.engine.gpu_decoder = gpu_decode
     return pipe
 
 
-def test_mixed_cpu_gpu_batches_equal_cpu_only(samples, bad_dir):
+@pytest.mark.parametrize("preprocess", ["threads", "processes"])
+def test_mixed_cpu_gpu_batches_equal_cpu_only(samples, bad_dir, preprocess):
     inputs = [p for p in samples[:60]] + [bad_dir]
     ref = {r.id: r for r in _pipe(None).run(inputs)}
     fake = FakeGpuDecoder(fail_every=7)  # some GPU failures fall back to the CPU path, per item
-    pipe = _pipe(fake)
+    pipe = _pipe(fake, preprocess)
     res = list(pipe.run(inputs))
+    if preprocess == "processes":  # with a GPU decoder, one dispatcher thread feeds both workers
+        assert pipe.current_run.threads[0].name == "ft-preprocess-dispatch-0"
+        assert not any(t.name == "ft-preprocess-dispatch-1" for t in pipe.current_run.threads)
+        pipe.close()
     assert fake.images > 20, "the split sent nothing to the (fake) GPU decoder"
     assert [r.id for r in res] == list(ref)
     for r in res:
