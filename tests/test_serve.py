@@ -235,3 +235,55 @@ def test_completions_route_batches_and_streams():
         assert httpx.post(s.url + "/v1/completions", json={"prompt": [True, False]}).status_code == 400
         r = httpx.post(s.url + "/v1/completions", json={"prompt": [1], "top_p": 0})
         assert r.status_code == 400 and "top_p" in r.json()["detail"]
+
+
+def test_completion_stops_generating_when_its_client_goes_away():
+    """A streaming client that disconnects (or a caller that cancels) ends the generation for it."""
+    import asyncio
+    import json
+
+    from fullthrottle.generate import Generator
+    from fullthrottle.llama import Llama, LlamaConfig
+    from fullthrottle.serve import CompletionService
+
+    torch_ = pytest.importorskip("torch")
+    torch_.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
+                      max_position_embeddings=4096)
+    gen = Generator(Llama(cfg).eval(), max_batch=2, max_seq_len=3000, graphs=False, check_every=4)
+    lengths = []
+    real = gen.generate
+
+    def spy(*a, **k):
+        rows = real(*a, **k)
+        lengths.append(max(len(r) for r in rows))
+        return rows
+
+    gen.generate = spy
+    svc = CompletionService(gen)
+
+    async def cancel_after_first_chunk():
+        req = {"ids": [1, 2, 3], "max_tokens": 2900, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "eos": None}
+        out = svc.submit(req)
+        assert len(await out.get()) >= 1
+        req["cancelled"] = True
+        while (await out.get()) is not None:
+            pass
+
+    asyncio.run(cancel_after_first_chunk())
+    svc.close()
+    assert lengths and lengths[0] < 1000, lengths  # stopped long before max_tokens
+
+    lengths.clear()
+    with Server(Tiny(), ServeOptions(llm=(gen, None))) as s:
+        with httpx.stream("POST", s.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2900,
+                                                                  "temperature": 0, "stream": True}) as st:
+            for line in st.iter_lines():
+                if line.startswith("data: "):
+                    assert json.loads(line[6:])["choices"][0]["token_ids"]
+                    break  # the client leaves after the first chunk
+        deadline = time.time() + 30
+        while not lengths and time.time() < deadline:
+            time.sleep(0.05)
+    assert lengths and lengths[0] < 2900, lengths

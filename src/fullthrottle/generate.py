@@ -167,7 +167,8 @@ class Generator:
 
         ``temperature``, ``top_k`` and ``top_p`` may be one value or a list with one per prompt.
         ``on_tokens(chunks)``, if given, is called every ``check_every`` steps with each row's new
-        tokens since the last call (streaming; rows past their EOS keep repeating it).
+        tokens since the last call (streaming; rows past their EOS keep repeating it). If it returns
+        True, generation stops there (every caller has gone): the rows end with what they have.
 
         Raises:
             ValueError: empty prompt, too many prompts, or prompt + max_new_tokens > max_seq_len.
@@ -228,8 +229,10 @@ class Generator:
             steps += 1
             if t % self.check_every == 0:
                 if on_tokens is not None:  # streaming: hand over what is new (one host read per chunk)
-                    on_tokens(out[:n, sent:steps].tolist())
+                    stop = on_tokens(out[:n, sent:steps].tolist())
                     sent = steps
+                    if stop is True:
+                        break
                 if bool(self.done[:n].all()):
                     break
         rows = out[:n, :steps].tolist()

@@ -184,7 +184,9 @@ class CompletionService:
 
     def submit(self, req: dict) -> asyncio.Queue:
         """Queue ``req`` (ids, max_tokens, temperature, top_k, top_p, eos); returns the queue that
-        receives lists of new token ids, then None at the end (or an Exception)."""
+        receives lists of new token ids, then None at the end (or an Exception). Setting
+        ``req["cancelled"] = True`` (the client disconnected) stops its tokens, and the whole batch
+        once no request in it is still wanted."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         try:
@@ -210,6 +212,8 @@ class CompletionService:
 
             def on_tokens(chunks):
                 for i, ((_, loop, out), toks) in enumerate(zip(batch, chunks)):
+                    if reqs[i].get("cancelled"):  # its client went away
+                        done[i] = True
                     if done[i]:
                         continue
                     toks = toks[:reqs[i]["max_tokens"] - reqs[i].setdefault("sent", 0)]
@@ -220,6 +224,7 @@ class CompletionService:
                         done[i] = True
                     if toks:
                         loop.call_soon_threadsafe(out.put_nowait, toks)
+                return all(done)  # nobody is waiting for more: stop the batch
 
             try:
                 self.gen.generate([r["ids"] for r in reqs], max(r["max_tokens"] for r in reqs),
@@ -539,14 +544,17 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             if p.get("stream"):
                 async def events():
                     last = None
-                    while True:
-                        item = await out.get()
-                        if item is None or isinstance(item, Exception):
-                            break
-                        last = item[-1]
-                        chunk = {"object": "text_completion", "choices": [
-                            {"index": 0, "text": text(item), "token_ids": item, "finish_reason": None}]}
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                    try:
+                        while True:
+                            item = await out.get()
+                            if item is None or isinstance(item, Exception):
+                                break
+                            last = item[-1]
+                            chunk = {"object": "text_completion", "choices": [
+                                {"index": 0, "text": text(item), "token_ids": item, "finish_reason": None}]}
+                            yield f"data: {json.dumps(chunk)}\n\n"
+                    finally:  # also when the client disconnects mid-stream: stop generating for it
+                        req["cancelled"] = True
                     finish = ("error" if isinstance(item, Exception) else
                               "stop" if req["eos"] is not None and last == req["eos"] else "length")
                     end = {"object": "text_completion", "choices": [
@@ -558,16 +566,19 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 return StreamingResponse(events(), media_type="text/event-stream")
             toks: list[int] = []
             deadline = t0 + opts.timeout_s
-            while True:
-                try:
-                    item = await asyncio.wait_for(out.get(), max(deadline - time.perf_counter(), 0.001))
-                except asyncio.TimeoutError:
-                    raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
-                if item is None:
-                    break
-                if isinstance(item, Exception):
-                    raise _HTTPError(500, f"generation failed: {item}")
-                toks += item
+            try:
+                while True:
+                    try:
+                        item = await asyncio.wait_for(out.get(), max(deadline - time.perf_counter(), 0.001))
+                    except asyncio.TimeoutError:
+                        raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
+                    if item is None:
+                        break
+                    if isinstance(item, Exception):
+                        raise _HTTPError(500, f"generation failed: {item}")
+                    toks += item
+            finally:  # answered, timed out (504) or cancelled: generate no more for it
+                req["cancelled"] = True
             finish = "stop" if req["eos"] is not None and toks and toks[-1] == req["eos"] else "length"
             return reply(route, 200, {"object": "text_completion", "choices": [
                 {"index": 0, "text": text(toks), "token_ids": toks, "finish_reason": finish}],
