@@ -5,6 +5,9 @@
     Loader (asyncio thread) -q1-> preprocess threads -q2-> Batcher thread -q3-> compute thread
         -q4-> decode thread -> reorder buffer -> your iterator (sync or async)
 
+With ``preprocess="processes"`` (the default on CUDA) the preprocess threads hand each image to a
+worker process (:mod:`fullthrottle.preprocess_procs`) and wait on its socket without the GIL.
+
 Every queue is bounded, and a window of ``max_in_flight`` permits (taken when an item starts
 loading, given back when you receive its result) bounds everything in between, the reorder buffer
 included: memory stays flat however long the input stream is.
