@@ -225,10 +225,8 @@ class Run:
                     w, it, t0 = out.pop(conn)
                     try:
                         it.array = workers[w].receive()
-                    except (ImageError, WorkerDied) as e:
+                    except (ImageError, WorkerDied) as e:  # worded like the thread path's errors
                         it.error = f"{it.id}: {e}"
-                    except Exception as e:  # noqa: BLE001 - a decoder crash belongs to this item
-                        it.error = f"{it.id}: cannot decode image: {type(e).__name__}: {e}"
                     if self.engine.gpu_decoder is not None:
                         splitter.record_cpu(1, time.perf_counter() - t0)
                     it.data = None

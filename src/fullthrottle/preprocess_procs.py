@@ -109,10 +109,8 @@ class DecoderProcess:
         if status == _OK:
             return np.frombuffer(buf, np.uint8, count=self.crop_bytes, offset=1).reshape(
                 self.crop_size, self.crop_size, 3)
-        msg = bytes(buf[1:n]).decode("utf-8", "replace")
-        if status == _IMAGE_ERROR:
-            raise ImageError(msg)
-        raise RuntimeError(msg)
+        # _IMAGE_ERROR or _OTHER_ERROR: the message is already worded as the thread path words it
+        raise ImageError(bytes(buf[1:n]).decode("utf-8", "replace"))
 
     def discard_reply(self, timeout: float = 10.0) -> None:
         """Read and drop the answer to an outstanding request (a run stopped while it was out), so the
@@ -121,7 +119,7 @@ class DecoderProcess:
             try:
                 self.receive()
                 return
-            except (ImageError, WorkerDied, RuntimeError):
+            except (ImageError, WorkerDied):
                 return
         self.close()
         self._start()
