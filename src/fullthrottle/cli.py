@@ -461,7 +461,8 @@ def cmd_bench(args) -> int:
 def _format_result(r) -> str:
     if r.ok:
         return f"{r.id}: " + ", ".join(f"{lab} {p:.3f}" for lab, p in zip(r.labels, r.probs))
-    return f"{r.id}: ERROR {r.error}"
+    err = r.error.removeprefix(f"{r.id}: ")  # the error names its item already (for library users)
+    return f"{r.id}: ERROR {err}"
 
 
 def _classify_ray(args) -> int:
@@ -533,6 +534,9 @@ def cmd_classify(args) -> int:
     except (ValueError, FileNotFoundError, RuntimeError, WeightsError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # during start-up (model load, graph capture, decoder processes)
+        print("interrupted", file=sys.stderr)
+        return 130
     if pipe.engine.random_weights:
         print("WARNING: no --weights given: the model is randomly initialised, labels are meaningless",
               file=sys.stderr)

@@ -63,7 +63,10 @@ class Config:
         preprocess: where those threads decode: ``"threads"`` (in this process), ``"processes"`` (each
             thread hands its images to its own worker process, outside this process's GIL, like a
             ``DataLoader``'s workers; bit-identical results), or ``"auto"``: processes on CUDA, where
-            the compute thread must not wait for the GIL, threads on CPU.
+            the compute thread must not wait for the GIL, threads on CPU. At most one process per
+            core (each imports torch: ~0.5 GB resident).
+        decode_timeout_s: with worker processes, an image still decoding after this many seconds
+            gets an error and its worker is killed and replaced (a decoder hang costs one item).
         torch_threads: torch's intra-op CPU threads, set process-wide when the pipeline is built.
             Default: 1 on CUDA (the model runs on the GPU, and a wide intra-op pool would fight the
             preprocess threads for the cores), unchanged on CPU.
@@ -96,6 +99,7 @@ class Config:
     buckets: tuple[int, ...] | None = None
     threads: int | None = None
     preprocess: str = "auto"
+    decode_timeout_s: float = 30.0
     torch_threads: int | None = None
     top_k: int = 5
     ordered: bool = True
@@ -125,8 +129,15 @@ class Config:
             raise ValueError(f"staging_slots must be >= 2, got {self.staging_slots}")
         if self.preprocess not in ("auto", "threads", "processes"):
             raise ValueError(f"preprocess must be 'auto', 'threads' or 'processes', got {self.preprocess!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
+                                         or self.threads < 1):
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if not (isinstance(self.resize_size, int) and isinstance(self.crop_size, int)
+                and 1 <= self.crop_size <= self.resize_size):
+            raise ValueError(f"need integers 1 <= crop_size <= resize_size, got crop_size={self.crop_size!r}, "
+                             f"resize_size={self.resize_size!r}")
+        if not self.decode_timeout_s > 0:
+            raise ValueError(f"decode_timeout_s must be > 0, got {self.decode_timeout_s!r}")
         if self.buckets is None:
             self.buckets = default_buckets(self.max_batch_size)
         else:

@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .preprocess import jpeg_info, jpeg_is_complete, sniff
+from .preprocess import jpeg_info, jpeg_is_complete, resized_pixels, sniff
 
 
-def gpu_eligible(data: bytes, max_pixels: int = 89_478_485) -> tuple[bool, str]:
+def gpu_eligible(data: bytes, max_pixels: int = 89_478_485, resize: int = 256) -> tuple[bool, str]:
     """Whether nvJPEG gives the same image as the CPU path; ``(False, reason)`` routes it to the CPU."""
     if sniff(data) != "JPEG":
         return False, "not a JPEG"
@@ -37,7 +37,8 @@ def gpu_eligible(data: bytes, max_pixels: int = 89_478_485) -> tuple[bool, str]:
         return False, f"{info['components']}-component (CMYK/YCCK) JPEG"
     if info["orientation"] != 1:
         return False, "EXIF orientation"
-    if info["width"] * info["height"] > max_pixels or info["width"] == 0 or info["height"] == 0:
+    if info["width"] * info["height"] > max_pixels or info["width"] == 0 or info["height"] == 0 \
+            or resized_pixels(info["width"], info["height"], resize) > max_pixels:
         return False, "size out of range"
     if not jpeg_is_complete(data):
         return False, "truncated"

@@ -29,7 +29,7 @@ from torch import nn
 
 from .batch import Batch, Batcher
 from .compute import Engine
-from .config import Config
+from .config import Config, usable_cores
 from .decode import Result
 from .gpumon import GpuMonitor, nvtx_range
 from .load import Item, Loader
@@ -83,7 +83,7 @@ class Run:
         self.window = threading.Semaphore(config.in_flight_limit)
         self.stats = {
             "load": StageStats("load", config.load_concurrency),
-            "preprocess": StageStats("preprocess", nthreads),
+            "preprocess": StageStats("preprocess", len(decoders) if decoders is not None else nthreads),
             "batch": StageStats("batch", 1),
             "compute": StageStats("compute", 1),
             "decode": StageStats("decode", 1),
@@ -178,7 +178,8 @@ class Run:
     def _route_to_gpu(self, it: Item) -> bool:
         """Whether the compute stage's GPU decoder takes ``it`` (eligible JPEG, and the rate split says so)."""
         gpu = self.engine.gpu_decoder
-        if it.error is None and gpu is not None and gpu_eligible(it.data, self.config.max_image_pixels)[0] \
+        if it.error is None and gpu is not None and gpu_eligible(it.data, self.config.max_image_pixels,
+                                                                      self.config.resize_size)[0] \
                 and self.engine.splitter.choose() == "gpu":
             it.on_gpu = True  # only the header was read here; the compute stage decodes it
             return True
@@ -192,6 +193,7 @@ class Run:
         few microseconds per image.
         """
         st, splitter = self.stats["preprocess"], self.engine.splitter
+        timeout_s = self.config.decode_timeout_s
         idle = list(range(len(workers)))
         out: dict = {}  # connection -> (worker index, item, t0)
         ended = False
@@ -221,10 +223,17 @@ class Run:
                     return
                 if not out:
                     continue
-                for conn in mp_connection.wait(list(out), timeout=0.002 if idle and not ended else 0.05):
+                ready = mp_connection.wait(list(out), timeout=0.002 if idle and not ended else 0.05)
+                now = time.perf_counter()
+                stuck = [c for c, (_w, _it, t0) in out.items() if c not in ready and now - t0 > timeout_s]
+                for conn in [*ready, *stuck]:
                     w, it, t0 = out.pop(conn)
                     try:
-                        it.array = workers[w].receive()
+                        if conn in ready:
+                            it.array = workers[w].receive()
+                        else:  # a worker stuck on one image (a decoder hang) costs that image only
+                            raise workers[w].kill(f"decoding took longer than {timeout_s:g} s "
+                                                  "(decode_timeout_s): its worker process was replaced")
                     except (ImageError, WorkerDied) as e:  # worded like the thread path's errors
                         it.error = f"{it.id}: {e}"
                     if self.engine.gpu_decoder is not None:
@@ -426,8 +435,9 @@ class Pipeline:
             torch.set_num_threads(n)
         use_procs = config.preprocess == "processes" or (config.preprocess == "auto" and self.engine.cuda)
         #: one decoder process per preprocess thread (config.preprocess), started once, reused by every run
-        self.decoders = DecoderPool(config.num_threads, config.resize_size, config.crop_size,
-                                    config.max_image_pixels) if use_procs else None
+        # more processes than cores cannot decode faster, and each holds ~0.5 GB (it imports torch)
+        self.decoders = DecoderPool(min(config.num_threads, usable_cores()), config.resize_size,
+                                    config.crop_size, config.max_image_pixels) if use_procs else None
         self.last_report: Report | None = None
         self.current_run: Run | None = None
         #: called with each batch's size as the batcher forms it (from the batcher's thread)

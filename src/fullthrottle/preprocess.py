@@ -139,6 +139,11 @@ def header_size(data: bytes, fmt: str | None) -> tuple[int, int, str]:
         raise ImageError("not a supported image (unrecognised format)") from None
 
 
+def resized_pixels(w: int, h: int, shorter: int) -> int:
+    """Pixels of a ``w`` x ``h`` image once its shorter side is resized to ``shorter`` (as Resize does)."""
+    return shorter * int(shorter * max(w, h) / min(w, h))
+
+
 def decode(data: bytes, min_side: int = 0, max_pixels: int = 89_478_485) -> np.ndarray:
     """Decode image bytes to an upright RGB array.
 
@@ -146,7 +151,9 @@ def decode(data: bytes, min_side: int = 0, max_pixels: int = 89_478_485) -> np.n
         data: the encoded file (any format OpenCV or Pillow reads).
         min_side: the shorter side the caller needs; a JPEG whose shorter side is at least twice as
             large (times 2, 4 or 8) is decoded at reduced scale. 0 decodes at full size.
-        max_pixels: largest width*height accepted, checked on the header.
+        max_pixels: largest width*height accepted, checked on the header; also the largest the image
+            may become once its shorter side is resized to ``min_side`` (a 20000x1 strip would be
+            5 million x 256).
 
     Returns:
         ``(H, W, 3)`` uint8, RGB, EXIF orientation applied.
@@ -163,6 +170,11 @@ def decode(data: bytes, min_side: int = 0, max_pixels: int = 89_478_485) -> np.n
     if w * h > max_pixels:
         raise ImageError(
             f"image too large: {w}x{h} = {w * h / 1e6:.1f} megapixels exceeds the limit of "
+            f"{max_pixels / 1e6:.1f} megapixels (max_image_pixels)")
+    if min_side > 0 and resized_pixels(w, h, min_side) > max_pixels:
+        raise ImageError(
+            f"extreme aspect ratio: {w}x{h} with its shorter side resized to {min_side} would be "
+            f"{resized_pixels(w, h, min_side) / 1e6:.0f} megapixels, over the limit of "
             f"{max_pixels / 1e6:.1f} megapixels (max_image_pixels)")
     if fmt == "JPEG" and not jpeg_is_complete(data):
         raise ImageError("truncated or corrupt JPEG (no end-of-image marker after the last scan)")

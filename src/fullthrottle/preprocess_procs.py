@@ -28,7 +28,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
+from multiprocessing import BufferTooShort
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -58,12 +60,16 @@ class DecoderProcess:
         self.args = (resize_size, crop_size, max_pixels, nice)
         self.crop_bytes = crop_size * crop_size * 3
         self.crop_size = crop_size
+        self.closed = False
+        self.sent_at: float | None = None  # perf_counter() of the outstanding request, None when idle
         # held from send to reply: a thread that is still waiting when its run is stopped reads its own
         # reply before the next run's thread can send, so replies never go to the wrong item
         self._lock = threading.Lock()
         self._start()
 
     def _start(self) -> None:
+        if self.closed:  # never start a worker after close(): it would outlive its pipeline
+            raise WorkerDied("the decoder pool is closed")
         parent, child = socket.socketpair()
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.proc = subprocess.Popen(
@@ -72,6 +78,10 @@ class DecoderProcess:
         child.close()
         self.conn = Connection(parent.detach())
         self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.proc)
+
+    def _restart(self) -> None:
+        self._finalizer()
+        self._start()
 
     def __call__(self, data: bytes) -> np.ndarray:
         """Encoded image bytes -> ``(S, S, 3)`` uint8 RGB crop (a fresh, writable array).
@@ -87,8 +97,12 @@ class DecoderProcess:
     def send(self, data: bytes) -> None:
         """Hand one image to the worker (:meth:`receive` gets the answer; one request at a time).
 
-        A worker that died earlier is noticed by :meth:`receive`.
+        A worker found dead here (it died while idle) is replaced first, so the image is not lost;
+        one that dies on this image is reported by :meth:`receive`.
         """
+        if self.proc.poll() is not None:
+            self._restart()
+        self.sent_at = time.perf_counter()
         try:
             self.conn.send_bytes(data)
         except OSError:
@@ -99,12 +113,15 @@ class DecoderProcess:
         buf = bytearray(1 + self.crop_bytes)
         try:
             n = self.conn.recv_bytes_into(buf)
+        except BufferTooShort as e:  # an error message longer than a (small) crop
+            buf, n = bytearray(e.args[0]), len(e.args[0])
         except (EOFError, OSError) as e:
+            self.sent_at = None
             code = self.proc.poll()
-            self.close()
-            self._start()
+            self._restart()
             raise WorkerDied(f"decoder process died on this item (exit code {code}): "
                              f"{type(e).__name__}") from None
+        self.sent_at = None
         status = buf[0]
         if status == _OK:
             return np.frombuffer(buf, np.uint8, count=self.crop_bytes, offset=1).reshape(
@@ -112,30 +129,41 @@ class DecoderProcess:
         # _IMAGE_ERROR or _OTHER_ERROR: the message is already worded as the thread path words it
         raise ImageError(bytes(buf[1:n]).decode("utf-8", "replace"))
 
-    def discard_reply(self, timeout: float = 10.0) -> None:
+    def kill(self, reason: str) -> WorkerDied:
+        """Kill a worker stuck on its image and start a new one; returns the error for that image."""
+        self.sent_at = None
+        self.proc.kill()
+        self._restart()
+        return WorkerDied(reason)
+
+    def discard_reply(self, timeout: float = 2.0) -> None:
         """Read and drop the answer to an outstanding request (a run stopped while it was out), so the
-        next request gets its own answer; a worker that does not answer in ``timeout`` s is replaced."""
-        if self.conn.poll(timeout):
+        next request gets its own answer; a worker that does not answer in ``timeout`` s is killed and
+        replaced (nothing is started once the pool is closed)."""
+        if not self.closed and self.conn.poll(timeout):
             try:
                 self.receive()
                 return
             except (ImageError, WorkerDied):
                 return
-        self.close()
-        self._start()
+        self.sent_at = None
+        self.proc.kill()
+        if not self.closed:
+            self._restart()
 
     def close(self) -> None:
-        """Stop the worker (closing its socket ends its loop; killed if it does not exit in 2 s)."""
+        """Stop the worker for good (closing its socket ends its loop; killed if it does not exit in 2 s)."""
+        self.closed = True
         self._finalizer()
 
 
-def _shutdown(conn: Connection, proc: subprocess.Popen) -> None:
+def _shutdown(conn: Connection, proc: subprocess.Popen, grace_s: float = 2.0) -> None:
     try:
         conn.close()
     except OSError:
         pass
     try:
-        proc.wait(2.0)
+        proc.wait(grace_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -178,9 +206,21 @@ class DecoderPool:
     def __getitem__(self, i: int) -> DecoderProcess:
         return self.workers[i]
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 1.0) -> None:
+        """Stop every worker: all sockets closed at once, then ``grace_s`` s in all to exit, then killed."""
         for w in self.workers:
-            w.close()
+            w.closed = True
+            try:
+                w.conn.close()
+            except OSError:
+                pass
+        deadline = time.perf_counter() + grace_s
+        for w in self.workers:
+            try:
+                w.proc.wait(max(0.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+            w.close()  # reaps it
         self.workers = []
 
 
@@ -198,6 +238,9 @@ _PROBE = _probe_png()
 
 
 def _worker_main(argv: list[str]) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; we end on EOF
     fd, resize_size, crop_size, max_pixels, nice = (int(a) for a in argv)
     if nice:
         try:
