@@ -194,8 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _blobs(paths: list[str] | None) -> list[bytes]:
     from .load import BadSource, expand
 
+    from .preprocess import ImageError, preprocess
+
     paths = paths or sample_photos()
-    out = [p.read_bytes() for _, p in expand(paths) if not isinstance(p, (str, BadSource))]
+    out = []
+    for _, p in expand(paths):
+        if isinstance(p, (str, BadSource)):
+            continue
+        data = p.read_bytes()
+        try:
+            preprocess(data)
+        except ImageError as e:  # a benchmark measures images, not errors: say which and go on
+            print(f"fullthrottle bench: skipping {p}: {e}", file=sys.stderr)
+            continue
+        out.append(data)
     if not out:
         raise FileNotFoundError(f"no image files found in {paths}")
     return out
@@ -435,7 +447,7 @@ def cmd_bench(args) -> int:
         if exp == "threads":
             cores = usable_cores()
             default = sorted({1, 2, *[2**i for i in range(1, 8) if 2**i <= 2 * cores], cores, 2 * cores})
-            res = B.bench_threads(_blobs(args.images), [1, 2] if args.quick else _ints(args.threads, default),
+            res = B.bench_threads(_blobs(args.images), _ints(args.threads, [1, 2] if args.quick else default),
                                   0.3 if args.quick else args.seconds)
         elif exp == "batch":
             res = B.bench_batch(_ints(args.batches, [1, 2] if args.quick else [2**i for i in range(11)]),
