@@ -61,7 +61,6 @@ class DecoderProcess:
         self.crop_bytes = crop_size * crop_size * 3
         self.crop_size = crop_size
         self.closed = False
-        self.sent_at: float | None = None  # perf_counter() of the outstanding request, None when idle
         # held from send to reply: a thread that is still waiting when its run is stopped reads its own
         # reply before the next run's thread can send, so replies never go to the wrong item
         self._lock = threading.Lock()
@@ -102,7 +101,6 @@ class DecoderProcess:
         """
         if self.proc.poll() is not None:
             self._restart()
-        self.sent_at = time.perf_counter()
         try:
             self.conn.send_bytes(data)
         except OSError:
@@ -116,12 +114,10 @@ class DecoderProcess:
         except BufferTooShort as e:  # an error message longer than a (small) crop
             buf, n = bytearray(e.args[0]), len(e.args[0])
         except (EOFError, OSError) as e:
-            self.sent_at = None
             code = self.proc.poll()
             self._restart()
             raise WorkerDied(f"decoder process died on this item (exit code {code}): "
                              f"{type(e).__name__}") from None
-        self.sent_at = None
         status = buf[0]
         if status == _OK:
             return np.frombuffer(buf, np.uint8, count=self.crop_bytes, offset=1).reshape(
@@ -131,7 +127,6 @@ class DecoderProcess:
 
     def kill(self, reason: str) -> WorkerDied:
         """Kill a worker stuck on its image and start a new one; returns the error for that image."""
-        self.sent_at = None
         self.proc.kill()
         self._restart()
         return WorkerDied(reason)
@@ -146,7 +141,6 @@ class DecoderProcess:
                 return
             except (ImageError, WorkerDied):
                 return
-        self.sent_at = None
         self.proc.kill()
         if not self.closed:
             self._restart()
@@ -157,13 +151,13 @@ class DecoderProcess:
         self._finalizer()
 
 
-def _shutdown(conn: Connection, proc: subprocess.Popen, grace_s: float = 2.0) -> None:
+def _shutdown(conn: Connection, proc: subprocess.Popen) -> None:
     try:
         conn.close()
     except OSError:
         pass
     try:
-        proc.wait(grace_s)
+        proc.wait(2.0)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
