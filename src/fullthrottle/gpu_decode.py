@@ -165,3 +165,34 @@ class GpuJpegDecoder:
 
 
 Decoder = Callable[[Sequence[bytes]], list]
+
+
+def decode_crops(decoder: Decoder, blobs: Sequence[bytes], resize: int = 256, crop: int = 224,
+                 max_pixels: int = 89_478_485, device: torch.device | None = None) -> list:
+    """Decode + resize + crop a batch on the GPU decoder, with the CPU path as the per-item fallback.
+
+    Returns one entry per blob: a ``(crop, crop, 3)`` uint8 device tensor (a row of one batched
+    tensor), a ``(crop, crop, 3)`` uint8 numpy array (the GPU decoder refused it and the CPU path
+    decoded it), or the :class:`~fullthrottle.preprocess.ImageError` both gave (the item's error).
+    Runs on the current CUDA stream; the caller synchronises before handing rows to another stream.
+    """
+    from .preprocess import ImageError, preprocess
+
+    decoded = decoder(blobs)
+    out: list = [None] * len(blobs)
+    good = []
+    for j, d in enumerate(decoded):
+        if isinstance(d, Exception):
+            try:
+                out[j] = preprocess(blobs[j], resize, crop, max_pixels)
+            except ImageError as e:
+                out[j] = e
+        else:
+            good.append(j)
+    if good:
+        dev = device if device is not None else decoded[good[0]].device
+        rows = torch.empty((len(good), crop, crop, 3), dtype=torch.uint8, device=dev)
+        resize_crop_batch([decoded[j] for j in good], rows, resize, crop)
+        for r, j in enumerate(good):
+            out[j] = rows[r]
+    return out

@@ -96,49 +96,48 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # one fused kernel where torch has it; float32 inside, like HF's x.float() * rsqrt(mean(x^2) + eps)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
+        # q, k and v projections fused into one matmul (HF's q_proj, k_proj, v_proj stacked on load)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=False)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.k_cache: torch.Tensor | None = None  # (maxB, Hkv, T, D)
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x, cos, sin, pos, row0, mask):
         B, S, _ = x.shape                                                 # x: (B, S, dim)
-        q = self.q_proj(x).view(B, S, self.h, self.d).transpose(1, 2)     # (B, H, S, D)
-        k = self.k_proj(x).view(B, S, self.hkv, self.d).transpose(1, 2)   # (B, Hkv, S, D)
-        v = self.v_proj(x).view(B, S, self.hkv, self.d).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin                                # cos, sin: (B, 1, S, D)
-        k = k * cos + rotate_half(k) * sin
-        idx = pos[:, None, :, None].expand(B, self.hkv, S, self.d)        # where each new token goes
+        h, hkv, d = self.h, self.hkv, self.d
+        qk, v = self.qkv_proj(x).split([(h + hkv) * d, hkv * d], dim=-1)  # (B, S, (H+Hkv)*D), (B, S, Hkv*D)
+        qk = qk.view(B, S, h + hkv, d)
+        qk = qk * cos + rotate_half(qk) * sin                             # RoPE on q and k at once; cos: (B, S, 1, D)
+        q, k = qk.transpose(1, 2).split([h, hkv], dim=1)                  # (B, H, S, D), (B, Hkv, S, D)
+        v = v.view(B, S, hkv, d).transpose(1, 2)                          # (B, Hkv, S, D)
+        idx = pos[:, None, :, None].expand(B, hkv, S, d)                  # where each new token goes
         kc = self.k_cache[row0:row0 + B].scatter_(2, idx, k)              # (B, Hkv, T, D), in place
         vc = self.v_cache[row0:row0 + B].scatter_(2, idx, v)
-        rep = self.h // self.hkv                                          # grouped-query attention
+        rep = h // hkv                                                    # grouped-query attention
         if rep > 1:  # (a copy: with rep == 1, as in Llama-2-7B, the cache is read in place)
             kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)     # mask: (B, 1, S, T)
-        return self.o_proj(y.transpose(1, 2).reshape(B, S, self.h * self.d))
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, h * d))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        # gate and up projections fused into one matmul (HF's gate_proj, up_proj stacked on load)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))   # SwiGLU
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                      # (B, S, I) each
+        return self.down_proj(F.silu(gate) * up)                             # SwiGLU
 
 
 class Block(nn.Module):
@@ -185,13 +184,26 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, row0: int = 0) -> torch.Tensor:
         x = self.embed_tokens(tokens)                                        # (B, S, dim)
         freqs = pos[..., None].float() * self.inv_freq                       # (B, S, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]                      # (B, 1, S, D)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]                   # (B, S, 1, D)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         t = torch.arange(self.max_seq_len, device=tokens.device)
         mask = t[None, None, None, :] <= pos[:, None, :, None]                # (B, 1, S, T) causal
         for blk in self.layers:
             x = blk(x, cos, sin, pos, row0, mask)
         return self.lm_head(self.norm(x)).float()
+
+
+def fuse_hf_projections(sd: dict) -> dict:
+    """Stack HF's ``q_proj``/``k_proj``/``v_proj`` weights into ``qkv_proj`` and ``gate_proj``/``up_proj``
+    into ``gate_up_proj`` (rows concatenated, so one matmul gives the same outputs side by side)."""
+    out = dict(sd)
+    for prefix in sorted({k.rsplit(".", 2)[0] for k in sd if k.endswith(".q_proj.weight")}):
+        out[f"{prefix}.qkv_proj.weight"] = torch.cat(
+            [out.pop(f"{prefix}.{n}_proj.weight") for n in ("q", "k", "v")])
+    for prefix in sorted({k.rsplit(".", 2)[0] for k in sd if k.endswith(".gate_proj.weight")}):
+        out[f"{prefix}.gate_up_proj.weight"] = torch.cat(
+            [out.pop(f"{prefix}.{n}_proj.weight") for n in ("gate", "up")])
+    return out
 
 
 def load_hf(path: str | Path, device="cpu", dtype=torch.float32) -> Llama:
@@ -216,7 +228,7 @@ def load_hf(path: str | Path, device="cpu", dtype=torch.float32) -> Llama:
         sd.update({k.removeprefix("model."): v for k, v in load_file(str(s)).items()})
     if cfg.tie_word_embeddings:
         sd.setdefault("lm_head.weight", sd["embed_tokens.weight"])
-    sd = {k: v for k, v in sd.items() if "rotary_emb" not in k}
+    sd = fuse_hf_projections({k: v for k, v in sd.items() if "rotary_emb" not in k})
     missing = set(model.state_dict()) - set(sd)
     unexpected = set(sd) - set(model.state_dict())
     if missing or unexpected:

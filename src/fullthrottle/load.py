@@ -30,7 +30,8 @@ class Item:
     """One input on its way through the stages.
 
     ``data`` holds the encoded bytes after load, ``array`` the ``(224, 224, 3)`` uint8 RGB crop after
-    preprocess; ``error`` is set instead when a stage failed for this item.
+    preprocess in threads (``pool_row`` its row in the shared crop pool after preprocess in decoder
+    processes); ``error`` is set instead when a stage failed for this item.
     """
 
     index: int
@@ -39,7 +40,9 @@ class Item:
     data: bytes | None = None
     array: np.ndarray | None = None
     error: str | None = None
-    on_gpu: bool = False  # decode this JPEG on the GPU (data kept, no array)
+    on_gpu: bool = False  # routed to the GPU decoder
+    gpu_crop: Any = None  # its (S, S, 3) uint8 crop on the device, once the GPU decode thread made it
+    pool_row: int = -1  # the crop is in this row of the decoder processes' shared CropPool (no array)
     t_start: float = field(default_factory=time.perf_counter)
     t_queued: float = 0.0
 

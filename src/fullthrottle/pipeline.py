@@ -4,9 +4,11 @@
 
     Loader (asyncio thread) -q1-> preprocess threads -q2-> Batcher thread -q3-> compute thread
         -q4-> decode thread -> reorder buffer -> your iterator (sync or async)
+                  `-gq-> GPU decode thread -q2-^       (with gpu_decode: nvJPEG batches, own stream)
 
-With ``preprocess="processes"`` (the default on CUDA) the preprocess threads hand each image to a
-worker process (:mod:`fullthrottle.preprocess_procs`) and wait on its socket without the GIL.
+With ``preprocess="processes"`` (the default on CUDA) a dispatcher thread hands each image to a
+worker process (:mod:`fullthrottle.preprocess_procs`), which writes the crop into shared pinned
+memory; the dispatcher waits on the workers' sockets without the GIL.
 
 Every queue is bounded, and a window of ``max_in_flight`` permits (taken when an item starts
 loading, given back when you receive its result) bounds everything in between, the reorder buffer
@@ -39,6 +41,10 @@ from .preprocess_procs import DecoderPool, WorkerDied
 from .report import Report, StageStats
 
 _END = object()
+
+#: threads feeding the decoder processes; None: one in all (each image costs it a few microseconds
+#: of Python: a 5-byte header out, a 1-byte answer back; the pixels go through shared memory)
+DISPATCH_THREADS: int | None = None
 
 
 def limit_heap_fragmentation(arenas: int = 2) -> bool:
@@ -84,6 +90,7 @@ class Run:
         self.stats = {
             "load": StageStats("load", config.load_concurrency),
             "preprocess": StageStats("preprocess", len(decoders) if decoders is not None else nthreads),
+            **({"gpu decode": StageStats("gpu decode", 1)} if engine.gpu_decoder is not None else {}),
             "batch": StageStats("batch", 1),
             "compute": StageStats("compute", 1),
             "decode": StageStats("decode", 1),
@@ -91,18 +98,16 @@ class Run:
         self.loader = Loader(inputs, self.q1, self._put, self.window, self.stop_event,
                              self.stats["load"], config.load_concurrency, config.http_timeout_s,
                              config.max_file_bytes, nthreads, _END)
-        # With decoder processes, dispatcher threads feed them. Measured on the H200 machine (640x480
-        # JPEGs, 16 workers): CPU decoding alone ran 2262 img/s with one thread per worker and
-        # 1288-1626 img/s with a single dispatcher (its GIL round trips became the limit); with the
-        # GPU decoder on, the single dispatcher ran 6765 img/s against 3072 (fewer threads contend
-        # with the compute thread, which then decodes on the GPU). Hence: one dispatcher with
-        # gpu_decode, one per worker without.
+        # With decoder processes, dispatcher threads feed them: by default one for all workers
+        # (DISPATCH_THREADS). Fewer threads means fewer GIL hand-offs for the compute thread to wait in.
         if decoders is not None:
-            n_pre = 1 if engine.gpu_decoder is not None else len(decoders)
+            n_pre = max(1, min(DISPATCH_THREADS or 1, len(decoders)))
         else:
             n_pre = nthreads
+        self.n_pre = n_pre
+        self.gq: queue.Queue | None = queue.Queue(config.queue_size) if engine.gpu_decoder is not None else None
         self.batcher = Batcher(lambda t: self._get(self.q2, t), lambda o, block=True: self._put(self.q3, o, block),
-                               config.max_batch_size, config.max_wait_ms, n_pre, _END,
+                               config.max_batch_size, config.max_wait_ms, n_pre + (self.gq is not None), _END,
                                self.stats["batch"], self.stop_event.is_set,
                                lambda: engine.in_flight() >= 2)
         if decoders is not None:
@@ -113,6 +118,9 @@ class Run:
         else:
             self.threads = [threading.Thread(target=self._guard(self._preprocess_worker),
                                              name=f"ft-preprocess-{i}", daemon=True) for i in range(nthreads)]
+        if self.gq is not None:
+            self.threads.append(threading.Thread(target=self._guard(self._gpu_decode_worker),
+                                                 name="ft-gpu-decode", daemon=True))
         self.threads += [
             threading.Thread(target=self._guard(self.batcher.run), name="ft-batch", daemon=True),
             threading.Thread(target=self._guard(self._compute_worker), name="ft-compute", daemon=True),
@@ -159,6 +167,8 @@ class Run:
 
     def start(self) -> None:
         self.engine.reset()
+        if self.decoders is not None:
+            self.decoders.crops.reset()
         self.gpumon.__enter__()
         self.t0 = time.perf_counter()
         self.loader.start()
@@ -176,14 +186,89 @@ class Run:
 
     # -- stages ---------------------------------------------------------------------------------
     def _route_to_gpu(self, it: Item) -> bool:
-        """Whether the compute stage's GPU decoder takes ``it`` (eligible JPEG, and the rate split says so)."""
+        """Hand ``it`` to the GPU decode thread if it is an eligible JPEG and the rate split says so."""
         gpu = self.engine.gpu_decoder
         if it.error is None and gpu is not None and gpu_eligible(it.data, self.config.max_image_pixels,
                                                                       self.config.resize_size)[0] \
                 and self.engine.splitter.choose() == "gpu":
-            it.on_gpu = True  # only the header was read here; the compute stage decodes it
+            it.on_gpu = True  # only the header was read here
+            it.t_queued = time.perf_counter()
+            self._put(self.gq, it)
             return True
         return False
+
+    def _end_of_stream(self) -> None:
+        """A preprocess thread has seen the end: tell the batcher (and the GPU decode thread)."""
+        self._put(self.q2, _END)
+        if self.gq is not None:
+            self._put(self.gq, _END)
+
+    def _gpu_decode_worker(self) -> None:
+        """nvJPEG in batches on its own stream, ahead of the compute thread.
+
+        Takes up to ``max_batch_size`` routed JPEGs at a time (waiting at most ``max_wait_ms`` for
+        more), decodes, resizes and crops them as one batch (:func:`~fullthrottle.gpu_decode.decode_crops`),
+        waits for that stream (the GIL is released meanwhile), and passes each item on with its device
+        crop, or with the CPU path's crop or error for the images nvJPEG refused.
+        """
+        eng, cfg, st = self.engine, self.config, self.stats["gpu decode"]
+        ends, limit, wait_s = 0, cfg.max_batch_size, cfg.max_wait_ms / 1e3
+        while not self.stop_event.is_set() and ends < self.n_pre:
+            first = self._get(self.gq)
+            if first is None:
+                continue
+            items = []
+            if first is _END:
+                ends += 1
+            else:
+                items.append(first)
+            deadline = time.perf_counter() + wait_s
+            while len(items) < limit and ends < self.n_pre:
+                it = self._get(self.gq, max(deadline - time.perf_counter(), 0.0))
+                if it is None:
+                    break
+                if it is _END:
+                    ends += 1
+                else:
+                    items.append(it)
+            if not items:
+                continue
+            st.begin()
+            t0 = time.perf_counter()
+            for it in items:
+                st.waited(t0 - it.t_queued)
+            with nvtx_range(f"gpu decode {len(items)}"):
+                if eng.cuda:
+                    with torch.cuda.stream(eng.decode_stream):
+                        crops = self._decode_crops(items)
+                    eng.decode_stream.synchronize()  # rows complete before another stream reads them
+                else:
+                    crops = self._decode_crops(items)
+            eng.splitter.record_gpu(len(items), time.perf_counter() - t0)
+            for it, c in zip(items, crops):
+                if isinstance(c, ImageError):
+                    it.error = f"{it.id}: {c}"
+                elif isinstance(c, torch.Tensor):
+                    it.gpu_crop = c
+                else:
+                    it.array = c
+                it.data = None
+            st.end(len(items))
+            for it in items:
+                it.t_queued = time.perf_counter()
+                self._put(self.q2, it)
+        self._put(self.q2, _END)
+
+    @torch.inference_mode()
+    def _decode_crops(self, items: list) -> list:
+        from .gpu_decode import decode_crops
+
+        cfg = self.config
+        try:
+            return decode_crops(self.engine.gpu_decoder, [it.data for it in items], cfg.resize_size,
+                                cfg.crop_size, cfg.max_image_pixels, self.engine.device)
+        except Exception as e:  # noqa: BLE001 - a failed batch fails its items, not the run
+            return [ImageError(f"GPU decode failed: {type(e).__name__}: {e}")] * len(items)
 
     def _dispatch_to_processes(self, workers: list) -> None:
         """Preprocess with worker processes: this thread keeps ``workers`` (:class:`DecoderProcess`) busy.
@@ -194,12 +279,15 @@ class Run:
         """
         st, splitter = self.stats["preprocess"], self.engine.splitter
         timeout_s = self.config.decode_timeout_s
+        crops = self.decoders.crops
         idle = list(range(len(workers)))
         out: dict = {}  # connection -> (worker index, item, t0)
         ended = False
         try:
             while not self.stop_event.is_set():
                 while idle and not ended:  # hand out work while workers are free
+                    if out and not crops.free_rows():  # backpressure: collect replies meanwhile
+                        break
                     it = self._get(self.q1, None if out else 0.05)
                     if it is None:
                         break
@@ -207,19 +295,24 @@ class Run:
                         ended = True
                         break
                     st.waited(time.perf_counter() - it.t_queued)
-                    if it.error is not None or self._route_to_gpu(it):
+                    if self._route_to_gpu(it):
+                        continue
+                    if it.error is not None:
                         st.add(1, 0.0)
-                        if not it.on_gpu:
-                            it.data = None
+                        it.data = None
                         it.t_queued = time.perf_counter()
                         self._put(self.q2, it)
                         continue
+                    row = crops.acquire(self.stop_event.is_set)  # waits while the GPU holds all rows
+                    if row is None:
+                        break
                     w = idle.pop()
                     st.begin()
-                    workers[w].send(it.data)
+                    it.pool_row = row
+                    workers[w].send(it.data, row)
                     out[workers[w].conn] = (w, it, time.perf_counter())
                 if ended and not out:
-                    self._put(self.q2, _END)
+                    self._end_of_stream()
                     return
                 if not out:
                     continue
@@ -230,12 +323,14 @@ class Run:
                     w, it, t0 = out.pop(conn)
                     try:
                         if conn in ready:
-                            it.array = workers[w].receive()
+                            workers[w].receive()  # the crop is in crops.array[it.pool_row]
                         else:  # a worker stuck on one image (a decoder hang) costs that image only
                             raise workers[w].kill(f"decoding took longer than {timeout_s:g} s "
                                                   "(decode_timeout_s): its worker process was replaced")
                     except (ImageError, WorkerDied) as e:  # worded like the thread path's errors
                         it.error = f"{it.id}: {e}"
+                        crops.release([it.pool_row])
+                        it.pool_row = -1
                     if self.engine.gpu_decoder is not None:
                         splitter.record_cpu(1, time.perf_counter() - t0)
                     it.data = None
@@ -255,13 +350,13 @@ class Run:
             if it is None:
                 continue
             if it is _END:
-                self._put(self.q2, _END)
+                self._end_of_stream()
                 return
+            if self._route_to_gpu(it):
+                continue
             st.begin()
             st.waited(time.perf_counter() - it.t_queued)
-            if self._route_to_gpu(it):
-                pass
-            elif it.error is None:
+            if it.error is None:
                 t0 = time.perf_counter()
                 try:
                     with nvtx_range("preprocess"):
@@ -272,8 +367,7 @@ class Run:
                     it.error = f"{it.id}: cannot decode image: {type(e).__name__}: {e}"
                 if gpu is not None:
                     splitter.record_cpu(1, time.perf_counter() - t0)
-            if not it.on_gpu:
-                it.data = None
+            it.data = None
             st.end(1)
             it.t_queued = time.perf_counter()
             self._put(self.q2, it)
@@ -295,13 +389,15 @@ class Run:
             if slot is None:
                 return
             st.begin()
-            on_cpu = [it for it in obj.items if not it.on_gpu]
-            on_gpu = [it for it in obj.items if it.on_gpu]
-            obj.items = on_cpu + on_gpu  # rows: CPU-decoded crops first, then the GPU's
+            arrays = [it for it in obj.items if it.array is not None]
+            pooled = [it for it in obj.items if it.pool_row >= 0]
+            on_gpu = [it for it in obj.items if it.gpu_crop is not None]
+            obj.items = arrays + pooled + on_gpu  # rows: crops from threads, from processes, then the GPU's
             with nvtx_range(f"compute batch {len(obj)}"):
-                eng.submit(slot, [it.array for it in on_cpu], gpu_blobs=[it.data for it in on_gpu])
+                eng.submit(slot, [it.array for it in arrays], gpu_crops=[it.gpu_crop for it in on_gpu],
+                           pool_rows=[it.pool_row for it in pooled])
             for it in obj.items:
-                it.array = it.data = None
+                it.array = it.data = it.gpu_crop = None
             st.end(len(obj))
             self._put(self.q4, (obj, slot, time.perf_counter()))
 
@@ -332,8 +428,6 @@ class Run:
                 for i, it in enumerate(batch.items):
                     if slot.error is not None:
                         out.append(Result(it.index, it.id, error=f"{it.id}: {slot.error}"))
-                    elif slot.item_errors and i in slot.item_errors:
-                        out.append(Result(it.index, it.id, error=f"{it.id}: {slot.item_errors[i]}"))
                     else:
                         ids = idx[i].tolist()
                         out.append(Result(it.index, it.id, labels=[labels[c] if c < len(labels) else str(c)
@@ -436,8 +530,14 @@ class Pipeline:
         use_procs = config.preprocess == "processes" or (config.preprocess == "auto" and self.engine.cuda)
         #: one decoder process per preprocess thread (config.preprocess), started once, reused by every run
         # more processes than cores cannot decode faster, and each holds ~0.5 GB (it imports torch)
-        self.decoders = DecoderPool(min(config.num_threads, usable_cores()), config.resize_size,
-                                    config.crop_size, config.max_image_pixels) if use_procs else None
+        self.decoders = None
+        if use_procs:
+            n = min(config.num_threads, usable_cores())
+            # crop rows: enough for every batch in flight plus the ones forming, capped by the window
+            rows = min(config.in_flight_limit, (config.staging_slots + 3) * config.max_batch_size + 2 * n)
+            self.decoders = DecoderPool(n, config.resize_size, config.crop_size, config.max_image_pixels,
+                                        rows=rows)
+            self.engine.attach_crops(self.decoders.crops)
         self.last_report: Report | None = None
         self.current_run: Run | None = None
         #: called with each batch's size as the batcher forms it (from the batcher's thread)

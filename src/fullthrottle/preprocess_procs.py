@@ -8,10 +8,13 @@ compute thread sat at 100% busy and the GPU at 9% (bench/results/e2e_cpu_decode_
 ``DataLoader`` escapes the GIL with worker processes; so does this.
 
 Each preprocess thread of the pipeline owns one worker process and talks to it over a socket pair:
-it sends the encoded bytes, the worker runs :func:`fullthrottle.preprocess.preprocess` (the very
-same code as the thread path, so results are bit-identical) and sends back the ``(S, S, 3)`` uint8
-crop or the item's error. While the thread waits on the socket it holds no GIL, so per image the
-main process does a few microseconds of Python instead of a dozen GIL round trips. Workers run at a
+it sends a row number of the shared :class:`CropPool` and the encoded bytes; the worker runs
+:func:`fullthrottle.preprocess.preprocess` (the very same code as the thread path, so results are
+bit-identical), writes the ``(S, S, 3)`` uint8 crop straight into that row, and answers with one
+status byte (or the item's error). The pool is shared memory that the compute stage registers as
+pinned memory with CUDA, so a crop is copied exactly once, by the worker: the main process never
+touches pixels, and the H2D copy reads the pool directly. While the thread waits on the socket it
+holds no GIL, so per image the main process does a few microseconds of Python. Workers run at a
 lower scheduling priority (``nice``) so that the main process's compute and copy threads win the
 cores when all are busy.
 
@@ -23,14 +26,16 @@ gets an error, and a fresh worker replaces it. Workers are started with ``subpro
 
 from __future__ import annotations
 
+import collections
+import mmap
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 import weakref
-from multiprocessing import BufferTooShort
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -38,6 +43,7 @@ import numpy as np
 from .preprocess import ImageError
 
 _OK, _IMAGE_ERROR, _OTHER_ERROR = 0, 1, 2
+_ROW = struct.Struct("<I")  # the pool row a request's crop goes to, ahead of the encoded bytes
 _WORKER_CMD = "import sys; from fullthrottle.preprocess_procs import _worker_main; _worker_main(sys.argv[1:])"
 
 
@@ -45,20 +51,120 @@ class WorkerDied(RuntimeError):
     """The decoder process exited while working on an item (that item's error)."""
 
 
+class CropPool:
+    """Rows of ``(S, S, 3)`` uint8 crops in memory shared with the decoder processes.
+
+    One anonymous shared-memory file (``memfd_create``; nothing to clean up, it disappears with the
+    last process that maps it) holds ``rows + scratch`` crops. The first ``rows`` are handed out with
+    :meth:`acquire` and given back with :meth:`release`; ``scratch`` rows, one per worker, serve
+    single calls (:meth:`DecoderProcess.__call__`). :meth:`pin` registers the whole file with CUDA
+    (``cudaHostRegister``) so H2D copies read it as pinned memory.
+
+    Attributes:
+        array: ``(rows + scratch, S, S, 3)`` uint8 numpy view; ``tensor``: the same memory as a torch tensor.
+        fd: the file descriptor that workers map (passed to them with ``pass_fds``).
+
+    Raises:
+        OSError: the shared memory cannot be created (size: ``(rows + scratch) * S * S * 3`` bytes).
+    """
+
+    def __init__(self, rows: int, crop_size: int = 224, scratch: int = 0):
+        if rows < 0 or scratch < 0 or rows + scratch < 1:
+            raise ValueError(f"a crop pool needs at least one row, got rows={rows}, scratch={scratch}")
+        self.rows, self.scratch, self.crop_size = rows, scratch, crop_size
+        self.row_bytes = crop_size * crop_size * 3
+        size = (rows + scratch) * self.row_bytes
+        if hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create("fullthrottle-crops", 0)
+        else:  # pragma: no cover - not Linux: an unlinked temporary file
+            import tempfile
+            fd, path = tempfile.mkstemp(prefix="fullthrottle-crops-")
+            os.unlink(path)
+            self.fd = fd
+        os.ftruncate(self.fd, size)
+        self.mm = mmap.mmap(self.fd, size)
+        self.array = np.frombuffer(self.mm, np.uint8).reshape(rows + scratch, crop_size, crop_size, 3)
+        import torch
+
+        self.tensor = torch.from_numpy(self.array)
+        self.pinned = False
+        self._free = collections.deque(range(rows))
+        self._cv = threading.Condition()
+
+    def pin(self) -> bool:
+        """Register the pool with CUDA as page-locked memory; False (pageable copies) if that fails."""
+        import torch
+
+        if self.pinned or not torch.cuda.is_available():
+            return self.pinned
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.mm.size(), 0)
+            self.pinned = int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
+        except (RuntimeError, AttributeError):
+            self.pinned = False
+        return self.pinned
+
+    def acquire(self, stopped=lambda: False) -> int | None:
+        """A free row, blocking while all are taken (backpressure); ``None`` if ``stopped()``."""
+        with self._cv:
+            while not self._free:
+                if stopped():
+                    return None
+                self._cv.wait(0.05)
+            return self._free.popleft()
+
+    def release(self, rows) -> None:
+        """Give rows back (their crops have been consumed)."""
+        with self._cv:
+            self._free.extend(rows)
+            self._cv.notify_all()
+
+    def reset(self) -> None:
+        """Mark every row free (start of a run; nothing may be writing or reading rows)."""
+        with self._cv:
+            self._free = collections.deque(range(self.rows))
+            self._cv.notify_all()
+
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    def close(self) -> None:
+        import torch
+
+        if self.pinned:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            except (RuntimeError, AttributeError):
+                pass
+            self.pinned = False
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
 class DecoderProcess:
-    """One worker process running :func:`~fullthrottle.preprocess.preprocess`.
+    """One worker process running :func:`~fullthrottle.preprocess.preprocess` into a :class:`CropPool`.
 
     Args:
         resize_size / crop_size / max_pixels: the transform (as in :class:`~fullthrottle.config.Config`).
         nice: added to the worker's scheduling niceness (0 leaves it as the parent's).
+        pool: the shared crop rows the worker writes into; ``None``: a private pool of one row.
+        scratch_row: the pool row that :meth:`__call__` uses (this worker's own).
 
-    Not thread-safe: one caller thread per process (the pipeline gives each preprocess thread its own).
+    Not thread-safe: one caller thread per process.
     """
 
     def __init__(self, resize_size: int = 256, crop_size: int = 224, max_pixels: int = 89_478_485,
-                 nice: int = 5):
-        self.args = (resize_size, crop_size, max_pixels, nice)
-        self.crop_bytes = crop_size * crop_size * 3
+                 nice: int = 5, pool: CropPool | None = None, scratch_row: int | None = None):
+        self._own_pool = pool is None
+        if pool is None:
+            pool, scratch_row = CropPool(0, crop_size, scratch=1), 0
+        if pool.crop_size != crop_size:
+            raise ValueError(f"pool rows are {pool.crop_size}px crops, the transform makes {crop_size}px")
+        self.pool = pool
+        self.scratch_row = scratch_row
+        self.args = (resize_size, crop_size, max_pixels, nice, pool.rows + pool.scratch)
         self.crop_size = crop_size
         self.closed = False
         # held from send to reply: a thread that is still waiting when its run is stopped reads its own
@@ -72,8 +178,8 @@ class DecoderProcess:
         parent, child = socket.socketpair()
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_CMD, str(child.fileno()), *map(str, self.args)],
-            pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL, close_fds=True)
+            [sys.executable, "-c", _WORKER_CMD, str(child.fileno()), str(self.pool.fd), *map(str, self.args)],
+            pass_fds=(child.fileno(), self.pool.fd), env=env, stdin=subprocess.DEVNULL, close_fds=True)
         child.close()
         self.conn = Connection(parent.detach())
         self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.proc)
@@ -88,13 +194,18 @@ class DecoderProcess:
         Raises:
             ImageError: the item cannot be decoded (same message as the thread path).
             WorkerDied: the worker process died on this item; a new one has been started.
+            RuntimeError: this worker has no scratch row in its pool.
         """
+        if self.scratch_row is None:
+            raise RuntimeError("this decoder has no scratch row: use send(data, row) and receive()")
         with self._lock:
-            self.send(data)
-            return self.receive()
+            self.send(data, self.scratch_row)
+            self.receive()
+            return self.pool.array[self.scratch_row].copy()
 
-    def send(self, data: bytes) -> None:
-        """Hand one image to the worker (:meth:`receive` gets the answer; one request at a time).
+    def send(self, data: bytes, row: int) -> None:
+        """Hand one image to the worker, to be written into pool row ``row`` (:meth:`receive` gets the
+        answer; one request at a time).
 
         A worker found dead here (it died while idle) is replaced first, so the image is not lost;
         one that dies on this image is reported by :meth:`receive`.
@@ -102,28 +213,26 @@ class DecoderProcess:
         if self.proc.poll() is not None:
             self._restart()
         try:
-            self.conn.send_bytes(data)
+            self.conn.send_bytes(_ROW.pack(row) + data)
         except OSError:
             pass  # the worker is gone: receive() reports it for this item and restarts it
 
-    def receive(self) -> np.ndarray:
-        """The answer to the last :meth:`send`: the crop, or the item's error raised (see :meth:`__call__`)."""
-        buf = bytearray(1 + self.crop_bytes)
+    def receive(self) -> None:
+        """Wait for the answer to the last :meth:`send`: returns once the crop is in its pool row.
+
+        Raises: see :meth:`__call__` (the item's error).
+        """
         try:
-            n = self.conn.recv_bytes_into(buf)
-        except BufferTooShort as e:  # an error message longer than a (small) crop
-            buf, n = bytearray(e.args[0]), len(e.args[0])
+            msg = self.conn.recv_bytes()
         except (EOFError, OSError) as e:
             code = self.proc.poll()
             self._restart()
             raise WorkerDied(f"decoder process died on this item (exit code {code}): "
                              f"{type(e).__name__}") from None
-        status = buf[0]
-        if status == _OK:
-            return np.frombuffer(buf, np.uint8, count=self.crop_bytes, offset=1).reshape(
-                self.crop_size, self.crop_size, 3)
+        if msg[:1] == b"\x00":  # _OK
+            return
         # _IMAGE_ERROR or _OTHER_ERROR: the message is already worded as the thread path words it
-        raise ImageError(bytes(buf[1:n]).decode("utf-8", "replace"))
+        raise ImageError(msg[1:].decode("utf-8", "replace"))
 
     def kill(self, reason: str) -> WorkerDied:
         """Kill a worker stuck on its image and start a new one; returns the error for that image."""
@@ -149,6 +258,8 @@ class DecoderProcess:
         """Stop the worker for good (closing its socket ends its loop; killed if it does not exit in 2 s)."""
         self.closed = True
         self._finalizer()
+        if self._own_pool:
+            self.pool.close()
 
 
 def _shutdown(conn: Connection, proc: subprocess.Popen) -> None:
@@ -164,20 +275,29 @@ def _shutdown(conn: Connection, proc: subprocess.Popen) -> None:
 
 
 class DecoderPool:
-    """``n`` :class:`DecoderProcess` workers started in parallel; ``pool[i]`` is thread ``i``'s worker.
+    """``n`` :class:`DecoderProcess` workers started in parallel, writing into one :class:`CropPool`.
+
+    Args:
+        n: worker processes.
+        rows: crop rows shared by all workers (:attr:`crops`), handed out per item; bounds how many
+            decoded crops can wait for the GPU (each row is ``S * S * 3`` bytes: 147 KiB at 224).
 
     Raises:
         RuntimeError: a worker could not start (its import failed), with its exit code.
     """
 
-    def __init__(self, n: int, resize_size: int = 256, crop_size: int = 224, max_pixels: int = 89_478_485):
+    def __init__(self, n: int, resize_size: int = 256, crop_size: int = 224, max_pixels: int = 89_478_485,
+                 rows: int = 256):
         self.workers: list[DecoderProcess] = []
+        self.crops = CropPool(rows, crop_size, scratch=n)
         errs: list[BaseException] = []
+        lock = threading.Lock()
 
-        def start():
+        def start(i: int):
             try:
-                w = DecoderProcess(resize_size, crop_size, max_pixels)
-                self.workers.append(w)
+                w = DecoderProcess(resize_size, crop_size, max_pixels, pool=self.crops, scratch_row=rows + i)
+                with lock:
+                    self.workers.append(w)
                 try:
                     w(_PROBE)  # waits until the worker has imported and answered once
                 except ImageError:
@@ -185,7 +305,7 @@ class DecoderPool:
             except BaseException as e:  # noqa: BLE001
                 errs.append(e)
 
-        ts = [threading.Thread(target=start, daemon=True) for _ in range(n)]
+        ts = [threading.Thread(target=start, args=(i,), daemon=True) for i in range(n)]
         for t in ts:
             t.start()
         for t in ts:
@@ -216,6 +336,7 @@ class DecoderPool:
                 w.proc.kill()
             w.close()  # reaps it
         self.workers = []
+        self.crops.close()
 
 
 def _probe_png() -> bytes:
@@ -235,7 +356,7 @@ def _worker_main(argv: list[str]) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; we end on EOF
-    fd, resize_size, crop_size, max_pixels, nice = (int(a) for a in argv)
+    fd, pool_fd, resize_size, crop_size, max_pixels, nice, pool_rows = (int(a) for a in argv)
     if nice:
         try:
             os.nice(nice)
@@ -246,17 +367,20 @@ def _worker_main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     from .preprocess import preprocess  # also sets OpenCV to one thread
 
+    crops = np.frombuffer(mmap.mmap(pool_fd, pool_rows * crop_size * crop_size * 3), np.uint8).reshape(
+        pool_rows, crop_size, crop_size, 3)
     conn = Connection(fd)
+    ok = bytes([_OK])
     while True:
         try:
-            data = conn.recv_bytes()
+            msg = conn.recv_bytes()
         except (EOFError, OSError):
             return
         try:
-            arr = preprocess(data, resize_size, crop_size, max_pixels)
-            out = bytearray(1 + arr.nbytes)
-            out[0] = _OK
-            out[1:] = arr.reshape(-1).data
+            (row,) = _ROW.unpack_from(msg)
+            arr = preprocess(msg[_ROW.size:], resize_size, crop_size, max_pixels)
+            crops[row] = arr  # straight into the shared (pinned) pool: the only copy of the pixels
+            out = ok
         except ImageError as e:
             out = bytes([_IMAGE_ERROR]) + str(e).encode()[:60000]
         except Exception as e:  # noqa: BLE001 - a decoder error belongs to this item
