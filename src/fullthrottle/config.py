@@ -53,9 +53,6 @@ class Config:
             inference rewrite TensorRT and ONNX Runtime also do; ``torch.fx.experimental.optimization.fuse``):
             one kernel and one pass over the activations fewer per conv. Changes fp32 logits by ~1e-6
             relative. A model that ``torch.fx`` cannot trace runs unfolded.
-        cudnn_benchmark: with graphs, let cuDNN time its convolution algorithms for each bucket's
-            shapes during warm-up (``torch.backends.cudnn.benchmark``, set only while capturing), so
-            the captured graphs replay the fastest ones.
         compile: ``torch.compile(mode="max-autotune-no-cudagraphs")`` the model before capture (kernel
             fusion only; the graphs stay ours). Slow first build.
         max_batch_size: largest batch the batcher forms (images).
@@ -95,7 +92,6 @@ class Config:
     channels_last: bool = True
     graphs: bool = True
     fold_bn: bool = True
-    cudnn_benchmark: bool = True
     compile: bool = False
     gpu_decode: bool = False
     max_batch_size: int = 64

@@ -171,9 +171,10 @@ def decode_crops(decoder: Decoder, blobs: Sequence[bytes], resize: int = 256, cr
                  max_pixels: int = 89_478_485, device: torch.device | None = None) -> list:
     """Decode + resize + crop a batch on the GPU decoder, with the CPU path as the per-item fallback.
 
-    Returns one entry per blob: a ``(crop, crop, 3)`` uint8 device tensor (a row of one batched
-    tensor), a ``(crop, crop, 3)`` uint8 numpy array (the GPU decoder refused it and the CPU path
-    decoded it), or the :class:`~fullthrottle.preprocess.ImageError` both gave (the item's error).
+    Returns one entry per blob: ``(rows, r)``, its crop being row ``r`` of the ``(n_good, crop, crop, 3)``
+    uint8 device tensor ``rows`` (no per-image tensor is made), a ``(crop, crop, 3)`` uint8 numpy
+    array (the GPU decoder refused it and the CPU path decoded it), or the
+    :class:`~fullthrottle.preprocess.ImageError` both gave (the item's error).
     Runs on the current CUDA stream; the caller synchronises before handing rows to another stream.
     """
     from .preprocess import ImageError, preprocess
@@ -194,5 +195,22 @@ def decode_crops(decoder: Decoder, blobs: Sequence[bytes], resize: int = 256, cr
         rows = torch.empty((len(good), crop, crop, 3), dtype=torch.uint8, device=dev)
         resize_crop_batch([decoded[j] for j in good], rows, resize, crop)
         for r, j in enumerate(good):
-            out[j] = rows[r]
+            out[j] = (rows, r)
+    return out
+
+
+def crop_runs(crops: Sequence[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int, int]]:
+    """``[(rows, r), ...]`` -> ``[(rows, r0, r1), ...]``: consecutive rows of one tensor merged, so a
+    batch's GPU crops are gathered with a copy per run instead of one per image.
+
+    >>> a, b = torch.zeros(4), torch.zeros(2)
+    >>> [(t is a, r0, r1) for t, r0, r1 in crop_runs([(a, 0), (a, 1), (a, 3), (b, 0)])]
+    [(True, 0, 2), (True, 3, 4), (False, 0, 1)]
+    """
+    out: list[tuple[torch.Tensor, int, int]] = []
+    for t, r in crops:
+        if out and out[-1][0] is t and out[-1][2] == r:
+            out[-1] = (t, out[-1][1], r + 1)
+        else:
+            out.append((t, r, r + 1))
     return out

@@ -74,17 +74,13 @@ class GraphRunner:
         device: where ``fn`` runs; graphs only when it is CUDA and ``graphs`` is True.
         graphs: False runs eager (the same splitting, no padding).
         warmup: eager calls per bucket on the side stream before capture.
-        cudnn_benchmark: while capturing, let cuDNN benchmark its algorithms for each bucket's shapes
-            (the first warm-up call times them; the graph keeps the fastest); restored afterwards.
 
     Raises:
         RuntimeError: capture failed (a host sync or CPU tensor inside ``fn``), with the bucket named.
     """
 
     def __init__(self, fn: Callable, item_shape: Sequence[int], dtype: torch.dtype,
-                 buckets: Sequence[int], device: torch.device | str, graphs: bool = True, warmup: int = 2,
-                 cudnn_benchmark: bool = False):
-        self.cudnn_benchmark = cudnn_benchmark
+                 buckets: Sequence[int], device: torch.device | str, graphs: bool = True, warmup: int = 2):
         self.candidates = dict(fn) if isinstance(fn, dict) else {"": fn}
         self.fn = next(iter(self.candidates.values()))
         self.item_shape, self.dtype = tuple(item_shape), dtype
@@ -96,12 +92,7 @@ class GraphRunner:
         self.info: GraphInfo | None = None
         self.static_in: torch.Tensor | None = None
         if self.graphs_enabled:
-            old = torch.backends.cudnn.benchmark
-            torch.backends.cudnn.benchmark = old or cudnn_benchmark
-            try:
-                self._capture()
-            finally:
-                torch.backends.cudnn.benchmark = old
+            self._capture()
 
     @torch.inference_mode()
     def _capture(self) -> None:

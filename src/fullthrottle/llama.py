@@ -124,7 +124,7 @@ class Attention(nn.Module):
         rep = h // hkv                                                    # grouped-query attention
         if rep > 1:  # (a copy: with rep == 1, as in Llama-2-7B, the cache is read in place)
             kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)     # mask: (B, 1, S, T)
+        y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)     # mask: (B, 1, S, T) additive
         return self.o_proj(y.transpose(1, 2).reshape(B, S, h * d))
 
 
@@ -187,7 +187,9 @@ class Llama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]                   # (B, S, 1, D)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         t = torch.arange(self.max_seq_len, device=tokens.device)
-        mask = t[None, None, None, :] <= pos[:, None, :, None]                # (B, 1, S, T) causal
+        causal = t[None, None, None, :] <= pos[:, None, :, None]              # (B, 1, S, T)
+        # additive mask, made once here rather than converted from bool by every layer's attention
+        mask = torch.zeros(causal.shape, dtype=x.dtype, device=x.device).masked_fill_(~causal, float("-inf"))
         for blk in self.layers:
             x = blk(x, cos, sin, pos, row0, mask)
         return self.lm_head(self.norm(x)).float()

@@ -18,6 +18,7 @@ included: memory stays flat however long the input stream is.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import multiprocessing.connection as mp_connection
 import queue
@@ -37,7 +38,7 @@ from .gpumon import GpuMonitor, nvtx_range
 from .load import Item, Loader
 from .gpu_decode import gpu_eligible
 from .preprocess import ImageError, preprocess
-from .preprocess_procs import DecoderPool, WorkerDied
+from .preprocess_procs import STARTUP_S, DecoderPool, WorkerDied
 from .report import Report, StageStats
 
 _END = object()
@@ -45,6 +46,11 @@ _END = object()
 #: threads feeding the decoder processes; None: one in all (each image costs it a few microseconds
 #: of Python: a 5-byte header out, a 1-byte answer back; the pixels go through shared memory)
 DISPATCH_THREADS: int | None = None
+#: images out at each decoder process at once (one decoding, the rest waiting in its socket)
+WORKER_DEPTH = 2
+#: largest image queued behind another at a worker (a Unix socket buffers ~200 KiB; larger ones wait
+#: for an idle worker, so that a send to a hung worker never blocks)
+QUEUE_BYTES = 150_000
 
 
 def limit_heap_fragmentation(arenas: int = 2) -> bool:
@@ -248,8 +254,8 @@ class Run:
             for it, c in zip(items, crops):
                 if isinstance(c, ImageError):
                     it.error = f"{it.id}: {c}"
-                elif isinstance(c, torch.Tensor):
-                    it.gpu_crop = c
+                elif isinstance(c, tuple):
+                    it.gpu_crop = c  # (rows, r): row r of the batch's device tensor
                 else:
                     it.array = c
                 it.data = None
@@ -273,56 +279,87 @@ class Run:
     def _dispatch_to_processes(self, workers: list) -> None:
         """Preprocess with worker processes: this thread keeps ``workers`` (:class:`DecoderProcess`) busy.
 
-        Each worker has at most one image out; the thread waits on all their sockets at once
-        (``multiprocessing.connection.wait``) and on the input queue, so it holds the GIL only for a
-        few microseconds per image.
+        Each worker has up to :data:`WORKER_DEPTH` images out (the next one is already waiting in its
+        socket when it finishes one, as a DataLoader's prefetch does); the thread waits on all their
+        sockets at once (``multiprocessing.connection.wait``) and on the input queue, so it holds the
+        GIL only for a few microseconds per image. A worker's replies come in the order it was sent
+        images. A worker that dies or hangs (past ``decode_timeout_s``) costs the image it was on;
+        the images queued behind it go to its replacement.
         """
         st, splitter = self.stats["preprocess"], self.engine.splitter
         timeout_s = self.config.decode_timeout_s
         crops = self.decoders.crops
-        idle = list(range(len(workers)))
-        out: dict = {}  # connection -> (worker index, item, t0)
-        ended = False
+        n = len(workers)
+        pending = [collections.deque() for _ in range(n)]  # per worker: items sent, oldest first
+        started = [0.0] * n  # when each worker began its oldest pending image
+        free = collections.deque(list(range(n)) * WORKER_DEPTH)  # one entry per open place
+        outstanding, busy_since = 0, 0.0
+        ended, held = False, None
+
+        def resend(w: int) -> None:  # the worker was replaced: its queued images go again
+            now = time.perf_counter()
+            started[w] = now
+            for it in pending[w]:
+                workers[w].send(it.data, it.pool_row)
+
         try:
             while not self.stop_event.is_set():
-                while idle and not ended:  # hand out work while workers are free
-                    if out and not crops.free_rows():  # backpressure: collect replies meanwhile
+                while free and (held is not None or not ended):  # hand out work while workers have room
+                    if outstanding and not crops.free_rows():  # backpressure: collect replies meanwhile
                         break
-                    it = self._get(self.q1, None if out else 0.05)
-                    if it is None:
+                    if held is not None:
+                        it, held = held, None
+                    else:
+                        it = self._get(self.q1, None if outstanding else 0.05)
+                        if it is None:
+                            break
+                        if it is _END:
+                            ended = True
+                            break
+                        st.waited(time.perf_counter() - it.t_queued)
+                        if self._route_to_gpu(it):
+                            continue
+                        if it.error is not None:
+                            st.add(1, 0.0)
+                            it.data = None
+                            it.t_queued = time.perf_counter()
+                            self._put(self.q2, it)
+                            continue
+                    # an image queues behind another only if it fits in the socket's buffer: a send
+                    # to a hung worker must never block this thread
+                    big = len(it.data) > QUEUE_BYTES
+                    w = next((x for x in free if not (big and pending[x])), None)
+                    if w is None:
+                        held = it  # waits for a worker with nothing queued
                         break
-                    if it is _END:
-                        ended = True
-                        break
-                    st.waited(time.perf_counter() - it.t_queued)
-                    if self._route_to_gpu(it):
-                        continue
-                    if it.error is not None:
-                        st.add(1, 0.0)
-                        it.data = None
-                        it.t_queued = time.perf_counter()
-                        self._put(self.q2, it)
-                        continue
                     row = crops.acquire(self.stop_event.is_set)  # waits while the GPU holds all rows
                     if row is None:
                         break
-                    w = idle.pop()
-                    st.begin()
+                    free.remove(w)
                     it.pool_row = row
+                    now = time.perf_counter()
+                    if not pending[w]:
+                        started[w] = now
+                    if outstanding == 0:
+                        busy_since = now
+                    pending[w].append(it)
+                    outstanding += 1
                     workers[w].send(it.data, row)
-                    out[workers[w].conn] = (w, it, time.perf_counter())
-                if ended and not out:
+                if ended and not outstanding and held is None:
                     self._end_of_stream()
                     return
-                if not out:
+                if not outstanding:
                     continue
-                ready = mp_connection.wait(list(out), timeout=0.002 if idle and not ended else 0.05)
+                conns = {workers[w].conn: w for w in range(n) if pending[w]}
+                ready = mp_connection.wait(list(conns), timeout=0.002 if free and not ended else 0.05)
                 now = time.perf_counter()
-                stuck = [c for c, (_w, _it, t0) in out.items() if c not in ready and now - t0 > timeout_s]
-                for conn in [*ready, *stuck]:
-                    w, it, t0 = out.pop(conn)
+                stuck = [w for c, w in conns.items() if c not in ready  # (a new worker's imports don't count)
+                         and now - max(started[w], workers[w].spawned + STARTUP_S) > timeout_s]
+                for w in [conns[c] for c in ready] + stuck:
+                    it = pending[w].popleft()
+                    outstanding -= 1
                     try:
-                        if conn in ready:
+                        if w not in stuck:
                             workers[w].receive()  # the crop is in crops.array[it.pool_row]
                         else:  # a worker stuck on one image (a decoder hang) costs that image only
                             raise workers[w].kill(f"decoding took longer than {timeout_s:g} s "
@@ -331,16 +368,24 @@ class Run:
                         it.error = f"{it.id}: {e}"
                         crops.release([it.pool_row])
                         it.pool_row = -1
+                        if isinstance(e, WorkerDied) and pending[w]:
+                            resend(w)
+                    now = time.perf_counter()
+                    work = now - started[w]
+                    started[w] = now  # the next queued image starts now
                     if self.engine.gpu_decoder is not None:
-                        splitter.record_cpu(1, time.perf_counter() - t0)
+                        splitter.record_cpu(1, work)
+                    st.record(1, work, now - busy_since if outstanding == 0 else 0.0)
+                    if outstanding == 0:
+                        busy_since = now
                     it.data = None
-                    st.end(1)
-                    idle.append(w)
-                    it.t_queued = time.perf_counter()
+                    free.append(w)
+                    it.t_queued = now
                     self._put(self.q2, it)
         finally:
-            for conn, (w, _it, _t0) in out.items():  # stopped mid-run: keep each worker's replies in step
-                workers[w].discard_reply()
+            for w in range(n):  # stopped mid-run: keep each worker's replies in step
+                for _ in pending[w]:
+                    workers[w].discard_reply()
 
     def _preprocess_worker(self) -> None:
         cfg, st = self.config, self.stats["preprocess"]

@@ -43,6 +43,8 @@ import numpy as np
 from .preprocess import ImageError
 
 _OK, _IMAGE_ERROR, _OTHER_ERROR = 0, 1, 2
+#: seconds a freshly started worker is allowed for its imports before decode_timeout_s applies
+STARTUP_S = 15.0
 _ROW = struct.Struct("<I")  # the pool row a request's crop goes to, ahead of the encoded bytes
 _WORKER_CMD = "import sys; from fullthrottle.preprocess_procs import _worker_main; _worker_main(sys.argv[1:])"
 
@@ -181,6 +183,7 @@ class DecoderProcess:
             [sys.executable, "-c", _WORKER_CMD, str(child.fileno()), str(self.pool.fd), *map(str, self.args)],
             pass_fds=(child.fileno(), self.pool.fd), env=env, stdin=subprocess.DEVNULL, close_fds=True)
         child.close()
+        self.spawned = time.perf_counter()  # a new worker first imports its libraries (seconds)
         self.conn = Connection(parent.detach())
         self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.proc)
 

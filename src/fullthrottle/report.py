@@ -53,10 +53,15 @@ class StageStats:
 
     def add(self, n_items: int, busy_s: float) -> None:
         """Count items processed outside begin/end (a zero-cost pass-through, say)."""
+        self.record(n_items, busy_s, busy_s)
+
+    def record(self, n_items: int, work_s: float, busy_s: float = 0.0) -> None:
+        """Count ``n_items`` done by workers outside this process (``work_s`` of worker time), and
+        ``busy_s`` more seconds in which at least one worker was busy."""
         with self._lock:
             self.items += n_items
+            self.work_s += work_s
             self.busy_s += busy_s
-            self.work_s += busy_s
 
     def waited(self, seconds: float, n: int = 1) -> None:
         """``n`` items waited ``seconds`` each in this stage's input queue."""
