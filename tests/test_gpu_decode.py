@@ -47,11 +47,17 @@ def test_batched_gpu_resize_matches_cpu_path(samples):
     rgbs += [rgbs[0].copy(), rgbs[0].copy()]  # a same-size group, resized in one call
     imgs = [torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1) for a in rgbs]
     out = torch.empty((len(imgs), 224, 224, 3), dtype=torch.uint8)
-    resize_crop_batch(imgs, out)
+    resize_crop_batch(imgs, out)  # mixed sizes: the batched matrix-product path
     for a, o in zip(rgbs, out):
         ref = resize_crop(a).astype(np.int16)
         diff = np.abs(o.numpy().astype(np.int16) - ref)
         assert diff.mean() <= 0.5 and diff.max() <= 2
+    chunked = torch.empty_like(out)  # one image per chunk: the same pixels
+    resize_crop_batch(imgs, chunked, chunk_elems=1)
+    assert torch.equal(chunked, out)
+    same = torch.empty((2, 224, 224, 3), dtype=torch.uint8)  # one size: one interpolate
+    resize_crop_batch(imgs[-2:], same)
+    assert torch.equal(same[0], out[-2]) or (same[0].int() - out[-2].int()).abs().max() <= 1
 
 
 class FakeGpuDecoder:

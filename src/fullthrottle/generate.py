@@ -22,6 +22,19 @@ from .llama import Llama
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def kv_buckets(max_seq_len: int) -> tuple[int, ...]:
+    """Attention lengths to capture decode graphs for: 256, 1024, 4096, ... below ``max_seq_len``, and it.
+
+    A step whose longest row is at position ``p`` replays the graph of the smallest length > ``p``, so
+    attention reads that much of the static KV cache, not all of it (at batch 64 on the H200 the
+    attention kernel was a third of the step reading all 328 slots, bench/results/llm_profile.json).
+
+    >>> kv_buckets(328), kv_buckets(4096)
+    ((256, 328), (256, 1024, 4096))
+    """
+    return tuple(sorted({min(max_seq_len, 256 * 4 ** k) for k in range(8)}))
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            noise: torch.Tensor) -> torch.Tensor:
     """Next token per row, without host synchronisation.
@@ -74,13 +87,16 @@ class Generator:
         max_seq_len: prompt + new tokens, per row; the KV cache is allocated for it.
         graphs: capture the decode step (CUDA only; CPU runs eager).
         buckets: decode batch sizes to capture.
+        attn_buckets: attention lengths (cache slots read) to capture per batch bucket; default
+            :func:`kv_buckets` of ``max_seq_len``. The largest is always ``max_seq_len``.
 
     Raises:
         ValueError: on :meth:`generate`, a prompt + max_new_tokens longer than ``max_seq_len``.
     """
 
     def __init__(self, model: Llama, max_batch: int = 8, max_seq_len: int = 512, graphs: bool = True,
-                 buckets: Sequence[int] = DEFAULT_BUCKETS, check_every: int = 8):
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, check_every: int = 8,
+                 attn_buckets: Sequence[int] | None = None):
         self.model = model
         p = next(model.parameters())
         self.device = p.device
@@ -105,18 +121,22 @@ class Generator:
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
         self.eos = torch.full((1,), -1, dtype=torch.long, device=dev)
         self.noise = torch.empty(B, V, device=dev)
-        # (bucket, greedy) -> graph and its output; greedy graphs skip the sampler (argmax only)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.kv_buckets = tuple(sorted({min(int(x), max_seq_len) for x in attn_buckets} | {max_seq_len})) \
+            if attn_buckets else kv_buckets(max_seq_len)
+        # (batch bucket, greedy, kv length) -> graph and its output; greedy graphs skip the sampler
+        self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = 0.0
         if graphs and dev.type == "cuda":
             self._capture()
 
     @torch.inference_mode()
-    def _step(self, b: int, greedy: bool = False) -> torch.Tensor:
+    def _step(self, b: int, greedy: bool = False, kv: int | None = None) -> torch.Tensor:
         """One decode step for rows ``[:b]``: next tokens ``(b,)``; advances pos, updates done.
 
         ``greedy``: every row has temperature 0, so the token is the argmax (no sort, no noise drawn).
+        ``kv``: attention reads cache slots ``[0, kv)`` (every row's position must be below it).
         """
+        self.model.kv_len = kv or self.model.max_seq_len
         logits = self.model(self.tok[:b], self.pos[:b])[:, -1]             # (b, V)
         if greedy:
             nxt = logits.argmax(-1)
@@ -134,18 +154,19 @@ class Generator:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         s = torch.cuda.Stream(self.device)
-        # both variants of every bucket, largest bucket first, all in one pool
-        for b, greedy in [(b, g) for b in reversed(self.buckets) for g in (False, True)]:
+        # every (batch bucket, sampler, attention length), largest first, all in one pool
+        keys = [(b, g, kv) for b in reversed(self.buckets) for kv in reversed(self.kv_buckets) for g in (False, True)]
+        for b, greedy, kv in keys:
             s.wait_stream(torch.cuda.current_stream(self.device))
             saved = (self.tok.clone(), self.pos.clone(), self.done.clone())
             with torch.cuda.stream(s):
                 for _ in range(2):
-                    self._step(b, greedy)
+                    self._step(b, greedy, kv)
             s.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=s, capture_error_mode="thread_local"):
-                out = self._step(b, greedy)
-            self.graphs[(b, greedy)] = (g, out)
+                out = self._step(b, greedy, kv)
+            self.graphs[(b, greedy, kv)] = (g, out)
             self.tok.copy_(saved[0])
             self.pos.copy_(saved[1])
             self.done.copy_(saved[2])
@@ -211,6 +232,7 @@ class Generator:
         self.tok.zero_()
         self.pos.zero_()
         first = []
+        self.model.kv_len = self.max_seq_len
         for i, p in enumerate(prompts):  # prefill each prompt into its cache row
             ids = torch.tensor([list(p)], dtype=torch.long, device=dev)
             logits = self.model(ids, torch.arange(len(p), device=dev)[None], row0=i)[:, -1]
@@ -228,13 +250,16 @@ class Generator:
         t1 = time.perf_counter()
         st.prefill_s += t1 - t0
         steps, sent = 1, 0
+        longest = max(len(p) for p in prompts)
         for t in range(1, max_new_tokens):
-            if (b, greedy) in self.graphs:
-                g, res = self.graphs[(b, greedy)]
+            # this step feeds positions up to longest + t - 1: attend to the smallest length above
+            kv = next(x for x in self.kv_buckets if x >= longest + t)
+            if (b, greedy, kv) in self.graphs:
+                g, res = self.graphs[(b, greedy, kv)]
                 g.replay()
                 out[:, t] = res
             else:
-                out[:, t] = self._step(b, greedy)
+                out[:, t] = self._step(b, greedy, kv)
             steps += 1
             if t % self.check_every == 0:
                 if on_tokens is not None:  # streaming: hand over what is new (one host read per chunk)

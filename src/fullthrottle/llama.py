@@ -121,6 +121,8 @@ class Attention(nn.Module):
         idx = pos[:, None, :, None].expand(B, hkv, S, d)                  # where each new token goes
         kc = self.k_cache[row0:row0 + B].scatter_(2, idx, k)              # (B, Hkv, T, D), in place
         vc = self.v_cache[row0:row0 + B].scatter_(2, idx, v)
+        T = mask.shape[-1]                                                # attend to cache slots [0, T) only
+        kc, vc = kc[:, :, :T], vc[:, :, :T]
         rep = h // hkv                                                    # grouped-query attention
         if rep > 1:  # (a copy: with rep == 1, as in Llama-2-7B, the cache is read in place)
             kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
@@ -157,7 +159,8 @@ class Llama(nn.Module):
     """``forward(tokens (B, S) int64, pos (B, S) int64, row0)`` -> logits ``(B, S, vocab)`` float32.
 
     ``pos`` are the tokens' positions (also their KV-cache slots); rows ``row0..row0+B`` of the cache
-    are used. Call :meth:`setup_cache` first.
+    are used; attention reads cache slots ``[0, kv_len)`` (set ``kv_len`` > every position in ``pos``;
+    it defaults to the whole cache). Call :meth:`setup_cache` first.
     """
 
     def __init__(self, cfg: LlamaConfig):
@@ -171,6 +174,7 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.max_seq_len = 0
+        self.kv_len = 0  # cache slots attention reads (a static length per captured graph)
 
     def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
         """Preallocate the static KV cache: per layer ``(max_batch, Hkv, max_seq_len, D)``, zeros."""
@@ -179,14 +183,14 @@ class Llama(nn.Module):
             a = blk.self_attn
             a.k_cache = torch.zeros(max_batch, a.hkv, max_seq_len, a.d, dtype=p.dtype, device=p.device)
             a.v_cache = torch.zeros_like(a.k_cache)
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = self.kv_len = max_seq_len
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, row0: int = 0) -> torch.Tensor:
         x = self.embed_tokens(tokens)                                        # (B, S, dim)
         freqs = pos[..., None].float() * self.inv_freq                       # (B, S, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]                   # (B, S, 1, D)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        t = torch.arange(self.max_seq_len, device=tokens.device)
+        t = torch.arange(self.kv_len, device=tokens.device)
         causal = t[None, None, None, :] <= pos[:, None, :, None]              # (B, 1, S, T)
         # additive mask, made once here rather than converted from bool by every layer's attention
         mask = torch.zeros(causal.shape, dtype=x.dtype, device=x.device).masked_fill_(~causal, float("-inf"))
