@@ -89,9 +89,17 @@ class CropPool:
         import torch
 
         self.tensor = torch.from_numpy(self.array)
-        self.pinned = False
         self._free = collections.deque(range(rows))
         self._cv = threading.Condition()
+        # unregistered from CUDA and closed when closed or collected, *before* the mapping goes away:
+        # a range unmapped while registered makes the next registration there fail
+        self._state = {"mm": self.mm, "ptr": self.tensor.data_ptr(), "fd": self.fd, "pinned": False}
+        self._finalizer = weakref.finalize(self, _release_pool, self._state)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the pool is registered with CUDA as page-locked (pinned) memory."""
+        return self._state["pinned"]
 
     def pin(self) -> bool:
         """Register the pool with CUDA as page-locked memory; False (pageable copies) if that fails."""
@@ -101,10 +109,13 @@ class CropPool:
             return self.pinned
         try:
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.mm.size(), 0)
-            self.pinned = int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
-        except (RuntimeError, AttributeError):
-            self.pinned = False
-        return self.pinned
+            ok = int(err[0] if isinstance(err, tuple) else err) == 0
+        except (RuntimeError, AttributeError, TypeError):
+            ok = False
+        if not ok:
+            _clear_cuda_error()  # the failed call left an error that the next CUDA call would raise
+        self._state["pinned"] = ok
+        return ok
 
     def acquire(self, stopped=lambda: False) -> int | None:
         """A free row, blocking while all are taken (backpressure); ``None`` if ``stopped()``."""
@@ -131,18 +142,35 @@ class CropPool:
         return len(self._free)
 
     def close(self) -> None:
-        import torch
+        """Unregister from CUDA and close the file (the memory goes when the last view does)."""
+        self._finalizer()
 
-        if self.pinned:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            except (RuntimeError, AttributeError):
-                pass
-            self.pinned = False
+
+def _release_pool(state: dict) -> None:
+    if state["pinned"]:
         try:
-            os.close(self.fd)
-        except OSError:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(state["ptr"])
+        except (RuntimeError, AttributeError):
             pass
+        state["pinned"] = False
+    try:
+        os.close(state["fd"])
+    except OSError:
+        pass
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error (``cudaGetLastError``) after a call that failed on purpose."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 class DecoderProcess:
