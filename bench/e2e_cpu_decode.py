@@ -92,7 +92,7 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     return {"threads": threads, "preprocess": preprocess, "decoder_processes": n_procs,
             "dispatch_threads": n_disp, "crop_pool_pinned": pinned,
             "graphs": graphs, "max_wait_ms": max_wait_ms, "gpu_decode": gpu_decode,
-            "gpu_share": eng.splitter.gpu_share if gpu_decode else 0.0,
+            "gpu_share": eng.splitter.routed_gpu_share if gpu_decode else 0.0,
             "gpu_util_mean_pct": rep.gpu_util_pct, "verdict": rep.verdict, "switch_interval_s": sys.getswitchinterval(),
             "compute_staging_s": eng.staging_s, "compute_launch_s": eng.launch_s,"images": seen, "steady_images": seen - n_warm, "steady_s": t_end - t_warm,
             "img_per_s": (seen - n_warm) / (t_end - t_warm), "whole_run_img_per_s": rep.images_per_s,

@@ -62,7 +62,7 @@ def main():
             print(samples[-1], flush=True)
     first, last = samples[0], samples[-1]
     payload = {"benchmark": "gpu_decode_soak", "machine": machine_info(), "images": seen, "failed": failed,
-               "img_per_s": seen / (time.perf_counter() - t0), "gpu_share": pipe.engine.splitter.gpu_share,
+               "img_per_s": seen / (time.perf_counter() - t0), "gpu_share": pipe.engine.splitter.routed_gpu_share,
                "growth_bytes": {k: last[k] - first[k] for k in first if k.endswith("_bytes")},
                "samples": samples}
     pipe.close()

@@ -66,6 +66,7 @@ class RateSplitter:
         self._share = initial_gpu_share
         self._acc = 0.0
         self._lock = threading.Lock()
+        self.routed = {"cpu": 0, "gpu": 0}  # eligible images sent each way
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -99,10 +100,21 @@ class RateSplitter:
         """``"gpu"`` or ``"cpu"`` for the next eligible item."""
         with self._lock:
             self._acc += self._share
-            if self._acc >= 1.0:
+            gpu = self._acc >= 1.0
+            if gpu:
                 self._acc -= 1.0
-                return "gpu"
-            return "cpu"
+        self.note(gpu)
+        return "gpu" if gpu else "cpu"
+
+    def note(self, gpu: bool) -> None:
+        """Count one eligible image routed to the GPU (True) or a CPU decoder (False)."""
+        self.routed["gpu" if gpu else "cpu"] += 1
+
+    @property
+    def routed_gpu_share(self) -> float:
+        """Fraction (0..1) of the eligible images actually decoded on the GPU so far."""
+        n = self.routed["gpu"] + self.routed["cpu"]
+        return self.routed["gpu"] / n if n else 0.0
 
 
 def resize_size(h: int, w: int, resize: int) -> tuple[int, int]:

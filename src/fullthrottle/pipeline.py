@@ -191,15 +191,21 @@ class Run:
                 t.join(max(0.0, deadline - time.perf_counter()))
 
     # -- stages ---------------------------------------------------------------------------------
+    def _gpu_eligible(self, it: Item) -> bool:
+        """Whether the GPU decoder would decode ``it`` exactly like the CPU path (reads the header only)."""
+        return it.error is None and self.engine.gpu_decoder is not None and \
+            gpu_eligible(it.data, self.config.max_image_pixels, self.config.resize_size)[0]
+
+    def _to_gpu(self, it: Item) -> None:
+        it.on_gpu = True
+        it.t_queued = time.perf_counter()
+        self._put(self.gq, it)
+
     def _route_to_gpu(self, it: Item) -> bool:
-        """Hand ``it`` to the GPU decode thread if it is an eligible JPEG and the rate split says so."""
-        gpu = self.engine.gpu_decoder
-        if it.error is None and gpu is not None and gpu_eligible(it.data, self.config.max_image_pixels,
-                                                                      self.config.resize_size)[0] \
-                and self.engine.splitter.choose() == "gpu":
-            it.on_gpu = True  # only the header was read here
-            it.t_queued = time.perf_counter()
-            self._put(self.gq, it)
+        """Preprocess threads: hand ``it`` to the GPU decode thread if it is an eligible JPEG and the
+        rate split says so."""
+        if self._gpu_eligible(it) and self.engine.splitter.choose() == "gpu":
+            self._to_gpu(it)
             return True
         return False
 
@@ -296,6 +302,9 @@ class Run:
         outstanding, busy_since = 0, 0.0
         ended, held = False, None
 
+        def gpu_room() -> bool:
+            return self.gq is not None and not self.gq.full()
+
         def resend(w: int) -> None:  # the worker was replaced: its queued images go again
             now = time.perf_counter()
             started[w] = now
@@ -304,7 +313,11 @@ class Run:
 
         try:
             while not self.stop_event.is_set():
-                while free and (held is not None or not ended):  # hand out work while workers have room
+                # hand out work while a worker or the GPU decoder has room. With the GPU decoder on,
+                # routing follows availability: an eligible JPEG goes to the GPU when every CPU
+                # worker is taken, so both decoders stay busy whatever their speeds (a split by
+                # measured rates starves the GPU of batch size when it starts slow)
+                while (free or gpu_room()) and (held is not None or not ended):
                     if outstanding and not crops.free_rows():  # backpressure: collect replies meanwhile
                         break
                     if held is not None:
@@ -317,25 +330,33 @@ class Run:
                             ended = True
                             break
                         st.waited(time.perf_counter() - it.t_queued)
-                        if self._route_to_gpu(it):
-                            continue
                         if it.error is not None:
                             st.add(1, 0.0)
                             it.data = None
                             it.t_queued = time.perf_counter()
                             self._put(self.q2, it)
                             continue
+                    eligible = self.gq is not None and self._gpu_eligible(it)
                     # an image queues behind another only if it fits in the socket's buffer: a send
                     # to a hung worker must never block this thread
                     big = len(it.data) > QUEUE_BYTES
-                    w = next((x for x in free if not (big and pending[x])), None)
-                    if w is None:
-                        held = it  # waits for a worker with nothing queued
-                        break
+                    w = next((x for x in free if not pending[x]), None)  # an idle worker first
+                    if w is None and free and not big:
+                        w = free[0]  # else a place in a queue, behind one image
+                    if w is None or (eligible and pending[w] and gpu_room()):  # no idle CPU worker
+                        if eligible and gpu_room():
+                            splitter.note(gpu=True)
+                            self._to_gpu(it)
+                            continue
+                        if w is None:
+                            held = it  # waits for a worker with room
+                            break
                     row = crops.acquire(self.stop_event.is_set)  # waits while the GPU holds all rows
                     if row is None:
                         break
                     free.remove(w)
+                    if eligible:
+                        splitter.note(gpu=False)
                     it.pool_row = row
                     now = time.perf_counter()
                     if not pending[w]:
