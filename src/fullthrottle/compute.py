@@ -6,6 +6,11 @@ One batch on CUDA goes like this (``n`` images, ``S`` = crop size, ``k`` = top-k
         --event--> compute stream: NHWC->NCHW view (= channels_last), float, normalise, model -> (n,C)
         -> softmax, top-k (n,k) --D2H into pinned--> event "done"
 
+Crops from decoder processes skip the memcpy: they are already in pinned shared memory (the
+:class:`~fullthrottle.preprocess_procs.CropPool`), so their rows go H2D in a few span copies into a
+device mirror of the pool and are gathered into the device slot on the compute stream. Crops the GPU
+decoder made are copied device to device.
+
 The ring has ``staging_slots`` (>= 2) slots; a slot is reused only after the decode stage has read
 its results, so at most that many batches are in flight and host memory stays flat. On CPU the same
 code runs with plain tensors, no streams and no events.
