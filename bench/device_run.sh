@@ -31,7 +31,7 @@ if [[ $parts == *classify* ]]; then
     --out "$OUT/classify.jsonl" --report-json "$OUT/classify_report.json" >/dev/null 2>"$OUT/classify_summary.txt"
   echo "classify exit $?"; cat "$OUT/classify_summary.txt"
 fi
-if [[ $parts == *probe* ]]; then
+if [[ ,$parts, == *,probe,* ]]; then
   $TO python3 bench/threads_probe.py --threads 1,8,12,16,24 --out "$OUT/threads_probe.json" 2>&1 | tail -25
 fi
 if [[ $parts == *e2e640* || $parts == *e2e,* || $parts == *e2e ]]; then

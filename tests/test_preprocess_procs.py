@@ -111,3 +111,24 @@ def test_few_crop_rows_and_several_dispatchers_keep_every_result(samples, bad_di
         names = [t.name for t in pipe.current_run.threads if t.name.startswith("ft-preprocess-dispatch")]
         assert len(names) == dispatchers
     assert [(r.id, r.ok, r.error, r.class_ids) for r in got] == [(r.id, r.ok, r.error, r.class_ids) for r in ref]
+
+
+def test_crop_pool_is_released_when_collected():
+    """A pool dropped without close() still releases its file (and, on CUDA, its registration)."""
+    import gc
+
+    from fullthrottle.preprocess_procs import CropPool
+
+    pool = CropPool(3, crop_size=8, scratch=1)
+    assert pool.array.shape == (4, 8, 8, 3) and pool.free_rows() == 3
+    assert [pool.acquire() for _ in range(3)] == [0, 1, 2] and pool.free_rows() == 0
+    pool.release([1])
+    assert pool.acquire() == 1
+    fd = pool.fd
+    os.fstat(fd)
+    del pool
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    with pytest.raises(ValueError, match="at least one row"):
+        CropPool(0, 8)
