@@ -63,3 +63,16 @@ def test_config_errors_exit_2(args, msg, capsys):
 def test_console_script_installed():
     out = subprocess.run(["fullthrottle", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "classify" in out.stdout
+
+
+@pytest.mark.parametrize("out,msg", [("{tmp}", "Is a directory"), ("/dev/full", "No space left on device")])
+def test_unwritable_out_exits_2_with_one_line(samples, tmp_path, capsys, out, msg):
+    """--out naming a folder fails before the model is built; a full disk fails when written: both
+    exit 2 with the reason (not a traceback, and not 1, which means an item failed)."""
+    import os
+
+    if out == "/dev/full" and not os.path.exists(out):
+        pytest.skip("no /dev/full here")
+    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--out", out.format(tmp=tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "fullthrottle: error: cannot write" in err and msg in err and "Traceback" not in err

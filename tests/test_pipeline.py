@@ -266,9 +266,13 @@ def test_one_stream_at_a_time(samples):
 
 def test_bad_input_types_and_empty_matches_are_per_item_errors(samples, tmp_path):
     pipe = tiny_pipe()
-    res = pipe.classify([samples[0], 12345, str(tmp_path), str(tmp_path / "*.jpg"), samples[1]])
-    assert [r.ok for r in res] == [True, False, False, False, True]
+    res = pipe.classify([samples[0], 12345, str(tmp_path), str(tmp_path / "*.jpg"), samples[1],
+                         "ftp://example.com/cat.jpg", "", "file:///etc/passwd"])
+    assert [r.ok for r in res] == [True, False, False, False, True, False, False, False]
     assert "cannot load an input of type int" in res[1].error
+    assert "unsupported URL scheme 'ftp'" in res[5].error and res[5].id == "ftp://example.com/cat.jpg"
+    assert "empty path" in res[6].error
+    assert "unsupported URL scheme 'file'" in res[7].error
     assert "no image files" in res[2].error
     assert "no files match the pattern" in res[3].error
 
@@ -304,7 +308,8 @@ def test_decoder_processes_give_the_thread_results(samples, bad_dir, no_thread_l
         rest = first + list(stream)
         assert len(rest) == 120
         died = [r for r in rest if not r.ok]
-        assert len(died) <= 1 and all("decoder process died" in r.error for r in died)
+        assert len(died) <= 1 and all("decoder process died on this item (killed by signal SIGKILL)" in r.error
+                                      for r in died)
         ok_ref = {r.id: r.class_ids for r in pipe.classify([str(p) for p in samples[:120]])}
         assert all(r.class_ids == ok_ref[r.id] for r in rest if r.ok)
         assert pipe.decoders[0].proc is not victim and pipe.decoders[0].proc.poll() is None

@@ -132,3 +132,18 @@ def test_crop_pool_is_released_when_collected():
         os.fstat(fd)
     with pytest.raises(ValueError, match="at least one row"):
         CropPool(0, 8)
+
+
+@pytest.mark.parametrize("fmt", ["BMP", "GIF"])
+def test_forged_bmp_and_gif_headers_meet_our_limit(fmt):
+    """The configured max_image_pixels, not Pillow's own limit, refuses a forged header, by name."""
+    import struct
+
+    if fmt == "BMP":
+        data = b"BM" + struct.pack("<IHHI", 54, 0, 0, 54) + struct.pack("<IiiHHIIiiII", 40, 15000, 15000, 1, 24,
+                                                                         0, 0, 0, 0, 0, 0)
+    else:
+        data = b"GIF89a" + struct.pack("<HHBBB", 60000, 60000, 0, 0, 0) + b"\x3b"
+    for limit in (1_000_000, 89_478_485):
+        with pytest.raises(ImageError, match="image too large: .* megapixels.*max_image_pixels"):
+            preprocess(data, max_pixels=limit)

@@ -2,7 +2,7 @@
 
 Exit status of ``fullthrottle classify``: 0 every item classified; 1 at least one item failed
 (its error is in the output); 2 bad usage or configuration (unknown model, weights that do not fit,
-CUDA asked for but absent); 130 interrupted (Ctrl-C).
+CUDA asked for but absent) or an output file that cannot be written; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "sample photos that ship with scikit-image. Without --weights the model is "
                     "randomly initialised and its labels are meaningless (the output says so).",
         epilog="Exit status: 0 all items ok; 1 some item failed (see its error); 2 usage or "
-               "configuration error; 130 interrupted.")
+               "configuration error, or --out / --report-json cannot be written; 130 interrupted.")
     c.add_argument("inputs", nargs="*", metavar="INPUT",
                    help="image file, folder (recursive), glob pattern or http(s) URL")
     c.add_argument("--model", default="resnet18",
@@ -92,24 +92,29 @@ def build_parser() -> argparse.ArgumentParser:
                     "GET /healthz, /readyz, /metrics. Concurrent requests share batches. Full queue: 503 "
                     "with Retry-After; past the deadline: 504; body too large: 413; undecodable image: 422. "
                     "SIGTERM finishes in-flight requests, then exits 0.")
-    v.add_argument("--model", default="resnet18")
+    v.add_argument("--model", default="resnet18", help="resnet18, resnet34 or resnet50 (default: %(default)s)")
     v.add_argument("--weights", help="state dict: .safetensors, or .pth (weights_only=True)")
     v.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, local only)")
     v.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
-    v.add_argument("--max-batch-size", type=_positive_int, default=64)
-    v.add_argument("--max-wait-ms", type=float, default=5.0)
-    v.add_argument("--max-queue", type=_positive_int, default=256, help="images waiting before 503")
+    v.add_argument("--max-batch-size", type=_positive_int, default=64,
+                   help="largest batch the batcher forms across requests (default: %(default)s)")
+    v.add_argument("--max-wait-ms", type=float, default=5.0,
+                   help="longest a partial batch waits for more images (default: %(default)s)")
+    v.add_argument("--max-queue", type=_positive_int, default=256,
+                   help="images waiting before 503 (default: %(default)s)")
     v.add_argument("--timeout-s", type=float, default=30.0, help="per-request deadline before 504")
     v.add_argument("--max-body-mb", type=float, default=32.0, help="request body limit before 413 (MiB)")
     v.add_argument("--threads", type=_positive_int, default=None, help="preprocess threads")
     v.add_argument("--preprocess", default="auto", choices=("auto", "threads", "processes"),
                    help="decode in threads or in one worker process per thread (auto: processes on CUDA)")
-    v.add_argument("--device", default="auto")
+    v.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     v.add_argument("--gpus", default=None,
                    help="'all' or N: one model replica per GPU (default with --device auto: every GPU)")
-    v.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
-    v.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
-    v.add_argument("--top-k", type=_positive_int, default=5)
+    v.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    v.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay the model as CUDA graphs per batch bucket (CUDA only; default: on)")
+    v.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default: %(default)s)")
     v.add_argument("--gpu-decode", action="store_true", help="also decode JPEGs on the GPU (nvJPEG)")
     v.add_argument("--ray", action="store_true",
                    help="deploy on Ray Serve (one replica per GPU; --replicas); needs fullthrottle[ray]")
@@ -132,12 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--random", choices=("tiny", "llama2-7b"), help="random weights of this shape")
     g.add_argument("--prompt", help="text (needs tokenizer.json in --model-dir)")
     g.add_argument("--tokens", help="comma-separated prompt token ids (instead of --prompt)")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64,
+                   help="tokens to generate per prompt (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--device", default="auto")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same tokens)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="default: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--max-seq-len", type=_positive_int, default=None,
@@ -530,6 +536,15 @@ def cmd_classify(args) -> int:
         if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             print(f"fullthrottle: error: cannot write {path}: its folder does not exist", file=sys.stderr)
             return 2
+    out = None
+    if args.out == "-":
+        out = sys.stdout
+    elif args.out:
+        try:  # opened before the model is built: a bad path costs nothing
+            out = open(args.out, "w", encoding="utf-8")
+        except OSError as e:
+            print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+            return 2
     try:
         if not inputs:
             inputs = sample_photos()
@@ -545,18 +560,15 @@ def cmd_classify(args) -> int:
         pipe = Pipeline(cfg)
     except (ValueError, FileNotFoundError, RuntimeError, WeightsError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
+        _close_out(out)
         return 2
     except KeyboardInterrupt:  # during start-up (model load, graph capture, decoder processes)
         print("interrupted", file=sys.stderr)
+        _close_out(out)
         return 130
     if pipe.engine.random_weights:
         print("WARNING: no --weights given: the model is randomly initialised, labels are meaningless",
               file=sys.stderr)
-    out = None
-    if args.out == "-":
-        out = sys.stdout
-    elif args.out:
-        out = open(args.out, "w", encoding="utf-8")  # checked before the model is built (below)
     failed = 0
     bar = tqdm(unit="img", desc="classify", disable=args.no_progress or None, file=sys.stderr,
                total=len(inputs) if all(os.path.isfile(str(i)) for i in inputs) else None)
@@ -576,19 +588,40 @@ def cmd_classify(args) -> int:
         bar.close()
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # the output could not be written (disk full, ...): stop, say so
+        results.close()
+        print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     finally:
         bar.close()
         pipe.close()  # stops the decoder processes
-        if out is not None and out is not sys.stdout:
-            out.close()
+        err = _close_out(out)
+    if err is not None:
+        print(f"fullthrottle: error: cannot write {args.out}: {err}", file=sys.stderr)
+        return 2
     rep = pipe.last_report
     print(rep.format(), file=sys.stderr)
     if device.type == "cuda":
         print(f"GPU: {torch.cuda.get_device_name(device)}", file=sys.stderr)
     if args.report_json:
-        with open(args.report_json, "w", encoding="utf-8") as f:
-            json.dump(rep.to_dict(), f, indent=2)
+        try:
+            with open(args.report_json, "w", encoding="utf-8") as f:
+                json.dump(rep.to_dict(), f, indent=2)
+        except OSError as e:
+            print(f"fullthrottle: error: cannot write {args.report_json}: {e.strerror or e}", file=sys.stderr)
+            return 2
     return 1 if failed else 0
+
+
+def _close_out(out) -> str | None:
+    """Close the results file (not stdout); the reason if its last writes failed (disk full), else None."""
+    if out is None or out is sys.stdout:
+        return None
+    try:
+        out.close()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

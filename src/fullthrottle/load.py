@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -74,6 +75,14 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
             found = 0
             if is_url(s):
                 yield s, s
+                continue
+            if not s:
+                yield f"<input #{i}>", BadSource("empty path (an empty string names no file)")
+                continue
+            scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", s)
+            if scheme and not os.path.exists(s):
+                yield s, BadSource(f"unsupported URL scheme {scheme.group(1)!r} (only http:// and https:// "
+                                   "are fetched; give local files as paths)")
                 continue
             if os.path.isdir(s):
                 for root, dirs, files in os.walk(s):

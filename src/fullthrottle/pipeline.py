@@ -37,7 +37,7 @@ from .decode import Result
 from .gpumon import GpuMonitor, nvtx_range
 from .load import Item, Loader
 from .gpu_decode import gpu_eligible
-from .preprocess import ImageError, preprocess
+from .preprocess import ImageError, allow_pillow_pixels, preprocess
 from .preprocess_procs import STARTUP_S, DecoderPool, WorkerDied
 from .report import Report, StageStats
 
@@ -596,6 +596,7 @@ class Pipeline:
         use_procs = config.preprocess == "processes" or (config.preprocess == "auto" and self.engine.cuda)
         #: one decoder process per preprocess thread (config.preprocess), started once, reused by every run
         # more processes than cores cannot decode faster, and each holds ~0.5 GB (it imports torch)
+        allow_pillow_pixels(config.max_image_pixels)
         self.decoders = None
         if use_procs:
             n = min(config.num_threads, usable_cores())
@@ -603,7 +604,11 @@ class Pipeline:
             rows = min(config.in_flight_limit, (config.staging_slots + 3) * config.max_batch_size + 2 * n)
             self.decoders = DecoderPool(n, config.resize_size, config.crop_size, config.max_image_pixels,
                                         rows=rows)
-            self.engine.attach_crops(self.decoders.crops)
+            try:
+                self.engine.attach_crops(self.decoders.crops)
+            except BaseException:
+                self.decoders.close()
+                raise
         self.last_report: Report | None = None
         self.current_run: Run | None = None
         #: called with each batch's size as the batcher forms it (from the batcher's thread)

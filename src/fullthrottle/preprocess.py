@@ -130,6 +130,17 @@ def header_size(data: bytes, fmt: str | None) -> tuple[int, int, str]:
     if fmt == "PNG" and len(data) >= 24 and data[12:16] == b"IHDR":
         w, h = struct.unpack(">II", data[16:24])
         return w, h, fmt
+    if fmt == "GIF" and len(data) >= 10:  # logical screen size, as Pillow reports it
+        w, h = struct.unpack("<HH", data[6:10])
+        return w, h, fmt
+    if fmt == "BMP" and len(data) >= 26:
+        (hdr,) = struct.unpack("<I", data[14:18])
+        if hdr == 12 and len(data) >= 22:  # BITMAPCOREHEADER: 16-bit sizes
+            w, h = struct.unpack("<HH", data[18:22])
+            return w, h, fmt
+        if hdr >= 40:  # BITMAPINFOHEADER and later: signed 32-bit, negative height = top-down
+            w, h = struct.unpack("<ii", data[18:26])
+            return w, abs(h), fmt
     try:
         with Image.open(io.BytesIO(data)) as im:  # lazy: parses the header only
             return im.width, im.height, fmt or (im.format or "unknown")
@@ -142,6 +153,14 @@ def header_size(data: bytes, fmt: str | None) -> tuple[int, int, str]:
 def resized_pixels(w: int, h: int, shorter: int) -> int:
     """Pixels of a ``w`` x ``h`` image once its shorter side is resized to ``shorter`` (as Resize does)."""
     return shorter * int(shorter * max(w, h) / min(w, h))
+
+
+def allow_pillow_pixels(max_pixels: int) -> None:
+    """Raise Pillow's own decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``, process-wide) to
+    ``max_pixels`` when that is larger, so that the limit a user configured is the one applied (our
+    header check runs first and names it). Never lowers it."""
+    if Image.MAX_IMAGE_PIXELS is not None and max_pixels > Image.MAX_IMAGE_PIXELS:
+        Image.MAX_IMAGE_PIXELS = max_pixels
 
 
 def decode(data: bytes, min_side: int = 0, max_pixels: int = 89_478_485) -> np.ndarray:

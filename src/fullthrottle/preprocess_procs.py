@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import mmap
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -256,10 +257,18 @@ class DecoderProcess:
         try:
             msg = self.conn.recv_bytes()
         except (EOFError, OSError) as e:
-            code = self.proc.poll()
+            try:
+                code = self.proc.wait(1.0)  # it closed its socket: its exit status follows at once
+            except subprocess.TimeoutExpired:
+                code = None
             self._restart()
-            raise WorkerDied(f"decoder process died on this item (exit code {code}): "
-                             f"{type(e).__name__}") from None
+            how = f"exit code {code}"
+            if code is not None and code < 0:
+                try:
+                    how = f"killed by signal {signal.Signals(-code).name}"
+                except ValueError:
+                    how = f"killed by signal {-code}"
+            raise WorkerDied(f"decoder process died on this item ({how}): {type(e).__name__}") from None
         if msg[:1] == b"\x00":  # _OK
             return
         # _IMAGE_ERROR or _OTHER_ERROR: the message is already worded as the thread path words it
@@ -323,11 +332,15 @@ class DecoderPool:
         self.crops = CropPool(rows, crop_size, scratch=n)
         errs: list[BaseException] = []
         lock = threading.Lock()
+        self._closing = False
 
         def start(i: int):
             try:
                 w = DecoderProcess(resize_size, crop_size, max_pixels, pool=self.crops, scratch_row=rows + i)
                 with lock:
+                    if self._closing:  # start-up was abandoned (Ctrl-C): don't leave this one behind
+                        w.close()
+                        return
                     self.workers.append(w)
                 try:
                     w(_PROBE)  # waits until the worker has imported and answered once
@@ -337,10 +350,16 @@ class DecoderPool:
                 errs.append(e)
 
         ts = [threading.Thread(target=start, args=(i,), daemon=True) for i in range(n)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        try:
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        except BaseException:  # Ctrl-C while the workers start: stop those already running
+            with lock:
+                self._closing = True
+            self.close()
+            raise
         if errs:
             self.close()
             raise RuntimeError(f"could not start decoder processes: {errs[0]}") from errs[0]
@@ -384,8 +403,6 @@ _PROBE = _probe_png()
 
 
 def _worker_main(argv: list[str]) -> None:
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; we end on EOF
     fd, pool_fd, resize_size, crop_size, max_pixels, nice, pool_rows = (int(a) for a in argv)
     if nice:
@@ -396,7 +413,15 @@ def _worker_main(argv: list[str]) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from .preprocess import preprocess  # also sets OpenCV to one thread
+    from .preprocess import allow_pillow_pixels, preprocess  # also sets OpenCV to one thread
+
+    allow_pillow_pixels(max_pixels)
+    try:  # an image's error goes back as its reply; OpenCV's own log lines would only be noise
+        import cv2
+
+        cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
+    except AttributeError:
+        pass
 
     crops = np.frombuffer(mmap.mmap(pool_fd, pool_rows * crop_size * crop_size * 3), np.uint8).reshape(
         pool_rows, crop_size, crop_size, 3)
