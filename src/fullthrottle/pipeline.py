@@ -306,8 +306,7 @@ class Run:
             return self.gq is not None and not self.gq.full()
 
         def resend(w: int) -> None:  # the worker was replaced: its queued images go again
-            now = time.perf_counter()
-            started[w] = now
+            started[w] = time.perf_counter()
             for it in pending[w]:
                 workers[w].send(it.data, it.pool_row)
 
@@ -394,8 +393,6 @@ class Run:
                     now = time.perf_counter()
                     work = now - started[w]
                     started[w] = now  # the next queued image starts now
-                    if self.engine.gpu_decoder is not None:
-                        splitter.record_cpu(1, work)
                     st.record(1, work, now - busy_since if outstanding == 0 else 0.0)
                     if outstanding == 0:
                         busy_since = now
@@ -406,7 +403,8 @@ class Run:
         finally:
             for w in range(n):  # stopped mid-run: keep each worker's replies in step
                 for _ in pending[w]:
-                    workers[w].discard_reply()
+                    if workers[w].discard_reply():
+                        break  # replaced: the new worker owes nothing
 
     def _preprocess_worker(self) -> None:
         cfg, st = self.config, self.stats["preprocess"]

@@ -280,19 +280,26 @@ class DecoderProcess:
         self._restart()
         return WorkerDied(reason)
 
-    def discard_reply(self, timeout: float = 2.0) -> None:
+    def discard_reply(self, timeout: float = 2.0) -> bool:
         """Read and drop the answer to an outstanding request (a run stopped while it was out), so the
         next request gets its own answer; a worker that does not answer in ``timeout`` s is killed and
-        replaced (nothing is started once the pool is closed)."""
+        replaced (nothing is started once the pool is closed).
+
+        Returns True when the worker was replaced (it died or was killed): then none of its other
+        requests will be answered either.
+        """
         if not self.closed and self.conn.poll(timeout):
             try:
                 self.receive()
-                return
-            except (ImageError, WorkerDied):
-                return
+                return False
+            except ImageError:
+                return False
+            except WorkerDied:
+                return True
         self.proc.kill()
         if not self.closed:
             self._restart()
+        return True
 
     def close(self) -> None:
         """Stop the worker for good (closing its socket ends its loop; killed if it does not exit in 2 s)."""
