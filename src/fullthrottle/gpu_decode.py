@@ -157,7 +157,6 @@ def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize:
     order = sorted(range(len(images)), key=lambda i: -images[i].shape[1] * images[i].shape[2])
     i = 0
     while i < len(order):
-        h0, w0 = images[order[i]].shape[1:]
         j, hmax, wmax = i, 0, 0
         while j < len(order):
             h, w = images[order[j]].shape[1:]

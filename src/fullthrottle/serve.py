@@ -13,7 +13,6 @@ SIGTERM (uvicorn's graceful shutdown) stops accepting, lets in-flight requests f
 from __future__ import annotations
 
 import asyncio
-import os
 import itertools
 import json
 import queue
