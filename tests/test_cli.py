@@ -76,3 +76,12 @@ def test_unwritable_out_exits_2_with_one_line(samples, tmp_path, capsys, out, ms
     rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--out", out.format(tmp=tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "fullthrottle: error: cannot write" in err and msg in err and "Traceback" not in err
+
+
+def test_cuda_only_options_on_cpu_are_named_not_ignored(samples, capsys):
+    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--gpu-decode",
+               "--dtype", "bfloat16", "--top-k", "1001"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "note: --gpu-decode and --dtype bfloat16 need CUDA" in err
+    assert "note: --top-k 1001 is more than the model's 1000 classes" in err

@@ -557,7 +557,17 @@ def cmd_classify(args) -> int:
                      threads=args.threads, top_k=args.top_k, ordered=not args.unordered,
                      graphs=args.graphs, compile=args.compile, gpu_decode=args.gpu_decode,
                      preprocess=args.preprocess)
+        if device.type != "cuda":  # say what a CPU run leaves out, rather than ignoring it silently
+            ignored = [f for f, on in (("--gpu-decode", args.gpu_decode),
+                                       (f"--dtype {args.dtype}", args.dtype not in (None, "float32"))) if on]
+            if ignored:
+                print(f"note: {' and '.join(ignored)} need CUDA: this run on {device} decodes on the CPU "
+                      "and computes in float32", file=sys.stderr)
         pipe = Pipeline(cfg)
+        n_classes = len(pipe.engine.labels)
+        if args.top_k > n_classes:
+            print(f"note: --top-k {args.top_k} is more than the model's {n_classes} classes: "
+                  f"each result lists all {n_classes}", file=sys.stderr)
     except (ValueError, FileNotFoundError, RuntimeError, WeightsError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
         _close_out(out)
