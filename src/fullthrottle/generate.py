@@ -27,7 +27,7 @@ def kv_buckets(max_seq_len: int) -> tuple[int, ...]:
 
     A step whose longest row is at position ``p`` replays the graph of the smallest length > ``p``, so
     attention reads that much of the static KV cache, not all of it (at batch 64 on the H200 the
-    attention kernel was a third of the step reading all 328 slots, bench/results/llm_profile.json).
+    attention kernel was a third of the step reading all 328 slots, bench/results/llm_profile_before_attention_lengths.json).
 
     >>> kv_buckets(328), kv_buckets(4096)
     ((256, 328), (256, 1024, 4096))

@@ -122,6 +122,12 @@ def resize_size(h: int, w: int, resize: int) -> tuple[int, int]:
     return (resize, int(resize * w / h)) if h <= w else (int(resize * h / w), resize)
 
 
+def _resize_and_crop_at(h: int, w: int, resize: int, crop: int) -> tuple[int, int, int, int]:
+    """``(nh, nw, top, left)``: the resized size and CenterCrop(crop)'s offsets in it."""
+    nh, nw = resize_size(h, w, resize)
+    return nh, nw, int(round((nh - crop) / 2.0)), int(round((nw - crop) / 2.0))
+
+
 def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256, crop: int = 224,
                       chunk_elems: int = 1 << 27) -> None:
     """Resize (antialiased bilinear) + center-crop decoded images into ``out``, a fixed number of kernels
@@ -137,7 +143,7 @@ def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize:
     :func:`_resize_crop_matmul`: the same antialiased filter written as two batched matrix products,
     so a batch costs ~15 kernel launches instead of ~8 per distinct size (measured on the H200: a
     per-size loop ran 60-100 us per mixed-size image idle and ~57 ms under GIL contention,
-    bench/results/gpu_decode_probe.json). Arithmetic is float32, rounded to uint8: within 1/255 of the
+    bench/results/gpu_decode_probe.txt). Arithmetic is float32, rounded to uint8: within 1/255 of the
     CPU path's uint8 kernel on almost every pixel.
     """
     if not images:
@@ -146,11 +152,10 @@ def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize:
     if len(sizes) == 1:
         (h, w), = sizes
         x = torch.stack(list(images)) if len(images) > 1 else images[0][None]
-        nh, nw = resize_size(h, w, resize)
+        nh, nw, top, left = _resize_and_crop_at(h, w, resize, crop)
         if (nh, nw) != (h, w):
             x = F.interpolate(x.float(), size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
             x = x.round_().clamp_(0, 255).to(torch.uint8)
-        top, left = int(round((nh - crop) / 2.0)), int(round((nw - crop) / 2.0))
         out.copy_(x[:, :, top:top + crop, left:left + crop].permute(0, 2, 3, 1))
         return
     # largest first, in chunks whose padded size stays under chunk_elems
@@ -204,11 +209,8 @@ def _resize_crop_matmul(images: Sequence[torch.Tensor], hmax: int, wmax: int, re
     n = len(images)
     buf = torch.zeros((n, 3, hmax, wmax), dtype=torch.uint8, device=dev)
     torch._foreach_copy_([buf[k, :, :im.shape[1], :im.shape[2]] for k, im in enumerate(images)], list(images))
-    dims = []
-    for im in images:
-        h, w = im.shape[1:]
-        nh, nw = resize_size(h, w, resize)
-        dims.append((h, w, nh, nw, int(round((nh - crop) / 2.0)), int(round((nw - crop) / 2.0))))
+    dims = [(im.shape[1], im.shape[2], *_resize_and_crop_at(im.shape[1], im.shape[2], resize, crop))
+            for im in images]
     d = torch.tensor(dims, dtype=torch.float64)                             # (N, 6), one copy to the device
     rows = _aa_weights(d[:, 0], d[:, 2], d[:, 4], crop, hmax, dev)          # (N, crop, hmax)
     cols = _aa_weights(d[:, 1], d[:, 3], d[:, 5], crop, wmax, dev)          # (N, crop, wmax)

@@ -41,7 +41,6 @@ class Item:
     data: bytes | None = None
     array: np.ndarray | None = None
     error: str | None = None
-    on_gpu: bool = False  # routed to the GPU decoder
     gpu_crop: Any = None  # (rows, r): its crop is row r of a (m, S, S, 3) uint8 device tensor (GPU decoded)
     pool_row: int = -1  # the crop is in this row of the decoder processes' shared CropPool (no array)
     t_start: float = field(default_factory=time.perf_counter)

@@ -197,7 +197,6 @@ class Run:
             gpu_eligible(it.data, self.config.max_image_pixels, self.config.resize_size)[0]
 
     def _to_gpu(self, it: Item) -> None:
-        it.on_gpu = True
         it.t_queued = time.perf_counter()
         self._put(self.gq, it)
 

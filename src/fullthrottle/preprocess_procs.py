@@ -269,7 +269,7 @@ class DecoderProcess:
                 except ValueError:
                     how = f"killed by signal {-code}"
             raise WorkerDied(f"decoder process died on this item ({how}): {type(e).__name__}") from None
-        if msg[:1] == b"\x00":  # _OK
+        if msg[0] == _OK:
             return
         # _IMAGE_ERROR or _OTHER_ERROR: the message is already worded as the thread path words it
         raise ImageError(msg[1:].decode("utf-8", "replace"))
