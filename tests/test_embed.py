@@ -67,7 +67,16 @@ def test_stream_equals_batch(emb):
     texts = varied_texts(300)
     blocks = list(emb.embed_stream(iter(texts), chunk=128))
     assert [len(b.vectors) for b in blocks] == [128, 128, 44]
-    np.testing.assert_allclose(np.concatenate([b.vectors for b in blocks]), emb.embed(texts).vectors, atol=1e-6)
+    whole = emb.embed(texts)
+    np.testing.assert_allclose(np.concatenate([b.vectors for b in blocks]), whole.vectors, atol=1e-6)
+    emb.chunk = 128  # embed() of more texts than a chunk: tokenised chunk by chunk, same result
+    try:
+        cut = emb.embed(texts)
+    finally:
+        emb.chunk = 1024
+    np.testing.assert_allclose(cut.vectors, whole.vectors, atol=1e-6)
+    assert (cut.tokens == whole.tokens).all() and (cut.truncated == whole.truncated).all()
+    assert whole.truncated.sum() > 0
 
 
 def test_bad_input_types(emb):

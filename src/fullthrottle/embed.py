@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import json
+import os
+from itertools import chain
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batch import bucket_for
 
 SEQ_BUCKETS = (16, 32, 64, 128, 256, 512)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -35,7 +35,7 @@ class BertLayer(nn.Module):
     def __init__(self, E: int, heads: int, inter: int, eps: float):
         super().__init__()
         self.heads = heads
-        self.q, self.k, self.v = nn.Linear(E, E), nn.Linear(E, E), nn.Linear(E, E)
+        self.qkv = nn.Linear(E, 3 * E)                                      # query, key, value fused
         self.attn_out, self.attn_norm = nn.Linear(E, E), nn.LayerNorm(E, eps=eps)
         self.inter, self.out, self.out_norm = nn.Linear(E, inter), nn.Linear(inter, E), nn.LayerNorm(E, eps=eps)
 
@@ -43,11 +43,8 @@ class BertLayer(nn.Module):
         B, L, E = x.shape                                                   # x: (B, L, E)
         h, d = self.heads, E // self.heads
 
-        def split(t):
-            return t.view(B, L, h, d).transpose(1, 2)                       # (B, h, L, d)
-
-        y = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)),
-                                           attn_mask=bias)                   # bias: (B, 1, 1, L)
+        q, k, v = self.qkv(x).view(B, L, 3, h, d).permute(2, 0, 3, 1, 4)    # each (B, h, L, d)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)          # bias: (B, 1, 1, L)
         x = self.attn_norm(x + self.attn_out(y.transpose(1, 2).reshape(B, L, E)))
         return self.out_norm(x + self.out(F.gelu(self.inter(x))))           # exact (erf) GELU, like BERT
 
@@ -80,9 +77,17 @@ _HF_NAMES = {  # our parameter name prefix <- Hugging Face BertModel's
     "word.": "embeddings.word_embeddings.", "pos.": "embeddings.position_embeddings.",
     "type_emb.": "embeddings.token_type_embeddings.", "norm.": "embeddings.LayerNorm.",
 }
-_HF_LAYER = {"q.": "attention.self.query.", "k.": "attention.self.key.", "v.": "attention.self.value.",
-             "attn_out.": "attention.output.dense.", "attn_norm.": "attention.output.LayerNorm.",
+_HF_LAYER = {"attn_out.": "attention.output.dense.", "attn_norm.": "attention.output.LayerNorm.",
              "inter.": "intermediate.dense.", "out.": "output.dense.", "out_norm.": "output.LayerNorm."}
+
+
+def _from_hf(sd: dict[str, torch.Tensor], ours: str) -> torch.Tensor:
+    """Our parameter ``ours`` from a Hugging Face BertModel state dict (``qkv`` = query, key, value stacked)."""
+    if ".qkv." in ours:
+        _, i, rest = ours.split(".", 2)
+        kind = rest.split(".", 1)[1]
+        return torch.cat([sd[f"encoder.layer.{i}.attention.self.{n}.{kind}"] for n in ("query", "key", "value")])
+    return sd[_hf_key(ours)]
 
 
 def _hf_key(ours: str) -> str:
@@ -168,13 +173,14 @@ class Embedder:
         model = Bert(cfg)
         sd = load_file(str(path / "model.safetensors"))
         sd = {k.removeprefix("bert."): v for k, v in sd.items()}
-        model.load_state_dict({k: sd[_hf_key(k)] for k in model.state_dict()})
+        model.load_state_dict({k: _from_hf(sd, k) for k in model.state_dict()})
         self.model = model.eval().to(self.device, self.dtype)
         self.dim = cfg["hidden_size"]
         self.seq_buckets = tuple(b for b in SEQ_BUCKETS if b < self.max_seq_length) + (self.max_seq_length,)
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
         self.graphs_enabled = graphs and cuda
         self.runners: dict[int, object] = {}   # seq bucket -> GraphRunner over batch buckets
+        self.chunk = 1024  # texts tokenised at a time by embed() / embed_stream() while the last chunk computes
 
     @torch.inference_mode()
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,7 +204,7 @@ class Embedder:
     def tokenize(self, texts: list[str]) -> list:
         return self.tokenizer.encode_batch(texts)
 
-    def embed_stream(self, texts, chunk: int = 2048):
+    def embed_stream(self, texts, chunk: int | None = None):
         """Embed an iterable of texts chunk by chunk, tokenising the next chunk in a thread (the
         ``tokenizers`` batch encoder releases the GIL) while the current one computes.
 
@@ -209,6 +215,7 @@ class Embedder:
         from itertools import islice
 
         it = iter(texts)
+        chunk = chunk or self.chunk
 
         def next_chunk():
             block = list(islice(it, chunk))
@@ -233,33 +240,51 @@ class Embedder:
             raise TypeError("embed() takes a list of texts, not a single string")
         if not all(isinstance(t, str) for t in texts):
             raise TypeError("embed() takes a list of str")
-        return self._embed_encoded(self.tokenize(list(texts)) if texts else [])
+        texts = list(texts)
+        if len(texts) <= self.chunk:
+            return self._embed_encoded(self.tokenize(texts) if texts else [])
+        parts = list(self.embed_stream(texts, chunk=self.chunk))   # tokenising overlaps the compute
+        return Embeddings(*(np.concatenate([getattr(p, f) for p in parts])
+                            for f in ("vectors", "truncated", "tokens")))
 
     def _embed_encoded(self, encs: list) -> Embeddings:
+        """Embed tokenised texts: sort by length, cut into (sequence bucket, batch) groups, and run them.
+
+        The padded ``(B, 2, L)`` int64 inputs are built with numpy (no Python loop per text) in pinned
+        memory on CUDA; H2D copies, replays and the D2H copies of the ``(B, E)`` results are queued on
+        the stream without waiting, and the host synchronises once at the end.
+        """
         n = len(encs)
         out = np.zeros((n, self.dim), dtype=np.float32)
         truncated = np.zeros(n, dtype=bool)
-        counts = np.zeros(n, dtype=np.int64)
         if n == 0:
-            return Embeddings(out, truncated, counts)
-        for i, e in enumerate(encs):
-            counts[i] = len(e.ids)
-            truncated[i] = bool(e.overflowing)
+            return Embeddings(out, truncated, np.zeros(0, dtype=np.int64))
+        ids = [e.ids for e in encs]
+        counts = np.fromiter(map(len, ids), dtype=np.int64, count=n)
+        for k in np.flatnonzero(counts >= self.max_seq_length):   # only these can have been cut
+            truncated[k] = bool(encs[k].overflowing)
+        flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(counts.sum()))
+        starts = np.cumsum(counts) - counts                       # offset of each text in ``flat``
         order = np.argsort(counts, kind="stable")
+        seq_b = np.asarray(self.seq_buckets)
+        L_of = seq_b[np.searchsorted(seq_b, np.maximum(counts[order], 1))]   # bucket per sorted text
+        cuda = self.device.type == "cuda"
+        res = torch.empty((n, self.dim), dtype=torch.float32, pin_memory=cuda)   # sorted order
         i = 0
         while i < n:  # group by sequence bucket, then chunks of at most the largest batch bucket
-            L = bucket_for(int(max(counts[order[i]], 1)), self.seq_buckets)
-            j = i
-            while j < n and counts[order[j]] <= L and j - i < self.batch_buckets[-1]:
-                j += 1
+            L = int(L_of[i])
+            j = min(int(np.searchsorted(L_of, L, side="right")), i + self.batch_buckets[-1])
             idx = order[i:j]
-            x = torch.zeros((len(idx), 2, L), dtype=torch.int64)
-            for r, k in enumerate(idx):
-                ids = encs[k].ids
-                x[r, 0, :len(ids)] = torch.tensor(ids)
-                x[r, 1, :len(ids)] = 1
-            out[idx] = self._run(x).cpu().numpy()
+            valid = np.arange(L)[None, :] < counts[idx][:, None]                # (B, L) bool
+            x = torch.zeros((j - i, 2, L), dtype=torch.int64, pin_memory=cuda)
+            xa = x.numpy()
+            xa[:, 0][valid] = flat[(starts[idx][:, None] + np.arange(L)[None, :])[valid]]
+            xa[:, 1] = valid
+            res[i:j].copy_(self._run(x), non_blocking=True)
             i = j
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        out[order] = res.numpy()
         return Embeddings(out, truncated, counts)
 
 

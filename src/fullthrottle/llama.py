@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
+
 
 @dataclass
 class LlamaConfig:
@@ -84,20 +86,16 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
-        # one fused kernel where torch has it; float32 inside, like HF's x.float() * rsqrt(mean(x^2) + eps)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x, residual=None):
+        # one kernel; float32 inside, like HF's x.float() * rsqrt(mean(x^2) + eps). With ``residual``:
+        # returns (x + residual, norm(x + residual)), the add fused in
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -113,16 +111,11 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, pos, row0, mask):
         B, S, _ = x.shape                                                 # x: (B, S, dim)
         h, hkv, d = self.h, self.hkv, self.d
-        qk, v = self.qkv_proj(x).split([(h + hkv) * d, hkv * d], dim=-1)  # (B, S, (H+Hkv)*D), (B, S, Hkv*D)
-        qk = qk.view(B, S, h + hkv, d)
-        qk = qk * cos + rotate_half(qk) * sin                             # RoPE on q and k at once; cos: (B, S, 1, D)
-        q, k = qk.transpose(1, 2).split([h, hkv], dim=1)                  # (B, H, S, D), (B, Hkv, S, D)
-        v = v.view(B, S, hkv, d).transpose(1, 2)                          # (B, Hkv, S, D)
-        idx = pos[:, None, :, None].expand(B, hkv, S, d)                  # where each new token goes
-        kc = self.k_cache[row0:row0 + B].scatter_(2, idx, k)              # (B, Hkv, T, D), in place
-        vc = self.v_cache[row0:row0 + B].scatter_(2, idx, v)
+        qkv = self.qkv_proj(x)                                            # (B, S, (H+2*Hkv)*D)
+        # RoPE on q and k; k and v written into the cache at ``pos`` (one kernel on CUDA); cos: (B, S, D/2)
+        q = kernels.rope_qkv_into_cache(qkv, cos, sin, pos, self.k_cache, self.v_cache, row0, h, hkv)  # (B, H, S, D)
         T = mask.shape[-1]                                                # attend to cache slots [0, T) only
-        kc, vc = kc[:, :, :T], vc[:, :, :T]
+        kc, vc = self.k_cache[row0:row0 + B, :, :T], self.v_cache[row0:row0 + B, :, :T]  # (B, Hkv, T, D)
         rep = h // hkv                                                    # grouped-query attention
         if rep > 1:  # (a copy: with rep == 1, as in Llama-2-7B, the cache is read in place)
             kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
@@ -138,8 +131,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                      # (B, S, I) each
-        return self.down_proj(F.silu(gate) * up)                             # SwiGLU
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))       # SwiGLU: (B, S, 2I) -> (B, S, I)
 
 
 class Block(nn.Module):
@@ -151,8 +143,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, pos, row0, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, row0, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, pos, row0, mask)
+        x, hn = self.post_attention_layernorm(x, residual=a)                 # x + a, and its norm
+        return x + self.mlp(hn)
 
 
 class Llama(nn.Module):
@@ -187,9 +180,8 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, row0: int = 0) -> torch.Tensor:
         x = self.embed_tokens(tokens)                                        # (B, S, dim)
-        freqs = pos[..., None].float() * self.inv_freq                       # (B, S, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]                   # (B, S, 1, D)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        freqs = pos[..., None].float() * self.inv_freq                       # (B, S, D/2) float32
+        cos, sin = freqs.cos(), freqs.sin()
         t = torch.arange(self.kv_len, device=tokens.device)
         causal = t[None, None, None, :] <= pos[:, None, :, None]              # (B, 1, S, T)
         # additive mask, made once here rather than converted from bool by every layer's attention

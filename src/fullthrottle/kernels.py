@@ -1,0 +1,211 @@
+"""Fused kernels for the LLM decode step (Triton on CUDA; the plain PyTorch reference everywhere else).
+
+A Llama-2-7B decode step at batch 1 is ~660 kernels, and on the H200 the small ones cost as much as
+their launch: profiled under graph replay (``bench/llm_profile.py``), RMSNorm took 5.7 us a call,
+RoPE was five elementwise kernels on q and k, and the KV-cache write two scatters, together
+~1.3 ms of a 5.3 ms step next to ~3.7 ms of matrix products. Three kernels here replace them:
+
+- :func:`rms_norm` — RMSNorm of each row, optionally after adding a residual (one read, one write);
+- :func:`rope_qkv_into_cache` — RoPE on q and k straight from the fused qkv projection, q written out
+  as ``(B, H, S, D)`` for attention, k and v written into the static KV cache at their positions;
+- :func:`silu_mul` — SwiGLU's ``silu(gate) * up`` from the fused gate/up projection.
+
+Each has a reference in plain PyTorch (the ``*_ref`` functions, the same math as Hugging Face's
+Llama), used on the CPU, without Triton, or with ``FULLTHROTTLE_TRITON=0``. The Triton kernels compute
+in float32 and round once, so they agree with the references (which round bf16 intermediates) to
+bf16 rounding, not bit for bit. With ``TRITON_INTERPRET=1`` Triton's interpreter runs them on CPU
+tensors (how CI checks their indexing without a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references run
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the Triton kernels run for tensors like ``t``: Triton importable, ``t`` on CUDA (or
+    Triton's interpreter on), and ``FULLTHROTTLE_TRITON`` not ``0``."""
+    return (triton is not None and (t.is_cuda or _INTERPRET)
+            and os.environ.get("FULLTHROTTLE_TRITON", "1") != "0")
+
+
+# -- references (plain PyTorch) ------------------------------------------------------------------
+def rms_norm_ref(x, weight, eps, residual=None):
+    if residual is not None:
+        x = x + residual
+        return x, F.rms_norm(x, weight.shape, weight, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_qkv_into_cache_ref(qkv, cos, sin, pos, k_cache, v_cache, row0, h, hkv):
+    B, S, _ = qkv.shape
+    d = k_cache.shape[-1]
+    qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)                  # (B, S, (H+Hkv)*D), (B, S, Hkv*D)
+    c = torch.cat((cos, cos), dim=-1)[:, :, None].to(qkv.dtype)          # (B, S, 1, D)
+    s = torch.cat((sin, sin), dim=-1)[:, :, None].to(qkv.dtype)
+    qk = qk.view(B, S, h + hkv, d)
+    qk = qk * c + _rotate_half(qk) * s                                   # RoPE on q and k at once
+    q, k = qk.transpose(1, 2).split([h, hkv], dim=1)                      # (B, H, S, D), (B, Hkv, S, D)
+    v = v.view(B, S, hkv, d).transpose(1, 2)                              # (B, Hkv, S, D)
+    idx = pos[:, None, :, None].expand(B, hkv, S, d)                      # where each new token goes
+    k_cache[row0:row0 + B].scatter_(2, idx, k)
+    v_cache[row0:row0 + B].scatter_(2, idx, v)
+    return q
+
+
+def silu_mul_ref(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# -- Triton kernels ----------------------------------------------------------------------------
+if triton is not None:
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, N, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)                       # one program per row of N features
+        cols = tl.arange(0, BLOCK)
+        m = cols < N
+        x = tl.load(x_ptr + row * N + cols, mask=m, other=0.0)
+        if HAS_RESIDUAL:  # the sum is rounded to the input type, as the unfused add would store it
+            x = (x.to(tl.float32) + tl.load(r_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32))
+            x = x.to(s_ptr.dtype.element_ty)
+            tl.store(s_ptr + row * N + cols, x, mask=m)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * N + cols, (xf * rstd * w).to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit(do_not_specialize=["S", "row0"])  # prompt lengths and cache rows vary: one compile
+    def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+                         S, H, HKV, row0, qkv_tok_stride, c_b, c_h, c_t,
+                         HALF: tl.constexpr, BLOCK: tl.constexpr):
+        tok = tl.program_id(0)                       # b * S + s
+        j = tl.program_id(1)                         # head: q heads, then k heads, then v heads
+        b = tok // S
+        s = tok % S
+        d = tl.arange(0, BLOCK)
+        m = d < HALF
+        src = qkv_ptr + tok * qkv_tok_stride + j * 2 * HALF
+        x1 = tl.load(src + d, mask=m, other=0.0).to(tl.float32)          # first half of the head
+        x2 = tl.load(src + HALF + d, mask=m, other=0.0).to(tl.float32)   # second half
+        if j < H + HKV:  # rotate q and k: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+            c = tl.load(cos_ptr + tok * HALF + d, mask=m, other=0.0)
+            sn = tl.load(sin_ptr + tok * HALF + d, mask=m, other=0.0)
+            o1 = x1 * c - x2 * sn
+            o2 = x2 * c + x1 * sn
+        else:
+            o1 = x1
+            o2 = x2
+        p = tl.load(pos_ptr + tok).to(tl.int64)
+        rb = (row0 + b).to(tl.int64)                  # cache offsets can pass 2**31 elements
+        if j < H:
+            dst = q_ptr + ((b * H + j) * S + s) * 2 * HALF                # q: (B, H, S, D)
+        elif j < H + HKV:
+            dst = kc_ptr + rb * c_b + (j - H) * c_h + p * c_t     # k_cache[row0+b, j-H, p]
+        else:
+            dst = vc_ptr + rb * c_b + (j - H - HKV) * c_h + p * c_t
+        tl.store(dst + d, o1.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + HALF + d, o2.to(q_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < I
+        g = tl.load(gu_ptr + row * 2 * I + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * I + I + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * I + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
+
+
+# -- the entry points ----------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim: ``x * rsqrt(mean(x^2) + eps) * weight`` (Zhang & Sennrich, 2019).
+
+    Args:
+        x: ``(..., N)`` float (bf16/fp16/fp32). weight: ``(N,)``. eps: e.g. 1e-5.
+        residual: optional, same shape as ``x``; then ``s = x + residual`` is normalised instead.
+
+    Returns:
+        the normalised ``(..., N)`` in ``x``'s dtype; with ``residual``, the tuple ``(s, norm(s))``.
+    """
+    if not use_triton(x):
+        return rms_norm_ref(x, weight, eps, residual)
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N).contiguous()
+    y = torch.empty_like(x2)
+    s = torch.empty_like(x2) if residual is not None else x2
+    r = residual.reshape(-1, N).contiguous() if residual is not None else x2
+    _rms_norm_kernel[(x2.shape[0],)](x2, r, weight, s, y, N, eps, HAS_RESIDUAL=residual is not None,
+                                     BLOCK=triton.next_power_of_2(N), num_warps=8 if N >= 2048 else 4)
+    if residual is not None:
+        return s.view(x.shape), y.view(x.shape)
+    return y.view(x.shape)
+
+
+def rope_qkv_into_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, row0: int, h: int, hkv: int) -> torch.Tensor:
+    """Rotary embedding (Su et al., 2021, "RoFormer"; the rotate-half layout of HF's Llama) on q and k,
+    and the new k and v written into the static KV cache.
+
+    Args:
+        qkv: ``(B, S, (H + 2*Hkv) * D)``, the fused q/k/v projection (q heads, k heads, v heads).
+        cos, sin: ``(B, S, D/2)`` float32, the angles ``pos * inv_freq``'s cosine and sine.
+        pos: ``(B, S)`` int64 positions = cache slots (each < the cache length; not checked here).
+        k_cache, v_cache: ``(maxB, Hkv, T, D)``, rows ``row0 .. row0+B`` are written at ``pos``.
+        h, hkv: query and key/value head counts.
+
+    Returns:
+        q: ``(B, H, S, D)`` in ``qkv``'s dtype, rotated.
+    """
+    if not use_triton(qkv):
+        return rope_qkv_into_cache_ref(qkv, cos, sin, pos, k_cache, v_cache, row0, h, hkv)
+    B, S, _ = qkv.shape
+    d = k_cache.shape[-1]
+    qkv = qkv.contiguous()
+    q = torch.empty((B, h, S, d), dtype=qkv.dtype, device=qkv.device)
+    assert k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride()
+    _rope_qkv_kernel[(B * S, h + 2 * hkv)](
+        qkv, cos.contiguous(), sin.contiguous(), pos.contiguous(), q, k_cache, v_cache,
+        S, h, hkv, row0, qkv.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2), num_warps=1)
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gating (Shazeer, 2020, "GLU Variants Improve Transformer"): ``silu(gate) * up``.
+
+    Args:
+        gate_up: ``(..., 2*I)``, gate in the first half of the last dim, up in the second.
+
+    Returns:
+        ``(..., I)`` in ``gate_up``'s dtype.
+    """
+    if not use_triton(gate_up):
+        return silu_mul_ref(gate_up)
+    I2 = gate_up.shape[-1]
+    gu = gate_up.reshape(-1, I2).contiguous()
+    out = torch.empty((gu.shape[0], I2 // 2), dtype=gu.dtype, device=gu.device)
+    BLOCK = 1024
+    _silu_mul_kernel[(gu.shape[0], triton.cdiv(I2 // 2, BLOCK))](gu, out, I2 // 2, BLOCK=BLOCK, num_warps=4)
+    return out.view(*gate_up.shape[:-1], I2 // 2)
+
+
+__all__ = ["rms_norm", "rope_qkv_into_cache", "silu_mul", "use_triton",
+           "rms_norm_ref", "rope_qkv_into_cache_ref", "silu_mul_ref"]
