@@ -76,3 +76,6 @@ if [[ $parts == *benchcli* ]]; then    # issue 03: the four experiments at full 
   for e in threads batch transfer; do $TO python3 -m fullthrottle.cli bench $e --out "$OUT/bench_$e" 2>&1 | tail -2; done
   $TO python3 -m fullthrottle.cli bench e2e --images tests/data/imagenet-sample --n 30000 --out "$OUT/bench_e2e" 2>&1 | tail -2
 fi
+if [[ $parts == *nvprocs* ]]; then     # issue 04: nvJPEG across processes
+  $TO python3 bench/nvjpeg_procs_probe.py --out "$OUT/nvjpeg_procs_probe.json" 2>&1 | grep -v Warning | tail -20
+fi
