@@ -44,8 +44,8 @@ if [[ $parts == *graphs* ]]; then
   $TO python3 bench/graphs.py --out "$OUT/graphs_resnet18.json" 2>&1 | tail -30
 fi
 if [[ $parts == *gpudecode* ]]; then   # issue 04: CPU+GPU JPEG decode end to end vs DataLoader
-  $TO python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -3
-  $TO python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --n 20000 --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -3
+  $TO python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --skip-no-graphs --n 60000 ${GPU_PROCS:+--gpu-procs $GPU_PROCS} --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -6
+  $TO python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --skip-no-graphs --n 40000 ${GPU_PROCS:+--gpu-procs $GPU_PROCS} --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -6
 fi
 if [[ $parts == *gdprobe* ]]; then     # issue 04: where the GPU decode thread's time goes
   $TO python3 bench/gpu_decode_probe.py --out "$OUT/gpu_decode_probe.json" 2>&1 | tail -20

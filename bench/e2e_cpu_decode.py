@@ -65,7 +65,7 @@ def run_dataloader(blobs, n, workers, batch, model, warm_frac=0.25):
 
 
 def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu_decode=False, warm_frac=0.25,
-                     preprocess="auto", dispatchers=None):
+                     preprocess="auto", dispatchers=None, gpu_procs=2):
     import fullthrottle.pipeline as pl
     from fullthrottle import Config, Pipeline
 
@@ -73,7 +73,7 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     torch.manual_seed(0)
     pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="bfloat16", channels_last=True,
                            max_batch_size=batch, threads=threads, max_wait_ms=max_wait_ms, graphs=graphs,
-                           gpu_decode=gpu_decode, preprocess=preprocess))
+                           gpu_decode=gpu_decode, preprocess=preprocess, gpu_decode_processes=gpu_procs))
     list(pipe.run([blobs[i % len(blobs)] for i in range(2000)]))  # warm-up (cuDNN autotune, pools)
     seen, t_warm, n_warm = 0, None, 0
     inputs = (blobs[i % len(blobs)] for i in range(n))
@@ -92,6 +92,7 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     return {"threads": threads, "preprocess": preprocess, "decoder_processes": n_procs,
             "dispatch_threads": n_disp, "crop_pool_pinned": pinned,
             "graphs": graphs, "max_wait_ms": max_wait_ms, "gpu_decode": gpu_decode,
+            "gpu_decode_processes": gpu_procs if gpu_decode and n_procs else 0,
             "gpu_share": eng.splitter.routed_gpu_share if gpu_decode else 0.0,
             "gpu_util_mean_pct": rep.gpu_util_pct, "verdict": rep.verdict, "switch_interval_s": sys.getswitchinterval(),
             "compute_staging_s": eng.staging_s, "compute_launch_s": eng.launch_s,"images": seen, "steady_images": seen - n_warm, "steady_s": t_end - t_warm,
@@ -110,6 +111,8 @@ def main():
     ap.add_argument("--dispatchers", default="", help="extra runs with this many dispatcher threads feeding "
                     "the decoder processes, e.g. 4,16 (default run: 1)")
     ap.add_argument("--gpu-decode", action="store_true", help="also run fullthrottle with GPU JPEG decoding")
+    ap.add_argument("--gpu-procs", default="2", help="GPU decoder processes to try with --gpu-decode, e.g. 0,2,4 "
+                    "(0: the GPU decode thread in the main process)")
     ap.add_argument("--skip-no-graphs", action="store_true", help="skip the graphs-off fullthrottle run")
     ap.add_argument("--thread-decode", action="store_true",
                     help="also run fullthrottle with decoding in threads (preprocess='threads')")
@@ -152,9 +155,9 @@ def main():
         print("fullthrottle, decoding in threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, preprocess="threads"))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
-    if args.gpu_decode:
-        print("fullthrottle, GPU decode ...", flush=True)
-        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, gpu_decode=True))
+    for g in [int(x) for x in args.gpu_procs.split(",") if x] if args.gpu_decode else []:
+        print(f"fullthrottle, GPU decode, {g} GPU decoder processes ...", flush=True)
+        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, gpu_decode=True, gpu_procs=g))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     for w in [float(x) for x in args.ft_waits.split(",") if x]:
         print(f"fullthrottle, max_wait_ms {w} ...", flush=True)
@@ -180,6 +183,10 @@ def main():
     write_json(args.out, payload)
     print(f"fullthrottle {ft['img_per_s']:.0f} img/s vs DataLoader+PIL {dl['img_per_s']:.0f} img/s "
           f"= {payload['ratio_fullthrottle_over_dataloader']:.2f}x")
+    for v in extra:
+        if v["gpu_decode"]:
+            print(f"  GPU decode, {v['gpu_decode_processes']} GPU decoder processes: {v['img_per_s']:.0f} img/s, "
+                  f"{v['gpu_share']:.0%} of eligible JPEGs on the GPU, GPU busy {v['gpu_util_mean_pct']:.0f}%")
 
 
 if __name__ == "__main__":

@@ -112,6 +112,69 @@ def test_mixed_cpu_gpu_batches_equal_cpu_only(samples, bad_dir, preprocess):
         assert 0 < pipe.engine.splitter.gpu_share < 1
 
 
+def test_gpu_process_protocol_round_trip():
+    from fullthrottle.gpu_decode_procs import _decode_reply, _decode_request, _encode_reply, _encode_request
+
+    items = [(b"\xff\xd8abc", 7), (b"", 0), (bytes(range(256)) * 3, 41)]
+    back = _decode_request(bytearray(_encode_request(items)))
+    assert [(bytes(d), r) for d, r in back] == items
+    assert _decode_request(_encode_request([])) == []
+    statuses = [None, "truncated or corrupt JPEG", None, "é ünïcode"]
+    assert _decode_reply(_encode_reply(statuses)) == statuses
+
+
+class FakeGpuProcess:
+    """A GPU decoder process's contract on CPU: crops written into the shared pool rows, one status each
+    (the CPU path's decoder stands in for nvJPEG)."""
+
+    def __init__(self, pool):
+        self.pool, self.batches, self.sent = pool, [], None
+
+    def send(self, items):
+        self.sent = list(items)
+
+    def receive(self, timeout):
+        out = []
+        for data, row in self.sent:
+            try:
+                self.pool.array[row] = preprocess(bytes(data))
+                out.append(None)
+            except Exception as e:  # noqa: BLE001
+                out.append(str(e))
+        self.batches.append(len(self.sent))
+        return out
+
+
+def test_gpu_decoder_processes_path_equals_cpu_only(samples, bad_dir):
+    """The pipeline's side of GPU decoder processes (routing, batches, pool rows, end markers): the
+    same results as CPU-only decoding, every image accounted for, every crop row given back."""
+    from types import SimpleNamespace
+
+    inputs = [p for p in samples[:80]] + [bad_dir]
+    ref = {r.id: r for r in _pipe(None).run(inputs)}
+    pipe = _pipe(FakeGpuDecoder(), "processes")
+    fakes = [FakeGpuProcess(pipe.decoders.crops) for _ in range(2)]
+    pipe.gpu_decoders = SimpleNamespace(workers=fakes, close=lambda: None)
+    try:
+        for _ in range(2):  # a second run on the same processes and pool
+            res = list(pipe.run(inputs))
+            names = [t.name for t in pipe.current_run.threads]
+            assert "ft-gpu-decode-0" in names and "ft-gpu-decode-1" in names
+            assert [r.id for r in res] == list(ref)
+            for r in res:
+                assert r.ok == ref[r.id].ok, (r.id, r.error, ref[r.id].error)
+                if r.ok:
+                    assert r.class_ids[0] == ref[r.id].class_ids[0]
+                    assert r.probs[0] == pytest.approx(ref[r.id].probs[0], abs=1e-3)
+                else:
+                    assert r.error.split(": ", 1)[1] == ref[r.id].error.split(": ", 1)[1]
+            assert pipe.decoders.crops.free_rows() == pipe.decoders.crops.rows  # every row came back
+        assert sum(sum(f.batches) for f in fakes) > 10, "nothing was routed to the GPU processes"
+        assert 0 < pipe.engine.splitter.routed_gpu_share < 1
+    finally:
+        pipe.close()
+
+
 @pytest.mark.gpu
 def test_nvjpeg_against_cpu_path(samples, bad_dir):
     """Mean absolute difference per pixel <= 2/255 against the CPU path; top-1 agreement >= 99%."""
@@ -129,12 +192,21 @@ def test_nvjpeg_against_cpu_path(samples, bad_dir):
     assert mad <= 2.0
     torch.manual_seed(0)
     cpu_pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="float32", max_batch_size=32))
-    gpu_pipe = Pipeline(Config(device="cuda", dtype="float32", max_batch_size=32, gpu_decode=True),
-                        model=cpu_pipe.engine.model)
     a = {r.id: r for r in cpu_pipe.run(list(samples) + [bad_dir])}
-    b = {r.id: r for r in gpu_pipe.run(list(samples) + [bad_dir])}
-    assert a.keys() == b.keys()
-    assert all(a[k].ok == b[k].ok for k in a)
-    agree = np.mean([a[k].class_ids[0] == b[k].class_ids[0] for k in a if a[k].ok])
-    print(f"top-1 agreement CPU vs GPU decode: {agree:.3f}")
-    assert agree >= 0.99
+    cpu_pipe.close()
+    # nvJPEG in decoder processes (the default with processes), and in a thread of this process
+    for pre, n_gpu in (("processes", 2), ("threads", 0)):
+        gpu_pipe = Pipeline(Config(device="cuda", dtype="float32", max_batch_size=32, gpu_decode=True,
+                                   preprocess=pre, gpu_decode_processes=n_gpu), model=cpu_pipe.engine.model)
+        try:
+            b = {r.id: r for r in gpu_pipe.run(list(samples) + [bad_dir])}
+            share = gpu_pipe.engine.splitter.routed_gpu_share
+        finally:
+            gpu_pipe.close()
+        assert a.keys() == b.keys()
+        assert all(a[k].ok == b[k].ok for k in a), [(k, a[k].error, b[k].error) for k in a if a[k].ok != b[k].ok]
+        assert all(a[k].error.split(": ", 1)[1] == b[k].error.split(": ", 1)[1] for k in a if not a[k].ok)
+        agree = np.mean([a[k].class_ids[0] == b[k].class_ids[0] for k in a if a[k].ok])
+        print(f"top-1 agreement CPU vs GPU decode ({pre}, {n_gpu} GPU processes): {agree:.3f}; "
+              f"{share:.0%} of eligible JPEGs decoded on the GPU")
+        assert agree >= 0.99 and share > 0

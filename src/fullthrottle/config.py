@@ -49,6 +49,10 @@ class Config:
             the pipeline is built (CUDA only; CPU runs eager).
         gpu_decode: decode JPEGs on the GPU (nvJPEG) as well as on the CPU threads, split by their
             measured rates; only JPEGs nvJPEG decodes like the CPU path go there (CUDA only).
+        gpu_decode_processes: with ``gpu_decode`` and decoder processes, how many processes run
+            nvJPEG (each its own decoder and CUDA context, writing crops into the shared pool);
+            torchvision serialises GPU decodes within one process. 0: one GPU decode thread in this
+            process instead.
         fold_bn: on CUDA, fold each eval-mode BatchNorm into the convolution before it (the standard
             inference rewrite TensorRT and ONNX Runtime also do; ``torch.fx.experimental.optimization.fuse``):
             one kernel and one pass over the activations fewer per conv. Changes fp32 logits by ~1e-6
@@ -74,7 +78,8 @@ class Config:
         ordered: yield results in input order (default) or in completion order.
         queue_size: capacity of each inter-stage queue (items or batches).
         max_in_flight: most items between load and the consumer at once (bounds memory, also
-            for the reorder buffer); default ``4 * max_batch_size + 2 * threads``.
+            for the reorder buffer); default ``(4 + g) * max_batch_size + 2 * threads``, ``g`` the GPU
+            decoder processes when ``gpu_decode`` is on (their batches are in flight too).
         load_concurrency: concurrent file reads / HTTP requests in the load stage.
         http_timeout_s: timeout (s) for one HTTP(S) request.
         max_file_bytes: largest input accepted (bytes); larger files fail with an error.
@@ -94,6 +99,7 @@ class Config:
     fold_bn: bool = True
     compile: bool = False
     gpu_decode: bool = False
+    gpu_decode_processes: int = 2
     max_batch_size: int = 64
     max_wait_ms: float = 5.0
     buckets: tuple[int, ...] | None = None
@@ -136,6 +142,8 @@ class Config:
                 and 1 <= self.crop_size <= self.resize_size):
             raise ValueError(f"need integers 1 <= crop_size <= resize_size, got crop_size={self.crop_size!r}, "
                              f"resize_size={self.resize_size!r}")
+        if not (isinstance(self.gpu_decode_processes, int) and 0 <= self.gpu_decode_processes <= 16):
+            raise ValueError(f"gpu_decode_processes must be an integer in 0..16, got {self.gpu_decode_processes!r}")
         if not self.decode_timeout_s > 0:
             raise ValueError(f"decode_timeout_s must be > 0, got {self.decode_timeout_s!r}")
         if self.buckets is None:
@@ -154,4 +162,5 @@ class Config:
 
     @property
     def in_flight_limit(self) -> int:
-        return self.max_in_flight or (4 * self.max_batch_size + 2 * self.num_threads)
+        gpu = self.gpu_decode_processes if self.gpu_decode else 0  # batches out at GPU decoder processes
+        return self.max_in_flight or ((4 + gpu) * self.max_batch_size + 2 * self.num_threads)

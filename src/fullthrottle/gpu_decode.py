@@ -233,7 +233,9 @@ class GpuJpegDecoder:
     def __call__(self, blobs: Sequence[bytes]) -> list:
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+        # a writable buffer (a memoryview of a bytearray) is read in place; bytes are copied once
+        tensors = [torch.frombuffer(b if isinstance(b, memoryview) and not b.readonly else bytearray(b),
+                                    dtype=torch.uint8) for b in blobs]
         try:
             return list(decode_jpeg(tensors, mode=ImageReadMode.RGB, device=self.device))
         except Exception:  # noqa: BLE001 - find the culprit(s), keep the rest
@@ -267,7 +269,7 @@ def decode_crops(decoder: Decoder, blobs: Sequence[bytes], resize: int = 256, cr
     for j, d in enumerate(decoded):
         if isinstance(d, Exception):
             try:
-                out[j] = preprocess(blobs[j], resize, crop, max_pixels)
+                out[j] = preprocess(bytes(blobs[j]), resize, crop, max_pixels)
             except ImageError as e:
                 out[j] = e
         else:

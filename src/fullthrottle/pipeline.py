@@ -80,9 +80,11 @@ class PipelineError(RuntimeError):
 class Run:
     """One pass of an input stream through the stages (internal: use :meth:`Pipeline.run`)."""
 
-    def __init__(self, engine: Engine, config: Config, inputs: Iterable, decoders=None):
+    def __init__(self, engine: Engine, config: Config, inputs: Iterable, decoders=None, gpu_decoders=None):
         self.engine, self.config = engine, config
         self.decoders = decoders  # a DecoderPool (one worker process per preprocess thread) or None
+        # GpuDecoderProcess workers (nvJPEG in processes, with decoder processes) or none
+        self.gpu_procs = list(gpu_decoders.workers) if gpu_decoders is not None else []
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
         nthreads = config.num_threads
@@ -96,7 +98,8 @@ class Run:
         self.stats = {
             "load": StageStats("load", config.load_concurrency),
             "preprocess": StageStats("preprocess", len(decoders) if decoders is not None else nthreads),
-            **({"gpu decode": StageStats("gpu decode", 1)} if engine.gpu_decoder is not None else {}),
+            **({"gpu decode": StageStats("gpu decode", max(1, len(self.gpu_procs)))}
+               if engine.gpu_decoder is not None else {}),
             "batch": StageStats("batch", 1),
             "compute": StageStats("compute", 1),
             "decode": StageStats("decode", 1),
@@ -112,8 +115,10 @@ class Run:
             n_pre = nthreads
         self.n_pre = n_pre
         self.gq: queue.Queue | None = queue.Queue(config.queue_size) if engine.gpu_decoder is not None else None
+        self._ends, self._ends_lock = 0, threading.Lock()
+        gpu_consumers = (max(1, len(self.gpu_procs))) if self.gq is not None else 0
         self.batcher = Batcher(lambda t: self._get(self.q2, t), lambda o, block=True: self._put(self.q3, o, block),
-                               config.max_batch_size, config.max_wait_ms, n_pre + (self.gq is not None), _END,
+                               config.max_batch_size, config.max_wait_ms, n_pre + gpu_consumers, _END,
                                self.stats["batch"], self.stop_event.is_set,
                                lambda: engine.in_flight() >= 2)
         if decoders is not None:
@@ -124,7 +129,11 @@ class Run:
         else:
             self.threads = [threading.Thread(target=self._guard(self._preprocess_worker),
                                              name=f"ft-preprocess-{i}", daemon=True) for i in range(nthreads)]
-        if self.gq is not None:
+        if self.gpu_procs:
+            self.threads += [threading.Thread(target=self._guard(functools.partial(self._gpu_process_feeder, p)),
+                                              name=f"ft-gpu-decode-{i}", daemon=True)
+                             for i, p in enumerate(self.gpu_procs)]
+        elif self.gq is not None:
             self.threads.append(threading.Thread(target=self._guard(self._gpu_decode_worker),
                                                  name="ft-gpu-decode", daemon=True))
         self.threads += [
@@ -211,8 +220,15 @@ class Run:
     def _end_of_stream(self) -> None:
         """A preprocess thread has seen the end: tell the batcher (and the GPU decode thread)."""
         self._put(self.q2, _END)
-        if self.gq is not None:
-            self._put(self.gq, _END)
+        if self.gq is not None and not self.gpu_procs:
+            self._put(self.gq, _END)  # the GPU decode thread counts one per preprocess thread
+        elif self.gq is not None:
+            with self._ends_lock:
+                self._ends += 1
+                last = self._ends == self.n_pre
+            if last:  # nothing more comes: one end for each GPU process's feeder, behind every image
+                for _ in self.gpu_procs:
+                    self._put(self.gq, _END)
 
     def _gpu_decode_worker(self) -> None:
         """nvJPEG in batches on its own stream, ahead of the compute thread.
@@ -267,6 +283,62 @@ class Run:
             st.end(len(items))
             for it in items:
                 it.t_queued = time.perf_counter()
+                self._put(self.q2, it)
+        self._put(self.q2, _END)
+
+    def _gpu_process_feeder(self, proc) -> None:
+        """Keeps one GPU decoder process (:class:`~fullthrottle.gpu_decode_procs.GpuDecoderProcess`)
+        busy: takes up to ``max_batch_size`` routed JPEGs (waiting at most ``max_wait_ms`` for more),
+        gives each a row of the shared crop pool, sends the batch and waits for the answer on the
+        process's socket (without the GIL). Each image then travels on as a pooled crop, like the CPU
+        decoder processes' ones, or with its error. Stops at its end marker.
+        """
+        cfg, st, crops = self.config, self.stats["gpu decode"], self.decoders.crops
+        limit, wait_s = cfg.max_batch_size, cfg.max_wait_ms / 1e3
+        ended = False
+        while not self.stop_event.is_set() and not ended:
+            first = self._get(self.gq)
+            if first is None:
+                continue
+            if first is _END:
+                break
+            items = [first]
+            deadline = time.perf_counter() + wait_s
+            while len(items) < limit:
+                it = self._get(self.gq, max(deadline - time.perf_counter(), 0.0))
+                if it is None:
+                    break
+                if it is _END:
+                    ended = True
+                    break
+                items.append(it)
+            rows = []
+            for _ in items:
+                r = crops.acquire(self.stop_event.is_set)  # backpressure: waits for consumed crops
+                if r is None:
+                    crops.release(rows)
+                    return
+                rows.append(r)
+            st.begin()
+            t0 = time.perf_counter()
+            for it in items:
+                st.waited(t0 - it.t_queued)
+            proc.send([(it.data, r) for it, r in zip(items, rows)])
+            try:
+                answers = proc.receive(cfg.decode_timeout_s)
+            except WorkerDied as e:
+                answers = [str(e)] * len(items)
+            for it, r, err in zip(items, rows, answers):
+                if err is None:
+                    it.pool_row = r  # the crop is in crops.array[r]
+                else:
+                    it.error = f"{it.id}: {err}"
+                    crops.release([r])
+                it.data = None
+            st.end(len(items))
+            now = time.perf_counter()
+            for it in items:
+                it.t_queued = now
                 self._put(self.q2, it)
         self._put(self.q2, _END)
 
@@ -594,15 +666,24 @@ class Pipeline:
         #: one decoder process per preprocess thread (config.preprocess), started once, reused by every run
         # more processes than cores cannot decode faster, and each holds ~0.5 GB (it imports torch)
         allow_pillow_pixels(config.max_image_pixels)
-        self.decoders = None
+        self.decoders = self.gpu_decoders = None
         if use_procs:
             n = min(config.num_threads, usable_cores())
-            # crop rows: enough for every batch in flight plus the ones forming, capped by the window
-            rows = min(config.in_flight_limit, (config.staging_slots + 3) * config.max_batch_size + 2 * n)
+            n_gpu = config.gpu_decode_processes if self.engine.gpu_decoder is not None else 0
+            # crop rows: enough for every batch in flight plus the ones forming and those out at the
+            # GPU decoder processes, capped by the window
+            rows = min(config.in_flight_limit,
+                       (config.staging_slots + 3 + n_gpu) * config.max_batch_size + 2 * n)
             self.decoders = DecoderPool(n, config.resize_size, config.crop_size, config.max_image_pixels,
                                         rows=rows)
             try:
                 self.engine.attach_crops(self.decoders.crops)
+                if n_gpu:
+                    from .gpu_decode_procs import GpuDecoderPool
+
+                    self.gpu_decoders = GpuDecoderPool(
+                        n_gpu, self.decoders.crops, self.engine.device.index or 0, config.resize_size,
+                        config.crop_size, config.max_image_pixels)
             except BaseException:
                 self.decoders.close()
                 raise
@@ -625,6 +706,8 @@ class Pipeline:
     def close(self) -> None:
         """Stop the decoder processes and release the device buffers (the pipeline cannot be used
         afterwards)."""
+        if self.gpu_decoders is not None:
+            self.gpu_decoders.close()
         if self.decoders is not None:
             self.decoders.close()
         self.engine.slots.clear()
@@ -635,7 +718,7 @@ class Pipeline:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("this Pipeline is already running a stream; finish it first "
                                "(or build a second Pipeline)")
-        run = Run(self.engine, self.config, inputs, self.decoders)
+        run = Run(self.engine, self.config, inputs, self.decoders, self.gpu_decoders)
         run.batcher.on_batch = self.on_batch
         self.current_run = run
         run.start()

@@ -1,0 +1,290 @@
+"""Stage 2 on the GPU, in worker processes: nvJPEG batches outside the main interpreter.
+
+Why: torchvision serialises ``decode_jpeg(..., device="cuda")`` within a process (one global decoder
+behind a mutex), and nvJPEG spends ~50-70 us of CPU per image around the hardware decoder. In the
+pipeline's own process that CPU time competes for the GIL with every other stage: the GPU decode
+thread sat 96-98% busy at ~5.9k img/s (bench/results/e2e_gpu_decode_*_availability_routing.json).
+Alone, one process decodes + resizes + copies back 13.6k img/s of 640x480 photos, two 20.6k, four
+22.1k (bench/results/nvjpeg_procs_probe.json). So each :class:`GpuDecoderProcess` owns a decoder:
+
+- the pipeline sends it a batch: ``n``, then ``(pool row, length)`` per image, then the bytes;
+- it decodes the batch with nvJPEG, resizes and crops on the GPU
+  (:func:`~fullthrottle.gpu_decode.decode_crops`: the same transform as the GPU decode thread), copies
+  each crop D2H into its row of the shared :class:`~fullthrottle.preprocess_procs.CropPool` (which
+  it registers as pinned memory in its own CUDA context), decodes what nvJPEG refuses on its CPU
+  instead, synchronises, and answers with one status per image;
+- the main process then treats the rows exactly like the CPU decoder processes' crops (H2D from the
+  pool, gathered on the device).
+
+A process that dies or hangs (past ``decode_timeout_s``) costs the batch it was working on (each item
+gets the error), and a fresh one replaces it. Started with ``subprocess`` like the CPU workers.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from multiprocessing import BufferTooShort
+from multiprocessing.connection import Connection
+
+from .preprocess_procs import STARTUP_S, CropPool, WorkerDied, _shutdown
+
+_N = struct.Struct("<I")        # items in a request or reply
+_ITEM = struct.Struct("<II")    # request: pool row, byte length
+_STATUS = struct.Struct("<BI")  # reply: 0 ok / 1 the item's error, message length
+_CMD = "import sys; from fullthrottle.gpu_decode_procs import _gpu_worker_main; _gpu_worker_main(sys.argv[1:])"
+
+
+def _encode_request(items: Sequence[tuple[bytes, int]]) -> bytes:
+    return b"".join([_N.pack(len(items))] + [_ITEM.pack(row, len(d)) for d, row in items]
+                    + [bytes(d) for d, _ in items])
+
+
+def _decode_request(msg) -> list[tuple[memoryview, int]]:
+    (n,) = _N.unpack_from(msg)
+    off, heads = _N.size, []
+    for _ in range(n):
+        heads.append(_ITEM.unpack_from(msg, off))
+        off += _ITEM.size
+    view, out = memoryview(msg), []  # slices of the request: no copy
+    for row, length in heads:
+        out.append((view[off:off + length], row))
+        off += length
+    return out
+
+
+def _encode_reply(statuses: Sequence[str | None]) -> bytes:
+    parts = [_N.pack(len(statuses))]
+    for s in statuses:
+        m = b"" if s is None else s.encode("utf-8", "replace")[:60000]
+        parts += [_STATUS.pack(0 if s is None else 1, len(m)), m]
+    return b"".join(parts)
+
+
+def _decode_reply(msg: bytes) -> list[str | None]:
+    (n,) = _N.unpack_from(msg)
+    off, out = _N.size, []
+    for _ in range(n):
+        code, length = _STATUS.unpack_from(msg, off)
+        off += _STATUS.size
+        out.append(None if code == 0 else msg[off:off + length].decode("utf-8", "replace"))
+        off += length
+    return out
+
+
+class GpuDecoderProcess:
+    """One worker process decoding JPEG batches with nvJPEG into a :class:`CropPool`.
+
+    Args:
+        pool: the shared crop rows (the CPU decoder processes' pool).
+        device_index: the CUDA device it decodes on.
+        resize_size / crop_size / max_pixels: the transform (as in :class:`~fullthrottle.config.Config`).
+
+    Not thread-safe: one caller thread per process (a request, then its reply).
+    """
+
+    def __init__(self, pool: CropPool, device_index: int = 0, resize_size: int = 256, crop_size: int = 224,
+                 max_pixels: int = 89_478_485):
+        if pool.crop_size != crop_size:
+            raise ValueError(f"pool rows are {pool.crop_size}px crops, the transform makes {crop_size}px")
+        self.pool = pool
+        self.args = (device_index, resize_size, crop_size, max_pixels, pool.rows + pool.scratch)
+        self.closed = False
+        self._start()
+
+    def _start(self) -> None:
+        if self.closed:
+            raise WorkerDied("the GPU decoder pool is closed")
+        parent, child = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CMD, str(child.fileno()), str(self.pool.fd), *map(str, self.args)],
+            pass_fds=(child.fileno(), self.pool.fd), env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdin=subprocess.DEVNULL, close_fds=True)
+        child.close()
+        self.spawned = time.perf_counter()
+        self.conn = Connection(parent.detach())
+        self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.proc)
+
+    def _restart(self) -> None:
+        self._finalizer()
+        self._start()
+
+    def ready(self, timeout: float) -> None:
+        """Wait until the process has set up CUDA and nvJPEG (it answers an empty request).
+
+        Raises:
+            RuntimeError: it did not answer in ``timeout`` s, or exited (its exit code named).
+        """
+        self.send([])
+        try:
+            self.receive(timeout)
+        except WorkerDied as e:
+            raise RuntimeError(f"GPU decoder process did not start: {e}") from None
+
+    def send(self, items: Sequence[tuple[bytes, int]]) -> None:
+        """Hand a batch to the process: ``(encoded bytes, pool row)`` per image (:meth:`receive` answers).
+        A process found dead (it died while idle) is replaced first."""
+        if self.proc.poll() is not None:
+            self._restart()
+        try:
+            self.conn.send_bytes(_encode_request(items))
+        except OSError:
+            pass  # gone: receive() reports it for this batch and restarts it
+
+    def receive(self, timeout: float) -> list[str | None]:
+        """The answer to the last :meth:`send`: per image ``None`` (its crop is in its pool row) or its
+        error message (worded like the CPU path's).
+
+        Raises:
+            WorkerDied: the process died on this batch, or took longer than ``timeout`` s (+ its
+                start-up time when new) and was killed; a new one has been started either way.
+        """
+        wait = timeout + max(0.0, self.spawned + STARTUP_S - time.perf_counter())
+        if not self.conn.poll(wait):
+            self.proc.kill()
+            self._restart()
+            raise WorkerDied(f"GPU decoding took longer than {timeout:g} s (decode_timeout_s): "
+                             "its process was replaced")
+        try:
+            return _decode_reply(self.conn.recv_bytes())
+        except (EOFError, OSError) as e:
+            try:
+                code = self.proc.wait(1.0)
+            except subprocess.TimeoutExpired:
+                code = None
+            self._restart()
+            how = f"exit code {code}"
+            if code is not None and code < 0:
+                try:
+                    how = f"killed by signal {signal.Signals(-code).name}"
+                except ValueError:
+                    how = f"killed by signal {-code}"
+            raise WorkerDied(f"GPU decoder process died on this batch ({how}): {type(e).__name__}") from None
+
+    def close(self) -> None:
+        self.closed = True
+        self._finalizer()
+
+
+class GpuDecoderPool:
+    """``n`` :class:`GpuDecoderProcess` workers started in parallel, writing into ``pool``.
+
+    Raises:
+        RuntimeError: a process could not start (no CUDA there, an import failed), with the cause.
+    """
+
+    def __init__(self, n: int, pool: CropPool, device_index: int = 0, resize_size: int = 256,
+                 crop_size: int = 224, max_pixels: int = 89_478_485, start_timeout_s: float = 120.0):
+        self.workers: list[GpuDecoderProcess] = []
+        try:
+            for _ in range(n):
+                self.workers.append(GpuDecoderProcess(pool, device_index, resize_size, crop_size, max_pixels))
+            errs: list[BaseException] = []
+
+            def wait(w):
+                try:
+                    w.ready(start_timeout_s)
+                except BaseException as e:  # noqa: BLE001
+                    errs.append(e)
+
+            ts = [threading.Thread(target=wait, args=(w,), daemon=True) for w in self.workers]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            if errs:
+                raise errs[0]
+        except BaseException:
+            self.close()
+            raise
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.workers = []
+
+
+def _gpu_worker_main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; we end on EOF
+    fd, pool_fd, device_index, resize_size, crop_size, max_pixels, pool_rows = (int(a) for a in argv)
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    from .gpu_decode import GpuJpegDecoder, decode_crops
+    from .preprocess import ImageError, allow_pillow_pixels
+    from .preprocess_procs import _clear_cuda_error
+
+    allow_pillow_pixels(max_pixels)
+    try:
+        import cv2
+
+        cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
+    except AttributeError:
+        pass
+    dev = torch.device("cuda", device_index)
+    torch.cuda.set_device(dev)
+    size = pool_rows * crop_size * crop_size * 3
+    mm = mmap.mmap(pool_fd, size)
+    host = torch.frombuffer(mm, dtype=torch.uint8).view(pool_rows, crop_size, crop_size, 3)
+    err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size, 0)  # pinned: D2H copies run async
+    if int(err[0] if isinstance(err, tuple) else err) != 0:
+        _clear_cuda_error()
+    decoder = GpuJpegDecoder(dev)
+    stream = torch.cuda.Stream(dev)
+    with torch.cuda.stream(stream):  # nvJPEG's set-up happens here, before the first real batch
+        import cv2
+
+        ok, tiny = cv2.imencode(".jpg", np.zeros((16, 16, 3), np.uint8))
+        decoder([tiny.tobytes()])
+    stream.synchronize()
+    conn = Connection(fd)
+    buf = bytearray(1 << 20)  # requests land here: the decoder reads the images in place, no copy
+    while True:
+        try:
+            n = conn.recv_bytes_into(buf)
+        except BufferTooShort as e:  # a larger batch than ever before: keep a buffer that fits it
+            buf = bytearray(e.args[0])
+            n = len(buf)
+        except (EOFError, OSError):
+            return
+        items = _decode_request(memoryview(buf)[:n])
+        statuses: list[str | None] = [None] * len(items)
+        try:
+            with torch.cuda.stream(stream), torch.inference_mode():
+                out = decode_crops(decoder, [d for d, _ in items], resize_size, crop_size, max_pixels, dev)
+                run = None  # (rows, r0, pool row0, length): consecutive crops copied with one D2H
+                for j, (o, (_, row)) in enumerate(zip(out, items)):
+                    if isinstance(o, tuple):
+                        rows, r = o
+                        if run and run[0] is rows and run[1] + run[3] == r and run[2] + run[3] == row:
+                            run[3] += 1
+                            continue
+                        if run:
+                            host[run[2]:run[2] + run[3]].copy_(run[0][run[1]:run[1] + run[3]], non_blocking=True)
+                        run = [rows, r, row, 1]
+                    elif isinstance(o, ImageError):
+                        statuses[j] = str(o)
+                    else:  # nvJPEG refused it: the CPU path's crop
+                        host[row].copy_(torch.from_numpy(o))
+                if run:
+                    host[run[2]:run[2] + run[3]].copy_(run[0][run[1]:run[1] + run[3]], non_blocking=True)
+            stream.synchronize()  # every crop is in the pool before the answer goes out
+        except Exception as e:  # noqa: BLE001 - a failed batch fails its items, not the process
+            statuses = [f"GPU decode failed: {type(e).__name__}: {e}"] * len(items)
+        try:
+            conn.send_bytes(_encode_reply(statuses))
+        except (EOFError, OSError):
+            return
