@@ -2,7 +2,7 @@
 
 nvJPEG has had leak reports, so this pushes ``--n`` images (default 100k, 640x480 JPEGs in memory)
 through the pipeline with ``gpu_decode=True`` and samples, every ``--every`` images: host RSS
-(bytes, psutil), device memory allocated and reserved by PyTorch's caching allocator (bytes) and the
+(bytes, psutil; the main process, the CPU decoder processes and the GPU decoder processes), device memory allocated and reserved by PyTorch's caching allocator (bytes) and the
 device memory in use per NVML (bytes, all processes). A leak shows as growth between the sample
 taken after warm-up and the last one.
 
@@ -24,7 +24,16 @@ from common import jpegs_640x480, machine_info, write_json  # noqa: E402
 
 
 def memory() -> dict:
-    out = {"host_rss_bytes": psutil.Process().memory_info().rss,
+    me = psutil.Process()
+    kids = me.children(recursive=True)  # the CPU and GPU decoder processes
+    rss = {"cpu": 0, "gpu": 0}
+    for k in kids:
+        try:
+            rss["gpu" if "gpu_decode_procs" in " ".join(k.cmdline()) else "cpu"] += k.memory_info().rss
+        except psutil.Error:  # exited meanwhile
+            pass
+    out = {"host_rss_bytes": me.memory_info().rss,
+           "cpu_decoder_processes_rss_bytes": rss["cpu"], "gpu_decoder_processes_rss_bytes": rss["gpu"],
            "cuda_allocated_bytes": torch.cuda.memory_allocated(),
            "cuda_reserved_bytes": torch.cuda.memory_reserved()}
     try:
@@ -63,6 +72,7 @@ def main():
     first, last = samples[0], samples[-1]
     payload = {"benchmark": "gpu_decode_soak", "machine": machine_info(), "images": seen, "failed": failed,
                "img_per_s": seen / (time.perf_counter() - t0), "gpu_share": pipe.engine.splitter.routed_gpu_share,
+               "gpu_decoder_processes": len(pipe.gpu_decoders) if pipe.gpu_decoders is not None else 0,
                "growth_bytes": {k: last[k] - first[k] for k in first if k.endswith("_bytes")},
                "samples": samples}
     pipe.close()

@@ -9,6 +9,7 @@ resize/crop (:func:`fullthrottle.gpu_decode.decode_crops`) + D2H of the crops in
 processes beside them (the CPU decoders of the pipeline).
 
 Usage: python bench/nvjpeg_procs_probe.py --out bench/results/nvjpeg_procs_probe.json
+(committed result: bench/results/nvjpeg_procs_probe.txt, the printed rows of a run cut short)
 """
 
 from __future__ import annotations

@@ -74,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay the model as CUDA graphs, one per batch bucket (CUDA only; default: on)")
     c.add_argument("--gpu-decode", action="store_true",
-                   help="also decode JPEGs on the GPU (nvJPEG), split with the CPU threads by measured rates")
+                   help="also decode JPEGs on the GPU (nvJPEG): with decoder processes, a JPEG goes to the GPU "
+                        "whenever no CPU worker is idle; with threads, split by measured rates")
+    c.add_argument("--gpu-decode-processes", type=int, default=4, metavar="N",
+                   help="with --gpu-decode and decoder processes: processes running nvJPEG, each its own "
+                        "decoder (0: one GPU decode thread in this process; default: %(default)s)")
     c.add_argument("--compile", action="store_true",
                    help="torch.compile the model (kernel fusion) before graph capture; slow start")
     c.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default: %(default)s)")
@@ -556,7 +560,7 @@ def cmd_classify(args) -> int:
                      max_batch_size=args.batch_size, max_wait_ms=args.max_wait_ms,
                      threads=args.threads, top_k=args.top_k, ordered=not args.unordered,
                      graphs=args.graphs, compile=args.compile, gpu_decode=args.gpu_decode,
-                     preprocess=args.preprocess)
+                     gpu_decode_processes=args.gpu_decode_processes, preprocess=args.preprocess)
         if device.type != "cuda":  # say what a CPU run leaves out, rather than ignoring it silently
             ignored = [f for f, on in (("--gpu-decode", args.gpu_decode),
                                        (f"--dtype {args.dtype}", args.dtype not in (None, "float32"))) if on]

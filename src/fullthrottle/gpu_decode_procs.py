@@ -5,7 +5,7 @@ behind a mutex), and nvJPEG spends ~50-70 us of CPU per image around the hardwar
 pipeline's own process that CPU time competes for the GIL with every other stage: the GPU decode
 thread sat 96-98% busy at ~5.9k img/s (bench/results/e2e_gpu_decode_*_availability_routing.json).
 Alone, one process decodes + resizes + copies back 13.6k img/s of 640x480 photos, two 20.6k, four
-22.1k (bench/results/nvjpeg_procs_probe.json). So each :class:`GpuDecoderProcess` owns a decoder:
+22.1k (bench/results/nvjpeg_procs_probe.txt). So each :class:`GpuDecoderProcess` owns a decoder:
 
 - the pipeline sends it a batch: ``n``, then ``(pool row, length)`` per image, then the bytes;
 - it decodes the batch with nvJPEG, resizes and crops on the GPU
