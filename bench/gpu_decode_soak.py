@@ -26,14 +26,20 @@ from common import jpegs_640x480, machine_info, write_json  # noqa: E402
 def memory() -> dict:
     me = psutil.Process()
     kids = me.children(recursive=True)  # the CPU and GPU decoder processes
-    rss = {"cpu": 0, "gpu": 0}
+    # RSS counts the pages of the shared crop pool each worker has touched (it grows towards the pool's
+    # size as a worker writes into more rows); USS counts only a process's private memory: a leak
+    rss = {"cpu": 0, "gpu": 0, "cpu_uss": 0, "gpu_uss": 0}
     for k in kids:
         try:
-            rss["gpu" if "gpu_decode_procs" in " ".join(k.cmdline()) else "cpu"] += k.memory_info().rss
+            kind = "gpu" if "gpu_decode_procs" in " ".join(k.cmdline()) else "cpu"
+            m = k.memory_full_info()
+            rss[kind] += m.rss
+            rss[kind + "_uss"] += m.uss
         except psutil.Error:  # exited meanwhile
             pass
     out = {"host_rss_bytes": me.memory_info().rss,
            "cpu_decoder_processes_rss_bytes": rss["cpu"], "gpu_decoder_processes_rss_bytes": rss["gpu"],
+           "cpu_decoder_processes_uss_bytes": rss["cpu_uss"], "gpu_decoder_processes_uss_bytes": rss["gpu_uss"],
            "cuda_allocated_bytes": torch.cuda.memory_allocated(),
            "cuda_reserved_bytes": torch.cuda.memory_reserved()}
     try:
