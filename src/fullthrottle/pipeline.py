@@ -24,6 +24,7 @@ import multiprocessing.connection as mp_connection
 import queue
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import replace
 
@@ -681,9 +682,13 @@ class Pipeline:
                 if n_gpu:
                     from .gpu_decode_procs import GpuDecoderPool
 
-                    self.gpu_decoders = GpuDecoderPool(
-                        n_gpu, self.decoders.crops, self.engine.device.index or 0, config.resize_size,
-                        config.crop_size, config.max_image_pixels)
+                    try:
+                        self.gpu_decoders = GpuDecoderPool(
+                            n_gpu, self.decoders.crops, self.engine.device.index or 0, config.resize_size,
+                            config.crop_size, config.max_image_pixels)
+                    except RuntimeError as e:  # e.g. nvJPEG unavailable there: decode in this process
+                        warnings.warn(f"GPU decoder processes did not start ({e}); decoding on the GPU "
+                                      "from a thread of this process instead", RuntimeWarning, stacklevel=2)
             except BaseException:
                 self.decoders.close()
                 raise
