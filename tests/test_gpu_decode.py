@@ -127,13 +127,18 @@ class FakeGpuProcess:
     """A GPU decoder process's contract on CPU: crops written into the shared pool rows, one status each
     (the CPU path's decoder stands in for nvJPEG)."""
 
-    def __init__(self, pool):
-        self.pool, self.batches, self.sent = pool, [], None
+    def __init__(self, pool, poison=None):
+        self.pool, self.batches, self.sent, self.poison, self.died = pool, [], None, poison, 0
 
     def send(self, items):
         self.sent = list(items)
 
     def receive(self, timeout):
+        from fullthrottle.preprocess_procs import WorkerDied
+
+        if self.poison and any(bytes(d) in self.poison for d, _ in self.sent):
+            self.died += 1
+            raise WorkerDied("GPU decoder process died on this batch (killed by signal SIGSEGV)")
         out = []
         for data, row in self.sent:
             try:
@@ -171,6 +176,19 @@ def test_gpu_decoder_processes_path_equals_cpu_only(samples, bad_dir):
             assert pipe.decoders.crops.free_rows() == pipe.decoders.crops.rows  # every row came back
         assert sum(sum(f.batches) for f in fakes) > 10, "nothing was routed to the GPU processes"
         assert 0 < pipe.engine.splitter.routed_gpu_share < 1
+        # a process that dies on one image of a batch: the batch is retried image by image, so only
+        # that image fails (when it went to the GPU; a CPU worker decodes it fine)
+        poisoned = {str(p): p.read_bytes() for p in samples[:80:4]}
+        for f in fakes:
+            f.poison = set(poisoned.values())
+        res = {r.id: r for r in pipe.run(inputs)}
+        assert sum(f.died for f in fakes) > 0
+        for k, r in res.items():
+            if k in poisoned and not r.ok:
+                assert "died on this batch" in r.error
+            else:
+                assert r.ok == ref[k].ok, (k, r.error)
+        assert sum(not r.ok for r in res.values()) > sum(not r.ok for r in ref.values())
     finally:
         pipe.close()
 

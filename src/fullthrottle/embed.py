@@ -17,8 +17,8 @@ import importlib
 import importlib.util
 import json
 import os
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -238,9 +238,9 @@ class Embedder:
         """
         if isinstance(texts, str):
             raise TypeError("embed() takes a list of texts, not a single string")
+        texts = list(texts)  # (a generator is read once, here)
         if not all(isinstance(t, str) for t in texts):
             raise TypeError("embed() takes a list of str")
-        texts = list(texts)
         if len(texts) <= self.chunk:
             return self._embed_encoded(self.tokenize(texts) if texts else [])
         parts = list(self.embed_stream(texts, chunk=self.chunk))   # tokenising overlaps the compute

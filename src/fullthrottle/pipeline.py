@@ -327,8 +327,15 @@ class Run:
             proc.send([(it.data, r) for it, r in zip(items, rows)])
             try:
                 answers = proc.receive(cfg.decode_timeout_s)
-            except WorkerDied as e:
+            except WorkerDied as e:  # the process died or hung on this batch (and was replaced):
                 answers = [str(e)] * len(items)
+                if len(items) > 1:  # one image at a time to the new one, so a culprit costs itself only
+                    for k, (it, r) in enumerate(zip(items, rows)):
+                        proc.send([(it.data, r)])
+                        try:
+                            answers[k] = proc.receive(cfg.decode_timeout_s)[0]
+                        except WorkerDied as e1:
+                            answers[k] = str(e1)
             for it, r, err in zip(items, rows, answers):
                 if err is None:
                     it.pool_row = r  # the crop is in crops.array[r]
