@@ -84,7 +84,16 @@ def test_bad_input_types(emb):
         emb.embed("a single string")
     with pytest.raises(TypeError):
         emb.embed(["ok", 3])
+    with pytest.raises(TypeError):
+        emb.embed(None)
     assert emb.embed([]).vectors.shape == (0, 384)
+    assert emb.embed(t for t in ["a", "b", "c"]).vectors.shape == (3, 384)  # a generator, read once
+    with pytest.raises(ValueError, match="text 1 is not valid Unicode"):
+        emb.embed(["fine", "caf\udce9"])  # undecodable bytes read with surrogateescape
+    with pytest.raises(ValueError, match="max_batch"):
+        Embedder(device="cpu", max_batch=0)
+    with pytest.raises(ValueError, match="dtype"):
+        Embedder(device="cpu", dtype="int8")
 
 
 def test_cli_embed_npy_and_jsonl(tmp_path, emb):
@@ -100,6 +109,8 @@ def test_cli_embed_npy_and_jsonl(tmp_path, emb):
     assert [r["truncated"] for r in rows] == [False, False, False, True]
     assert main(["embed", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x.npy")]) == 2
     assert main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "x.csv")]) == 2
+    (tmp_path / "d.npy").mkdir()  # an output path that is a folder: refused before any compute
+    assert main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "d.npy"), "--device", "cpu"]) == 2
 
 
 @pytest.mark.gpu

@@ -92,3 +92,32 @@ def test_triton_kernels_on_gpu_bf16():
     exec(CHECK, ns)
     ns["check"](torch.float32, "cuda", 1e-5)
     ns["check"](torch.bfloat16, "cuda", 2e-2)
+
+
+def test_bad_shapes_and_dtypes_are_clear_errors():
+    from fullthrottle import kernels as K
+
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="weight must be"):
+        K.rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="must be float"):
+        K.rms_norm(torch.ones(2, 8, dtype=torch.int64), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        K.rms_norm(x, torch.ones(8), 1e-5, residual=torch.randn(1, 8))
+    with pytest.raises(ValueError, match="eps"):
+        K.rms_norm(x, torch.ones(8), -1.0)
+    with pytest.raises(ValueError, match="last dim must be even"):
+        K.silu_mul(torch.randn(2, 3))
+    B, S, H, Hkv, D = 1, 2, 4, 2, 8
+    kc = torch.zeros(2, Hkv, 8, D)
+    cs = torch.zeros(B, S, D // 2)
+    pos = torch.zeros(B, S, dtype=torch.long)
+    with pytest.raises(ValueError, match="is not"):
+        K.rope_qkv_into_cache(torch.randn(B, S, (H + 2 * Hkv) * D + 1), cs, cs, pos, kc, kc.clone(), 0, H, Hkv)
+    with pytest.raises(ValueError, match="past the cache"):
+        K.rope_qkv_into_cache(torch.randn(B, S, (H + 2 * Hkv) * D), cs, cs, pos, kc, kc.clone(), 2, H, Hkv)
+    with pytest.raises(ValueError, match="share a float dtype"):
+        K.rope_qkv_into_cache(torch.randn(B, S, (H + 2 * Hkv) * D), cs, cs, pos, kc.bfloat16(), kc.bfloat16(),
+                              0, H, Hkv)
+    with pytest.raises(ValueError, match="must be \\(B, S"):
+        K.rope_qkv_into_cache(torch.randn(S, (H + 2 * Hkv) * D), cs, cs, pos, kc, kc.clone(), 0, H, Hkv)

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "whenever no CPU worker is idle; with threads, split by measured rates")
     c.add_argument("--gpu-decode-processes", type=int, default=4, metavar="N",
                    help="with --gpu-decode and decoder processes: processes running nvJPEG, each its own "
-                        "decoder (0: one GPU decode thread in this process; default: %(default)s)")
+                        "decoder, 0..16 (0: one GPU decode thread in this process; default: %(default)s)")
     c.add_argument("--compile", action="store_true",
                    help="torch.compile the model (kernel fusion) before graph capture; slow start")
     c.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default: %(default)s)")
@@ -318,12 +318,17 @@ def cmd_generate(args) -> int:
             args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
         tok = None
         if args.model_dir:
-            model = load_hf(args.model_dir, device, dtype)
-            tj = os.path.join(args.model_dir, "tokenizer.json")
-            if os.path.isfile(tj):
-                from tokenizers import Tokenizer
+            try:
+                model = load_hf(args.model_dir, device, dtype)
+                tj = os.path.join(args.model_dir, "tokenizer.json")
+                if os.path.isfile(tj):
+                    from tokenizers import Tokenizer
 
-                tok = Tokenizer.from_file(tj)
+                    tok = Tokenizer.from_file(tj)
+            except (ValueError, FileNotFoundError):
+                raise
+            except Exception as e:  # noqa: BLE001 - a corrupt config, shard or tokenizer.json
+                raise ValueError(f"cannot load the model from {args.model_dir}: {type(e).__name__}: {e}") from None
         else:
             cfg = (LlamaConfig.llama2_7b() if args.random == "llama2-7b" else
                    LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
@@ -413,10 +418,20 @@ def cmd_embed(args) -> int:
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         print(f"fullthrottle: error: cannot write {args.out}: its folder does not exist", file=sys.stderr)
         return 2
+    try:  # find out now, not after the whole corpus is embedded
+        with open(args.out, "a"):
+            pass
+    except OSError as e:
+        print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     try:
         emb = Embedder(args.model_dir, args.device, args.dtype, args.graphs)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a broken model folder (tokenizer.json, safetensors)
+        print(f"fullthrottle: error: cannot load the model from {args.model_dir or 'the default folder'}: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     vectors, n, n_trunc = [], 0, 0
@@ -436,12 +451,19 @@ def cmd_embed(args) -> int:
     except (UnicodeDecodeError, ValueError) as e:
         print(f"fullthrottle: error: cannot read texts from {args.file}: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     finally:
         bar.close()
         if jsonl is not None:
             jsonl.close()
     if jsonl is None:
-        np.save(args.out, np.concatenate(vectors) if vectors else np.zeros((0, emb.dim), np.float32))
+        try:
+            np.save(args.out, np.concatenate(vectors) if vectors else np.zeros((0, emb.dim), np.float32))
+        except OSError as e:
+            print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+            return 2
     dt = time.perf_counter() - t0
     print(f"{n} texts in {dt:.2f} s = {n / dt if dt else 0:.1f} texts/s on {emb.device} ({emb.dtype}); "
           f"{n_trunc} truncated to {emb.max_seq_length} tokens; wrote {args.out}", file=sys.stderr)
@@ -565,7 +587,7 @@ def cmd_classify(args) -> int:
             ignored = [f for f, on in (("--gpu-decode", args.gpu_decode),
                                        (f"--dtype {args.dtype}", args.dtype not in (None, "float32"))) if on]
             if ignored:
-                print(f"note: {' and '.join(ignored)} need CUDA: this run on {device} decodes on the CPU "
+                print(f"note: {' and '.join(ignored)} need{'s' if len(ignored) == 1 else ''} CUDA: this run on {device} decodes on the CPU "
                       "and computes in float32", file=sys.stderr)
         pipe = Pipeline(cfg)
         n_classes = len(pipe.engine.labels)
@@ -645,10 +667,18 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(args)
     if args.command == "serve":
         return cmd_serve(args)
-    if args.command == "generate":
-        return cmd_generate(args)
-    if args.command == "embed":
-        return cmd_embed(args)
+    if args.command in ("generate", "embed"):
+        try:
+            return (cmd_generate if args.command == "generate" else cmd_embed)(args)
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+            try:
+                sys.stdout = open(os.devnull, "w")
+            except OSError:
+                pass
+            return 1
     if args.command == "classify":
         rc = cmd_classify(args)
         if rc == 130 and argv is None:

@@ -138,13 +138,14 @@ class Config:
         if self.preprocess not in ("auto", "threads", "processes"):
             raise ValueError(f"preprocess must be 'auto', 'threads' or 'processes', got {self.preprocess!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
-                                         or self.threads < 1):
-            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
+                                         or not 1 <= self.threads <= 512):
+            raise ValueError(f"threads must be an integer in 1..512, got {self.threads!r}")
         if not (isinstance(self.resize_size, int) and isinstance(self.crop_size, int)
                 and 1 <= self.crop_size <= self.resize_size):
             raise ValueError(f"need integers 1 <= crop_size <= resize_size, got crop_size={self.crop_size!r}, "
                              f"resize_size={self.resize_size!r}")
-        if not (isinstance(self.gpu_decode_processes, int) and 0 <= self.gpu_decode_processes <= 16):
+        if not (isinstance(self.gpu_decode_processes, int) and not isinstance(self.gpu_decode_processes, bool)
+                and 0 <= self.gpu_decode_processes <= 16):
             raise ValueError(f"gpu_decode_processes must be an integer in 0..16, got {self.gpu_decode_processes!r}")
         if not self.decode_timeout_s > 0:
             raise ValueError(f"decode_timeout_s must be > 0, got {self.decode_timeout_s!r}")

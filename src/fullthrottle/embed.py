@@ -143,7 +143,8 @@ class Embedder:
         max_batch: texts per forward (the largest batch bucket).
 
     Raises:
-        FileNotFoundError / ValueError: missing files, unsupported pooling.
+        FileNotFoundError / ValueError: missing files, unsupported pooling, ``max_batch`` < 1, an
+            unknown ``dtype``.
     """
 
     def __init__(self, path: str | Path | None = None, device: str = "auto", dtype: str | None = None,
@@ -153,6 +154,10 @@ class Embedder:
 
         from .compute import resolve_device
 
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
         path = Path(path) if path is not None else default_model_dir()
         self.device = resolve_device(device)
         cuda = self.device.type == "cuda"
@@ -202,7 +207,24 @@ class Embedder:
         return self.runners[L](x)
 
     def tokenize(self, texts: list[str]) -> list:
-        return self.tokenizer.encode_batch(texts)
+        """``tokenizers`` encodings of ``texts``.
+
+        Raises:
+            TypeError: an item is not a str. ValueError: a text is not valid Unicode (a lone surrogate,
+                e.g. undecodable bytes read with ``errors="surrogateescape"``), with its index.
+        """
+        try:
+            return self.tokenizer.encode_batch(texts)
+        except TypeError:
+            for i, t in enumerate(texts):
+                if not isinstance(t, str):
+                    raise TypeError(f"text {i} is a {type(t).__name__}, not a str") from None
+                try:
+                    t.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"text {i} is not valid Unicode ({e.reason} at character {e.start}): "
+                                     "is the input UTF-8?") from None
+            raise
 
     def embed_stream(self, texts, chunk: int | None = None):
         """Embed an iterable of texts chunk by chunk, tokenising the next chunk in a thread (the
@@ -236,8 +258,8 @@ class Embedder:
         Returns:
             :class:`Embeddings`, rows in the order of ``texts``.
         """
-        if isinstance(texts, str):
-            raise TypeError("embed() takes a list of texts, not a single string")
+        if isinstance(texts, (str, bytes)) or texts is None or isinstance(texts, dict):
+            raise TypeError(f"embed() takes a list of texts, not {type(texts).__name__}")
         texts = list(texts)  # (a generator is read once, here)
         if not all(isinstance(t, str) for t in texts):
             raise TypeError("embed() takes a list of str")

@@ -135,6 +135,14 @@ if triton is not None:
 
 
 # -- the entry points ----------------------------------------------------------------------------
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm over the last dim: ``x * rsqrt(mean(x^2) + eps) * weight`` (Zhang & Sennrich, 2019).
 
@@ -144,10 +152,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
     Returns:
         the normalised ``(..., N)`` in ``x``'s dtype; with ``residual``, the tuple ``(s, norm(s))``.
+
+    Raises:
+        ValueError: a weight not ``(N,)``, a residual of another shape or dtype, a non-float ``x``, eps <= 0.
     """
+    N = x.shape[-1] if x.dim() else 0
+    _check(x.dtype in _FLOATS, f"rms_norm: x must be float32/float16/bfloat16, got {x.dtype}")
+    _check(weight.shape == (N,), f"rms_norm: weight must be ({N},) for x {tuple(x.shape)}, got {tuple(weight.shape)}")
+    _check(residual is None or (residual.shape == x.shape and residual.dtype == x.dtype),
+           "rms_norm: residual must have x's shape and dtype")
+    _check(eps > 0, f"rms_norm: eps must be > 0, got {eps}")
     if not use_triton(x):
         return rms_norm_ref(x, weight, eps, residual)
-    N = x.shape[-1]
     x2 = x.reshape(-1, N).contiguous()
     y = torch.empty_like(x2)
     s = torch.empty_like(x2) if residual is not None else x2
@@ -173,11 +189,28 @@ def rope_qkv_into_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
     Returns:
         q: ``(B, H, S, D)`` in ``qkv``'s dtype, rotated.
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit together, or rows past the cache. Positions are
+            not checked here (that would synchronise with the host inside a CUDA graph): the caller
+            keeps them below the cache length (:class:`~fullthrottle.generate.Generator` does).
     """
+    _check(qkv.dim() == 3, f"rope_qkv_into_cache: qkv must be (B, S, (H+2*Hkv)*D), got {tuple(qkv.shape)}")
+    B, S, F_ = qkv.shape
+    _check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[1] == hkv,
+           f"rope_qkv_into_cache: caches must be (maxB, {hkv}, T, D), got {tuple(k_cache.shape)} and "
+           f"{tuple(v_cache.shape)}")
+    d = k_cache.shape[-1]
+    _check(d % 2 == 0 and F_ == (h + 2 * hkv) * d,
+           f"rope_qkv_into_cache: qkv's last dim {F_} is not (H + 2*Hkv) * D = ({h} + 2*{hkv}) * {d}")
+    _check(qkv.dtype in _FLOATS and k_cache.dtype == qkv.dtype == v_cache.dtype,
+           f"rope_qkv_into_cache: qkv and caches must share a float dtype, got {qkv.dtype}, {k_cache.dtype}")
+    _check(cos.shape == sin.shape == (B, S, d // 2) and pos.shape == (B, S),
+           f"rope_qkv_into_cache: cos/sin must be ({B}, {S}, {d // 2}) and pos ({B}, {S})")
+    _check(0 <= row0 and row0 + B <= k_cache.shape[0],
+           f"rope_qkv_into_cache: rows {row0}..{row0 + B} are past the cache's {k_cache.shape[0]}")
     if not use_triton(qkv):
         return rope_qkv_into_cache_ref(qkv, cos, sin, pos, k_cache, v_cache, row0, h, hkv)
-    B, S, _ = qkv.shape
-    d = k_cache.shape[-1]
     qkv = qkv.contiguous()
     q = torch.empty((B, h, S, d), dtype=qkv.dtype, device=qkv.device)
     assert k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride()
@@ -196,7 +229,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
     Returns:
         ``(..., I)`` in ``gate_up``'s dtype.
+
+    Raises:
+        ValueError: an odd last dim, or not a float tensor.
     """
+    _check(gate_up.dim() >= 1 and gate_up.shape[-1] % 2 == 0 and gate_up.shape[-1] > 0,
+           f"silu_mul: the last dim must be even (gate and up halves), got {tuple(gate_up.shape)}")
+    _check(gate_up.dtype in _FLOATS, f"silu_mul: gate_up must be a float tensor, got {gate_up.dtype}")
     if not use_triton(gate_up):
         return silu_mul_ref(gate_up)
     I2 = gate_up.shape[-1]
