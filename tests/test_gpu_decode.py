@@ -79,6 +79,18 @@ class FakeGpuDecoder:
         return out
 
 
+def assert_same_results(res, ref):
+    """``res`` (results in order) match ``ref`` (id -> result): ids, ok, top-1 class and prob, error text."""
+    assert [r.id for r in res] == list(ref)
+    for r in res:
+        assert r.ok == ref[r.id].ok, (r.id, r.error, ref[r.id].error)
+        if r.ok:
+            assert r.class_ids[0] == ref[r.id].class_ids[0]
+            assert r.probs[0] == pytest.approx(ref[r.id].probs[0], abs=1e-3)
+        else:
+            assert r.error.split(": ", 1)[1] == ref[r.id].error.split(": ", 1)[1]
+
+
 def _pipe(gpu_decode, preprocess="threads"):
     pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2, top_k=3,
                            preprocess=preprocess), model=Tiny())
@@ -99,14 +111,7 @@ def test_mixed_cpu_gpu_batches_equal_cpu_only(samples, bad_dir, preprocess):
         assert not any(t.name == "ft-preprocess-dispatch-1" for t in pipe.current_run.threads)
         pipe.close()
     assert fake.images > 20, "the split sent nothing to the (fake) GPU decoder"
-    assert [r.id for r in res] == list(ref)
-    for r in res:
-        assert r.ok == ref[r.id].ok, (r.id, r.error, ref[r.id].error)
-        if r.ok:
-            assert r.class_ids[0] == ref[r.id].class_ids[0]
-            assert r.probs[0] == pytest.approx(ref[r.id].probs[0], abs=1e-3)
-        else:
-            assert r.error.split(": ", 1)[1] == ref[r.id].error.split(": ", 1)[1]
+    assert_same_results(res, ref)
     assert 0 < pipe.engine.splitter.routed_gpu_share < 1
     if preprocess == "threads":  # (decoder processes route by availability, not by the rate split)
         assert 0 < pipe.engine.splitter.gpu_share < 1
@@ -165,14 +170,7 @@ def test_gpu_decoder_processes_path_equals_cpu_only(samples, bad_dir):
             res = list(pipe.run(inputs))
             names = [t.name for t in pipe.current_run.threads]
             assert "ft-gpu-decode-0" in names and "ft-gpu-decode-1" in names
-            assert [r.id for r in res] == list(ref)
-            for r in res:
-                assert r.ok == ref[r.id].ok, (r.id, r.error, ref[r.id].error)
-                if r.ok:
-                    assert r.class_ids[0] == ref[r.id].class_ids[0]
-                    assert r.probs[0] == pytest.approx(ref[r.id].probs[0], abs=1e-3)
-                else:
-                    assert r.error.split(": ", 1)[1] == ref[r.id].error.split(": ", 1)[1]
+            assert_same_results(res, ref)
             assert pipe.decoders.crops.free_rows() == pipe.decoders.crops.rows  # every row came back
         assert sum(sum(f.batches) for f in fakes) > 10, "nothing was routed to the GPU processes"
         assert 0 < pipe.engine.splitter.routed_gpu_share < 1

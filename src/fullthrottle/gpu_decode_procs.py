@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from multiprocessing import BufferTooShort
 from multiprocessing.connection import Connection
 
-from .preprocess_procs import STARTUP_S, CropPool, WorkerDied, _shutdown
+from .preprocess_procs import STARTUP_S, CropPool, WorkerDied, _shutdown, exit_reason
 
 _N = struct.Struct("<I")        # items in a request or reply
 _ITEM = struct.Struct("<II")    # request: pool row, byte length
@@ -157,17 +157,8 @@ class GpuDecoderProcess:
         try:
             return _decode_reply(self.conn.recv_bytes())
         except (EOFError, OSError) as e:
-            try:
-                code = self.proc.wait(1.0)
-            except subprocess.TimeoutExpired:
-                code = None
+            how = exit_reason(self.proc)
             self._restart()
-            how = f"exit code {code}"
-            if code is not None and code < 0:
-                try:
-                    how = f"killed by signal {signal.Signals(-code).name}"
-                except ValueError:
-                    how = f"killed by signal {-code}"
             raise WorkerDied(f"GPU decoder process died on this batch ({how}): {type(e).__name__}") from None
 
     def close(self) -> None:

@@ -257,17 +257,8 @@ class DecoderProcess:
         try:
             msg = self.conn.recv_bytes()
         except (EOFError, OSError) as e:
-            try:
-                code = self.proc.wait(1.0)  # it closed its socket: its exit status follows at once
-            except subprocess.TimeoutExpired:
-                code = None
+            how = exit_reason(self.proc)
             self._restart()
-            how = f"exit code {code}"
-            if code is not None and code < 0:
-                try:
-                    how = f"killed by signal {signal.Signals(-code).name}"
-                except ValueError:
-                    how = f"killed by signal {-code}"
             raise WorkerDied(f"decoder process died on this item ({how}): {type(e).__name__}") from None
         if msg[0] == _OK:
             return
@@ -307,6 +298,21 @@ class DecoderProcess:
         self._finalizer()
         if self._own_pool:
             self.pool.close()
+
+
+def exit_reason(proc: subprocess.Popen) -> str:
+    """How a worker that closed its socket ended: ``"exit code N"`` or ``"killed by signal SIGSEGV"``
+    (its exit status follows the close at once; waits at most 1 s for it)."""
+    try:
+        code = proc.wait(1.0)
+    except subprocess.TimeoutExpired:
+        code = None
+    if code is not None and code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _shutdown(conn: Connection, proc: subprocess.Popen) -> None:
