@@ -57,3 +57,8 @@ def test_e2e(tmp_path, samples):
     assert d["results"]["fullthrottle"]["report"]["ok"] == 48
     assert d["verdict"].split(":")[0].endswith("-bound")
     assert len(d["ratios"]) == 3
+
+
+def test_out_in_a_missing_folder_is_refused_before_the_run(tmp_path, capsys):
+    rc = main(["bench", "threads", "--quick", "--out", str(tmp_path / "no" / "such" / "b")])
+    assert rc == 2 and "its folder does not exist" in capsys.readouterr().err

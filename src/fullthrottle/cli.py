@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "GET /healthz, /readyz, /metrics. Concurrent requests share batches. Full queue: 503 "
                     "with Retry-After; past the deadline: 504; body too large: 413; undecodable image: 422. "
                     "SIGTERM finishes in-flight requests, then exits 0.")
-    v.add_argument("--model", default="resnet18", help="resnet18, resnet34 or resnet50 (default: %(default)s)")
+    v.add_argument("--model", default="resnet18",
+                   help="resnet18, resnet34, resnet50, resnet101 or resnet152 (default: %(default)s)")
     v.add_argument("--weights", help="state dict: .safetensors, or .pth (weights_only=True)")
     v.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, local only)")
     v.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
@@ -475,6 +476,9 @@ def cmd_bench(args) -> int:
 
     exp = args.experiment
     prefix = args.out or f"fullthrottle-bench-{exp}"
+    if not os.path.isdir(os.path.dirname(os.path.abspath(prefix))):  # find out before the run, not after
+        print(f"fullthrottle bench {exp}: cannot write {prefix}.json: its folder does not exist", file=sys.stderr)
+        return 2
     try:
         if exp == "threads":
             cores = usable_cores()
@@ -624,16 +628,20 @@ def cmd_classify(args) -> int:
         bar.close()
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, like other CLI tools
+        results.close()
+        _silence_stdout()
+        return 1
     except OSError as e:  # the output could not be written (disk full, ...): stop, say so
         results.close()
-        print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        print(f"fullthrottle: error: cannot write {args.out or 'stdout'}: {e.strerror or e}", file=sys.stderr)
         return 2
     finally:
         bar.close()
         pipe.close()  # stops the decoder processes
         err = _close_out(out)
     if err is not None:
-        print(f"fullthrottle: error: cannot write {args.out}: {err}", file=sys.stderr)
+        print(f"fullthrottle: error: cannot write {args.out or 'stdout'}: {err}", file=sys.stderr)
         return 2
     rep = pipe.last_report
     print(rep.format(), file=sys.stderr)
@@ -647,6 +655,14 @@ def cmd_classify(args) -> int:
             print(f"fullthrottle: error: cannot write {args.report_json}: {e.strerror or e}", file=sys.stderr)
             return 2
     return 1 if failed else 0
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null, so the interpreter's final flush stays quiet."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _close_out(out) -> str | None:
@@ -674,10 +690,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\ninterrupted", file=sys.stderr)
             return 130
         except BrokenPipeError:  # the reader went away (`| head`): stop quietly
-            try:
-                sys.stdout = open(os.devnull, "w")
-            except OSError:
-                pass
+            _silence_stdout()
             return 1
     if args.command == "classify":
         rc = cmd_classify(args)
