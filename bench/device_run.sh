@@ -18,7 +18,7 @@ if [[ -f .pack/minilm.tar.xz && ! -f .data/minilm/config.json ]]; then mkdir -p 
 [[ -f .data/minilm/config.json ]] && export FULLTHROTTLE_EMBED_MODEL=$PWD/.data/minilm
 gpu_sel=""; [[ -n ${FULLTHROTTLE_EMBED_MODEL:-} ]] || gpu_sel="--deselect tests/test_embed.py::test_gpu_half_precision_and_graphs"
 python3 -c "import uvicorn" 2>/dev/null || gpu_sel="$gpu_sel --ignore=tests/test_serve.py"   # no wheels carried
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; echo "wmem_max $(cat /proc/sys/net/core/wmem_max 2>/dev/null)"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip -e failed (using PYTHONPATH)"
 if [[ $parts == *gputests* ]]; then
   $TO python3 -m pytest -q -s -m gpu $gpu_sel tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed|agreement" | tail -12
@@ -42,6 +42,15 @@ if [[ $parts == *e2emixed* || $parts == *e2e,* || $parts == *e2e ]]; then
 fi
 if [[ $parts == *graphs* ]]; then
   $TO python3 bench/graphs.py --out "$OUT/graphs_resnet18.json" 2>&1 | tail -30
+fi
+if [[ ,$parts, == *,overhead,* ]]; then   # issue 02: product API vs raw replay, decomposed
+  $TO python3 bench/graphs_overhead_probe.py --out "$OUT/graphs_overhead_probe.json" 2>&1 | tail -6
+fi
+if [[ ,$parts, == *,ceiling,* ]]; then    # issue 01: what the CPUs alone can decode, no pipeline
+  $PIN $TO python3 bench/cpu_decode_ceiling.py --procs 1,4,8,12,16 --out "$OUT/cpu_decode_ceiling.json" 2>&1 | grep -v lscpu | tail -12
+fi
+if [[ ,$parts, == *,gemv,* ]]; then       # issue 06: batch-1 projections, cuBLAS vs Triton GEMV
+  $TO python3 bench/gemv_probe.py --out "$OUT/gemv_probe.json" 2>&1 | tail -8
 fi
 if [[ $parts == *gpudecode* ]]; then   # issue 04: CPU+GPU JPEG decode end to end vs DataLoader
   $TO python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --skip-no-graphs --n 60000 ${GPU_PROCS:+--gpu-procs $GPU_PROCS} --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -6

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,12 +66,35 @@ def run_dataloader(blobs, n, workers, batch, model, warm_frac=0.25):
             "img_per_s": (seen - n_warm) / (t_end - t_warm)}
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (Linux /proc), 0.0 if unreadable."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _threads_cpu_s() -> dict:
+    """CPU seconds per thread of this process, keyed by Python thread name (grouped: ``name-3`` ->
+    ``name``); threads Python did not start (CUDA, OpenMP, executors' natives) under ``other``."""
+    names = {t.native_id: t.name.rstrip("0123456789").rstrip("-_") for t in threading.enumerate()}
+    out: dict = {}
+    for tid in os.listdir("/proc/self/task"):
+        c = _cpu_s(f"self/task/{tid}")
+        key = names.get(int(tid), "other")
+        out[key] = out.get(key, 0.0) + c
+    return out
+
+
 def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu_decode=False, warm_frac=0.25,
-                     preprocess="auto", dispatchers=None, gpu_procs=2):
+                     preprocess="auto", dispatchers=None, gpu_procs=2, worker_depth=None):
     import fullthrottle.pipeline as pl
     from fullthrottle import Config, Pipeline
 
     pl.DISPATCH_THREADS = dispatchers
+    depth0 = pl.WORKER_DEPTH
+    pl.WORKER_DEPTH = worker_depth or depth0
     torch.manual_seed(0)
     pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="bfloat16", channels_last=True,
                            max_batch_size=batch, threads=threads, max_wait_ms=max_wait_ms, graphs=graphs,
@@ -77,12 +102,26 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     list(pipe.run([blobs[i % len(blobs)] for i in range(2000)]))  # warm-up (cuDNN autotune, pools)
     seen, t_warm, n_warm = 0, None, 0
     inputs = (blobs[i % len(blobs)] for i in range(n))
+    pids = [w.proc.pid for w in pipe.decoders.workers] if pipe.decoders is not None else []
+    cpu0 = main0 = 0.0
+    cpu = None
     for r in pipe.run(inputs):
         assert r.ok, r.error
         seen += 1
         if t_warm is None and seen >= warm_frac * n:
             t_warm, n_warm = time.perf_counter(), seen
+            cpu0, main0, thr0 = sum(map(_cpu_s, pids)), time.process_time(), _threads_cpu_s()
+        if cpu is None and seen >= 0.95 * n:  # CPU use measured while every stage's thread still runs
+            cpu = (time.perf_counter() - t_warm, sum(map(_cpu_s, pids)), time.process_time(), _threads_cpu_s())
     t_end = time.perf_counter()
+    # how busy the decoder processes really were (CPU time, not time with an image out), and how
+    # many cores the main process (and each of its threads) used: a starved worker shows up here,
+    # not in the stage's busy %
+    window, cpu1, main1, thr1 = cpu
+    workers_cpu_pct = 100 * (cpu1 - cpu0) / (window * len(pids)) if pids else None
+    main_cores = (main1 - main0) / window
+    main_threads = {k: round((v - thr0.get(k, 0.0)) / window, 3) for k, v in sorted(thr1.items())}
+    pl.WORKER_DEPTH = depth0
     rep = pipe.last_report
     eng = pipe.engine
     n_procs = len(pipe.decoders) if pipe.decoders is not None else 0
@@ -90,6 +129,9 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     n_disp = sum(t.name.startswith("ft-preprocess-dispatch") for t in pipe.current_run.threads)
     pipe.close()
     return {"threads": threads, "preprocess": preprocess, "decoder_processes": n_procs,
+            "worker_depth": pl.WORKER_DEPTH if worker_depth is None else worker_depth,
+            "decoder_processes_cpu_pct": workers_cpu_pct, "main_process_cores": main_cores,
+            "main_process_cores_by_thread": main_threads,
             "dispatch_threads": n_disp, "crop_pool_pinned": pinned,
             "graphs": graphs, "max_wait_ms": max_wait_ms, "gpu_decode": gpu_decode,
             "gpu_decode_processes": gpu_procs if gpu_decode and n_procs else 0,
@@ -117,6 +159,8 @@ def main():
     ap.add_argument("--thread-decode", action="store_true",
                     help="also run fullthrottle with decoding in threads (preprocess='threads')")
     ap.add_argument("--ft-waits", default="", help="extra fullthrottle max_wait_ms values to try, e.g. 50")
+    ap.add_argument("--worker-depths", default="", help="extra runs with this many images out at each decoder "
+                    "process, e.g. 2,8 (default: fullthrottle.pipeline.WORKER_DEPTH)")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="also try fullthrottle with this sys.setswitchinterval (s)")
     ap.add_argument("--out", default="bench/results/e2e_cpu_decode.json")
@@ -150,6 +194,10 @@ def main():
     for d in [int(x) for x in args.dispatchers.split(",") if x]:
         print(f"fullthrottle, {d} dispatcher threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, dispatchers=d))
+        print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
+    for d in [int(x) for x in args.worker_depths.split(",") if x]:
+        print(f"fullthrottle, worker depth {d} ...", flush=True)
+        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, worker_depth=d))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     if args.thread_decode:
         print("fullthrottle, decoding in threads ...", flush=True)

@@ -52,6 +52,34 @@ CHECK = textwrap.dedent("""
         out = K.silu_mul(gu)
         ref = K.silu_mul_ref(gu.float())
         assert out.shape == (2, 3, 1500) and torch.allclose(out.float(), ref, atol=tol, rtol=tol)
+        # batch-1 GEMV (odd N and K: partial blocks) and, with more rows, F.linear
+        for N, Kd in ((300, 200), (40, 1100)):
+            w, x = rnd(N, Kd), rnd(1, 1, Kd)
+            y = K.linear(x, w)
+            ref = x.float() @ w.float().T
+            assert y.shape == (1, 1, N) and y.dtype == dtype
+            assert torch.allclose(y.float(), ref, atol=tol * 10, rtol=tol), (y.float() - ref).abs().max()
+        x3 = rnd(3, Kd)
+        assert torch.equal(K.linear(x3, w), torch.nn.functional.linear(x3, w))  # several rows: F.linear
+        # decode attention: 3 rows at cache rows 1..3, GQA (4 query heads over 2 kv heads), kv_len 7 of 8
+        B, H, Hkv, D = 3, 4, 2, 16
+        q = rnd(B, H, 1, D)
+        kc, vc = rnd(5, Hkv, 8, D), rnd(5, Hkv, 8, D)
+        pos = torch.tensor([[0], [5], [6]], device=device)
+        o = K.decode_attention(q, kc, vc, pos, 1, 7)
+        ref = K.decode_attention_ref(q.float(), kc.float(), vc.float(), pos, 1, 7)
+        assert o.shape == (B, H, 1, D) and o.dtype == dtype
+        assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (o.float() - ref).abs().max()
+        # image normalisation from uint8 NHWC, a size not a multiple of the block, every byte value
+        x8 = torch.arange(5 * 7 * 11 * 3, device=device).remainder(256).to(torch.uint8).view(5, 7, 11, 3)
+        scale = torch.tensor([0.0171, 0.0175, 0.0174], device=device).to(dtype)
+        shift = torch.tensor([-2.118, -2.036, -1.804], device=device).to(dtype)
+        y = K.normalize_u8(x8, scale, shift, dtype)
+        ref = x8.float() * scale.float() + shift.float()                 # per channel, the last dim
+        assert y.shape == x8.shape and y.dtype == dtype
+        assert torch.allclose(y.float(), ref, atol=tol, rtol=tol), (y.float() - ref).abs().max()
+        # the reference (what runs without Triton) computes the same (it may fuse the multiply-add)
+        assert torch.allclose(K.normalize_u8_ref(x8, scale, shift, dtype).float(), ref, atol=tol, rtol=tol)
 """)
 
 
@@ -108,6 +136,10 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
         K.rms_norm(x, torch.ones(8), -1.0)
     with pytest.raises(ValueError, match="last dim must be even"):
         K.silu_mul(torch.randn(2, 3))
+    with pytest.raises(ValueError, match="must be uint8"):
+        K.normalize_u8(torch.randn(2, 4, 4, 3), torch.ones(3), torch.zeros(3), torch.bfloat16)
+    with pytest.raises(ValueError, match="scale and shift must be \\(3,\\)"):
+        K.normalize_u8(torch.zeros(2, 4, 4, 3, dtype=torch.uint8), torch.ones(4), torch.zeros(3), torch.bfloat16)
     B, S, H, Hkv, D = 1, 2, 4, 2, 8
     kc = torch.zeros(2, Hkv, 8, D)
     cs = torch.zeros(B, S, D // 2)
@@ -121,3 +153,22 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
                               0, H, Hkv)
     with pytest.raises(ValueError, match="must be \\(B, S"):
         K.rope_qkv_into_cache(torch.randn(S, (H + 2 * Hkv) * D), cs, cs, pos, kc, kc.clone(), 0, H, Hkv)
+
+
+@pytest.mark.gpu
+def test_normalize_matches_addcmul_on_gpu():
+    """The Triton image normalisation equals the ``addcmul`` it replaced, to one bf16 rounding step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    from fullthrottle import kernels as K
+
+    x8 = torch.randint(0, 256, (8, 224, 224, 3), dtype=torch.uint8, device="cuda")
+    std, mean = torch.tensor([0.229, 0.224, 0.225], device="cuda"), torch.tensor([0.485, 0.456, 0.406], device="cuda")
+    scale, shift = (1 / (255 * std)).bfloat16(), (-mean / std).bfloat16()
+    y = K.normalize_u8(x8, scale, shift, torch.bfloat16)
+    ref = torch.addcmul(shift, x8, scale)                                   # Engine's path without Triton
+    assert y.dtype == ref.dtype == torch.bfloat16
+    ulp = (ref.float().abs() * 2 ** -7).clamp_min(2 ** -133)
+    assert ((y.float() - ref.float()).abs() <= ulp).all()
+    assert (y == ref).float().mean() > 0.99

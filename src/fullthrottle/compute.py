@@ -31,6 +31,7 @@ from .config import Config
 from .decode import topk_probs
 from .gpu_decode import GpuJpegDecoder, RateSplitter, crop_runs
 from .graphs import GraphRunner
+from .kernels import normalize_u8, use_triton
 from .models import build_model, imagenet_labels, load_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -216,11 +217,14 @@ class Engine:
         The NCHW result of permuting NHWC memory *is* a channels_last tensor, so no copy is made
         for the layout. float32: ``(x - 255*mean) / (255*std)``. bf16/fp16: ``x * scale + shift`` with
         ``scale = 1/(255*std)`` and ``shift = -mean/std`` rounded to the half type, computed in float32
-        inside one kernel and rounded once (uint8 values are exact in bf16 and fp16).
+        inside one kernel and rounded once (uint8 values are exact in bf16 and fp16); on CUDA that
+        kernel is :func:`~fullthrottle.kernels.normalize_u8` (Triton), elsewhere ``addcmul``.
         """
         x = x_u8.permute(0, 3, 1, 2)
         if self.dtype == torch.float32:
             x = (x.float() - self.mean) * self.inv_std
+        elif use_triton(x_u8):  # one Triton pass over the NHWC bytes (kernels.normalize_u8)
+            x = normalize_u8(x_u8, self.scale_h.view(-1), self.shift_h.view(-1), self.dtype).permute(0, 3, 1, 2)
         else:  # one pass: uint8 in, half type out (addcmul promotes), instead of 4 over 4-byte data
             x = torch.addcmul(self.shift_h, x, self.scale_h)
         return x if self.channels_last else x.contiguous()

@@ -65,7 +65,8 @@ class Config:
         max_wait_ms: how long (ms) the batcher waits for a batch to fill once its first item arrived.
         buckets: batch sizes the compute stage runs; partial batches are padded up to the next one.
             Default: powers of two up to ``max_batch_size``.
-        threads: preprocess (decode + resize) threads; default one per CPU core.
+        threads: preprocess (decode + resize) threads; default one per CPU core (with decoder
+            processes, one per core but one: the main process's own threads need about a core).
         preprocess: where those threads decode: ``"threads"`` (in this process), ``"processes"`` (each
             thread hands its images to its own worker process, outside this process's GIL, like a
             ``DataLoader``'s workers; bit-identical results), or ``"auto"``: processes on CUDA, where

@@ -1,4 +1,5 @@
-"""Fused kernels for the LLM decode step (Triton on CUDA; the plain PyTorch reference everywhere else).
+"""Fused kernels for the LLM decode step and the image input (Triton on CUDA; the plain PyTorch
+reference everywhere else).
 
 A Llama-2-7B decode step at batch 1 is ~660 kernels, and on the H200 the small ones cost as much as
 their launch: profiled under graph replay (``bench/llm_profile.py``), RMSNorm took 5.7 us a call,
@@ -9,6 +10,9 @@ RoPE was five elementwise kernels on q and k, and the KV-cache write two scatter
 - :func:`rope_qkv_into_cache` — RoPE on q and k straight from the fused qkv projection, q written out
   as ``(B, H, S, D)`` for attention, k and v written into the static KV cache at their positions;
 - :func:`silu_mul` — SwiGLU's ``silu(gate) * up`` from the fused gate/up projection.
+
+and, for the image classifier, :func:`normalize_u8`: uint8 NHWC crops to the normalised half-precision
+input in one pass.
 
 Each has a reference in plain PyTorch (the ``*_ref`` functions, the same math as Hugging Face's
 Llama), used on the CPU, without Triton, or with ``FULLTHROTTLE_TRITON=0``. The Triton kernels compute
@@ -74,6 +78,26 @@ def silu_mul_ref(gate_up):
     return F.silu(gate) * up
 
 
+def linear_ref(x, weight):
+    return F.linear(x, weight)
+
+
+def decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len):
+    B, H, S, D = q.shape
+    hkv = k_cache.shape[1]
+    kc, vc = k_cache[row0:row0 + B, :, :kv_len], v_cache[row0:row0 + B, :, :kv_len]   # (B, Hkv, T, D)
+    if H > hkv:
+        kc, vc = kc.repeat_interleave(H // hkv, dim=1), vc.repeat_interleave(H // hkv, dim=1)
+    t = torch.arange(kv_len, device=q.device)
+    mask = t[None, None, None, :] <= pos[:, None, :, None]                 # (B, 1, S, T): slots 0..pos
+    return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
+
+
+def normalize_u8_ref(x_u8, scale, shift, dtype):
+    # shift + x * scale over the last dim (channels), computed in float32, rounded once to dtype
+    return torch.addcmul(shift.float(), x_u8.float(), scale.float()).to(dtype)
+
+
 # -- Triton kernels ----------------------------------------------------------------------------
 if triton is not None:
     @triton.jit
@@ -132,6 +156,57 @@ if triton is not None:
         g = tl.load(gu_ptr + row * 2 * I + cols, mask=m, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * 2 * I + I + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * I + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
+
+
+    @triton.jit
+    def _gemv_kernel(w_ptr, x_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # y[n] = sum_k W[n, k] x[k]: one program per BLOCK_N rows of W, streamed once along K
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :],
+                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+            x = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
+
+    @triton.jit
+    def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, row0, T, H, REP, c_b, c_h, c_t,
+                                 sm_scale, D: tl.constexpr, BLOCK_T: tl.constexpr):
+        b = tl.program_id(0)                         # one program per (row, query head)
+        h = tl.program_id(1)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + (b * H + h) * D + d).to(tl.float32) * sm_scale
+        n = tl.minimum(tl.load(pos_ptr + b) + 1, T)  # valid cache slots: 0..pos, only those are read
+        base = (row0 + b).to(tl.int64) * c_b + (h // REP) * c_h          # grouped-query: kv head h // REP
+        m_i = tl.full((), float("-inf"), tl.float32)
+        l_i = tl.full((), 0.0, tl.float32)
+        acc = tl.zeros((D,), dtype=tl.float32)
+        for t0 in range(0, n, BLOCK_T):              # online softmax (Milakov & Gimelshein, 2018)
+            t = t0 + tl.arange(0, BLOCK_T)
+            mt = t < n
+            off = base + t[:, None].to(tl.int64) * c_t + d[None, :]
+            k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)     # (BLOCK_T, D)
+            sc = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new)
+            v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+        tl.store(o_ptr + (b * H + h) * D + d, (acc / l_i).to(o_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _normalize_u8_kernel(x_ptr, scale_ptr, shift_ptr, y_ptr, n, C: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)   # flat (..., C) index
+        m = offs < n
+        x = tl.load(x_ptr + offs, mask=m, other=0).to(tl.float32)
+        c = offs % C                                                        # the channel
+        sc = tl.load(scale_ptr + c).to(tl.float32)
+        sh = tl.load(shift_ptr + c).to(tl.float32)
+        tl.store(y_ptr + offs, (x * sc + sh).to(y_ptr.dtype.element_ty), mask=m)
 
 
 # -- the entry points ----------------------------------------------------------------------------
@@ -246,5 +321,127 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*gate_up.shape[:-1], I2 // 2)
 
 
-__all__ = ["rms_norm", "rope_qkv_into_cache", "silu_mul", "use_triton",
-           "rms_norm_ref", "rope_qkv_into_cache_ref", "silu_mul_ref"]
+def _gemv_config(N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages), the fastest found per Llama-2-7B projection shape on the H200
+    (bench/gemv_probe.py, bench/results/gemv_probe.json)."""
+    if N <= 4096:                   # o_proj (4096x4096), down_proj (4096x11008)
+        bn, bk, warps, stages = 16, 1024, 8, 3
+    elif N >= 32000:                # lm_head (32000x4096)
+        bn, bk, warps, stages = 4, 256, 4, 1
+    else:                           # qkv_proj (12288x4096), gate_up_proj (22016x4096)
+        bn, bk, warps, stages = 32, 256, 8, 3
+    return bn, min(bk, triton.next_power_of_2(K)), warps, stages
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (no bias); for a single row on CUDA a Triton GEMV.
+
+    At batch 1 an LLM decode step is weight-bandwidth bound: every projection reads its whole weight
+    for one token. cuBLAS ran the Llama-2-7B projections at 2.5-4.0 TB/s on the H200 (and split K
+    into a second reduction kernel); this GEMV streams each weight row block once, at 3.1-4.1 TB/s
+    (bench/results/gemv_probe.json). Any other shape goes to ``F.linear``.
+
+    Args:
+        x: ``(..., K)``; weight: ``(N, K)``, same dtype and device.
+
+    Returns:
+        ``(..., N)`` in ``x``'s dtype (float32 accumulation).
+
+    Raises:
+        ValueError: ``weight`` not 2-D with ``x``'s last dim, or dtypes that differ.
+    """
+    _check(weight.dim() == 2 and x.dim() >= 1 and weight.shape[1] == x.shape[-1],
+           f"linear: weight must be (N, {x.shape[-1] if x.dim() else '?'}), got {tuple(weight.shape)}")
+    _check(x.dtype == weight.dtype, f"linear: x and weight dtypes differ ({x.dtype}, {weight.dtype})")
+    N, K = weight.shape
+    if x.numel() != K or x.dtype not in _FLOATS or not use_triton(x) or not weight.is_contiguous():
+        return linear_ref(x, weight)
+    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = _gemv_config(N, K)
+    _gemv_kernel[(triton.cdiv(N, bn),)](weight, x.contiguous(), y, N, K, BLOCK_N=bn, BLOCK_K=bk,
+                                        num_warps=warps, num_stages=stages)
+    return y
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                     row0: int, kv_len: int) -> torch.Tensor:
+    """Attention of one new token per row over its cached keys and values (decode step).
+
+    Row ``b``'s query attends to cache slots ``0..pos[b]`` of cache row ``row0 + b`` (causal: its
+    own slot included, written before this call), never past ``kv_len``. The Triton kernel reads only
+    those valid slots, once per query head, with an online softmax (Milakov & Gimelshein, 2018,
+    "Online normalizer calculation for softmax"); grouped-query attention maps query head ``h`` to
+    key/value head ``h // (H / Hkv)``, as ``repeat_interleave`` does. Without Triton (or for more
+    than one query per row) it is ``F.scaled_dot_product_attention`` with the causal mask.
+
+    Args:
+        q: ``(B, H, S, D)``; the kernel runs for ``S == 1``.
+        k_cache, v_cache: ``(maxB, Hkv, T, D)``, same dtype as ``q``.
+        pos: ``(B, S)`` int64 positions of the queries (device tensor: no host sync).
+        row0: first cache row. kv_len: slots that may be read (``<= T``).
+
+    Returns:
+        ``(B, H, S, D)`` in ``q``'s dtype.
+
+    Raises:
+        ValueError: shapes that do not fit, head counts that do not divide, rows past the cache.
+    """
+    _check(q.dim() == 4 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
+           f"decode_attention: q must be (B, H, S, D) and the caches (maxB, Hkv, T, D), got "
+           f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    B, H, S, D = q.shape
+    hkv = k_cache.shape[1]
+    _check(k_cache.shape[-1] == D and H % hkv == 0 and pos.shape == (B, S),
+           f"decode_attention: head dim / head counts / positions do not fit: q {tuple(q.shape)}, "
+           f"cache {tuple(k_cache.shape)}, pos {tuple(pos.shape)}")
+    _check(0 <= row0 and row0 + B <= k_cache.shape[0] and 0 < kv_len <= k_cache.shape[2],
+           f"decode_attention: rows {row0}..{row0 + B} or kv_len {kv_len} past the cache {tuple(k_cache.shape)}")
+    if (S != 1 or not use_triton(q) or D & (D - 1) or k_cache.stride(-1) != 1
+            or v_cache.stride() != k_cache.stride()):
+        return decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _decode_attention_kernel[(B, H)](q.contiguous(), k_cache, v_cache, pos.contiguous(), o, row0, kv_len, H,
+                                     H // hkv, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                     D ** -0.5, D=D, BLOCK_T=64, num_warps=4)
+    return o
+
+
+def normalize_u8(x_u8: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Image normalisation from uint8 in one pass: ``x * scale[c] + shift[c]`` per channel ``c``.
+
+    The image classifier's input step (``(x/255 - mean) / std`` with ``scale = 1/(255*std)``,
+    ``shift = -mean/std``): one read of the uint8 batch and one write of the result, computed in
+    float32 and rounded once. PyTorch's ``addcmul`` on a uint8 tensor and half-precision scalars goes
+    through its dynamic-casting elementwise path instead (measured on the H200 at batch 512:
+    bench/results/graphs_overhead_probe.json).
+
+    Args:
+        x_u8: ``(..., C)`` uint8, channels last (NHWC images).
+        scale, shift: ``(C,)`` float tensors on the same device.
+        dtype: the output's float dtype.
+
+    Returns:
+        ``(..., C)`` in ``dtype``, contiguous (``permute(0, 3, 1, 2)`` of an NHWC result is the
+        channels_last NCHW tensor a convolution wants).
+
+    Raises:
+        ValueError: ``x_u8`` not uint8, scale/shift not ``(C,)``, or a non-float ``dtype``.
+    """
+    _check(x_u8.dtype == torch.uint8 and x_u8.dim() >= 1, f"normalize_u8: x must be uint8 (..., C), got {x_u8.dtype}")
+    C = x_u8.shape[-1]
+    _check(scale.shape == (C,) and shift.shape == (C,),
+           f"normalize_u8: scale and shift must be ({C},), got {tuple(scale.shape)} and {tuple(shift.shape)}")
+    _check(dtype in _FLOATS, f"normalize_u8: dtype must be float32/float16/bfloat16, got {dtype}")
+    if not use_triton(x_u8):
+        return normalize_u8_ref(x_u8, scale, shift, dtype)
+    x = x_u8.contiguous()
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    BLOCK = 4096
+    _normalize_u8_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, scale.contiguous(), shift.contiguous(), y,
+                                                           x.numel(), C=C, BLOCK=BLOCK, num_warps=8)
+    return y
+
+
+__all__ = ["rms_norm", "rope_qkv_into_cache", "silu_mul", "linear", "decode_attention", "normalize_u8",
+           "use_triton", "rms_norm_ref", "rope_qkv_into_cache_ref", "silu_mul_ref", "linear_ref",
+           "decode_attention_ref", "normalize_u8_ref"]

@@ -86,6 +86,11 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+#: largest batch whose decode-step attention runs as the Triton kernel (kernels.decode_attention);
+#: larger batches use cuDNN's attention through F.scaled_dot_product_attention
+DECODE_ATTENTION_MAX_BATCH = 1
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -111,16 +116,20 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, pos, row0, mask):
         B, S, _ = x.shape                                                 # x: (B, S, dim)
         h, hkv, d = self.h, self.hkv, self.d
-        qkv = self.qkv_proj(x)                                            # (B, S, (H+2*Hkv)*D)
+        qkv = kernels.linear(x, self.qkv_proj.weight)                     # (B, S, (H+2*Hkv)*D)
         # RoPE on q and k; k and v written into the cache at ``pos`` (one kernel on CUDA); cos: (B, S, D/2)
         q = kernels.rope_qkv_into_cache(qkv, cos, sin, pos, self.k_cache, self.v_cache, row0, h, hkv)  # (B, H, S, D)
         T = mask.shape[-1]                                                # attend to cache slots [0, T) only
-        kc, vc = self.k_cache[row0:row0 + B, :, :T], self.v_cache[row0:row0 + B, :, :T]  # (B, Hkv, T, D)
-        rep = h // hkv                                                    # grouped-query attention
-        if rep > 1:  # (a copy: with rep == 1, as in Llama-2-7B, the cache is read in place)
-            kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)     # mask: (B, 1, S, T) additive
-        return self.o_proj(y.transpose(1, 2).reshape(B, S, h * d))
+        if S == 1 and B <= DECODE_ATTENTION_MAX_BATCH and kernels.use_triton(q):
+            # decode step: one Triton kernel reads each row's valid slots 0..pos only
+            y = kernels.decode_attention(q, self.k_cache, self.v_cache, pos, row0, T)  # (B, H, 1, D)
+        else:
+            kc, vc = self.k_cache[row0:row0 + B, :, :T], self.v_cache[row0:row0 + B, :, :T]  # (B, Hkv, T, D)
+            rep = h // hkv                                                # grouped-query attention
+            if rep > 1:  # (a copy: with rep == 1, as in Llama-2-7B, the cache is read in place)
+                kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
+            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)  # mask: (B, 1, S, T) additive
+        return kernels.linear(y.transpose(1, 2).reshape(B, S, h * d), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -131,7 +140,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))       # SwiGLU: (B, S, 2I) -> (B, S, I)
+        gate_up = kernels.linear(x, self.gate_up_proj.weight)                 # (B, S, 2I)
+        return kernels.linear(kernels.silu_mul(gate_up), self.down_proj.weight)  # SwiGLU, then (B, S, dim)
 
 
 class Block(nn.Module):
@@ -142,10 +152,16 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, pos, row0, mask):
-        a = self.self_attn(self.input_layernorm(x), cos, sin, pos, row0, mask)
+    def forward(self, x, r, cos, sin, pos, row0, mask):
+        # x: the residual stream; r: the previous block's MLP output, still to be added (None in the
+        # first block), so that each residual add is fused into the RMSNorm that follows it
+        if r is None:
+            xn = self.input_layernorm(x)
+        else:
+            x, xn = self.input_layernorm(x, residual=r)                      # x + r, and its norm
+        a = self.self_attn(xn, cos, sin, pos, row0, mask)
         x, hn = self.post_attention_layernorm(x, residual=a)                 # x + a, and its norm
-        return x + self.mlp(hn)
+        return x, self.mlp(hn)                                               # (the block's output is x + mlp)
 
 
 class Llama(nn.Module):
@@ -186,9 +202,11 @@ class Llama(nn.Module):
         causal = t[None, None, None, :] <= pos[:, None, :, None]              # (B, 1, S, T)
         # additive mask, made once here rather than converted from bool by every layer's attention
         mask = torch.zeros(causal.shape, dtype=x.dtype, device=x.device).masked_fill_(~causal, float("-inf"))
+        r = None
         for blk in self.layers:
-            x = blk(x, cos, sin, pos, row0, mask)
-        return self.lm_head(self.norm(x)).float()
+            x, r = blk(x, r, cos, sin, pos, row0, mask)
+        xn = self.norm(x) if r is None else self.norm(x, residual=r)[1]      # the last block's add, fused
+        return kernels.linear(xn, self.lm_head.weight).float()
 
 
 def fuse_hf_projections(sd: dict) -> dict:

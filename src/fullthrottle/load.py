@@ -183,18 +183,25 @@ class Loader:
                 self.error = e
                 self.stop.set()
 
-    async def _acquire_window(self) -> bool:
+    async def _acquire_window(self, idle: bool = False) -> bool:
+        """Take one permit of the in-flight window. ``idle``: no load task is running, so this thread
+        may block itself (no hop through a helper thread per item while the pipeline is full)."""
         if self.window.acquire(blocking=False):
             return True
         while not self.stop.is_set():
-            if await asyncio.to_thread(self.window.acquire, True, 0.05):
+            if idle and self.window.acquire(True, 0.05):
+                return True
+            if not idle and await asyncio.to_thread(self.window.acquire, True, 0.05):
                 return True
         return False
 
-    async def _emit(self, item) -> None:
+    async def _emit(self, item, idle: bool = False) -> None:
         item.t_queued = time.perf_counter()
         if not self.put(self.out, item, block=False):
-            await asyncio.to_thread(self.put, self.out, item)
+            if idle:  # nothing else for the event loop to do: wait here
+                self.put(self.out, item)
+            else:
+                await asyncio.to_thread(self.put, self.out, item)
 
     async def _load_one(self, client_box, item: Item, sem: asyncio.Semaphore) -> None:
         async with sem:
@@ -234,13 +241,13 @@ class Loader:
         tasks: set[asyncio.Task] = set()
         try:
             for index, (item_id, src) in enumerate(expand(self.inputs)):
-                if not await self._acquire_window():
+                if not await self._acquire_window(idle=not tasks):
                     return
                 item = Item(index=index, id=item_id, source=src)
                 if isinstance(src, bytes):  # nothing to wait for: no task, no hop
                     item.data, item.source = src, None
                     self.stats.add(1, 0.0)
-                    await self._emit(item)
+                    await self._emit(item, idle=not tasks)
                     continue
                 t = asyncio.create_task(self._load_one(client_box, item, sem))
                 tasks.add(t)

@@ -47,11 +47,12 @@ _END = object()
 #: threads feeding the decoder processes; None: one in all (each image costs it a few microseconds
 #: of Python: a 5-byte header out, a 1-byte answer back; the pixels go through shared memory)
 DISPATCH_THREADS: int | None = None
-#: images out at each decoder process at once (one decoding, the rest waiting in its socket)
-WORKER_DEPTH = 2
-#: largest image queued behind another at a worker (a Unix socket buffers ~200 KiB; larger ones wait
-#: for an idle worker, so that a send to a hung worker never blocks)
-QUEUE_BYTES = 150_000
+#: images out at each decoder process at once (one decoding, the rest waiting in its socket), so
+#: that a worker finishing an image finds the next one even when this process is slow to answer
+#: (its threads take turns on the GIL). Images queue behind others only while their bytes fit in the
+#: worker's socket buffer (``DecoderProcess.queue_bytes``): a send to a hung worker never blocks;
+#: an image too large to queue waits for an idle worker
+WORKER_DEPTH = 4
 
 
 def limit_heap_fragmentation(arenas: int = 2) -> bool:
@@ -376,8 +377,18 @@ class Run:
         crops = self.decoders.crops
         n = len(workers)
         pending = [collections.deque() for _ in range(n)]  # per worker: items sent, oldest first
+        queued = [0] * n  # per worker: bytes of the items sent and not answered
         started = [0.0] * n  # when each worker began its oldest pending image
         free = collections.deque(list(range(n)) * WORKER_DEPTH)  # one entry per open place
+
+        def pick(size: int):  # an idle worker first, else the shortest queue with room for the bytes
+            best = None
+            for x in free:
+                if not pending[x]:
+                    return x
+                if queued[x] + size <= workers[x].queue_bytes and (best is None or len(pending[x]) < len(pending[best])):
+                    best = x
+            return best
         outstanding, busy_since = 0, 0.0
         ended, held = False, None
 
@@ -415,12 +426,10 @@ class Run:
                             self._put(self.q2, it)
                             continue
                     eligible = self.gq is not None and self._gpu_eligible(it)
-                    # an image queues behind another only if it fits in the socket's buffer: a send
+                    # an image queues behind others only if it fits in the socket's buffer: a send
                     # to a hung worker must never block this thread
-                    big = len(it.data) > QUEUE_BYTES
-                    w = next((x for x in free if not pending[x]), None)  # an idle worker first
-                    if w is None and free and not big:
-                        w = free[0]  # else a place in a queue, behind one image
+                    size = len(it.data) + 4
+                    w = pick(size)
                     if w is None or (eligible and pending[w] and gpu_room()):  # no idle CPU worker
                         if eligible and gpu_room():
                             splitter.note(gpu=True)
@@ -442,6 +451,7 @@ class Run:
                     if outstanding == 0:
                         busy_since = now
                     pending[w].append(it)
+                    queued[w] += size
                     outstanding += 1
                     workers[w].send(it.data, row)
                 if ended and not outstanding and held is None:
@@ -456,6 +466,7 @@ class Run:
                          and now - max(started[w], workers[w].spawned + STARTUP_S) > timeout_s]
                 for w in [conns[c] for c in ready] + stuck:
                     it = pending[w].popleft()
+                    queued[w] -= len(it.data) + 4
                     outstanding -= 1
                     try:
                         if w not in stuck:
@@ -676,7 +687,11 @@ class Pipeline:
         allow_pillow_pixels(config.max_image_pixels)
         self.decoders = self.gpu_decoders = None
         if use_procs:
-            n = min(config.num_threads, usable_cores())
+            # by default one core is left to this process: its dispatcher, batcher, compute and decode
+            # threads use about one (measured on the H200 machine: 15 decoder processes fed ResNet18
+            # 3.5k img/s where 16 gave 3.1k, their CPU 95% busy against 85%,
+            # bench/results/e2e_cpu_decode_640x480_session5.json)
+            n = min(config.threads, usable_cores()) if config.threads else max(1, usable_cores() - 1)
             n_gpu = config.gpu_decode_processes if self.engine.gpu_decoder is not None else 0
             # crop rows: enough for every batch in flight plus the ones forming and those out at the
             # GPU decoder processes, capped by the window

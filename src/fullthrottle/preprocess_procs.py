@@ -46,6 +46,9 @@ from .preprocess import ImageError
 _OK, _IMAGE_ERROR, _OTHER_ERROR = 0, 1, 2
 #: seconds a freshly started worker is allowed for its imports before decode_timeout_s applies
 STARTUP_S = 15.0
+#: socket send buffer asked for per worker (bytes); what the kernel grants sets how many encoded
+#: images may queue at a worker (:attr:`DecoderProcess.queue_bytes`)
+SOCKET_BUFFER = 4 << 20
 _ROW = struct.Struct("<I")  # the pool row a request's crop goes to, ahead of the encoded bytes
 _WORKER_CMD = "import sys; from fullthrottle.preprocess_procs import _worker_main; _worker_main(sys.argv[1:])"
 
@@ -207,6 +210,13 @@ class DecoderProcess:
         if self.closed:  # never start a worker after close(): it would outlive its pipeline
             raise WorkerDied("the decoder pool is closed")
         parent, child = socket.socketpair()
+        try:  # room for several images queued in the socket (the kernel caps it at net.core.wmem_max)
+            parent.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        except OSError:
+            pass
+        # bytes that may wait in the socket without a send ever blocking: half the buffer the kernel
+        # granted (it reports twice the payload it accepts; the rest is bookkeeping)
+        self.queue_bytes = parent.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _WORKER_CMD, str(child.fileno()), str(self.pool.fd), *map(str, self.args)],
