@@ -61,15 +61,31 @@ CHECK = textwrap.dedent("""
             assert torch.allclose(y.float(), ref, atol=tol * 10, rtol=tol), (y.float() - ref).abs().max()
         x3 = rnd(3, Kd)
         assert torch.equal(K.linear(x3, w), torch.nn.functional.linear(x3, w))  # several rows: F.linear
-        # decode attention: 3 rows at cache rows 1..3, GQA (4 query heads over 2 kv heads), kv_len 7 of 8
+        # RMSNorm (after a residual add, or not) fused into a batch-1 GEMV, and SwiGLU fused into one
+        Kd, N = 200, 300
+        x, r, nw, w = rnd(1, 1, Kd), rnd(1, 1, Kd), rnd(Kd), rnd(N, Kd)
+        for res in (None, r):
+            s, y = K.rms_norm_linear(x, nw, 1e-5, w, residual=res)
+            s_ref = x.float() + (0 if res is None else res.float())
+            y_ref = K.rms_norm_ref(s_ref, nw.float(), 1e-5) @ w.float().T
+            assert s.shape == x.shape and y.shape == (1, 1, N) and y.dtype == dtype
+            assert torch.allclose(s.float(), s_ref, atol=tol, rtol=tol)
+            assert torch.allclose(y.float(), y_ref, atol=tol * 20, rtol=tol * 2), (y.float() - y_ref).abs().max()
+        gu = rnd(1, 1, 2 * Kd)
+        y = K.silu_mul_linear(gu, w)
+        y_ref = K.silu_mul_ref(gu.float()) @ w.float().T
+        assert y.shape == (1, 1, N) and torch.allclose(y.float(), y_ref, atol=tol * 20, rtol=tol * 2)
+        # decode attention: 3 rows at cache rows 1..3, GQA (4 query heads over 2 kv heads); a short
+        # cache (one split) and a long one (3 splits of 64 slots, positions on both sides of a split)
         B, H, Hkv, D = 3, 4, 2, 16
         q = rnd(B, H, 1, D)
-        kc, vc = rnd(5, Hkv, 8, D), rnd(5, Hkv, 8, D)
-        pos = torch.tensor([[0], [5], [6]], device=device)
-        o = K.decode_attention(q, kc, vc, pos, 1, 7)
-        ref = K.decode_attention_ref(q.float(), kc.float(), vc.float(), pos, 1, 7)
-        assert o.shape == (B, H, 1, D) and o.dtype == dtype
-        assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (o.float() - ref).abs().max()
+        for T, kv_len, ps in ((8, 7, (0, 5, 6)), (160, 150, (0, 64, 149))):
+            kc, vc = rnd(5, Hkv, T, D), rnd(5, Hkv, T, D)
+            pos = torch.tensor(ps, device=device)[:, None]
+            o = K.decode_attention(q, kc, vc, pos, 1, kv_len)
+            ref = K.decode_attention_ref(q.float(), kc.float(), vc.float(), pos, 1, kv_len)
+            assert o.shape == (B, H, 1, D) and o.dtype == dtype
+            assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (o.float() - ref).abs().max()
         # image normalisation from uint8 NHWC, a size not a multiple of the block, every byte value
         x8 = torch.arange(5 * 7 * 11 * 3, device=device).remainder(256).to(torch.uint8).view(5, 7, 11, 3)
         scale = torch.tensor([0.0171, 0.0175, 0.0174], device=device).to(dtype)

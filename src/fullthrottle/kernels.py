@@ -157,46 +157,89 @@ if triton is not None:
         u = tl.load(gu_ptr + row * 2 * I + I + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * I + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
 
-
     @triton.jit
-    def _gemv_kernel(w_ptr, x_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # y[n] = sum_k W[n, k] x[k]: one program per BLOCK_N rows of W, streamed once along K
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _gemv_kernel(w_ptr, x_ptr, r_ptr, nw_ptr, s_ptr, y_ptr, N, K, eps,
+                     NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # y[n] = sum_k W[n, k] x[k]: one program per BLOCK_N rows of W, streamed once along K. The
+        # input row x may first be made on the fly (fused away from their own kernels):
+        #   NORM:  x = rms_norm(x (+ r)) * nw, the sum x + r rounded and stored (by program 0) in s
+        #   GATED: x = silu(gate) * up, from the (2K,) fused gate/up row
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        dt = y_ptr.dtype.element_ty
+        if NORM:  # first pass over the row: its sum of squares (every program, 2*K bytes each)
+            ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                mk = rk < K
+                xv = tl.load(x_ptr + rk, mask=mk, other=0.0)
+                if HAS_RES:  # rounded to the input type, as the unfused add would store it
+                    xv = (xv.to(tl.float32) + tl.load(r_ptr + rk, mask=mk, other=0.0).to(tl.float32)).to(dt)
+                    tl.store(s_ptr + rk, xv, mask=mk & (pid == 0))
+                xf = xv.to(tl.float32)
+                ss += xf * xf
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
+            mk = rk < K
             w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :],
-                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-            x = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
+                        mask=(rn[:, None] < N) & mk[None, :], other=0.0)
+            if GATED:
+                g = tl.load(x_ptr + rk, mask=mk, other=0.0).to(tl.float32)
+                u = tl.load(x_ptr + K + rk, mask=mk, other=0.0).to(tl.float32)
+                xv = (g * tl.sigmoid(g) * u).to(dt).to(tl.float32)
+            else:
+                xv = tl.load(x_ptr + rk, mask=mk, other=0.0)
+                if HAS_RES:
+                    xv = (xv.to(tl.float32) + tl.load(r_ptr + rk, mask=mk, other=0.0).to(tl.float32)).to(dt)
+                xv = xv.to(tl.float32)
+                if NORM:
+                    nw = tl.load(nw_ptr + rk, mask=mk, other=0.0).to(tl.float32)
+                    xv = (xv * rstd * nw).to(dt).to(tl.float32)
+            acc += w.to(tl.float32) * xv[None, :]
+        tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(dt), mask=rn < N)
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, row0, T, H, REP, c_b, c_h, c_t,
-                                 sm_scale, D: tl.constexpr, BLOCK_T: tl.constexpr):
-        b = tl.program_id(0)                         # one program per (row, query head)
-        h = tl.program_id(1)
+    def _attention_part_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, part_ptr, row0, T, H, REP, SPLITS,
+                               c_b, c_h, c_t, sm_scale, D: tl.constexpr, BLOCK_T: tl.constexpr):
+        # split-KV decode attention, part 1: program (row*head, split) takes cache slots
+        # [split*BLOCK_T, (split+1)*BLOCK_T) of the valid 0..pos and leaves (acc[D], max, sum)
+        bh = tl.program_id(0)
+        sp = tl.program_id(1)
+        b = bh // H
+        h = bh % H
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + (b * H + h) * D + d).to(tl.float32) * sm_scale
-        n = tl.minimum(tl.load(pos_ptr + b) + 1, T)  # valid cache slots: 0..pos, only those are read
-        base = (row0 + b).to(tl.int64) * c_b + (h // REP) * c_h          # grouped-query: kv head h // REP
-        m_i = tl.full((), float("-inf"), tl.float32)
-        l_i = tl.full((), 0.0, tl.float32)
-        acc = tl.zeros((D,), dtype=tl.float32)
-        for t0 in range(0, n, BLOCK_T):              # online softmax (Milakov & Gimelshein, 2018)
-            t = t0 + tl.arange(0, BLOCK_T)
-            mt = t < n
-            off = base + t[:, None].to(tl.int64) * c_t + d[None, :]
-            k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)     # (BLOCK_T, D)
-            sc = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new)
-            v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            m_i = m_new
-        tl.store(o_ptr + (b * H + h) * D + d, (acc / l_i).to(o_ptr.dtype.element_ty))
+        q = tl.load(q_ptr + bh * D + d).to(tl.float32) * sm_scale
+        n = tl.minimum(tl.load(pos_ptr + b) + 1, T)                      # valid slots: 0..pos
+        t = sp * BLOCK_T + tl.arange(0, BLOCK_T)
+        mt = t < n
+        off = (row0 + b).to(tl.int64) * c_b + (h // REP) * c_h + t[:, None].to(tl.int64) * c_t + d[None, :]
+        k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)        # (BLOCK_T, D)
+        sc = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        m = tl.max(sc, axis=0)
+        p = tl.exp(sc - tl.where(m == float("-inf"), 0.0, m))                # 0 where masked
+        v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)
+        out = part_ptr + (bh * SPLITS + sp) * (D + 2)
+        tl.store(out + d, tl.sum(p[:, None] * v, axis=0))
+        tl.store(out + D, m)
+        tl.store(out + D + 1, tl.sum(p, axis=0))
+
+    @triton.jit
+    def _attention_merge_kernel(part_ptr, o_ptr, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
+        # part 2: merge the splits' partial softmaxes (Dao et al., 2023, "Flash-Decoding")
+        bh = tl.program_id(0)
+        sidx = tl.arange(0, BLOCK_S)
+        ms = sidx < SPLITS
+        base = part_ptr + (bh * SPLITS + sidx) * (D + 2)
+        m = tl.load(base + D, mask=ms, other=float("-inf"))
+        l_ = tl.load(base + D + 1, mask=ms, other=0.0)
+        w = tl.exp(m - tl.max(m, axis=0))                                   # split 0 is never empty
+        d = tl.arange(0, D)
+        acc = tl.load(base[:, None] + d[None, :], mask=ms[:, None], other=0.0)
+        o = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_, axis=0)
+        tl.store(o_ptr + bh * D + d, o.to(o_ptr.dtype.element_ty))
 
     @triton.jit
     def _normalize_u8_kernel(x_ptr, scale_ptr, shift_ptr, y_ptr, n, C: tl.constexpr, BLOCK: tl.constexpr):
@@ -333,6 +376,19 @@ def _gemv_config(N: int, K: int) -> tuple[int, int, int, int]:
     return bn, min(bk, triton.next_power_of_2(K)), warps, stages
 
 
+def _single_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.numel() == weight.shape[1] and x.dtype in _FLOATS and use_triton(x) and weight.is_contiguous()
+
+
+def _launch_gemv(weight, x, y, r=None, nw=None, s=None, eps=0.0, gated=False):
+    N, K = weight.shape
+    bn, bk, warps, stages = _gemv_config(N, K)
+    _gemv_kernel[(triton.cdiv(N, bn),)](weight, x, x if r is None else r, x if nw is None else nw,
+                                        x if s is None else s, y, N, K, eps, NORM=nw is not None,
+                                        HAS_RES=r is not None, GATED=gated, BLOCK_N=bn, BLOCK_K=bk,
+                                        num_warps=warps, num_stages=stages)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` (no bias); for a single row on CUDA a Triton GEMV.
 
@@ -353,13 +409,70 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _check(weight.dim() == 2 and x.dim() >= 1 and weight.shape[1] == x.shape[-1],
            f"linear: weight must be (N, {x.shape[-1] if x.dim() else '?'}), got {tuple(weight.shape)}")
     _check(x.dtype == weight.dtype, f"linear: x and weight dtypes differ ({x.dtype}, {weight.dtype})")
-    N, K = weight.shape
-    if x.numel() != K or x.dtype not in _FLOATS or not use_triton(x) or not weight.is_contiguous():
+    if not _single_row_gemv(x, weight):
         return linear_ref(x, weight)
-    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = _gemv_config(N, K)
-    _gemv_kernel[(triton.cdiv(N, bn),)](weight, x.contiguous(), y, N, K, BLOCK_N=bn, BLOCK_K=bk,
-                                        num_warps=warps, num_stages=stages)
+    y = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch_gemv(weight, x.contiguous(), y)
+    return y
+
+
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` (or ``x``), then ``linear(rms_norm(s) * norm_weight, weight)``.
+
+    For a single row on CUDA the add and the RMSNorm happen inside the GEMV (each program recomputes
+    the row's norm from its 2*K bytes, program 0 stores ``s``): one kernel instead of two per
+    projection that follows a norm. Otherwise :func:`rms_norm` then :func:`linear`.
+
+    Args:
+        x: ``(..., K)``; norm_weight: ``(K,)``; weight: ``(N, K)``; residual: like ``x`` or None.
+
+    Returns:
+        ``(s, y)``: ``s`` like ``x`` (the new residual stream), ``y`` ``(..., N)``.
+
+    Raises:
+        ValueError: see :func:`rms_norm` and :func:`linear`.
+    """
+    K = x.shape[-1] if x.dim() else 0
+    _check(norm_weight.shape == (K,) and weight.dim() == 2 and weight.shape[1] == K,
+           f"rms_norm_linear: norm weight ({K},) and weight (N, {K}) expected, got "
+           f"{tuple(norm_weight.shape)} and {tuple(weight.shape)}")
+    _check(residual is None or (residual.shape == x.shape and residual.dtype == x.dtype),
+           "rms_norm_linear: residual must have x's shape and dtype")
+    _check(eps > 0 and x.dtype == weight.dtype, "rms_norm_linear: eps must be > 0 and x, weight share a dtype")
+    if not _single_row_gemv(x, weight):
+        if residual is None:
+            return x, linear(rms_norm(x, norm_weight, eps), weight)
+        s, xn = rms_norm(x, norm_weight, eps, residual)
+        return s, linear(xn, weight)
+    x = x.contiguous()
+    s = torch.empty_like(x) if residual is not None else x
+    y = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch_gemv(weight, x, y, r=None if residual is None else residual.contiguous(), nw=norm_weight,
+                 s=s, eps=eps)
+    return s, y
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``linear(silu_mul(gate_up), weight)``; for a single row on CUDA the gating happens inside the GEMV.
+
+    Args:
+        gate_up: ``(..., 2*K)``; weight: ``(N, K)``.
+
+    Returns:
+        ``(..., N)``.
+
+    Raises:
+        ValueError: see :func:`silu_mul` and :func:`linear`.
+    """
+    _check(weight.dim() == 2 and gate_up.dim() >= 1 and gate_up.shape[-1] == 2 * weight.shape[1],
+           f"silu_mul_linear: gate_up's last dim must be 2*K for weight (N, K), got {tuple(gate_up.shape)} "
+           f"and {tuple(weight.shape)}")
+    K = weight.shape[1]
+    if gate_up.numel() != 2 * K or not _single_row_gemv(gate_up[..., :K], weight):
+        return linear(silu_mul(gate_up), weight)
+    y = torch.empty((*gate_up.shape[:-1], weight.shape[0]), dtype=gate_up.dtype, device=gate_up.device)
+    _launch_gemv(weight, gate_up.contiguous(), y, gated=True)
     return y
 
 
@@ -369,9 +482,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Row ``b``'s query attends to cache slots ``0..pos[b]`` of cache row ``row0 + b`` (causal: its
     own slot included, written before this call), never past ``kv_len``. The Triton kernel reads only
-    those valid slots, once per query head, with an online softmax (Milakov & Gimelshein, 2018,
-    "Online normalizer calculation for softmax"); grouped-query attention maps query head ``h`` to
-    key/value head ``h // (H / Hkv)``, as ``repeat_interleave`` does. Without Triton (or for more
+    those valid slots, split along the cache in blocks of 64 slots run side by side, whose partial
+    softmaxes a second kernel merges (split-KV, "Flash-Decoding", Dao et al., 2023); grouped-query
+    attention maps query head ``h`` to key/value head ``h // (H / Hkv)``, as ``repeat_interleave``
+    does. Without Triton (or for more
     than one query per row) it is ``F.scaled_dot_product_attention`` with the causal mask.
 
     Args:
@@ -400,9 +514,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             or v_cache.stride() != k_cache.stride()):
         return decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _decode_attention_kernel[(B, H)](q.contiguous(), k_cache, v_cache, pos.contiguous(), o, row0, kv_len, H,
-                                     H // hkv, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                     D ** -0.5, D=D, BLOCK_T=64, num_warps=4)
+    BLOCK_T = 64
+    splits = triton.cdiv(kv_len, BLOCK_T)   # static per captured graph (kv_len is)
+    part = torch.empty((B * H, splits, D + 2), dtype=torch.float32, device=q.device)
+    _attention_part_kernel[(B * H, splits)](q.contiguous(), k_cache, v_cache, pos.contiguous(), part, row0,
+                                            kv_len, H, H // hkv, splits, k_cache.stride(0), k_cache.stride(1),
+                                            k_cache.stride(2), D ** -0.5, D=D, BLOCK_T=BLOCK_T, num_warps=4)
+    _attention_merge_kernel[(B * H,)](part, o, splits, D=D, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return o
 
 
@@ -442,6 +560,7 @@ def normalize_u8(x_u8: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, d
     return y
 
 
-__all__ = ["rms_norm", "rope_qkv_into_cache", "silu_mul", "linear", "decode_attention", "normalize_u8",
+__all__ = ["rms_norm", "rope_qkv_into_cache", "silu_mul", "linear", "rms_norm_linear", "silu_mul_linear",
+           "decode_attention", "normalize_u8",
            "use_triton", "rms_norm_ref", "rope_qkv_into_cache_ref", "silu_mul_ref", "linear_ref",
            "decode_attention_ref", "normalize_u8_ref"]
