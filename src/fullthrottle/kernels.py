@@ -158,48 +158,18 @@ if triton is not None:
         tl.store(out_ptr + row * I + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _gemv_kernel(w_ptr, x_ptr, r_ptr, nw_ptr, s_ptr, y_ptr, N, K, eps,
-                     NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # y[n] = sum_k W[n, k] x[k]: one program per BLOCK_N rows of W, streamed once along K. The
-        # input row x may first be made on the fly (fused away from their own kernels):
-        #   NORM:  x = rms_norm(x (+ r)) * nw, the sum x + r rounded and stored (by program 0) in s
-        #   GATED: x = silu(gate) * up, from the (2K,) fused gate/up row
-        pid = tl.program_id(0)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        dt = y_ptr.dtype.element_ty
-        if NORM:  # first pass over the row: its sum of squares (every program, 2*K bytes each)
-            ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                mk = rk < K
-                xv = tl.load(x_ptr + rk, mask=mk, other=0.0)
-                if HAS_RES:  # rounded to the input type, as the unfused add would store it
-                    xv = (xv.to(tl.float32) + tl.load(r_ptr + rk, mask=mk, other=0.0).to(tl.float32)).to(dt)
-                    tl.store(s_ptr + rk, xv, mask=mk & (pid == 0))
-                xf = xv.to(tl.float32)
-                ss += xf * xf
-            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    def _gemv_kernel(w_ptr, x_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # y[n] = sum_k W[n, k] x[k]: one program per BLOCK_N rows of W, streamed once along K
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             mk = rk < K
             w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :],
                         mask=(rn[:, None] < N) & mk[None, :], other=0.0)
-            if GATED:
-                g = tl.load(x_ptr + rk, mask=mk, other=0.0).to(tl.float32)
-                u = tl.load(x_ptr + K + rk, mask=mk, other=0.0).to(tl.float32)
-                xv = (g * tl.sigmoid(g) * u).to(dt).to(tl.float32)
-            else:
-                xv = tl.load(x_ptr + rk, mask=mk, other=0.0)
-                if HAS_RES:
-                    xv = (xv.to(tl.float32) + tl.load(r_ptr + rk, mask=mk, other=0.0).to(tl.float32)).to(dt)
-                xv = xv.to(tl.float32)
-                if NORM:
-                    nw = tl.load(nw_ptr + rk, mask=mk, other=0.0).to(tl.float32)
-                    xv = (xv * rstd * nw).to(dt).to(tl.float32)
+            xv = tl.load(x_ptr + rk, mask=mk, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * xv[None, :]
-        tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(dt), mask=rn < N)
+        tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
 
     @triton.jit
     def _attention_part_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, part_ptr, row0, T, H, REP, SPLITS,
@@ -376,19 +346,6 @@ def _gemv_config(N: int, K: int) -> tuple[int, int, int, int]:
     return bn, min(bk, triton.next_power_of_2(K)), warps, stages
 
 
-def _single_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.numel() == weight.shape[1] and x.dtype in _FLOATS and use_triton(x) and weight.is_contiguous()
-
-
-def _launch_gemv(weight, x, y, r=None, nw=None, s=None, eps=0.0, gated=False):
-    N, K = weight.shape
-    bn, bk, warps, stages = _gemv_config(N, K)
-    _gemv_kernel[(triton.cdiv(N, bn),)](weight, x, x if r is None else r, x if nw is None else nw,
-                                        x if s is None else s, y, N, K, eps, NORM=nw is not None,
-                                        HAS_RES=r is not None, GATED=gated, BLOCK_N=bn, BLOCK_K=bk,
-                                        num_warps=warps, num_stages=stages)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` (no bias); for a single row on CUDA a Triton GEMV.
 
@@ -409,70 +366,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _check(weight.dim() == 2 and x.dim() >= 1 and weight.shape[1] == x.shape[-1],
            f"linear: weight must be (N, {x.shape[-1] if x.dim() else '?'}), got {tuple(weight.shape)}")
     _check(x.dtype == weight.dtype, f"linear: x and weight dtypes differ ({x.dtype}, {weight.dtype})")
-    if not _single_row_gemv(x, weight):
+    N, K = weight.shape
+    if x.numel() != K or x.dtype not in _FLOATS or not use_triton(x) or not weight.is_contiguous():
         return linear_ref(x, weight)
-    y = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch_gemv(weight, x.contiguous(), y)
-    return y
-
-
-def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = x + residual`` (or ``x``), then ``linear(rms_norm(s) * norm_weight, weight)``.
-
-    For a single row on CUDA the add and the RMSNorm happen inside the GEMV (each program recomputes
-    the row's norm from its 2*K bytes, program 0 stores ``s``): one kernel instead of two per
-    projection that follows a norm. Otherwise :func:`rms_norm` then :func:`linear`.
-
-    Args:
-        x: ``(..., K)``; norm_weight: ``(K,)``; weight: ``(N, K)``; residual: like ``x`` or None.
-
-    Returns:
-        ``(s, y)``: ``s`` like ``x`` (the new residual stream), ``y`` ``(..., N)``.
-
-    Raises:
-        ValueError: see :func:`rms_norm` and :func:`linear`.
-    """
-    K = x.shape[-1] if x.dim() else 0
-    _check(norm_weight.shape == (K,) and weight.dim() == 2 and weight.shape[1] == K,
-           f"rms_norm_linear: norm weight ({K},) and weight (N, {K}) expected, got "
-           f"{tuple(norm_weight.shape)} and {tuple(weight.shape)}")
-    _check(residual is None or (residual.shape == x.shape and residual.dtype == x.dtype),
-           "rms_norm_linear: residual must have x's shape and dtype")
-    _check(eps > 0 and x.dtype == weight.dtype, "rms_norm_linear: eps must be > 0 and x, weight share a dtype")
-    if not _single_row_gemv(x, weight):
-        if residual is None:
-            return x, linear(rms_norm(x, norm_weight, eps), weight)
-        s, xn = rms_norm(x, norm_weight, eps, residual)
-        return s, linear(xn, weight)
-    x = x.contiguous()
-    s = torch.empty_like(x) if residual is not None else x
-    y = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch_gemv(weight, x, y, r=None if residual is None else residual.contiguous(), nw=norm_weight,
-                 s=s, eps=eps)
-    return s, y
-
-
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``linear(silu_mul(gate_up), weight)``; for a single row on CUDA the gating happens inside the GEMV.
-
-    Args:
-        gate_up: ``(..., 2*K)``; weight: ``(N, K)``.
-
-    Returns:
-        ``(..., N)``.
-
-    Raises:
-        ValueError: see :func:`silu_mul` and :func:`linear`.
-    """
-    _check(weight.dim() == 2 and gate_up.dim() >= 1 and gate_up.shape[-1] == 2 * weight.shape[1],
-           f"silu_mul_linear: gate_up's last dim must be 2*K for weight (N, K), got {tuple(gate_up.shape)} "
-           f"and {tuple(weight.shape)}")
-    K = weight.shape[1]
-    if gate_up.numel() != 2 * K or not _single_row_gemv(gate_up[..., :K], weight):
-        return linear(silu_mul(gate_up), weight)
-    y = torch.empty((*gate_up.shape[:-1], weight.shape[0]), dtype=gate_up.dtype, device=gate_up.device)
-    _launch_gemv(weight, gate_up.contiguous(), y, gated=True)
+    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = _gemv_config(N, K)
+    _gemv_kernel[(triton.cdiv(N, bn),)](weight, x.contiguous(), y, N, K, BLOCK_N=bn, BLOCK_K=bk,
+                                        num_warps=warps, num_stages=stages)
     return y
 
 
@@ -560,7 +460,7 @@ def normalize_u8(x_u8: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, d
     return y
 
 
-__all__ = ["rms_norm", "rope_qkv_into_cache", "silu_mul", "linear", "rms_norm_linear", "silu_mul_linear",
+__all__ = ["rms_norm", "rope_qkv_into_cache", "silu_mul", "linear",
            "decode_attention", "normalize_u8",
            "use_triton", "rms_norm_ref", "rope_qkv_into_cache_ref", "silu_mul_ref", "linear_ref",
            "decode_attention_ref", "normalize_u8_ref"]

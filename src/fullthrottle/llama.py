@@ -113,11 +113,10 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # (maxB, Hkv, T, D)
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, qkv, cos, sin, pos, row0, mask):
-        # qkv: (B, S, (H+2*Hkv)*D), the fused q/k/v projection of the normed input (done by the Block,
-        # fused with the norm); returns the output projection (B, S, dim)
-        B, S, _ = qkv.shape
+    def forward(self, x, cos, sin, pos, row0, mask):
+        B, S, _ = x.shape                                                 # x: (B, S, dim)
         h, hkv, d = self.h, self.hkv, self.d
+        qkv = kernels.linear(x, self.qkv_proj.weight)                     # (B, S, (H+2*Hkv)*D)
         # RoPE on q and k; k and v written into the cache at ``pos`` (one kernel on CUDA); cos: (B, S, D/2)
         q = kernels.rope_qkv_into_cache(qkv, cos, sin, pos, self.k_cache, self.v_cache, row0, h, hkv)  # (B, H, S, D)
         T = mask.shape[-1]                                                # attend to cache slots [0, T) only
@@ -140,9 +139,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, gate_up):
-        # gate_up: (B, S, 2I), the fused gate/up projection of the normed input (done by the Block)
-        return kernels.silu_mul_linear(gate_up, self.down_proj.weight)        # SwiGLU, down: (B, S, dim)
+    def forward(self, x):
+        gate_up = kernels.linear(x, self.gate_up_proj.weight)                 # (B, S, 2I)
+        return kernels.linear(kernels.silu_mul(gate_up), self.down_proj.weight)  # SwiGLU, down: (B, S, dim)
 
 
 class Block(nn.Module):
@@ -155,13 +154,14 @@ class Block(nn.Module):
 
     def forward(self, x, r, cos, sin, pos, row0, mask):
         # x: the residual stream (B, S, dim); r: the previous block's MLP output, still to be added
-        # (None in the first block). Each add + RMSNorm + the projection after it is one call (one
-        # kernel for a single row on CUDA): x + r, then qkv_proj(norm(x + r))
-        ln1, ln2, attn, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
-        x, qkv = kernels.rms_norm_linear(x, ln1.weight, ln1.eps, attn.qkv_proj.weight, residual=r)
-        a = attn(qkv, cos, sin, pos, row0, mask)                             # (B, S, dim)
-        x, gate_up = kernels.rms_norm_linear(x, ln2.weight, ln2.eps, mlp.gate_up_proj.weight, residual=a)
-        return x, mlp(gate_up)                                               # the block's output is x + mlp
+        # (None in the first block), so that each residual add is fused into the RMSNorm after it
+        if r is None:
+            xn = self.input_layernorm(x)
+        else:
+            x, xn = self.input_layernorm(x, residual=r)                      # x + r, and its norm
+        a = self.self_attn(xn, cos, sin, pos, row0, mask)
+        x, hn = self.post_attention_layernorm(x, residual=a)                 # x + a, and its norm
+        return x, self.mlp(hn)                                               # the block's output is x + mlp
 
 
 class Llama(nn.Module):
@@ -205,8 +205,8 @@ class Llama(nn.Module):
         r = None
         for blk in self.layers:
             x, r = blk(x, r, cos, sin, pos, row0, mask)
-        _, logits = kernels.rms_norm_linear(x, self.norm.weight, self.norm.eps, self.lm_head.weight, residual=r)
-        return logits.float()                                                # (B, S, vocab)
+        xn = self.norm(x) if r is None else self.norm(x, residual=r)[1]      # the last block's add, fused
+        return kernels.linear(xn, self.lm_head.weight).float()               # (B, S, vocab)
 
 
 def fuse_hf_projections(sd: dict) -> dict:
