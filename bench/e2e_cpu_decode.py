@@ -147,7 +147,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=30000, help="images per measurement")
     ap.add_argument("--images", default="640x480", choices=("640x480", "mixed"))
-    ap.add_argument("--workers", type=int, default=16, help="DataLoader workers / fullthrottle threads")
+    ap.add_argument("--workers", type=int, default=16, help="DataLoader workers")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="fullthrottle preprocess threads (decoder processes); default: its own default "
+                    "(one per core but one with decoder processes)")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--ft-threads", default="", help="extra fullthrottle thread counts to try, e.g. 8,12")
     ap.add_argument("--dispatchers", default="", help="extra runs with this many dispatcher threads feeding "
@@ -179,12 +182,12 @@ def main():
     dl = run_dataloader(blobs, args.n, args.workers, args.batch, model)
     print(dl, flush=True)
     print("fullthrottle ...", flush=True)
-    ft = run_fullthrottle(blobs, args.n, args.workers, args.batch)
+    ft = run_fullthrottle(blobs, args.n, args.threads, args.batch)
     print({k: v for k, v in ft.items() if k != "stages"}, flush=True)
     ft_eager = None
     if not args.skip_no_graphs:
         print("fullthrottle, graphs off ...", flush=True)
-        ft_eager = run_fullthrottle(blobs, args.n, args.workers, args.batch, graphs=False)
+        ft_eager = run_fullthrottle(blobs, args.n, args.threads, args.batch, graphs=False)
         print({k: v for k, v in ft_eager.items() if k != "stages"}, flush=True)
     extra = []
     for t in [int(x) for x in args.ft_threads.split(",") if x]:
@@ -193,36 +196,36 @@ def main():
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     for d in [int(x) for x in args.dispatchers.split(",") if x]:
         print(f"fullthrottle, {d} dispatcher threads ...", flush=True)
-        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, dispatchers=d))
+        extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, dispatchers=d))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     for d in [int(x) for x in args.worker_depths.split(",") if x]:
         print(f"fullthrottle, worker depth {d} ...", flush=True)
-        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, worker_depth=d))
+        extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, worker_depth=d))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     if args.thread_decode:
         print("fullthrottle, decoding in threads ...", flush=True)
-        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, preprocess="threads"))
+        extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, preprocess="threads"))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     for g in [int(x) for x in args.gpu_procs.split(",") if x] if args.gpu_decode else []:
         print(f"fullthrottle, GPU decode, {g} GPU decoder processes ...", flush=True)
-        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, gpu_decode=True, gpu_procs=g))
+        extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, gpu_decode=True, gpu_procs=g))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     for w in [float(x) for x in args.ft_waits.split(",") if x]:
         print(f"fullthrottle, max_wait_ms {w} ...", flush=True)
-        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, max_wait_ms=w))
+        extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, max_wait_ms=w))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
-        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch, graphs=False, max_wait_ms=w))
+        extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, graphs=False, max_wait_ms=w))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     if args.switch_interval:
         old = sys.getswitchinterval()
         sys.setswitchinterval(args.switch_interval)
         print(f"fullthrottle, switch interval {args.switch_interval} ...", flush=True)
-        extra.append(run_fullthrottle(blobs, args.n, args.workers, args.batch))
+        extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
         sys.setswitchinterval(old)
     payload = {
         "benchmark": "e2e_cpu_decode", "machine": machine_info(), "images": args.images,
-        "n": args.n, "workers_or_threads": args.workers, "batch": args.batch,
+        "n": args.n, "dataloader_workers": args.workers, "fullthrottle_threads": args.threads, "batch": args.batch,
         "model": "resnet18 bf16 channels_last eager, random weights",
         "baseline_dataloader_pil": dl, "fullthrottle": ft, "fullthrottle_no_graphs": ft_eager,
         "ratio_fullthrottle_over_dataloader": ft["img_per_s"] / dl["img_per_s"],

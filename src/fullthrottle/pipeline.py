@@ -690,7 +690,7 @@ class Pipeline:
             # by default one core is left to this process: its dispatcher, batcher, compute and decode
             # threads use about one (measured on the H200 machine: 15 decoder processes fed ResNet18
             # 3.5k img/s where 16 gave 3.1k, their CPU 95% busy against 85%,
-            # bench/results/e2e_cpu_decode_640x480_session5.json)
+            # bench/results/e2e_cpu_decode_640x480_decoder_processes_15_vs_16.json)
             n = min(config.threads, usable_cores()) if config.threads else max(1, usable_cores() - 1)
             n_gpu = config.gpu_decode_processes if self.engine.gpu_decoder is not None else 0
             # crop rows: enough for every batch in flight plus the ones forming and those out at the
