@@ -147,3 +147,55 @@ def test_forged_bmp_and_gif_headers_meet_our_limit(fmt):
     for limit in (1_000_000, 89_478_485):
         with pytest.raises(ImageError, match="image too large: .* megapixels.*max_image_pixels"):
             preprocess(data, max_pixels=limit)
+
+
+def test_images_queue_at_a_worker_only_within_its_socket_buffer(samples, monkeypatch, no_thread_leak):
+    """Up to WORKER_DEPTH images are out at each worker, but one waits behind another only while the
+    bytes fit in the worker's socket buffer (so a send never blocks on a hung worker): with a budget
+    smaller than any JPEG no worker is sent a second image before it answered the first; with the
+    real buffer images do queue; every result arrives either way."""
+    import fullthrottle.preprocess_procs as pp
+
+    out, peak = {}, {}
+    send0, receive0 = pp.DecoderProcess.send, pp.DecoderProcess.receive
+
+    def send(self, data, row):
+        out[id(self)] = out.get(id(self), 0) + 1
+        peak[id(self)] = max(peak.get(id(self), 0), out[id(self)])
+        return send0(self, data, row)
+
+    def receive(self):
+        try:
+            return receive0(self)
+        finally:
+            out[id(self)] -= 1
+
+    monkeypatch.setattr(pp.DecoderProcess, "send", send)
+    monkeypatch.setattr(pp.DecoderProcess, "receive", receive)
+    inputs = [str(p) for p in samples[:40]]
+    with tiny_pipe() as pipe:
+        ref = [(r.id, r.class_ids) for r in pipe.classify(inputs)]
+    with tiny_pipe(preprocess="processes") as pipe:
+        assert all(w.queue_bytes > 100_000 for w in pipe.decoders.workers)  # the kernel's grant
+        got = [(r.id, r.class_ids) for r in pipe.classify(inputs)]
+        assert got == ref and max(peak.values()) >= 2
+        peak.clear()
+        for w in pipe.decoders.workers:
+            w.queue_bytes = 16
+        got = [(r.id, r.class_ids) for r in pipe.classify(inputs)]
+        assert got == ref and max(peak.values()) == 1
+
+
+def test_decoder_processes_default_to_one_per_core_but_one(monkeypatch):
+    """The main process's threads (dispatcher, batcher, compute, decode) need about a core: by default
+    one is left to them; an explicit thread count is taken as given (capped at the cores)."""
+    import fullthrottle.pipeline as pl
+
+    monkeypatch.setattr(pl, "usable_cores", lambda: 3)
+    with tiny_pipe(preprocess="processes", threads=None) as pipe:
+        assert len(pipe.decoders) == 2
+    with tiny_pipe(preprocess="processes", threads=3) as pipe:
+        assert len(pipe.decoders) == 3
+    monkeypatch.setattr(pl, "usable_cores", lambda: 1)
+    with tiny_pipe(preprocess="processes", threads=None) as pipe:
+        assert len(pipe.decoders) == 1
