@@ -39,6 +39,23 @@ def sample_jpegs() -> list[bytes]:
     return [p.read_bytes() for p in sorted(SAMPLES.glob("*.JPEG"))]
 
 
+def engine_ring_loop(eng, bs: int, iters: int) -> None:
+    """Run ``iters`` batches of ``bs`` rows (already in the slots' pinned inputs) through a
+    :class:`fullthrottle.compute.Engine`, every staging slot in flight: submit, and collect + release
+    the oldest batch whenever the ring is full; then drain."""
+    inflight = []
+    for _ in range(iters):
+        slot = eng.acquire()
+        inflight.append(eng.submit(slot, None, bs))
+        if len(inflight) == len(eng.slots):
+            done = inflight.pop(0)
+            eng.collect(done)
+            eng.release(done)
+    for done in inflight:
+        eng.collect(done)
+        eng.release(done)
+
+
 def write_json(path: str | os.PathLike, payload: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:

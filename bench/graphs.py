@@ -22,7 +22,7 @@ import torch
 import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info, write_json  # noqa: E402
+from common import engine_ring_loop, machine_info, write_json  # noqa: E402
 
 BATCHES = (1, 8, 32, 128, 512, 1024)
 
@@ -102,17 +102,7 @@ def main():
             iters = max(iters_for(bs) * 2, -(-40_000 // bs))  # >= 40k images: fill and drain of the ring amortised
 
             def run_many():
-                inflight = []
-                for _ in range(iters):
-                    slot = eng.acquire()
-                    inflight.append(eng.submit(slot, None, bs))
-                    if len(inflight) == len(eng.slots):
-                        done = inflight.pop(0)
-                        eng.collect(done)
-                        eng.release(done)
-                for done in inflight:
-                    eng.collect(done)
-                    eng.release(done)
+                engine_ring_loop(eng, bs, iters)
 
             run_many()  # warm-up
             times = []

@@ -27,7 +27,7 @@ import torch
 import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info, write_json  # noqa: E402
+from common import engine_ring_loop, machine_info, write_json  # noqa: E402
 
 
 def events_time(fn, iters):
@@ -97,17 +97,7 @@ def main():
             consumed[i].record()
 
         def engine_loop():
-            inflight = []
-            for _ in range(iters):
-                slot = eng.acquire()
-                inflight.append(eng.submit(slot, None, bs))
-                if len(inflight) == len(eng.slots):
-                    done = inflight.pop(0)
-                    eng.collect(done)
-                    eng.release(done)
-            for done in inflight:
-                eng.collect(done)
-                eng.release(done)
+            engine_ring_loop(eng, bs, iters)
 
         variants = {
             "raw": lambda: g_raw.replay(),
