@@ -39,6 +39,23 @@ def sample_jpegs() -> list[bytes]:
     return [p.read_bytes() for p in sorted(SAMPLES.glob("*.JPEG"))]
 
 
+def capture_graph(fn, warmup: int = 3):
+    """``fn()`` (CUDA work, no host sync) captured by hand as a ``torch.cuda.CUDAGraph``, after
+    ``warmup`` calls on a side stream (cuDNN/cuBLAS pick their kernels, workspaces are allocated)."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def engine_ring_loop(eng, bs: int, iters: int) -> None:
     """Run ``iters`` batches of ``bs`` rows (already in the slots' pinned inputs) through a
     :class:`fullthrottle.compute.Engine`, every staging slot in flight: submit, and collect + release

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info, write_json  # noqa: E402
+from common import capture_graph, machine_info, write_json  # noqa: E402
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
           "lm_head": (32000, 4096)}
@@ -52,16 +52,7 @@ def gemv(w, x, y, bn, bk, warps, stages):
 
 def graph_time_us(fn_i, n_w, calls=20, reps=10):
     """Microseconds per call: ``calls`` calls (cycling ``n_w`` weight copies) captured in one graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(3):
-            fn_i(i % n_w)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn_i(i % n_w)
+    g = capture_graph(lambda: [fn_i(i % n_w) for i in range(calls)], warmup=1)
     g.replay()
     torch.cuda.synchronize()
     ts = []

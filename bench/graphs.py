@@ -22,7 +22,7 @@ import torch
 import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_ring_loop, machine_info, write_json  # noqa: E402
+from common import capture_graph, engine_ring_loop, machine_info, write_json  # noqa: E402
 
 BATCHES = (1, 8, 32, 128, 512, 1024)
 
@@ -68,15 +68,7 @@ def main():
             x = torch.randn(bs, 3, 224, 224, device="cuda", dtype=torch.bfloat16).contiguous(
                 memory_format=torch.channels_last)
             eager_s = time_loop(lambda: model(x), iters_for(bs))
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    model(x)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                model(x)
+            g = capture_graph(lambda: model(x), warmup=2)
             graph_s = time_loop(g.replay, iters_for(bs))
             del g
             rows.append({"batch": bs, "eager_img_per_s": bs / eager_s, "raw_graph_img_per_s": bs / graph_s})

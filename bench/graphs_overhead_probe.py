@@ -27,7 +27,7 @@ import torch
 import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_ring_loop, machine_info, write_json  # noqa: E402
+from common import capture_graph, engine_ring_loop, machine_info, write_json  # noqa: E402
 
 
 def events_time(fn, iters):
@@ -59,15 +59,7 @@ def main():
         with torch.inference_mode():
             x = torch.randn(bs, 3, 224, 224, device="cuda", dtype=torch.bfloat16).contiguous(
                 memory_format=torch.channels_last)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    model(x)
-            torch.cuda.current_stream().wait_stream(s)
-            g_raw = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g_raw):
-                model(x)
+            g_raw = capture_graph(lambda: model(x))
         eng = Engine(Config(model=model, device="cuda", dtype="bfloat16", channels_last=True, graphs=True,
                             max_batch_size=bs, buckets=(bs,), staging_slots=3))
         print(eng.runner.info.format(), flush=True)
