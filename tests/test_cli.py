@@ -85,3 +85,38 @@ def test_cuda_only_options_on_cpu_are_named_not_ignored(samples, capsys):
     assert rc == 0
     assert "note: --gpu-decode and --dtype bfloat16 need CUDA" in err
     assert "note: --top-k 1001 is more than the model's 1000 classes" in err
+
+
+def test_unwritable_report_json_fails_before_the_run(samples, tmp_path, capsys, monkeypatch):
+    """--report-json naming a folder is refused up front (exit 2), before any image is classified."""
+    import fullthrottle.pipeline as pl
+
+    monkeypatch.setattr(pl.Pipeline, "__init__", lambda *a, **k: pytest.fail("the pipeline was built"))
+    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--report-json", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"cannot write {tmp_path}: Is a directory" in err
+
+
+def test_generate_and_embed_name_a_missing_model_folder(tmp_path, capsys):
+    missing = str(tmp_path / "nope")
+    assert main(["generate", "--model-dir", missing, "--tokens", "1,2"]) == 2
+    assert f"model folder not found: {missing}" in capsys.readouterr().err
+    src = tmp_path / "in.txt"
+    src.write_text("hello\n")
+    assert main(["embed", str(src), "--model-dir", missing, "--out", str(tmp_path / "o.npy")]) == 2
+    assert f"model folder not found: {missing}" in capsys.readouterr().err
+
+
+def test_random_7b_that_cannot_fit_is_refused_before_it_is_built():
+    """Llama-2-7B with random weights needs 13.5 GB in bf16 (27 GB in fp32): checked against the free
+    memory before any allocation, with the way out named."""
+    import torch
+
+    from fullthrottle.cli import _check_memory_for, _llama_bytes
+    from fullthrottle.llama import LlamaConfig
+
+    cfg = LlamaConfig.llama2_7b()
+    assert _llama_bytes(cfg, torch.bfloat16) == 13_476_831_232
+    with pytest.raises(ValueError, match=r"need 25\.1 GiB in float32 on cpu, but only 16\.0 GiB is free.*--dtype"):
+        _check_memory_for(cfg, torch.device("cpu"), torch.float32, free=16 * 2**30)
+    _check_memory_for(cfg, torch.device("cpu"), torch.bfloat16, free=16 * 2**30)  # fits: no error

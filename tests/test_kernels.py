@@ -138,6 +138,27 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
         K.rms_norm(x, torch.ones(8), -1.0)
     with pytest.raises(ValueError, match="last dim must be even"):
         K.silu_mul(torch.randn(2, 3))
+    meta = torch.empty(3, 8, device="meta")
+    with pytest.raises(ValueError, match="different devices: x on cpu, weight on meta"):
+        K.linear(torch.randn(2, 8), meta)
+    with pytest.raises(ValueError, match="share a float dtype"):
+        K.linear(torch.ones(2, 8, dtype=torch.bool), torch.ones(3, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="different devices"):
+        K.rms_norm(x, torch.ones(8, device="meta"), 1e-5)
+    with pytest.raises(ValueError, match="eps must be a number"):
+        K.rms_norm(x, torch.ones(8), None)
+    q, kv, p = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 16, 8), torch.tensor([[3], [5]])
+    with pytest.raises(ValueError, match="head counts"):
+        K.decode_attention(q, torch.randn(2, 0, 16, 8), torch.randn(2, 0, 16, 8), p, 0, 16)
+    with pytest.raises(ValueError, match="share a float dtype"):
+        K.decode_attention(q.bfloat16(), kv, kv, p, 0, 16)
+    with pytest.raises(ValueError, match="pos must be an integer"):
+        K.decode_attention(q, kv, kv, p.float(), 0, 16)
+    with pytest.raises(ValueError, match="must be ints"):
+        K.decode_attention(q, kv, kv, p, 0, 4.5)
+    with pytest.raises(ValueError, match="different devices"):
+        K.normalize_u8(torch.zeros(2, 4, 4, 3, dtype=torch.uint8), torch.ones(3, device="meta"), torch.zeros(3),
+                       torch.bfloat16)
     with pytest.raises(ValueError, match="must be uint8"):
         K.normalize_u8(torch.randn(2, 4, 4, 3), torch.ones(3), torch.zeros(3), torch.bfloat16)
     with pytest.raises(ValueError, match="scale and shift must be \\(3,\\)"):

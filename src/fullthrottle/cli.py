@@ -306,6 +306,39 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _llama_bytes(cfg, dtype) -> int:
+    """Bytes of a Llama's weights (embedding, blocks, norms, lm_head unless tied) in ``dtype``."""
+    import torch
+
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    block = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d + cfg.num_attention_heads * d * h \
+        + 3 * h * i + 2 * h
+    n = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + cfg.num_hidden_layers * block + h
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _check_memory_for(cfg, device, dtype, free: int | None = None) -> None:
+    """ValueError before building a model whose weights cannot fit in the memory free on ``device``
+    (``free`` bytes; by default read from CUDA or /proc/meminfo's MemAvailable)."""
+    import torch
+
+    need = _llama_bytes(cfg, dtype)
+    if free is not None:
+        pass
+    elif device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            pass
+    if free is not None and need > free:
+        raise ValueError(f"the weights need {need / 2**30:.1f} GiB in {str(dtype).replace('torch.', '')} on "
+                         f"{device}, but only {free / 2**30:.1f} GiB is free"
+                         + (" (try --device cuda, or --dtype bfloat16)" if device.type == "cpu" else ""))
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -319,6 +352,8 @@ def cmd_generate(args) -> int:
             args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
         tok = None
         if args.model_dir:
+            if not os.path.isdir(args.model_dir):
+                raise ValueError(f"model folder not found: {args.model_dir}")
             try:
                 model = load_hf(args.model_dir, device, dtype)
                 tj = os.path.join(args.model_dir, "tokenizer.json")
@@ -334,6 +369,7 @@ def cmd_generate(args) -> int:
             cfg = (LlamaConfig.llama2_7b() if args.random == "llama2-7b" else
                    LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
                                num_attention_heads=4, num_key_value_heads=2))
+            _check_memory_for(cfg, device, dtype)
             torch.manual_seed(0)
             with torch.device(device):
                 model = Llama(cfg).to(dtype).eval()
@@ -424,6 +460,9 @@ def cmd_embed(args) -> int:
             pass
     except OSError as e:
         print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    if args.model_dir and not os.path.isdir(args.model_dir):
+        print(f"fullthrottle: error: model folder not found: {args.model_dir}", file=sys.stderr)
         return 2
     try:
         emb = Embedder(args.model_dir, args.device, args.dtype, args.graphs)
@@ -566,6 +605,11 @@ def cmd_classify(args) -> int:
         if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             print(f"fullthrottle: error: cannot write {path}: its folder does not exist", file=sys.stderr)
             return 2
+    if args.report_json and (os.path.isdir(args.report_json)
+                             or not os.access(os.path.dirname(os.path.abspath(args.report_json)), os.W_OK)):
+        why = "Is a directory" if os.path.isdir(args.report_json) else "its folder is not writable"
+        print(f"fullthrottle: error: cannot write {args.report_json}: {why}", file=sys.stderr)
+        return 2
     out = None
     if args.out == "-":
         out = sys.stdout

@@ -231,6 +231,17 @@ def _check(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def _same_device(fn: str, **tensors) -> None:
+    """ValueError naming the tensors when they are not all on one device."""
+    devs = {name: t.device for name, t in tensors.items() if t is not None}
+    _check(len(set(devs.values())) <= 1,
+           f"{fn}: tensors on different devices: " + ", ".join(f"{k} on {v}" for k, v in devs.items()))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm over the last dim: ``x * rsqrt(mean(x^2) + eps) * weight`` (Zhang & Sennrich, 2019).
 
@@ -247,9 +258,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     N = x.shape[-1] if x.dim() else 0
     _check(x.dtype in _FLOATS, f"rms_norm: x must be float32/float16/bfloat16, got {x.dtype}")
     _check(weight.shape == (N,), f"rms_norm: weight must be ({N},) for x {tuple(x.shape)}, got {tuple(weight.shape)}")
+    _check(weight.dtype in _FLOATS, f"rms_norm: weight must be a float tensor, got {weight.dtype}")
     _check(residual is None or (residual.shape == x.shape and residual.dtype == x.dtype),
            "rms_norm: residual must have x's shape and dtype")
-    _check(eps > 0, f"rms_norm: eps must be > 0, got {eps}")
+    _check(isinstance(eps, (int, float)) and eps > 0, f"rms_norm: eps must be a number > 0, got {eps!r}")
+    _same_device("rms_norm", x=x, weight=weight, residual=residual)
     if not use_triton(x):
         return rms_norm_ref(x, weight, eps, residual)
     x2 = x.reshape(-1, N).contiguous()
@@ -297,6 +310,7 @@ def rope_qkv_into_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            f"rope_qkv_into_cache: cos/sin must be ({B}, {S}, {d // 2}) and pos ({B}, {S})")
     _check(0 <= row0 and row0 + B <= k_cache.shape[0],
            f"rope_qkv_into_cache: rows {row0}..{row0 + B} are past the cache's {k_cache.shape[0]}")
+    _same_device("rope_qkv_into_cache", qkv=qkv, cos=cos, sin=sin, pos=pos, k_cache=k_cache, v_cache=v_cache)
     if not use_triton(qkv):
         return rope_qkv_into_cache_ref(qkv, cos, sin, pos, k_cache, v_cache, row0, h, hkv)
     qkv = qkv.contiguous()
@@ -365,7 +379,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """
     _check(weight.dim() == 2 and x.dim() >= 1 and weight.shape[1] == x.shape[-1],
            f"linear: weight must be (N, {x.shape[-1] if x.dim() else '?'}), got {tuple(weight.shape)}")
-    _check(x.dtype == weight.dtype, f"linear: x and weight dtypes differ ({x.dtype}, {weight.dtype})")
+    _check(x.dtype == weight.dtype and x.dtype in _FLOATS,
+           f"linear: x and weight must share a float dtype, got {x.dtype} and {weight.dtype}")
+    _same_device("linear", x=x, weight=weight)
     N, K = weight.shape
     if x.numel() != K or x.dtype not in _FLOATS or not use_triton(x) or not weight.is_contiguous():
         return linear_ref(x, weight)
@@ -405,11 +421,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     B, H, S, D = q.shape
     hkv = k_cache.shape[1]
-    _check(k_cache.shape[-1] == D and H % hkv == 0 and pos.shape == (B, S),
+    _check(k_cache.shape[-1] == D and hkv > 0 and H % hkv == 0 and pos.shape == (B, S),
            f"decode_attention: head dim / head counts / positions do not fit: q {tuple(q.shape)}, "
            f"cache {tuple(k_cache.shape)}, pos {tuple(pos.shape)}")
+    _check(q.dtype in _FLOATS and k_cache.dtype == q.dtype == v_cache.dtype,
+           f"decode_attention: q and the caches must share a float dtype, got {q.dtype}, {k_cache.dtype}, "
+           f"{v_cache.dtype}")
+    _check(not pos.dtype.is_floating_point and pos.dtype != torch.bool,
+           f"decode_attention: pos must be an integer tensor, got {pos.dtype}")
+    _check(_is_int(row0) and _is_int(kv_len), f"decode_attention: row0 and kv_len must be ints, got "
+           f"{row0!r} and {kv_len!r}")
     _check(0 <= row0 and row0 + B <= k_cache.shape[0] and 0 < kv_len <= k_cache.shape[2],
            f"decode_attention: rows {row0}..{row0 + B} or kv_len {kv_len} past the cache {tuple(k_cache.shape)}")
+    _same_device("decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, pos=pos)
     if (S != 1 or not use_triton(q) or D & (D - 1) or k_cache.stride(-1) != 1
             or v_cache.stride() != k_cache.stride()):
         return decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len)
@@ -450,6 +474,9 @@ def normalize_u8(x_u8: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, d
     _check(scale.shape == (C,) and shift.shape == (C,),
            f"normalize_u8: scale and shift must be ({C},), got {tuple(scale.shape)} and {tuple(shift.shape)}")
     _check(dtype in _FLOATS, f"normalize_u8: dtype must be float32/float16/bfloat16, got {dtype}")
+    _check(scale.dtype in _FLOATS and shift.dtype in _FLOATS,
+           f"normalize_u8: scale and shift must be float tensors, got {scale.dtype} and {shift.dtype}")
+    _same_device("normalize_u8", x=x_u8, scale=scale, shift=shift)
     if not use_triton(x_u8):
         return normalize_u8_ref(x_u8, scale, shift, dtype)
     x = x_u8.contiguous()
