@@ -120,3 +120,19 @@ def test_random_7b_that_cannot_fit_is_refused_before_it_is_built():
     with pytest.raises(ValueError, match=r"need 25\.1 GiB in float32 on cpu, but only 16\.0 GiB is free.*--dtype"):
         _check_memory_for(cfg, torch.device("cpu"), torch.float32, free=16 * 2**30)
     _check_memory_for(cfg, torch.device("cpu"), torch.bfloat16, free=16 * 2**30)  # fits: no error
+
+
+def test_embed_input_lines_end_at_newline_and_jsonl_errors_name_their_line(tmp_path):
+    """A lone \\r is text, not a line break (\\r\\n still ends a line); a bad .jsonl line is named by
+    its number in the file, not by json's position inside that one line."""
+    from fullthrottle.cli import _read_texts
+
+    src = tmp_path / "in.txt"
+    src.write_bytes("one\rstill one\r\ntwo\nthree".encode())
+    assert list(_read_texts(str(src))) == ["one\rstill one", "two", "three"]
+    bad = tmp_path / "in.jsonl"
+    bad.write_text('{"text": "a"}\n"b"\n\n{"text": oops}\n')
+    got = _read_texts(str(bad))
+    assert next(got) == "a" and next(got) == "b" and next(got) == ""
+    with pytest.raises(ValueError, match=r"line 4: not valid JSON \(Expecting value at character 10\)"):
+        next(got)

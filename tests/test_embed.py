@@ -134,3 +134,20 @@ def test_model_folder_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("FULLTHROTTLE_EMBED_MODEL", str(tmp_path))  # no config.json there
     with pytest.raises(FileNotFoundError, match="FULLTHROTTLE_EMBED_MODEL"):
         default_model_dir()
+
+
+def test_a_huge_text_is_cut_before_tokenising_without_changing_its_vector(emb, monkeypatch):
+    """Only the first MAX_TEXT_CHARS characters reach the tokenizer (bounded memory); the model reads
+    the first 256 tokens either way, so the vector equals that of the text's first few thousand
+    characters, and the text is reported truncated."""
+    import fullthrottle.embed as E
+
+    seen = []
+    encode = emb.tokenizer.encode_batch
+    monkeypatch.setattr(emb.tokenizer, "encode_batch", lambda texts: seen.extend(map(len, texts)) or encode(texts),
+                        raising=False)
+    huge = "the quick brown fox jumps over the lazy dog. " * 10_000        # 450k characters
+    got = emb.embed([huge, huge[:5000]])
+    assert max(seen) == E.MAX_TEXT_CHARS
+    assert got.truncated.tolist() == [True, True]
+    np.testing.assert_allclose(got.vectors[0], got.vectors[1], rtol=0, atol=1e-6)

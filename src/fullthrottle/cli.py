@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
 import os
 import sys
@@ -423,19 +424,36 @@ def cmd_generate(args) -> int:
 
 
 def _read_texts(path: str):
-    f = sys.stdin if path == "-" else open(path, encoding="utf-8")
+    """One text per line of ``path`` ('-': stdin), UTF-8. Lines end at ``\n`` (or ``\r\n``) only: a
+    lone ``\r`` inside a line is part of its text. ``.jsonl``: each line a JSON string or an object
+    with a string field ``text``.
+
+    Raises:
+        ValueError: a ``.jsonl`` line that is not valid JSON or lacks ``text``, naming the line.
+        UnicodeDecodeError: the input is not UTF-8.
+    """
+    if path == "-":  # re-read stdin's bytes with the same line rule as files
+        f = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", newline="\n")
+    else:
+        f = open(path, encoding="utf-8", newline="\n")
     try:
         for no, line in enumerate(f, 1):
-            line = line.rstrip("\n")
+            line = line[:-1] if line.endswith("\n") else line
+            line = line[:-1] if line.endswith("\r") else line
             if path.endswith(".jsonl") and line.strip():
-                obj = json.loads(line)
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"line {no}: not valid JSON ({e.msg} at character {e.pos + 1})") from None
                 if isinstance(obj, dict) and not isinstance(obj.get("text"), str):
                     raise ValueError(f"line {no}: a JSON object needs a string field 'text'")
                 yield obj["text"] if isinstance(obj, dict) else str(obj)
             else:
                 yield line
     finally:
-        if f is not sys.stdin:
+        if path == "-":
+            f.detach()  # leave sys.stdin's buffer open
+        else:
             f.close()
 
 

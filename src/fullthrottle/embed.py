@@ -26,6 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+#: characters of a text that reach the tokenizer. The model reads at most ``max_seq_length`` tokens
+#: (256 for MiniLM), which real text covers in a few thousand characters (a WordPiece token spans at
+#: most ~100), so cutting first changes no token unless the first 256 span more than this; it bounds
+#: the tokenizer's memory, which grew to ~6 GB on one 32 MB line.
+MAX_TEXT_CHARS = 100_000
 
 SEQ_BUCKETS = (16, 32, 64, 128, 256, 512)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -207,12 +212,13 @@ class Embedder:
         return self.runners[L](x)
 
     def tokenize(self, texts: list[str]) -> list:
-        """``tokenizers`` encodings of ``texts``.
+        """``tokenizers`` encodings of ``texts`` (each cut to :data:`MAX_TEXT_CHARS` characters first).
 
         Raises:
             TypeError: an item is not a str. ValueError: a text is not valid Unicode (a lone surrogate,
                 e.g. undecodable bytes read with ``errors="surrogateescape"``), with its index.
         """
+        texts = [t[:MAX_TEXT_CHARS] if isinstance(t, str) and len(t) > MAX_TEXT_CHARS else t for t in texts]
         try:
             return self.tokenizer.encode_batch(texts)
         except TypeError:
