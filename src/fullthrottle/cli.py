@@ -324,11 +324,9 @@ def _check_memory_for(cfg, device, dtype, free: int | None = None) -> None:
     import torch
 
     need = _llama_bytes(cfg, dtype)
-    if free is not None:
-        pass
-    elif device.type == "cuda":
+    if free is None and device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
-    else:
+    elif free is None:
         try:
             with open("/proc/meminfo", encoding="ascii") as f:
                 free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -623,11 +621,12 @@ def cmd_classify(args) -> int:
         if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             print(f"fullthrottle: error: cannot write {path}: its folder does not exist", file=sys.stderr)
             return 2
-    if args.report_json and (os.path.isdir(args.report_json)
-                             or not os.access(os.path.dirname(os.path.abspath(args.report_json)), os.W_OK)):
-        why = "Is a directory" if os.path.isdir(args.report_json) else "its folder is not writable"
-        print(f"fullthrottle: error: cannot write {args.report_json}: {why}", file=sys.stderr)
-        return 2
+    if args.report_json:
+        is_dir = os.path.isdir(args.report_json)
+        if is_dir or not os.access(os.path.dirname(os.path.abspath(args.report_json)), os.W_OK):
+            why = "Is a directory" if is_dir else "its folder is not writable"
+            print(f"fullthrottle: error: cannot write {args.report_json}: {why}", file=sys.stderr)
+            return 2
     out = None
     if args.out == "-":
         out = sys.stdout

@@ -383,7 +383,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
            f"linear: x and weight must share a float dtype, got {x.dtype} and {weight.dtype}")
     _same_device("linear", x=x, weight=weight)
     N, K = weight.shape
-    if x.numel() != K or x.dtype not in _FLOATS or not use_triton(x) or not weight.is_contiguous():
+    if x.numel() != K or not use_triton(x) or not weight.is_contiguous():  # (dtype checked above)
         return linear_ref(x, weight)
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = _gemv_config(N, K)
@@ -401,8 +401,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     those valid slots, split along the cache in blocks of 64 slots run side by side, whose partial
     softmaxes a second kernel merges (split-KV, "Flash-Decoding", Dao et al., 2023); grouped-query
     attention maps query head ``h`` to key/value head ``h // (H / Hkv)``, as ``repeat_interleave``
-    does. Without Triton (or for more
-    than one query per row) it is ``F.scaled_dot_product_attention`` with the causal mask.
+    does. Without Triton (or for more than one query per row) it is
+    ``F.scaled_dot_product_attention`` with the causal mask.
 
     Args:
         q: ``(B, H, S, D)``; the kernel runs for ``S == 1``.
