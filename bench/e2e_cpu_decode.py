@@ -87,10 +87,42 @@ def _threads_cpu_s() -> dict:
     return out
 
 
+def _worker_stats(folder: str) -> dict | None:
+    """The decoder processes' own time split (preprocess_procs.STATS_ENV files), summed over workers:
+    per image in ms (wall: blocked in recv, preprocess, pool write, send; CPU: preprocess, whole
+    process), page faults and context switches per image."""
+    import glob
+    import json
+    import shutil
+
+    tot: dict = {}
+    files = glob.glob(os.path.join(folder, "*.json"))
+    for f in files:
+        for k, v in json.load(open(f)).items():
+            tot[k] = tot.get(k, 0) + v
+    shutil.rmtree(folder, ignore_errors=True)
+    n = tot.get("images", 0)
+    if not n:
+        return None
+    return {"workers": len(files), "images": n,
+            **{k.replace("_s", "_ms_per_image"): 1e3 * v / n for k, v in tot.items() if k.endswith("_s")},
+            **{f"{k}_per_image": v / n for k, v in tot.items() if not k.endswith("_s") and k != "images"}}
+
+
 def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu_decode=False, warm_frac=0.25,
-                     preprocess="auto", dispatchers=None, gpu_procs=2, worker_depth=None):
+                     preprocess="auto", dispatchers=None, gpu_procs=2, worker_depth=None, worker_nice=None,
+                     worker_stats=False):
+    import tempfile
+
     import fullthrottle.pipeline as pl
+    import fullthrottle.preprocess_procs as pp
     from fullthrottle import Config, Pipeline
+
+    nice0 = pp.WORKER_NICE
+    pp.WORKER_NICE = nice0 if worker_nice is None else worker_nice
+    stats_dir = tempfile.mkdtemp(prefix="ft-worker-stats-") if worker_stats else None
+    if stats_dir:
+        os.environ[pp.STATS_ENV] = os.path.join(stats_dir, "w")
 
     pl.DISPATCH_THREADS = dispatchers
     depth0 = pl.WORKER_DEPTH
@@ -122,13 +154,18 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     main_cores = (main1 - main0) / window
     main_threads = {k: round((v - thr0.get(k, 0.0)) / window, 3) for k, v in sorted(thr1.items())}
     pl.WORKER_DEPTH = depth0
+    pp.WORKER_NICE = nice0
+    os.environ.pop(pp.STATS_ENV, None)
     rep = pipe.last_report
     eng = pipe.engine
     n_procs = len(pipe.decoders) if pipe.decoders is not None else 0
     pinned = pipe.decoders.crops.pinned if pipe.decoders is not None else None
     n_disp = sum(t.name.startswith("ft-preprocess-dispatch") for t in pipe.current_run.threads)
     pipe.close()
+    worker_split = _worker_stats(stats_dir) if stats_dir else None
     return {"threads": threads, "preprocess": preprocess, "decoder_processes": n_procs,
+            "worker_nice": pp.WORKER_NICE if worker_nice is None else worker_nice,
+            "worker_time_split": worker_split,
             "worker_depth": pl.WORKER_DEPTH if worker_depth is None else worker_depth,
             "decoder_processes_cpu_pct": workers_cpu_pct, "main_process_cores": main_cores,
             "main_process_cores_by_thread": main_threads,
@@ -164,6 +201,10 @@ def main():
     ap.add_argument("--ft-waits", default="", help="extra fullthrottle max_wait_ms values to try, e.g. 50")
     ap.add_argument("--worker-depths", default="", help="extra runs with this many images out at each decoder "
                     "process, e.g. 2,8 (default: fullthrottle.pipeline.WORKER_DEPTH)")
+    ap.add_argument("--worker-nices", default="", help="extra runs with this niceness for the decoder "
+                    "processes, e.g. 0 (default: fullthrottle.preprocess_procs.WORKER_NICE)")
+    ap.add_argument("--worker-stats", action="store_true", help="decoder processes report where their "
+                    "time went (recv wait, preprocess wall/CPU, pool write, send; faults, switches)")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="also try fullthrottle with this sys.setswitchinterval (s)")
     ap.add_argument("--out", default="bench/results/e2e_cpu_decode.json")
@@ -182,7 +223,7 @@ def main():
     dl = run_dataloader(blobs, args.n, args.workers, args.batch, model)
     print(dl, flush=True)
     print("fullthrottle ...", flush=True)
-    ft = run_fullthrottle(blobs, args.n, args.threads, args.batch)
+    ft = run_fullthrottle(blobs, args.n, args.threads, args.batch, worker_stats=args.worker_stats)
     print({k: v for k, v in ft.items() if k != "stages"}, flush=True)
     ft_eager = None
     if not args.skip_no_graphs:
@@ -201,6 +242,11 @@ def main():
     for d in [int(x) for x in args.worker_depths.split(",") if x]:
         print(f"fullthrottle, worker depth {d} ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, worker_depth=d))
+        print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
+    for v in [int(x) for x in args.worker_nices.split(",") if x]:
+        print(f"fullthrottle, decoder processes at nice {v} ...", flush=True)
+        extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, worker_nice=v,
+                                      worker_stats=args.worker_stats))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     if args.thread_decode:
         print("fullthrottle, decoding in threads ...", flush=True)

@@ -199,3 +199,24 @@ def test_decoder_processes_default_to_one_per_core_but_one(monkeypatch):
     monkeypatch.setattr(pl, "usable_cores", lambda: 1)
     with tiny_pipe(preprocess="processes", threads=None) as pipe:
         assert len(pipe.decoders) == 1
+
+
+def test_worker_gets_malloc_settings_and_reports_its_time_split(samples, tmp_path, monkeypatch):
+    import json
+
+    import fullthrottle.preprocess_procs as pp
+
+    monkeypatch.setenv(pp.STATS_ENV, str(tmp_path / "w"))
+    w = DecoderProcess()
+    env = open(f"/proc/{w.proc.pid}/environ", "rb").read().split(b"\0")
+    assert f"MALLOC_MMAP_THRESHOLD_={16 << 20}".encode() in env
+    data = samples[0].read_bytes()
+    for _ in range(3):
+        np.testing.assert_array_equal(w(data), preprocess(data))
+    with pytest.raises(ImageError, match="unrecognised format"):
+        w(b"not an image")   # the timed loop words errors as the plain one does
+    pid = w.proc.pid
+    w.close()
+    stats = json.loads((tmp_path / f"w.{pid}.json").read_text())
+    assert stats["images"] == 4   # 3 images + the refused one
+    assert stats["preprocess_cpu_s"] > 0 and stats["minor_faults"] >= 0

@@ -41,7 +41,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from .preprocess import ImageError
+from .preprocess import ImageError, preprocess
 
 _OK, _IMAGE_ERROR, _OTHER_ERROR = 0, 1, 2
 #: seconds a freshly started worker is allowed for its imports before decode_timeout_s applies
@@ -50,6 +50,19 @@ STARTUP_S = 15.0
 #: images may queue at a worker (:attr:`DecoderProcess.queue_bytes`)
 SOCKET_BUFFER = 4 << 20
 _ROW = struct.Struct("<I")  # the pool row a request's crop goes to, ahead of the encoded bytes
+#: scheduling niceness added to each decoder process (so the main process's compute and copy threads
+#: win the cores when all are busy)
+WORKER_NICE = 5
+#: glibc malloc settings for the workers. By default a block over 128 KiB may be a fresh ``mmap``,
+#: unmapped when freed, so an image's decode buffer (900 KB at 640x480) and resize output kept coming
+#: back as new zeroed pages: 35-94 page faults per image. Keeping blocks up to 16 MiB in the heap
+#: (trimmed only past 64 MiB free) leaves ~1 fault per image: two workers went from 988 to 1116 img/s
+#: on my 2-core machine (``bench/decoder_process_rate.py``, same images side by side).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(16 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
+#: environment variable: when set to a path prefix, each worker writes ``<prefix>.<pid>.json`` on exit
+#: with where its time went (seconds blocked in recv, in preprocess (wall and CPU), writing the crop,
+#: in send; images; page faults and context switches) -- for benchmarks, off by default
+STATS_ENV = "FULLTHROTTLE_WORKER_STATS"
 _WORKER_CMD = "import sys; from fullthrottle.preprocess_procs import _worker_main; _worker_main(sys.argv[1:])"
 
 
@@ -182,7 +195,8 @@ class DecoderProcess:
 
     Args:
         resize_size / crop_size / max_pixels: the transform (as in :class:`~fullthrottle.config.Config`).
-        nice: added to the worker's scheduling niceness (0 leaves it as the parent's).
+        nice: added to the worker's scheduling niceness (0 leaves it as the parent's; default
+            :data:`WORKER_NICE`).
         pool: the shared crop rows the worker writes into; ``None``: a private pool of one row.
         scratch_row: the pool row that :meth:`__call__` uses (this worker's own).
 
@@ -190,7 +204,7 @@ class DecoderProcess:
     """
 
     def __init__(self, resize_size: int = 256, crop_size: int = 224, max_pixels: int = 89_478_485,
-                 nice: int = 5, pool: CropPool | None = None, scratch_row: int | None = None):
+                 nice: int | None = None, pool: CropPool | None = None, scratch_row: int | None = None):
         self._own_pool = pool is None
         if pool is None:
             pool, scratch_row = CropPool(0, crop_size, scratch=1), 0
@@ -198,6 +212,7 @@ class DecoderProcess:
             raise ValueError(f"pool rows are {pool.crop_size}px crops, the transform makes {crop_size}px")
         self.pool = pool
         self.scratch_row = scratch_row
+        nice = WORKER_NICE if nice is None else nice
         self.args = (resize_size, crop_size, max_pixels, nice, pool.rows + pool.scratch)
         self.crop_size = crop_size
         self.closed = False
@@ -218,6 +233,7 @@ class DecoderProcess:
         # granted (it reports twice the payload it accepts; the rest is bookkeeping)
         self.queue_bytes = parent.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        env.update({k: v for k, v in MALLOC_ENV.items() if k not in os.environ})  # the user's settings win
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _WORKER_CMD, str(child.fileno()), str(self.pool.fd), *map(str, self.args)],
             pass_fds=(child.fileno(), self.pool.fd), env=env, stdin=subprocess.DEVNULL, close_fds=True)
@@ -436,7 +452,7 @@ def _worker_main(argv: list[str]) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from .preprocess import allow_pillow_pixels, preprocess  # also sets OpenCV to one thread
+    from .preprocess import allow_pillow_pixels  # (importing .preprocess set OpenCV to one thread)
 
     allow_pillow_pixels(max_pixels)
     try:  # an image's error goes back as its reply; OpenCV's own log lines would only be noise
@@ -449,23 +465,78 @@ def _worker_main(argv: list[str]) -> None:
     crops = np.frombuffer(mmap.mmap(pool_fd, pool_rows * crop_size * crop_size * 3), np.uint8).reshape(
         pool_rows, crop_size, crop_size, 3)
     conn = Connection(fd)
-    ok = bytes([_OK])
+    stats_path = os.environ.get(STATS_ENV)
+    if stats_path:
+        return _worker_loop_timed(conn, crops, resize_size, crop_size, max_pixels, f"{stats_path}.{os.getpid()}.json")
     while True:
         try:
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        try:
-            (row,) = _ROW.unpack_from(msg)
-            arr = preprocess(msg[_ROW.size:], resize_size, crop_size, max_pixels)
-            crops[row] = arr  # straight into the shared (pinned) pool: the only copy of the pixels
-            out = ok
-        except ImageError as e:
-            out = bytes([_IMAGE_ERROR]) + str(e).encode()[:60000]
-        except Exception as e:  # noqa: BLE001 - a decoder error belongs to this item
-            out = bytes([_OTHER_ERROR]) + f"cannot decode image: {type(e).__name__}: {e}".encode()[:60000]
+        out = _work_one(msg, crops, resize_size, crop_size, max_pixels)
         try:
             conn.send_bytes(out)
         except (EOFError, OSError):
             return
 
+
+def _work_one(msg: bytes, crops: np.ndarray, resize_size: int, crop_size: int, max_pixels: int) -> bytes:
+    """One request (pool row + encoded bytes) -> its reply (status byte, or status and error text)."""
+    try:
+        (row,) = _ROW.unpack_from(msg)
+        arr = preprocess(msg[_ROW.size:], resize_size, crop_size, max_pixels)
+        crops[row] = arr  # straight into the shared (pinned) pool: the only copy of the pixels
+        return bytes([_OK])
+    except Exception as e:  # noqa: BLE001 - a decoder error belongs to this item
+        return _error_reply(e)
+
+
+def _error_reply(e: Exception) -> bytes:
+    if isinstance(e, ImageError):  # already worded as the thread path words it
+        return bytes([_IMAGE_ERROR]) + str(e).encode()[:60000]
+    return bytes([_OTHER_ERROR]) + f"cannot decode image: {type(e).__name__}: {e}".encode()[:60000]
+
+
+def _worker_loop_timed(conn, crops, resize_size, crop_size, max_pixels, path: str) -> None:
+    """The worker loop with a time split per phase, written as JSON to ``path`` at exit (benchmarks)."""
+    import json
+    import resource
+
+    t = dict(images=0, recv_wait_s=0.0, preprocess_s=0.0, preprocess_cpu_s=0.0, pool_write_s=0.0, send_s=0.0)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    clock, cpu = time.perf_counter, time.thread_time
+    try:
+        while True:
+            a = clock()
+            try:
+                msg = conn.recv_bytes()
+            except (EOFError, OSError):
+                return
+            b, c0 = clock(), cpu()
+            try:
+                (row,) = _ROW.unpack_from(msg)
+                arr = preprocess(msg[_ROW.size:], resize_size, crop_size, max_pixels)
+                c, c1 = clock(), cpu()
+                crops[row] = arr
+                out = bytes([_OK])
+            except Exception as e:  # noqa: BLE001
+                c, c1 = clock(), cpu()
+                out = _error_reply(e)
+            d = clock()
+            try:
+                conn.send_bytes(out)
+            except (EOFError, OSError):
+                return
+            e_ = clock()
+            t["images"] += 1
+            t["recv_wait_s"] += b - a
+            t["preprocess_s"] += c - b
+            t["preprocess_cpu_s"] += c1 - c0
+            t["pool_write_s"] += d - c
+            t["send_s"] += e_ - d
+    finally:
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        t.update(cpu_s=r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, minor_faults=r1.ru_minflt - r0.ru_minflt,
+                 voluntary_switches=r1.ru_nvcsw - r0.ru_nvcsw, involuntary_switches=r1.ru_nivcsw - r0.ru_nivcsw)
+        with open(path, "w") as f:
+            json.dump(t, f)
