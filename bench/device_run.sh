@@ -46,6 +46,12 @@ fi
 if [[ ,$parts, == *,overhead,* ]]; then   # issue 02: product API vs raw replay, decomposed
   $TO python3 bench/graphs_overhead_probe.py --out "$OUT/graphs_overhead_probe.json" 2>&1 | tail -6
 fi
+if [[ ,$parts, == *,fusion,* ]]; then     # issue 02: ResNet18 variants (folded, cuDNN conv+relu, inductor)
+  $TO python3 bench/resnet_fusion_probe.py ${FUSION_ARGS:-} --out "$OUT/resnet_fusion_probe.json" 2>&1 | tail -6
+fi
+if [[ ,$parts, == *,dprate,* ]]; then     # issue 01: decoder processes alone, malloc settings on/off
+  $PIN $TO python3 bench/decoder_process_rate.py --procs 1,15 --out "$OUT/decoder_process_rate.json" 2>&1 | tail -6
+fi
 if [[ ,$parts, == *,ceiling,* ]]; then    # issue 01: what the CPUs alone can decode, no pipeline
   $PIN $TO python3 bench/cpu_decode_ceiling.py --procs 1,4,8,12,16 --out "$OUT/cpu_decode_ceiling.json" 2>&1 | grep -v lscpu | tail -12
 fi

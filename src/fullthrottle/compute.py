@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import Config
@@ -77,6 +78,83 @@ def fold_batchnorm(model: nn.Module) -> tuple[nn.Module, bool]:
     folded = sum(isinstance(m, nn.BatchNorm2d) for m in fused.modules()) < \
         sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
     return (fused, True) if folded else (model, False)
+
+
+def conv_relu(x, weight, bias, stride, padding, dilation, groups):
+    """``relu(conv2d(x))`` as one cuDNN call on CUDA (``torch.cudnn_convolution_relu``: the
+    convolution's epilogue adds the bias and clamps), plain PyTorch elsewhere. Shapes as ``F.conv2d``."""
+    if x.is_cuda:
+        return torch.cudnn_convolution_relu(x, weight, bias, stride, padding, dilation, groups)
+    return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
+
+
+def conv_add_relu(x, weight, z, bias, stride, padding, dilation, groups):
+    """``relu(conv2d(x) + z)`` (a residual block's tail) as one cuDNN call on CUDA
+    (``torch.cudnn_convolution_add_relu``), plain PyTorch elsewhere. ``z``: the conv output's shape."""
+    if x.is_cuda:
+        return torch.cudnn_convolution_add_relu(x, weight, z, 1.0, bias, stride, padding, dilation, groups)
+    return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups) + z)
+
+
+def fuse_conv_relu(gm: torch.fx.GraphModule) -> int:
+    """Rewrite ``conv -> relu`` and ``conv -> add(.., z) -> relu`` in a traced model (after
+    :func:`fold_batchnorm`) into :func:`conv_relu` / :func:`conv_add_relu`, in place.
+
+    Only zero-padded convolutions with integer padding whose output feeds nothing else are fused.
+    Returns the number of rewrites (0: nothing matched).
+    """
+    import operator
+
+    mods = dict(gm.named_modules())
+    g = gm.graph
+
+    def conv_of(n):
+        if n.op == "call_module" and isinstance(mods.get(n.target), nn.Conv2d) and len(n.users) == 1:
+            c = mods[n.target]
+            if c.padding_mode == "zeros" and not isinstance(c.padding, str):
+                return c
+        return None
+
+    def is_relu(n):
+        return ((n.op == "call_module" and isinstance(mods.get(n.target), nn.ReLU))
+                or (n.op == "call_function" and n.target in (F.relu, torch.relu)))
+
+    count = 0
+    for relu in list(g.nodes):
+        if not is_relu(relu):
+            continue
+        src = relu.args[0]
+        z = None
+        if src.op == "call_function" and src.target in (operator.add, torch.add) and len(src.users) == 1 \
+                and len(src.args) == 2 and not src.kwargs:
+            for a, b in (src.args, src.args[::-1]):
+                if isinstance(a, torch.fx.Node) and conv_of(a) is not None:
+                    add, src, z = src, a, b
+                    break
+            else:
+                continue
+        conv = conv_of(src)
+        if conv is None:
+            continue
+        with g.inserting_before(relu):
+            w = g.get_attr(f"{src.target}.weight")
+            b = g.get_attr(f"{src.target}.bias") if conv.bias is not None else None
+            geo = (list(conv.stride), list(conv.padding), list(conv.dilation), conv.groups)
+            if z is None:
+                new = g.call_function(conv_relu, (src.args[0], w, b, *geo))
+            else:
+                new = g.call_function(conv_add_relu, (src.args[0], w, z, b, *geo))
+        relu.replace_all_uses_with(new)
+        g.erase_node(relu)
+        if z is not None:
+            g.erase_node(add)
+        g.erase_node(src)
+        count += 1
+    if count:
+        g.lint()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return count
 
 
 def row_spans(rows, max_gap: int = 16) -> list[tuple[int, int]]:
