@@ -62,3 +62,26 @@ def test_pipeline_on_cuda_matches_engine(samples, no_thread_leak):
         assert r.class_ids[0] == ids[0].item()
     rep = pipe.last_report
     assert rep.ok == 210 and rep.failed == 4 and rep.device.startswith("cuda")
+
+
+def test_fused_conv_relu_on_cuda_matches_unfused():
+    """cuDNN's conv+bias+ReLU (and +add) calls equal the separate ops: fp32 with TF32 off, 1e-4 relative."""
+    import torchvision
+
+    from fullthrottle.compute import fold_batchnorm, fuse_conv_relu
+
+    torch.manual_seed(0)
+    folded, _ = fold_batchnorm(torchvision.models.resnet18().eval())
+    fused, _ = fold_batchnorm(torchvision.models.resnet18().eval())
+    fused.load_state_dict(folded.state_dict())
+    assert fuse_conv_relu(fused) == 17
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.inference_mode():
+            ref, out = folded.cuda()(x), fused.cuda()(x)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-4
+    assert out.argmax(1).tolist() == ref.argmax(1).tolist()

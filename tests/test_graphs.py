@@ -208,6 +208,25 @@ def test_fold_batchnorm_matches_eager_and_leaves_untraceable_models_alone():
     assert fold_batchnorm(m) == (m, False)
 
 
+@pytest.mark.parametrize("name, pairs", [("resnet18", 17), ("resnet50", 49)])
+def test_fuse_conv_relu_rewrites_every_conv_relu_pair_and_computes_the_same(name, pairs):
+    from fullthrottle.compute import conv_add_relu, conv_relu, fold_batchnorm, fuse_conv_relu
+
+    torch.manual_seed(0)
+    folded, ok = fold_batchnorm(getattr(torchvision.models, name)().eval())
+    x = torch.randn(2, 3, 224, 224)
+    with torch.inference_mode():
+        ref = folded(x)
+    assert fuse_conv_relu(folded) == pairs    # stem + every block's conv->relu and conv->add->relu
+    calls = [n.target for n in folded.graph.nodes if n.op == "call_function"]
+    assert calls.count(conv_add_relu) == {"resnet18": 8, "resnet50": 16}[name]
+    assert calls.count(conv_relu) == pairs - calls.count(conv_add_relu)
+    assert not any(isinstance(m, torch.nn.ReLU) for m in folded.modules())   # none left unfused
+    with torch.inference_mode():
+        torch.testing.assert_close(folded(x), ref, rtol=0, atol=0)   # on CPU: the same ops, fused by name only
+    assert fuse_conv_relu(folded) == 0
+
+
 def _double(x):
     return x * 2
 
