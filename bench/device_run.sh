@@ -55,6 +55,9 @@ fi
 if [[ ,$parts, == *,ceiling,* ]]; then    # issue 01: what the CPUs alone can decode, no pipeline
   $PIN $TO python3 bench/cpu_decode_ceiling.py --procs 1,4,8,12,16 --out "$OUT/cpu_decode_ceiling.json" 2>&1 | grep -v lscpu | tail -12
 fi
+if [[ ,$parts, == *,fusedgemv,* ]]; then  # issue 06: fused epilogues vs the kernel pairs they replace
+  $TO python3 bench/gemv_probe.py --fused --out "$OUT/gemv_probe_fused.json" 2>&1 | tail -4
+fi
 if [[ ,$parts, == *,gemv,* ]]; then       # issue 06: batch-1 projections, cuBLAS vs Triton GEMV
   $TO python3 bench/gemv_probe.py --out "$OUT/gemv_probe.json" 2>&1 | tail -8
 fi

@@ -66,11 +66,73 @@ def graph_time_us(fn_i, n_w, calls=20, reps=10):
     return sorted(ts)[len(ts) // 2]
 
 
+def fused_probe(args):
+    """Fused kernels against the two kernels they replace, Llama-2-7B shapes at batch 1, in one run."""
+    from fullthrottle import kernels as K
+
+    torch.manual_seed(0)
+    out = {"benchmark": "gemv_probe_fused", "machine": machine_info(), "rows": []}
+    H, D, dim, I = 32, 128, 4096, 11008
+    x = torch.randn(1, 1, dim, device="cuda", dtype=torch.bfloat16)
+    kc = torch.zeros(1, H, 512, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    pos = torch.full((1, 1), 300, device="cuda")
+    ang = pos[..., None].float() * (1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+    cos, sin = ang.cos(), ang.sin()
+    n_w = 8
+    w_qkv = [torch.randn(3 * H * D, dim, device="cuda", dtype=torch.bfloat16) / dim ** 0.5 for _ in range(n_w)]
+    w_gu = [torch.randn(2 * I, dim, device="cuda", dtype=torch.bfloat16) / dim ** 0.5 for _ in range(n_w)]
+    cases = {
+        "qkv+rope": (lambda i: K.rope_qkv_into_cache(K.linear(x, w_qkv[i]), cos, sin, pos, kc, vc, 0, H, H),
+                     lambda i: K.linear_rope_qkv_into_cache(x, w_qkv[i], cos, sin, pos, kc, vc, 0, H, H),
+                     3 * H * D * dim * 2 / 1e6),
+        "gate_up+silu": (lambda i: K.silu_mul(K.linear(x, w_gu[i])), lambda i: K.linear_silu_mul(x, w_gu[i]),
+                         2 * I * dim * 2 / 1e6),
+    }
+    default = K.PAIR_CONFIG
+    grid = list(itertools.product((8, 16, 32), (256, 512), (4, 8), (1, 3)))
+    for name, (unfused, fused, mb) in cases.items():
+        ref = unfused(0).float()
+        row = {"case": name, "MB": mb, "unfused_us": graph_time_us(unfused, n_w), "fused": []}
+        for cfg in grid:
+            K.PAIR_CONFIG = cfg
+            try:
+                err = (fused(0).float() - ref).abs().max().item()
+                us = graph_time_us(fused, n_w)
+            except Exception as e:  # noqa: BLE001 - a config the compiler rejects
+                print(name, cfg, type(e).__name__, str(e)[:80])
+                continue
+            row["fused"].append({"config": cfg, "us": us, "max_abs_diff": err})
+        K.PAIR_CONFIG = default
+        best = min(row["fused"], key=lambda r: r["us"])
+        row["best"] = best
+        print(name, "unfused", round(row["unfused_us"], 2), "us; best fused", best, flush=True)
+        out["rows"].append(row)
+    # attention at batch 1, position 300 of 328 slots: merge kernel vs merged by the last split
+    q = torch.randn(1, H, 1, D, device="cuda", dtype=torch.bfloat16)
+    kc2, vc2 = torch.randn(1, H, 328, D, device="cuda", dtype=torch.bfloat16), torch.randn(1, H, 328, D, device="cuda",
+                                                                                           dtype=torch.bfloat16)
+    cnt = torch.zeros(H, dtype=torch.int32, device="cuda")
+    a = K.decode_attention(q, kc2, vc2, pos, 0, 328)
+    b = K.decode_attention(q, kc2, vc2, pos, 0, 328, cnt)
+    out["attention"] = {"two_kernels_us": graph_time_us(lambda i: K.decode_attention(q, kc2, vc2, pos, 0, 328), 1),
+                        "merged_by_last_split_us": graph_time_us(
+                            lambda i: K.decode_attention(q, kc2, vc2, pos, 0, 328, cnt), 1),
+                        "max_abs_diff": (a.float() - b.float()).abs().max().item()}
+    print("attention", out["attention"], flush=True)
+    write_json(args.out, out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gemv_probe.json")
     ap.add_argument("--attention-only", action="store_true", help="skip the GEMV grid")
+    ap.add_argument("--fused", action="store_true", help="only the fused kernels against their unfused pairs: "
+                    "SwiGLU in the gate/up GEMV, RoPE + cache write in the qkv GEMV (a grid of "
+                    "kernels.PAIR_CONFIG), decode attention merged by its last split against the merge kernel")
     args = ap.parse_args()
+    if args.fused:
+        return fused_probe(args)
     torch.manual_seed(0)
     rows = []
     configs = list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (1, 3)))

@@ -61,6 +61,30 @@ CHECK = textwrap.dedent("""
             assert torch.allclose(y.float(), ref, atol=tol * 10, rtol=tol), (y.float() - ref).abs().max()
         x3 = rnd(3, Kd)
         assert torch.equal(K.linear(x3, w), torch.nn.functional.linear(x3, w))  # several rows: F.linear
+        # SwiGLU in the gate/up GEMV's epilogue (one row; I = 12 pairs blocks of 4), and with several rows
+        w, x = rnd(2 * 12, 200), rnd(1, 1, 200)
+        ref = K.silu_mul_ref(x.float() @ w.float().T)
+        y = K.linear_silu_mul(x, w)
+        assert y.shape == (1, 1, 12) and y.dtype == dtype
+        assert torch.allclose(y.float(), ref, atol=tol * 10, rtol=tol), (y.float() - ref).abs().max()
+        x3 = rnd(3, 200)
+        assert torch.equal(K.linear_silu_mul(x3, w), K.silu_mul(torch.nn.functional.linear(x3, w)))
+        # q/k/v projection + RoPE + cache write in one GEMV (one token at cache row 2, position 5)
+        H, Hkv, D, dim = 4, 2, 16, 40
+        w, x = rnd((H + 2 * Hkv) * D, dim), rnd(1, 1, dim)
+        pos = torch.tensor([[5]], device=device)
+        ang = pos[..., None].float() * (1.0 / 10000 ** (torch.arange(0, D, 2, device=device).float() / D))
+        cos, sin = ang.cos(), ang.sin()
+        kc, vc = rnd(4, Hkv, 8, D), rnd(4, Hkv, 8, D)
+        kc_ref, vc_ref, kc0 = kc.float().clone(), vc.float().clone(), kc.clone()
+        q = K.linear_rope_qkv_into_cache(x, w, cos, sin, pos, kc, vc, 2, H, Hkv)
+        q_ref = K.rope_qkv_into_cache_ref(x.float() @ w.float().T, cos, sin, pos, kc_ref, vc_ref, 2, H, Hkv)
+        assert q.shape == (1, H, 1, D) and q.dtype == dtype
+        assert torch.allclose(q.float(), q_ref, atol=tol * 10, rtol=tol), (q.float() - q_ref).abs().max()
+        assert torch.allclose(kc.float(), kc_ref, atol=tol * 10, rtol=tol)   # only row 2, slot 5 changed
+        assert torch.allclose(vc.float(), vc_ref, atol=tol * 10, rtol=tol)
+        changed = (kc != kc0).any(-1)                                        # (rows, Hkv, T)
+        assert changed[2, :, 5].all() and changed.sum() == Hkv
         # decode attention: 3 rows at cache rows 1..3, GQA (4 query heads over 2 kv heads); a short
         # cache (one split) and a long one (3 splits of 64 slots, positions on both sides of a split)
         B, H, Hkv, D = 3, 4, 2, 16
@@ -68,10 +92,13 @@ CHECK = textwrap.dedent("""
         for T, kv_len, ps in ((8, 7, (0, 5, 6)), (160, 150, (0, 64, 149))):
             kc, vc = rnd(5, Hkv, T, D), rnd(5, Hkv, T, D)
             pos = torch.tensor(ps, device=device)[:, None]
-            o = K.decode_attention(q, kc, vc, pos, 1, kv_len)
             ref = K.decode_attention_ref(q.float(), kc.float(), vc.float(), pos, 1, kv_len)
-            assert o.shape == (B, H, 1, D) and o.dtype == dtype
-            assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (o.float() - ref).abs().max()
+            counters = torch.zeros(B * H + 3, dtype=torch.int32, device=device)
+            for merge in (None, counters, counters):   # merge kernel; merged by the last split, twice
+                o = K.decode_attention(q, kc, vc, pos, 1, kv_len, merge)
+                assert o.shape == (B, H, 1, D) and o.dtype == dtype
+                assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (o.float() - ref).abs().max()
+                assert not counters.any()              # left zero for the next call
         # image normalisation from uint8 NHWC, a size not a multiple of the block, every byte value
         x8 = torch.arange(5 * 7 * 11 * 3, device=device).remainder(256).to(torch.uint8).view(5, 7, 11, 3)
         scale = torch.tensor([0.0171, 0.0175, 0.0174], device=device).to(dtype)

@@ -171,9 +171,58 @@ if triton is not None:
             acc += w.to(tl.float32) * xv[None, :]
         tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
 
+    @triton.jit(do_not_specialize=["row0"])
+    def _gemv_pair_kernel(w_ptr, x_ptr, y_ptr, K, PAIR_OFF, GROUP, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr,
+                          H, HKV, row0, c_b, c_h, c_t, HB: tl.constexpr, BLOCK_K: tl.constexpr,
+                          ROPE: tl.constexpr):
+        # a GEMV whose program owns HB row pairs (a, a + PAIR_OFF) of W, so that an epilogue can
+        # combine the two outputs of each pair before anything is written:
+        #   ROPE=0: SwiGLU, rows a of gate_up's gate half and a + I of its up half -> silu(g) * u
+        #   ROPE=1: qkv, rows i and i + D/2 of one head -> rotated; q out, k and v into the cache
+        pid = tl.program_id(0)
+        per_group = PAIR_OFF // HB
+        grp = pid // per_group                                  # SwiGLU: 0; qkv: the head
+        i0 = (pid % per_group) * HB
+        ra = grp * GROUP + i0 + tl.arange(0, HB)
+        rb = ra + PAIR_OFF
+        acc_a = tl.zeros((HB, BLOCK_K), dtype=tl.float32)
+        acc_b = tl.zeros((HB, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            mk = rk < K
+            xv = tl.load(x_ptr + rk, mask=mk, other=0.0).to(tl.float32)
+            wa = tl.load(w_ptr + ra[:, None].to(tl.int64) * K + rk[None, :], mask=mk[None, :], other=0.0)
+            wb = tl.load(w_ptr + rb[:, None].to(tl.int64) * K + rk[None, :], mask=mk[None, :], other=0.0)
+            acc_a += wa.to(tl.float32) * xv[None, :]
+            acc_b += wb.to(tl.float32) * xv[None, :]
+        a = tl.sum(acc_a, axis=1)                               # (HB,) float32
+        b = tl.sum(acc_b, axis=1)
+        d = i0 + tl.arange(0, HB)
+        if ROPE:
+            if grp < H + HKV:  # q and k heads: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+                c = tl.load(cos_ptr + d)
+                sn = tl.load(sin_ptr + d)
+                o1 = a * c - b * sn
+                o2 = b * c + a * sn
+            else:
+                o1 = a
+                o2 = b
+            p = tl.load(pos_ptr).to(tl.int64)
+            if grp < H:
+                dst = y_ptr + grp * GROUP                        # q: (1, H, 1, D)
+            elif grp < H + HKV:
+                dst = kc_ptr + row0.to(tl.int64) * c_b + (grp - H) * c_h + p * c_t
+            else:
+                dst = vc_ptr + row0.to(tl.int64) * c_b + (grp - H - HKV) * c_h + p * c_t
+            tl.store(dst + d, o1.to(y_ptr.dtype.element_ty))
+            tl.store(dst + PAIR_OFF + d, o2.to(y_ptr.dtype.element_ty))
+        else:
+            tl.store(y_ptr + d, (a * tl.sigmoid(a) * b).to(y_ptr.dtype.element_ty))
+
     @triton.jit
-    def _attention_part_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, part_ptr, row0, T, H, REP, SPLITS,
-                               c_b, c_h, c_t, sm_scale, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    def _attention_part_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, part_ptr, o_ptr, cnt_ptr, row0, T, H, REP, SPLITS,
+                               c_b, c_h, c_t, sm_scale, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                               MERGE: tl.constexpr, BLOCK_S: tl.constexpr):
         # split-KV decode attention, part 1: program (row*head, split) takes cache slots
         # [split*BLOCK_T, (split+1)*BLOCK_T) of the valid 0..pos and leaves (acc[D], max, sum)
         bh = tl.program_id(0)
@@ -195,21 +244,32 @@ if triton is not None:
         tl.store(out + d, tl.sum(p[:, None] * v, axis=0))
         tl.store(out + D, m)
         tl.store(out + D + 1, tl.sum(p, axis=0))
+        if MERGE:  # the last split of this (row, head) to finish merges them all: no second kernel
+            tl.debug_barrier()                                   # every thread's partial is stored
+            done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")  # release ours, acquire the others'
+            if done == SPLITS - 1:
+                _merge_splits(part_ptr, o_ptr, bh, SPLITS, D, BLOCK_S)
+                tl.store(cnt_ptr + bh, 0)                        # ready for the next call / replay
 
     @triton.jit
-    def _attention_merge_kernel(part_ptr, o_ptr, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
-        # part 2: merge the splits' partial softmaxes (Dao et al., 2023, "Flash-Decoding")
-        bh = tl.program_id(0)
+    def _merge_splits(part_ptr, o_ptr, bh, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
+        # merge the splits' partial softmaxes (Dao et al., 2023, "Flash-Decoding"); .cg: read the
+        # other programs' partials from L2, never a stale L1 line
         sidx = tl.arange(0, BLOCK_S)
         ms = sidx < SPLITS
         base = part_ptr + (bh * SPLITS + sidx) * (D + 2)
-        m = tl.load(base + D, mask=ms, other=float("-inf"))
-        l_ = tl.load(base + D + 1, mask=ms, other=0.0)
+        m = tl.load(base + D, mask=ms, other=float("-inf"), cache_modifier=".cg")
+        l_ = tl.load(base + D + 1, mask=ms, other=0.0, cache_modifier=".cg")
         w = tl.exp(m - tl.max(m, axis=0))                                   # split 0 is never empty
         d = tl.arange(0, D)
-        acc = tl.load(base[:, None] + d[None, :], mask=ms[:, None], other=0.0)
+        acc = tl.load(base[:, None] + d[None, :], mask=ms[:, None], other=0.0, cache_modifier=".cg")
         o = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_, axis=0)
         tl.store(o_ptr + bh * D + d, o.to(o_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _attention_merge_kernel(part_ptr, o_ptr, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
+        # part 2 (when no counters are given): one program per (row, head)
+        _merge_splits(part_ptr, o_ptr, tl.program_id(0), SPLITS, D, BLOCK_S)
 
     @triton.jit
     def _normalize_u8_kernel(x_ptr, scale_ptr, shift_ptr, y_ptr, n, C: tl.constexpr, BLOCK: tl.constexpr):
@@ -392,14 +452,103 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
+#: paired-GEMV launch settings (rows per half, BLOCK_K, warps, stages); bench/gemv_probe.py --fused
+PAIR_CONFIG = (16, 256, 8, 3)
+
+
+def _pair_config(pair_off: int, K: int) -> tuple[int, int, int, int]:
+    """:data:`PAIR_CONFIG` with its rows per half cut to the largest power of two dividing ``pair_off``."""
+    hb, bk, warps, stages = PAIR_CONFIG
+    while pair_off % hb:
+        hb //= 2
+    return hb, min(bk, triton.next_power_of_2(K)), warps, stages
+
+
+def linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gated projection ``silu(x @ W_gate.T) * (x @ W_up.T)`` with ``W_gate``/``W_up`` the two
+    halves of ``w_gate_up`` (Shazeer, 2020, "GLU Variants Improve Transformer").
+
+    For a single row on CUDA one Triton GEMV computes both halves and gates them in its epilogue (each
+    program owns matching gate and up rows), so the ``(2*I,)`` projection is never written out and
+    no second kernel runs; otherwise :func:`linear` then :func:`silu_mul`.
+
+    Args:
+        x: ``(..., K)``; w_gate_up: ``(2*I, K)``, gate rows first, same dtype and device as ``x``.
+
+    Returns:
+        ``(..., I)`` in ``x``'s dtype (float32 accumulation, rounded once).
+
+    Raises:
+        ValueError: as :func:`linear`, or an odd number of rows.
+    """
+    _check(w_gate_up.dim() == 2 and w_gate_up.shape[0] % 2 == 0,
+           f"linear_silu_mul: w_gate_up must be (2*I, K), got {tuple(w_gate_up.shape)}")
+    I2, K = w_gate_up.shape
+    if x.numel() != K or not use_triton(x) or not w_gate_up.is_contiguous() or x.dtype != w_gate_up.dtype:
+        return silu_mul(linear(x, w_gate_up))
+    _same_device("linear_silu_mul", x=x, w_gate_up=w_gate_up)
+    _check(x.dtype in _FLOATS, f"linear_silu_mul: x must be a float tensor, got {x.dtype}")
+    I = I2 // 2
+    hb, bk, warps, stages = _pair_config(I, K)
+    y = torch.empty((*x.shape[:-1], I), dtype=x.dtype, device=x.device)
+    _gemv_pair_kernel[(I // hb,)](w_gate_up, x.contiguous(), y, K, I, I2, y, y, y, y, y, 0, 0, 0, 0, 0, 0,
+                                  HB=hb, BLOCK_K=bk, ROPE=False, num_warps=warps, num_stages=stages)
+    return y
+
+
+def linear_rope_qkv_into_cache(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                               pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row0: int,
+                               h: int, hkv: int) -> torch.Tensor:
+    """The fused q/k/v projection, RoPE on q and k, and k and v written into the static KV cache:
+    ``rope_qkv_into_cache(linear(x, w_qkv), ...)``.
+
+    For a single token (``B == S == 1``) on CUDA this is one Triton GEMV whose programs each own
+    the row pairs ``(i, i + D/2)`` of one head, so the rotation (rotate-half layout, as Hugging Face's
+    Llama) happens in the epilogue and q, k and v go straight to their places: the ``(H + 2*Hkv) * D``
+    projection is never written out and no second kernel runs.
+
+    Args:
+        x: ``(B, S, dim)``; w_qkv: ``((H + 2*Hkv) * D, dim)``, q rows, then k rows, then v rows.
+        cos, sin, pos, k_cache, v_cache, row0, h, hkv: as :func:`rope_qkv_into_cache`.
+
+    Returns:
+        q: ``(B, H, S, D)`` in ``x``'s dtype, rotated.
+
+    Raises:
+        ValueError: as :func:`linear` and :func:`rope_qkv_into_cache`.
+    """
+    d = k_cache.shape[-1] if k_cache.dim() == 4 else 0
+    single = (x.dim() == 3 and x.shape[0] == x.shape[1] == 1 and use_triton(x) and w_qkv.is_contiguous()
+              and w_qkv.dim() == 2 and w_qkv.shape == ((h + 2 * hkv) * d, x.shape[-1]) and d % 2 == 0
+              and x.dtype == w_qkv.dtype == k_cache.dtype == v_cache.dtype and x.dtype in _FLOATS
+              and k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride() and v_cache.shape == k_cache.shape
+              and k_cache.shape[1] == hkv and cos.shape == sin.shape == (1, 1, d // 2) and pos.shape == (1, 1)
+              and _is_int(row0) and 0 <= row0 < k_cache.shape[0])
+    if not single:
+        return rope_qkv_into_cache(linear(x, w_qkv), cos, sin, pos, k_cache, v_cache, row0, h, hkv)
+    _same_device("linear_rope_qkv_into_cache", x=x, w_qkv=w_qkv, cos=cos, sin=sin, pos=pos, k_cache=k_cache,
+                 v_cache=v_cache)
+    q = torch.empty((1, h, 1, d), dtype=x.dtype, device=x.device)
+    half = d // 2
+    K = x.shape[-1]
+    hb, bk, warps, stages = _pair_config(half, K)
+    _gemv_pair_kernel[((h + 2 * hkv) * (half // hb),)](
+        w_qkv, x.contiguous(), q, K, half, d, cos.contiguous(), sin.contiguous(), pos.contiguous(), k_cache,
+        v_cache, h, hkv, row0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HB=hb, BLOCK_K=bk, ROPE=True, num_warps=warps, num_stages=stages)
+    return q
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     row0: int, kv_len: int) -> torch.Tensor:
+                     row0: int, kv_len: int, counters: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per row over its cached keys and values (decode step).
 
     Row ``b``'s query attends to cache slots ``0..pos[b]`` of cache row ``row0 + b`` (causal: its
     own slot included, written before this call), never past ``kv_len``. The Triton kernel reads only
     those valid slots, split along the cache in blocks of 64 slots run side by side, whose partial
-    softmaxes a second kernel merges (split-KV, "Flash-Decoding", Dao et al., 2023); grouped-query
+    softmaxes are then merged (split-KV, "Flash-Decoding", Dao et al., 2023): with ``counters``, by
+    the last split of each (row, head) to finish, counted with an atomic (one kernel); without, by a
+    second kernel. Grouped-query
     attention maps query head ``h`` to key/value head ``h // (H / Hkv)``, as ``repeat_interleave``
     does. Without Triton (or for more than one query per row) it is
     ``F.scaled_dot_product_attention`` with the causal mask.
@@ -409,6 +558,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache, v_cache: ``(maxB, Hkv, T, D)``, same dtype as ``q``.
         pos: ``(B, S)`` int64 positions of the queries (device tensor: no host sync).
         row0: first cache row. kv_len: slots that may be read (``<= T``).
+        counters: optional ``(>= B*H,)`` int32 zeros on ``q``'s device, owned by the caller (the
+            kernel leaves them zero again); calls that use one buffer must not run concurrently.
 
     Returns:
         ``(B, H, S, D)`` in ``q``'s dtype.
@@ -433,7 +584,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
            f"{row0!r} and {kv_len!r}")
     _check(0 <= row0 and row0 + B <= k_cache.shape[0] and 0 < kv_len <= k_cache.shape[2],
            f"decode_attention: rows {row0}..{row0 + B} or kv_len {kv_len} past the cache {tuple(k_cache.shape)}")
-    _same_device("decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, pos=pos)
+    _check(counters is None or (counters.dtype == torch.int32 and counters.dim() == 1
+                                and counters.numel() >= B * H),
+           f"decode_attention: counters must be int32 with at least B*H = {B * H} entries")
+    _same_device("decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, pos=pos, counters=counters)
     if (S != 1 or not use_triton(q) or D & (D - 1) or k_cache.stride(-1) != 1
             or v_cache.stride() != k_cache.stride()):
         return decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len)
@@ -441,10 +595,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     BLOCK_T = 64
     splits = triton.cdiv(kv_len, BLOCK_T)   # static per captured graph (kv_len is)
     part = torch.empty((B * H, splits, D + 2), dtype=torch.float32, device=q.device)
-    _attention_part_kernel[(B * H, splits)](q.contiguous(), k_cache, v_cache, pos.contiguous(), part, row0,
-                                            kv_len, H, H // hkv, splits, k_cache.stride(0), k_cache.stride(1),
-                                            k_cache.stride(2), D ** -0.5, D=D, BLOCK_T=BLOCK_T, num_warps=4)
-    _attention_merge_kernel[(B * H,)](part, o, splits, D=D, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+    merge = counters is not None
+    BLOCK_S = triton.next_power_of_2(splits)
+    _attention_part_kernel[(B * H, splits)](q.contiguous(), k_cache, v_cache, pos.contiguous(), part, o,
+                                            counters if merge else part, row0, kv_len, H, H // hkv, splits,
+                                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5,
+                                            D=D, BLOCK_T=BLOCK_T, MERGE=merge, BLOCK_S=BLOCK_S, num_warps=4)
+    if not merge:
+        _attention_merge_kernel[(B * H,)](part, o, splits, D=D, BLOCK_S=BLOCK_S, num_warps=4)
     return o
 
 
@@ -487,7 +645,8 @@ def normalize_u8(x_u8: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, d
     return y
 
 
-__all__ = ["rms_norm", "rope_qkv_into_cache", "silu_mul", "linear",
+__all__ = ["rms_norm", "rope_qkv_into_cache", "silu_mul", "linear", "linear_silu_mul",
+           "linear_rope_qkv_into_cache",
            "decode_attention", "normalize_u8",
            "use_triton", "rms_norm_ref", "rope_qkv_into_cache_ref", "silu_mul_ref", "linear_ref",
            "decode_attention_ref", "normalize_u8_ref"]

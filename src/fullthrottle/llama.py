@@ -112,17 +112,20 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.k_cache: torch.Tensor | None = None  # (maxB, Hkv, T, D)
         self.v_cache: torch.Tensor | None = None
+        self.counters: torch.Tensor | None = None  # (maxB * H,) int32: decode attention's merge counts
 
     def forward(self, x, cos, sin, pos, row0, mask):
         B, S, _ = x.shape                                                 # x: (B, S, dim)
         h, hkv, d = self.h, self.hkv, self.d
-        qkv = kernels.linear(x, self.qkv_proj.weight)                     # (B, S, (H+2*Hkv)*D)
-        # RoPE on q and k; k and v written into the cache at ``pos`` (one kernel on CUDA); cos: (B, S, D/2)
-        q = kernels.rope_qkv_into_cache(qkv, cos, sin, pos, self.k_cache, self.v_cache, row0, h, hkv)  # (B, H, S, D)
+        # the q/k/v projection (B, S, (H+2*Hkv)*D), RoPE on q and k, k and v written into the cache at
+        # ``pos``: one kernel for a single token on CUDA, two otherwise; cos, sin: (B, S, D/2)
+        q = kernels.linear_rope_qkv_into_cache(x, self.qkv_proj.weight, cos, sin, pos, self.k_cache,
+                                               self.v_cache, row0, h, hkv)  # (B, H, S, D)
         T = mask.shape[-1]                                                # attend to cache slots [0, T) only
         if S == 1 and B <= DECODE_ATTENTION_MAX_BATCH and kernels.use_triton(q):
             # decode step: split-KV Triton kernels read each row's valid slots 0..pos only
-            y = kernels.decode_attention(q, self.k_cache, self.v_cache, pos, row0, T)  # (B, H, 1, D)
+            y = kernels.decode_attention(q, self.k_cache, self.v_cache, pos, row0, T,
+                                         self.counters)                   # (B, H, 1, D)
         else:
             kc, vc = self.k_cache[row0:row0 + B, :, :T], self.v_cache[row0:row0 + B, :, :T]  # (B, Hkv, T, D)
             rep = h // hkv                                                # grouped-query attention
@@ -140,8 +143,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate_up = kernels.linear(x, self.gate_up_proj.weight)                 # (B, S, 2I)
-        return kernels.linear(kernels.silu_mul(gate_up), self.down_proj.weight)  # SwiGLU, down: (B, S, dim)
+        # SwiGLU: silu(x W_gate) * (x W_up), (B, S, I), one kernel for a single token on CUDA; down: (B, S, dim)
+        return kernels.linear(kernels.linear_silu_mul(x, self.gate_up_proj.weight), self.down_proj.weight)
 
 
 class Block(nn.Module):
@@ -192,6 +195,10 @@ class Llama(nn.Module):
             a = blk.self_attn
             a.k_cache = torch.zeros(max_batch, a.hkv, max_seq_len, a.d, dtype=p.dtype, device=p.device)
             a.v_cache = torch.zeros_like(a.k_cache)
+        # one set of merge counters for all layers (they run one after another; each leaves it zero)
+        counters = torch.zeros(max_batch * self.cfg.num_attention_heads, dtype=torch.int32, device=p.device)
+        for blk in self.layers:
+            blk.self_attn.counters = counters
         self.max_seq_len = self.kv_len = max_seq_len
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, row0: int = 0) -> torch.Tensor:
