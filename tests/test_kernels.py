@@ -137,7 +137,11 @@ def test_references_run_without_triton(monkeypatch):
     torch.testing.assert_close(s, 2 * x)
     torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-5)   # RMSNorm is scale-invariant
     gu = torch.randn(4, 6)
-    torch.testing.assert_close(K.silu_mul(gu), torch.nn.functional.silu(gu[:, :3]) * gu[:, 3:])
+    torch.testing.assert_close(K.silu_mul(gu), torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2])
+    w = torch.randn(3 * 8, 5)   # 3 heads of 8 rows: interleave / de-interleave are inverses
+    wi = K.interleave_pairs(w, 8, dim=0)
+    assert wi[:4, 0].tolist() == [w[0, 0], w[4, 0], w[1, 0], w[5, 0]]
+    torch.testing.assert_close(K.deinterleave_pairs(wi.T, 8).T, w, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -57,9 +57,25 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def deinterleave_pairs(t: torch.Tensor, group: int) -> torch.Tensor:
+    """``(..., n * group)`` in the pair-interleaved layout -> the plain one: in each ``group`` of the
+    last dim, ``[a0, b0, a1, b1, ...]`` becomes ``[a0, a1, ..., b0, b1, ...]``."""
+    shape = t.shape
+    return t.reshape(*shape[:-1], shape[-1] // group, group // 2, 2).transpose(-1, -2).reshape(shape)
+
+
+def interleave_pairs(t: torch.Tensor, group: int, dim: int = -1) -> torch.Tensor:
+    """The inverse of :func:`deinterleave_pairs` along ``dim`` (used on weight rows: ``dim=0``)."""
+    t = t.movedim(dim, -1)
+    shape = t.shape
+    out = t.reshape(*shape[:-1], shape[-1] // group, 2, group // 2).transpose(-1, -2).reshape(shape)
+    return out.movedim(-1, dim)
+
+
 def rope_qkv_into_cache_ref(qkv, cos, sin, pos, k_cache, v_cache, row0, h, hkv):
     B, S, _ = qkv.shape
     d = k_cache.shape[-1]
+    qkv = deinterleave_pairs(qkv, d)                                       # each head: [x_0..x_D/2-1, x_D/2..]
     qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)                  # (B, S, (H+Hkv)*D), (B, S, Hkv*D)
     c = torch.cat((cos, cos), dim=-1)[:, :, None].to(qkv.dtype)          # (B, S, 1, D)
     s = torch.cat((sin, sin), dim=-1)[:, :, None].to(qkv.dtype)
@@ -74,7 +90,7 @@ def rope_qkv_into_cache_ref(qkv, cos, sin, pos, k_cache, v_cache, row0, h, hkv):
 
 
 def silu_mul_ref(gate_up):
-    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate_up[..., 0::2], gate_up[..., 1::2]                   # pair-interleaved
     return F.silu(gate) * up
 
 
@@ -126,9 +142,9 @@ if triton is not None:
         s = tok % S
         d = tl.arange(0, BLOCK)
         m = d < HALF
-        src = qkv_ptr + tok * qkv_tok_stride + j * 2 * HALF
-        x1 = tl.load(src + d, mask=m, other=0.0).to(tl.float32)          # first half of the head
-        x2 = tl.load(src + HALF + d, mask=m, other=0.0).to(tl.float32)   # second half
+        src = qkv_ptr + tok * qkv_tok_stride + j * 2 * HALF                # pair-interleaved head
+        x1 = tl.load(src + 2 * d, mask=m, other=0.0).to(tl.float32)      # dims 0 .. D/2-1
+        x2 = tl.load(src + 2 * d + 1, mask=m, other=0.0).to(tl.float32)  # dims D/2 .. D-1
         if j < H + HKV:  # rotate q and k: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
             c = tl.load(cos_ptr + tok * HALF + d, mask=m, other=0.0)
             sn = tl.load(sin_ptr + tok * HALF + d, mask=m, other=0.0)
@@ -153,12 +169,14 @@ if triton is not None:
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < I
-        g = tl.load(gu_ptr + row * 2 * I + cols, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + row * 2 * I + I + cols, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(gu_ptr + row * 2 * I + 2 * cols, mask=m, other=0.0).to(tl.float32)     # pair-interleaved
+        u = tl.load(gu_ptr + row * 2 * I + 2 * cols + 1, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * I + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
 
-    @triton.jit
-    def _gemv_kernel(w_ptr, x_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    @triton.jit(do_not_specialize=["row0"])
+    def _gemv_kernel(w_ptr, x_ptr, y_ptr, N, K, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, H, HKV, row0,
+                     c_b, c_h, c_t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPILOGUE: tl.constexpr,
+                     HALF: tl.constexpr):
         # y[n] = sum_k W[n, k] x[k]: one program per BLOCK_N rows of W, streamed once along K
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -169,55 +187,38 @@ if triton is not None:
                         mask=(rn[:, None] < N) & mk[None, :], other=0.0)
             xv = tl.load(x_ptr + rk, mask=mk, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * xv[None, :]
-        tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
-
-    @triton.jit(do_not_specialize=["row0"])
-    def _gemv_pair_kernel(w_ptr, x_ptr, y_ptr, K, PAIR_OFF, GROUP, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr,
-                          H, HKV, row0, c_b, c_h, c_t, HB: tl.constexpr, BLOCK_K: tl.constexpr,
-                          ROPE: tl.constexpr):
-        # a GEMV whose program owns HB row pairs (a, a + PAIR_OFF) of W, so that an epilogue can
-        # combine the two outputs of each pair before anything is written:
-        #   ROPE=0: SwiGLU, rows a of gate_up's gate half and a + I of its up half -> silu(g) * u
-        #   ROPE=1: qkv, rows i and i + D/2 of one head -> rotated; q out, k and v into the cache
-        pid = tl.program_id(0)
-        per_group = PAIR_OFF // HB
-        grp = pid // per_group                                  # SwiGLU: 0; qkv: the head
-        i0 = (pid % per_group) * HB
-        ra = grp * GROUP + i0 + tl.arange(0, HB)
-        rb = ra + PAIR_OFF
-        acc_a = tl.zeros((HB, BLOCK_K), dtype=tl.float32)
-        acc_b = tl.zeros((HB, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            mk = rk < K
-            xv = tl.load(x_ptr + rk, mask=mk, other=0.0).to(tl.float32)
-            wa = tl.load(w_ptr + ra[:, None].to(tl.int64) * K + rk[None, :], mask=mk[None, :], other=0.0)
-            wb = tl.load(w_ptr + rb[:, None].to(tl.int64) * K + rk[None, :], mask=mk[None, :], other=0.0)
-            acc_a += wa.to(tl.float32) * xv[None, :]
-            acc_b += wb.to(tl.float32) * xv[None, :]
-        a = tl.sum(acc_a, axis=1)                               # (HB,) float32
-        b = tl.sum(acc_b, axis=1)
-        d = i0 + tl.arange(0, HB)
-        if ROPE:
-            if grp < H + HKV:  # q and k heads: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
-                c = tl.load(cos_ptr + d)
-                sn = tl.load(sin_ptr + d)
-                o1 = a * c - b * sn
-                o2 = b * c + a * sn
-            else:
-                o1 = a
-                o2 = b
-            p = tl.load(pos_ptr).to(tl.int64)
-            if grp < H:
-                dst = y_ptr + grp * GROUP                        # q: (1, H, 1, D)
-            elif grp < H + HKV:
-                dst = kc_ptr + row0.to(tl.int64) * c_b + (grp - H) * c_h + p * c_t
-            else:
-                dst = vc_ptr + row0.to(tl.int64) * c_b + (grp - H - HKV) * c_h + p * c_t
-            tl.store(dst + d, o1.to(y_ptr.dtype.element_ty))
-            tl.store(dst + PAIR_OFF + d, o2.to(y_ptr.dtype.element_ty))
+        y = tl.sum(acc, axis=1)                                          # (BLOCK_N,) float32
+        if EPILOGUE == 0:
+            tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
         else:
-            tl.store(y_ptr + d, (a * tl.sigmoid(a) * b).to(y_ptr.dtype.element_ty))
+            # the fused projections store their rows pair-interleaved (see PAIRED_LAYOUT): even rows
+            # are one member of a pair, odd rows the other, so each program holds whole pairs
+            a, b = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+            i = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)   # pair index
+            if EPILOGUE == 1:  # SwiGLU: pair (gate_i, up_i) -> silu(gate_i) * up_i
+                tl.store(y_ptr + i, (a * tl.sigmoid(a) * b).to(y_ptr.dtype.element_ty), mask=i < N // 2)
+            else:  # qkv: pair (x_d, x_{d+D/2}) of head j; RoPE on q and k; q out, k and v into the cache
+                j = i // HALF
+                d = i % HALF
+                if tl.program_id(0) * BLOCK_N < (H + HKV) * 2 * HALF:    # a q or k head (whole program)
+                    c = tl.load(cos_ptr + d)
+                    sn = tl.load(sin_ptr + d)
+                    o1 = a * c - b * sn
+                    o2 = b * c + a * sn
+                else:
+                    o1 = a
+                    o2 = b
+                p = tl.load(pos_ptr).to(tl.int64)
+                rb = row0.to(tl.int64) * c_b + p * c_t
+                j0 = (tl.program_id(0) * BLOCK_N) // (2 * HALF)          # the program's head
+                if j0 < H:
+                    dst = y_ptr + j * 2 * HALF + d                          # q: (1, H, 1, D)
+                elif j0 < H + HKV:
+                    dst = kc_ptr + rb + (j - H) * c_h + d
+                else:
+                    dst = vc_ptr + rb + (j - H - HKV) * c_h + d
+                tl.store(dst, o1.to(y_ptr.dtype.element_ty))
+                tl.store(dst + HALF, o2.to(y_ptr.dtype.element_ty))
 
     @triton.jit
     def _attention_part_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, part_ptr, o_ptr, cnt_ptr, row0, T, H, REP, SPLITS,
@@ -342,7 +343,8 @@ def rope_qkv_into_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     and the new k and v written into the static KV cache.
 
     Args:
-        qkv: ``(B, S, (H + 2*Hkv) * D)``, the fused q/k/v projection (q heads, k heads, v heads).
+        qkv: ``(B, S, (H + 2*Hkv) * D)``, the fused q/k/v projection (q heads, k heads, v heads; each
+            head pair-interleaved, :data:`PAIRED_LAYOUT`).
         cos, sin: ``(B, S, D/2)`` float32, the angles ``pos * inv_freq``'s cosine and sine.
         pos: ``(B, S)`` int64 positions = cache slots (each < the cache length; not checked here).
         k_cache, v_cache: ``(maxB, Hkv, T, D)``, rows ``row0 .. row0+B`` are written at ``pos``.
@@ -387,7 +389,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gating (Shazeer, 2020, "GLU Variants Improve Transformer"): ``silu(gate) * up``.
 
     Args:
-        gate_up: ``(..., 2*I)``, gate in the first half of the last dim, up in the second.
+        gate_up: ``(..., 2*I)``, gate and up pair-interleaved: ``[gate_0, up_0, gate_1, up_1, ...]``.
 
     Returns:
         ``(..., I)`` in ``gate_up``'s dtype.
@@ -447,33 +449,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear_ref(x, weight)
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = _gemv_config(N, K)
-    _gemv_kernel[(triton.cdiv(N, bn),)](weight, x.contiguous(), y, N, K, BLOCK_N=bn, BLOCK_K=bk,
-                                        num_warps=warps, num_stages=stages)
+    _gemv_kernel[(triton.cdiv(N, bn),)](weight, x.contiguous(), y, N, K, y, y, y, y, y, 0, 0, 0, 0, 0, 0,
+                                        BLOCK_N=bn, BLOCK_K=bk, EPILOGUE=0, HALF=1, num_warps=warps,
+                                        num_stages=stages)
     return y
 
 
-#: paired-GEMV launch settings (rows per half, BLOCK_K, warps, stages); bench/gemv_probe.py --fused
-PAIR_CONFIG = (16, 256, 8, 3)
+PAIRED_LAYOUT = """The fused projections keep their rows pair-interleaved: ``gate_up_proj`` as
+``[gate_0, up_0, gate_1, up_1, ...]``, and each q/k/v head of ``qkv_proj`` as ``[x_0, x_{D/2}, x_1,
+x_{D/2+1}, ...]`` (RoPE's rotate-half pairs side by side; :func:`llama.fuse_hf_projections` arranges
+Hugging Face's weights so). A GEMV program then holds whole pairs, and gates or rotates them in its
+epilogue before anything is written."""
 
 
-def _pair_config(pair_off: int, K: int) -> tuple[int, int, int, int]:
-    """:data:`PAIR_CONFIG` with its rows per half cut to the largest power of two dividing ``pair_off``."""
-    hb, bk, warps, stages = PAIR_CONFIG
-    while pair_off % hb:
-        hb //= 2
-    return hb, min(bk, triton.next_power_of_2(K)), warps, stages
+def _paired_config(N: int, K: int, group: int) -> tuple[int, int, int, int] | None:
+    """The GEMV config for ``(N, K)`` with BLOCK_N cut to divide ``group`` (a head: D; SwiGLU: N), or
+    None when no even block fits."""
+    bn, bk, warps, stages = _gemv_config(N, K)
+    while bn > 2 and group % bn:
+        bn //= 2
+    return (bn, bk, warps, stages) if bn >= 2 and group % bn == 0 and N % bn == 0 else None
 
 
 def linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gated projection ``silu(x @ W_gate.T) * (x @ W_up.T)`` with ``W_gate``/``W_up`` the two
     halves of ``w_gate_up`` (Shazeer, 2020, "GLU Variants Improve Transformer").
 
-    For a single row on CUDA one Triton GEMV computes both halves and gates them in its epilogue (each
-    program owns matching gate and up rows), so the ``(2*I,)`` projection is never written out and
-    no second kernel runs; otherwise :func:`linear` then :func:`silu_mul`.
+    For a single row on CUDA one Triton GEMV computes the projection and gates each (gate, up) pair in
+    its epilogue, so the ``(2*I,)`` projection is never written out and no second kernel runs;
+    otherwise :func:`linear` then :func:`silu_mul`.
 
     Args:
-        x: ``(..., K)``; w_gate_up: ``(2*I, K)``, gate rows first, same dtype and device as ``x``.
+        x: ``(..., K)``; w_gate_up: ``(2*I, K)`` with gate and up rows pair-interleaved
+            (:data:`PAIRED_LAYOUT`), same dtype and device as ``x``.
 
     Returns:
         ``(..., I)`` in ``x``'s dtype (float32 accumulation, rounded once).
@@ -484,15 +492,16 @@ def linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     _check(w_gate_up.dim() == 2 and w_gate_up.shape[0] % 2 == 0,
            f"linear_silu_mul: w_gate_up must be (2*I, K), got {tuple(w_gate_up.shape)}")
     I2, K = w_gate_up.shape
-    if x.numel() != K or not use_triton(x) or not w_gate_up.is_contiguous() or x.dtype != w_gate_up.dtype:
+    cfg = _paired_config(I2, K, I2) if triton is not None else None
+    if (x.numel() != K or not use_triton(x) or not w_gate_up.is_contiguous() or x.dtype != w_gate_up.dtype
+            or cfg is None):
         return silu_mul(linear(x, w_gate_up))
     _same_device("linear_silu_mul", x=x, w_gate_up=w_gate_up)
     _check(x.dtype in _FLOATS, f"linear_silu_mul: x must be a float tensor, got {x.dtype}")
-    I = I2 // 2
-    hb, bk, warps, stages = _pair_config(I, K)
-    y = torch.empty((*x.shape[:-1], I), dtype=x.dtype, device=x.device)
-    _gemv_pair_kernel[(I // hb,)](w_gate_up, x.contiguous(), y, K, I, I2, y, y, y, y, y, 0, 0, 0, 0, 0, 0,
-                                  HB=hb, BLOCK_K=bk, ROPE=False, num_warps=warps, num_stages=stages)
+    bn, bk, warps, stages = cfg
+    y = torch.empty((*x.shape[:-1], I2 // 2), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(I2 // bn,)](w_gate_up, x.contiguous(), y, I2, K, y, y, y, y, y, 0, 0, 0, 0, 0, 0,
+                              BLOCK_N=bn, BLOCK_K=bk, EPILOGUE=1, HALF=1, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -502,13 +511,14 @@ def linear_rope_qkv_into_cache(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.
     """The fused q/k/v projection, RoPE on q and k, and k and v written into the static KV cache:
     ``rope_qkv_into_cache(linear(x, w_qkv), ...)``.
 
-    For a single token (``B == S == 1``) on CUDA this is one Triton GEMV whose programs each own
-    the row pairs ``(i, i + D/2)`` of one head, so the rotation (rotate-half layout, as Hugging Face's
-    Llama) happens in the epilogue and q, k and v go straight to their places: the ``(H + 2*Hkv) * D``
+    For a single token (``B == S == 1``) on CUDA this is one Triton GEMV whose programs each hold
+    whole rotate-half pairs ``(d, d + D/2)`` of one head, so the rotation (as Hugging Face's Llama)
+    happens in its epilogue and q, k and v go straight to their places: the ``(H + 2*Hkv) * D``
     projection is never written out and no second kernel runs.
 
     Args:
-        x: ``(B, S, dim)``; w_qkv: ``((H + 2*Hkv) * D, dim)``, q rows, then k rows, then v rows.
+        x: ``(B, S, dim)``; w_qkv: ``((H + 2*Hkv) * D, dim)``, q heads, then k heads, then v heads,
+            each head's rows pair-interleaved (:data:`PAIRED_LAYOUT`).
         cos, sin, pos, k_cache, v_cache, row0, h, hkv: as :func:`rope_qkv_into_cache`.
 
     Returns:
@@ -524,18 +534,17 @@ def linear_rope_qkv_into_cache(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.
               and k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride() and v_cache.shape == k_cache.shape
               and k_cache.shape[1] == hkv and cos.shape == sin.shape == (1, 1, d // 2) and pos.shape == (1, 1)
               and _is_int(row0) and 0 <= row0 < k_cache.shape[0])
-    if not single:
+    cfg = _paired_config(*w_qkv.shape, d) if single else None
+    if cfg is None:
         return rope_qkv_into_cache(linear(x, w_qkv), cos, sin, pos, k_cache, v_cache, row0, h, hkv)
     _same_device("linear_rope_qkv_into_cache", x=x, w_qkv=w_qkv, cos=cos, sin=sin, pos=pos, k_cache=k_cache,
                  v_cache=v_cache)
     q = torch.empty((1, h, 1, d), dtype=x.dtype, device=x.device)
-    half = d // 2
-    K = x.shape[-1]
-    hb, bk, warps, stages = _pair_config(half, K)
-    _gemv_pair_kernel[((h + 2 * hkv) * (half // hb),)](
-        w_qkv, x.contiguous(), q, K, half, d, cos.contiguous(), sin.contiguous(), pos.contiguous(), k_cache,
-        v_cache, h, hkv, row0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HB=hb, BLOCK_K=bk, ROPE=True, num_warps=warps, num_stages=stages)
+    N, K = w_qkv.shape
+    bn, bk, warps, stages = cfg
+    _gemv_kernel[(N // bn,)](w_qkv, x.contiguous(), q, N, K, cos.contiguous(), sin.contiguous(), pos.contiguous(),
+                             k_cache, v_cache, h, hkv, row0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                             BLOCK_N=bn, BLOCK_K=bk, EPILOGUE=2, HALF=d // 2, num_warps=warps, num_stages=stages)
     return q
 
 
@@ -645,7 +654,7 @@ def normalize_u8(x_u8: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, d
     return y
 
 
-__all__ = ["rms_norm", "rope_qkv_into_cache", "silu_mul", "linear", "linear_silu_mul",
+__all__ = ["PAIRED_LAYOUT", "interleave_pairs", "deinterleave_pairs", "rms_norm", "rope_qkv_into_cache", "silu_mul", "linear", "linear_silu_mul",
            "linear_rope_qkv_into_cache",
            "decode_attention", "normalize_u8",
            "use_triton", "rms_norm_ref", "rope_qkv_into_cache_ref", "silu_mul_ref", "linear_ref",

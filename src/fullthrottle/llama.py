@@ -107,7 +107,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        # q, k and v projections fused into one matmul (HF's q_proj, k_proj, v_proj stacked on load)
+        # q, k and v projections fused into one matmul (HF's q_proj, k_proj, v_proj stacked on load,
+        # each head's rows pair-interleaved: kernels.PAIRED_LAYOUT)
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=False)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.k_cache: torch.Tensor | None = None  # (maxB, Hkv, T, D)
@@ -138,7 +139,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        # gate and up projections fused into one matmul (HF's gate_proj, up_proj stacked on load)
+        # gate and up projections fused into one matmul (HF's gate_proj, up_proj rows alternating)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
@@ -216,16 +217,18 @@ class Llama(nn.Module):
         return kernels.linear(xn, self.lm_head.weight).float()               # (B, S, vocab)
 
 
-def fuse_hf_projections(sd: dict) -> dict:
+def fuse_hf_projections(sd: dict, head_dim: int) -> dict:
     """Stack HF's ``q_proj``/``k_proj``/``v_proj`` weights into ``qkv_proj`` and ``gate_proj``/``up_proj``
-    into ``gate_up_proj`` (rows concatenated, so one matmul gives the same outputs side by side)."""
+    into ``gate_up_proj``, rows pair-interleaved (:data:`fullthrottle.kernels.PAIRED_LAYOUT`): within
+    each q/k/v head the rows of dims ``d`` and ``d + head_dim/2`` side by side, and gate and up rows
+    alternating. One matmul gives the same outputs as HF's three (two), in that order."""
     out = dict(sd)
     for prefix in sorted({k.rsplit(".", 2)[0] for k in sd if k.endswith(".q_proj.weight")}):
-        out[f"{prefix}.qkv_proj.weight"] = torch.cat(
-            [out.pop(f"{prefix}.{n}_proj.weight") for n in ("q", "k", "v")])
+        qkv = torch.cat([out.pop(f"{prefix}.{n}_proj.weight") for n in ("q", "k", "v")])   # (n*D, dim)
+        out[f"{prefix}.qkv_proj.weight"] = kernels.interleave_pairs(qkv, head_dim, dim=0).contiguous()
     for prefix in sorted({k.rsplit(".", 2)[0] for k in sd if k.endswith(".gate_proj.weight")}):
-        out[f"{prefix}.gate_up_proj.weight"] = torch.cat(
-            [out.pop(f"{prefix}.{n}_proj.weight") for n in ("gate", "up")])
+        gate, up = out.pop(f"{prefix}.gate_proj.weight"), out.pop(f"{prefix}.up_proj.weight")  # (I, dim)
+        out[f"{prefix}.gate_up_proj.weight"] = torch.stack([gate, up], dim=1).reshape(-1, gate.shape[1])
     return out
 
 
@@ -251,7 +254,7 @@ def load_hf(path: str | Path, device="cpu", dtype=torch.float32) -> Llama:
         sd.update({k.removeprefix("model."): v for k, v in load_file(str(s)).items()})
     if cfg.tie_word_embeddings:
         sd.setdefault("lm_head.weight", sd["embed_tokens.weight"])
-    sd = fuse_hf_projections({k: v for k, v in sd.items() if "rotary_emb" not in k})
+    sd = fuse_hf_projections({k: v for k, v in sd.items() if "rotary_emb" not in k}, cfg.head_dim)
     missing = set(model.state_dict()) - set(sd)
     unexpected = set(sd) - set(model.state_dict())
     if missing or unexpected:
