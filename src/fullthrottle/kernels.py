@@ -11,13 +11,6 @@ RoPE was five elementwise kernels on q and k, and the KV-cache write two scatter
   as ``(B, H, S, D)`` for attention, k and v written into the static KV cache at their positions;
 - :func:`silu_mul` — SwiGLU's ``silu(gate) * up`` from the fused gate/up projection.
 
-For one token (the batch-1 decode step) the projections themselves are Triton GEMVs
-(:func:`linear`), and the small kernels above fold into their epilogues:
-:func:`linear_rope_qkv_into_cache`, :func:`linear_silu_mul`, :func:`linear_add_rms_norm` (the
-residual add and the RMSNorm after the o and down projections, finished by the last program), and
-:func:`decode_attention` merges its splits in the last split to finish. A 7B step is then ~245
-kernels.
-
 and, for the image classifier, :func:`normalize_u8`: uint8 NHWC crops to the normalised half-precision
 input in one pass.
 
@@ -180,9 +173,12 @@ if triton is not None:
         u = tl.load(gu_ptr + row * 2 * I + 2 * cols + 1, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * I + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
 
-    @triton.jit
-    def _gemv_rows(w_ptr, x_ptr, rn, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # y[n] = sum_k W[n, k] x[k] for this program's BLOCK_N rows ``rn``, W streamed once along K
+    @triton.jit(do_not_specialize=["row0"])
+    def _gemv_kernel(w_ptr, x_ptr, y_ptr, N, K, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, H, HKV, row0,
+                     c_b, c_h, c_t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPILOGUE: tl.constexpr,
+                     HALF: tl.constexpr):
+        # y[n] = sum_k W[n, k] x[k]: one program per BLOCK_N rows of W, streamed once along K
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
@@ -191,43 +187,7 @@ if triton is not None:
                         mask=(rn[:, None] < N) & mk[None, :], other=0.0)
             xv = tl.load(x_ptr + rk, mask=mk, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * xv[None, :]
-        return tl.sum(acc, axis=1)
-
-    @triton.jit
-    def _gemv_add_rms_norm_kernel(w_ptr, x_ptr, r_ptr, s_ptr, g_ptr, y_ptr, part_ptr, cnt_ptr, N, K, eps,
-                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_POW2: tl.constexpr,
-                                  P_POW2: tl.constexpr):
-        # s = r + W x (the residual stream, rounded as the unfused add stores it), then y = RMSNorm(s):
-        # each program adds its rows and leaves its sum of squares; the last program to finish
-        # (atomic count) normalises the whole row, so no separate RMSNorm kernel runs
-        pid = tl.program_id(0)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        mn = rn < N
-        y = _gemv_rows(w_ptr, x_ptr, rn, N, K, BLOCK_N, BLOCK_K)
-        sv = (y + tl.load(r_ptr + rn, mask=mn, other=0.0).to(tl.float32)).to(s_ptr.dtype.element_ty)
-        tl.store(s_ptr + rn, sv, mask=mn)
-        sf = tl.where(mn, sv.to(tl.float32), 0.0)
-        tl.store(part_ptr + pid, tl.sum(sf * sf, axis=0))
-        tl.debug_barrier()                                               # every thread's rows are stored
-        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-        if done == tl.num_programs(0) - 1:
-            pi = tl.arange(0, P_POW2)
-            ss = tl.sum(tl.load(part_ptr + pi, mask=pi < tl.num_programs(0), other=0.0, cache_modifier=".cg"),
-                        axis=0)                                          # fixed order: deterministic
-            rstd = 1.0 / tl.sqrt(ss / N + eps)
-            c = tl.arange(0, N_POW2)
-            m = c < N
-            xs = tl.load(s_ptr + c, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-            g = tl.load(g_ptr + c, mask=m, other=0.0).to(tl.float32)
-            tl.store(y_ptr + c, (xs * rstd * g).to(y_ptr.dtype.element_ty), mask=m)
-            tl.store(cnt_ptr, 0)                                         # ready for the next call / replay
-
-    @triton.jit(do_not_specialize=["row0"])
-    def _gemv_kernel(w_ptr, x_ptr, y_ptr, N, K, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, H, HKV, row0,
-                     c_b, c_h, c_t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPILOGUE: tl.constexpr,
-                     HALF: tl.constexpr):
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        y = _gemv_rows(w_ptr, x_ptr, rn, N, K, BLOCK_N, BLOCK_K)          # (BLOCK_N,) float32
+        y = tl.sum(acc, axis=1)                                          # (BLOCK_N,) float32
         if EPILOGUE == 0:
             tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
         else:
@@ -588,57 +548,6 @@ def linear_rope_qkv_into_cache(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.
     return q
 
 
-def add_rms_norm_workspace(n_features: int, device) -> torch.Tensor:
-    """Zeros for :func:`linear_add_rms_norm` on projections of up to ``n_features`` outputs:
-    ``(1 + programs,)`` int32 (one count, then the programs' float32 partial sums)."""
-    programs = -(-n_features // (_gemv_config(n_features, 1)[0] if triton is not None else 1))
-    return torch.zeros(1 + programs, dtype=torch.int32, device=device)
-
-
-def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                        eps: float, workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A projection added to the residual stream, and the RMSNorm of the sum:
-    ``s = residual + x @ weight.T``, returns ``(s, rms_norm(s) * norm_weight)``.
-
-    For a single row on CUDA with a ``workspace``, one Triton GEMV does it all: each program adds its
-    rows to the residual and leaves their sum of squares, and the last program to finish (an atomic
-    count) normalises the row, so the projection's output is never written on its own and no RMSNorm
-    kernel runs. Otherwise :func:`linear`, then :func:`rms_norm` with the residual.
-
-    Args:
-        x: ``(..., K)``; weight: ``(N, K)``; residual: ``(..., N)``; norm_weight: ``(N,)``; all one
-            float dtype and device. eps: RMSNorm's epsilon.
-        workspace: optional, from :func:`add_rms_norm_workspace` (a count and per-program partial
-            sums, owned by the caller; the kernel leaves the count zero); calls sharing one must not
-            run concurrently.
-
-    Returns:
-        ``(s, normed)``, both ``(..., N)`` in ``x``'s dtype.
-
-    Raises:
-        ValueError: as :func:`linear` and :func:`rms_norm`.
-    """
-    N, K = weight.shape if weight.dim() == 2 else (0, 0)
-    cfg = _gemv_config(N, K) if triton is not None and N else None
-    if (workspace is None or x.numel() != K or not use_triton(x) or cfg is None or not weight.is_contiguous()
-            or residual.shape != (*x.shape[:-1], N) or x.dtype != weight.dtype or x.dtype not in _FLOATS
-            or residual.dtype != x.dtype or norm_weight.shape != (N,)
-            or workspace.dtype != torch.int32 or workspace.numel() < 1 + triton.cdiv(N, cfg[0])):
-        return rms_norm(linear(x, weight), norm_weight, eps, residual=residual)
-    _same_device("linear_add_rms_norm", x=x, weight=weight, residual=residual, norm_weight=norm_weight,
-                 workspace=workspace)
-    _check(isinstance(eps, (int, float)) and eps > 0, f"linear_add_rms_norm: eps must be a number > 0, got {eps!r}")
-    bn, bk, warps, stages = cfg
-    programs = triton.cdiv(N, bn)
-    s = torch.empty_like(residual)
-    y = torch.empty_like(residual)
-    _gemv_add_rms_norm_kernel[(programs,)](
-        weight, x.contiguous(), residual.contiguous(), s, norm_weight, y, workspace[1:].view(torch.float32),
-        workspace, N, K, eps, BLOCK_N=bn, BLOCK_K=bk, N_POW2=triton.next_power_of_2(N),
-        P_POW2=triton.next_power_of_2(programs), num_warps=warps, num_stages=stages)
-    return s, y
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                      row0: int, kv_len: int, counters: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per row over its cached keys and values (decode step).
@@ -745,7 +654,7 @@ def normalize_u8(x_u8: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, d
     return y
 
 
-__all__ = ["linear_add_rms_norm", "add_rms_norm_workspace", "PAIRED_LAYOUT", "interleave_pairs", "deinterleave_pairs", "rms_norm", "rope_qkv_into_cache", "silu_mul", "linear", "linear_silu_mul",
+__all__ = ["PAIRED_LAYOUT", "interleave_pairs", "deinterleave_pairs", "rms_norm", "rope_qkv_into_cache", "silu_mul", "linear", "linear_silu_mul",
            "linear_rope_qkv_into_cache",
            "decode_attention", "normalize_u8",
            "use_triton", "rms_norm_ref", "rope_qkv_into_cache_ref", "silu_mul_ref", "linear_ref",

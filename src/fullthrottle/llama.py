@@ -133,7 +133,7 @@ class Attention(nn.Module):
             if rep > 1:  # (a copy: with rep == 1, as in Llama-2-7B, the cache is read in place)
                 kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
             y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)  # mask: (B, 1, S, T) additive
-        return y.transpose(1, 2).reshape(B, S, h * d)   # (B, S, H*D); o_proj is applied by Block, fused
+        return kernels.linear(y.transpose(1, 2).reshape(B, S, h * d), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -144,9 +144,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        # SwiGLU: silu(x W_gate) * (x W_up), (B, S, I), one kernel for a single token on CUDA;
-        # down_proj is applied by Block, fused with the residual add and the next RMSNorm
-        return kernels.linear_silu_mul(x, self.gate_up_proj.weight)
+        # SwiGLU: silu(x W_gate) * (x W_up), (B, S, I), one kernel for a single token on CUDA; down: (B, S, dim)
+        return kernels.linear(kernels.linear_silu_mul(x, self.gate_up_proj.weight), self.down_proj.weight)
 
 
 class Block(nn.Module):
@@ -156,19 +155,17 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.workspace: torch.Tensor | None = None  # the fused add + RMSNorm's count and partial sums
 
-    def forward(self, x, xn, next_norm, cos, sin, pos, row0, mask):
-        # x: the residual stream (B, S, dim); xn: its input_layernorm; next_norm: the RMSNorm that
-        # follows this block (the next block's input_layernorm, or the final norm). Each output
-        # projection is added to the residual stream and the sum normalised in one call
-        # (kernels.linear_add_rms_norm: one kernel for a single token on CUDA).
-        y = self.self_attn(xn, cos, sin, pos, row0, mask)                    # (B, S, H*D)
-        ln = self.post_attention_layernorm
-        x, hn = kernels.linear_add_rms_norm(y, self.self_attn.o_proj.weight, x, ln.weight, ln.eps, self.workspace)
-        g = self.mlp(hn)                                                     # (B, S, I)
-        return kernels.linear_add_rms_norm(g, self.mlp.down_proj.weight, x, next_norm.weight, next_norm.eps,
-                                           self.workspace)                  # (x + mlp, next_norm(x + mlp))
+    def forward(self, x, r, cos, sin, pos, row0, mask):
+        # x: the residual stream (B, S, dim); r: the previous block's MLP output, still to be added
+        # (None in the first block), so that each residual add is fused into the RMSNorm after it
+        if r is None:
+            xn = self.input_layernorm(x)
+        else:
+            x, xn = self.input_layernorm(x, residual=r)                      # x + r, and its norm
+        a = self.self_attn(xn, cos, sin, pos, row0, mask)
+        x, hn = self.post_attention_layernorm(x, residual=a)                 # x + a, and its norm
+        return x, self.mlp(hn)                                               # the block's output is x + mlp
 
 
 class Llama(nn.Module):
@@ -201,10 +198,8 @@ class Llama(nn.Module):
             a.v_cache = torch.zeros_like(a.k_cache)
         # one set of merge counters for all layers (they run one after another; each leaves it zero)
         counters = torch.zeros(max_batch * self.cfg.num_attention_heads, dtype=torch.int32, device=p.device)
-        workspace = kernels.add_rms_norm_workspace(self.cfg.hidden_size, p.device)   # shared the same way
         for blk in self.layers:
             blk.self_attn.counters = counters
-            blk.workspace = workspace
         self.max_seq_len = self.kv_len = max_seq_len
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, row0: int = 0) -> torch.Tensor:
@@ -215,10 +210,10 @@ class Llama(nn.Module):
         causal = t[None, None, None, :] <= pos[:, None, :, None]              # (B, 1, S, T)
         # additive mask, made once here rather than converted from bool by every layer's attention
         mask = torch.zeros(causal.shape, dtype=x.dtype, device=x.device).masked_fill_(~causal, float("-inf"))
-        xn = self.layers[0].input_layernorm(x) if self.layers else self.norm(x)
-        next_norms = [blk.input_layernorm for blk in self.layers[1:]] + [self.norm]
-        for blk, next_norm in zip(self.layers, next_norms):
-            x, xn = blk(x, xn, next_norm, cos, sin, pos, row0, mask)         # xn: next_norm(x)
+        r = None
+        for blk in self.layers:
+            x, r = blk(x, r, cos, sin, pos, row0, mask)
+        xn = self.norm(x) if r is None else self.norm(x, residual=r)[1]      # the last block's add, fused
         return kernels.linear(xn, self.lm_head.weight).float()               # (B, S, vocab)
 
 
