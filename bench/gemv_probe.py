@@ -89,14 +89,14 @@ def fused_probe(args):
         "gate_up+silu": (lambda i: K.silu_mul(K.linear(x, w_gu[i])), lambda i: K.linear_silu_mul(x, w_gu[i]),
                          2 * I * dim * 2 / 1e6),
     }
-    default = K._gemv_config
     grid = list(itertools.product((16, 32), (256, 512), (4, 8), (1, 3)))
-    for name, (unfused, fused, mb) in cases.items():
+    for (name, (unfused, fused, mb)), epi in zip(cases.items(), (2, 1)):
+        default = K.FUSED_CONFIGS[epi]
         ref = unfused(0).float()
         row = {"case": name, "MB": mb, "unfused_us": graph_time_us(unfused, n_w),
-               "fused_default_us": graph_time_us(fused, n_w), "fused": []}
+               "fused_default_us": graph_time_us(fused, n_w), "default_config": default, "fused": []}
         for cfg in grid:   # the fused GEMV alone under other launch settings
-            K._gemv_config = lambda N, K_, cfg=cfg: (cfg[0], min(cfg[1], triton.next_power_of_2(K_)), *cfg[2:])
+            K.FUSED_CONFIGS[epi] = cfg
             try:
                 err = (fused(0).float() - ref).abs().max().item()
                 us = graph_time_us(fused, n_w)
@@ -104,7 +104,7 @@ def fused_probe(args):
                 print(name, cfg, type(e).__name__, str(e)[:80])
                 continue
             finally:
-                K._gemv_config = default
+                K.FUSED_CONFIGS[epi] = default
             row["fused"].append({"config": cfg, "us": us, "max_abs_diff": err})
         row["best"] = min(row["fused"], key=lambda r: r["us"])
         print(name, "unfused", round(row["unfused_us"], 2), "us; fused", round(row["fused_default_us"], 2),
@@ -121,7 +121,21 @@ def fused_probe(args):
                         "merged_by_last_split_us": graph_time_us(
                             lambda i: K.decode_attention(q, kc2, vc2, pos, 0, 328, cnt), 1),
                         "max_abs_diff": (a.float() - b.float()).abs().max().item()}
-    print("attention", out["attention"], flush=True)
+    grid_attn = []
+    default = (K.ATTN_BLOCK_T, K.ATTN_WARPS)
+    for bt, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8)):
+        K.ATTN_BLOCK_T, K.ATTN_WARPS = bt, warps
+        try:
+            err = (K.decode_attention(q, kc2, vc2, pos, 0, 328, cnt).float() - a.float()).abs().max().item()
+            us = graph_time_us(lambda i: K.decode_attention(q, kc2, vc2, pos, 0, 328, cnt), 1)
+            grid_attn.append({"block_t": bt, "warps": warps, "us": us, "max_abs_diff": err})
+        except Exception as e:  # noqa: BLE001
+            print("attention", bt, warps, type(e).__name__, str(e)[:80])
+        finally:
+            K.ATTN_BLOCK_T, K.ATTN_WARPS = default
+    out["attention"]["grid"] = sorted(grid_attn, key=lambda r: r["us"])
+    print("attention", {k: v for k, v in out["attention"].items() if k != "grid"}, "best", out["attention"]["grid"][:3],
+          flush=True)
     write_json(args.out, out)
 
 

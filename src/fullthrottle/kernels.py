@@ -462,13 +462,20 @@ Hugging Face's weights so). A GEMV program then holds whole pairs, and gates or 
 epilogue before anything is written."""
 
 
-def _paired_config(N: int, K: int, group: int) -> tuple[int, int, int, int] | None:
-    """The GEMV config for ``(N, K)`` with BLOCK_N cut to divide ``group`` (a head: D; SwiGLU: N), or
-    None when no even block fits."""
-    bn, bk, warps, stages = _gemv_config(N, K)
+#: launch settings (BLOCK_N, BLOCK_K, warps, stages) of the GEMVs with fused epilogues, by epilogue
+#: (1: SwiGLU, 2: RoPE + cache write), the fastest found on the H200 for Llama-2-7B's gate_up and qkv
+#: (bench/gemv_probe.py --fused, bench/results/gemv_probe_fused.json)
+FUSED_CONFIGS = {1: (32, 256, 8, 1), 2: (16, 256, 4, 3)}
+
+
+def _paired_config(epilogue: int, N: int, K: int, group: int) -> tuple[int, int, int, int] | None:
+    """:data:`FUSED_CONFIGS` for ``epilogue`` with BLOCK_N cut to divide ``group`` (a head: D;
+    SwiGLU: N), or None when no even block fits."""
+    bn, bk, warps, stages = FUSED_CONFIGS[epilogue]
     while bn > 2 and group % bn:
         bn //= 2
-    return (bn, bk, warps, stages) if bn >= 2 and group % bn == 0 and N % bn == 0 else None
+    ok = bn >= 2 and group % bn == 0 and N % bn == 0
+    return (bn, min(bk, triton.next_power_of_2(K)), warps, stages) if ok else None
 
 
 def linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
@@ -492,7 +499,7 @@ def linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     _check(w_gate_up.dim() == 2 and w_gate_up.shape[0] % 2 == 0,
            f"linear_silu_mul: w_gate_up must be (2*I, K), got {tuple(w_gate_up.shape)}")
     I2, K = w_gate_up.shape
-    cfg = _paired_config(I2, K, I2) if triton is not None else None
+    cfg = _paired_config(1, I2, K, I2) if triton is not None else None
     if (x.numel() != K or not use_triton(x) or not w_gate_up.is_contiguous() or x.dtype != w_gate_up.dtype
             or cfg is None):
         return silu_mul(linear(x, w_gate_up))
@@ -534,7 +541,7 @@ def linear_rope_qkv_into_cache(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.
               and k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride() and v_cache.shape == k_cache.shape
               and k_cache.shape[1] == hkv and cos.shape == sin.shape == (1, 1, d // 2) and pos.shape == (1, 1)
               and _is_int(row0) and 0 <= row0 < k_cache.shape[0])
-    cfg = _paired_config(*w_qkv.shape, d) if single else None
+    cfg = _paired_config(2, *w_qkv.shape, d) if single else None
     if cfg is None:
         return rope_qkv_into_cache(linear(x, w_qkv), cos, sin, pos, k_cache, v_cache, row0, h, hkv)
     _same_device("linear_rope_qkv_into_cache", x=x, w_qkv=w_qkv, cos=cos, sin=sin, pos=pos, k_cache=k_cache,
@@ -546,6 +553,10 @@ def linear_rope_qkv_into_cache(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.
                              k_cache, v_cache, h, hkv, row0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              BLOCK_N=bn, BLOCK_K=bk, EPILOGUE=2, HALF=d // 2, num_warps=warps, num_stages=stages)
     return q
+
+
+#: decode attention's cache slots per split and warps per program (bench/gemv_probe.py --fused)
+ATTN_BLOCK_T, ATTN_WARPS = 64, 4
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
@@ -601,7 +612,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             or v_cache.stride() != k_cache.stride()):
         return decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    BLOCK_T = 64
+    BLOCK_T = ATTN_BLOCK_T
     splits = triton.cdiv(kv_len, BLOCK_T)   # static per captured graph (kv_len is)
     part = torch.empty((B * H, splits, D + 2), dtype=torch.float32, device=q.device)
     merge = counters is not None
@@ -609,7 +620,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _attention_part_kernel[(B * H, splits)](q.contiguous(), k_cache, v_cache, pos.contiguous(), part, o,
                                             counters if merge else part, row0, kv_len, H, H // hkv, splits,
                                             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5,
-                                            D=D, BLOCK_T=BLOCK_T, MERGE=merge, BLOCK_S=BLOCK_S, num_warps=4)
+                                            D=D, BLOCK_T=BLOCK_T, MERGE=merge, BLOCK_S=BLOCK_S,
+                                            num_warps=ATTN_WARPS)
     if not merge:
         _attention_merge_kernel[(B * H,)](part, o, splits, D=D, BLOCK_S=BLOCK_S, num_warps=4)
     return o
