@@ -115,15 +115,15 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None  # (maxB * H,) int32: decode attention's merge counts
 
-    def forward(self, x, cos, sin, pos, row0, mask):
+    def forward(self, x, cos, sin, pos, row0, mask, kv_len):
         B, S, _ = x.shape                                                 # x: (B, S, dim)
         h, hkv, d = self.h, self.hkv, self.d
         # the q/k/v projection (B, S, (H+2*Hkv)*D), RoPE on q and k, k and v written into the cache at
         # ``pos``: one kernel for a single token on CUDA, two otherwise; cos, sin: (B, S, D/2)
         q = kernels.linear_rope_qkv_into_cache(x, self.qkv_proj.weight, cos, sin, pos, self.k_cache,
                                                self.v_cache, row0, h, hkv)  # (B, H, S, D)
-        T = mask.shape[-1]                                                # attend to cache slots [0, T) only
-        if S == 1 and B <= DECODE_ATTENTION_MAX_BATCH and kernels.use_triton(q):
+        T = kv_len                                                        # attend to cache slots [0, T) only
+        if mask is None:
             # decode step: split-KV Triton kernels read each row's valid slots 0..pos only
             y = kernels.decode_attention(q, self.k_cache, self.v_cache, pos, row0, T,
                                          self.counters)                   # (B, H, 1, D)
@@ -156,14 +156,14 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, r, cos, sin, pos, row0, mask):
+    def forward(self, x, r, cos, sin, pos, row0, mask, kv_len):
         # x: the residual stream (B, S, dim); r: the previous block's MLP output, still to be added
         # (None in the first block), so that each residual add is fused into the RMSNorm after it
         if r is None:
             xn = self.input_layernorm(x)
         else:
             x, xn = self.input_layernorm(x, residual=r)                      # x + r, and its norm
-        a = self.self_attn(xn, cos, sin, pos, row0, mask)
+        a = self.self_attn(xn, cos, sin, pos, row0, mask, kv_len)
         x, hn = self.post_attention_layernorm(x, residual=a)                 # x + a, and its norm
         return x, self.mlp(hn)                                               # the block's output is x + mlp
 
@@ -206,13 +206,17 @@ class Llama(nn.Module):
         x = self.embed_tokens(tokens)                                        # (B, S, dim)
         freqs = pos[..., None].float() * self.inv_freq                       # (B, S, D/2) float32
         cos, sin = freqs.cos(), freqs.sin()
-        t = torch.arange(self.kv_len, device=tokens.device)
-        causal = t[None, None, None, :] <= pos[:, None, :, None]              # (B, 1, S, T)
-        # additive mask, made once here rather than converted from bool by every layer's attention
-        mask = torch.zeros(causal.shape, dtype=x.dtype, device=x.device).masked_fill_(~causal, float("-inf"))
+        B, S = tokens.shape
+        if S == 1 and B <= DECODE_ATTENTION_MAX_BATCH and kernels.use_triton(x):
+            mask = None  # decode step: the attention kernel bounds each row by its own position
+        else:
+            t = torch.arange(self.kv_len, device=tokens.device)
+            causal = t[None, None, None, :] <= pos[:, None, :, None]          # (B, 1, S, T)
+            # additive mask, made once here rather than converted from bool by every layer's attention
+            mask = torch.zeros(causal.shape, dtype=x.dtype, device=x.device).masked_fill_(~causal, float("-inf"))
         r = None
         for blk in self.layers:
-            x, r = blk(x, r, cos, sin, pos, row0, mask)
+            x, r = blk(x, r, cos, sin, pos, row0, mask, self.kv_len)
         xn = self.norm(x) if r is None else self.norm(x, residual=r)[1]      # the last block's add, fused
         return kernels.linear(xn, self.lm_head.weight).float()               # (B, S, vocab)
 
