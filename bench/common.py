@@ -56,6 +56,20 @@ def capture_graph(fn, warmup: int = 3):
     return g
 
 
+def events_time(fn, iters):
+    """Seconds per call of ``fn`` (which queues GPU work on the current stream), by CUDA events."""
+    import torch
+
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    t0.record()
+    for _ in range(iters):
+        fn()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) / 1e3 / iters
+
+
 def engine_ring_loop(eng, bs: int, iters: int) -> None:
     """Run ``iters`` batches of ``bs`` rows (already in the slots' pinned inputs) through a
     :class:`fullthrottle.compute.Engine`, every staging slot in flight: submit, and collect + release

@@ -27,19 +27,7 @@ import torch
 import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import capture_graph, engine_ring_loop, machine_info, write_json  # noqa: E402
-
-
-def events_time(fn, iters):
-    """Seconds per call of ``fn`` (which queues GPU work on the current stream), by CUDA events."""
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    t0.record()
-    for _ in range(iters):
-        fn()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) / 1e3 / iters
+from common import capture_graph, engine_ring_loop, events_time, machine_info, write_json  # noqa: E402
 
 
 def main():

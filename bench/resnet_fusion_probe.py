@@ -25,18 +25,7 @@ import torch
 import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import capture_graph, machine_info, write_json  # noqa: E402
-
-
-def events_time(g, iters):
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    t0.record()
-    for _ in range(iters):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) / 1e3 / iters
+from common import capture_graph, events_time, machine_info, write_json  # noqa: E402
 
 
 def main():
@@ -82,7 +71,7 @@ def main():
         times = {k: [] for k in graphs}
         for _ in range(args.rounds):
             for name, g in graphs.items():
-                times[name].append(events_time(g, iters))
+                times[name].append(events_time(g.replay, iters))
         row = {"batch": bs}
         for name in graphs:
             row[name] = {"img_per_s": bs / statistics.median(times[name]),
