@@ -227,6 +227,29 @@ def test_fuse_conv_relu_rewrites_every_conv_relu_pair_and_computes_the_same(name
     assert fuse_conv_relu(folded) == 0
 
 
+def test_fuse_conv_relu_leaves_scalar_adds_and_computes_broadcast_adds_the_same():
+    from fullthrottle.compute import _conv2d_out_shape, fuse_conv_relu
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Conv2d(3, 4, 3, stride=2, padding=1)
+            self.b = torch.nn.Conv2d(3, 4, 3, padding=2, dilation=2)
+
+        def forward(self, x):
+            return torch.relu(self.a(x) + 1.0).sum() + torch.relu(self.b(x) + torch.ones(4, 1, 1)).sum()
+
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(M())
+    x = torch.randn(2, 3, 9, 11)
+    ref = gm(x)
+    assert fuse_conv_relu(gm) == 1            # the scalar add stays as it is; the tensor add is fused
+    torch.testing.assert_close(gm(x), ref, rtol=0, atol=0)
+    w = torch.randn(4, 3, 3, 3)               # the shape check that picks cuDNN on CUDA
+    assert _conv2d_out_shape(x, w, [2, 2], [1, 1], [1, 1]) == tuple(torch.nn.functional.conv2d(
+        x, w, stride=2, padding=1).shape) == (2, 4, 5, 6)
+
+
 def _double(x):
     return x * 2
 

@@ -88,10 +88,19 @@ def conv_relu(x, weight, bias, stride, padding, dilation, groups):
     return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
 
 
+def _conv2d_out_shape(x, weight, stride, padding, dilation) -> tuple[int, ...]:
+    """``(N, C_out, H_out, W_out)`` of ``F.conv2d`` (PyTorch's Conv2d output-size formula)."""
+    hw = [(x.shape[2 + i] + 2 * padding[i] - dilation[i] * (weight.shape[2 + i] - 1) - 1) // stride[i] + 1
+          for i in range(2)]
+    return (x.shape[0], weight.shape[0], *hw)
+
+
 def conv_add_relu(x, weight, z, bias, stride, padding, dilation, groups):
     """``relu(conv2d(x) + z)`` (a residual block's tail) as one cuDNN call on CUDA
-    (``torch.cudnn_convolution_add_relu``), plain PyTorch elsewhere. ``z``: the conv output's shape."""
-    if x.is_cuda:
+    (``torch.cudnn_convolution_add_relu``) when ``z`` is a tensor of the conv output's exact shape and
+    dtype; plain PyTorch otherwise (a broadcast ``z``, CPU)."""
+    if (x.is_cuda and isinstance(z, torch.Tensor) and z.dtype == x.dtype
+            and tuple(z.shape) == _conv2d_out_shape(x, weight, stride, padding, dilation)):
         return torch.cudnn_convolution_add_relu(x, weight, z, 1.0, bias, stride, padding, dilation, groups)
     return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups) + z)
 
@@ -127,8 +136,8 @@ def fuse_conv_relu(gm: torch.fx.GraphModule) -> int:
         z = None
         if src.op == "call_function" and src.target in (operator.add, torch.add) and len(src.users) == 1 \
                 and len(src.args) == 2 and not src.kwargs:
-            for a, b in (src.args, src.args[::-1]):
-                if isinstance(a, torch.fx.Node) and conv_of(a) is not None:
+            for a, b in (src.args, src.args[::-1]):   # the conv on either side; z a tensor (a node)
+                if isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and conv_of(a) is not None:
                     add, src, z = src, a, b
                     break
             else:
@@ -222,7 +231,7 @@ class Engine:
         model = model.eval()
         folded, self.bn_folded = fold_batchnorm(model) if config.fold_bn and self.cuda else (model, False)
         # and conv -> (add ->) relu as one cuDNN call each: at batch 512 on the H200 ResNet18 replays at
-        # 56.4k img/s so, against 38.2k folded only and 40.4k unfolded (bench/results/resnet_fusion_probe.json)
+        # 56.4k img/s that way, against 38.2k folded only and 40.4k unfolded (bench/results/resnet_fusion_probe.json)
         self.conv_relu_fused = fuse_conv_relu(folded) if self.bn_folded else 0
 
         def place(m: nn.Module) -> nn.Module:
