@@ -666,8 +666,8 @@ def normalize_u8(x_u8: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, d
     return y
 
 
-__all__ = ["PAIRED_LAYOUT", "interleave_pairs", "deinterleave_pairs", "rms_norm", "rope_qkv_into_cache", "silu_mul", "linear", "linear_silu_mul",
-           "linear_rope_qkv_into_cache",
-           "decode_attention", "normalize_u8",
-           "use_triton", "rms_norm_ref", "rope_qkv_into_cache_ref", "silu_mul_ref", "linear_ref",
+__all__ = ["rms_norm", "rope_qkv_into_cache", "silu_mul", "linear", "linear_silu_mul",
+           "linear_rope_qkv_into_cache", "decode_attention", "normalize_u8", "use_triton",
+           "PAIRED_LAYOUT", "interleave_pairs", "deinterleave_pairs",
+           "rms_norm_ref", "rope_qkv_into_cache_ref", "silu_mul_ref", "linear_ref",
            "decode_attention_ref", "normalize_u8_ref"]
