@@ -250,6 +250,56 @@ def test_fuse_conv_relu_leaves_scalar_adds_and_computes_broadcast_adds_the_same(
         x, w, stride=2, padding=1).shape) == (2, 4, 5, 6)
 
 
+class _ConvThenInplace(torch.nn.Module):   # x changes in place between the conv and its ReLU
+    def __init__(self):
+        super().__init__()
+        self.conv, self.r = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return torch.nn.functional.relu(y + self.r(x))
+
+
+class _ConvTwice(torch.nn.Module):        # the add's two sides are the same conv
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return torch.nn.functional.relu(y + y)
+
+
+class _ConvKeywords(torch.nn.Module):     # keyword inputs
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(input=self.conv(input=x))
+
+
+class _ConvWeightNorm(torch.nn.Module):   # a parametrized weight
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv2d(8, 8, 3, padding=1))
+
+    def forward(self, x):
+        return torch.nn.functional.relu(self.conv(x))
+
+
+@pytest.mark.parametrize("cls", [_ConvThenInplace, _ConvTwice, _ConvKeywords, _ConvWeightNorm])
+def test_fuse_conv_relu_leaves_graphs_it_cannot_rewrite_safely_alone(cls):
+    from fullthrottle.compute import fuse_conv_relu
+
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(cls().eval())
+    x = torch.randn(2, 8, 9, 9)
+    ref = gm(x.clone())
+    assert fuse_conv_relu(gm) == 0
+    torch.testing.assert_close(gm(x.clone()), ref, rtol=0, atol=0)
+
+
 def _double(x):
     return x * 2
 

@@ -142,6 +142,9 @@ def test_references_run_without_triton(monkeypatch):
     wi = K.interleave_pairs(w, 8, dim=0)
     assert wi[:4, 0].tolist() == [w[0, 0], w[4, 0], w[1, 0], w[5, 0]]
     torch.testing.assert_close(K.deinterleave_pairs(wi.T, 8).T, w, rtol=0, atol=0)
+    for bad in (0, 3, 5):
+        with pytest.raises(ValueError, match="group must be an even int"):
+            K.interleave_pairs(w, bad, dim=0)
 
 
 @pytest.mark.gpu
@@ -172,8 +175,10 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
     meta = torch.empty(3, 8, device="meta")
     with pytest.raises(ValueError, match="different devices: x on cpu, weight on meta"):
         K.linear(torch.randn(2, 8), meta)
-    with pytest.raises(ValueError, match="share a float dtype"):
+    with pytest.raises(ValueError, match="share one dtype of float32/float16/bfloat16"):
         K.linear(torch.ones(2, 8, dtype=torch.bool), torch.ones(3, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="share one dtype of float32/float16/bfloat16, got torch.float64"):
+        K.linear(torch.ones(2, 8, dtype=torch.float64), torch.ones(3, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="different devices"):
         K.rms_norm(x, torch.ones(8, device="meta"), 1e-5)
     with pytest.raises(ValueError, match="eps must be a number"):
@@ -207,6 +212,9 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
                               0, H, Hkv)
     with pytest.raises(ValueError, match="must be \\(B, S"):
         K.rope_qkv_into_cache(torch.randn(S, (H + 2 * Hkv) * D), cs, cs, pos, kc, kc.clone(), 0, H, Hkv)
+    k5 = torch.zeros(2, Hkv, 8, 5)           # an odd head dim: named as such
+    with pytest.raises(ValueError, match="head dim D must be even"):
+        K.rope_qkv_into_cache(torch.randn(B, S, (H + 2 * Hkv) * 5), cs, cs, pos, k5, k5.clone(), 0, H, Hkv)
 
 
 @pytest.mark.gpu

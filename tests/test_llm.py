@@ -12,7 +12,10 @@ ROPE3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fre
          "original_max_position_embeddings": 32}
 
 
-@pytest.fixture(scope="module", params=[None, ROPE3], ids=["rope", "llama3-rope"])
+ROPE_LINEAR = {"rope_type": "linear", "factor": 4.0}
+
+
+@pytest.fixture(scope="module", params=[None, ROPE3, ROPE_LINEAR], ids=["rope", "llama3-rope", "linear-rope"])
 def pair(request, tmp_path_factory):
     torch.manual_seed(0)
     kw = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -142,3 +145,12 @@ def test_cli_generate_streams_the_library_tokens(pair, tmp_path, capsys):
     assert [int(t) for t in out.split()] == ref
     assert "tok/s" in err
     assert main(["generate", "--model-dir", str(tmp_path / "m"), "--tokens", "999"]) == 2
+
+
+def test_unsupported_rope_scaling_is_refused():
+    from fullthrottle.llama import rope_inv_freq
+
+    cfg = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        rope_inv_freq(cfg)

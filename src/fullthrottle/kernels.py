@@ -57,9 +57,15 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _check_group(fn: str, n: int, group: int) -> None:
+    if not (isinstance(group, int) and group > 0 and group % 2 == 0 and n % group == 0):
+        raise ValueError(f"{fn}: group must be an even int > 0 dividing the dim's size {n}, got {group!r}")
+
+
 def deinterleave_pairs(t: torch.Tensor, group: int) -> torch.Tensor:
     """``(..., n * group)`` in the pair-interleaved layout -> the plain one: in each ``group`` of the
     last dim, ``[a0, b0, a1, b1, ...]`` becomes ``[a0, a1, ..., b0, b1, ...]``."""
+    _check_group("deinterleave_pairs", t.shape[-1] if t.dim() else 0, group)
     shape = t.shape
     return t.reshape(*shape[:-1], shape[-1] // group, group // 2, 2).transpose(-1, -2).reshape(shape)
 
@@ -67,6 +73,7 @@ def deinterleave_pairs(t: torch.Tensor, group: int) -> torch.Tensor:
 def interleave_pairs(t: torch.Tensor, group: int, dim: int = -1) -> torch.Tensor:
     """The inverse of :func:`deinterleave_pairs` along ``dim`` (used on weight rows: ``dim=0``)."""
     t = t.movedim(dim, -1)
+    _check_group("interleave_pairs", t.shape[-1], group)
     shape = t.shape
     out = t.reshape(*shape[:-1], shape[-1] // group, 2, group // 2).transpose(-1, -2).reshape(shape)
     return out.movedim(-1, dim)
@@ -364,7 +371,8 @@ def rope_qkv_into_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            f"rope_qkv_into_cache: caches must be (maxB, {hkv}, T, D), got {tuple(k_cache.shape)} and "
            f"{tuple(v_cache.shape)}")
     d = k_cache.shape[-1]
-    _check(d % 2 == 0 and F_ == (h + 2 * hkv) * d,
+    _check(d % 2 == 0, f"rope_qkv_into_cache: the head dim D must be even (RoPE rotates pairs), got {d}")
+    _check(F_ == (h + 2 * hkv) * d,
            f"rope_qkv_into_cache: qkv's last dim {F_} is not (H + 2*Hkv) * D = ({h} + 2*{hkv}) * {d}")
     _check(qkv.dtype in _FLOATS and k_cache.dtype == qkv.dtype == v_cache.dtype,
            f"rope_qkv_into_cache: qkv and caches must share a float dtype, got {qkv.dtype}, {k_cache.dtype}")
@@ -442,7 +450,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _check(weight.dim() == 2 and x.dim() >= 1 and weight.shape[1] == x.shape[-1],
            f"linear: weight must be (N, {x.shape[-1] if x.dim() else '?'}), got {tuple(weight.shape)}")
     _check(x.dtype == weight.dtype and x.dtype in _FLOATS,
-           f"linear: x and weight must share a float dtype, got {x.dtype} and {weight.dtype}")
+           f"linear: x and weight must share one dtype of float32/float16/bfloat16, got {x.dtype} and "
+           f"{weight.dtype}")
     _same_device("linear", x=x, weight=weight)
     N, K = weight.shape
     if x.numel() != K or not use_triton(x) or not weight.is_contiguous():  # (dtype checked above)
@@ -504,7 +513,7 @@ def linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
             or cfg is None):
         return silu_mul(linear(x, w_gate_up))
     _same_device("linear_silu_mul", x=x, w_gate_up=w_gate_up)
-    _check(x.dtype in _FLOATS, f"linear_silu_mul: x must be a float tensor, got {x.dtype}")
+    _check(x.dtype in _FLOATS, f"linear_silu_mul: x must be float32/float16/bfloat16, got {x.dtype}")
     bn, bk, warps, stages = cfg
     y = torch.empty((*x.shape[:-1], I2 // 2), dtype=x.dtype, device=x.device)
     _gemv_kernel[(I2 // bn,)](w_gate_up, x.contiguous(), y, I2, K, y, y, y, y, y, 0, 0, 0, 0, 0, 0,

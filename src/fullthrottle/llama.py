@@ -65,17 +65,27 @@ class LlamaConfig:
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies ``(D/2,)`` float32, with Llama-3 scaling when ``rope_scaling`` asks for it.
+    """Inverse frequencies ``(D/2,)`` float32, scaled as ``rope_scaling`` asks.
 
-    Llama 3.1 scaling (Meta's reference code; HF ``_compute_llama3_parameters``): wavelengths longer
-    than ``original_max / low_freq_factor`` are divided by ``factor``, shorter than
-    ``original_max / high_freq_factor`` kept, and those between interpolated smoothly.
+    Supported: none / ``"default"``; ``"linear"`` (positions divided by ``factor``: every frequency
+    divided by it, HF ``_compute_linear_scaling_rope_parameters``); ``"llama3"`` (Llama 3.1, Meta's
+    reference code; HF ``_compute_llama3_parameters``): wavelengths longer than ``original_max /
+    low_freq_factor`` are divided by ``factor``, shorter than ``original_max / high_freq_factor``
+    kept, and those between interpolated smoothly.
+
+    Raises:
+        ValueError: another rope type (dynamic, yarn, longrope, ...), which would give wrong tokens.
     """
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = cfg.rope_scaling or {}
-    if rs.get("rope_type", rs.get("type")) != "llama3":
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind in ("default", None):
         return inv
+    if kind == "linear":
+        return inv / float(rs["factor"])
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear and llama3 are)")
     factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
     old = rs["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
