@@ -208,11 +208,12 @@ def test_worker_gets_malloc_settings_and_reports_its_time_split(samples, tmp_pat
 
     monkeypatch.setenv(pp.STATS_ENV, str(tmp_path / "w"))
     w = DecoderProcess()
-    env = open(f"/proc/{w.proc.pid}/environ", "rb").read().split(b"\0")
-    assert f"MALLOC_MMAP_THRESHOLD_={16 << 20}".encode() in env
     data = samples[0].read_bytes()
     for _ in range(3):
         np.testing.assert_array_equal(w(data), preprocess(data))
+    # read once the worker has answered (right after the spawn, the new process may not have exec'd yet)
+    env = open(f"/proc/{w.proc.pid}/environ", "rb").read().split(b"\0")
+    assert f"MALLOC_MMAP_THRESHOLD_={16 << 20}".encode() in env
     with pytest.raises(ImageError, match="unrecognised format"):
         w(b"not an image")   # the timed loop words errors as the plain one does
     pid = w.proc.pid
