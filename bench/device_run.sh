@@ -13,6 +13,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then   # carried wheels (fastapi, uvicorn
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
+if compgen -G ".nvimg/*.whl" >/dev/null; then  # nvImageCodec (issue 04: the GPU's hardware JPEG decoders)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/nvic .nvimg/*.whl \
+    && export PYTHONPATH=/tmp/nvic:$PYTHONPATH
+  [[ -d /usr/local/cuda/lib64 ]] && export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+fi
 # the embedding model, carried as fp16 safetensors (or as .pack/minilm.tar.xz when space is short)
 if [[ -f .pack/minilm.tar.xz && ! -f .data/minilm/config.json ]]; then mkdir -p .data && tar -xJf .pack/minilm.tar.xz -C .data; fi
 [[ -f .data/minilm/config.json ]] && export FULLTHROTTLE_EMBED_MODEL=$PWD/.data/minilm
@@ -20,6 +25,9 @@ gpu_sel=""; [[ -n ${FULLTHROTTLE_EMBED_MODEL:-} ]] || gpu_sel="--deselect tests/
 python3 -c "import uvicorn" 2>/dev/null || gpu_sel="$gpu_sel --ignore=tests/test_serve.py"   # no wheels carried
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; echo "wmem_max $(cat /proc/sys/net/core/wmem_max 2>/dev/null)"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip -e failed (using PYTHONPATH)"
+if [[ ,$parts, == *,gdtests,* ]]; then   # issue 04: the GPU decode tests only
+  $TO python3 -m pytest -q -s -m gpu tests/test_gpu_decode.py 2>&1 | tee "$OUT/gpu_decode_tests.log" | grep -E "Error|error:|passed|failed|skipped|agreement|abs diff" | tail -14
+fi
 if [[ $parts == *gputests* ]]; then
   $TO python3 -m pytest -q -s -m gpu $gpu_sel tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed|agreement" | tail -12
 elif [[ $parts == *tests* ]]; then
@@ -62,8 +70,8 @@ if [[ ,$parts, == *,gemv,* ]]; then       # issue 06: batch-1 projections, cuBLA
   $TO python3 bench/gemv_probe.py --out "$OUT/gemv_probe.json" 2>&1 | tail -8
 fi
 if [[ $parts == *gpudecode* ]]; then   # issue 04: CPU+GPU JPEG decode end to end vs DataLoader
-  $TO python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --skip-no-graphs --n 60000 ${GPU_PROCS:+--gpu-procs $GPU_PROCS} --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -6
-  $TO python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --skip-no-graphs --n 40000 ${GPU_PROCS:+--gpu-procs $GPU_PROCS} --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -6
+  $TO python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --skip-no-graphs --n ${GD_N:-60000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -8
+  $TO python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --skip-no-graphs --n ${GD_N:-40000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -8
 fi
 if [[ $parts == *gdprobe* ]]; then     # issue 04: where the GPU decode thread's time goes
   $TO python3 bench/gpu_decode_probe.py --out "$OUT/gpu_decode_probe.json" 2>&1 | tail -20
@@ -72,7 +80,7 @@ if [[ $parts == *llmprof* ]]; then     # issue 06: kernels of one decode step
   $TO python3 bench/llm_profile.py --out "$OUT/llm_profile.json" 2>&1 | tail -34
 fi
 if [[ $parts == *soak* ]]; then        # issue 04: 100k images through nvJPEG, memory at start and end
-  $TO python3 bench/gpu_decode_soak.py --out "$OUT/gpu_decode_soak.json" 2>&1 | tail -3
+  $TO python3 bench/gpu_decode_soak.py ${SOAK_ARGS:-} --out "$OUT/gpu_decode_soak.json" 2>&1 | tail -3
 fi
 if [[ $parts == *embtest* ]]; then
   $TO python3 -m pytest -q -s -m gpu tests/test_embed.py 2>&1 | tee "$OUT/embed_tests.log" | tail -3

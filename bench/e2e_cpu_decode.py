@@ -111,7 +111,7 @@ def _worker_stats(folder: str) -> dict | None:
 
 def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu_decode=False, warm_frac=0.25,
                      preprocess="auto", dispatchers=None, gpu_procs=2, worker_depth=None, worker_nice=None,
-                     worker_stats=False):
+                     worker_stats=False, gpu_decoder="auto"):
     import tempfile
 
     import fullthrottle.pipeline as pl
@@ -130,7 +130,8 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     torch.manual_seed(0)
     pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="bfloat16", channels_last=True,
                            max_batch_size=batch, threads=threads, max_wait_ms=max_wait_ms, graphs=graphs,
-                           gpu_decode=gpu_decode, preprocess=preprocess, gpu_decode_processes=gpu_procs))
+                           gpu_decode=gpu_decode, preprocess=preprocess, gpu_decode_processes=gpu_procs,
+                           gpu_decoder=gpu_decoder))
     list(pipe.run([blobs[i % len(blobs)] for i in range(2000)]))  # warm-up (cuDNN autotune, pools)
     seen, t_warm, n_warm = 0, None, 0
     inputs = (blobs[i % len(blobs)] for i in range(n))
@@ -160,6 +161,7 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     eng = pipe.engine
     n_procs = len(pipe.decoders) if pipe.decoders is not None else 0
     pinned = pipe.decoders.crops.pinned if pipe.decoders is not None else None
+    gpu_kind = eng.gpu_decoder.kind if eng.gpu_decoder is not None else None
     n_disp = sum(t.name.startswith("ft-preprocess-dispatch") for t in pipe.current_run.threads)
     pipe.close()
     worker_split = _worker_stats(stats_dir) if stats_dir else None
@@ -171,7 +173,8 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
             "main_process_cores_by_thread": main_threads,
             "dispatch_threads": n_disp, "crop_pool_pinned": pinned,
             "graphs": graphs, "max_wait_ms": max_wait_ms, "gpu_decode": gpu_decode,
-            "gpu_decode_processes": gpu_procs if gpu_decode and n_procs else 0,
+            "gpu_decode_processes": gpu_procs if gpu_decode and n_procs else 0, "gpu_decoder": gpu_kind,
+            "gpu_decode_summary": rep.gpu_decode,
             "gpu_share": eng.splitter.routed_gpu_share if gpu_decode else 0.0,
             "gpu_util_mean_pct": rep.gpu_util_pct, "verdict": rep.verdict, "switch_interval_s": sys.getswitchinterval(),
             "compute_staging_s": eng.staging_s, "compute_launch_s": eng.launch_s,"images": seen, "steady_images": seen - n_warm, "steady_s": t_end - t_warm,
@@ -195,6 +198,8 @@ def main():
     ap.add_argument("--gpu-decode", action="store_true", help="also run fullthrottle with GPU JPEG decoding")
     ap.add_argument("--gpu-procs", default="2", help="GPU decoder processes to try with --gpu-decode, e.g. 0,2,4 "
                     "(0: the GPU decode thread in the main process)")
+    ap.add_argument("--gpu-decoders", default="auto", help="GPU JPEG decoders to try with --gpu-decode: "
+                    "hardware, nvjpeg, auto, comma-separated (each with every --gpu-procs value)")
     ap.add_argument("--skip-no-graphs", action="store_true", help="skip the graphs-off fullthrottle run")
     ap.add_argument("--thread-decode", action="store_true",
                     help="also run fullthrottle with decoding in threads (preprocess='threads')")
@@ -252,10 +257,18 @@ def main():
         print("fullthrottle, decoding in threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, preprocess="threads"))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
-    for g in [int(x) for x in args.gpu_procs.split(",") if x] if args.gpu_decode else []:
-        print(f"fullthrottle, GPU decode, {g} GPU decoder processes ...", flush=True)
-        extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, gpu_decode=True, gpu_procs=g))
-        print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
+    for kind in [x for x in args.gpu_decoders.split(",") if x] if args.gpu_decode else []:
+        for g in [int(x) for x in args.gpu_procs.split(",") if x]:
+            print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes ...", flush=True)
+            try:
+                extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, gpu_decode=True, gpu_procs=g,
+                                              gpu_decoder=kind))
+            except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' figures
+                print(f"  failed: {type(e).__name__}: {e}", flush=True)
+                extra.append({"gpu_decode": True, "gpu_decoder": kind, "gpu_decode_processes": g,
+                              "error": f"{type(e).__name__}: {e}"[:500]})
+                continue
+            print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     for w in [float(x) for x in args.ft_waits.split(",") if x]:
         print(f"fullthrottle, max_wait_ms {w} ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, max_wait_ms=w))
@@ -281,8 +294,9 @@ def main():
     print(f"fullthrottle {ft['img_per_s']:.0f} img/s vs DataLoader+PIL {dl['img_per_s']:.0f} img/s "
           f"= {payload['ratio_fullthrottle_over_dataloader']:.2f}x")
     for v in extra:
-        if v["gpu_decode"]:
-            print(f"  GPU decode, {v['gpu_decode_processes']} GPU decoder processes: {v['img_per_s']:.0f} img/s, "
+        if v.get("gpu_decode") and "error" not in v:
+            print(f"  GPU decode ({v['gpu_decoder']}), {v['gpu_decode_processes']} GPU decoder processes: "
+                  f"{v['img_per_s']:.0f} img/s, "
                   f"{v['gpu_share']:.0%} of eligible JPEGs on the GPU, GPU busy {v['gpu_util_mean_pct']:.0f}%")
 
 

@@ -56,6 +56,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--every", type=int, default=10_000)
+    ap.add_argument("--gpu-decoder", default="auto", choices=("auto", "hardware", "nvjpeg"))
     ap.add_argument("--out", default="bench/results/gpu_decode_soak.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -64,7 +65,7 @@ def main():
 
     blobs = jpegs_640x480()
     pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="bfloat16", max_batch_size=128,
-                           threads=16, gpu_decode=True))
+                           threads=16, gpu_decode=True, gpu_decoder=args.gpu_decoder))
     list(pipe.run([blobs[i % len(blobs)] for i in range(5000)]))  # warm-up: pools, graphs, nvJPEG state
     samples = [{"images": 0, "t_s": 0.0, **memory()}]
     t0 = time.perf_counter()
@@ -78,6 +79,7 @@ def main():
     first, last = samples[0], samples[-1]
     payload = {"benchmark": "gpu_decode_soak", "machine": machine_info(), "images": seen, "failed": failed,
                "img_per_s": seen / (time.perf_counter() - t0), "gpu_share": pipe.engine.splitter.routed_gpu_share,
+               "gpu_decoder": pipe.engine.gpu_decoder.kind, "gpu_decode_summary": pipe.last_report.gpu_decode,
                "gpu_decoder_processes": len(pipe.gpu_decoders) if pipe.gpu_decoders is not None else 0,
                "growth_bytes": {k: last[k] - first[k] for k in first if k.endswith("_bytes")},
                "samples": samples}

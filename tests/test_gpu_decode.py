@@ -79,6 +79,94 @@ class FakeGpuDecoder:
         return out
 
 
+class FakeNvImageCodec:
+    """nvImageCodec's ``Decoder.decode`` on CPU: HWC uint8 arrays, ``None`` for what the "engines" refuse
+    (here progressive JPEGs, as on the real hardware), and optionally the old behaviour of dropping
+    refused images from the list instead of answering ``None``."""
+
+    def __init__(self, drop_refused=False, raise_on=None):
+        self.drop_refused, self.raise_on, self.calls = drop_refused, raise_on, []
+
+    def decode(self, srcs, params=None, cuda_stream=0):
+        single = not isinstance(srcs, list)
+        srcs = [srcs] if single else srcs
+        self.calls.append(len(srcs))
+        out = []
+        for a in srcs:
+            b = bytes(a)
+            if self.raise_on is not None and b == self.raise_on and len(srcs) > 1:
+                raise RuntimeError("fake batch failure")
+            info = jpeg_info(b)
+            if info is None or info["sof"] == 0xC2:
+                if not self.drop_refused:
+                    out.append(None)
+                continue
+            gray = cv2.imdecode(np.frombuffer(b, np.uint8), cv2.IMREAD_UNCHANGED)
+            if gray.ndim == 2:  # the real decoder gives RGB; a (H, W, 1) tests the expansion
+                out.append(gray[:, :, None])
+            else:
+                out.append(np.ascontiguousarray(gray[:, :, ::-1]))
+        return (out[0] if out else None) if single else out
+
+
+def _hw_decoder(fake, fallback=None):
+    from fullthrottle.gpu_decode import HwJpegDecoder
+
+    d = HwJpegDecoder.__new__(HwJpegDecoder)  # skips the import of nvImageCodec and the device probe
+    d.device, d._dec, d._params, d._code_stream, d.fallback = torch.device("cpu"), fake, None, lambda a: a, fallback
+    return d
+
+
+@pytest.mark.parametrize("drop_refused", [False, True])
+def test_hardware_decoder_per_item_results(bad_dir, samples, drop_refused):
+    """Refused images go to the fallback (or become that item's error); everything else is (3, H, W)
+    uint8 equal to OpenCV's decode; a failing batch call is retried image by image."""
+    good = [p.read_bytes() for p in samples[:3]]
+    prog = (bad_dir / "progressive.jpg").read_bytes()
+    gray = next(p.read_bytes() for p in samples if jpeg_info(p.read_bytes())["components"] == 1)
+    blobs = [good[0], prog, gray, good[1], good[2]]
+    fallback = FakeGpuDecoder()
+    for fb in (fallback, None):
+        fake = FakeNvImageCodec(drop_refused=drop_refused)
+        out = _hw_decoder(fake, fb)(blobs)
+        assert len(out) == 5
+        for j in (0, 2, 3, 4):
+            ref = cv2.cvtColor(cv2.imdecode(np.frombuffer(blobs[j], np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+            assert out[j].shape == (3, *ref.shape[:2]) and out[j].dtype == torch.uint8
+            assert torch.equal(out[j].permute(1, 2, 0), torch.from_numpy(ref))
+        if fb is None:
+            assert isinstance(out[1], RuntimeError) and "refused" in str(out[1])
+        else:
+            assert isinstance(out[1], torch.Tensor) and fallback.images == 1
+        assert fake.calls[0] == 5 and (fake.calls[1:] == [1] * 5 if drop_refused else fake.calls == [5])
+    fake = FakeNvImageCodec(raise_on=good[1])  # one image breaks the batch call: the others still decode
+    out = _hw_decoder(fake)(blobs)
+    assert all(isinstance(out[j], torch.Tensor) for j in (0, 2, 3, 4)) and fake.calls == [5, 1, 1, 1, 1, 1]
+
+
+def test_gpu_decoder_choice_and_errors(monkeypatch):
+    import builtins
+
+    from fullthrottle.gpu_decode import GpuJpegDecoder, make_gpu_decoder
+
+    with pytest.raises(ValueError, match="gpu_decoder must be one of"):
+        make_gpu_decoder(torch.device("cpu"), "nvimgcodec")
+    with pytest.raises(ValueError, match="gpu_decoder must be 'auto', 'hardware' or 'nvjpeg'"):
+        Config(gpu_decoder="fast")
+    real_import = builtins.__import__
+
+    def no_nvimgcodec(name, *a, **k):
+        if name.startswith("nvidia"):
+            raise ImportError("No module named 'nvidia.nvimgcodec'")
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_nvimgcodec)
+    d = make_gpu_decoder(torch.device("cpu"), "auto")  # auto falls back to nvJPEG
+    assert isinstance(d, GpuJpegDecoder) and d.kind == "nvjpeg"
+    assert make_gpu_decoder(torch.device("cpu"), "nvjpeg").kind == "nvjpeg"
+    with pytest.raises(RuntimeError, match="hardware JPEG decoder is not available.*pip install nvidia-nvimgcodec"):
+        make_gpu_decoder(torch.device("cpu"), "hardware")
+
+
 def assert_same_results(res, ref):
     """``res`` (results in order) match ``ref`` (id -> result): ids, ok, top-1 class and prob, error text."""
     assert [r.id for r in res] == list(ref)
@@ -192,19 +280,28 @@ def test_gpu_decoder_processes_path_equals_cpu_only(samples, bad_dir):
 
 
 @pytest.mark.gpu
-def test_nvjpeg_against_cpu_path(samples, bad_dir):
-    """Mean absolute difference per pixel <= 2/255 against the CPU path; top-1 agreement >= 99%."""
-    from fullthrottle.gpu_decode import GpuJpegDecoder
+@pytest.mark.parametrize("kind", ["nvjpeg", "hardware"])
+def test_gpu_decoder_against_cpu_path(samples, bad_dir, kind):
+    """Mean absolute difference per pixel <= 2/255 against the CPU path; top-1 agreement >= 99%;
+    every bad input gives the CPU path's result (for nvJPEG and for the hardware JPEG engines)."""
+    from fullthrottle.gpu_decode import make_gpu_decoder
 
-    dec = GpuJpegDecoder(torch.device("cuda"))
+    if kind == "hardware":
+        pytest.importorskip("nvidia.nvimgcodec", reason="needs nvImageCodec (pip install nvidia-nvimgcodec-cu13)")
+    dec = make_gpu_decoder(torch.device("cuda"), kind)
+    assert dec.kind == kind
     blobs = [p.read_bytes() for p in samples if gpu_eligible(p.read_bytes())[0]]
-    imgs = dec(blobs)
-    assert not any(isinstance(i, Exception) for i in imgs)
-    out = torch.empty((len(imgs), 224, 224, 3), dtype=torch.uint8, device="cuda")
-    resize_crop_batch(imgs, out)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # as the pipeline runs it: on a side stream
+        imgs = dec(blobs)
+        assert not any(isinstance(i, Exception) for i in imgs)
+        out = torch.empty((len(imgs), 224, 224, 3), dtype=torch.uint8, device="cuda")
+        resize_crop_batch(imgs, out)
+        del imgs  # the hardware decoder's buffers are freed stream-ordered: the resize has them first
+    stream.synchronize()
     ref = np.stack([preprocess(b) for b in blobs])
     mad = np.abs(out.cpu().numpy().astype(np.int16) - ref.astype(np.int16)).mean()
-    print(f"nvJPEG vs CPU path: mean abs diff {mad:.3f} / 255 over {len(blobs)} images")
+    print(f"{kind} vs CPU path: mean abs diff {mad:.3f} / 255 over {len(blobs)} images")
     assert mad <= 2.0
     torch.manual_seed(0)
     cpu_pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="float32", max_batch_size=32))
@@ -213,16 +310,19 @@ def test_nvjpeg_against_cpu_path(samples, bad_dir):
     # nvJPEG in decoder processes (the default with processes), and in a thread of this process
     for pre, n_gpu in (("processes", 2), ("threads", 0)):
         gpu_pipe = Pipeline(Config(device="cuda", dtype="float32", max_batch_size=32, gpu_decode=True,
-                                   preprocess=pre, gpu_decode_processes=n_gpu), model=cpu_pipe.engine.model)
+                                   gpu_decoder=kind, preprocess=pre, gpu_decode_processes=n_gpu),
+                            model=cpu_pipe.engine.model)
         try:
             b = {r.id: r for r in gpu_pipe.run(list(samples) + [bad_dir])}
             share = gpu_pipe.engine.splitter.routed_gpu_share
+            summary = gpu_pipe.last_report.gpu_decode
         finally:
             gpu_pipe.close()
         assert a.keys() == b.keys()
         assert all(a[k].ok == b[k].ok for k in a), [(k, a[k].error, b[k].error) for k in a if a[k].ok != b[k].ok]
         assert all(a[k].error.split(": ", 1)[1] == b[k].error.split(": ", 1)[1] for k in a if not a[k].ok)
         agree = np.mean([a[k].class_ids[0] == b[k].class_ids[0] for k in a if a[k].ok])
-        print(f"top-1 agreement CPU vs GPU decode ({pre}, {n_gpu} GPU processes): {agree:.3f}; "
-              f"{share:.0%} of eligible JPEGs decoded on the GPU")
+        print(f"top-1 agreement CPU vs GPU decode ({kind}, {pre}, {n_gpu} GPU processes): {agree:.3f}; "
+              f"{share:.0%} of eligible JPEGs decoded on the GPU; {summary}")
+        assert summary.startswith("GPU decode: " + ("the GPU's JPEG engines" if kind == "hardware" else "nvJPEG"))
         assert agree >= 0.99 and share > 0

@@ -75,10 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay the model as CUDA graphs, one per batch bucket (CUDA only; default: on)")
     c.add_argument("--gpu-decode", action="store_true",
-                   help="also decode JPEGs on the GPU (nvJPEG): with decoder processes, a JPEG goes to the GPU "
+                   help="also decode JPEGs on the GPU: with decoder processes, a JPEG goes to the GPU "
                         "whenever no CPU worker is idle; with threads, split by measured rates")
+    c.add_argument("--gpu-decoder", default="auto", choices=("auto", "hardware", "nvjpeg"),
+                   help="with --gpu-decode: 'hardware' = the GPU's JPEG engines via nvImageCodec (pip install "
+                        "nvidia-nvimgcodec-cu13; A100/H100/H200), which leave the SMs to the model; 'nvjpeg' = "
+                        "torchvision's nvJPEG on the SMs; auto = hardware when available (default: %(default)s)")
     c.add_argument("--gpu-decode-processes", type=int, default=4, metavar="N",
-                   help="with --gpu-decode and decoder processes: processes running nvJPEG, each its own "
+                   help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "
                         "decoder, 0..16 (0: one GPU decode thread in this process; default: %(default)s)")
     c.add_argument("--compile", action="store_true",
                    help="torch.compile the model (kernel fusion) before graph capture; slow start")
@@ -121,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay the model as CUDA graphs per batch bucket (CUDA only; default: on)")
     v.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default: %(default)s)")
-    v.add_argument("--gpu-decode", action="store_true", help="also decode JPEGs on the GPU (nvJPEG)")
+    v.add_argument("--gpu-decode", action="store_true", help="also decode JPEGs on the GPU (its JPEG engines "
+                   "when nvImageCodec is installed, else nvJPEG)")
     v.add_argument("--ray", action="store_true",
                    help="deploy on Ray Serve (one replica per GPU; --replicas); needs fullthrottle[ray]")
     v.add_argument("--replicas", type=_positive_int, default=1, help="Ray Serve replicas (with --ray)")
@@ -647,7 +652,8 @@ def cmd_classify(args) -> int:
                      max_batch_size=args.batch_size, max_wait_ms=args.max_wait_ms,
                      threads=args.threads, top_k=args.top_k, ordered=not args.unordered,
                      graphs=args.graphs, compile=args.compile, gpu_decode=args.gpu_decode,
-                     gpu_decode_processes=args.gpu_decode_processes, preprocess=args.preprocess)
+                     gpu_decoder=args.gpu_decoder, gpu_decode_processes=args.gpu_decode_processes,
+                     preprocess=args.preprocess)
         if device.type != "cuda":  # say what a CPU run leaves out, rather than ignoring it silently
             ignored = [f for f, on in (("--gpu-decode", args.gpu_decode),
                                        (f"--dtype {args.dtype}", args.dtype not in (None, "float32"))) if on]

@@ -30,7 +30,7 @@ from torch import nn
 
 from .config import Config
 from .decode import topk_probs
-from .gpu_decode import GpuJpegDecoder, RateSplitter, crop_runs
+from .gpu_decode import RateSplitter, crop_runs, make_gpu_decoder
 from .graphs import GraphRunner
 from .kernels import normalize_u8, use_triton
 from .models import build_model, imagenet_labels, load_weights
@@ -316,7 +316,8 @@ class Engine:
         self.crops = None      # the decoder processes' CropPool (attach_crops)
         self.dev_crops = None  # its device mirror: rows are copied H2D in place, then gathered
         self.runner: GraphRunner | None = None
-        self.gpu_decoder = GpuJpegDecoder(self.device) if config.gpu_decode and self.cuda else None
+        # the GPU JPEG decoder (its .kind: "hardware" or "nvjpeg"); decoder processes make their own
+        self.gpu_decoder = make_gpu_decoder(self.device, config.gpu_decoder) if config.gpu_decode and self.cuda else None
         self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None  # the GPU decode thread's
         self.splitter = RateSplitter(config.num_threads)
         self.staging_s = 0.0  # host time copying crops into pinned memory (s)

@@ -49,6 +49,11 @@ class Config:
             the pipeline is built (CUDA only; CPU runs eager).
         gpu_decode: decode JPEGs on the GPU (nvJPEG) as well as on the CPU threads, split by their
             measured rates; only JPEGs nvJPEG decodes like the CPU path go there (CUDA only).
+        gpu_decoder: which GPU JPEG decoder ``gpu_decode`` uses: ``"hardware"``, the GPU's JPEG
+            engines (NVJPG) through nvImageCodec (``pip install nvidia-nvimgcodec-cu13``; A100, H100,
+            H200, B200), which leave the SMs to the model; ``"nvjpeg"``, torchvision's nvJPEG, which
+            runs on the SMs; ``"auto"`` (default): the hardware decoder when it is installed and
+            the GPU has the engines, nvJPEG otherwise.
         gpu_decode_processes: with ``gpu_decode`` and decoder processes, how many processes run
             nvJPEG (each its own decoder and CUDA context, writing crops into the shared pool);
             torchvision serialises GPU decodes within one process. Default 4: on the H200 machine 0 / 2 /
@@ -106,6 +111,7 @@ class Config:
     fold_bn: bool = True
     compile: bool = False
     gpu_decode: bool = False
+    gpu_decoder: str = "auto"
     gpu_decode_processes: int = 4
     max_batch_size: int = 64
     max_wait_ms: float = 5.0
@@ -149,6 +155,8 @@ class Config:
                 and 1 <= self.crop_size <= self.resize_size):
             raise ValueError(f"need integers 1 <= crop_size <= resize_size, got crop_size={self.crop_size!r}, "
                              f"resize_size={self.resize_size!r}")
+        if self.gpu_decoder not in ("auto", "hardware", "nvjpeg"):
+            raise ValueError(f"gpu_decoder must be 'auto', 'hardware' or 'nvjpeg', got {self.gpu_decoder!r}")
         if not (isinstance(self.gpu_decode_processes, int) and not isinstance(self.gpu_decode_processes, bool)
                 and 0 <= self.gpu_decode_processes <= 16):
             raise ValueError(f"gpu_decode_processes must be an integer in 0..16, got {self.gpu_decode_processes!r}")

@@ -88,16 +88,20 @@ class GpuDecoderProcess:
         pool: the shared crop rows (the CPU decoder processes' pool).
         device_index: the CUDA device it decodes on.
         resize_size / crop_size / max_pixels: the transform (as in :class:`~fullthrottle.config.Config`).
+        decoder: ``"hardware"`` (the GPU's JPEG engines via nvImageCodec) or ``"nvjpeg"`` (torchvision);
+            see :func:`~fullthrottle.gpu_decode.make_gpu_decoder`.
 
     Not thread-safe: one caller thread per process (a request, then its reply).
     """
 
     def __init__(self, pool: CropPool, device_index: int = 0, resize_size: int = 256, crop_size: int = 224,
-                 max_pixels: int = 89_478_485):
+                 max_pixels: int = 89_478_485, decoder: str = "nvjpeg"):
         if pool.crop_size != crop_size:
             raise ValueError(f"pool rows are {pool.crop_size}px crops, the transform makes {crop_size}px")
+        if decoder not in ("hardware", "nvjpeg"):
+            raise ValueError(f"decoder must be 'hardware' or 'nvjpeg', got {decoder!r}")
         self.pool = pool
-        self.args = (device_index, resize_size, crop_size, max_pixels, pool.rows + pool.scratch)
+        self.args = (device_index, resize_size, crop_size, max_pixels, pool.rows + pool.scratch, decoder)
         self.closed = False
         self._start()
 
@@ -174,11 +178,13 @@ class GpuDecoderPool:
     """
 
     def __init__(self, n: int, pool: CropPool, device_index: int = 0, resize_size: int = 256,
-                 crop_size: int = 224, max_pixels: int = 89_478_485, start_timeout_s: float = 120.0):
+                 crop_size: int = 224, max_pixels: int = 89_478_485, start_timeout_s: float = 120.0,
+                 decoder: str = "nvjpeg"):
         self.workers: list[GpuDecoderProcess] = []
         try:
             for _ in range(n):
-                self.workers.append(GpuDecoderProcess(pool, device_index, resize_size, crop_size, max_pixels))
+                self.workers.append(GpuDecoderProcess(pool, device_index, resize_size, crop_size, max_pixels,
+                                                      decoder))
             errs: list[BaseException] = []
 
             def wait(w):
@@ -209,12 +215,13 @@ class GpuDecoderPool:
 
 def _gpu_worker_main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; we end on EOF
-    fd, pool_fd, device_index, resize_size, crop_size, max_pixels, pool_rows = (int(a) for a in argv)
+    fd, pool_fd, device_index, resize_size, crop_size, max_pixels, pool_rows = (int(a) for a in argv[:7])
+    kind = argv[7]
     import numpy as np
     import torch
 
     torch.set_num_threads(1)
-    from .gpu_decode import GpuJpegDecoder, decode_crops
+    from .gpu_decode import decode_crops, make_gpu_decoder
     from .preprocess import ImageError, allow_pillow_pixels
     from .preprocess_procs import _clear_cuda_error
 
@@ -233,8 +240,9 @@ def _gpu_worker_main(argv: list[str]) -> None:
     err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size, 0)  # pinned: D2H copies run async
     if int(err[0] if isinstance(err, tuple) else err) != 0:
         _clear_cuda_error()
-    decoder = GpuJpegDecoder(dev)
     stream = torch.cuda.Stream(dev)
+    with torch.cuda.stream(stream):
+        decoder = make_gpu_decoder(dev, kind)  # "hardware" fails loudly here: the pool reports it
     with torch.cuda.stream(stream):  # nvJPEG's set-up happens here, before the first real batch
         import cv2
 

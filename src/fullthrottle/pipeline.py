@@ -89,6 +89,7 @@ class Run:
         self.gpu_procs = list(gpu_decoders.workers) if gpu_decoders is not None else []
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
+        self._routed0 = dict(engine.splitter.routed)  # the splitter lives on: this run's counts are the change
         nthreads = config.num_threads
         qs = config.queue_size
         self.q1: queue.Queue = queue.Queue(qs)
@@ -667,7 +668,21 @@ class Run:
             device=str(eng.device), model=eng.model_name, dtype=str(eng.dtype).removeprefix("torch."),
             random_weights=eng.random_weights, gpu_util_pct=self.gpumon.mean_util_pct,
             gpu_mem_max_bytes=self.gpumon.max_mem_bytes,
-            graphs=eng.runner.info.format() if eng.runner is not None and eng.runner.info else "")
+            graphs=eng.runner.info.format() if eng.runner is not None and eng.runner.info else "",
+            gpu_decode=self._gpu_decode_summary())
+
+    def _gpu_decode_summary(self) -> str:
+        """One line: which GPU JPEG decoder ran where, and the share of eligible JPEGs it decoded."""
+        eng = self.engine
+        if eng.gpu_decoder is None:
+            return ""
+        name = {"hardware": "the GPU's JPEG engines (nvImageCodec)", "nvjpeg": "nvJPEG (torchvision)"}.get(
+            getattr(eng.gpu_decoder, "kind", None), type(eng.gpu_decoder).__name__)
+        where = f"{len(self.gpu_procs)} GPU decoder processes" if self.gpu_procs else "a thread of this process"
+        gpu, cpu = (eng.splitter.routed[k] - self._routed0[k] for k in ("gpu", "cpu"))
+        share = f" ({gpu / (gpu + cpu):.0%})" if gpu + cpu else ""
+        return (f"GPU decode: {name} in {where}; {gpu} of {gpu + cpu} eligible JPEGs{share} sent there, "
+                "the rest decoded on the CPU")
 
 
 class Pipeline:
@@ -728,7 +743,7 @@ class Pipeline:
                     try:
                         self.gpu_decoders = GpuDecoderPool(
                             n_gpu, self.decoders.crops, self.engine.device.index or 0, config.resize_size,
-                            config.crop_size, config.max_image_pixels)
+                            config.crop_size, config.max_image_pixels, decoder=getattr(self.engine.gpu_decoder, "kind", "nvjpeg"))
                     except RuntimeError as e:  # e.g. nvJPEG unavailable there: decode in this process
                         warnings.warn(f"GPU decoder processes did not start ({e}); decoding on the GPU "
                                       "from a thread of this process instead", RuntimeWarning, stacklevel=2)

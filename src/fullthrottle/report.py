@@ -131,6 +131,7 @@ class Report:
     dtype: str = ""
     random_weights: bool = False
     graphs: str = ""
+    gpu_decode: str = ""
     gpu_util_pct: float | None = None
     gpu_mem_max_bytes: int | None = None
 
@@ -154,7 +155,8 @@ class Report:
             "latency_p50_ms": self.latency_ms(50), "latency_p99_ms": self.latency_ms(99),
             "batches": self.batches, "mean_batch_size": self.mean_batch_size,
             "device": self.device, "model": self.model, "dtype": self.dtype,
-            "random_weights": self.random_weights, "graphs": self.graphs, "stages": self.stages,
+            "random_weights": self.random_weights, "graphs": self.graphs, "gpu_decode": self.gpu_decode,
+            "stages": self.stages,
             "gpu_util_mean_pct": self.gpu_util_pct, "gpu_mem_max_bytes": self.gpu_mem_max_bytes,
             "verdict": self.verdict,
         }
@@ -177,6 +179,8 @@ class Report:
         lines.append(f"bottleneck: {self.verdict}")
         if self.graphs:
             lines.append(self.graphs)
+        if self.gpu_decode:
+            lines.append(self.gpu_decode)
         if self.random_weights:
             lines.append("NOTE: the model has random weights (no --weights given): labels are meaningless.")
         return "\n".join(lines)
