@@ -30,7 +30,7 @@ if [[ ,$parts, == *,gdtests,* ]]; then   # issue 04: the GPU decode tests only
 fi
 if [[ $parts == *gputests* ]]; then
   $TO python3 -m pytest -q -s -m gpu $gpu_sel tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed|agreement" | tail -12
-elif [[ $parts == *tests* ]]; then
+elif [[ ,$parts, == *,tests,* ]]; then
   $TO python3 -m pytest -q -s tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
   $TO python3 -m pytest -q tests 2>&1 | tee -a "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed" | tail -12
 fi
@@ -72,6 +72,9 @@ fi
 if [[ $parts == *gpudecode* ]]; then   # issue 04: CPU+GPU JPEG decode end to end vs DataLoader
   $TO python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --skip-no-graphs --n ${GD_N:-60000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -8
   $TO python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --skip-no-graphs --n ${GD_N:-40000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -8
+fi
+if [[ ,$parts, == *,resizeprobe,* ]]; then  # issue 04: GPU decode stage piece by piece
+  $TO python3 bench/resize_probe.py --out "$OUT/resize_probe.json" 2>&1 | tail -4
 fi
 if [[ $parts == *gdprobe* ]]; then     # issue 04: where the GPU decode thread's time goes
   $TO python3 bench/gpu_decode_probe.py --out "$OUT/gpu_decode_probe.json" 2>&1 | tail -20

@@ -15,6 +15,7 @@ The 16 CPU cores of our H200 machine decode ~4k JPEGs/s; nvJPEG decodes ~21k/s
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 
@@ -134,29 +135,31 @@ def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize:
     per batch whatever the mix of sizes.
 
     Args:
-        images: ``(3, H, W)`` uint8 tensors on one device (sizes may differ).
+        images: ``(3, H, W)`` uint8 tensors on one device (sizes may differ); views of ``(H, W, 3)``
+            images (what the hardware decoder gives) are read without a transposing copy.
         out: ``(len(images), crop, crop, 3)`` uint8 on that device (NHWC, like the staging buffers).
         chunk_elems: images of different sizes are zero-padded to a common size in chunks of at most
-            this many padded pixels x channels (bounds the float32 working memory: 4 bytes each).
+            this many padded pixels x channels (bounds the working memory: 2 bytes each on CUDA).
 
-    Photos of one size are resized with one ``F.interpolate``. A mix of sizes goes through
-    :func:`_resize_crop_matmul`: the same antialiased filter written as two batched matrix products,
-    so a batch costs ~15 kernel launches instead of ~8 per distinct size (measured on the H200: a
-    per-size loop ran 60-100 us per mixed-size image idle and ~57 ms under GIL contention,
-    bench/results/gpu_decode_probe.txt). Arithmetic is float32, rounded to uint8: within 1/255 of the
-    CPU path's uint8 kernel on almost every pixel.
+    The antialiased filter is written as two matrix products per image, ``rows @ x @ cols^T``, with
+    the crop folded into the matrices (only the kept rows and columns are computed) and the image
+    kept channels-last throughout (:func:`_resize_crop_hwc`). Photos of one size share one pair of
+    matrices (cached per size); a mix of sizes is zero-padded and gets per-image matrices, so a batch
+    costs ~10 kernel launches whatever its sizes. On CUDA the products run in float16 on the tensor
+    cores (the pixels 0..255 are exact in float16; the weights carry 11 bits): PyTorch's
+    antialiased ``F.interpolate`` it replaces cost ~40 us of GPU time per 640x480 photo, which at
+    20k img/s is most of the GPU (bench/results/e2e_gpu_decode_640x480_hardware_session7.json). The
+    result is within 1/255 of the CPU path's uint8 kernel on almost every pixel.
     """
     if not images:
         return
+    dtype = torch.float16 if out.device.type == "cuda" else torch.float32
     sizes = {tuple(im.shape[1:]) for im in images}
     if len(sizes) == 1:
         (h, w), = sizes
-        x = torch.stack(list(images)) if len(images) > 1 else images[0][None]
-        nh, nw, top, left = _resize_and_crop_at(h, w, resize, crop)
-        if (nh, nw) != (h, w):
-            x = F.interpolate(x.float(), size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
-            x = x.round_().clamp_(0, 255).to(torch.uint8)
-        out.copy_(x[:, :, top:top + crop, left:left + crop].permute(0, 2, 3, 1))
+        x = torch.stack([im.permute(1, 2, 0) for im in images])             # (N, H, W, 3) uint8
+        rows, cols = _uniform_weights(h, w, resize, crop, out.device, dtype)
+        _resize_crop_hwc(x, rows, cols, out)
         return
     # largest first, in chunks whose padded size stays under chunk_elems
     order = sorted(range(len(images)), key=lambda i: -images[i].shape[1] * images[i].shape[2])
@@ -170,10 +173,12 @@ def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize:
             hmax, wmax = max(hmax, h), max(wmax, w)
             j += 1
         idx = order[i:j]
-        res = _resize_crop_matmul([images[k] for k in idx], hmax, wmax, resize, crop)
         if idx == list(range(idx[0], idx[0] + len(idx))):
-            out[idx[0]:idx[0] + len(idx)].copy_(res)
+            _resize_crop_padded([images[k] for k in idx], hmax, wmax, resize, crop,
+                                out[idx[0]:idx[0] + len(idx)], dtype)
         else:
+            res = torch.empty((len(idx), crop, crop, 3), dtype=torch.uint8, device=out.device)
+            _resize_crop_padded([images[k] for k in idx], hmax, wmax, resize, crop, res, dtype)
             out[torch.tensor(idx, device=out.device)] = res
         i = j
 
@@ -201,22 +206,67 @@ def _aa_weights(n_in: torch.Tensor, n_out: torch.Tensor, offset: torch.Tensor, c
     return (w / w.sum(-1, keepdim=True)).float()
 
 
-def _resize_crop_matmul(images: Sequence[torch.Tensor], hmax: int, wmax: int, resize: int, crop: int) -> torch.Tensor:
-    """Images of different sizes -> ``(N, crop, crop, 3)`` uint8: zero-padded to ``(hmax, wmax)``,
-    then ``rows @ x @ cols^T`` with the per-image filter matrices of :func:`_aa_weights` (the crop
-    is folded into the matrices: only the kept rows and columns are computed)."""
+@functools.lru_cache(maxsize=64)
+def _uniform_weights(h: int, w: int, resize: int, crop: int, device: torch.device,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filter matrices of one image size: rows ``(crop, h)`` and cols ``(crop, w)`` in ``dtype``."""
+    nh, nw, top, left = _resize_and_crop_at(h, w, resize, crop)
+    d = torch.tensor([[h, w, nh, nw, top, left]], dtype=torch.float64)
+    rows = _aa_weights(d[:, 0], d[:, 2], d[:, 4], crop, h, device)[0].to(dtype)
+    cols = _aa_weights(d[:, 1], d[:, 3], d[:, 5], crop, w, device)[0].to(dtype)
+    return rows, cols
+
+
+def _resize_crop_hwc(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[n] = rows[n] @ x[n] @ cols[n]^T`` per channel, channels-last, rounded to uint8.
+
+    Args:
+        x: ``(N, H, W, 3)`` uint8.
+        rows: ``(crop, H)`` (shared) or ``(N, crop, H)`` filter weights, float16/float32.
+        cols: ``(crop, W)`` (shared) or ``(N, crop, W)``, same dtype.
+        out: ``(N, crop, crop, 3)`` uint8 (may be a non-contiguous view).
+    """
+    n, h, w, _ = x.shape
+    crop = rows.shape[-2]
+    y = torch.matmul(rows, x.to(rows.dtype).view(n, h, w * 3))             # (N, crop, W*3)
+    y = y.view(n, crop, w, 3).transpose(2, 3).reshape(n, crop * 3, w)      # (N, crop*3, W)
+    z = torch.matmul(y, cols.transpose(-1, -2))                              # (N, crop*3, crop)
+    z = z.round_().clamp_(0, 255).view(n, crop, 3, crop).transpose(2, 3)     # (N, crop, crop, 3)
+    out.copy_(z)
+
+
+def _resize_crop_padded(images: Sequence[torch.Tensor], hmax: int, wmax: int, resize: int, crop: int,
+                        out: torch.Tensor, dtype: torch.dtype) -> None:
+    """Images of different sizes -> ``out`` ``(N, crop, crop, 3)`` uint8: zero-padded to
+    ``(hmax, wmax)`` channels-last, then :func:`_resize_crop_hwc` with per-image matrices from
+    :func:`_aa_weights` (zero columns over the padding)."""
     dev = images[0].device
     n = len(images)
-    buf = torch.zeros((n, 3, hmax, wmax), dtype=torch.uint8, device=dev)
-    torch._foreach_copy_([buf[k, :, :im.shape[1], :im.shape[2]] for k, im in enumerate(images)], list(images))
+    buf = torch.zeros((n, hmax, wmax, 3), dtype=torch.uint8, device=dev)
+    torch._foreach_copy_([buf[k, :im.shape[1], :im.shape[2]] for k, im in enumerate(images)],
+                         [im.permute(1, 2, 0) for im in images])
     dims = [(im.shape[1], im.shape[2], *_resize_and_crop_at(im.shape[1], im.shape[2], resize, crop))
             for im in images]
     d = torch.tensor(dims, dtype=torch.float64)                             # (N, 6), one copy to the device
-    rows = _aa_weights(d[:, 0], d[:, 2], d[:, 4], crop, hmax, dev)          # (N, crop, hmax)
-    cols = _aa_weights(d[:, 1], d[:, 3], d[:, 5], crop, wmax, dev)          # (N, crop, wmax)
-    x = torch.matmul(rows[:, None], buf.float())                            # (N, 3, crop, wmax)
-    x = torch.matmul(x, cols[:, None].transpose(-1, -2))                    # (N, 3, crop, crop)
-    return x.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+    rows = _aa_weights(d[:, 0], d[:, 2], d[:, 4], crop, hmax, dev).to(dtype)  # (N, crop, hmax)
+    cols = _aa_weights(d[:, 1], d[:, 3], d[:, 5], crop, wmax, dev).to(dtype)  # (N, crop, wmax)
+    _resize_crop_hwc(buf, rows, cols, out)
+
+
+def resize_crop_interpolate(images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256,
+                            crop: int = 224) -> None:
+    """The reference: PyTorch's antialiased ``F.interpolate`` (float32), one call per image size, then
+    the crop. Same arguments as :func:`resize_crop_batch`; kept for tests and bench/resize_probe.py."""
+    by_size: dict[tuple[int, int], list[int]] = {}
+    for k, im in enumerate(images):
+        by_size.setdefault(tuple(im.shape[1:]), []).append(k)
+    for (h, w), idx in by_size.items():
+        x = torch.stack([images[k] for k in idx])
+        nh, nw, top, left = _resize_and_crop_at(h, w, resize, crop)
+        if (nh, nw) != (h, w):
+            x = F.interpolate(x.float(), size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
+            x = x.round_().clamp_(0, 255).to(torch.uint8)
+        out[torch.tensor(idx, device=out.device)] = x[:, :, top:top + crop, left:left + crop].permute(0, 2, 3, 1)
 
 
 class GpuJpegDecoder:
