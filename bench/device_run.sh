@@ -70,8 +70,8 @@ if [[ ,$parts, == *,gemv,* ]]; then       # issue 06: batch-1 projections, cuBLA
   $TO python3 bench/gemv_probe.py --out "$OUT/gemv_probe.json" 2>&1 | tail -8
 fi
 if [[ $parts == *gpudecode* ]]; then   # issue 04: CPU+GPU JPEG decode end to end vs DataLoader
-  $TO python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --skip-no-graphs --n ${GD_N:-60000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -8
-  $TO python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --skip-no-graphs --n ${GD_N:-40000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -8
+  $TO python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --skip-no-graphs --n ${GD_N:-60000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} ${GD_ARGS:-} --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -8
+  $TO python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --skip-no-graphs --n ${GD_N:-40000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} ${GD_ARGS:-} --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -8
 fi
 if [[ ,$parts, == *,resizeprobe,* ]]; then  # issue 04: GPU decode stage piece by piece
   $TO python3 bench/resize_probe.py --out "$OUT/resize_probe.json" 2>&1 | tail -4

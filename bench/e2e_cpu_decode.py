@@ -200,6 +200,8 @@ def main():
                     "(0: the GPU decode thread in the main process)")
     ap.add_argument("--gpu-decoders", default="auto", help="GPU JPEG decoders to try with --gpu-decode: "
                     "hardware, nvjpeg, auto, comma-separated (each with every --gpu-procs value)")
+    ap.add_argument("--nvimgcodec-threads", default="", help="nvImageCodec CPU threads per hardware decoder to "
+                    "try, comma-separated (FULLTHROTTLE_NVIMGCODEC_THREADS; empty: its default, one per core)")
     ap.add_argument("--skip-no-graphs", action="store_true", help="skip the graphs-off fullthrottle run")
     ap.add_argument("--thread-decode", action="store_true",
                     help="also run fullthrottle with decoding in threads (preprocess='threads')")
@@ -257,18 +259,24 @@ def main():
         print("fullthrottle, decoding in threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, preprocess="threads"))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
-    for kind in [x for x in args.gpu_decoders.split(",") if x] if args.gpu_decode else []:
-        for g in [int(x) for x in args.gpu_procs.split(",") if x]:
-            print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes ...", flush=True)
-            try:
-                extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, gpu_decode=True, gpu_procs=g,
-                                              gpu_decoder=kind))
-            except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' figures
-                print(f"  failed: {type(e).__name__}: {e}", flush=True)
-                extra.append({"gpu_decode": True, "gpu_decoder": kind, "gpu_decode_processes": g,
-                              "error": f"{type(e).__name__}: {e}"[:500]})
-                continue
-            print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
+    variants = [(kind, t, g) for kind in args.gpu_decoders.split(",") if kind
+                for t in (args.nvimgcodec_threads.split(",") if kind != "nvjpeg" else [""])
+                for g in [int(x) for x in args.gpu_procs.split(",") if x]] if args.gpu_decode else []
+    for kind, t, g in variants:
+        os.environ["FULLTHROTTLE_NVIMGCODEC_THREADS"] = t  # nvImageCodec's CPU threads per decoder ("": one per core)
+        print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes, nvImageCodec threads {t or 'default'} ...",
+              flush=True)
+        try:
+            extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, gpu_decode=True, gpu_procs=g,
+                                          gpu_decoder=kind))
+            extra[-1]["nvimgcodec_threads"] = t or "default"
+        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' figures
+            print(f"  failed: {type(e).__name__}: {e}", flush=True)
+            extra.append({"gpu_decode": True, "gpu_decoder": kind, "gpu_decode_processes": g,
+                          "error": f"{type(e).__name__}: {e}"[:500]})
+            continue
+        print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
+    os.environ.pop("FULLTHROTTLE_NVIMGCODEC_THREADS", None)
     for w in [float(x) for x in args.ft_waits.split(",") if x]:
         print(f"fullthrottle, max_wait_ms {w} ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, max_wait_ms=w))
@@ -295,7 +303,8 @@ def main():
           f"= {payload['ratio_fullthrottle_over_dataloader']:.2f}x")
     for v in extra:
         if v.get("gpu_decode") and "error" not in v:
-            print(f"  GPU decode ({v['gpu_decoder']}), {v['gpu_decode_processes']} GPU decoder processes: "
+            print(f"  GPU decode ({v['gpu_decoder']}, nvImageCodec threads {v.get('nvimgcodec_threads')}), "
+                  f"{v['gpu_decode_processes']} GPU decoder processes: "
                   f"{v['img_per_s']:.0f} img/s, "
                   f"{v['gpu_share']:.0%} of eligible JPEGs on the GPU, GPU busy {v['gpu_util_mean_pct']:.0f}%")
 

@@ -16,6 +16,7 @@ The 16 CPU cores of our H200 machine decode ~4k JPEGs/s; nvJPEG decodes ~21k/s
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -129,6 +130,10 @@ def _resize_and_crop_at(h: int, w: int, resize: int, crop: int) -> tuple[int, in
     return nh, nw, int(round((nh - crop) / 2.0)), int(round((nw - crop) / 2.0))
 
 
+#: a mixed-size chunk takes an image only while padding it to the chunk's size at most doubles its pixels
+MAX_PADDING = 2.0
+
+
 def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256, crop: int = 224,
                       chunk_elems: int = 1 << 27) -> None:
     """Resize (antialiased bilinear) + center-crop decoded images into ``out``, a fixed number of kernels
@@ -139,7 +144,9 @@ def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize:
             images (what the hardware decoder gives) are read without a transposing copy.
         out: ``(len(images), crop, crop, 3)`` uint8 on that device (NHWC, like the staging buffers).
         chunk_elems: images of different sizes are zero-padded to a common size in chunks of at most
-            this many padded pixels x channels (bounds the working memory: 2 bytes each on CUDA).
+            this many padded pixels x channels (bounds the working memory: 2 bytes each on CUDA);
+            sorted by area, an image starts a new chunk when padding would more than double it
+            (:data:`MAX_PADDING`).
 
     The antialiased filter is written as two matrix products per image, ``rows @ x @ cols^T``, with
     the crop folded into the matrices (only the kept rows and columns are computed) and the image
@@ -168,7 +175,10 @@ def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize:
         j, hmax, wmax = i, 0, 0
         while j < len(order):
             h, w = images[order[j]].shape[1:]
-            if j > i and (j - i + 1) * 3 * max(hmax, h) * max(wmax, w) > chunk_elems:
+            padded = max(hmax, h) * max(wmax, w)
+            # a new chunk when this one would outgrow chunk_elems, or when padding this image would
+            # more than double its pixels (the products' cost grows with the padded size)
+            if j > i and ((j - i + 1) * 3 * padded > chunk_elems or padded > MAX_PADDING * h * w):
                 break
             hmax, wmax = max(hmax, h), max(wmax, w)
             j += 1
@@ -331,7 +341,8 @@ class HwJpegDecoder:
 
         self.device = torch.device(device)
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        self._dec = nvimgcodec.Decoder(device_id=index,
+        threads = int(os.environ.get("FULLTHROTTLE_NVIMGCODEC_THREADS", "0") or 0)  # 0: one per core
+        self._dec = nvimgcodec.Decoder(device_id=index, max_num_cpu_threads=threads,
                                        backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)])
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False,
                                                color_spec=nvimgcodec.ColorSpec.RGB, allow_any_depth=False)
