@@ -152,18 +152,20 @@ def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize:
     the crop folded into the matrices (only the kept rows and columns are computed) and the image
     kept channels-last throughout (:func:`_resize_crop_hwc`). Photos of one size share one pair of
     matrices (cached per size); a mix of sizes is zero-padded and gets per-image matrices, so a batch
-    costs ~10 kernel launches whatever its sizes. On CUDA the products run in float16 on the tensor
-    cores (the pixels 0..255 are exact in float16; the weights carry 11 bits): PyTorch's
-    antialiased ``F.interpolate`` it replaces cost ~40 us of GPU time per 640x480 photo, which at
-    20k img/s is most of the GPU (bench/results/e2e_gpu_decode_640x480_hardware_session7.json). The
-    result is within 1/255 of the CPU path's uint8 kernel on almost every pixel.
+    costs ~10 kernel launches per chunk whatever its sizes. On CUDA the products run in float16 on
+    the tensor cores (the pixels 0..255 are exact in float16; the weights carry 11 bits); heights
+    and widths are padded to multiples of 8, since cuBLAS runs float16 GEMMs of other sizes off the
+    tensor cores (a mixed batch of the ImageNet samples took 123 us of GPU per image unpadded,
+    bench/results/resize_probe_unaligned_chunks_session7.json). On the H200 a batch of 128 640x480
+    photos took 6 us of GPU per image this way, 14 us with PyTorch's antialiased ``F.interpolate``
+    (bench/results/resize_probe_session7.json). The result is within 1/255 of the CPU path's uint8
+    kernel on almost every pixel.
     """
     if not images:
         return
     dtype = torch.float16 if out.device.type == "cuda" else torch.float32
-    sizes = {tuple(im.shape[1:]) for im in images}
-    if len(sizes) == 1:
-        (h, w), = sizes
+    h, w = images[0].shape[1:]
+    if h % 8 == 0 and w % 8 == 0 and all(im.shape[1:] == (h, w) for im in images):  # one size, aligned
         x = torch.stack([im.permute(1, 2, 0) for im in images])             # (N, H, W, 3) uint8
         rows, cols = _uniform_weights(h, w, resize, crop, out.device, dtype)
         _resize_crop_hwc(x, rows, cols, out)
@@ -183,6 +185,7 @@ def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize:
             hmax, wmax = max(hmax, h), max(wmax, w)
             j += 1
         idx = order[i:j]
+        hmax, wmax = -(-hmax // 8) * 8, -(-wmax // 8) * 8  # float16 GEMMs run on tensor cores at multiples of 8
         if idx == list(range(idx[0], idx[0] + len(idx))):
             _resize_crop_padded([images[k] for k in idx], hmax, wmax, resize, crop,
                                 out[idx[0]:idx[0] + len(idx)], dtype)
