@@ -77,11 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gpu-decode", action="store_true",
                    help="also decode JPEGs on the GPU: with decoder processes, a JPEG goes to the GPU "
                         "whenever no CPU worker is idle; with threads, split by measured rates")
-    c.add_argument("--gpu-decoder", default="auto", choices=("auto", "hardware", "nvjpeg"),
+    c.add_argument("--gpu-decoder", default="nvjpeg", choices=("auto", "hardware", "nvjpeg"),
                    help="with --gpu-decode: 'hardware' = the GPU's JPEG engines via nvImageCodec (pip install "
                         "nvidia-nvimgcodec-cu13; A100/H100/H200), which leave the SMs to the model; 'nvjpeg' = "
                         "torchvision's nvJPEG on the SMs; auto = hardware when available (default: %(default)s)")
-    c.add_argument("--gpu-decode-processes", type=int, default=4, metavar="N",
+    c.add_argument("--gpu-decode-processes", type=int, default=6, metavar="N",
                    help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "
                         "decoder, 0..16 (0: one GPU decode thread in this process; default: %(default)s)")
     c.add_argument("--compile", action="store_true",
@@ -125,8 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay the model as CUDA graphs per batch bucket (CUDA only; default: on)")
     v.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default: %(default)s)")
-    v.add_argument("--gpu-decode", action="store_true", help="also decode JPEGs on the GPU (its JPEG engines "
-                   "when nvImageCodec is installed, else nvJPEG)")
+    v.add_argument("--gpu-decode", action="store_true", help="also decode JPEGs on the GPU (nvJPEG)")
     v.add_argument("--ray", action="store_true",
                    help="deploy on Ray Serve (one replica per GPU; --replicas); needs fullthrottle[ray]")
     v.add_argument("--replicas", type=_positive_int, default=1, help="Ray Serve replicas (with --ray)")

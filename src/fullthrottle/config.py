@@ -49,17 +49,21 @@ class Config:
             the pipeline is built (CUDA only; CPU runs eager).
         gpu_decode: decode JPEGs on the GPU (nvJPEG) as well as on the CPU threads, split by their
             measured rates; only JPEGs nvJPEG decodes like the CPU path go there (CUDA only).
-        gpu_decoder: which GPU JPEG decoder ``gpu_decode`` uses: ``"hardware"``, the GPU's JPEG
-            engines (NVJPG) through nvImageCodec (``pip install nvidia-nvimgcodec-cu13``; A100, H100,
-            H200, B200), which leave the SMs to the model; ``"nvjpeg"``, torchvision's nvJPEG, which
-            runs on the SMs; ``"auto"`` (default): the hardware decoder when it is installed and
-            the GPU has the engines, nvJPEG otherwise.
-        gpu_decode_processes: with ``gpu_decode`` and decoder processes, how many processes run
-            nvJPEG (each its own decoder and CUDA context, writing crops into the shared pool);
-            torchvision serialises GPU decodes within one process. Default 4: on the H200 machine 0 / 2 /
-            4 gave 8.2k / 9.5k / 11.4k img/s end to end on 640x480 photos
-            (bench/results/e2e_gpu_decode_640x480_gpu_decoder_processes.json). 0: one GPU decode thread
-            in this process instead.
+        gpu_decoder: which GPU JPEG decoder ``gpu_decode`` uses: ``"nvjpeg"`` (default),
+            torchvision's nvJPEG, which runs on the SMs; ``"hardware"``, the GPU's JPEG engines (NVJPG)
+            through nvImageCodec (``pip install nvidia-nvimgcodec-cu13``; A100, H100, H200, B200),
+            which leave the SMs to the model; ``"auto"``: the engines when nvImageCodec is installed
+            and the GPU has them, nvJPEG otherwise. With ResNet18 on the H200 the engines did not
+            beat nvJPEG end to end (640x480: 13.3k against 14.4k img/s with 6 processes;
+            bench/results/e2e_gpu_decode_640x480_session7_final.json): the model leaves the SMs
+            room, and the processes' turns on the GPU limit both. A model that needs all the SMs
+            may gain from them (not measured).
+        gpu_decode_processes: with ``gpu_decode`` and decoder processes, how many processes decode on
+            the GPU (each its own decoder and CUDA context, writing crops into the shared pool);
+            torchvision serialises GPU decodes within one process. Default 6: on the H200 machine 4 / 6
+            gave 13.7k / 14.4k img/s end to end on 640x480 photos and 6.4k / 7.5k on the mixed samples
+            with nvJPEG (bench/results/e2e_gpu_decode_*_session7_final.json). 0: one GPU decode
+            thread in this process instead.
         fold_bn: on CUDA, fold each eval-mode BatchNorm into the convolution before it (the standard
             inference rewrite TensorRT and ONNX Runtime also do; ``torch.fx.experimental.optimization.fuse``):
             then run each conv -> ReLU and conv -> residual add -> ReLU as one cuDNN call
@@ -111,8 +115,8 @@ class Config:
     fold_bn: bool = True
     compile: bool = False
     gpu_decode: bool = False
-    gpu_decoder: str = "auto"
-    gpu_decode_processes: int = 4
+    gpu_decoder: str = "nvjpeg"
+    gpu_decode_processes: int = 6
     max_batch_size: int = 64
     max_wait_ms: float = 5.0
     buckets: tuple[int, ...] | None = None

@@ -130,10 +130,6 @@ def _resize_and_crop_at(h: int, w: int, resize: int, crop: int) -> tuple[int, in
     return nh, nw, int(round((nh - crop) / 2.0)), int(round((nw - crop) / 2.0))
 
 
-#: a mixed-size chunk takes an image only while padding it to the chunk's size at most doubles its pixels
-MAX_PADDING = 2.0
-
-
 def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256, crop: int = 224,
                       chunk_elems: int = 1 << 27) -> None:
     """Resize (antialiased bilinear) + center-crop decoded images into ``out``, a fixed number of kernels
@@ -144,22 +140,21 @@ def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize:
             images (what the hardware decoder gives) are read without a transposing copy.
         out: ``(len(images), crop, crop, 3)`` uint8 on that device (NHWC, like the staging buffers).
         chunk_elems: images of different sizes are zero-padded to a common size in chunks of at most
-            this many padded pixels x channels (bounds the working memory: 2 bytes each on CUDA);
-            sorted by area, an image starts a new chunk when padding would more than double it
-            (:data:`MAX_PADDING`).
+            this many padded pixels x channels (bounds the working memory: 2 bytes each on CUDA).
 
     The antialiased filter is written as two matrix products per image, ``rows @ x @ cols^T``, with
     the crop folded into the matrices (only the kept rows and columns are computed) and the image
     kept channels-last throughout (:func:`_resize_crop_hwc`). Photos of one size share one pair of
-    matrices (cached per size); a mix of sizes is zero-padded and gets per-image matrices, so a batch
-    costs ~10 kernel launches per chunk whatever its sizes. On CUDA the products run in float16 on
-    the tensor cores (the pixels 0..255 are exact in float16; the weights carry 11 bits); heights
-    and widths are padded to multiples of 8, since cuBLAS runs float16 GEMMs of other sizes off the
-    tensor cores (a mixed batch of the ImageNet samples took 123 us of GPU per image unpadded,
-    bench/results/resize_probe_unaligned_chunks_session7.json). On the H200 a batch of 128 640x480
-    photos took 6 us of GPU per image this way, 14 us with PyTorch's antialiased ``F.interpolate``
-    (bench/results/resize_probe_session7.json). The result is within 1/255 of the CPU path's uint8
-    kernel on almost every pixel.
+    matrices (cached per size); a mix of sizes is zero-padded to the largest (rounded up to a
+    multiple of 8, sizes float16 GEMMs run on tensor cores) and gets per-image matrices, so a batch
+    costs ~10 kernel launches whatever its sizes. On CUDA the products run in float16 (the pixels
+    0..255 are exact in float16; the weights carry 11 bits). Measured on the H200, batches of 128
+    (bench/results/resize_probe_session7.json): 640x480 photos 6 us of GPU per image, against 14 us
+    with PyTorch's antialiased ``F.interpolate``; the mixed ImageNet samples, padded 8x to their
+    largest, 59 us (``F.interpolate`` per size: 53-73 us). Splitting them into chunks of similar
+    size was slower, 113-123 us, its per-chunk work outweighing the padding
+    (resize_probe_unaligned_chunks_session7.json, resize_probe_chunks_session7.json). The result is
+    within 1/255 of the CPU path's uint8 kernel on almost every pixel.
     """
     if not images:
         return
@@ -177,10 +172,7 @@ def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize:
         j, hmax, wmax = i, 0, 0
         while j < len(order):
             h, w = images[order[j]].shape[1:]
-            padded = max(hmax, h) * max(wmax, w)
-            # a new chunk when this one would outgrow chunk_elems, or when padding this image would
-            # more than double its pixels (the products' cost grows with the padded size)
-            if j > i and ((j - i + 1) * 3 * padded > chunk_elems or padded > MAX_PADDING * h * w):
+            if j > i and (j - i + 1) * 3 * max(hmax, h) * max(wmax, w) > chunk_elems:
                 break
             hmax, wmax = max(hmax, h), max(wmax, w)
             j += 1
