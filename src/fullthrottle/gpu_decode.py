@@ -1,16 +1,19 @@
-"""Preprocess on the GPU: batched nvJPEG decoding, batched resize + crop, and the CPU/GPU split.
+"""Preprocess on the GPU: batched JPEG decoding, batched resize + crop, and the CPU/GPU split.
 
 The 16 CPU cores of our H200 machine decode ~4k JPEGs/s; nvJPEG decodes ~21k/s
 (../shared/DESIGN.md), so on CUDA the preprocess threads only read headers and route:
 
-- :func:`gpu_eligible` sends to the GPU only what nvJPEG decodes exactly like the CPU path: complete
+- two GPU decoders with one contract (``n`` JPEGs in, ``n`` device tensors or per-item exceptions
+  out): :class:`GpuJpegDecoder` (torchvision's nvJPEG, on the SMs) and :class:`HwJpegDecoder` (the
+  GPU's hardware JPEG engines through nvImageCodec); :func:`make_gpu_decoder` picks one;
+- :func:`gpu_eligible` sends to the GPU only what it decodes exactly like the CPU path: complete
   (nvJPEG silently greys a truncated file), 1- or 3-component (no CMYK), baseline/extended/progressive
   JPEGs without an EXIF rotation. Everything else takes the CPU path, per item.
 - :class:`RateSplitter` splits the eligible items between the CPU threads and the GPU decoder by their
   measured rates, so both decoders work at once and the total approaches the sum of the two.
 - :func:`resize_crop_batch` resizes decoded images with the same antialiased bilinear filter and
-  crop as the CPU path, one ``interpolate`` per distinct image size (not one Python call per image
-  when the photos share a size), writing straight into the compute stage's ``(n, S, S, 3)`` buffer.
+  crop as the CPU path, as two batched matrix products per batch (not one Python call per image),
+  writing straight into the compute stage's ``(n, S, S, 3)`` buffer.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Stage 2 on the GPU, in worker processes: nvJPEG batches outside the main interpreter.
+"""Stage 2 on the GPU, in worker processes: JPEG batches decoded outside the main interpreter
+(nvJPEG, or the GPU's hardware JPEG engines: ``Config.gpu_decoder``).
 
 Why: torchvision serialises ``decode_jpeg(..., device="cuda")`` within a process (one global decoder
 behind a mutex), and nvJPEG spends ~50-70 us of CPU per image around the hardware decoder. In the
@@ -8,7 +9,7 @@ Alone, one process decodes + resizes + copies back 13.6k img/s of 640x480 photos
 22.1k (bench/results/nvjpeg_procs_probe.txt). So each :class:`GpuDecoderProcess` owns a decoder:
 
 - the pipeline sends it a batch: ``n``, then ``(pool row, length)`` per image, then the bytes;
-- it decodes the batch with nvJPEG, resizes and crops on the GPU
+- it decodes the batch on the GPU (:func:`~fullthrottle.gpu_decode.make_gpu_decoder`), resizes and crops there
   (:func:`~fullthrottle.gpu_decode.decode_crops`: the same transform as the GPU decode thread), copies
   each crop D2H into its row of the shared :class:`~fullthrottle.preprocess_procs.CropPool` (which
   it registers as pinned memory in its own CUDA context), decodes what nvJPEG refuses on its CPU
