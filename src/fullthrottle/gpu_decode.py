@@ -218,10 +218,18 @@ def _aa_weights(n_in: torch.Tensor, n_out: torch.Tensor, offset: torch.Tensor, c
 def _uniform_weights(h: int, w: int, resize: int, crop: int, device: torch.device,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The filter matrices of one image size: rows ``(crop, h)`` and cols ``(crop, w)`` in ``dtype``."""
-    nh, nw, top, left = _resize_and_crop_at(h, w, resize, crop)
-    d = torch.tensor([[h, w, nh, nw, top, left]], dtype=torch.float64)
-    rows = _aa_weights(d[:, 0], d[:, 2], d[:, 4], crop, h, device)[0].to(dtype)
-    cols = _aa_weights(d[:, 1], d[:, 3], d[:, 5], crop, w, device)[0].to(dtype)
+    rows, cols = _filter_matrices([(h, w)], h, w, resize, crop, device, dtype)
+    return rows[0], cols[0]
+
+
+def _filter_matrices(sizes: Sequence[tuple[int, int]], hmax: int, wmax: int, resize: int, crop: int,
+                     device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per image of size ``(h, w)``: rows ``(N, crop, hmax)`` and cols ``(N, crop, wmax)`` in ``dtype``
+    (:func:`_aa_weights` for Resize(resize) + CenterCrop(crop), zero over any padding)."""
+    dims = [(h, w, *_resize_and_crop_at(h, w, resize, crop)) for h, w in sizes]
+    d = torch.tensor(dims, dtype=torch.float64)                             # (N, 6), one copy to the device
+    rows = _aa_weights(d[:, 0], d[:, 2], d[:, 4], crop, hmax, device).to(dtype)
+    cols = _aa_weights(d[:, 1], d[:, 3], d[:, 5], crop, wmax, device).to(dtype)
     return rows, cols
 
 
@@ -253,11 +261,7 @@ def _resize_crop_padded(images: Sequence[torch.Tensor], hmax: int, wmax: int, re
     buf = torch.zeros((n, hmax, wmax, 3), dtype=torch.uint8, device=dev)
     torch._foreach_copy_([buf[k, :im.shape[1], :im.shape[2]] for k, im in enumerate(images)],
                          [im.permute(1, 2, 0) for im in images])
-    dims = [(im.shape[1], im.shape[2], *_resize_and_crop_at(im.shape[1], im.shape[2], resize, crop))
-            for im in images]
-    d = torch.tensor(dims, dtype=torch.float64)                             # (N, 6), one copy to the device
-    rows = _aa_weights(d[:, 0], d[:, 2], d[:, 4], crop, hmax, dev).to(dtype)  # (N, crop, hmax)
-    cols = _aa_weights(d[:, 1], d[:, 3], d[:, 5], crop, wmax, dev).to(dtype)  # (N, crop, wmax)
+    rows, cols = _filter_matrices([tuple(im.shape[1:]) for im in images], hmax, wmax, resize, crop, dev, dtype)
     _resize_crop_hwc(buf, rows, cols, out)
 
 

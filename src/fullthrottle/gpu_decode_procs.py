@@ -218,11 +218,10 @@ def _gpu_worker_main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; we end on EOF
     fd, pool_fd, device_index, resize_size, crop_size, max_pixels, pool_rows = (int(a) for a in argv[:7])
     kind = argv[7]
-    import numpy as np
     import torch
 
     torch.set_num_threads(1)
-    from .gpu_decode import decode_crops, make_gpu_decoder
+    from .gpu_decode import _test_jpeg, decode_crops, make_gpu_decoder
     from .preprocess import ImageError, allow_pillow_pixels
     from .preprocess_procs import _clear_cuda_error
 
@@ -242,13 +241,9 @@ def _gpu_worker_main(argv: list[str]) -> None:
     if int(err[0] if isinstance(err, tuple) else err) != 0:
         _clear_cuda_error()
     stream = torch.cuda.Stream(dev)
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream):  # the decoder's set-up happens here, before the first real batch
         decoder = make_gpu_decoder(dev, kind)  # "hardware" fails loudly here: the pool reports it
-    with torch.cuda.stream(stream):  # nvJPEG's set-up happens here, before the first real batch
-        import cv2
-
-        ok, tiny = cv2.imencode(".jpg", np.zeros((16, 16, 3), np.uint8))
-        decoder([tiny.tobytes()])
+        decoder([_test_jpeg()])
     stream.synchronize()
     conn = Connection(fd)
     buf = bytearray(1 << 20)  # requests land here: the decoder reads the images in place, no copy
