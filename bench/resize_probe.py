@@ -5,11 +5,12 @@ in one thread while the same decoder alone decodes ~21k img/s (bench/results/nvi
 This probe times, on the same in-memory JPEGs, in batches of ``--batch``:
 
 - ``decode``: the GPU decoder alone (``make_gpu_decoder``: hardware engines, or nvJPEG), synchronised;
-- ``resize``: resize + center crop of already-decoded images, CUDA events, two ways:
-  PyTorch's antialiased ``F.interpolate`` (float32, :func:`resize_crop_interpolate`) and the
-  channels-last float16 matrix products of :func:`resize_crop_batch`; with the mean absolute
-  difference of each against the CPU path (/255 per pixel);
-- ``decode+resize``: the two together, as the GPU decode stage runs them;
+- ``resize``: resize + center crop of already-decoded images, CUDA events, three ways:
+  PyTorch's antialiased ``F.interpolate`` (float32, :func:`resize_crop_interpolate`), the
+  channels-last float16 matrix products (:func:`resize_crop_matmul`) and the two Triton kernels
+  (:func:`~fullthrottle.kernels.resize_crop_u8`, what :func:`resize_crop_batch` runs on CUDA); with
+  the mean absolute difference of each against the CPU path (/255 per pixel);
+- ``decode+resize``: the two together, as the GPU decode stage runs them (Triton, and the products);
 - the same ``decode`` with ``--burners`` processes spinning on the CPU (the 15 CPU decoder processes
   of a real run keep every core busy).
 
@@ -58,7 +59,9 @@ def main():
     ap.add_argument("--burners", type=int, default=15)
     ap.add_argument("--out", default="resize_probe.json")
     args = ap.parse_args()
-    from fullthrottle.gpu_decode import gpu_eligible, make_gpu_decoder, resize_crop_batch, resize_crop_interpolate
+    from fullthrottle.gpu_decode import (gpu_eligible, make_gpu_decoder, resize_crop_batch, resize_crop_interpolate,
+                                         resize_crop_matmul)
+    from fullthrottle.kernels import resize_crop_u8
     from fullthrottle.preprocess import preprocess
 
     dec = make_gpu_decoder(torch.device("cuda"), args.decoder)
@@ -75,7 +78,8 @@ def main():
         torch.cuda.synchronize()
         ref = np.stack([preprocess(b) for b in blobs[:bs]]).astype(np.int16)
         res = torch.empty((bs, 224, 224, 3), dtype=torch.uint8, device="cuda")
-        for label, fn in (("interpolate_fp32", resize_crop_interpolate), ("matmul_fp16", resize_crop_batch)):
+        for label, fn in (("interpolate_fp32", resize_crop_interpolate), ("matmul_fp16", resize_crop_matmul),
+                          ("triton", resize_crop_u8)):
             fn(imgs, res)
             torch.cuda.synchronize()
             row[f"{label}_mad_vs_cpu"] = float(np.abs(res.cpu().numpy().astype(np.int16) - ref).mean())
@@ -96,7 +100,8 @@ def main():
             d = dec(b)
             r = torch.empty((len(b), 224, 224, 3), dtype=torch.uint8, device="cuda")
             fn([x for x in d if isinstance(x, torch.Tensor)], r[:sum(isinstance(x, torch.Tensor) for x in d)])
-        row["decode_resize_matmul_img_per_s"] = rate(both, blobs, bs)
+        row["decode_resize_triton_img_per_s"] = rate(both, blobs, bs)
+        row["decode_resize_matmul_img_per_s"] = rate(lambda b: both(b, resize_crop_matmul), blobs, bs)
         row["decode_resize_interpolate_img_per_s"] = rate(lambda b: both(b, resize_crop_interpolate), blobs, bs)
         stop = mp.Event()
         ps = [mp.Process(target=_burn, args=(stop,), daemon=True) for _ in range(args.burners)]
@@ -104,7 +109,7 @@ def main():
             p.start()
         time.sleep(0.5)
         row[f"decode_img_per_s_with_{args.burners}_burners"] = rate(dec, blobs, bs)
-        row[f"decode_resize_matmul_img_per_s_with_{args.burners}_burners"] = rate(both, blobs, bs)
+        row[f"decode_resize_triton_img_per_s_with_{args.burners}_burners"] = rate(both, blobs, bs)
         stop.set()
         for p in ps:
             p.join()

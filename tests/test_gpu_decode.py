@@ -160,7 +160,7 @@ def test_gpu_decoder_choice_and_errors(monkeypatch):
 
     with pytest.raises(ValueError, match="gpu_decoder must be one of"):
         make_gpu_decoder(torch.device("cpu"), "nvimgcodec")
-    with pytest.raises(ValueError, match="gpu_decoder must be 'auto', 'hardware' or 'nvjpeg'"):
+    with pytest.raises(ValueError, match="gpu_decoder must be 'auto', 'hardware', 'nvjpeg' or 'both'"):
         Config(gpu_decoder="fast")
     real_import = builtins.__import__
 
@@ -174,6 +174,8 @@ def test_gpu_decoder_choice_and_errors(monkeypatch):
     assert make_gpu_decoder(torch.device("cpu"), "nvjpeg").kind == "nvjpeg"
     with pytest.raises(RuntimeError, match="hardware JPEG decoder is not available.*pip install nvidia-nvimgcodec"):
         make_gpu_decoder(torch.device("cpu"), "hardware")
+    with pytest.raises(RuntimeError, match="gpu_decoder='both': nvImageCodec's hardware JPEG decoder is not"):
+        make_gpu_decoder(torch.device("cpu"), "both")
 
 
 def assert_same_results(res, ref):
@@ -335,3 +337,55 @@ def test_gpu_decoder_against_cpu_path(samples, bad_dir, kind):
               f"{share:.0%} of eligible JPEGs decoded on the GPU; {summary}")
         assert summary.startswith("GPU decode: " + ("the GPU's JPEG engines" if kind == "hardware" else "nvJPEG"))
         assert agree >= 0.99 and share > 0
+
+
+@pytest.mark.gpu
+def test_triton_resize_on_gpu_matches_the_products(samples, bad_dir):
+    """The Triton resize + crop (what resize_crop_batch runs on CUDA) against the float32 matrix
+    products on the CPU (the same filter) and the CPU path: 1/255 at most, and MAD <= 0.5/255."""
+    from fullthrottle.gpu_decode import resize_crop_matmul
+    from fullthrottle.kernels import use_triton
+
+    rgbs = [decode(p.read_bytes()) for p in samples[:40]]
+    rgbs.append(decode((bad_dir / "large-6000x4000.jpg").read_bytes()))    # 15x downscale: ~34 taps
+    rgbs += [cv2.resize(rgbs[0], (640, 480))] * 3                             # one shared size
+    hwc = [torch.from_numpy(np.ascontiguousarray(a)) for a in rgbs]
+    on_gpu = [t.cuda().permute(2, 0, 1) if k % 2 else t.permute(2, 0, 1).contiguous().cuda()
+              for k, t in enumerate(hwc)]                                     # HWC views and planar CHW
+    out = torch.empty((len(rgbs), 224, 224, 3), dtype=torch.uint8, device="cuda")
+    assert use_triton(out)
+    resize_crop_batch(on_gpu, out)
+    ref = torch.empty((len(rgbs), 224, 224, 3), dtype=torch.uint8)
+    resize_crop_matmul([t.permute(2, 0, 1) for t in hwc], ref)
+    d = (out.cpu().int() - ref.int()).abs()
+    print(f"Triton resize vs float32 products: max {d.max().item()}, mean {d.float().mean().item():.4f} /255")
+    assert d.max() <= 1 and d.float().mean() < 0.02
+    for a, o in zip(rgbs, out.cpu()):
+        diff = np.abs(o.numpy().astype(np.int16) - resize_crop(a).astype(np.int16))
+        assert diff.mean() <= 0.5 and diff.max() <= 2
+
+
+def test_gpu_decoder_pool_both_alternates_decoders(monkeypatch):
+    """``gpu_decoder="both"``: even-numbered GPU decoder processes get the hardware engines, odd ones nvJPEG."""
+    from fullthrottle import gpu_decode_procs as gp
+
+    made = []
+
+    class Fake:
+        def __init__(self, pool, device_index, resize_size, crop_size, max_pixels, decoder):
+            made.append(decoder)
+
+        def ready(self, timeout):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(gp, "GpuDecoderProcess", Fake)
+    pool = gp.GpuDecoderPool(5, pool=None, decoder="both")
+    assert made == ["hardware", "nvjpeg", "hardware", "nvjpeg", "hardware"] and len(pool) == 5
+    made.clear()
+    gp.GpuDecoderPool(2, pool=None, decoder="nvjpeg")
+    assert made == ["nvjpeg", "nvjpeg"]
+    with pytest.raises(ValueError, match="decoder must be 'hardware', 'nvjpeg' or 'both'"):
+        gp.GpuDecoderPool(2, pool=None, decoder="auto")

@@ -234,3 +234,60 @@ def test_normalize_matches_addcmul_on_gpu():
     ulp = (ref.float().abs() * 2 ** -7).clamp_min(2 ** -133)
     assert ((y.float() - ref.float()).abs() <= ulp).all()
     assert (y == ref).float().mean() > 0.99
+
+
+RESIZE_CHECK = textwrap.dedent("""
+    import torch
+    from fullthrottle import kernels as K
+    from fullthrottle.gpu_decode import resize_crop_interpolate, resize_crop_matmul
+
+    g = torch.Generator().manual_seed(0)
+    # wide, tall, square, upscaled (9x7, 1x1), odd sizes; CHW and views of HWC, as the decoders give
+    sizes = [(30, 40), (41, 23), (16, 16), (9, 7), (1, 1), (12, 100), (57, 57), (20, 33)]
+    imgs = []
+    for k, (h, w) in enumerate(sizes):
+        a = torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8)
+        imgs.append(a.permute(2, 0, 1) if k % 2 else a.permute(2, 0, 1).contiguous())
+    out = torch.full((len(imgs), 12, 12, 3), 7, dtype=torch.uint8)
+    K.resize_crop_u8(imgs, out, resize=16, crop=12)
+    ref = torch.empty_like(out)
+    resize_crop_matmul(imgs, ref, resize=16, crop=12)      # float32 products on CPU: the same filter
+    d = (out.int() - ref.int()).abs()
+    assert d.max() <= 1 and d.float().mean() < 0.02, (d.max(), d.float().mean())
+    resize_crop_interpolate(imgs, ref, resize=16, crop=12)  # PyTorch's antialiased interpolate
+    d = (out.int() - ref.int()).abs()
+    assert d.max() <= 1 and d.float().mean() < 0.02, (d.max(), d.float().mean())
+    # into a non-contiguous view of a larger buffer (rows of the staging batch)
+    big = torch.zeros((len(imgs), 12, 14, 3), dtype=torch.uint8)
+    K.resize_crop_u8(imgs, big[:, :, 1:13], resize=16, crop=12)
+    assert torch.equal(big[:, :, 1:13], out) and big[:, :, 0].eq(0).all() and big[:, :, 13].eq(0).all()
+    print('ok')
+""")
+
+
+def test_triton_resize_crop_in_the_interpreter_matches_the_products_and_interpolate():
+    pytest.importorskip("triton")
+    import fullthrottle
+
+    src = os.path.dirname(os.path.dirname(fullthrottle.__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1", FULLTHROTTLE_TRITON="1",
+               PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", RESIZE_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_resize_crop_u8_rejects_bad_arguments():
+    from fullthrottle import kernels as K
+
+    img = torch.zeros((3, 8, 8), dtype=torch.uint8)
+    out = torch.empty((1, 4, 4, 3), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="crop <= resize"):
+        K.resize_crop_u8([img], out, resize=4, crop=6)
+    with pytest.raises(ValueError, match=r"out must be uint8 \(2, 4, 4, 3\)"):
+        K.resize_crop_u8([img, img], out, resize=6, crop=4)
+    with pytest.raises(ValueError, match="image 0 must be a \\(3, H, W\\) uint8"):
+        K.resize_crop_u8([img.float()], out, resize=6, crop=4)
+    with pytest.raises(ValueError, match="image 0 must be a \\(3, H, W\\) uint8"):
+        K.resize_crop_u8([img[:1]], out, resize=6, crop=4)
+    with pytest.raises(ValueError, match="not a dense CHW or HWC block"):
+        K.resize_crop_u8([torch.zeros((3, 8, 16), dtype=torch.uint8)[:, :, ::2]], out, resize=6, crop=4)

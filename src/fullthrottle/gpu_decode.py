@@ -135,8 +135,32 @@ def _resize_and_crop_at(h: int, w: int, resize: int, crop: int) -> tuple[int, in
 
 def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256, crop: int = 224,
                       chunk_elems: int = 1 << 27) -> None:
-    """Resize (antialiased bilinear) + center-crop decoded images into ``out``, a fixed number of kernels
-    per batch whatever the mix of sizes.
+    """Resize (antialiased bilinear, shorter side to ``resize``) + center-crop (``crop``) decoded images
+    into ``out``: the GPU decode stage's transform, the same as the CPU path's.
+
+    Args:
+        images: ``(3, H, W)`` uint8 tensors on one device, any mix of sizes; CHW or views of ``(H, W, 3)``.
+        out: ``(len(images), crop, crop, 3)`` uint8 on that device (NHWC, like the staging buffers).
+        chunk_elems: see :func:`resize_crop_matmul` (the path without Triton).
+
+    With Triton (on CUDA, :func:`~fullthrottle.kernels.use_triton`) two kernels that read each image in
+    place and compute only what the crop keeps (:func:`~fullthrottle.kernels.resize_crop_u8`);
+    otherwise float matrix products (:func:`resize_crop_matmul`). Both round once, from float32
+    (Triton) or float16/float32 (products), and agree with each other and ``F.interpolate`` to 1/255.
+    Timings on the H200: bench/results/resize_probe_*.json.
+    """
+    from .kernels import resize_crop_u8, use_triton
+
+    if images and use_triton(out):
+        resize_crop_u8(images, out, resize, crop)
+    else:
+        resize_crop_matmul(images, out, resize, crop, chunk_elems)
+
+
+def resize_crop_matmul(images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256, crop: int = 224,
+                       chunk_elems: int = 1 << 27) -> None:
+    """Resize (antialiased bilinear) + center-crop decoded images into ``out`` as float matrix products,
+    a fixed number of kernels per batch whatever the mix of sizes (the path without Triton).
 
     Args:
         images: ``(3, H, W)`` uint8 tensors on one device (sizes may differ); views of ``(H, W, 3)``
@@ -410,14 +434,16 @@ def _test_jpeg() -> bytes:
 
 
 #: values of ``Config.gpu_decoder``
-GPU_DECODERS = ("auto", "hardware", "nvjpeg")
+GPU_DECODERS = ("auto", "hardware", "nvjpeg", "both")
 
 
 def make_gpu_decoder(device: torch.device, kind: str = "auto"):
     """The GPU JPEG decoder for ``Config.gpu_decoder``: a :class:`HwJpegDecoder` (``"hardware"``,
     with nvJPEG as its fallback for what the engines refuse) or a :class:`GpuJpegDecoder`
     (``"nvjpeg"``). ``"auto"`` takes the hardware decoder when nvImageCodec is installed and the GPU
-    has the engines, nvJPEG otherwise. The result's ``kind`` attribute says which.
+    has the engines, nvJPEG otherwise. ``"both"`` is for GPU decoder processes (half run each
+    decoder, :class:`~fullthrottle.gpu_decode_procs.GpuDecoderPool`); in one process it is the hardware
+    decoder. The result's ``kind`` attribute says which.
 
     Raises:
         ValueError: an unknown ``kind``.
@@ -431,9 +457,9 @@ def make_gpu_decoder(device: torch.device, kind: str = "auto"):
     try:
         return HwJpegDecoder(device, fallback=nvjpeg)
     except Exception as e:  # noqa: BLE001 - ImportError, RuntimeError, a CUDA error from the library
-        if kind == "hardware":
+        if kind in ("hardware", "both"):
             hint = " (pip install nvidia-nvimgcodec-cu13, or -cu12 for CUDA 12)" if isinstance(e, ImportError) else ""
-            raise RuntimeError(f"gpu_decoder='hardware': nvImageCodec's hardware JPEG decoder is not "
+            raise RuntimeError(f"gpu_decoder={kind!r}: nvImageCodec's hardware JPEG decoder is not "
                                f"available: {type(e).__name__}: {e}{hint}") from None
         return nvjpeg
 

@@ -174,6 +174,9 @@ class GpuDecoderProcess:
 class GpuDecoderPool:
     """``n`` :class:`GpuDecoderProcess` workers started in parallel, writing into ``pool``.
 
+    ``decoder``: ``"hardware"``, ``"nvjpeg"``, or ``"both"`` (even-numbered processes run the
+    hardware engines, odd ones nvJPEG on the SMs, so both decode at once).
+
     Raises:
         RuntimeError: a process could not start (no CUDA there, an import failed), with the cause.
     """
@@ -183,9 +186,12 @@ class GpuDecoderPool:
                  decoder: str = "nvjpeg"):
         self.workers: list[GpuDecoderProcess] = []
         try:
-            for _ in range(n):
+            if decoder not in ("hardware", "nvjpeg", "both"):
+                raise ValueError(f"decoder must be 'hardware', 'nvjpeg' or 'both', got {decoder!r}")
+            for k in range(n):
+                kind = decoder if decoder != "both" else ("hardware", "nvjpeg")[k % 2]
                 self.workers.append(GpuDecoderProcess(pool, device_index, resize_size, crop_size, max_pixels,
-                                                      decoder))
+                                                      kind))
             errs: list[BaseException] = []
 
             def wait(w):

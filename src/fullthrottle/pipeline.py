@@ -678,6 +678,8 @@ class Run:
             return ""
         name = {"hardware": "the GPU's JPEG engines (nvImageCodec)", "nvjpeg": "nvJPEG (torchvision)"}.get(
             getattr(eng.gpu_decoder, "kind", None), type(eng.gpu_decoder).__name__)
+        if self.gpu_procs and self.config.gpu_decoder == "both":
+            name = "the GPU's JPEG engines (nvImageCodec) and nvJPEG (torchvision), half the processes each"
         where = f"{len(self.gpu_procs)} GPU decoder processes" if self.gpu_procs else "a thread of this process"
         gpu, cpu = (eng.splitter.routed[k] - self._routed0[k] for k in ("gpu", "cpu"))
         share = f" ({gpu / (gpu + cpu):.0%})" if gpu + cpu else ""
@@ -743,7 +745,7 @@ class Pipeline:
                     try:
                         self.gpu_decoders = GpuDecoderPool(
                             n_gpu, self.decoders.crops, self.engine.device.index or 0, config.resize_size,
-                            config.crop_size, config.max_image_pixels, decoder=getattr(self.engine.gpu_decoder, "kind", "nvjpeg"))
+                            config.crop_size, config.max_image_pixels, decoder="both" if config.gpu_decoder == "both" else getattr(self.engine.gpu_decoder, "kind", "nvjpeg"))
                     except RuntimeError as e:  # e.g. nvJPEG unavailable there: decode in this process
                         warnings.warn(f"GPU decoder processes did not start ({e}); decoding on the GPU "
                                       "from a thread of this process instead", RuntimeWarning, stacklevel=2)
