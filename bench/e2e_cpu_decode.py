@@ -136,6 +136,10 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     seen, t_warm, n_warm = 0, None, 0
     inputs = (blobs[i % len(blobs)] for i in range(n))
     pids = [w.proc.pid for w in pipe.decoders.workers] if pipe.decoders is not None else []
+    gws = list(pipe.gpu_decoders.workers) if pipe.gpu_decoders is not None else []
+    times0 = [dict(w.times) for w in gws]
+    gpids = [w.proc.pid for w in gws]
+    gcpu0 = 0.0
     cpu0 = main0 = 0.0
     cpu = None
     for r in pipe.run(inputs):
@@ -144,13 +148,28 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
         if t_warm is None and seen >= warm_frac * n:
             t_warm, n_warm = time.perf_counter(), seen
             cpu0, main0, thr0 = sum(map(_cpu_s, pids)), time.process_time(), _threads_cpu_s()
+            gcpu0 = sum(map(_cpu_s, gpids))
         if cpu is None and seen >= 0.95 * n:  # CPU use measured while every stage's thread still runs
-            cpu = (time.perf_counter() - t_warm, sum(map(_cpu_s, pids)), time.process_time(), _threads_cpu_s())
+            cpu = (time.perf_counter() - t_warm, sum(map(_cpu_s, pids)), time.process_time(), _threads_cpu_s(),
+                   sum(map(_cpu_s, gpids)))
     t_end = time.perf_counter()
     # how busy the decoder processes really were (CPU time, not time with an image out), and how
     # many cores the main process (and each of its threads) used: a starved worker shows up here,
     # not in the stage's busy %
-    window, cpu1, main1, thr1 = cpu
+    window, cpu1, main1, thr1, gcpu1 = cpu
+    # GPU decoder processes: where a batch's round trip went (whole run, warm-up excluded)
+    gsum = {k: sum(w.times[k] - t0[k] for w, t0 in zip(gws, times0)) for k in ("round_trip_s", "launch_s",
+                                                                              "total_s", "batches")}
+    gpu_procs_timing = None
+    if gsum["batches"]:
+        gpu_procs_timing = {
+            "batches": gsum["batches"],
+            "round_trip_ms_mean": 1e3 * gsum["round_trip_s"] / gsum["batches"],
+            "in_process_ms_mean": 1e3 * gsum["total_s"] / gsum["batches"],
+            "launch_ms_mean": 1e3 * gsum["launch_s"] / gsum["batches"],
+            "in_process_share_of_round_trip": gsum["total_s"] / gsum["round_trip_s"] if gsum["round_trip_s"] else None,
+            "cpu_pct_per_process": 100 * (gcpu1 - gcpu0) / (window * len(gpids)),
+        }
     workers_cpu_pct = 100 * (cpu1 - cpu0) / (window * len(pids)) if pids else None
     main_cores = (main1 - main0) / window
     main_threads = {k: round((v - thr0.get(k, 0.0)) / window, 3) for k, v in sorted(thr1.items())}
@@ -174,7 +193,7 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
             "dispatch_threads": n_disp, "crop_pool_pinned": pinned,
             "graphs": graphs, "max_wait_ms": max_wait_ms, "gpu_decode": gpu_decode,
             "gpu_decode_processes": gpu_procs if gpu_decode and n_procs else 0, "gpu_decoder": gpu_kind,
-            "gpu_decode_summary": rep.gpu_decode,
+            "gpu_decode_summary": rep.gpu_decode, "gpu_decoder_processes_timing": gpu_procs_timing,
             "gpu_share": eng.splitter.routed_gpu_share if gpu_decode else 0.0,
             "gpu_util_mean_pct": rep.gpu_util_pct, "verdict": rep.verdict, "switch_interval_s": sys.getswitchinterval(),
             "compute_staging_s": eng.staging_s, "compute_launch_s": eng.launch_s,"images": seen, "steady_images": seen - n_warm, "steady_s": t_end - t_warm,

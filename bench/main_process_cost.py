@@ -6,7 +6,11 @@ decode) hand each image along, and on the H200 machine they used about one of th
 8x8 crops) and the model is a linear layer on the CPU, so the main process's own cost shows:
 microseconds of CPU per image for each of its threads (``time.thread_time`` of each stage's thread).
 
-Usage: python bench/main_process_cost.py --n 20000 --out main_process_cost.json
+With ``--gpu-procs N`` the GPU decode path's side of the main process is measured too: N stand-in
+GPU decoder processes answer every batch at once (their crops are left as they are), so what remains
+is this process's own work per image: routing, the feeder threads, batching, compute and results.
+
+Usage: python bench/main_process_cost.py --n 20000 [--gpu-procs 6] --out main_process_cost.json
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def main():
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--threads", type=int, default=2, help="decoder processes")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gpu-procs", type=int, default=0, help="stand-in GPU decoder processes (0: none)")
     ap.add_argument("--out", default="main_process_cost.json")
     args = ap.parse_args()
     import cv2
@@ -76,6 +81,20 @@ def main():
     with Pipeline(model=Tiny(), device="cpu", threads=args.threads, preprocess="processes", max_batch_size=128,
                   torch_threads=1,  # as on CUDA: no OpenMP pool spinning in this process
                   crop_size=8, resize_size=8, labels=[str(i) for i in range(1000)]) as pipe:
+        if args.gpu_procs:
+            from types import SimpleNamespace
+
+            class InstantGpuProcess:  # answers at once: only the main process's side costs anything
+                def send(self, items):
+                    self.n = len(items)
+
+                def receive(self, timeout):
+                    return [None] * self.n
+
+            from fullthrottle.gpu_decode import GpuJpegDecoder
+            pipe.engine.gpu_decoder = GpuJpegDecoder(torch.device("cpu"))  # never called: routing only
+            pipe.gpu_decoders = SimpleNamespace(workers=[InstantGpuProcess() for _ in range(args.gpu_procs)],
+                                                close=lambda: None)
         items = [blobs[i % len(blobs)] for i in range(args.n)]
         list(pipe.run(items[:500]))  # warm-up: worker start, first calls
         for _ in range(args.repeats):
@@ -88,7 +107,8 @@ def main():
             print(runs[-1], flush=True)
     write_json(args.out, {"benchmark": "main_process_cost", "machine": machine_info(),
                           "images": "64x64 random JPEGs, 8x8 crops, linear model on CPU",
-                          "decoder_processes": args.threads, "n": args.n, "runs": runs})
+                          "decoder_processes": args.threads, "gpu_decoder_processes": args.gpu_procs,
+                          "n": args.n, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -224,7 +224,8 @@ def test_gpu_process_protocol_round_trip():
     assert [(bytes(d), r) for d, r in back] == items
     assert _decode_request(_encode_request([])) == []
     statuses = [None, "truncated or corrupt JPEG", None, "é ünïcode"]
-    assert _decode_reply(_encode_reply(statuses)) == statuses
+    assert _decode_reply(_encode_reply(statuses, 0.25, 1.5)) == (statuses, 0.25, 1.5)
+    assert _decode_reply(_encode_reply([])) == ([], 0.0, 0.0)
 
 
 class FakeGpuProcess:

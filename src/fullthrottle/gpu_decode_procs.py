@@ -42,6 +42,7 @@ from .preprocess_procs import STARTUP_S, CropPool, WorkerDied, _shutdown, exit_r
 _N = struct.Struct("<I")        # items in a request or reply
 _ITEM = struct.Struct("<II")    # request: pool row, byte length
 _STATUS = struct.Struct("<BI")  # reply: 0 ok / 1 the item's error, message length
+_TIMES = struct.Struct("<dd")   # reply: seconds the process spent launching the batch, and in all
 _CMD = "import sys; from fullthrottle.gpu_decode_procs import _gpu_worker_main; _gpu_worker_main(sys.argv[1:])"
 
 
@@ -63,23 +64,25 @@ def _decode_request(msg) -> list[tuple[memoryview, int]]:
     return out
 
 
-def _encode_reply(statuses: Sequence[str | None]) -> bytes:
-    parts = [_N.pack(len(statuses))]
+def _encode_reply(statuses: Sequence[str | None], launch_s: float = 0.0, total_s: float = 0.0) -> bytes:
+    parts = [_N.pack(len(statuses)), _TIMES.pack(launch_s, total_s)]
     for s in statuses:
         m = b"" if s is None else s.encode("utf-8", "replace")[:60000]
         parts += [_STATUS.pack(0 if s is None else 1, len(m)), m]
     return b"".join(parts)
 
 
-def _decode_reply(msg: bytes) -> list[str | None]:
+def _decode_reply(msg: bytes) -> tuple[list[str | None], float, float]:
+    """``(statuses, launch_s, total_s)``: per image None or its error; the process's time on the batch."""
     (n,) = _N.unpack_from(msg)
-    off, out = _N.size, []
+    launch_s, total_s = _TIMES.unpack_from(msg, _N.size)
+    off, out = _N.size + _TIMES.size, []
     for _ in range(n):
         code, length = _STATUS.unpack_from(msg, off)
         off += _STATUS.size
         out.append(None if code == 0 else msg[off:off + length].decode("utf-8", "replace"))
         off += length
-    return out
+    return out, launch_s, total_s
 
 
 class GpuDecoderProcess:
@@ -104,6 +107,10 @@ class GpuDecoderProcess:
         self.pool = pool
         self.args = (device_index, resize_size, crop_size, max_pixels, pool.rows + pool.scratch, decoder)
         self.closed = False
+        #: seconds summed over answered batches: in this process's thread (send to answer), and in the
+        #: worker (``launch``: decode call + resize/copy launches; ``total``: until its stream finished)
+        self.times = {"round_trip_s": 0.0, "launch_s": 0.0, "total_s": 0.0, "batches": 0}
+        self._sent_at = 0.0
         self._start()
 
     def _start(self) -> None:
@@ -140,6 +147,7 @@ class GpuDecoderProcess:
         A process found dead (it died while idle) is replaced first."""
         if self.proc.poll() is not None:
             self._restart()
+        self._sent_at = time.perf_counter()
         try:
             self.conn.send_bytes(_encode_request(items))
         except OSError:
@@ -160,11 +168,17 @@ class GpuDecoderProcess:
             raise WorkerDied(f"GPU decoding took longer than {timeout:g} s (decode_timeout_s): "
                              "its process was replaced")
         try:
-            return _decode_reply(self.conn.recv_bytes())
+            statuses, launch_s, total_s = _decode_reply(self.conn.recv_bytes())
         except (EOFError, OSError) as e:
             how = exit_reason(self.proc)
             self._restart()
             raise WorkerDied(f"GPU decoder process died on this batch ({how}): {type(e).__name__}") from None
+        t = self.times
+        t["round_trip_s"] += time.perf_counter() - self._sent_at
+        t["launch_s"] += launch_s
+        t["total_s"] += total_s
+        t["batches"] += 1
+        return statuses
 
     def close(self) -> None:
         self.closed = True
@@ -261,8 +275,10 @@ def _gpu_worker_main(argv: list[str]) -> None:
             n = len(buf)
         except (EOFError, OSError):
             return
+        t0 = time.perf_counter()
         items = _decode_request(memoryview(buf)[:n])
         statuses: list[str | None] = [None] * len(items)
+        t1 = t0
         try:
             with torch.cuda.stream(stream), torch.inference_mode():
                 out = decode_crops(decoder, [d for d, _ in items], resize_size, crop_size, max_pixels, dev)
@@ -282,10 +298,11 @@ def _gpu_worker_main(argv: list[str]) -> None:
                         host[row].copy_(torch.from_numpy(o))
                 if run:
                     host[run[2]:run[2] + run[3]].copy_(run[0][run[1]:run[1] + run[3]], non_blocking=True)
+            t1 = time.perf_counter()
             stream.synchronize()  # every crop is in the pool before the answer goes out
         except Exception as e:  # noqa: BLE001 - a failed batch fails its items, not the process
             statuses = [f"GPU decode failed: {type(e).__name__}: {e}"] * len(items)
         try:
-            conn.send_bytes(_encode_reply(statuses))
+            conn.send_bytes(_encode_reply(statuses, t1 - t0, time.perf_counter() - t0))
         except (EOFError, OSError):
             return

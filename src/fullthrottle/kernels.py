@@ -786,16 +786,24 @@ def resize_crop_u8(images, out: torch.Tensor, resize: int = 256, crop: int = 224
            f"got {out.dtype} {tuple(out.shape)}")
     if n == 0:
         return
+    dev = out.device
+    for k, im in enumerate(images):  # (a few attribute reads per image: this runs for every batch)
+        if im.dtype != torch.uint8 or im.dim() != 3 or im.shape[0] != 3 or im.device != dev:
+            raise ValueError(f"resize_crop_u8: image {k} must be a (3, H, W) uint8 tensor on {dev}, "
+                             f"got {im.dtype} {tuple(im.shape)} on {im.device}")
+    shape = np.array([im.shape for im in images], dtype=np.int64)              # (n, 3): 3, H, W
+    stride = np.array([im.stride() for im in images], dtype=np.int64)         # (n, 3): c, h, w
+    H, W = shape[:, 1], shape[:, 2]
+    dense = ((stride[:, 2] == 1) & (stride[:, 1] == W) & (stride[:, 0] == H * W)) | (   # CHW
+        (stride[:, 0] == 1) & (stride[:, 2] == 3) & (stride[:, 1] == 3 * W))          # HWC viewed as CHW
+    if not dense.all():
+        k = int(np.argmin(dense))
+        raise ValueError(f"resize_crop_u8: image {k} is not a dense CHW or HWC block (strides {images[k].stride()})")
     meta = np.zeros((n, _RESIZE_META), dtype=np.int64)
-    for k, im in enumerate(images):
-        _check(im.dtype == torch.uint8 and im.dim() == 3 and im.shape[0] == 3 and im.device == out.device,
-               f"resize_crop_u8: image {k} must be a (3, H, W) uint8 tensor on {out.device}, "
-               f"got {im.dtype} {tuple(im.shape)} on {im.device}")
-        if not (im.is_contiguous() or im.permute(1, 2, 0).is_contiguous()):
-            raise ValueError(f"resize_crop_u8: image {k} is not a dense CHW or HWC block (strides {im.stride()})")
-        meta[k, :4] = (im.data_ptr(), *im.stride())
-        meta[k, 4:6] = im.shape[1:]
-    H, W = meta[:, 4].astype(np.float64), meta[:, 5].astype(np.float64)
+    meta[:, 0] = [im.data_ptr() for im in images]
+    meta[:, 1:4] = stride
+    meta[:, 4], meta[:, 5] = H, W
+    H, W = H.astype(np.float64), W.astype(np.float64)
     tall = H > W                                                  # torchvision Resize(int): shorter side
     nh = np.where(tall, (resize * H / W).astype(np.int64), resize)
     nw = np.where(tall, resize, (resize * W / H).astype(np.int64))
@@ -812,7 +820,9 @@ def resize_crop_u8(images, out: torch.Tensor, resize: int = 256, crop: int = 224
     meta[:, 14] = np.ceil(2 * suy).astype(np.int64) + 2
     prog = (np.repeat(np.arange(n, dtype=np.int64), nrows) << 32) | (
         np.arange(int(nrows.sum()), dtype=np.int64) - np.repeat(meta[:, 12] // (crop * 3), nrows))
-    table = torch.from_numpy(np.concatenate([meta.reshape(-1), prog])).to(out.device)
+    table = torch.from_numpy(np.concatenate([meta.reshape(-1), prog]))
+    if out.is_cuda:  # from pinned memory the copy is queued; from pageable memory it would wait for the stream
+        table = table.pin_memory().to(out.device, non_blocking=True)
     tmp = torch.empty(int(nrows.sum()) * crop * 3, dtype=torch.float32, device=out.device)
     block = triton.next_power_of_2(crop)
     _resize_h_kernel[(len(prog),)](table, table[n * _RESIZE_META:], tmp, CROP=crop, BLOCK_C=block,
