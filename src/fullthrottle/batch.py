@@ -63,7 +63,8 @@ class Batcher:
     batching and go straight on (their position is restored at the end).
 
     Args:
-        get: ``get(timeout_s) -> item | None`` from the preprocess queue (None on timeout).
+        get: ``get(timeout_s) -> item | list of items | None`` from the preprocess queue (None on
+            timeout; a list is a GPU decoder's batch, handed over at once).
         put: ``put(obj, block=True) -> bool`` into the compute queue (blocking put: backpressure;
             ``block=False`` returns False when the queue is full).
         n_end: how many end markers (one per preprocess worker) close the stream.
@@ -118,6 +119,9 @@ class Batcher:
             if it is self.end:
                 ends += 1
                 continue
+            if isinstance(it, list):
+                pending, deadline = self._take_list(it, pending, deadline)
+                continue
             self.stats.begin()
             now = time.perf_counter()
             self.stats.waited(now - it.t_queued)
@@ -135,3 +139,24 @@ class Batcher:
         if not self.stopped():
             self._flush(pending)
             self.put(self.end)
+
+    def _take_list(self, items: list[Item], pending: list[Item], deadline: float) -> tuple[list[Item], float]:
+        """Add a list of items to the open batch (full batches go at once); returns the open batch
+        and its deadline."""
+        if not items:
+            return pending, deadline
+        self.stats.begin()
+        now = time.perf_counter()
+        self.stats.waited(sum(now - it.t_queued for it in items) / len(items), len(items))
+        for it in items:
+            if it.error is not None:
+                self.put(it)
+                continue
+            if not pending:
+                deadline = now + self.max_wait_s
+            pending.append(it)
+            if len(pending) >= self.max_batch_size:
+                self._flush(pending)
+                pending = []
+        self.stats.end(len(items))
+        return pending, deadline

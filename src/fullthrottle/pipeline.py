@@ -53,6 +53,9 @@ DISPATCH_THREADS: int | None = None
 #: worker's socket buffer (``DecoderProcess.queue_bytes``): a send to a hung worker never blocks;
 #: an image too large to queue waits for an idle worker
 WORKER_DEPTH = 4
+#: images per hand-off on the GPU decode path (dispatcher -> GPU decoders -> batcher): each hand-off
+#: between threads costs a queue operation and a GIL hand-off, so the GPU's images travel in lists
+GPU_CHUNK = 32
 
 
 def limit_heap_fragmentation(arenas: int = 2) -> bool:
@@ -117,7 +120,9 @@ class Run:
         else:
             n_pre = nthreads
         self.n_pre = n_pre
-        self.gq: queue.Queue | None = queue.Queue(config.queue_size) if engine.gpu_decoder is not None else None
+        # lists of items (up to GPU_CHUNK), and end markers
+        self.gq: queue.Queue | None = (queue.Queue(max(4, config.queue_size // GPU_CHUNK))
+                                       if engine.gpu_decoder is not None else None)
         self._ends, self._ends_lock = 0, threading.Lock()
         gpu_consumers = (max(1, len(self.gpu_procs))) if self.gq is not None else 0
         self.batcher = Batcher(lambda t: self._get(self.q2, t), lambda o, block=True: self._put(self.q3, o, block),
@@ -208,15 +213,43 @@ class Run:
         return it.error is None and self.engine.gpu_decoder is not None and \
             gpu_eligible(it.data, self.config.max_image_pixels, self.config.resize_size)[0]
 
-    def _to_gpu(self, it: Item) -> None:
-        it.t_queued = time.perf_counter()
-        self._put(self.gq, it)
+    def _to_gpu(self, items: list) -> None:
+        """Hand a list of routed items to the GPU decoder(s)."""
+        now = time.perf_counter()
+        for it in items:
+            it.t_queued = now
+        self._put(self.gq, items)
+
+    def _take_gpu_batch(self, carry: list, limit: int, wait_s: float, ends_wanted: int) -> tuple[list, int]:
+        """Up to ``limit`` items for one GPU batch: what ``carry`` holds first (left over from a list),
+        then lists from the GPU queue, waiting at most ``wait_s`` after the first item. Items beyond
+        ``limit`` stay in ``carry``. Returns ``(items, end markers seen)``; stops at ``ends_wanted`` ends."""
+        items = carry[:limit]
+        del carry[:limit]
+        ends = 0
+        deadline = time.perf_counter() + wait_s if items else None
+        while len(items) < limit and ends < ends_wanted:
+            # nothing yet: wait briefly (the caller checks the stop event and asks again)
+            c = self._get(self.gq) if deadline is None else \
+                self._get(self.gq, max(deadline - time.perf_counter(), 0.0))
+            if c is None:
+                break
+            if c is _END:
+                ends += 1
+                continue
+            items.extend(c)
+            if deadline is None:
+                deadline = time.perf_counter() + wait_s
+        if len(items) > limit:
+            carry[:0] = items[limit:]
+            del items[limit:]
+        return items, ends
 
     def _route_to_gpu(self, it: Item) -> bool:
         """Preprocess threads: hand ``it`` to the GPU decode thread if it is an eligible JPEG and the
         rate split says so."""
         if self._gpu_eligible(it) and self.engine.splitter.choose() == "gpu":
-            self._to_gpu(it)
+            self._to_gpu([it])
             return True
         return False
 
@@ -243,30 +276,15 @@ class Run:
         """
         eng, cfg, st = self.engine, self.config, self.stats["gpu decode"]
         ends, limit, wait_s = 0, cfg.max_batch_size, cfg.max_wait_ms / 1e3
-        while not self.stop_event.is_set() and ends < self.n_pre:
-            first = self._get(self.gq)
-            if first is None:
-                continue
-            items = []
-            if first is _END:
-                ends += 1
-            else:
-                items.append(first)
-            deadline = time.perf_counter() + wait_s
-            while len(items) < limit and ends < self.n_pre:
-                it = self._get(self.gq, max(deadline - time.perf_counter(), 0.0))
-                if it is None:
-                    break
-                if it is _END:
-                    ends += 1
-                else:
-                    items.append(it)
+        carry: list = []
+        while not self.stop_event.is_set() and (ends < self.n_pre or carry):
+            items, e = self._take_gpu_batch(carry, limit, wait_s, self.n_pre - ends)
+            ends += e
             if not items:
                 continue
             st.begin()
             t0 = time.perf_counter()
-            for it in items:
-                st.waited(t0 - it.t_queued)
+            st.waited(sum(t0 - it.t_queued for it in items) / len(items), len(items))
             with nvtx_range(f"gpu decode {len(items)}"):
                 if eng.cuda:
                     with torch.cuda.stream(eng.decode_stream):
@@ -284,9 +302,10 @@ class Run:
                     it.array = c
                 it.data = None
             st.end(len(items))
+            now = time.perf_counter()
             for it in items:
-                it.t_queued = time.perf_counter()
-                self._put(self.q2, it)
+                it.t_queued = now
+            self._put(self.q2, items)  # one hand-off for the batch
         self._put(self.q2, _END)
 
     def _gpu_process_feeder(self, proc) -> None:
@@ -298,34 +317,18 @@ class Run:
         """
         cfg, st, crops = self.config, self.stats["gpu decode"], self.decoders.crops
         limit, wait_s = cfg.max_batch_size, cfg.max_wait_ms / 1e3
-        ended = False
-        while not self.stop_event.is_set() and not ended:
-            first = self._get(self.gq)
-            if first is None:
+        ended, carry = False, []
+        while not self.stop_event.is_set() and (not ended or carry):
+            items, e = self._take_gpu_batch(carry, limit, wait_s, 0 if ended else 1)
+            ended = ended or e > 0
+            if not items:
                 continue
-            if first is _END:
-                break
-            items = [first]
-            deadline = time.perf_counter() + wait_s
-            while len(items) < limit:
-                it = self._get(self.gq, max(deadline - time.perf_counter(), 0.0))
-                if it is None:
-                    break
-                if it is _END:
-                    ended = True
-                    break
-                items.append(it)
-            rows = []
-            for _ in items:
-                r = crops.acquire(self.stop_event.is_set)  # backpressure: waits for consumed crops
-                if r is None:
-                    crops.release(rows)
-                    return
-                rows.append(r)
+            rows = crops.acquire_many(len(items), self.stop_event.is_set)  # backpressure: consumed crops
+            if rows is None:
+                return
             st.begin()
             t0 = time.perf_counter()
-            for it in items:
-                st.waited(t0 - it.t_queued)
+            st.waited(sum(t0 - it.t_queued for it in items) / len(items), len(items))
             proc.send([(it.data, r) for it, r in zip(items, rows)])
             try:
                 answers = proc.receive(cfg.decode_timeout_s)
@@ -349,7 +352,7 @@ class Run:
             now = time.perf_counter()
             for it in items:
                 it.t_queued = now
-                self._put(self.q2, it)
+            self._put(self.q2, items)  # one hand-off for the batch
         self._put(self.q2, _END)
 
     @torch.inference_mode()
@@ -393,6 +396,7 @@ class Run:
             return best
         outstanding, busy_since = 0, 0.0
         ended, held = False, None
+        gbuf: list = []  # images routed to the GPU decoders, handed over GPU_CHUNK at a time
 
         def gpu_room() -> bool:
             return self.gq is not None and not self.gq.full()
@@ -434,7 +438,7 @@ class Run:
                     if held is not None:
                         it, held = held, None
                     else:
-                        it = self._get(self.q1, None if outstanding else 0.05)
+                        it = self._get(self.q1, None if outstanding or gbuf else 0.05)
                         if it is None:
                             break
                         if it is _END:
@@ -455,7 +459,10 @@ class Run:
                     if w is None or (eligible and pending[w] and gpu_room()):  # no idle CPU worker
                         if eligible and gpu_room():
                             splitter.note(gpu=True)
-                            self._to_gpu(it)
+                            gbuf.append(it)
+                            if len(gbuf) >= GPU_CHUNK:
+                                self._to_gpu(gbuf)
+                                gbuf = []
                             continue
                         if w is None:
                             held = it  # waits for a worker with room
@@ -476,6 +483,9 @@ class Run:
                     outstanding += 1
                     workers[w].send(it.data, row)
                     watch(w)
+                if gbuf:  # the GPU's images so far go now, before this thread waits
+                    self._to_gpu(gbuf)
+                    gbuf = []
                 if ended and not outstanding and held is None:
                     self._end_of_stream()
                     return
@@ -601,30 +611,31 @@ class Run:
                         probs, idx = eng.collect(slot)  # waits for the device
                 st.begin()
                 st.waited(time.perf_counter() - t_q, len(batch))
-                for i, it in enumerate(batch.items):
-                    if slot.error is not None:
-                        out.append(Result(it.index, it.id, error=f"{it.id}: {slot.error}"))
-                    else:
-                        ids = idx[i].tolist()
-                        out.append(Result(it.index, it.id, labels=[labels[c] if c < len(labels) else str(c)
-                                                                    for c in ids],
-                                          class_ids=ids, probs=probs[i].tolist()))
+                if slot.error is not None:
+                    out = [Result(it.index, it.id, error=f"{it.id}: {slot.error}") for it in batch.items]
+                else:
+                    n_labels = len(labels)
+                    out = [Result(it.index, it.id, labels=[labels[c] if c < n_labels else str(c) for c in ids],
+                                  class_ids=ids, probs=p)
+                           for it, ids, p in zip(batch.items, idx.tolist(), probs.tolist())]
                 eng.release(slot)
                 st.end(len(batch))
             now = time.perf_counter()
             for r, src in zip(out, [obj] if isinstance(obj, Item) else obj[0].items):
                 r.latency_ms = 1e3 * (now - src.t_start)
             if not ordered:
-                for r in out:
-                    self.out.put(r)
+                self.out.put(out)  # a batch's results in one hand-off
                 continue
             for r in out:
                 pending[r.index] = r
+            ready = []
             while next_index in pending:
-                self.out.put(pending.pop(next_index))
+                ready.append(pending.pop(next_index))
                 next_index += 1
-        for i in sorted(pending):  # only reached when the stream ended: nothing is missing
-            self.out.put(pending.pop(i))
+            if ready:
+                self.out.put(ready)
+        if pending:  # only reached when the stream ended: nothing is missing
+            self.out.put([pending.pop(i) for i in sorted(pending)])
         self.out.put(_END)
 
     # -- consumer side --------------------------------------------------------------------------
@@ -635,15 +646,17 @@ class Run:
             PipelineError: a stage failed (not an item: the run cannot continue).
         """
         out: list = []
+        finished = False
         try:
-            out.append(self.out.get(timeout=timeout))
-            while True:
-                out.append(self.out.get_nowait())
+            got = self.out.get(timeout=timeout)
+            while True:  # lists of results, then the end marker
+                if got is _END:
+                    finished = True
+                    break
+                out += got
+                got = self.out.get_nowait()
         except queue.Empty:
             pass
-        finished = bool(out) and out[-1] is _END
-        if finished:
-            out.pop()
         err = self.error or self.loader.error
         if err is not None and not self.done:
             self.done = True

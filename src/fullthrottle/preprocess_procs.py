@@ -144,6 +144,23 @@ class CropPool:
                 self._cv.wait(0.05)
             return self._free.popleft()
 
+    def acquire_many(self, n: int, stopped=lambda: False) -> list[int] | None:
+        """``n`` free rows, taken as they become free (blocking while none is: backpressure);
+        ``None`` if ``stopped()`` first (rows taken so far are given back)."""
+        rows: list[int] = []
+        with self._cv:
+            while len(rows) < n:
+                k = min(n - len(rows), len(self._free))
+                if k:
+                    rows += [self._free.popleft() for _ in range(k)]
+                    continue
+                if stopped():
+                    self._free.extend(rows)
+                    self._cv.notify_all()
+                    return None
+                self._cv.wait(0.05)
+        return rows
+
     def release(self, rows) -> None:
         """Give rows back (their crops have been consumed)."""
         with self._cv:
