@@ -85,11 +85,17 @@ def main():
             from types import SimpleNamespace
 
             class InstantGpuProcess:  # answers at once: only the main process's side costs anything
-                def send(self, items):
-                    self.n = len(items)
+                depth = 2
+
+                def __init__(self):
+                    self.sent = collections.deque()
+
+                def send(self, items, slot=None):
+                    self.sent.append(len(items))
+                    return True
 
                 def receive(self, timeout):
-                    return [None] * self.n
+                    return [None] * self.sent.popleft()
 
             from fullthrottle.gpu_decode import GpuJpegDecoder
             pipe.engine.gpu_decoder = GpuJpegDecoder(torch.device("cpu"))  # never called: routing only

@@ -77,11 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gpu-decode", action="store_true",
                    help="also decode JPEGs on the GPU: with decoder processes, a JPEG goes to the GPU "
                         "whenever no CPU worker is idle; with threads, split by measured rates")
-    c.add_argument("--gpu-decoder", default="nvjpeg", choices=("auto", "hardware", "nvjpeg", "both"),
+    c.add_argument("--gpu-decoder", default="nvjpeg", choices=("auto", "hardware", "nvjpeg"),
                    help="with --gpu-decode: 'hardware' = the GPU's JPEG engines via nvImageCodec (pip install "
                         "nvidia-nvimgcodec-cu13; A100/H100/H200), which leave the SMs to the model; 'nvjpeg' = "
-                        "torchvision's nvJPEG on the SMs; 'both' = half the GPU decoder processes each; auto = "
-                        "hardware when available (default: %(default)s)")
+                        "torchvision's nvJPEG on the SMs; auto = hardware when available (default: %(default)s)")
     c.add_argument("--gpu-decode-processes", type=int, default=6, metavar="N",
                    help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "
                         "decoder, 0..16 (0: one GPU decode thread in this process; default: %(default)s)")

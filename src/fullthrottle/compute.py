@@ -309,7 +309,8 @@ class Engine:
             )
             slot.dev_rows = slot.host_rows.to(self.device) if self.cuda else slot.host_rows
             if self.cuda:
-                slot.copied, slot.done = torch.cuda.Event(), torch.cuda.Event()
+                # done: waited on by the decode thread, which sleeps instead of spinning on a core
+                slot.copied, slot.done = torch.cuda.Event(), torch.cuda.Event(blocking=True)
             self.slots.append(slot)
         self._free: list[Slot] = []
         self._cv = threading.Condition()

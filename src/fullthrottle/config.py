@@ -53,8 +53,7 @@ class Config:
             torchvision's nvJPEG, which runs on the SMs; ``"hardware"``, the GPU's JPEG engines (NVJPG)
             through nvImageCodec (``pip install nvidia-nvimgcodec-cu13``; A100, H100, H200, B200),
             which leave the SMs to the model; ``"auto"``: the engines when nvImageCodec is installed
-            and the GPU has them, nvJPEG otherwise; ``"both"``: half the GPU decoder processes run
-            each (the engines and the SMs decode at once; a thread of this process runs the engines). With ResNet18 on the H200 the engines did not
+            and the GPU has them, nvJPEG otherwise. With ResNet18 on the H200 the engines did not
             beat nvJPEG end to end (640x480: 13.3k against 14.4k img/s with 6 processes;
             bench/results/e2e_gpu_decode_640x480_session7_final.json): the model leaves the SMs
             room, and the processes' turns on the GPU limit both. A model that needs all the SMs
@@ -160,8 +159,8 @@ class Config:
                 and 1 <= self.crop_size <= self.resize_size):
             raise ValueError(f"need integers 1 <= crop_size <= resize_size, got crop_size={self.crop_size!r}, "
                              f"resize_size={self.resize_size!r}")
-        if self.gpu_decoder not in ("auto", "hardware", "nvjpeg", "both"):
-            raise ValueError(f"gpu_decoder must be 'auto', 'hardware', 'nvjpeg' or 'both', got {self.gpu_decoder!r}")
+        if self.gpu_decoder not in ("auto", "hardware", "nvjpeg"):
+            raise ValueError(f"gpu_decoder must be 'auto', 'hardware' or 'nvjpeg', got {self.gpu_decoder!r}")
         if not (isinstance(self.gpu_decode_processes, int) and not isinstance(self.gpu_decode_processes, bool)
                 and 0 <= self.gpu_decode_processes <= 16):
             raise ValueError(f"gpu_decode_processes must be an integer in 0..16, got {self.gpu_decode_processes!r}")
@@ -183,5 +182,7 @@ class Config:
 
     @property
     def in_flight_limit(self) -> int:
-        gpu = self.gpu_decode_processes if self.gpu_decode else 0  # batches out at GPU decoder processes
+        from .gpu_decode_procs import DEPTH
+
+        gpu = self.gpu_decode_processes * DEPTH if self.gpu_decode else 0  # batches out at GPU decoder processes
         return self.max_in_flight or ((4 + gpu) * self.max_batch_size + 2 * self.num_threads)

@@ -434,16 +434,14 @@ def _test_jpeg() -> bytes:
 
 
 #: values of ``Config.gpu_decoder``
-GPU_DECODERS = ("auto", "hardware", "nvjpeg", "both")
+GPU_DECODERS = ("auto", "hardware", "nvjpeg")
 
 
 def make_gpu_decoder(device: torch.device, kind: str = "auto"):
     """The GPU JPEG decoder for ``Config.gpu_decoder``: a :class:`HwJpegDecoder` (``"hardware"``,
     with nvJPEG as its fallback for what the engines refuse) or a :class:`GpuJpegDecoder`
     (``"nvjpeg"``). ``"auto"`` takes the hardware decoder when nvImageCodec is installed and the GPU
-    has the engines, nvJPEG otherwise. ``"both"`` is for GPU decoder processes (half run each
-    decoder, :class:`~fullthrottle.gpu_decode_procs.GpuDecoderPool`); in one process it is the hardware
-    decoder. The result's ``kind`` attribute says which.
+    has the engines, nvJPEG otherwise. The result's ``kind`` attribute says which.
 
     Raises:
         ValueError: an unknown ``kind``.
@@ -457,7 +455,7 @@ def make_gpu_decoder(device: torch.device, kind: str = "auto"):
     try:
         return HwJpegDecoder(device, fallback=nvjpeg)
     except Exception as e:  # noqa: BLE001 - ImportError, RuntimeError, a CUDA error from the library
-        if kind in ("hardware", "both"):
+        if kind == "hardware":
             hint = " (pip install nvidia-nvimgcodec-cu13, or -cu12 for CUDA 12)" if isinstance(e, ImportError) else ""
             raise RuntimeError(f"gpu_decoder={kind!r}: nvImageCodec's hardware JPEG decoder is not "
                                f"available: {type(e).__name__}: {e}{hint}") from None

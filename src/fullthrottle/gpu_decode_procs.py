@@ -8,7 +8,10 @@ thread sat 96-98% busy at ~5.9k img/s (bench/results/e2e_gpu_decode_*_availabili
 Alone, one process decodes + resizes + copies back 13.6k img/s of 640x480 photos, two 20.6k, four
 22.1k (bench/results/nvjpeg_procs_probe.txt). So each :class:`GpuDecoderProcess` owns a decoder:
 
-- the pipeline sends it a batch: ``n``, then ``(pool row, length)`` per image, then the bytes;
+- the pipeline sends it a batch: ``n``, where the bytes are, then ``(pool row, length)`` per image; the
+  bytes lie in one of the process's :data:`DEPTH` slots of shared memory (its input arena), so a
+  request is a few hundred bytes and the next batch waits there while the process decodes one (a
+  batch too large for a slot follows its request on the socket instead, with nothing behind it);
 - it decodes the batch on the GPU (:func:`~fullthrottle.gpu_decode.make_gpu_decoder`), resizes and crops there
   (:func:`~fullthrottle.gpu_decode.decode_crops`: the same transform as the GPU decode thread), copies
   each crop D2H into its row of the shared :class:`~fullthrottle.preprocess_procs.CropPool` (which
@@ -23,6 +26,7 @@ gets the error), and a fresh one replaces it. Started with ``subprocess`` like t
 
 from __future__ import annotations
 
+import collections
 import mmap
 import os
 import signal
@@ -40,24 +44,44 @@ from multiprocessing.connection import Connection
 from .preprocess_procs import STARTUP_S, CropPool, WorkerDied, _shutdown, exit_reason
 
 _N = struct.Struct("<I")        # items in a request or reply
+_WHERE = struct.Struct("<BQ")   # request: 0 bytes follow inline / 1 bytes in the arena, from this offset
 _ITEM = struct.Struct("<II")    # request: pool row, byte length
 _STATUS = struct.Struct("<BI")  # reply: 0 ok / 1 the item's error, message length
 _TIMES = struct.Struct("<dd")   # reply: seconds the process spent launching the batch, and in all
 _CMD = "import sys; from fullthrottle.gpu_decode_procs import _gpu_worker_main; _gpu_worker_main(sys.argv[1:])"
 
 
-def _encode_request(items: Sequence[tuple[bytes, int]]) -> bytes:
-    return b"".join([_N.pack(len(items))] + [_ITEM.pack(row, len(d)) for d, row in items]
-                    + [bytes(d) for d, _ in items])
+#: batches a GPU decoder process holds at once (one decoding, the next waiting in its arena slot)
+DEPTH = 2
+#: bytes of each arena slot (a batch of encoded JPEGs larger than this goes inline on the socket)
+SLOT_BYTES = 32 << 20
 
 
-def _decode_request(msg) -> list[tuple[memoryview, int]]:
+def _encode_request(items: Sequence[tuple[bytes, int]], arena=None, base: int = 0) -> bytes:
+    """A batch request. With ``arena`` (a writable buffer) the bytes are copied there from ``base``,
+    back to back, and only their lengths travel; without, they follow the request."""
+    heads = [_ITEM.pack(row, len(d)) for d, row in items]
+    if arena is None:
+        return b"".join([_N.pack(len(items)), _WHERE.pack(0, 0)] + heads + [bytes(d) for d, _ in items])
+    off = base
+    for d, _ in items:
+        arena[off:off + len(d)] = d
+        off += len(d)
+    return b"".join([_N.pack(len(items)), _WHERE.pack(1, base)] + heads)
+
+
+def _decode_request(msg, arena=None) -> list[tuple[memoryview, int]]:
+    """``[(bytes view, pool row), ...]`` of a request: slices of the request or of ``arena`` (no copy)."""
     (n,) = _N.unpack_from(msg)
-    off, heads = _N.size, []
+    inline, base = _WHERE.unpack_from(msg, _N.size)
+    off, heads = _N.size + _WHERE.size, []
     for _ in range(n):
         heads.append(_ITEM.unpack_from(msg, off))
         off += _ITEM.size
-    view, out = memoryview(msg), []  # slices of the request: no copy
+    view = memoryview(msg) if inline == 0 else memoryview(arena)
+    if inline == 1:
+        off = base
+    out = []
     for row, length in heads:
         out.append((view[off:off + length], row))
         off += length
@@ -85,6 +109,11 @@ def _decode_reply(msg: bytes) -> tuple[list[str | None], float, float]:
     return out, launch_s, total_s
 
 
+def _close_arena(arena: mmap.mmap, fd: int) -> None:
+    arena.close()
+    os.close(fd)
+
+
 class GpuDecoderProcess:
     """One worker process decoding JPEG batches with nvJPEG into a :class:`CropPool`.
 
@@ -95,7 +124,8 @@ class GpuDecoderProcess:
         decoder: ``"hardware"`` (the GPU's JPEG engines via nvImageCodec) or ``"nvjpeg"`` (torchvision);
             see :func:`~fullthrottle.gpu_decode.make_gpu_decoder`.
 
-    Not thread-safe: one caller thread per process (a request, then its reply).
+    Up to :data:`DEPTH` batches may be sent before the first answer (:meth:`send` with a free
+    ``slot``); answers come in the order sent. Not thread-safe: one caller thread per process.
     """
 
     def __init__(self, pool: CropPool, device_index: int = 0, resize_size: int = 256, crop_size: int = 224,
@@ -107,20 +137,30 @@ class GpuDecoderProcess:
         self.pool = pool
         self.args = (device_index, resize_size, crop_size, max_pixels, pool.rows + pool.scratch, decoder)
         self.closed = False
+        self.depth = DEPTH
+        self.arena_fd = os.memfd_create("fullthrottle-jpegs", 0) if hasattr(os, "memfd_create") else None
+        self.arena = None
+        if self.arena_fd is not None:  # (elsewhere: every batch goes inline, one at a time)
+            os.ftruncate(self.arena_fd, DEPTH * SLOT_BYTES)  # pages are only used where written
+            self.arena = mmap.mmap(self.arena_fd, DEPTH * SLOT_BYTES)
+            self._close_arena = weakref.finalize(self, _close_arena, self.arena, self.arena_fd)
+        self._sent: collections.deque = collections.deque()  # send times of the batches not answered
         #: seconds summed over answered batches: in this process's thread (send to answer), and in the
         #: worker (``launch``: decode call + resize/copy launches; ``total``: until its stream finished)
         self.times = {"round_trip_s": 0.0, "launch_s": 0.0, "total_s": 0.0, "batches": 0}
-        self._sent_at = 0.0
         self._start()
 
     def _start(self) -> None:
         if self.closed:
             raise WorkerDied("the GPU decoder pool is closed")
         parent, child = socket.socketpair()
+        arena = () if self.arena_fd is None else (self.arena_fd,)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _CMD, str(child.fileno()), str(self.pool.fd), *map(str, self.args)],
-            pass_fds=(child.fileno(), self.pool.fd), env=dict(os.environ, OMP_NUM_THREADS="1"),
+            [sys.executable, "-c", _CMD, str(child.fileno()), str(self.pool.fd), *map(str, self.args),
+             str(self.arena_fd if self.arena_fd is not None else -1), str(DEPTH * SLOT_BYTES)],
+            pass_fds=(child.fileno(), self.pool.fd, *arena), env=dict(os.environ, OMP_NUM_THREADS="1"),
             stdin=subprocess.DEVNULL, close_fds=True)
+        self._sent.clear()
         child.close()
         self.spawned = time.perf_counter()
         self.conn = Connection(parent.detach())
@@ -142,16 +182,26 @@ class GpuDecoderProcess:
         except WorkerDied as e:
             raise RuntimeError(f"GPU decoder process did not start: {e}") from None
 
-    def send(self, items: Sequence[tuple[bytes, int]]) -> None:
+    def send(self, items: Sequence[tuple[bytes, int]], slot: int | None = None) -> bool:
         """Hand a batch to the process: ``(encoded bytes, pool row)`` per image (:meth:`receive` answers).
-        A process found dead (it died while idle) is replaced first."""
-        if self.proc.poll() is not None:
+
+        ``slot`` (0..DEPTH-1, free: its previous batch answered) puts the bytes in that arena slot;
+        returns True then, False when they went inline (no slot, no arena, or more than
+        :data:`SLOT_BYTES`): an inline send may wait until the process reads it, so send nothing
+        behind it. A process found dead while it owes nothing is replaced first."""
+        if self.proc.poll() is not None and not self._sent:
             self._restart()
-        self._sent_at = time.perf_counter()
+        in_arena = (slot is not None and self.arena is not None
+                    and sum(len(d) for d, _ in items) <= SLOT_BYTES)
+        self._sent.append(time.perf_counter())
         try:
-            self.conn.send_bytes(_encode_request(items))
+            if in_arena:
+                self.conn.send_bytes(_encode_request(items, self.arena, slot * SLOT_BYTES))
+            else:
+                self.conn.send_bytes(_encode_request(items))
         except OSError:
             pass  # gone: receive() reports it for this batch and restarts it
+        return in_arena
 
     def receive(self, timeout: float) -> list[str | None]:
         """The answer to the last :meth:`send`: per image ``None`` (its crop is in its pool row) or its
@@ -174,7 +224,7 @@ class GpuDecoderProcess:
             self._restart()
             raise WorkerDied(f"GPU decoder process died on this batch ({how}): {type(e).__name__}") from None
         t = self.times
-        t["round_trip_s"] += time.perf_counter() - self._sent_at
+        t["round_trip_s"] += time.perf_counter() - self._sent.popleft()
         t["launch_s"] += launch_s
         t["total_s"] += total_s
         t["batches"] += 1
@@ -183,13 +233,13 @@ class GpuDecoderProcess:
     def close(self) -> None:
         self.closed = True
         self._finalizer()
+        if self.arena is not None:
+            self._close_arena()
+            self.arena = None
 
 
 class GpuDecoderPool:
     """``n`` :class:`GpuDecoderProcess` workers started in parallel, writing into ``pool``.
-
-    ``decoder``: ``"hardware"``, ``"nvjpeg"``, or ``"both"`` (even-numbered processes run the
-    hardware engines, odd ones nvJPEG on the SMs, so both decode at once).
 
     Raises:
         RuntimeError: a process could not start (no CUDA there, an import failed), with the cause.
@@ -200,12 +250,9 @@ class GpuDecoderPool:
                  decoder: str = "nvjpeg"):
         self.workers: list[GpuDecoderProcess] = []
         try:
-            if decoder not in ("hardware", "nvjpeg", "both"):
-                raise ValueError(f"decoder must be 'hardware', 'nvjpeg' or 'both', got {decoder!r}")
-            for k in range(n):
-                kind = decoder if decoder != "both" else ("hardware", "nvjpeg")[k % 2]
+            for _ in range(n):
                 self.workers.append(GpuDecoderProcess(pool, device_index, resize_size, crop_size, max_pixels,
-                                                      kind))
+                                                      decoder))
             errs: list[BaseException] = []
 
             def wait(w):
@@ -237,7 +284,8 @@ class GpuDecoderPool:
 def _gpu_worker_main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; we end on EOF
     fd, pool_fd, device_index, resize_size, crop_size, max_pixels, pool_rows = (int(a) for a in argv[:7])
-    kind = argv[7]
+    kind, arena_fd, arena_bytes = argv[7], int(argv[8]), int(argv[9])
+    arena = mmap.mmap(arena_fd, arena_bytes) if arena_fd >= 0 else None
     import torch
 
     torch.set_num_threads(1)
@@ -261,6 +309,7 @@ def _gpu_worker_main(argv: list[str]) -> None:
     if int(err[0] if isinstance(err, tuple) else err) != 0:
         _clear_cuda_error()
     stream = torch.cuda.Stream(dev)
+    done = torch.cuda.Event(blocking=True)
     with torch.cuda.stream(stream):  # the decoder's set-up happens here, before the first real batch
         decoder = make_gpu_decoder(dev, kind)  # "hardware" fails loudly here: the pool reports it
         decoder([_test_jpeg()])
@@ -276,7 +325,7 @@ def _gpu_worker_main(argv: list[str]) -> None:
         except (EOFError, OSError):
             return
         t0 = time.perf_counter()
-        items = _decode_request(memoryview(buf)[:n])
+        items = _decode_request(memoryview(buf)[:n], arena)
         statuses: list[str | None] = [None] * len(items)
         t1 = t0
         try:
@@ -299,7 +348,8 @@ def _gpu_worker_main(argv: list[str]) -> None:
                 if run:
                     host[run[2]:run[2] + run[3]].copy_(run[0][run[1]:run[1] + run[3]], non_blocking=True)
             t1 = time.perf_counter()
-            stream.synchronize()  # every crop is in the pool before the answer goes out
+            done.record(stream)
+            done.synchronize()  # every crop is in the pool before the answer goes out (sleeping, not spinning)
         except Exception as e:  # noqa: BLE001 - a failed batch fails its items, not the process
             statuses = [f"GPU decode failed: {type(e).__name__}: {e}"] * len(items)
         try:

@@ -39,6 +39,7 @@ from .gpumon import GpuMonitor, nvtx_range
 from .load import Item, Loader
 from .gpu_decode import gpu_eligible
 from .preprocess import ImageError, allow_pillow_pixels, preprocess
+from .gpu_decode_procs import DEPTH as GPU_DEPTH
 from .preprocess_procs import STARTUP_S, DecoderPool, WorkerDied
 from .report import Report, StageStats
 
@@ -220,18 +221,22 @@ class Run:
             it.t_queued = now
         self._put(self.gq, items)
 
-    def _take_gpu_batch(self, carry: list, limit: int, wait_s: float, ends_wanted: int) -> tuple[list, int]:
+    def _take_gpu_batch(self, carry: list, limit: int, wait_s: float, ends_wanted: int,
+                        block: bool = True) -> tuple[list, int]:
         """Up to ``limit`` items for one GPU batch: what ``carry`` holds first (left over from a list),
-        then lists from the GPU queue, waiting at most ``wait_s`` after the first item. Items beyond
-        ``limit`` stay in ``carry``. Returns ``(items, end markers seen)``; stops at ``ends_wanted`` ends."""
+        then lists from the GPU queue, waiting at most ``wait_s`` after the first item (for the first,
+        briefly, or not at all without ``block``). Items beyond ``limit`` stay in ``carry``. Returns
+        ``(items, end markers seen)``; stops at ``ends_wanted`` ends."""
         items = carry[:limit]
         del carry[:limit]
         ends = 0
         deadline = time.perf_counter() + wait_s if items else None
         while len(items) < limit and ends < ends_wanted:
             # nothing yet: wait briefly (the caller checks the stop event and asks again)
-            c = self._get(self.gq) if deadline is None else \
-                self._get(self.gq, max(deadline - time.perf_counter(), 0.0))
+            if deadline is None:
+                c = self._get(self.gq) if block else self._get(self.gq, None)
+            else:
+                c = self._get(self.gq, max(deadline - time.perf_counter(), 0.0))
             if c is None:
                 break
             if c is _END:
@@ -311,28 +316,46 @@ class Run:
     def _gpu_process_feeder(self, proc) -> None:
         """Keeps one GPU decoder process (:class:`~fullthrottle.gpu_decode_procs.GpuDecoderProcess`)
         busy: takes up to ``max_batch_size`` routed JPEGs (waiting at most ``max_wait_ms`` for more),
-        gives each a row of the shared crop pool, sends the batch and waits for the answer on the
-        process's socket (without the GIL). Each image then travels on as a pooled crop, like the CPU
-        decoder processes' ones, or with its error. Stops at its end marker.
+        gives each a row of the shared crop pool and sends the batch, keeping up to ``proc.depth``
+        batches at the process (the next one waits in its arena while it decodes one), and waits for
+        each answer on the process's socket (without the GIL). Each image then travels on as a pooled
+        crop, like the CPU decoder processes' ones, or with its error. Stops at its end marker.
         """
         cfg, st, crops = self.config, self.stats["gpu decode"], self.decoders.crops
         limit, wait_s = cfg.max_batch_size, cfg.max_wait_ms / 1e3
         ended, carry = False, []
-        while not self.stop_event.is_set() and (not ended or carry):
-            items, e = self._take_gpu_batch(carry, limit, wait_s, 0 if ended else 1)
-            ended = ended or e > 0
-            if not items:
+        inflight: collections.deque = collections.deque()  # (items, rows, arena slot) sent, oldest first
+        slots = list(range(proc.depth))
+        while not self.stop_event.is_set() and (not ended or carry or inflight):
+            while len(inflight) < proc.depth and (not ended or carry):  # fill the process's queue
+                items, e = self._take_gpu_batch(carry, limit, wait_s, 0 if ended else 1, block=not inflight)
+                ended = ended or e > 0
+                if not items:
+                    break
+                rows = crops.acquire_many(len(items), self.stop_event.is_set)  # backpressure: consumed crops
+                if rows is None:
+                    return
+                if not inflight:
+                    st.begin()
+                t0 = time.perf_counter()
+                st.waited(sum(t0 - it.t_queued for it in items) / len(items), len(items))
+                slot = slots.pop()
+                queued = proc.send([(it.data, r) for it, r in zip(items, rows)], slot)
+                inflight.append((items, rows, slot))
+                if not queued:  # went inline on the socket: nothing may wait behind it
+                    break
+            if not inflight:
                 continue
-            rows = crops.acquire_many(len(items), self.stop_event.is_set)  # backpressure: consumed crops
-            if rows is None:
-                return
-            st.begin()
-            t0 = time.perf_counter()
-            st.waited(sum(t0 - it.t_queued for it in items) / len(items), len(items))
-            proc.send([(it.data, r) for it, r in zip(items, rows)])
+            items, rows, slot = inflight.popleft()
+            slots.append(slot)
             try:
                 answers = proc.receive(cfg.decode_timeout_s)
             except WorkerDied as e:  # the process died or hung on this batch (and was replaced):
+                for items2, rows2, slot2 in inflight:  # what waited behind it goes again, to the new one
+                    crops.release(rows2)
+                    carry[:0] = items2
+                    slots.append(slot2)
+                inflight.clear()
                 answers = [str(e)] * len(items)
                 if len(items) > 1:  # one image at a time to the new one, so a culprit costs itself only
                     for k, (it, r) in enumerate(zip(items, rows)):
@@ -349,6 +372,8 @@ class Run:
                     crops.release([r])
                 it.data = None
             st.end(len(items))
+            if inflight:
+                st.begin()
             now = time.perf_counter()
             for it in items:
                 it.t_queued = now
@@ -691,8 +716,6 @@ class Run:
             return ""
         name = {"hardware": "the GPU's JPEG engines (nvImageCodec)", "nvjpeg": "nvJPEG (torchvision)"}.get(
             getattr(eng.gpu_decoder, "kind", None), type(eng.gpu_decoder).__name__)
-        if self.gpu_procs and self.config.gpu_decoder == "both":
-            name = "the GPU's JPEG engines (nvImageCodec) and nvJPEG (torchvision), half the processes each"
         where = f"{len(self.gpu_procs)} GPU decoder processes" if self.gpu_procs else "a thread of this process"
         gpu, cpu = (eng.splitter.routed[k] - self._routed0[k] for k in ("gpu", "cpu"))
         share = f" ({gpu / (gpu + cpu):.0%})" if gpu + cpu else ""
@@ -747,7 +770,7 @@ class Pipeline:
             # crop rows: enough for every batch in flight plus the ones forming and those out at the
             # GPU decoder processes, capped by the window
             rows = min(config.in_flight_limit,
-                       (config.staging_slots + 3 + n_gpu) * config.max_batch_size + 2 * n)
+                       (config.staging_slots + 3 + n_gpu * GPU_DEPTH) * config.max_batch_size + 2 * n)
             self.decoders = DecoderPool(n, config.resize_size, config.crop_size, config.max_image_pixels,
                                         rows=rows)
             try:
@@ -758,7 +781,7 @@ class Pipeline:
                     try:
                         self.gpu_decoders = GpuDecoderPool(
                             n_gpu, self.decoders.crops, self.engine.device.index or 0, config.resize_size,
-                            config.crop_size, config.max_image_pixels, decoder="both" if config.gpu_decoder == "both" else getattr(self.engine.gpu_decoder, "kind", "nvjpeg"))
+                            config.crop_size, config.max_image_pixels, decoder=getattr(self.engine.gpu_decoder, "kind", "nvjpeg"))
                     except RuntimeError as e:  # e.g. nvJPEG unavailable there: decode in this process
                         warnings.warn(f"GPU decoder processes did not start ({e}); decoding on the GPU "
                                       "from a thread of this process instead", RuntimeWarning, stacklevel=2)
