@@ -99,6 +99,29 @@ def test_errors_bypass_batches():
     assert all(len(b) <= 4 for b in batches)
 
 
+def test_lists_of_items_are_batched_like_single_items():
+    """A GPU decoder hands over its batch as one list: the same batches as item by item, errors
+    passed on, nothing lost (lists and single items mixed)."""
+    items = _items(30, errors={5, 17})
+    q_in: queue.Queue = queue.Queue()
+    out: list = []
+    b = Batcher(_getter(q_in), lambda o, block=True: out.append(o) or True, 8, 1000, 1, END,
+                StageStats("batch"), lambda: False)
+    for it in items:
+        it.t_queued = time.perf_counter()
+    for chunk in (items[:12], items[12], items[13:14], items[14:30]):
+        q_in.put(chunk)
+    q_in.put(END)
+    b.run()
+    assert out[-1] is END
+    errs = [o.index for o in out[:-1] if isinstance(o, Item)]
+    batches = [o for o in out[:-1] if isinstance(o, Batch)]
+    assert sorted(errs) == [5, 17]
+    assert [len(x) for x in batches] == [8, 8, 8, 4]   # full batches across list boundaries, then the rest
+    assert [it.index for x in batches for it in x.items] == [i for i in range(30) if i not in (5, 17)]
+    assert b.batched_items == 28 and b.stats.items == 30
+
+
 def test_waits_for_every_worker_end_marker():
     out = _run_batcher(_items(5), max_batch=2, wait_ms=1000, n_end=3)
     assert sum(len(b) for b in out) == 5

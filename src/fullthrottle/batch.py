@@ -148,15 +148,20 @@ class Batcher:
         self.stats.begin()
         now = time.perf_counter()
         self.stats.waited(sum(now - it.t_queued for it in items) / len(items), len(items))
+        full, failed = [], []
         for it in items:
             if it.error is not None:
-                self.put(it)
+                failed.append(it)
                 continue
             if not pending:
                 deadline = now + self.max_wait_s
             pending.append(it)
             if len(pending) >= self.max_batch_size:
-                self._flush(pending)
+                full.append(pending)
                 pending = []
-        self.stats.end(len(items))
+        self.stats.end(len(items))  # (waiting for the compute stage below is backpressure, not work)
+        for it in failed:
+            self.put(it)
+        for b in full:
+            self._flush(b)
         return pending, deadline

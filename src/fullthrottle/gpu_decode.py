@@ -12,8 +12,9 @@ The 16 CPU cores of our H200 machine decode ~4k JPEGs/s; nvJPEG decodes ~21k/s
 - :class:`RateSplitter` splits the eligible items between the CPU threads and the GPU decoder by their
   measured rates, so both decoders work at once and the total approaches the sum of the two.
 - :func:`resize_crop_batch` resizes decoded images with the same antialiased bilinear filter and
-  crop as the CPU path, as two batched matrix products per batch (not one Python call per image),
-  writing straight into the compute stage's ``(n, S, S, 3)`` buffer.
+  crop as the CPU path, a fixed number of kernels per batch whatever its sizes (not one Python call
+  per image): two Triton kernels reading the images in place on CUDA
+  (:func:`~fullthrottle.kernels.resize_crop_u8`), batched matrix products elsewhere.
 """
 
 from __future__ import annotations
