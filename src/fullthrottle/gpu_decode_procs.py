@@ -204,8 +204,8 @@ class GpuDecoderProcess:
         return in_arena
 
     def receive(self, timeout: float) -> list[str | None]:
-        """The answer to the last :meth:`send`: per image ``None`` (its crop is in its pool row) or its
-        error message (worded like the CPU path's).
+        """The answer to the oldest unanswered :meth:`send`: per image ``None`` (its crop is in its pool
+        row) or its error message (worded like the CPU path's). Adds the batch's times to :attr:`times`.
 
         Raises:
             WorkerDied: the process died on this batch, or took longer than ``timeout`` s (+ its
