@@ -90,6 +90,9 @@ def main():
                 def __init__(self):
                     self.sent = collections.deque()
 
+                def fitting(self, items):
+                    return len(items)
+
                 def send(self, items, slot=None):
                     self.sent.append(len(items))
                     return True

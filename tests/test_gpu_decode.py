@@ -243,12 +243,26 @@ class FakeGpuProcess:
 
     def __init__(self, pool, poison=None):
         self.pool, self.batches, self.poison, self.died = pool, [], poison, 0
-        self.sent, self.max_queued, self.lost = collections.deque(), 0, 0
+        self.sent, self.max_queued, self.lost, self.inline = collections.deque(), 0, 0, 0
+
+    slot_bytes = 300_000  # small arena slots: some batches are split, the largest images go inline
+
+    def fitting(self, items):
+        total = 0
+        for k, it in enumerate(items):
+            total += len(it.data)
+            if total > self.slot_bytes:
+                return k
+        return len(items)
 
     def send(self, items, slot=None):
+        in_arena = slot is not None and sum(len(d) for d, _ in items) <= self.slot_bytes
+        if not in_arena:
+            self.inline += 1
+            assert not self.sent, "an inline batch was sent to a busy process"
         self.sent.append(list(items))
         self.max_queued = max(self.max_queued, len(self.sent))
-        return slot is not None
+        return in_arena
 
     def receive(self, timeout):
         from fullthrottle.preprocess_procs import WorkerDied
@@ -290,6 +304,7 @@ def test_gpu_decoder_processes_path_equals_cpu_only(samples, bad_dir):
             assert pipe.decoders.crops.free_rows() == pipe.decoders.crops.rows  # every row came back
         assert sum(sum(f.batches) for f in fakes) > 10, "nothing was routed to the GPU processes"
         assert max(f.max_queued for f in fakes) == 2  # a batch waited behind another, never more
+        assert sum(f.inline for f in fakes) > 0  # images larger than a slot went inline, to idle processes
         assert 0 < pipe.engine.splitter.routed_gpu_share < 1
         # a process that dies on one image of a batch: the batch is retried image by image, so only
         # that image fails (when it went to the GPU; a CPU worker decodes it fine)

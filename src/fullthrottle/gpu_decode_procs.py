@@ -182,6 +182,18 @@ class GpuDecoderProcess:
         except WorkerDied as e:
             raise RuntimeError(f"GPU decoder process did not start: {e}") from None
 
+    def fitting(self, items) -> int:
+        """How many of ``items`` (their ``data`` bytes, in order) fit in one arena slot; 0 without an
+        arena or when the first alone is larger (such a batch goes inline, whole)."""
+        if self.arena is None:
+            return 0
+        total = 0
+        for k, it in enumerate(items):
+            total += len(it.data)
+            if total > SLOT_BYTES:
+                return k
+        return len(items)
+
     def send(self, items: Sequence[tuple[bytes, int]], slot: int | None = None) -> bool:
         """Hand a batch to the process: ``(encoded bytes, pool row)`` per image (:meth:`receive` answers).
 

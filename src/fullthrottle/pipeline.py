@@ -332,6 +332,13 @@ class Run:
                 ended = ended or e > 0
                 if not items:
                     break
+                k = proc.fitting(items)  # the images whose bytes fit in an arena slot
+                if k == 0 and inflight:  # inline on the socket: only to an idle process (a send to a
+                    carry[:0] = items    # busy one could wait as long as it hangs)
+                    break
+                if 0 < k < len(items):
+                    carry[:0] = items[k:]
+                    del items[k:]
                 rows = crops.acquire_many(len(items), self.stop_event.is_set)  # backpressure: consumed crops
                 if rows is None:
                     return
