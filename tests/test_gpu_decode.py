@@ -248,12 +248,9 @@ class FakeGpuProcess:
     slot_bytes = 300_000  # small arena slots: some batches are split, the largest images go inline
 
     def fitting(self, items):
-        total = 0
-        for k, it in enumerate(items):
-            total += len(it.data)
-            if total > self.slot_bytes:
-                return k
-        return len(items)
+        from fullthrottle.gpu_decode_procs import count_fitting
+
+        return count_fitting(items, self.slot_bytes)
 
     def send(self, items, slot=None):
         in_arena = slot is not None and sum(len(d) for d, _ in items) <= self.slot_bytes

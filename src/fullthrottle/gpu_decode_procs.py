@@ -109,6 +109,16 @@ def _decode_reply(msg: bytes) -> tuple[list[str | None], float, float]:
     return out, launch_s, total_s
 
 
+def count_fitting(items, limit: int) -> int:
+    """How many of ``items``, in order, fit in ``limit`` bytes of their ``data``."""
+    total = 0
+    for k, it in enumerate(items):
+        total += len(it.data)
+        if total > limit:
+            return k
+    return len(items)
+
+
 def _close_arena(arena: mmap.mmap, fd: int) -> None:
     arena.close()
     os.close(fd)
@@ -185,14 +195,7 @@ class GpuDecoderProcess:
     def fitting(self, items) -> int:
         """How many of ``items`` (their ``data`` bytes, in order) fit in one arena slot; 0 without an
         arena or when the first alone is larger (such a batch goes inline, whole)."""
-        if self.arena is None:
-            return 0
-        total = 0
-        for k, it in enumerate(items):
-            total += len(it.data)
-            if total > SLOT_BYTES:
-                return k
-        return len(items)
+        return 0 if self.arena is None else count_fitting(items, SLOT_BYTES)
 
     def send(self, items: Sequence[tuple[bytes, int]], slot: int | None = None) -> bool:
         """Hand a batch to the process: ``(encoded bytes, pool row)`` per image (:meth:`receive` answers).

@@ -804,6 +804,7 @@ def resize_crop_u8(images, out: torch.Tensor, resize: int = 256, crop: int = 224
     meta[:, 1:4] = stride
     meta[:, 4], meta[:, 5] = H, W
     H, W = H.astype(np.float64), W.astype(np.float64)
+    # gpu_decode._resize_and_crop_at for the whole batch at once (the tests hold the two equal)
     tall = H > W                                                  # torchvision Resize(int): shorter side
     nh = np.where(tall, (resize * H / W).astype(np.int64), resize)
     nw = np.where(tall, resize, (resize * W / H).astype(np.int64))
