@@ -54,16 +54,17 @@ class Config:
             through nvImageCodec (``pip install nvidia-nvimgcodec-cu13``; A100, H100, H200, B200),
             which leave the SMs to the model; ``"auto"``: the engines when nvImageCodec is installed
             and the GPU has them, nvJPEG otherwise. With ResNet18 on the H200 the engines did not
-            beat nvJPEG end to end (640x480: 13.3k against 14.4k img/s with 6 processes;
-            bench/results/e2e_gpu_decode_640x480_session7_final.json): the model leaves the SMs
-            room, and the processes' turns on the GPU limit both. A model that needs all the SMs
-            may gain from them (not measured).
+            beat nvJPEG end to end (6 processes: 13.2k against 15.4k img/s on 640x480 photos, 13.0k
+            against 14.3k on the mixed samples; bench/results/e2e_gpu_decode_*_session8_final.json):
+            the model leaves the SMs room. A model that needs all the SMs may gain from them (not
+            measured).
         gpu_decode_processes: with ``gpu_decode`` and decoder processes, how many processes decode on
             the GPU (each its own decoder and CUDA context, writing crops into the shared pool);
-            torchvision serialises GPU decodes within one process. Default 6: on the H200 machine 4 / 6
-            gave 13.7k / 14.4k img/s end to end on 640x480 photos and 6.4k / 7.5k on the mixed samples
-            with nvJPEG (bench/results/e2e_gpu_decode_*_session7_final.json). 0: one GPU decode
-            thread in this process instead.
+            torchvision serialises GPU decodes within one process. Default 6: on the H200 machine
+            3 / 9 / 12 processes gave 10.1k / 12.3k / 12.6k img/s end to end on 640x480 photos with
+            nvJPEG in one run (bench/results/e2e_gpu_decode_640x480_procs_session8.json; 6 gave 12.9k
+            and 13.1k in other runs that day, 15.4k once each process held two batches). 0: one GPU
+            decode thread in this process instead.
         fold_bn: on CUDA, fold each eval-mode BatchNorm into the convolution before it (the standard
             inference rewrite TensorRT and ONNX Runtime also do; ``torch.fx.experimental.optimization.fuse``):
             then run each conv -> ReLU and conv -> residual add -> ReLU as one cuDNN call
