@@ -241,6 +241,20 @@ def test_config_errors():
         Config(dtype="int8")
     with pytest.raises(ValueError, match="max_batch_size"):
         Config(max_batch_size=0)
+    # settings that used to pass and then hang the run (load_concurrency=0) or fail deep inside it
+    bad = {"load_concurrency": 0, "max_in_flight": -5, "torch_threads": 0, "queue_size": -1,
+           "max_file_bytes": 0, "max_image_pixels": -3, "max_batch_size": "64", "top_k": 1.5}
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=f"{name} must be .*integer >= 1, got {value!r}"):
+            Config(**{name: value})
+    with pytest.raises(ValueError, match="max_wait_ms must be a finite number >= 0, got inf"):
+        Config(max_wait_ms=float("inf"))
+    with pytest.raises(ValueError, match="http_timeout_s must be a finite number > 0, got 0"):
+        Config(http_timeout_s=0)
+    with pytest.raises(ValueError, match=r"mean must be 3 finite numbers \(one per RGB channel\), got \(0.5,\)"):
+        Config(mean=(0.5,))
+    with pytest.raises(ValueError, match="std must be 3 finite numbers .*none zero"):
+        Config(std=(0.2, 0, 0.2))
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             Pipeline(Config(device="cuda"))

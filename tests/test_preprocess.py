@@ -74,6 +74,17 @@ def test_truncation_detector():
     assert not jpeg_is_complete(data[: len(data) // 2])
 
 
+def test_files_cut_inside_their_header_are_called_truncated(samples):
+    data = samples[0].read_bytes()
+    for n in (4, 20, 300):  # JPEG signature, then the header cut short
+        with pytest.raises(ImageError, match="truncated or corrupt JPEG .its header cannot be read"):
+            decode(data[:n])
+    with pytest.raises(ImageError, match="truncated or corrupt PNG"):
+        decode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 5)
+    with pytest.raises(ImageError, match="not a supported image .unrecognised format"):
+        decode(b"plain text, no signature")
+
+
 def test_reduced_decode_for_large_jpeg():
     arr = np.random.default_rng(0).integers(0, 255, (2400, 3200, 3), dtype=np.uint8)
     data = _jpeg(arr, quality=80)

@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gpu-decoder", default="nvjpeg", choices=("auto", "hardware", "nvjpeg"),
                    help="with --gpu-decode: 'hardware' = the GPU's JPEG engines via nvImageCodec (pip install "
                         "nvidia-nvimgcodec-cu13; A100/H100/H200), which leave the SMs to the model; 'nvjpeg' = "
-                        "torchvision's nvJPEG on the SMs; auto = hardware when available (default: %(default)s)")
+                        "torchvision's nvJPEG on the SMs; 'auto' = hardware when available, else nvjpeg. "
+                        "Default: %(default)s")
     c.add_argument("--gpu-decode-processes", type=int, default=6, metavar="N",
                    help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "
                         "decoder, 0..16 (0: one GPU decode thread in this process; default: %(default)s)")
@@ -657,8 +658,10 @@ def cmd_classify(args) -> int:
             ignored = [f for f, on in (("--gpu-decode", args.gpu_decode),
                                        (f"--dtype {args.dtype}", args.dtype not in (None, "float32"))) if on]
             if ignored:
-                print(f"note: {' and '.join(ignored)} need{'s' if len(ignored) == 1 else ''} CUDA: this run on {device} decodes on the CPU "
-                      "and computes in float32", file=sys.stderr)
+                what = {"--gpu-decode": "decodes on the CPU"}
+                does = " and ".join(what.get(f, "computes in float32") for f in ignored)
+                print(f"note: {' and '.join(ignored)} need{'s' if len(ignored) == 1 else ''} CUDA: "
+                      f"this run on {device} {does}", file=sys.stderr)
         pipe = Pipeline(cfg)
         n_classes = len(pipe.engine.labels)
         if args.top_k > n_classes:

@@ -81,8 +81,8 @@ class Config:
             Default: powers of two up to ``max_batch_size``.
         threads: preprocess (decode + resize) threads; default one per CPU core (with decoder
             processes, one per core but one: the main process's own threads need about a core).
-        preprocess: where those threads decode: ``"threads"`` (in this process), ``"processes"`` (each
-            thread hands its images to its own worker process, outside this process's GIL, like a
+        preprocess: where images are decoded: ``"threads"`` (in this process), ``"processes"`` (one
+            worker process per thread, fed by one dispatcher thread, outside this process's GIL, like a
             ``DataLoader``'s workers; bit-identical results), or ``"auto"``: processes on CUDA, where
             the compute thread must not wait for the GIL, threads on CPU. At most one process per
             core (each imports torch: ~0.5 GB resident).
@@ -141,14 +141,35 @@ class Config:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if not math.isfinite(self.max_wait_ms) or self.max_wait_ms < 0:
-            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("max_batch_size", "top_k", "staging_slots", "queue_size", "load_concurrency",
+                     "max_file_bytes", "max_image_pixels"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("max_in_flight", "torch_threads"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 1):
+                raise ValueError(f"{name} must be None (the default) or an integer >= 1, got {v!r}")
+        for name in ("max_wait_ms", "http_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (name == "http_timeout_s"
+                                                                                  and v == 0):
+                rule = "> 0" if name == "http_timeout_s" else ">= 0"
+                raise ValueError(f"{name} must be a finite number {rule}, got {v!r}")
+        for name in ("mean", "std"):
+            v = getattr(self, name)
+            try:
+                ok = len(v) == 3 and all(math.isfinite(float(x)) for x in v)
+            except (TypeError, ValueError):
+                ok = False
+            if not ok or (name == "std" and any(float(x) == 0 for x in v)):
+                raise ValueError(f"{name} must be 3 finite numbers (one per RGB channel"
+                                 f"{', none zero' if name == 'std' else ''}), got {v!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
         if self.staging_slots < 2:
             raise ValueError(f"staging_slots must be >= 2, got {self.staging_slots}")
         if self.preprocess not in ("auto", "threads", "processes"):

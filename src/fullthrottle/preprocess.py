@@ -147,6 +147,8 @@ def header_size(data: bytes, fmt: str | None) -> tuple[int, int, str]:
     except Image.DecompressionBombError as e:
         raise ImageError(f"image too large: {e}") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, struct.error):
+        if fmt is not None:  # the signature says what it is, its header does not parse: cut short
+            raise ImageError(f"truncated or corrupt {fmt} (its header cannot be read)") from None
         raise ImageError("not a supported image (unrecognised format)") from None
 
 
