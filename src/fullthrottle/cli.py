@@ -41,6 +41,21 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
+    """--gpu-decode, --gpu-decoder and --gpu-decode-processes (classify and serve)."""
+    p.add_argument("--gpu-decode", action="store_true",
+                   help="also decode JPEGs on the GPU: with decoder processes, a JPEG goes to the GPU "
+                        "whenever no CPU worker is idle; with threads, split by measured rates")
+    p.add_argument("--gpu-decoder", default="nvjpeg", choices=("auto", "hardware", "nvjpeg"),
+                   help="with --gpu-decode: 'hardware' = the GPU's JPEG engines via nvImageCodec (pip install "
+                        "nvidia-nvimgcodec-cu13; A100/H100/H200), which leave the SMs to the model; 'nvjpeg' = "
+                        "torchvision's nvJPEG on the SMs; 'auto' = hardware when available, else nvjpeg. "
+                        "Default: %(default)s")
+    p.add_argument("--gpu-decode-processes", type=int, default=6, metavar="N",
+                   help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "
+                        "decoder, 0..16 (0: one GPU decode thread in this process; default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fullthrottle",
@@ -74,17 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype on CUDA (default: bfloat16 on CUDA; CPU always float32)")
     c.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay the model as CUDA graphs, one per batch bucket (CUDA only; default: on)")
-    c.add_argument("--gpu-decode", action="store_true",
-                   help="also decode JPEGs on the GPU: with decoder processes, a JPEG goes to the GPU "
-                        "whenever no CPU worker is idle; with threads, split by measured rates")
-    c.add_argument("--gpu-decoder", default="nvjpeg", choices=("auto", "hardware", "nvjpeg"),
-                   help="with --gpu-decode: 'hardware' = the GPU's JPEG engines via nvImageCodec (pip install "
-                        "nvidia-nvimgcodec-cu13; A100/H100/H200), which leave the SMs to the model; 'nvjpeg' = "
-                        "torchvision's nvJPEG on the SMs; 'auto' = hardware when available, else nvjpeg. "
-                        "Default: %(default)s")
-    c.add_argument("--gpu-decode-processes", type=int, default=6, metavar="N",
-                   help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "
-                        "decoder, 0..16 (0: one GPU decode thread in this process; default: %(default)s)")
+    _add_gpu_decode_args(c)
     c.add_argument("--compile", action="store_true",
                    help="torch.compile the model (kernel fusion) before graph capture; slow start")
     c.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default: %(default)s)")
@@ -113,9 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest a partial batch waits for more images (default: %(default)s)")
     v.add_argument("--max-queue", type=_positive_int, default=256,
                    help="images waiting before 503 (default: %(default)s)")
-    v.add_argument("--timeout-s", type=float, default=30.0, help="per-request deadline before 504")
-    v.add_argument("--max-body-mb", type=float, default=32.0, help="request body limit before 413 (MiB)")
-    v.add_argument("--threads", type=_positive_int, default=None, help="preprocess threads")
+    v.add_argument("--timeout-s", type=float, default=30.0,
+                   help="per-request deadline before 504 (default: %(default)s)")
+    v.add_argument("--max-body-mb", type=float, default=32.0,
+                   help="request body limit before 413, MiB (default: %(default)s)")
+    v.add_argument("--threads", type=_positive_int, default=None,
+                   help="preprocess threads (default: one per core; with worker processes, one per core but one)")
     v.add_argument("--preprocess", default="auto", choices=("auto", "threads", "processes"),
                    help="decode in threads or in one worker process per thread (auto: processes on CUDA)")
     v.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
@@ -126,13 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay the model as CUDA graphs per batch bucket (CUDA only; default: on)")
     v.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default: %(default)s)")
-    v.add_argument("--gpu-decode", action="store_true", help="also decode JPEGs on the GPU (nvJPEG)")
+    _add_gpu_decode_args(v)
     v.add_argument("--ray", action="store_true",
                    help="deploy on Ray Serve (one replica per GPU; --replicas); needs fullthrottle[ray]")
-    v.add_argument("--replicas", type=_positive_int, default=1, help="Ray Serve replicas (with --ray)")
+    v.add_argument("--replicas", type=_positive_int, default=1,
+                   help="Ray Serve replicas (with --ray; default: %(default)s)")
     v.add_argument("--llm-model-dir", default=None, metavar="DIR",
                    help="also serve POST /v1/completions with this Hugging Face Llama folder")
-    v.add_argument("--llm-max-batch", type=_positive_int, default=8, help="LLM rows per decode batch")
+    v.add_argument("--llm-max-batch", type=_positive_int, default=8,
+                   help="LLM rows per decode batch (default: %(default)s)")
     v.add_argument("--llm-max-seq-len", type=_positive_int, default=None,
                    help="LLM context (KV cache) length (default: the model's, at most 4096)")
     v.add_argument("--embed-model", default=None, metavar="DIR|default",
@@ -251,6 +261,7 @@ def cmd_serve(args) -> int:
                      dtype=args.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
                      max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, threads=args.threads,
                      top_k=args.top_k, graphs=args.graphs, ordered=False, gpu_decode=args.gpu_decode,
+                     gpu_decoder=args.gpu_decoder, gpu_decode_processes=args.gpu_decode_processes,
                      preprocess=args.preprocess)
         if args.weights is not None and not os.path.isfile(args.weights):
             raise FileNotFoundError(f"weights file not found: {args.weights}")
