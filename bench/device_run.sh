@@ -73,6 +73,9 @@ if [[ $parts == *gpudecode* ]]; then   # issue 04: CPU+GPU JPEG decode end to en
   $TO python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --skip-no-graphs --n ${GD_N:-60000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} ${GD_ARGS:-} --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -8
   $TO python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --skip-no-graphs --n ${GD_N:-40000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} ${GD_ARGS:-} --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -8
 fi
+if [[ ,$parts, == *,mpcost,* ]]; then      # issue 04: the main process's own CPU per image (GIL ceiling)
+  $TO python3 bench/main_process_cost.py --n 30000 --gpu-procs 6 --repeats 2 --out "$OUT/main_process_cost_gpu_procs.json" 2>&1 | tail -2
+fi
 if [[ ,$parts, == *,resizeprobe,* ]]; then  # issue 04: GPU decode stage piece by piece
   $TO python3 bench/resize_probe.py --out "$OUT/resize_probe.json" 2>&1 | tail -4
 fi
