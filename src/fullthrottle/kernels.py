@@ -12,10 +12,12 @@ RoPE was five elementwise kernels on q and k, and the KV-cache write two scatter
 - :func:`silu_mul` — SwiGLU's ``silu(gate) * up`` from the fused gate/up projection.
 
 and, for the image classifier, :func:`normalize_u8`: uint8 NHWC crops to the normalised half-precision
-input in one pass.
+input in one pass; and :func:`resize_crop_u8`: the GPU decode stage's resize + center crop of a batch
+of decoded images of any sizes, in two launches.
 
 Each has a reference in plain PyTorch (the ``*_ref`` functions, the same math as Hugging Face's
-Llama), used on the CPU, without Triton, or with ``FULLTHROTTLE_TRITON=0``. The Triton kernels compute
+Llama; for the resize, :func:`fullthrottle.gpu_decode.resize_crop_matmul`), used on the CPU, without
+Triton, or with ``FULLTHROTTLE_TRITON=0``. The Triton kernels compute
 in float32 and round once, so they agree with the references (which round bf16 intermediates) to
 bf16 rounding, not bit for bit. With ``TRITON_INTERPRET=1`` Triton's interpreter runs them on CPU
 tensors (how CI checks their indexing without a GPU).
