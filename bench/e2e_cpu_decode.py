@@ -222,6 +222,9 @@ def main():
                     "hardware, nvjpeg, auto, comma-separated (each with every --gpu-procs value)")
     ap.add_argument("--nvimgcodec-threads", default="", help="nvImageCodec CPU threads per hardware decoder to "
                     "try, comma-separated (FULLTHROTTLE_NVIMGCODEC_THREADS; empty: its default, one per core)")
+    ap.add_argument("--gpu-spill-depths", default="1",
+                    help="with --gpu-decode: images each CPU decoder process holds before an eligible JPEG goes "
+                         "to the GPU instead (pipeline.GPU_SPILL_DEPTH), e.g. 1,2 (default: %(default)s)")
     ap.add_argument("--skip-no-graphs", action="store_true", help="skip the graphs-off fullthrottle run")
     ap.add_argument("--thread-decode", action="store_true",
                     help="also run fullthrottle with decoding in threads (preprocess='threads')")
@@ -279,17 +282,23 @@ def main():
         print("fullthrottle, decoding in threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, preprocess="threads"))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
-    variants = [(kind, t, g) for kind in args.gpu_decoders.split(",") if kind
+    import fullthrottle.pipeline as pl
+
+    variants = [(kind, t, g, s) for kind in args.gpu_decoders.split(",") if kind
                 for t in (args.nvimgcodec_threads.split(",") if kind != "nvjpeg" else [""])
-                for g in [int(x) for x in args.gpu_procs.split(",") if x]] if args.gpu_decode else []
-    for kind, t, g in variants:
+                for g in [int(x) for x in args.gpu_procs.split(",") if x]
+                for s in [int(x) for x in args.gpu_spill_depths.split(",") if x]] if args.gpu_decode else []
+    spill0 = pl.GPU_SPILL_DEPTH
+    for kind, t, g, s in variants:
         os.environ["FULLTHROTTLE_NVIMGCODEC_THREADS"] = t  # nvImageCodec's CPU threads per decoder ("": one per core)
-        print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes, nvImageCodec threads {t or 'default'} ...",
-              flush=True)
+        pl.GPU_SPILL_DEPTH = s
+        print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes, nvImageCodec threads {t or 'default'}, "
+              f"CPU workers hold {s} before the GPU takes the rest ...", flush=True)
         try:
             extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, gpu_decode=True, gpu_procs=g,
                                           gpu_decoder=kind))
             extra[-1]["nvimgcodec_threads"] = t or "default"
+            extra[-1]["gpu_spill_depth"] = s
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' figures
             print(f"  failed: {type(e).__name__}: {e}", flush=True)
             extra.append({"gpu_decode": True, "gpu_decoder": kind, "gpu_decode_processes": g,
@@ -297,6 +306,7 @@ def main():
             continue
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_THREADS", None)
+    pl.GPU_SPILL_DEPTH = spill0
     for w in [float(x) for x in args.ft_waits.split(",") if x]:
         print(f"fullthrottle, max_wait_ms {w} ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, max_wait_ms=w))
@@ -324,7 +334,7 @@ def main():
     for v in extra:
         if v.get("gpu_decode") and "error" not in v:
             print(f"  GPU decode ({v['gpu_decoder']}, nvImageCodec threads {v.get('nvimgcodec_threads')}), "
-                  f"{v['gpu_decode_processes']} GPU decoder processes: "
+                  f"{v['gpu_decode_processes']} GPU decoder processes, spill depth {v.get('gpu_spill_depth')}: "
                   f"{v['img_per_s']:.0f} img/s, "
                   f"{v['gpu_share']:.0%} of eligible JPEGs on the GPU, GPU busy {v['gpu_util_mean_pct']:.0f}%")
 

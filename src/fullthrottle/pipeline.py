@@ -54,6 +54,11 @@ DISPATCH_THREADS: int | None = None
 #: worker's socket buffer (``DecoderProcess.queue_bytes``): a send to a hung worker never blocks;
 #: an image too large to queue waits for an idle worker
 WORKER_DEPTH = 4
+#: with GPU decoding, images a CPU decoder process holds before an eligible JPEG goes to the GPU
+#: instead (1: the GPU takes it unless the chosen worker is idle). Measured on the H200 with 1: the
+#: CPU workers were 19-26% busy, waiting for the dispatcher between images
+#: (bench/results/e2e_gpu_decode_*_session8_final.json); bench/e2e_cpu_decode.py --gpu-spill-depths
+GPU_SPILL_DEPTH = 1
 #: images per hand-off on the GPU decode path (dispatcher -> GPU decoders -> batcher): each hand-off
 #: between threads costs a queue operation and a GIL hand-off, so the GPU's images travel in lists
 GPU_CHUNK = 32
@@ -488,7 +493,7 @@ class Run:
                     # to a hung worker must never block this thread
                     size = len(it.data) + 4
                     w = pick(size)
-                    if w is None or (eligible and pending[w] and gpu_room()):  # no idle CPU worker
+                    if w is None or (eligible and len(pending[w]) >= GPU_SPILL_DEPTH and gpu_room()):
                         if eligible and gpu_room():
                             splitter.note(gpu=True)
                             gbuf.append(it)
