@@ -100,6 +100,9 @@ def main():
                 def receive(self, timeout):
                     return [None] * self.sent.popleft()
 
+                def discard_replies(self, timeout=2.0):
+                    self.sent.clear()
+
             from fullthrottle.gpu_decode import GpuJpegDecoder
             pipe.engine.gpu_decoder = GpuJpegDecoder(torch.device("cpu"))  # never called: routing only
             pipe.gpu_decoders = SimpleNamespace(workers=[InstantGpuProcess() for _ in range(args.gpu_procs)],

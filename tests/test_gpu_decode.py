@@ -244,6 +244,7 @@ class FakeGpuProcess:
     def __init__(self, pool, poison=None):
         self.pool, self.batches, self.poison, self.died = pool, [], poison, 0
         self.sent, self.max_queued, self.lost, self.inline = collections.deque(), 0, 0, 0
+        self.discarded = 0
 
     slot_bytes = 300_000  # small arena slots: some batches are split, the largest images go inline
 
@@ -260,6 +261,10 @@ class FakeGpuProcess:
         self.sent.append(list(items))
         self.max_queued = max(self.max_queued, len(self.sent))
         return in_arena
+
+    def discard_replies(self, timeout=2.0):
+        self.discarded += len(self.sent)
+        self.sent.clear()
 
     def receive(self, timeout):
         from fullthrottle.preprocess_procs import WorkerDied
@@ -317,6 +322,50 @@ def test_gpu_decoder_processes_path_equals_cpu_only(samples, bad_dir):
             else:
                 assert r.ok == ref[k].ok, (k, r.error)
         assert sum(not r.ok for r in res.values()) > sum(not r.ok for r in ref.values())
+    finally:
+        pipe.close()
+
+
+def test_gpu_process_discards_replies_owed_when_a_run_stops():
+    """A run stopped with batches out at a GPU decoder process: their answers are read and dropped, so
+    the next run's first batch gets its own."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from fullthrottle.gpu_decode_procs import GpuDecoderProcess, _encode_reply
+
+    a, b = socket.socketpair()
+    p = GpuDecoderProcess.__new__(GpuDecoderProcess)  # the parent's side only: no CUDA process here
+    p.conn, p.closed, p.spawned = Connection(a.detach()), False, 0.0
+    p.times = {"round_trip_s": 0.0, "launch_s": 0.0, "total_s": 0.0, "batches": 0}
+    p._sent = collections.deque([time.perf_counter()] * 2)
+    worker = Connection(b.detach())
+    worker.send_bytes(_encode_reply([None, None]))
+    worker.send_bytes(_encode_reply(["truncated or corrupt JPEG"]))
+    p.discard_replies(1.0)
+    assert not p._sent and p.times["batches"] == 2 and not p.conn.poll(0)
+    worker.send_bytes(_encode_reply([None]))      # the next batch's answer is its own
+    p._sent.append(time.perf_counter())
+    assert p.receive(1.0) == [None]
+
+
+def test_stopping_a_run_leaves_no_gpu_answer_owed(samples):
+    from types import SimpleNamespace
+
+    pipe = _pipe(FakeGpuDecoder(), "processes")
+    fakes = [FakeGpuProcess(pipe.decoders.crops) for _ in range(2)]
+    pipe.gpu_decoders = SimpleNamespace(workers=fakes, close=lambda: None)
+    try:
+        for _ in range(3):
+            n = 0
+            for _ in pipe.run(list(samples) * 2):
+                n += 1
+                if n == 40:
+                    break
+            pipe.current_run.stop()
+            assert all(not f.sent for f in fakes), [len(f.sent) for f in fakes]
+        ref = {r.id: r for r in _pipe(None).run(samples[:30])}
+        assert_same_results(list(pipe.run(samples[:30])), ref)   # and the next run is right
     finally:
         pipe.close()
 

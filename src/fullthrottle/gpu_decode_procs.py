@@ -245,6 +245,16 @@ class GpuDecoderProcess:
         t["batches"] += 1
         return statuses
 
+    def discard_replies(self, timeout: float = 2.0) -> None:
+        """Read and drop the answers still owed (a run stopped with batches out), so the next batch gets
+        its own answer; a process that does not answer in ``timeout`` s (+ start-up) is killed and
+        replaced, and then owes nothing."""
+        while self._sent and not self.closed:
+            try:
+                self.receive(timeout)
+            except WorkerDied:
+                return
+
     def close(self) -> None:
         self.closed = True
         self._finalizer()

@@ -126,8 +126,10 @@ class Run:
         else:
             n_pre = nthreads
         self.n_pre = n_pre
-        # lists of items (up to GPU_CHUNK), and end markers
-        self.gq: queue.Queue | None = (queue.Queue(max(4, config.queue_size // GPU_CHUNK))
+        # lists of items and end markers: up to GPU_CHUNK items a list from the dispatcher (GPU decoder
+        # processes), one item a list from the preprocess threads (the GPU decode thread)
+        self.gq: queue.Queue | None = (queue.Queue(max(4, config.queue_size // GPU_CHUNK) if self.gpu_procs
+                                                   else config.queue_size)
                                        if engine.gpu_decoder is not None else None)
         self._ends, self._ends_lock = 0, threading.Lock()
         gpu_consumers = (max(1, len(self.gpu_procs))) if self.gq is not None else 0
@@ -331,65 +333,69 @@ class Run:
         ended, carry = False, []
         inflight: collections.deque = collections.deque()  # (items, rows, arena slot) sent, oldest first
         slots = list(range(proc.depth))
-        while not self.stop_event.is_set() and (not ended or carry or inflight):
-            while len(inflight) < proc.depth and (not ended or carry):  # fill the process's queue
-                items, e = self._take_gpu_batch(carry, limit, wait_s, 0 if ended else 1, block=not inflight)
-                ended = ended or e > 0
-                if not items:
-                    break
-                k = proc.fitting(items)  # the images whose bytes fit in an arena slot
-                if k == 0 and inflight:  # inline on the socket: only to an idle process (a send to a
-                    carry[:0] = items    # busy one could wait as long as it hangs)
-                    break
-                if 0 < k < len(items):
-                    carry[:0] = items[k:]
-                    del items[k:]
-                rows = crops.acquire_many(len(items), self.stop_event.is_set)  # backpressure: consumed crops
-                if rows is None:
-                    return
+        try:
+            while not self.stop_event.is_set() and (not ended or carry or inflight):
+                while len(inflight) < proc.depth and (not ended or carry):  # fill the process's queue
+                    items, e = self._take_gpu_batch(carry, limit, wait_s, 0 if ended else 1, block=not inflight)
+                    ended = ended or e > 0
+                    if not items:
+                        break
+                    k = proc.fitting(items)  # the images whose bytes fit in an arena slot
+                    if k == 0 and inflight:  # inline on the socket: only to an idle process (a send to a
+                        carry[:0] = items    # busy one could wait as long as it hangs)
+                        break
+                    if 0 < k < len(items):
+                        carry[:0] = items[k:]
+                        del items[k:]
+                    rows = crops.acquire_many(len(items), self.stop_event.is_set)  # backpressure: consumed crops
+                    if rows is None:
+                        return
+                    if not inflight:
+                        st.begin()
+                    t0 = time.perf_counter()
+                    st.waited(sum(t0 - it.t_queued for it in items) / len(items), len(items))
+                    slot = slots.pop()
+                    queued = proc.send([(it.data, r) for it, r in zip(items, rows)], slot)
+                    inflight.append((items, rows, slot))
+                    if not queued:  # went inline on the socket: nothing may wait behind it
+                        break
                 if not inflight:
+                    continue
+                items, rows, slot = inflight.popleft()
+                slots.append(slot)
+                try:
+                    answers = proc.receive(cfg.decode_timeout_s)
+                except WorkerDied as e:  # the process died or hung on this batch (and was replaced):
+                    for items2, rows2, slot2 in inflight:  # what waited behind it goes again, to the new one
+                        crops.release(rows2)
+                        carry[:0] = items2
+                        slots.append(slot2)
+                    inflight.clear()
+                    answers = [str(e)] * len(items)
+                    if len(items) > 1:  # one image at a time to the new one, so a culprit costs itself only
+                        for k, (it, r) in enumerate(zip(items, rows)):
+                            proc.send([(it.data, r)])
+                            try:
+                                answers[k] = proc.receive(cfg.decode_timeout_s)[0]
+                            except WorkerDied as e1:
+                                answers[k] = str(e1)
+                for it, r, err in zip(items, rows, answers):
+                    if err is None:
+                        it.pool_row = r  # the crop is in crops.array[r]
+                    else:
+                        it.error = f"{it.id}: {err}"
+                        crops.release([r])
+                    it.data = None
+                st.end(len(items))
+                if inflight:
                     st.begin()
-                t0 = time.perf_counter()
-                st.waited(sum(t0 - it.t_queued for it in items) / len(items), len(items))
-                slot = slots.pop()
-                queued = proc.send([(it.data, r) for it, r in zip(items, rows)], slot)
-                inflight.append((items, rows, slot))
-                if not queued:  # went inline on the socket: nothing may wait behind it
-                    break
-            if not inflight:
-                continue
-            items, rows, slot = inflight.popleft()
-            slots.append(slot)
-            try:
-                answers = proc.receive(cfg.decode_timeout_s)
-            except WorkerDied as e:  # the process died or hung on this batch (and was replaced):
-                for items2, rows2, slot2 in inflight:  # what waited behind it goes again, to the new one
-                    crops.release(rows2)
-                    carry[:0] = items2
-                    slots.append(slot2)
-                inflight.clear()
-                answers = [str(e)] * len(items)
-                if len(items) > 1:  # one image at a time to the new one, so a culprit costs itself only
-                    for k, (it, r) in enumerate(zip(items, rows)):
-                        proc.send([(it.data, r)])
-                        try:
-                            answers[k] = proc.receive(cfg.decode_timeout_s)[0]
-                        except WorkerDied as e1:
-                            answers[k] = str(e1)
-            for it, r, err in zip(items, rows, answers):
-                if err is None:
-                    it.pool_row = r  # the crop is in crops.array[r]
-                else:
-                    it.error = f"{it.id}: {err}"
-                    crops.release([r])
-                it.data = None
-            st.end(len(items))
-            if inflight:
-                st.begin()
-            now = time.perf_counter()
-            for it in items:
-                it.t_queued = now
-            self._put(self.q2, items)  # one hand-off for the batch
+                now = time.perf_counter()
+                for it in items:
+                    it.t_queued = now
+                self._put(self.q2, items)  # one hand-off for the batch
+        finally:
+            if inflight:  # stopped with batches out: their answers must not reach the next run
+                proc.discard_replies()
         self._put(self.q2, _END)
 
     @torch.inference_mode()
