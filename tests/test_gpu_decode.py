@@ -246,7 +246,7 @@ class FakeGpuProcess:
         self.sent, self.max_queued, self.lost, self.inline = collections.deque(), 0, 0, 0
         self.discarded = 0
 
-    slot_bytes = 300_000  # small arena slots: some batches are split, the largest images go inline
+    slot_bytes = 150_000  # small arena slots: batches are split, the largest images go inline
 
     def fitting(self, items):
         from fullthrottle.gpu_decode_procs import count_fitting
