@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import jpegs_640x480, machine_info, write_json  # noqa: E402
+from fullthrottle.config import GPU_DECODERS  # noqa: E402
 
 
 def memory() -> dict:
@@ -56,7 +57,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--every", type=int, default=10_000)
-    ap.add_argument("--gpu-decoder", default="auto", choices=("auto", "hardware", "nvjpeg"))
+    ap.add_argument("--gpu-decoder", default="auto", choices=GPU_DECODERS)
     ap.add_argument("--out", default="bench/results/gpu_decode_soak.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import jpegs_640x480, machine_info, sample_jpegs, write_json  # noqa: E402
+from fullthrottle.config import GPU_DECODERS  # noqa: E402
 
 
 def _burn(stop):
@@ -54,7 +55,7 @@ def rate(fn, blobs, batch, seconds=2.0):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--decoder", default="auto", choices=("auto", "hardware", "nvjpeg"))
+    ap.add_argument("--decoder", default="auto", choices=GPU_DECODERS)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--burners", type=int, default=15)
     ap.add_argument("--out", default="resize_probe.json")

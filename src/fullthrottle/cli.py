@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from .config import usable_cores
+from .config import GPU_DECODERS, usable_cores
 
 SAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg", "motorcycle_left.png")
 
@@ -46,7 +46,7 @@ def _add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-decode", action="store_true",
                    help="also decode JPEGs on the GPU: with decoder processes, a JPEG goes to the GPU "
                         "whenever no CPU worker is idle; with threads, split by measured rates")
-    p.add_argument("--gpu-decoder", default="nvjpeg", choices=("auto", "hardware", "nvjpeg"),
+    p.add_argument("--gpu-decoder", default="nvjpeg", choices=GPU_DECODERS,
                    help="with --gpu-decode: 'hardware' = the GPU's JPEG engines via nvImageCodec (pip install "
                         "nvidia-nvimgcodec-cu13; A100/H100/H200), which leave the SMs to the model; 'nvjpeg' = "
                         "torchvision's nvJPEG on the SMs; 'auto' = hardware when available, else nvjpeg. "

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: values of ``Config.gpu_decoder`` (:func:`fullthrottle.gpu_decode.make_gpu_decoder`)
+GPU_DECODERS = ("auto", "hardware", "nvjpeg")
 
 
 def default_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -181,8 +183,9 @@ class Config:
                 and 1 <= self.crop_size <= self.resize_size):
             raise ValueError(f"need integers 1 <= crop_size <= resize_size, got crop_size={self.crop_size!r}, "
                              f"resize_size={self.resize_size!r}")
-        if self.gpu_decoder not in ("auto", "hardware", "nvjpeg"):
-            raise ValueError(f"gpu_decoder must be 'auto', 'hardware' or 'nvjpeg', got {self.gpu_decoder!r}")
+        if self.gpu_decoder not in GPU_DECODERS:
+            names = ", ".join(map(repr, GPU_DECODERS[:-1])) + f" or {GPU_DECODERS[-1]!r}"
+            raise ValueError(f"gpu_decoder must be {names}, got {self.gpu_decoder!r}")
         if not (isinstance(self.gpu_decode_processes, int) and not isinstance(self.gpu_decode_processes, bool)
                 and 0 <= self.gpu_decode_processes <= 16):
             raise ValueError(f"gpu_decode_processes must be an integer in 0..16, got {self.gpu_decode_processes!r}")

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .config import GPU_DECODERS
 from .preprocess import jpeg_info, jpeg_is_complete, resized_pixels, sniff
 
 
@@ -434,8 +435,6 @@ def _test_jpeg() -> bytes:
     return buf.tobytes()
 
 
-#: values of ``Config.gpu_decoder``
-GPU_DECODERS = ("auto", "hardware", "nvjpeg")
 
 
 def make_gpu_decoder(device: torch.device, kind: str = "auto"):
