@@ -225,6 +225,9 @@ def main():
     ap.add_argument("--gpu-spill-depths", default="1",
                     help="with --gpu-decode: images each CPU decoder process holds before an eligible JPEG goes "
                          "to the GPU instead (pipeline.GPU_SPILL_DEPTH), e.g. 1,2 (default: %(default)s)")
+    ap.add_argument("--gpu-switch-intervals", default="",
+                    help="with --gpu-decode: sys.setswitchinterval values (s) to try, e.g. 0.005,0.0005 (how long a "
+                         "thread waiting for the GIL lets another run before asking for it; Python's default 0.005)")
     ap.add_argument("--skip-no-graphs", action="store_true", help="skip the graphs-off fullthrottle run")
     ap.add_argument("--thread-decode", action="store_true",
                     help="also run fullthrottle with decoding in threads (preprocess='threads')")
@@ -284,16 +287,19 @@ def main():
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     import fullthrottle.pipeline as pl
 
-    variants = [(kind, t, g, s) for kind in args.gpu_decoders.split(",") if kind
+    variants = [(kind, t, g, s, si) for kind in args.gpu_decoders.split(",") if kind
                 for t in (args.nvimgcodec_threads.split(",") if kind != "nvjpeg" else [""])
                 for g in [int(x) for x in args.gpu_procs.split(",") if x]
-                for s in [int(x) for x in args.gpu_spill_depths.split(",") if x]] if args.gpu_decode else []
-    spill0 = pl.GPU_SPILL_DEPTH
-    for kind, t, g, s in variants:
+                for s in [int(x) for x in args.gpu_spill_depths.split(",") if x]
+                for si in ([float(x) for x in args.gpu_switch_intervals.split(",") if x] or [sys.getswitchinterval()])
+                ] if args.gpu_decode else []
+    spill0, si0 = pl.GPU_SPILL_DEPTH, sys.getswitchinterval()
+    for kind, t, g, s, si in variants:
+        sys.setswitchinterval(si)
         os.environ["FULLTHROTTLE_NVIMGCODEC_THREADS"] = t  # nvImageCodec's CPU threads per decoder ("": one per core)
         pl.GPU_SPILL_DEPTH = s
         print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes, nvImageCodec threads {t or 'default'}, "
-              f"CPU workers hold {s} before the GPU takes the rest ...", flush=True)
+              f"CPU workers hold {s} before the GPU takes the rest, switch interval {si * 1e3:g} ms ...", flush=True)
         try:
             extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, gpu_decode=True, gpu_procs=g,
                                           gpu_decoder=kind))
@@ -307,6 +313,7 @@ def main():
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_THREADS", None)
     pl.GPU_SPILL_DEPTH = spill0
+    sys.setswitchinterval(si0)
     for w in [float(x) for x in args.ft_waits.split(",") if x]:
         print(f"fullthrottle, max_wait_ms {w} ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, max_wait_ms=w))

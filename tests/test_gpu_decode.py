@@ -2,6 +2,7 @@
 CPU (CI); the real nvJPEG path is checked against the CPU path under the ``gpu`` marker."""
 
 import collections
+import os
 import time
 
 import cv2
@@ -232,6 +233,42 @@ def test_gpu_process_protocol_round_trip():
     statuses = [None, "truncated or corrupt JPEG", None, "é ünïcode"]
     assert _decode_reply(_encode_reply(statuses, 0.25, 1.5)) == (statuses, 0.25, 1.5)
     assert _decode_reply(_encode_reply([])) == ([], 0.0, 0.0)
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create (Linux)")
+@pytest.mark.parametrize("short", [None, 0, 5, 300])
+def test_gpu_process_request_written_with_pwritev(monkeypatch, short):
+    """The arena's bytes go in with one os.pwritev on its memfd (no GIL held for the copy); a short
+    write (``short`` bytes) is finished by hand from the image it cut, and the other side reads the
+    same bytes either way."""
+    import mmap
+
+    import fullthrottle.gpu_decode_procs as gp
+
+    items = [(b"\xff\xd8abc", 7), (b"", 0), (bytes(range(256)) * 3, 41), (b"xyz" * 50, 3)]
+    fd = os.memfd_create("t", 0)
+    try:
+        os.ftruncate(fd, 4096)
+        arena = mmap.mmap(fd, 4096)
+        calls = []
+        if short is not None:
+            real = os.pwritev
+
+            def pwritev(f, bufs, off):
+                calls.append(len(bufs))
+                data = b"".join(bytes(b) for b in bufs)[:short]
+                return real(f, [data], off) if data else 0
+            monkeypatch.setattr(gp.os, "pwritev", pwritev)
+        monkeypatch.setattr(gp, "_IOV_MAX", 3)  # two system calls for 4 images
+        msg = gp._encode_request(items, arena, 1000, fd)
+        back = gp._decode_request(bytearray(msg), arena)
+        assert [(bytes(d), r) for d, r in back] == items
+        if short is not None:
+            assert calls == [3]  # stopped at the short write, the rest by hand
+        del back  # (its views into the arena)
+        arena.close()
+    finally:
+        os.close(fd)
 
 
 class FakeGpuProcess:

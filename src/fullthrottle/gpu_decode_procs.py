@@ -57,14 +57,40 @@ DEPTH = 2
 SLOT_BYTES = 32 << 20
 
 
-def _encode_request(items: Sequence[tuple[bytes, int]], arena=None, base: int = 0) -> bytes:
+#: buffers per ``os.pwritev`` call (the system's IOV_MAX)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+def _encode_request(items: Sequence[tuple[bytes, int]], arena=None, base: int = 0, fd: int | None = None) -> bytes:
     """A batch request. With ``arena`` (a writable buffer) the bytes are copied there from ``base``,
-    back to back, and only their lengths travel; without, they follow the request."""
+    back to back, and only their lengths travel; without, they follow the request.
+
+    With ``fd`` (the file behind ``arena``: a memfd) the copy is ``os.pwritev``: one system call for
+    the batch, made without the GIL, where a slice assignment per image holds it (~80-110 kB an image,
+    3-5 us of memcpy each here, twice that on the H200 machine's cores, taken from every other thread
+    of the pipeline).
+    """
     heads = [_ITEM.pack(row, len(d)) for d, row in items]
     if arena is None:
         return b"".join([_N.pack(len(items)), _WHERE.pack(0, 0)] + heads + [bytes(d) for d, _ in items])
-    off = base
-    for d, _ in items:
+    off, k = base, 0
+    if fd is not None and hasattr(os, "pwritev"):
+        while k < len(items):
+            chunk = [d for d, _ in items[k:k + _IOV_MAX]]
+            want = sum(len(d) for d in chunk)
+            done = os.pwritev(fd, chunk, off)
+            if done != want:  # a short write: the rest by hand, from the first image it cut
+                for d in chunk:
+                    if done >= len(d):
+                        done -= len(d)
+                        off += len(d)
+                        k += 1
+                        continue
+                    break
+                break
+            off += want
+            k += len(chunk)
+    for d, _ in items[k:]:  # (no pwritev, or after a short write: from the first image not fully written)
         arena[off:off + len(d)] = d
         off += len(d)
     return b"".join([_N.pack(len(items)), _WHERE.pack(1, base)] + heads)
@@ -211,7 +237,7 @@ class GpuDecoderProcess:
         self._sent.append(time.perf_counter())
         try:
             if in_arena:
-                self.conn.send_bytes(_encode_request(items, self.arena, slot * SLOT_BYTES))
+                self.conn.send_bytes(_encode_request(items, self.arena, slot * SLOT_BYTES, self.arena_fd))
             else:
                 self.conn.send_bytes(_encode_request(items))
         except OSError:
