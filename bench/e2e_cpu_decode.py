@@ -197,7 +197,9 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
             "gpu_decode_summary": rep.gpu_decode, "gpu_decoder_processes_timing": gpu_procs_timing,
             "gpu_share": eng.splitter.routed_gpu_share if gpu_decode else 0.0,
             "gpu_util_mean_pct": rep.gpu_util_pct, "verdict": rep.verdict, "switch_interval_s": sys.getswitchinterval(),
-            "compute_staging_s": eng.staging_s, "compute_launch_s": eng.launch_s,"images": seen, "steady_images": seen - n_warm, "steady_s": t_end - t_warm,
+            "compute_staging_s": eng.staging_s, "compute_launch_s": eng.launch_s,
+            "compute_pool_copies_per_batch": eng.pool_copies / max(1, eng.batches),
+            "images": seen, "steady_images": seen - n_warm, "steady_s": t_end - t_warm,
             "img_per_s": (seen - n_warm) / (t_end - t_warm), "whole_run_img_per_s": rep.images_per_s,
             "latency_p50_ms": rep.latency_ms(50), "latency_p99_ms": rep.latency_ms(99),
             "mean_batch_size": rep.mean_batch_size, "stages": rep.stages}

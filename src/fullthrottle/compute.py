@@ -323,6 +323,8 @@ class Engine:
         self.splitter = RateSplitter(config.num_threads)
         self.staging_s = 0.0  # host time copying crops into pinned memory (s)
         self.launch_s = 0.0   # host time issuing copies, model/graph replay, top-k (s)
+        self.batches = 0      # batches submitted, and the H2D copies their crop-pool rows took
+        self.pool_copies = 0
         if config.graphs and self.cuda:
             k = config.top_k
             # normalise + model + softmax + top-k, all inside one graph per bucket
@@ -431,6 +433,7 @@ class Engine:
         if m and self.crops is None:
             raise ValueError("pool_rows given but no crop pool is attached (attach_crops)")
         slot.n, slot.error, slot.k = n, None, 0
+        self.batches += 1
         slot.pool_rows = list(pool_rows) if m else None
         t0 = time.perf_counter()
         if arrays:  # one copy op into pinned memory: one GIL hand-off per batch, not one per image
@@ -454,7 +457,9 @@ class Engine:
                 if k_arr:
                     slot.dev_in[:k_arr].copy_(slot.host_in[:k_arr], non_blocking=True)
                 if m:  # each run of pool rows H2D in place into the device mirror, then one gather
-                    for lo, hi in row_spans(pool_rows):
+                    spans = row_spans(pool_rows)
+                    self.pool_copies += len(spans)
+                    for lo, hi in spans:
                         self.dev_crops[lo:hi].copy_(self.crops.tensor[lo:hi], non_blocking=True)
                     slot.dev_rows[:m].copy_(slot.host_rows[:m], non_blocking=True)
                 slot.copied.record(self.copy_stream)
