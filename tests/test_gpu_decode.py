@@ -231,8 +231,8 @@ def test_gpu_process_protocol_round_trip():
     back = _decode_request(bytearray(msg), arena)
     assert [(bytes(d), r) for d, r in back] == items
     statuses = [None, "truncated or corrupt JPEG", None, "é ünïcode"]
-    assert _decode_reply(_encode_reply(statuses, 0.25, 1.5)) == (statuses, 0.25, 1.5)
-    assert _decode_reply(_encode_reply([])) == ([], 0.0, 0.0)
+    assert _decode_reply(_encode_reply(statuses, 0.25, 1.5, 3)) == (statuses, 0.25, 1.5, 3)
+    assert _decode_reply(_encode_reply([])) == ([], 0.0, 0.0, 0)
 
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create (Linux)")
@@ -282,6 +282,7 @@ class FakeGpuProcess:
         self.pool, self.batches, self.poison, self.died = pool, [], poison, 0
         self.sent, self.max_queued, self.lost, self.inline = collections.deque(), 0, 0, 0
         self.discarded = 0
+        self.times = {"cpu_decoded": 0}  # images it would have decoded on its CPU (not gpu_eligible)
 
     slot_bytes = 150_000  # small arena slots: batches are split, the largest images go inline
 
@@ -315,6 +316,7 @@ class FakeGpuProcess:
             raise WorkerDied("GPU decoder process died on this batch (killed by signal SIGSEGV)")
         out = []
         for data, row in batch:
+            self.times["cpu_decoded"] += not gpu_eligible(bytes(data))[0]
             try:
                 self.pool.array[row] = preprocess(bytes(data))
                 out.append(None)
@@ -374,13 +376,13 @@ def test_gpu_process_discards_replies_owed_when_a_run_stops():
     a, b = socket.socketpair()
     p = GpuDecoderProcess.__new__(GpuDecoderProcess)  # the parent's side only: no CUDA process here
     p.conn, p.closed, p.spawned = Connection(a.detach()), False, 0.0
-    p.times = {"round_trip_s": 0.0, "launch_s": 0.0, "total_s": 0.0, "batches": 0}
+    p.times = {"round_trip_s": 0.0, "launch_s": 0.0, "total_s": 0.0, "batches": 0, "cpu_decoded": 0}
     p._sent = collections.deque([time.perf_counter()] * 2)
     worker = Connection(b.detach())
-    worker.send_bytes(_encode_reply([None, None]))
+    worker.send_bytes(_encode_reply([None, None], cpu_decoded=1))
     worker.send_bytes(_encode_reply(["truncated or corrupt JPEG"]))
     p.discard_replies(1.0)
-    assert not p._sent and p.times["batches"] == 2 and not p.conn.poll(0)
+    assert not p._sent and p.times["batches"] == 2 and p.times["cpu_decoded"] == 1 and not p.conn.poll(0)
     worker.send_bytes(_encode_reply([None]))      # the next batch's answer is its own
     p._sent.append(time.perf_counter())
     assert p.receive(1.0) == [None]
@@ -505,3 +507,32 @@ def test_triton_resize_on_gpu_matches_the_products(samples, bad_dir):
         diff = np.abs(o.numpy().astype(np.int16) - resize_crop(a).astype(np.int16))
         assert diff.mean() <= 0.5 and diff.max() <= 2
 
+
+
+def test_decode_crops_checks_eligibility_itself_when_asked(samples, bad_dir):
+    """GPU decoder processes get every JPEG-looking image unchecked (decode_crops(check=True)): what
+    gpu_eligible refuses never reaches the GPU decoder and gets the CPU path's crop or error instead,
+    byte for byte; the rest are decoded by the GPU decoder."""
+    from fullthrottle.gpu_decode import decode_crops
+    from fullthrottle.preprocess import ImageError
+
+    blobs = [p.read_bytes() for p in samples[:6]] + \
+        [(bad_dir / n).read_bytes() for n in ("cmyk.jpg", "exif-rotated.jpg", "truncated.jpg", "progressive.jpg")]
+    eligible = [gpu_eligible(b)[0] for b in blobs]
+    assert eligible[6:] == [False, False, False, True]
+    dec = FakeGpuDecoder()
+    out = decode_crops(dec, [memoryview(bytearray(b)) for b in blobs], check=True)  # (arena slices)
+    assert dec.images == sum(eligible)
+    for b, e, o in zip(blobs, eligible, out):
+        if e:  # the GPU decoder's image, resized and cropped
+            rows, r = o
+            ref = torch.empty((1, 224, 224, 3), dtype=torch.uint8)
+            resize_crop_batch(FakeGpuDecoder()([b]), ref, 256, 224)
+            assert torch.equal(rows[r], ref[0])
+            continue
+        try:
+            want = preprocess(b)
+        except ImageError as err:
+            assert isinstance(o, ImageError) and str(o) == str(err)
+        else:
+            assert isinstance(o, np.ndarray) and np.array_equal(o, want)

@@ -466,18 +466,27 @@ Decoder = Callable[[Sequence[bytes]], list]
 
 
 def decode_crops(decoder: Decoder, blobs: Sequence[bytes], resize: int = 256, crop: int = 224,
-                 max_pixels: int = 89_478_485, device: torch.device | None = None) -> list:
+                 max_pixels: int = 89_478_485, device: torch.device | None = None, check: bool = False) -> list:
     """Decode + resize + crop a batch on the GPU decoder, with the CPU path as the per-item fallback.
 
     Returns one entry per blob: ``(rows, r)``, its crop being row ``r`` of the ``(n_good, crop, crop, 3)``
     uint8 device tensor ``rows`` (no per-image tensor is made), a ``(crop, crop, 3)`` uint8 numpy
-    array (the GPU decoder refused it and the CPU path decoded it), or the
-    :class:`~fullthrottle.preprocess.ImageError` both gave (the item's error).
-    Runs on the current CUDA stream; the caller synchronises before handing rows to another stream.
+    array (the GPU decoder refused it, or with ``check`` :func:`gpu_eligible` did, and the CPU path
+    decoded it), or the :class:`~fullthrottle.preprocess.ImageError` the CPU path gave (the item's error).
+    ``check``: the caller has not run :func:`gpu_eligible` on the blobs (the GPU decoder processes
+    check here, off the main process's GIL). Runs on the current CUDA stream; the caller synchronises
+    before handing rows to another stream.
     """
     from .preprocess import ImageError, preprocess
 
-    decoded = decoder(blobs)
+    if check:
+        ok = [gpu_eligible(bytes(b), max_pixels, resize)[0] for b in blobs]
+        sent = [j for j, e in enumerate(ok) if e]
+        decoded: list = [ValueError("not for the GPU decoder")] * len(blobs)
+        for j, d in zip(sent, decoder([blobs[j] for j in sent]) if sent else ()):
+            decoded[j] = d
+    else:
+        decoded = decoder(blobs)
     out: list = [None] * len(blobs)
     good = []
     for j, d in enumerate(decoded):

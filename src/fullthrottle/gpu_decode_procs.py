@@ -47,7 +47,8 @@ _N = struct.Struct("<I")        # items in a request or reply
 _WHERE = struct.Struct("<BQ")   # request: 0 bytes follow inline / 1 bytes in the arena, from this offset
 _ITEM = struct.Struct("<II")    # request: pool row, byte length
 _STATUS = struct.Struct("<BI")  # reply: 0 ok / 1 the item's error, message length
-_TIMES = struct.Struct("<dd")   # reply: seconds the process spent launching the batch, and in all
+_TIMES = struct.Struct("<ddI")  # reply: seconds the process spent launching the batch, and in all; images it
+                                # decoded on its CPU (not for the GPU decoder, or refused by it)
 _CMD = "import sys; from fullthrottle.gpu_decode_procs import _gpu_worker_main; _gpu_worker_main(sys.argv[1:])"
 
 
@@ -114,25 +115,27 @@ def _decode_request(msg, arena=None) -> list[tuple[memoryview, int]]:
     return out
 
 
-def _encode_reply(statuses: Sequence[str | None], launch_s: float = 0.0, total_s: float = 0.0) -> bytes:
-    parts = [_N.pack(len(statuses)), _TIMES.pack(launch_s, total_s)]
+def _encode_reply(statuses: Sequence[str | None], launch_s: float = 0.0, total_s: float = 0.0,
+                  cpu_decoded: int = 0) -> bytes:
+    parts = [_N.pack(len(statuses)), _TIMES.pack(launch_s, total_s, cpu_decoded)]
     for s in statuses:
         m = b"" if s is None else s.encode("utf-8", "replace")[:60000]
         parts += [_STATUS.pack(0 if s is None else 1, len(m)), m]
     return b"".join(parts)
 
 
-def _decode_reply(msg: bytes) -> tuple[list[str | None], float, float]:
-    """``(statuses, launch_s, total_s)``: per image None or its error; the process's time on the batch."""
+def _decode_reply(msg: bytes) -> tuple[list[str | None], float, float, int]:
+    """``(statuses, launch_s, total_s, cpu_decoded)``: per image None or its error; the process's time
+    on the batch; how many of its images it decoded on its CPU."""
     (n,) = _N.unpack_from(msg)
-    launch_s, total_s = _TIMES.unpack_from(msg, _N.size)
+    launch_s, total_s, cpu_decoded = _TIMES.unpack_from(msg, _N.size)
     off, out = _N.size + _TIMES.size, []
     for _ in range(n):
         code, length = _STATUS.unpack_from(msg, off)
         off += _STATUS.size
         out.append(None if code == 0 else msg[off:off + length].decode("utf-8", "replace"))
         off += length
-    return out, launch_s, total_s
+    return out, launch_s, total_s, cpu_decoded
 
 
 def count_fitting(items, limit: int) -> int:
@@ -183,7 +186,7 @@ class GpuDecoderProcess:
         self._sent: collections.deque = collections.deque()  # send times of the batches not answered
         #: seconds summed over answered batches: in this process's thread (send to answer), and in the
         #: worker (``launch``: decode call + resize/copy launches; ``total``: until its stream finished)
-        self.times = {"round_trip_s": 0.0, "launch_s": 0.0, "total_s": 0.0, "batches": 0}
+        self.times = {"round_trip_s": 0.0, "launch_s": 0.0, "total_s": 0.0, "batches": 0, "cpu_decoded": 0}
         self._start()
 
     def _start(self) -> None:
@@ -259,7 +262,7 @@ class GpuDecoderProcess:
             raise WorkerDied(f"GPU decoding took longer than {timeout:g} s (decode_timeout_s): "
                              "its process was replaced")
         try:
-            statuses, launch_s, total_s = _decode_reply(self.conn.recv_bytes())
+            statuses, launch_s, total_s, cpu_decoded = _decode_reply(self.conn.recv_bytes())
         except (EOFError, OSError) as e:
             how = exit_reason(self.proc)
             self._restart()
@@ -269,6 +272,7 @@ class GpuDecoderProcess:
         t["launch_s"] += launch_s
         t["total_s"] += total_s
         t["batches"] += 1
+        t["cpu_decoded"] += cpu_decoded
         return statuses
 
     def discard_replies(self, timeout: float = 2.0) -> None:
@@ -378,10 +382,14 @@ def _gpu_worker_main(argv: list[str]) -> None:
         t0 = time.perf_counter()
         items = _decode_request(memoryview(buf)[:n], arena)
         statuses: list[str | None] = [None] * len(items)
-        t1 = t0
+        t1, cpu_decoded = t0, 0
         try:
             with torch.cuda.stream(stream), torch.inference_mode():
-                out = decode_crops(decoder, [d for d, _ in items], resize_size, crop_size, max_pixels, dev)
+                # check=True: the main process only looked at the JPEG signature (its GIL is the pipeline's
+                # bottleneck); what nvJPEG would not decode like the CPU path is decoded here, on the CPU
+                out = decode_crops(decoder, [d for d, _ in items], resize_size, crop_size, max_pixels, dev,
+                                   check=True)
+                cpu_decoded = sum(1 for o in out if not isinstance(o, tuple))
                 run = None  # (rows, r0, pool row0, length): consecutive crops copied with one D2H
                 for j, (o, (_, row)) in enumerate(zip(out, items)):
                     if isinstance(o, tuple):
@@ -404,6 +412,6 @@ def _gpu_worker_main(argv: list[str]) -> None:
         except Exception as e:  # noqa: BLE001 - a failed batch fails its items, not the process
             statuses = [f"GPU decode failed: {type(e).__name__}: {e}"] * len(items)
         try:
-            conn.send_bytes(_encode_reply(statuses, t1 - t0, time.perf_counter() - t0))
+            conn.send_bytes(_encode_reply(statuses, t1 - t0, time.perf_counter() - t0, cpu_decoded))
         except (EOFError, OSError):
             return
