@@ -7,6 +7,7 @@ import time
 import cv2
 import numpy as np
 import pytest
+import torch
 
 from fullthrottle import Config
 from fullthrottle.preprocess import ImageError, preprocess
@@ -221,3 +222,24 @@ def test_worker_gets_malloc_settings_and_reports_its_time_split(samples, tmp_pat
     stats = json.loads((tmp_path / f"w.{pid}.json").read_text())
     assert stats["images"] == 4   # 3 images + the refused one
     assert stats["preprocess_cpu_s"] > 0 and stats["minor_faults"] >= 0
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_copy_all_copies_every_pair_like_copy_(monkeypatch, foreach):
+    """The compute thread's H2D copies in one call: slices of a pool and a row index list (two dtypes)
+    land exactly where a copy_ each would put them, with torch._foreach_copy_ or without it."""
+    import fullthrottle.compute as c
+
+    if not foreach:
+        monkeypatch.delattr(torch, "_foreach_copy_", raising=False)
+    pool = torch.arange(10 * 2 * 2 * 3, dtype=torch.uint8).view(10, 2, 2, 3)
+    mirror = torch.zeros_like(pool)
+    rows = torch.tensor([9, 3, 4, 0], dtype=torch.int64)
+    dev_rows = torch.zeros(8, dtype=torch.int64)
+    spans = c.row_spans(rows.tolist(), max_gap=2)
+    assert spans == [(0, 1), (3, 5), (9, 10)]
+    c.copy_all([mirror[lo:hi] for lo, hi in spans] + [dev_rows[:4]], [pool[lo:hi] for lo, hi in spans] + [rows])
+    for r in range(10):
+        assert torch.equal(mirror[r], pool[r]) == (r in (0, 3, 4, 9))
+    assert dev_rows.tolist() == [9, 3, 4, 0, 0, 0, 0, 0]
+    c.copy_all([], [])  # nothing to copy: no call

@@ -213,6 +213,26 @@ def row_spans(rows, max_gap: int = 16) -> list[tuple[int, int]]:
     return out
 
 
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i], non_blocking=True)`` for every ``i``, in one call into PyTorch
+    (``torch._foreach_copy_``, a loop over ``copy_`` where it is missing).
+
+    Every PyTorch op releases the GIL and must take it back, and the compute thread, taking it back
+    while the decoder-feeding threads run Python, can wait up to the interpreter's switch interval
+    (5 ms) each time; a batch's crop-pool rows took 11-13 H2D copies on the H200
+    (bench/results/e2e_gpu_decode_*_session9.json, ``compute_pool_copies_per_batch``). One call takes
+    the GIL back once. Shapes and dtypes pair up as for ``copy_``; pinned sources copy asynchronously.
+    """
+    if not dst:
+        return
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is None:
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=True)
+    else:
+        foreach(dst, src, non_blocking=True)
+
+
 @dataclass
 class Slot:
     """One entry of the staging ring: host and device buffers plus the events that order them."""
@@ -453,15 +473,14 @@ class Engine:
                 slot.out_probs[:n, :probs.shape[1]] = probs
                 slot.out_idx[:n, :idx.shape[1]] = idx
                 return slot
-            with torch.cuda.stream(self.copy_stream):
-                if k_arr:
-                    slot.dev_in[:k_arr].copy_(slot.host_in[:k_arr], non_blocking=True)
+            with torch.cuda.stream(self.copy_stream):  # every H2D copy of the batch in one call
+                dst, src = ([slot.dev_in[:k_arr]], [slot.host_in[:k_arr]]) if k_arr else ([], [])
                 if m:  # each run of pool rows H2D in place into the device mirror, then one gather
                     spans = row_spans(pool_rows)
                     self.pool_copies += len(spans)
-                    for lo, hi in spans:
-                        self.dev_crops[lo:hi].copy_(self.crops.tensor[lo:hi], non_blocking=True)
-                    slot.dev_rows[:m].copy_(slot.host_rows[:m], non_blocking=True)
+                    dst += [self.dev_crops[lo:hi] for lo, hi in spans] + [slot.dev_rows[:m]]
+                    src += [self.crops.tensor[lo:hi] for lo, hi in spans] + [slot.host_rows[:m]]
+                copy_all(dst, src)
                 slot.copied.record(self.copy_stream)
             with torch.cuda.stream(self.compute_stream):
                 self.compute_stream.wait_event(slot.copied)
@@ -474,8 +493,7 @@ class Engine:
                 else:
                     probs, idx = topk_probs(self.forward(slot.dev_in[:n]), k)
                 slot.k = probs.shape[1]
-                slot.out_probs[:n, :probs.shape[1]].copy_(probs, non_blocking=True)
-                slot.out_idx[:n, :idx.shape[1]].copy_(idx, non_blocking=True)
+                copy_all([slot.out_probs[:n, :probs.shape[1]], slot.out_idx[:n, :idx.shape[1]]], [probs, idx])  # D2H
                 slot.done.record(self.compute_stream)
         except Exception as e:  # noqa: BLE001 - belongs to this batch's items, not the run
             slot.error = f"compute failed: {type(e).__name__}: {e}"
