@@ -49,24 +49,28 @@ class Config:
         channels_last: run the model in NHWC memory format on CUDA.
         graphs: replay normalise + model + top-k as CUDA graphs, one per batch bucket, captured when
             the pipeline is built (CUDA only; CPU runs eager).
-        gpu_decode: decode JPEGs on the GPU (nvJPEG) as well as on the CPU threads, split by their
-            measured rates; only JPEGs nvJPEG decodes like the CPU path go there (CUDA only).
+        gpu_decode: decode JPEGs on the GPU as well as on the CPU (CUDA only). With decoder
+            processes a JPEG goes to the GPU whenever no CPU decoder is idle; with threads the split
+            follows the two decoders' measured rates. Only JPEGs the GPU decodes like the CPU path are
+            decoded there; the rest (truncated, CMYK, EXIF-rotated) by the CPU path's decoder.
         gpu_decoder: which GPU JPEG decoder ``gpu_decode`` uses: ``"nvjpeg"`` (default),
             torchvision's nvJPEG, which runs on the SMs; ``"hardware"``, the GPU's JPEG engines (NVJPG)
             through nvImageCodec (``pip install nvidia-nvimgcodec-cu13``; A100, H100, H200, B200),
             which leave the SMs to the model; ``"auto"``: the engines when nvImageCodec is installed
             and the GPU has them, nvJPEG otherwise. With ResNet18 on the H200 the engines did not
-            beat nvJPEG end to end (6 processes: 13.2k against 15.4k img/s on 640x480 photos, 13.0k
-            against 14.3k on the mixed samples; bench/results/e2e_gpu_decode_*_session8_final.json):
+            beat nvJPEG end to end (6 processes: 12.2k against 16.9k img/s on 640x480 photos, 14.3k
+            against 15.3k on the mixed samples, in one call;
+            bench/results/e2e_gpu_decode_*_decoders_procs_session9.json):
             the model leaves the SMs room. A model that needs all the SMs may gain from them (not
             measured).
         gpu_decode_processes: with ``gpu_decode`` and decoder processes, how many processes decode on
             the GPU (each its own decoder and CUDA context, writing crops into the shared pool);
             torchvision serialises GPU decodes within one process. Default 6: on the H200 machine
-            3 / 9 / 12 processes gave 10.1k / 12.3k / 12.6k img/s end to end on 640x480 photos with
-            nvJPEG in one run (bench/results/e2e_gpu_decode_640x480_procs_session8.json; 6 gave 12.9k
-            and 13.1k in other runs that day, 15.4k once each process held two batches). 0: one GPU
-            decode thread in this process instead.
+            nvJPEG in 6 processes gave 16.9k img/s end to end on 640x480 photos and 8 gave 11.3k in
+            the same call (15.3k both on the mixed samples;
+            bench/results/e2e_gpu_decode_*_decoders_procs_session9.json); earlier, 3 / 9 / 12 gave
+            10.1k / 12.3k / 12.6k (bench/results/e2e_gpu_decode_640x480_procs_session8.json). 0: one
+            GPU decode thread in this process instead.
         fold_bn: on CUDA, fold each eval-mode BatchNorm into the convolution before it (the standard
             inference rewrite TensorRT and ONNX Runtime also do; ``torch.fx.experimental.optimization.fuse``):
             then run each conv -> ReLU and conv -> residual add -> ReLU as one cuDNN call

@@ -57,7 +57,9 @@ WORKER_DEPTH = 4
 #: with GPU decoding, images a CPU decoder process holds before an eligible JPEG goes to the GPU
 #: instead (1: the GPU takes it unless the chosen worker is idle). Measured on the H200 with 1: the
 #: CPU workers were 19-26% busy, waiting for the dispatcher between images
-#: (bench/results/e2e_gpu_decode_*_session8_final.json); bench/e2e_cpu_decode.py --gpu-spill-depths
+#: (bench/results/e2e_gpu_decode_*_session8_final.json); 2 was no clear gain in the same call
+#: (640x480 13.8k against 13.5k img/s, mixed 11.7k against 11.7k, lower p99:
+#: bench/results/e2e_gpu_decode_*_spill_depth_session9.json); bench/e2e_cpu_decode.py --gpu-spill-depths
 GPU_SPILL_DEPTH = 1
 #: images per hand-off on the GPU decode path (dispatcher -> GPU decoders -> batcher): each hand-off
 #: between threads costs a queue operation and a GIL hand-off, so the GPU's images travel in lists
