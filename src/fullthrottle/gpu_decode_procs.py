@@ -48,7 +48,7 @@ _WHERE = struct.Struct("<BQ")   # request: 0 bytes follow inline / 1 bytes in th
 _ITEM = struct.Struct("<II")    # request: pool row, byte length
 _STATUS = struct.Struct("<BI")  # reply: 0 ok / 1 the item's error, message length
 _TIMES = struct.Struct("<ddI")  # reply: seconds the process spent launching the batch, and in all; images it
-                                # decoded on its CPU (not for the GPU decoder, or refused by it)
+                                # gave its CPU decoder (not for the GPU decoder, or refused by it)
 _CMD = "import sys; from fullthrottle.gpu_decode_procs import _gpu_worker_main; _gpu_worker_main(sys.argv[1:])"
 
 
@@ -126,7 +126,7 @@ def _encode_reply(statuses: Sequence[str | None], launch_s: float = 0.0, total_s
 
 def _decode_reply(msg: bytes) -> tuple[list[str | None], float, float, int]:
     """``(statuses, launch_s, total_s, cpu_decoded)``: per image None or its error; the process's time
-    on the batch; how many of its images it decoded on its CPU."""
+    on the batch; how many of its images went to its CPU decoder (crops and errors alike)."""
     (n,) = _N.unpack_from(msg)
     launch_s, total_s, cpu_decoded = _TIMES.unpack_from(msg, _N.size)
     off, out = _N.size + _TIMES.size, []

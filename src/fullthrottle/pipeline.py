@@ -752,7 +752,7 @@ class Run:
                     "the rest decoded on the CPU")
         on_cpu = sum(p.times["cpu_decoded"] for p in self.gpu_procs) - self._gpu_cpu0
         return (f"GPU decode: {name} in {where}; {gpu} of {gpu + cpu} JPEGs{share} sent there ({on_cpu} of them "
-                "decoded on those processes' CPU: not for the GPU decoder or refused by it), the rest decoded "
+                "to those processes' CPU decoder: not for the GPU decoder or refused by it), the rest decoded "
                 "by the CPU decoder processes")
 
 
