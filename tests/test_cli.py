@@ -87,6 +87,14 @@ def test_cuda_only_options_on_cpu_are_named_not_ignored(samples, capsys):
     assert "note: --top-k 1001 is more than the model's 1000 classes" in err
 
 
+def test_gpu_decoder_options_without_gpu_decode_are_named_not_ignored(samples, capsys):
+    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--gpu-decoder", "hardware"])
+    assert rc == 0
+    assert "note: --gpu-decoder has no effect without --gpu-decode" in capsys.readouterr().err
+    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress"])
+    assert rc == 0 and "no effect" not in capsys.readouterr().err
+
+
 def test_unwritable_report_json_fails_before_the_run(samples, tmp_path, capsys, monkeypatch):
     """--report-json naming a folder is refused up front (exit 2), before any image is classified."""
     import fullthrottle.pipeline as pl

@@ -536,3 +536,69 @@ def test_decode_crops_checks_eligibility_itself_when_asked(samples, bad_dir):
             assert isinstance(o, ImageError) and str(o) == str(err)
         else:
             assert isinstance(o, np.ndarray) and np.array_equal(o, want)
+
+
+def test_gpu_process_send_reports_a_failed_copy_and_bounds(monkeypatch):
+    """A failed copy into the arena is this process's error, raised at once (it used to pass for a dead
+    worker: nothing sent, then a decode_timeout_s wait and a healthy worker killed); bytes that would
+    not fit in the arena are refused instead of being cut short; an unlimited timeout waits."""
+    import errno
+    import mmap
+    import socket
+    from multiprocessing.connection import Connection
+
+    import fullthrottle.gpu_decode_procs as gp
+
+    arena_fd = os.memfd_create("t", 0)
+    os.ftruncate(arena_fd, 4096)
+    arena = mmap.mmap(arena_fd, 4096)
+    with pytest.raises(ValueError, match="do not fit"):
+        gp._encode_request([(b"x" * 100, 0)], arena, 4046, arena_fd)
+    with pytest.raises(ValueError, match="do not fit"):
+        gp._encode_request([(b"x" * 100, 0)], arena, 4046)  # the same without pwritev
+    assert os.fstat(arena_fd).st_size == 4096  # nothing written past the mapping
+
+    a, b = socket.socketpair()
+    p = gp.GpuDecoderProcess.__new__(gp.GpuDecoderProcess)  # the parent's side only
+    p.conn, p.closed, p.spawned, p.arena, p.arena_fd = Connection(a.detach()), False, 0.0, arena, arena_fd
+    p.times = {"round_trip_s": 0.0, "launch_s": 0.0, "total_s": 0.0, "batches": 0, "cpu_decoded": 0}
+    p._sent = collections.deque()
+    p.proc = type("Alive", (), {"poll": lambda self: None})()
+    worker = Connection(b.detach())
+
+    def no_space(fd, bufs, off):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(gp.os, "pwritev", no_space)
+    with pytest.raises(RuntimeError, match="shared memory.*No space left"):
+        p.send([(b"\xff\xd8\xff" + b"x" * 100, 0)], slot=0)
+    assert not p._sent and not worker.poll(0.1)  # nothing owed, nothing sent
+    monkeypatch.undo()
+    assert p.send([(b"\xff\xd8\xff" + b"y" * 10, 5)], slot=0) is True
+    back = gp._decode_request(bytearray(worker.recv_bytes()), arena)
+    assert [(bytes(d), r) for d, r in back] == [(b"\xff\xd8\xff" + b"y" * 10, 5)]
+    del back
+    worker.send_bytes(gp._encode_reply([None]))
+    assert p.receive(float("inf")) == [None]  # decode_timeout_s=inf: no limit (poll takes no inf)
+    arena.close()
+    os.close(arena_fd)
+
+
+def test_decode_crops_falls_back_to_the_cpu_when_the_gpu_batch_fails(samples, bad_dir, monkeypatch):
+    """A failure of the batch's GPU resize (out of memory, say) is no image's: each image gets the CPU
+    path's crop or error, and the images already on the CPU path keep theirs."""
+    import fullthrottle.gpu_decode as gd
+    from fullthrottle.preprocess import ImageError
+
+    def boom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(gd, "resize_crop_batch", boom)
+    blobs = [p.read_bytes() for p in samples[:3]] + [(bad_dir / "cmyk.jpg").read_bytes(),
+                                                     (bad_dir / "truncated.jpg").read_bytes()]
+    out = gd.decode_crops(FakeGpuDecoder(), blobs, check=True)
+    for b, o in zip(blobs, out):
+        try:
+            want = preprocess(b)
+        except ImageError as err:
+            assert isinstance(o, ImageError) and str(o) == str(err)
+        else:
+            assert isinstance(o, np.ndarray) and np.array_equal(o, want)

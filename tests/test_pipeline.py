@@ -255,6 +255,18 @@ def test_config_errors():
         Config(mean=(0.5,))
     with pytest.raises(ValueError, match="std must be 3 finite numbers .*none zero"):
         Config(std=(0.2, 0, 0.2))
+    # types that used to pass silently: a string taken as True, a float bucket truncated, a bool size
+    with pytest.raises(ValueError, match="gpu_decode must be True or False, got 'no'"):
+        Config(gpu_decode="no")
+    with pytest.raises(ValueError, match="ordered must be True or False, got 1"):
+        Config(ordered=1)
+    with pytest.raises(ValueError, match=r"decode_timeout_s must be a number > 0 .*got '30'"):
+        Config(decode_timeout_s="30")
+    with pytest.raises(ValueError, match=r"buckets must be positive integer batch sizes, got \[1.5\]"):
+        Config(buckets=[1.5])
+    with pytest.raises(ValueError, match="need integers 1 <= crop_size"):
+        Config(crop_size=True)
+    assert Config(decode_timeout_s=float("inf"), buckets=[8, 1, 4]).buckets == (1, 4, 8)  # inf: no limit
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             Pipeline(Config(device="cuda"))

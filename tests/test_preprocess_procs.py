@@ -243,3 +243,5 @@ def test_copy_all_copies_every_pair_like_copy_(monkeypatch, foreach):
         assert torch.equal(mirror[r], pool[r]) == (r in (0, 3, 4, 9))
     assert dev_rows.tolist() == [9, 3, 4, 0, 0, 0, 0, 0]
     c.copy_all([], [])  # nothing to copy: no call
+    with pytest.raises(ValueError, match="1 destinations for 2 sources"):
+        c.copy_all([mirror[0]], [pool[0], pool[1]])

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from .config import GPU_DECODERS, usable_cores
+from .config import GPU_DECODERS, Config, usable_cores
 
 SAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg", "motorcycle_left.png")
 
@@ -46,14 +46,29 @@ def _add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-decode", action="store_true",
                    help="also decode JPEGs on the GPU: with decoder processes, a JPEG goes to the GPU "
                         "whenever no CPU worker is idle; with threads, split by measured rates")
-    p.add_argument("--gpu-decoder", default="nvjpeg", choices=GPU_DECODERS,
+    p.add_argument("--gpu-decoder", default=None, choices=GPU_DECODERS,
                    help="with --gpu-decode: 'hardware' = the GPU's JPEG engines via nvImageCodec (pip install "
                         "nvidia-nvimgcodec-cu13; A100/H100/H200), which leave the SMs to the model; 'nvjpeg' = "
                         "torchvision's nvJPEG on the SMs; 'auto' = hardware when available, else nvjpeg. "
-                        "Default: %(default)s")
-    p.add_argument("--gpu-decode-processes", type=int, default=6, metavar="N",
+                        f"Default: {Config.gpu_decoder}")
+    p.add_argument("--gpu-decode-processes", type=int, default=None, metavar="N",
                    help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "
-                        "decoder, 0..16 (0: one GPU decode thread in this process; default: %(default)s)")
+                        "decoder, 0..16 (0: one GPU decode thread in this process; default: "
+                        f"{Config.gpu_decode_processes})")
+
+
+def _gpu_decode_settings(args) -> dict:
+    """``Config`` fields of the GPU-decode options; a note on stderr when --gpu-decoder or
+    --gpu-decode-processes is given without --gpu-decode (they would do nothing)."""
+    given = [f for f, v in (("--gpu-decoder", args.gpu_decoder), ("--gpu-decode-processes",
+                                                                   args.gpu_decode_processes)) if v is not None]
+    if given and not args.gpu_decode:
+        print(f"note: {' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --gpu-decode",
+              file=sys.stderr)
+    return {"gpu_decode": args.gpu_decode,
+            "gpu_decoder": args.gpu_decoder if args.gpu_decoder is not None else Config.gpu_decoder,
+            "gpu_decode_processes": (args.gpu_decode_processes if args.gpu_decode_processes is not None
+                                     else Config.gpu_decode_processes)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,8 +275,7 @@ def cmd_serve(args) -> int:
         cfg = Config(model=args.model, weights=args.weights, device=str(device),
                      dtype=args.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
                      max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, threads=args.threads,
-                     top_k=args.top_k, graphs=args.graphs, ordered=False, gpu_decode=args.gpu_decode,
-                     gpu_decoder=args.gpu_decoder, gpu_decode_processes=args.gpu_decode_processes,
+                     top_k=args.top_k, graphs=args.graphs, ordered=False, **_gpu_decode_settings(args),
                      preprocess=args.preprocess)
         if args.weights is not None and not os.path.isfile(args.weights):
             raise FileNotFoundError(f"weights file not found: {args.weights}")
@@ -662,8 +676,7 @@ def cmd_classify(args) -> int:
         cfg = Config(model=args.model, weights=args.weights, device=str(device), dtype=dtype,
                      max_batch_size=args.batch_size, max_wait_ms=args.max_wait_ms,
                      threads=args.threads, top_k=args.top_k, ordered=not args.unordered,
-                     graphs=args.graphs, compile=args.compile, gpu_decode=args.gpu_decode,
-                     gpu_decoder=args.gpu_decoder, gpu_decode_processes=args.gpu_decode_processes,
+                     graphs=args.graphs, compile=args.compile, **_gpu_decode_settings(args),
                      preprocess=args.preprocess)
         if device.type != "cuda":  # say what a CPU run leaves out, rather than ignoring it silently
             ignored = [f for f, on in (("--gpu-decode", args.gpu_decode),

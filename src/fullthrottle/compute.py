@@ -222,7 +222,12 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     (5 ms) each time; a batch's crop-pool rows took 11-13 H2D copies on the H200
     (bench/results/e2e_gpu_decode_*_session9.json, ``compute_pool_copies_per_batch``). One call takes
     the GIL back once. Shapes and dtypes pair up as for ``copy_``; pinned sources copy asynchronously.
+
+    Raises:
+        ValueError: the lists differ in length; RuntimeError (PyTorch's): a pair that ``copy_`` refuses.
     """
+    if len(dst) != len(src):
+        raise ValueError(f"copy_all: {len(dst)} destinations for {len(src)} sources")
     if not dst:
         return
     foreach = getattr(torch, "_foreach_copy_", None)

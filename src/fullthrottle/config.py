@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -183,8 +183,7 @@ class Config:
         if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
                                          or not 1 <= self.threads <= 512):
             raise ValueError(f"threads must be an integer in 1..512, got {self.threads!r}")
-        if not (isinstance(self.resize_size, int) and isinstance(self.crop_size, int)
-                and 1 <= self.crop_size <= self.resize_size):
+        if not (is_int(self.resize_size) and is_int(self.crop_size) and 1 <= self.crop_size <= self.resize_size):
             raise ValueError(f"need integers 1 <= crop_size <= resize_size, got crop_size={self.crop_size!r}, "
                              f"resize_size={self.resize_size!r}")
         if self.gpu_decoder not in GPU_DECODERS:
@@ -193,14 +192,21 @@ class Config:
         if not (isinstance(self.gpu_decode_processes, int) and not isinstance(self.gpu_decode_processes, bool)
                 and 0 <= self.gpu_decode_processes <= 16):
             raise ValueError(f"gpu_decode_processes must be an integer in 0..16, got {self.gpu_decode_processes!r}")
-        if not self.decode_timeout_s > 0:
-            raise ValueError(f"decode_timeout_s must be > 0, got {self.decode_timeout_s!r}")
+        v = self.decode_timeout_s
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):  # (inf: no limit)
+            raise ValueError(f"decode_timeout_s must be a number > 0 (seconds; inf for no limit), got {v!r}")
+        for f in fields(self):
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
         if self.buckets is None:
             self.buckets = default_buckets(self.max_batch_size)
         else:
-            b = tuple(sorted(set(int(x) for x in self.buckets)))
-            if not b or b[0] < 1:
-                raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
+            try:
+                b = tuple(sorted(set(self.buckets)))
+            except TypeError:
+                b = ()
+            if not b or not all(is_int(x) for x in b) or b[0] < 1:
+                raise ValueError(f"buckets must be positive integer batch sizes, got {self.buckets!r}")
             self.buckets = b
             # the batcher never forms more than the largest bucket holds
             self.max_batch_size = min(self.max_batch_size, b[-1]) if self.max_batch_size else b[-1]

@@ -472,7 +472,8 @@ def decode_crops(decoder: Decoder, blobs: Sequence[bytes], resize: int = 256, cr
     Returns one entry per blob: ``(rows, r)``, its crop being row ``r`` of the ``(n_good, crop, crop, 3)``
     uint8 device tensor ``rows`` (no per-image tensor is made), a ``(crop, crop, 3)`` uint8 numpy
     array (the GPU decoder refused it, or with ``check`` :func:`gpu_eligible` did, and the CPU path
-    decoded it), or the :class:`~fullthrottle.preprocess.ImageError` the CPU path gave (the item's error).
+    decoded it; so did the batch's eligible images if the GPU resize failed as a whole), or the
+    :class:`~fullthrottle.preprocess.ImageError` the CPU path gave (the item's error).
     ``check``: the caller has not run :func:`gpu_eligible` on the blobs (the GPU decoder processes
     check here, off the main process's GIL). Runs on the current CUDA stream; the caller synchronises
     before handing rows to another stream.
@@ -499,8 +500,16 @@ def decode_crops(decoder: Decoder, blobs: Sequence[bytes], resize: int = 256, cr
             good.append(j)
     if good:
         dev = device if device is not None else decoded[good[0]].device
-        rows = torch.empty((len(good), crop, crop, 3), dtype=torch.uint8, device=dev)
-        resize_crop_batch([decoded[j] for j in good], rows, resize, crop)
+        try:
+            rows = torch.empty((len(good), crop, crop, 3), dtype=torch.uint8, device=dev)
+            resize_crop_batch([decoded[j] for j in good], rows, resize, crop)
+        except Exception:  # noqa: BLE001 - the batch's failure (out of memory, say) is no image's: the CPU path
+            for j in good:  # decodes them, and the images it already decoded keep their crops
+                try:
+                    out[j] = preprocess(bytes(blobs[j]), resize, crop, max_pixels)
+                except ImageError as e:
+                    out[j] = e
+            return out
         for r, j in enumerate(good):
             out[j] = (rows, r)
     return out

@@ -69,11 +69,18 @@ def _encode_request(items: Sequence[tuple[bytes, int]], arena=None, base: int = 
     With ``fd`` (the file behind ``arena``: a memfd) the copy is ``os.pwritev``: one system call for
     the batch, made without the GIL, where a slice assignment per image holds it (~80-110 kB an image,
     3-5 us of memcpy each here, twice that on the H200 machine's cores, taken from every other thread
-    of the pipeline).
+    of the pipeline). ``items``' data: bytes-like with one-byte items (``bytes``, ``bytearray``).
+
+    Raises:
+        ValueError: the bytes do not fit in ``arena`` from ``base``.
+        OSError: the write failed (``pwritev``: no memory for the memfd's pages, say).
     """
     heads = [_ITEM.pack(row, len(d)) for d, row in items]
     if arena is None:
         return b"".join([_N.pack(len(items)), _WHERE.pack(0, 0)] + heads + [bytes(d) for d, _ in items])
+    total = sum(len(d) for d, _ in items)
+    if base < 0 or base + total > len(arena):  # (pwritev would grow the file past the mapping, silently)
+        raise ValueError(f"{total} bytes from offset {base} do not fit in the {len(arena)}-byte arena")
     off, k = base, 0
     if fd is not None and hasattr(os, "pwritev"):
         while k < len(items):
@@ -237,12 +244,14 @@ class GpuDecoderProcess:
             self._restart()
         in_arena = (slot is not None and self.arena is not None
                     and sum(len(d) for d, _ in items) <= SLOT_BYTES)
+        try:  # the copy into shared memory first: its failure is this process's, not the worker's
+            msg = (_encode_request(items, self.arena, slot * SLOT_BYTES, self.arena_fd) if in_arena
+                   else _encode_request(items))
+        except OSError as e:
+            raise RuntimeError(f"cannot copy a batch into the GPU decoder process's shared memory: {e}") from e
         self._sent.append(time.perf_counter())
         try:
-            if in_arena:
-                self.conn.send_bytes(_encode_request(items, self.arena, slot * SLOT_BYTES, self.arena_fd))
-            else:
-                self.conn.send_bytes(_encode_request(items))
+            self.conn.send_bytes(msg)
         except OSError:
             pass  # gone: receive() reports it for this batch and restarts it
         return in_arena
@@ -256,7 +265,7 @@ class GpuDecoderProcess:
                 start-up time when new) and was killed; a new one has been started either way.
         """
         wait = timeout + max(0.0, self.spawned + STARTUP_S - time.perf_counter())
-        if not self.conn.poll(wait):
+        if not self.conn.poll(wait if wait < 1e6 else None):  # (None: no limit; poll takes no inf)
             self.proc.kill()
             self._restart()
             raise WorkerDied(f"GPU decoding took longer than {timeout:g} s (decode_timeout_s): "

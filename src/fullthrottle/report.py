@@ -167,7 +167,7 @@ class Report:
             f"{self.items} items: {self.ok} ok, {self.failed} failed in {self.wall_s:.2f} s "
             f"= {self.images_per_s:.1f} img/s on {self.device} ({self.model}, {self.dtype})",
             f"latency per item: p50 {self.latency_ms(50):.1f} ms, p99 {self.latency_ms(99):.1f} ms; "
-            f"{self.batches} batches, mean size {self.mean_batch_size:.1f}",
+            f"{self.batches} batch{'' if self.batches == 1 else 'es'}, mean size {self.mean_batch_size:.1f}",
             f"{'stage':<11}{'workers':>8}{'busy %':>8}{'items/s':>10}{'queue wait ms':>15}",
         ]
         for s in self.stages:
