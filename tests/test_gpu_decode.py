@@ -509,12 +509,23 @@ def test_triton_resize_on_gpu_matches_the_products(samples, bad_dir):
 
 
 
+def assert_cpu_path_result(blob: bytes, got) -> None:
+    """``got`` is what the CPU path gives ``blob``: the same crop, or an ImageError with the same message."""
+    from fullthrottle.preprocess import ImageError
+
+    try:
+        want = preprocess(blob)
+    except ImageError as err:
+        assert isinstance(got, ImageError) and str(got) == str(err)
+    else:
+        assert isinstance(got, np.ndarray) and np.array_equal(got, want)
+
+
 def test_decode_crops_checks_eligibility_itself_when_asked(samples, bad_dir):
     """GPU decoder processes get every JPEG-looking image unchecked (decode_crops(check=True)): what
     gpu_eligible refuses never reaches the GPU decoder and gets the CPU path's crop or error instead,
     byte for byte; the rest are decoded by the GPU decoder."""
     from fullthrottle.gpu_decode import decode_crops
-    from fullthrottle.preprocess import ImageError
 
     blobs = [p.read_bytes() for p in samples[:6]] + \
         [(bad_dir / n).read_bytes() for n in ("cmyk.jpg", "exif-rotated.jpg", "truncated.jpg", "progressive.jpg")]
@@ -530,12 +541,7 @@ def test_decode_crops_checks_eligibility_itself_when_asked(samples, bad_dir):
             resize_crop_batch(FakeGpuDecoder()([b]), ref, 256, 224)
             assert torch.equal(rows[r], ref[0])
             continue
-        try:
-            want = preprocess(b)
-        except ImageError as err:
-            assert isinstance(o, ImageError) and str(o) == str(err)
-        else:
-            assert isinstance(o, np.ndarray) and np.array_equal(o, want)
+        assert_cpu_path_result(b, o)
 
 
 def test_gpu_process_send_reports_a_failed_copy_and_bounds(monkeypatch):
@@ -587,7 +593,6 @@ def test_decode_crops_falls_back_to_the_cpu_when_the_gpu_batch_fails(samples, ba
     """A failure of the batch's GPU resize (out of memory, say) is no image's: each image gets the CPU
     path's crop or error, and the images already on the CPU path keep theirs."""
     import fullthrottle.gpu_decode as gd
-    from fullthrottle.preprocess import ImageError
 
     def boom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
@@ -596,9 +601,4 @@ def test_decode_crops_falls_back_to_the_cpu_when_the_gpu_batch_fails(samples, ba
                                                      (bad_dir / "truncated.jpg").read_bytes()]
     out = gd.decode_crops(FakeGpuDecoder(), blobs, check=True)
     for b, o in zip(blobs, out):
-        try:
-            want = preprocess(b)
-        except ImageError as err:
-            assert isinstance(o, ImageError) and str(o) == str(err)
-        else:
-            assert isinstance(o, np.ndarray) and np.array_equal(o, want)
+        assert_cpu_path_result(b, o)
