@@ -128,10 +128,19 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     depth0 = pl.WORKER_DEPTH
     pl.WORKER_DEPTH = worker_depth or depth0
     torch.manual_seed(0)
+    mix = int(gpu_decoder.split(":")[1]) if gpu_decoder.startswith("mix:") else None  # hardware processes
     pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="bfloat16", channels_last=True,
                            max_batch_size=batch, threads=threads, max_wait_ms=max_wait_ms, graphs=graphs,
                            gpu_decode=gpu_decode, preprocess=preprocess, gpu_decode_processes=gpu_procs,
-                           gpu_decoder=gpu_decoder))
+                           gpu_decoder="nvjpeg" if mix is not None else gpu_decoder))
+    if mix is not None and pipe.gpu_decoders is not None:  # the same number of processes, mix of two kinds
+        from fullthrottle.gpu_decode_procs import GpuDecoderPool
+
+        cfg = pipe.config
+        pipe.gpu_decoders.close()
+        pipe.gpu_decoders = GpuDecoderPool(gpu_procs, pipe.decoders.crops, 0, cfg.resize_size, cfg.crop_size,
+                                           cfg.max_image_pixels, decoder=["hardware"] * mix
+                                           + ["nvjpeg"] * (gpu_procs - mix))
     list(pipe.run([blobs[i % len(blobs)] for i in range(2000)]))  # warm-up (cuDNN autotune, pools)
     seen, t_warm, n_warm = 0, None, 0
     inputs = (blobs[i % len(blobs)] for i in range(n))
@@ -181,7 +190,7 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     eng = pipe.engine
     n_procs = len(pipe.decoders) if pipe.decoders is not None else 0
     pinned = pipe.decoders.crops.pinned if pipe.decoders is not None else None
-    gpu_kind = eng.gpu_decoder.kind if eng.gpu_decoder is not None else None
+    gpu_kind = (gpu_decoder if mix is not None else eng.gpu_decoder.kind) if eng.gpu_decoder is not None else None
     n_disp = sum(t.name.startswith("ft-preprocess-dispatch") for t in pipe.current_run.threads)
     pipe.close()
     worker_split = _worker_stats(stats_dir) if stats_dir else None
@@ -221,7 +230,8 @@ def main():
     ap.add_argument("--gpu-procs", default="2", help="GPU decoder processes to try with --gpu-decode, e.g. 0,2,4 "
                     "(0: the GPU decode thread in the main process)")
     ap.add_argument("--gpu-decoders", default="auto", help="GPU JPEG decoders to try with --gpu-decode: "
-                    "hardware, nvjpeg, auto, comma-separated (each with every --gpu-procs value)")
+                    "hardware, nvjpeg, auto, or mix:N (N of the --gpu-procs processes on the hardware engines, "
+                    "the rest nvJPEG), comma-separated (each with every --gpu-procs value)")
     ap.add_argument("--nvimgcodec-threads", default="", help="nvImageCodec CPU threads per hardware decoder to "
                     "try, comma-separated (FULLTHROTTLE_NVIMGCODEC_THREADS; empty: its default, one per core)")
     ap.add_argument("--gpu-spill-depths", default="1",

@@ -602,3 +602,17 @@ def test_decode_crops_falls_back_to_the_cpu_when_the_gpu_batch_fails(samples, ba
     out = gd.decode_crops(FakeGpuDecoder(), blobs, check=True)
     for b, o in zip(blobs, out):
         assert_cpu_path_result(b, o)
+
+
+def test_gpu_decoder_pool_takes_one_kind_per_process():
+    """A mix of decoder kinds names one kind per process; a list of another length is refused before
+    any process starts."""
+    from fullthrottle.gpu_decode_procs import GpuDecoderPool
+    from fullthrottle.preprocess_procs import CropPool
+
+    pool = CropPool(4, 8)
+    try:
+        with pytest.raises(ValueError, match="3 decoder kinds for 2 GPU decoder processes"):
+            GpuDecoderPool(2, pool, crop_size=8, decoder=["hardware", "nvjpeg", "nvjpeg"])
+    finally:
+        pool.close()

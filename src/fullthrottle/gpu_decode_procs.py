@@ -305,18 +305,26 @@ class GpuDecoderProcess:
 class GpuDecoderPool:
     """``n`` :class:`GpuDecoderProcess` workers started in parallel, writing into ``pool``.
 
+    ``decoder``: one kind for all (``"nvjpeg"`` or ``"hardware"``), or one per process (a mix: the
+    hardware engines and nvJPEG's CUDA and CPU stages are different resources; measured with
+    ``bench/e2e_cpu_decode.py --gpu-decoders mix:N``).
+
     Raises:
+        ValueError: a list of kinds that is not one per process.
         RuntimeError: a process could not start (no CUDA there, an import failed), with the cause.
     """
 
     def __init__(self, n: int, pool: CropPool, device_index: int = 0, resize_size: int = 256,
                  crop_size: int = 224, max_pixels: int = 89_478_485, start_timeout_s: float = 120.0,
-                 decoder: str = "nvjpeg"):
+                 decoder: str | Sequence[str] = "nvjpeg"):
+        kinds = [decoder] * n if isinstance(decoder, str) else list(decoder)
+        if len(kinds) != n:
+            raise ValueError(f"{len(kinds)} decoder kinds for {n} GPU decoder processes")
         self.workers: list[GpuDecoderProcess] = []
         try:
-            for _ in range(n):
+            for kind in kinds:
                 self.workers.append(GpuDecoderProcess(pool, device_index, resize_size, crop_size, max_pixels,
-                                                      decoder))
+                                                      kind))
             errs: list[BaseException] = []
 
             def wait(w):
