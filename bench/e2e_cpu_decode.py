@@ -234,6 +234,9 @@ def main():
                     "the rest nvJPEG), comma-separated (each with every --gpu-procs value)")
     ap.add_argument("--nvimgcodec-threads", default="", help="nvImageCodec CPU threads per hardware decoder to "
                     "try, comma-separated (FULLTHROTTLE_NVIMGCODEC_THREADS; empty: its default, one per core)")
+    ap.add_argument("--nvimgcodec-backends", default="",
+                    help="with the hardware decoder: nvImageCodec backend mixes to try, comma-separated, each like "
+                         "hw:0.7+hybrid (FULLTHROTTLE_NVIMGCODEC_BACKENDS; empty: hw, the engines alone)")
     ap.add_argument("--gpu-spill-depths", default="1",
                     help="with --gpu-decode: images each CPU decoder process holds before an eligible JPEG goes "
                          "to the GPU instead (pipeline.GPU_SPILL_DEPTH), e.g. 1,2 (default: %(default)s)")
@@ -299,23 +302,26 @@ def main():
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     import fullthrottle.pipeline as pl
 
-    variants = [(kind, t, g, s, si) for kind in args.gpu_decoders.split(",") if kind
+    variants = [(kind, t, b, g, s, si) for kind in args.gpu_decoders.split(",") if kind
                 for t in (args.nvimgcodec_threads.split(",") if kind != "nvjpeg" else [""])
+                for b in (args.nvimgcodec_backends.split(",") if kind != "nvjpeg" else [""])
                 for g in [int(x) for x in args.gpu_procs.split(",") if x]
                 for s in [int(x) for x in args.gpu_spill_depths.split(",") if x]
                 for si in ([float(x) for x in args.gpu_switch_intervals.split(",") if x] or [sys.getswitchinterval()])
                 ] if args.gpu_decode else []
     spill0, si0 = pl.GPU_SPILL_DEPTH, sys.getswitchinterval()
-    for kind, t, g, s, si in variants:
+    for kind, t, b, g, s, si in variants:
         sys.setswitchinterval(si)
         os.environ["FULLTHROTTLE_NVIMGCODEC_THREADS"] = t  # nvImageCodec's CPU threads per decoder ("": one per core)
+        os.environ["FULLTHROTTLE_NVIMGCODEC_BACKENDS"] = b  # its backends ("": the engines alone)
         pl.GPU_SPILL_DEPTH = s
-        print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes, nvImageCodec threads {t or 'default'}, "
+        print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes, nvImageCodec threads {t or 'default'} backends {b or 'hw'}, "
               f"CPU workers hold {s} before the GPU takes the rest, switch interval {si * 1e3:g} ms ...", flush=True)
         try:
             extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, gpu_decode=True, gpu_procs=g,
                                           gpu_decoder=kind))
             extra[-1]["nvimgcodec_threads"] = t or "default"
+            extra[-1]["nvimgcodec_backends"] = b or "hw"
             extra[-1]["gpu_spill_depth"] = s
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' figures
             print(f"  failed: {type(e).__name__}: {e}", flush=True)
@@ -324,6 +330,7 @@ def main():
             continue
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_THREADS", None)
+    os.environ.pop("FULLTHROTTLE_NVIMGCODEC_BACKENDS", None)
     pl.GPU_SPILL_DEPTH = spill0
     sys.setswitchinterval(si0)
     for w in [float(x) for x in args.ft_waits.split(",") if x]:

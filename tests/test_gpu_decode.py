@@ -157,6 +157,20 @@ def test_hardware_decoder_per_item_results(bad_dir, samples, drop_refused):
     assert all(isinstance(out[j], torch.Tensor) for j in (0, 2, 3, 4)) and fake.calls == [5, 1, 1, 1, 1, 1]
 
 
+def test_nvimgcodec_backend_spec():
+    """FULLTHROTTLE_NVIMGCODEC_BACKENDS: the engines alone by default, or shares of each batch between the
+    engines and nvImageCodec's nvJPEG backends; a bad name or load hint is refused with the rule."""
+    from fullthrottle.gpu_decode import parse_nvimgcodec_backends as parse
+
+    assert parse("") == parse("hw") == [("HW_GPU_ONLY", 1.0)]
+    assert parse("hw:0.7+hybrid") == [("HW_GPU_ONLY", 0.7), ("HYBRID_CPU_GPU", 1.0)]
+    assert parse(" gpu + hw:0 ") == [("GPU_ONLY", 1.0), ("HW_GPU_ONLY", 0.0)]
+    for bad, msg in (("cuda", "unknown nvImageCodec backend 'cuda'"), ("hw:1.5", "must be a number in 0..1"),
+                     ("hw:x", "must be a number in 0..1"), ("hw+", "unknown nvImageCodec backend ''")):
+        with pytest.raises(ValueError, match=msg):
+            parse(bad)
+
+
 def test_gpu_decoder_choice_and_errors(monkeypatch):
     import builtins
 

@@ -339,6 +339,37 @@ class GpuJpegDecoder:
             return out
 
 
+#: nvImageCodec backend names of :envvar:`FULLTHROTTLE_NVIMGCODEC_BACKENDS` (``nvimgcodec.BackendKind``)
+NVIMGCODEC_BACKENDS = {"hw": "HW_GPU_ONLY", "hybrid": "HYBRID_CPU_GPU", "gpu": "GPU_ONLY"}
+
+
+def parse_nvimgcodec_backends(spec: str) -> list[tuple[str, float]]:
+    """``"hw:0.7+hybrid"`` -> ``[("HW_GPU_ONLY", 0.7), ("HYBRID_CPU_GPU", 1.0)]``: the backends the
+    ``"hardware"`` decoder lets nvImageCodec use, each ``name[:load_hint]``, joined by ``+``.
+
+    ``hw``: the JPEG engines; ``hybrid``: nvJPEG with Huffman decoding on nvImageCodec's CPU threads;
+    ``gpu``: nvJPEG with Huffman decoding on the SMs. The load hint is the fraction of a batch a backend
+    is offered (nvImageCodec's ``Backend(kind, load_hint)``; the rest go to the next backend), as in
+    DALI's ``hw_decoder_load``. Empty: ``"hw"``, the engines alone.
+
+    Raises:
+        ValueError: an unknown name, or a load hint outside 0..1.
+    """
+    out = []
+    for part in (spec or "hw").split("+"):
+        name, _, hint = part.strip().partition(":")
+        if name not in NVIMGCODEC_BACKENDS:
+            raise ValueError(f"unknown nvImageCodec backend {name!r} in {spec!r} (use {', '.join(NVIMGCODEC_BACKENDS)})")
+        try:
+            h = float(hint) if hint else 1.0
+        except ValueError:
+            h = -1.0
+        if not 0.0 <= h <= 1.0:
+            raise ValueError(f"load hint of {name!r} in {spec!r} must be a number in 0..1")
+        out.append((NVIMGCODEC_BACKENDS[name], h))
+    return out
+
+
 class HwJpegDecoder:
     """The GPU's hardware JPEG decoders (the NVJPG engines of A100, H100, H200, B200) through NVIDIA's
     nvImageCodec (``pip install nvidia-nvimgcodec-cu13``, or ``-cu12``), one call per batch.
@@ -357,8 +388,14 @@ class HwJpegDecoder:
     synchronises the device. EXIF orientation is not applied (:func:`gpu_eligible` sends rotated
     photos to the CPU path); grayscale JPEGs come out as 3 equal channels, like the CPU path's.
 
+    ``FULLTHROTTLE_NVIMGCODEC_BACKENDS`` (:func:`parse_nvimgcodec_backends`, default ``hw``) lets
+    nvImageCodec share each batch between the engines and its nvJPEG backends, as DALI's mixed decoder
+    does (for example ``hw:0.7+hybrid``); ``FULLTHROTTLE_NVIMGCODEC_THREADS`` sets its CPU threads
+    (default: one per core).
+
     Raises:
         ImportError: nvImageCodec is not installed.
+        ValueError: a bad ``FULLTHROTTLE_NVIMGCODEC_BACKENDS``.
         RuntimeError: the GPU has no hardware JPEG decoder (a test image did not decode).
     """
 
@@ -370,8 +407,9 @@ class HwJpegDecoder:
         self.device = torch.device(device)
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         threads = int(os.environ.get("FULLTHROTTLE_NVIMGCODEC_THREADS", "0") or 0)  # 0: one per core
-        self._dec = nvimgcodec.Decoder(device_id=index, max_num_cpu_threads=threads,
-                                       backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)])
+        backends = [nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k), load_hint=h)
+                    for k, h in parse_nvimgcodec_backends(os.environ.get("FULLTHROTTLE_NVIMGCODEC_BACKENDS", ""))]
+        self._dec = nvimgcodec.Decoder(device_id=index, max_num_cpu_threads=threads, backends=backends)
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False,
                                                color_spec=nvimgcodec.ColorSpec.RGB, allow_any_depth=False)
         self._code_stream = nvimgcodec.CodeStream
