@@ -306,8 +306,8 @@ class GpuDecoderPool:
     """``n`` :class:`GpuDecoderProcess` workers started in parallel, writing into ``pool``.
 
     ``decoder``: one kind for all (``"nvjpeg"`` or ``"hardware"``), or one per process (a mix: the
-    hardware engines and nvJPEG's CUDA and CPU stages are different resources; measured with
-    ``bench/e2e_cpu_decode.py --gpu-decoders mix:N``).
+    hardware engines and nvJPEG's CUDA and CPU stages are different resources; to be measured with
+    ``bench/e2e_cpu_decode.py --gpu-decoders mix:N``, not yet run on the GPU).
 
     Raises:
         ValueError: a list of kinds that is not one per process.
