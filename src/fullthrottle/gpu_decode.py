@@ -518,6 +518,12 @@ def decode_crops(decoder: Decoder, blobs: Sequence[bytes], resize: int = 256, cr
     """
     from .preprocess import ImageError, preprocess
 
+    def on_cpu(j: int):  # the CPU path's crop of blob j, or its error
+        try:
+            return preprocess(bytes(blobs[j]), resize, crop, max_pixels)
+        except ImageError as e:
+            return e
+
     if check:
         ok = [gpu_eligible(bytes(b), max_pixels, resize)[0] for b in blobs]
         sent = [j for j, e in enumerate(ok) if e]
@@ -530,10 +536,7 @@ def decode_crops(decoder: Decoder, blobs: Sequence[bytes], resize: int = 256, cr
     good = []
     for j, d in enumerate(decoded):
         if isinstance(d, Exception):
-            try:
-                out[j] = preprocess(bytes(blobs[j]), resize, crop, max_pixels)
-            except ImageError as e:
-                out[j] = e
+            out[j] = on_cpu(j)
         else:
             good.append(j)
     if good:
@@ -543,10 +546,7 @@ def decode_crops(decoder: Decoder, blobs: Sequence[bytes], resize: int = 256, cr
             resize_crop_batch([decoded[j] for j in good], rows, resize, crop)
         except Exception:  # noqa: BLE001 - the batch's failure (out of memory, say) is no image's: the CPU path
             for j in good:  # decodes them, and the images it already decoded keep their crops
-                try:
-                    out[j] = preprocess(bytes(blobs[j]), resize, crop, max_pixels)
-                except ImageError as e:
-                    out[j] = e
+                out[j] = on_cpu(j)
             return out
         for r, j in enumerate(good):
             out[j] = (rows, r)
