@@ -11,7 +11,7 @@ TO="timeout ${PART_TIMEOUT_S:-300}"   # no single part may eat the whole call
 PIN=""; [[ $(nproc) -gt 16 ]] && PIN="taskset -c 0-15"
 if compgen -G ".whl/*.whl" >/dev/null; then   # carried wheels (fastapi, uvicorn, pydantic, ...)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH PATH=/tmp/site/bin:$PATH
 fi
 if compgen -G ".nvimg/*.whl" >/dev/null; then  # nvImageCodec (issue 04: the GPU's hardware JPEG decoders)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/nvic .nvimg/*.whl \
@@ -72,6 +72,15 @@ fi
 if [[ $parts == *gpudecode* ]]; then   # issue 04: CPU+GPU JPEG decode end to end vs DataLoader
   $TO python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --skip-no-graphs --n ${GD_N:-60000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} ${GD_ARGS:-} --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -8
   $TO python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --skip-no-graphs --n ${GD_N:-40000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} ${GD_ARGS:-} --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -8
+fi
+if [[ ,$parts, == *,mpsab,* ]]; then      # issue 04: GPU decoder processes time-sliced vs as MPS clients
+  for im in ${MPS_IMAGES:-640x480}; do
+    for m in "" --mps; do
+      $TO python3 bench/e2e_cpu_decode.py --images $im --gpu-decode --skip-no-graphs --n ${GD_N:-40000} --gpu-decoders nvjpeg \
+        --gpu-procs ${GPU_PROCS:-6} --gpu-worker-syncs ${GPU_SYNCS:-spin,blocking} $m ${GD_ARGS:-} \
+        --out "$OUT/e2e_gpu_decode_${im}${m:+_mps}.json" 2>&1 | grep -v "^{" | tail -12
+    done
+  done
 fi
 if [[ ,$parts, == *,mpcost,* ]]; then      # issue 04: the main process's own CPU per image (GIL ceiling)
   $TO python3 bench/main_process_cost.py --n 30000 --gpu-procs 6 --repeats 2 --out "$OUT/main_process_cost_gpu_procs.json" 2>&1 | tail -2

@@ -111,7 +111,7 @@ def _worker_stats(folder: str) -> dict | None:
 
 def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu_decode=False, warm_frac=0.25,
                      preprocess="auto", dispatchers=None, gpu_procs=2, worker_depth=None, worker_nice=None,
-                     worker_stats=False, gpu_decoder="auto"):
+                     worker_stats=False, gpu_decoder="auto", py_spy=None):
     import tempfile
 
     import fullthrottle.pipeline as pl
@@ -156,6 +156,14 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
         seen += 1
         if t_warm is None and seen >= warm_frac * n:
             t_warm, n_warm = time.perf_counter(), seen
+            if py_spy:  # sample the threads holding the GIL, without pausing the process
+                import shutil
+                import subprocess
+
+                exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+                subprocess.Popen([exe, "record", "--gil", "--nonblocking", "-r", "200", "-d", "3", "-f", "raw",
+                                  "-p", str(os.getpid()), "-o", py_spy], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
             cpu0, main0, thr0 = sum(map(_cpu_s, pids)), time.process_time(), _threads_cpu_s()
             gcpu0 = sum(map(_cpu_s, gpids))
         if cpu is None and seen >= 0.85 * n:  # CPU use measured while every stage's thread still runs
@@ -192,6 +200,7 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     pinned = pipe.decoders.crops.pinned if pipe.decoders is not None else None
     gpu_kind = (gpu_decoder if mix is not None else eng.gpu_decoder.kind) if eng.gpu_decoder is not None else None
     n_disp = sum(t.name.startswith("ft-preprocess-dispatch") for t in pipe.current_run.threads)
+    mapped = eng.mapped_crops is not None
     pipe.close()
     worker_split = _worker_stats(stats_dir) if stats_dir else None
     return {"threads": threads, "preprocess": preprocess, "decoder_processes": n_procs,
@@ -211,7 +220,8 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
             "images": seen, "steady_images": seen - n_warm, "steady_s": t_end - t_warm,
             "img_per_s": (seen - n_warm) / (t_end - t_warm), "whole_run_img_per_s": rep.images_per_s,
             "latency_p50_ms": rep.latency_ms(50), "latency_p99_ms": rep.latency_ms(99),
-            "mean_batch_size": rep.mean_batch_size, "stages": rep.stages}
+            "mean_batch_size": rep.mean_batch_size, "stages": rep.stages,
+            "pool_gather": "mapped" if mapped else "copy"}
 
 
 def main():
@@ -243,6 +253,20 @@ def main():
     ap.add_argument("--gpu-switch-intervals", default="",
                     help="with --gpu-decode: sys.setswitchinterval values (s) to try, e.g. 0.005,0.0005 (how long a "
                          "thread waiting for the GIL lets another run before asking for it; Python's default 0.005)")
+    ap.add_argument("--gpu-worker-syncs", default="",
+                    help="how the GPU decoder processes wait for the GPU, variants to try: spin,blocking "
+                         "(FULLTHROTTLE_GPU_WORKER_SYNC; default: the library's)")
+    ap.add_argument("--pool-gathers", default="",
+                    help="how the compute thread reads the crop pool, variants to try: mapped,copy "
+                         "(FULLTHROTTLE_POOL_GATHER; mapped: one gather kernel reading the pinned pool in place)")
+    ap.add_argument("--mps", action="store_true",
+                    help="run everything (baselines too) as clients of a CUDA MPS server this script starts "
+                         "(nvidia-cuda-mps-control -d, private pipe folder) and stops at the end")
+    ap.add_argument("--baseline-n", type=int, default=None,
+                    help="images for the DataLoader and CPU-only runs (default: --n)")
+    ap.add_argument("--py-spy", default="",
+                    help="folder: record the main process's GIL-holding stacks (py-spy --gil, 3 s) during each "
+                         "GPU decode variant's steady part, one raw file per variant")
     ap.add_argument("--skip-no-graphs", action="store_true", help="skip the graphs-off fullthrottle run")
     ap.add_argument("--thread-decode", action="store_true",
                     help="also run fullthrottle with decoding in threads (preprocess='threads')")
@@ -257,6 +281,60 @@ def main():
                     help="also try fullthrottle with this sys.setswitchinterval (s)")
     ap.add_argument("--out", default="bench/results/e2e_cpu_decode.json")
     args = ap.parse_args()
+    mps = start_mps() if args.mps else None  # before this process's first CUDA call
+    try:
+        run(args, mps)
+    finally:
+        if mps is not None:
+            stop_mps(mps)
+
+
+def start_mps() -> dict:
+    """Start a CUDA MPS control daemon with a private pipe/log folder (exported to this process and
+    its children, so their CUDA contexts become its clients). Exits if it cannot be started."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    exe = shutil.which("nvidia-cuda-mps-control") or next(
+        (p for p in ("/usr/bin/nvidia-cuda-mps-control", "/usr/local/cuda/bin/nvidia-cuda-mps-control",
+                     "/usr/local/nvidia/bin/nvidia-cuda-mps-control") if os.path.exists(p)), None)
+    if exe is None:
+        sys.exit("--mps: nvidia-cuda-mps-control not found (PATH, /usr/bin, /usr/local/cuda/bin)")
+    root = tempfile.mkdtemp(prefix="ft-mps-")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
+    for d in env.values():
+        os.makedirs(d)
+    os.environ.update(env)
+    r = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        sys.exit(f"--mps: nvidia-cuda-mps-control -d failed ({r.returncode}): {r.stderr or r.stdout}")
+    print(f"MPS control daemon started ({root})", flush=True)
+    return {"exe": exe, "root": root}
+
+
+def mps_servers(mps: dict) -> str:
+    """The MPS control daemon's answer to get_server_list (the PIDs of its servers: one once a client
+    connected)."""
+    import subprocess
+
+    r = subprocess.run([mps["exe"]], input="get_server_list\n", capture_output=True, text=True, timeout=30)
+    return r.stdout.strip()
+
+
+def stop_mps(mps: dict) -> None:
+    """Ask the MPS control daemon to quit once this process (still one of its clients) has exited:
+    ``quit`` waits for the clients, so it is sent from a detached process, not waited for here."""
+    import subprocess
+
+    log = os.path.join(mps["root"], "log", "control.log")
+    if os.path.exists(log):
+        print("MPS control.log (tail):", open(log).read()[-800:], flush=True)
+    subprocess.Popen(["sh", "-c", f"echo quit | {mps['exe']}"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def run(args, mps) -> None:
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
     import torchvision
@@ -268,10 +346,11 @@ def main():
         for _ in range(3):
             model(torch.randn(args.batch, 3, 224, 224, device="cuda", dtype=torch.bfloat16))
     print("DataLoader + PIL ...", flush=True)
-    dl = run_dataloader(blobs, args.n, args.workers, args.batch, model)
+    nb = args.baseline_n or args.n
+    dl = run_dataloader(blobs, nb, args.workers, args.batch, model)
     print(dl, flush=True)
     print("fullthrottle ...", flush=True)
-    ft = run_fullthrottle(blobs, args.n, args.threads, args.batch, worker_stats=args.worker_stats)
+    ft = run_fullthrottle(blobs, nb, args.threads, args.batch, worker_stats=args.worker_stats)
     print({k: v for k, v in ft.items() if k != "stages"}, flush=True)
     ft_eager = None
     if not args.skip_no_graphs:
@@ -301,34 +380,52 @@ def main():
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, preprocess="threads"))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     import fullthrottle.pipeline as pl
+    from fullthrottle.compute import POOL_GATHER_ENV
+    from fullthrottle.gpu_decode_procs import SYNC_ENV
 
-    variants = [(kind, t, b, g, s, si) for kind in args.gpu_decoders.split(",") if kind
+    variants = [(kind, t, b, g, s, si, sy, pg) for kind in args.gpu_decoders.split(",") if kind
                 for t in (args.nvimgcodec_threads.split(",") if kind != "nvjpeg" else [""])
                 for b in (args.nvimgcodec_backends.split(",") if kind != "nvjpeg" else [""])
                 for g in [int(x) for x in args.gpu_procs.split(",") if x]
                 for s in [int(x) for x in args.gpu_spill_depths.split(",") if x]
                 for si in ([float(x) for x in args.gpu_switch_intervals.split(",") if x] or [sys.getswitchinterval()])
+                for sy in (args.gpu_worker_syncs.split(",") if args.gpu_worker_syncs else [""])
+                for pg in (args.pool_gathers.split(",") if args.pool_gathers else [""])
                 ] if args.gpu_decode else []
     spill0, si0 = pl.GPU_SPILL_DEPTH, sys.getswitchinterval()
-    for kind, t, b, g, s, si in variants:
+    sync0 = os.environ.get(SYNC_ENV)
+    for kind, t, b, g, s, si, sy, pg in variants:
         sys.setswitchinterval(si)
+        os.environ[POOL_GATHER_ENV] = pg  # "": the library's default (copy)
+        if sy:
+            os.environ[SYNC_ENV] = sy
+        elif sync0 is None:
+            os.environ.pop(SYNC_ENV, None)
         os.environ["FULLTHROTTLE_NVIMGCODEC_THREADS"] = t  # nvImageCodec's CPU threads per decoder ("": one per core)
         os.environ["FULLTHROTTLE_NVIMGCODEC_BACKENDS"] = b  # its backends ("": the engines alone)
         pl.GPU_SPILL_DEPTH = s
         print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes, nvImageCodec threads {t or 'default'} backends {b or 'hw'}, "
-              f"CPU workers hold {s} before the GPU takes the rest, switch interval {si * 1e3:g} ms ...", flush=True)
+              f"CPU workers hold {s} before the GPU takes the rest, switch interval {si * 1e3:g} ms, "
+              f"GPU worker sync {sy or 'default'}, pool gather {pg or 'default'} ...", flush=True)
         try:
+            spy = (os.path.join(args.py_spy, f"py_spy_{len(extra)}_{kind}_{g}.raw") if args.py_spy else None)
             extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, gpu_decode=True, gpu_procs=g,
-                                          gpu_decoder=kind))
+                                          gpu_decoder=kind, py_spy=spy))
             extra[-1]["nvimgcodec_threads"] = t or "default"
             extra[-1]["nvimgcodec_backends"] = b or "hw"
             extra[-1]["gpu_spill_depth"] = s
+            extra[-1]["gpu_worker_sync"] = os.environ.get(SYNC_ENV, "default")
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' figures
             print(f"  failed: {type(e).__name__}: {e}", flush=True)
             extra.append({"gpu_decode": True, "gpu_decoder": kind, "gpu_decode_processes": g,
                           "error": f"{type(e).__name__}: {e}"[:500]})
             continue
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
+    os.environ.pop(POOL_GATHER_ENV, None)
+    if sync0 is None:
+        os.environ.pop(SYNC_ENV, None)
+    else:
+        os.environ[SYNC_ENV] = sync0
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_THREADS", None)
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_BACKENDS", None)
     pl.GPU_SPILL_DEPTH = spill0
@@ -348,11 +445,12 @@ def main():
         sys.setswitchinterval(old)
     payload = {
         "benchmark": "e2e_cpu_decode", "machine": machine_info(), "images": args.images,
-        "n": args.n, "dataloader_workers": args.workers, "fullthrottle_threads": args.threads, "batch": args.batch,
+        "n": args.n, "baseline_n": nb, "dataloader_workers": args.workers, "fullthrottle_threads": args.threads, "batch": args.batch,
         "model": "resnet18 bf16 channels_last eager, random weights",
         "baseline_dataloader_pil": dl, "fullthrottle": ft, "fullthrottle_no_graphs": ft_eager,
         "ratio_fullthrottle_over_dataloader": ft["img_per_s"] / dl["img_per_s"],
         "fullthrottle_variants": extra,
+        "mps": None if mps is None else {"server_list_after_run": mps_servers(mps)},
     }
     write_json(args.out, payload)
     print(f"fullthrottle {ft['img_per_s']:.0f} img/s vs DataLoader+PIL {dl['img_per_s']:.0f} img/s "
@@ -360,7 +458,8 @@ def main():
     for v in extra:
         if v.get("gpu_decode") and "error" not in v:
             print(f"  GPU decode ({v['gpu_decoder']}, nvImageCodec threads {v.get('nvimgcodec_threads')}), "
-                  f"{v['gpu_decode_processes']} GPU decoder processes, spill depth {v.get('gpu_spill_depth')}: "
+                  f"{v['gpu_decode_processes']} GPU decoder processes, spill depth {v.get('gpu_spill_depth')}, "
+                  f"sync {v.get('gpu_worker_sync')}, pool {v.get('pool_gather')}: "
                   f"{v['img_per_s']:.0f} img/s, "
                   f"{v['gpu_share']:.0%} of eligible JPEGs on the GPU, GPU busy {v['gpu_util_mean_pct']:.0f}%")
 

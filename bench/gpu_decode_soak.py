@@ -58,8 +58,21 @@ def main():
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--every", type=int, default=10_000)
     ap.add_argument("--gpu-decoder", default="auto", choices=GPU_DECODERS)
+    ap.add_argument("--mps", action="store_true", help="run as clients of a CUDA MPS server started here "
+                    "(as bench/e2e_cpu_decode.py --mps)")
     ap.add_argument("--out", default="bench/results/gpu_decode_soak.json")
     args = ap.parse_args()
+    from e2e_cpu_decode import start_mps, stop_mps
+
+    mps = start_mps() if args.mps else None  # before this process's first CUDA call
+    try:
+        run(args)
+    finally:
+        if mps is not None:
+            stop_mps(mps)
+
+
+def run(args) -> None:
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
     from fullthrottle import Config, Pipeline
@@ -78,7 +91,7 @@ def main():
             samples.append({"images": seen, "t_s": time.perf_counter() - t0, **memory()})
             print(samples[-1], flush=True)
     first, last = samples[0], samples[-1]
-    payload = {"benchmark": "gpu_decode_soak", "machine": machine_info(), "images": seen, "failed": failed,
+    payload = {"benchmark": "gpu_decode_soak", "machine": machine_info(), "mps": args.mps, "images": seen, "failed": failed,
                "img_per_s": seen / (time.perf_counter() - t0), "gpu_share": pipe.engine.splitter.routed_gpu_share,
                "gpu_decoder": pipe.engine.gpu_decoder.kind, "gpu_decode_summary": pipe.last_report.gpu_decode,
                "gpu_decoder_processes": len(pipe.gpu_decoders) if pipe.gpu_decoders is not None else 0,

@@ -85,3 +85,39 @@ def test_fused_conv_relu_on_cuda_matches_unfused():
         torch.backends.cudnn.allow_tf32 = tf32
     assert ((out - ref).norm() / ref.norm()).item() <= 1e-4
     assert out.argmax(1).tolist() == ref.argmax(1).tolist()
+
+
+def test_mapped_on_device_aliases_pinned_memory():
+    """The device reads pinned host memory in place: a later host write shows in a device read;
+    rows of bytes are widened to int64 columns; pageable memory is refused (None)."""
+    from fullthrottle.compute import mapped_on_device
+
+    host = torch.arange(64, dtype=torch.uint8).view(4, 16).pin_memory()
+    view = mapped_on_device(host, torch.device("cuda"))
+    assert view is not None and view.dtype == torch.int64 and tuple(view.shape) == (4, 2)
+    assert view.data_ptr() == host.data_ptr()
+    host[2] = 7
+    assert torch.equal(view[2].cpu().view(torch.uint8), host[2])
+    assert mapped_on_device(torch.zeros(4, 16, dtype=torch.uint8), torch.device("cuda")) is None
+
+
+def test_pool_rows_gathered_in_place_match_the_copy_path(samples, monkeypatch, no_thread_leak):
+    """FULLTHROTTLE_POOL_GATHER=mapped: crops from the decoder processes reach the model by one gather
+    reading the pinned pool in place (mapped_on_device); top-1 equals the eager model on the CPU path's
+    crops for every image, and the default (H2D copies into a device mirror) gives the same classes."""
+    torch.manual_seed(0)
+    cfg = dict(model="resnet18", device="cuda", dtype="float32", max_batch_size=16, preprocess="processes",
+               threads=4)
+    monkeypatch.setenv("FULLTHROTTLE_POOL_GATHER", "mapped")
+    with Pipeline(Config(**cfg)) as pipe:
+        assert pipe.engine.mapped_crops is not None and pipe.engine.dev_crops is None
+        res = pipe.classify(samples[:64])
+        crops = torch.from_numpy(np.stack([preprocess(p.read_bytes()) for p in samples[:64]])).cuda()
+        ref = pipe.engine.forward(crops).argmax(1).cpu().tolist()
+        model = copy.deepcopy(pipe.engine.model)
+    assert [r.class_ids[0] for r in res] == ref
+    monkeypatch.delenv("FULLTHROTTLE_POOL_GATHER")
+    with Pipeline(Config(**cfg), model=model) as pipe:
+        assert pipe.engine.mapped_crops is None and pipe.engine.dev_crops is not None
+        res2 = pipe.classify(samples[:64])
+    assert [r.class_ids[0] for r in res2] == ref

@@ -350,3 +350,13 @@ def test_decoder_processes_give_the_thread_results(samples, bad_dir, no_thread_l
 def test_preprocess_mode_is_checked():
     with pytest.raises(ValueError, match="preprocess must be"):
         Config(preprocess="fork")
+
+
+def test_label_lists_name_classes_past_the_labels_by_id():
+    """Engine.label_lists: (n, k) class ids -> label lists, row by row; ids past the labels -> their text."""
+    pipe = tiny_pipe()
+    labels = pipe.engine.labels
+    idx = np.array([[0, 1], [len(labels) + 2, 1]])
+    assert pipe.engine.label_lists(idx) == [[labels[0], labels[1]], [str(len(labels) + 2), labels[1]]]
+    assert pipe.engine.label_lists(np.array([[1, 0]])) == [[labels[1], labels[0]]]
+    assert pipe.engine.label_lists(np.zeros((0, 5), dtype=np.int64)) == []

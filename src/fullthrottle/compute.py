@@ -19,6 +19,7 @@ code runs with plain tensors, no streams and no events.
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -213,6 +214,64 @@ def row_spans(rows, max_gap: int = 16) -> list[tuple[int, int]]:
     return out
 
 
+#: environment variable: ``mapped`` has the compute thread read the crop pool in place
+#: (:func:`mapped_on_device`: one gather kernel per batch); otherwise (the default) the rows go H2D by
+#: copy-engine copies into a device mirror, then a gather. On the H200 the in-place gather cut the
+#: compute stage's busy time (61% against 79%) but not the run's time (17.9k against 18.9k img/s,
+#: bench/results/e2e_gpu_decode_640x480_mps_pool_gather_session10.json), so it is not the default.
+POOL_GATHER_ENV = "FULLTHROTTLE_POOL_GATHER"
+
+_TYPESTR = {torch.uint8: "|u1", torch.int32: "<i4", torch.int64: "<i8"}
+
+
+class _CudaArray:
+    """Just a ``__cuda_array_interface__`` (version 2: no stream to synchronise with)."""
+
+    def __init__(self, ptr: int, shape: tuple, dtype: torch.dtype):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": _TYPESTR[dtype],
+                                         "strides": None, "version": 2}
+
+
+def mapped_on_device(host: torch.Tensor, device: torch.device, wide: bool = True) -> torch.Tensor | None:
+    """A CUDA tensor over the same bytes as ``host``, page-locked host memory (``cudaHostAlloc`` /
+    ``cudaHostRegister``): with unified addressing its host pointer is valid in kernels, which then
+    read it over PCIe themselves (zero-copy; CUDA C Programming Guide, "Unified Virtual Address
+    Space" and "Mapped Memory").
+
+    Why: the compute thread gathers a batch's crop-pool rows with one kernel reading host memory
+    instead of one H2D copy per run of rows, a mirror on the device and a gather there: one PyTorch
+    call instead of ~15, each of which gives up the GIL and must wait to take it back.
+
+    Args:
+        host: contiguous, uint8/int32/int64, pinned or registered. 2-D ``(rows, bytes)`` uint8 with
+            ``wide`` is viewed as int64 (or int32) columns when the row length allows (8-byte loads).
+        device: the CUDA device that reads it.
+    Returns:
+        the view (same shape, or ``(rows, bytes / 8)`` int64 when widened), checked against a copy
+        of the first and last rows; ``None`` where that fails (no unified addressing, not pinned),
+        and the caller keeps its copies.
+    """
+    if not host.is_contiguous() or host.dtype not in _TYPESTR or host.numel() == 0:
+        return None
+    shape, dtype = tuple(host.shape), host.dtype
+    if wide and host.dim() == 2 and dtype == torch.uint8:
+        for d in (torch.int64, torch.int32):
+            if shape[1] % d.itemsize == 0 and host.data_ptr() % d.itemsize == 0:
+                shape, dtype = (shape[0], shape[1] // d.itemsize), d
+                break
+    try:
+        view = torch.as_tensor(_CudaArray(host.data_ptr(), shape, dtype), device=device)
+        if view.data_ptr() != host.data_ptr():  # a copy (the memory belongs to another device), no alias
+            return None
+        ref = host.view(dtype).view(shape)
+        idx = torch.tensor([0, shape[0] - 1], device=device)
+        if not torch.equal(view.index_select(0, idx).cpu(), ref[[0, shape[0] - 1]]):
+            return None
+        return view
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i], non_blocking=True)`` for every ``i``, in one call into PyTorch
     (``torch._foreach_copy_``, a loop over ``copy_`` where it is missing).
@@ -255,6 +314,7 @@ class Slot:
     error: str | None = None
     host_rows: torch.Tensor | None = None  # (maxB,) int64, pinned: crop-pool rows of this batch
     dev_rows: torch.Tensor | None = None   # the same on the device (gather indices)
+    mapped_rows: torch.Tensor | None = None  # host_rows as the device reads it in place (zero-copy)
     pool_rows: list | None = None          # crop-pool rows to give back when the slot is released
 
 
@@ -310,6 +370,7 @@ class Engine:
         # at small batches, loses a little at large ones on the H200, bench/results/graphs_resnet18.json)
         self.model_unfolded = place(model) if self.bn_folded and config.graphs else None
         self.labels = list(config.labels) if config.labels is not None else imagenet_labels()
+        self._label_arr: np.ndarray | None = None  # labels as an object array, for label_lists
         self.mean = torch.tensor(config.mean, device=self.device).view(1, 3, 1, 1) * 255.0
         self.inv_std = 1.0 / (torch.tensor(config.std, device=self.device).view(1, 3, 1, 1) * 255.0)
         # half precision: x * scale + shift in one pass over the half tensor (opmath is fp32 inside)
@@ -341,6 +402,7 @@ class Engine:
         self._cv = threading.Condition()
         self.crops = None      # the decoder processes' CropPool (attach_crops)
         self.dev_crops = None  # its device mirror: rows are copied H2D in place, then gathered
+        self.mapped_crops = None  # or the pool itself as the device reads it (mapped_on_device), (rows, S*S*3/8)
         self.runner: GraphRunner | None = None
         # the GPU JPEG decoder (its .kind: "hardware" or "nvjpeg"); decoder processes make their own
         self.gpu_decoder = make_gpu_decoder(self.device, config.gpu_decoder) if config.gpu_decode and self.cuda else None
@@ -411,8 +473,15 @@ class Engine:
         pins it (``cudaHostRegister``) and allocates its device mirror, ``crops.rows * S * S * 3`` bytes."""
         self.crops = crops
         if self.cuda:
-            crops.pin()
-            self.dev_crops = torch.empty_like(crops.tensor[:crops.rows], device=self.device)
+            pinned = crops.pin()
+            if pinned and os.environ.get(POOL_GATHER_ENV, "") == "mapped":
+                self.mapped_crops = mapped_on_device(crops.tensor[:crops.rows].view(crops.rows, -1), self.device)
+                for slot in self.slots:
+                    slot.mapped_rows = mapped_on_device(slot.host_rows, self.device) if self.mapped_crops is not None else None
+                if any(slot.mapped_rows is None for slot in self.slots):
+                    self.mapped_crops = None
+            if self.mapped_crops is None:
+                self.dev_crops = torch.empty_like(crops.tensor[:crops.rows], device=self.device)
 
     def release(self, slot: Slot) -> None:
         """Give ``slot`` (and the crop-pool rows its batch read) back for the next batch."""
@@ -480,7 +549,13 @@ class Engine:
                 return slot
             with torch.cuda.stream(self.copy_stream):  # every H2D copy of the batch in one call
                 dst, src = ([slot.dev_in[:k_arr]], [slot.host_in[:k_arr]]) if k_arr else ([], [])
-                if m:  # each run of pool rows H2D in place into the device mirror, then one gather
+                if m and self.mapped_crops is not None:  # one kernel reads the rows from host memory
+                    copy_all(dst, src)
+                    dst = src = []
+                    self.pool_copies += 1
+                    torch.index_select(self.mapped_crops, 0, slot.mapped_rows[:m],
+                                       out=slot.dev_in[k_arr:k_cpu].view(m, -1).view(self.mapped_crops.dtype))
+                elif m:  # each run of pool rows H2D in place into the device mirror, then one gather
                     spans = row_spans(pool_rows)
                     self.pool_copies += len(spans)
                     dst += [self.dev_crops[lo:hi] for lo, hi in spans] + [slot.dev_rows[:m]]
@@ -489,7 +564,7 @@ class Engine:
                 slot.copied.record(self.copy_stream)
             with torch.cuda.stream(self.compute_stream):
                 self.compute_stream.wait_event(slot.copied)
-                if m:
+                if m and self.mapped_crops is None:
                     torch.index_select(self.dev_crops, 0, slot.dev_rows[:m], out=slot.dev_in[k_arr:k_cpu])
                 self._copy_gpu_crops(slot, k_cpu, gpu_crops)
                 if self.runner is not None:  # one replay; outputs consumed below, in stream order
@@ -504,6 +579,16 @@ class Engine:
             slot.error = f"compute failed: {type(e).__name__}: {e}"
         self.launch_s += time.perf_counter() - t1
         return slot
+
+    def label_lists(self, idx: np.ndarray) -> list[list[str]]:
+        """Class ids ``(n, k)`` int64 -> their labels, one list per row, by one numpy gather (a class
+        past the end of :attr:`labels` is named by its id)."""
+        hi = int(idx.max()) + 1 if idx.size else 0
+        if self._label_arr is None or len(self._label_arr) < hi:
+            names = self.labels + [str(c) for c in range(len(self.labels), hi)]
+            self._label_arr = np.empty(len(names), dtype=object)
+            self._label_arr[:] = names
+        return self._label_arr[idx].tolist()
 
     def collect(self, slot: Slot) -> tuple[np.ndarray, np.ndarray]:
         """Wait for ``slot``'s batch and copy out its results: ``(n, k)`` float32 probs, int64 ids.

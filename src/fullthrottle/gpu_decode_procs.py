@@ -58,6 +58,34 @@ DEPTH = 2
 SLOT_BYTES = 32 << 20
 
 
+#: environment variable: how a GPU decoder process waits for the GPU. ``"blocking"``: it sleeps in the
+#: kernel until the stream is done (``CU_CTX_SCHED_BLOCKING_SYNC``), leaving the core to the CPU
+#: decoders; ``"spin"`` or unset: CUDA's default (it spins when there are fewer contexts than cores).
+SYNC_ENV = "FULLTHROTTLE_GPU_WORKER_SYNC"
+
+
+def set_blocking_sync(device_index: int) -> bool:
+    """Make the device's primary CUDA context wait by sleeping instead of spinning
+    (``cuDevicePrimaryCtxSetFlags(CU_CTX_SCHED_BLOCKING_SYNC)``, CUDA driver API). Only takes effect
+    if called before the process first uses CUDA (before ``torch.cuda.set_device``, say).
+
+    Returns:
+        True if the driver accepted the flag; False without a CUDA driver or if it refused (the
+        process then keeps CUDA's default). Never raises.
+    """
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        dev = ctypes.c_int()
+        if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), device_index) != 0:
+            return False
+        fn = getattr(cuda, "cuDevicePrimaryCtxSetFlags_v2", None) or cuda.cuDevicePrimaryCtxSetFlags
+        return fn(dev, 0x04) == 0  # CU_CTX_SCHED_BLOCKING_SYNC
+    except (OSError, AttributeError):
+        return False
+
+
 #: buffers per ``os.pwritev`` call (the system's IOV_MAX)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
@@ -358,6 +386,8 @@ def _gpu_worker_main(argv: list[str]) -> None:
     fd, pool_fd, device_index, resize_size, crop_size, max_pixels, pool_rows = (int(a) for a in argv[:7])
     kind, arena_fd, arena_bytes = argv[7], int(argv[8]), int(argv[9])
     arena = mmap.mmap(arena_fd, arena_bytes) if arena_fd >= 0 else None
+    if os.environ.get(SYNC_ENV, "") == "blocking":
+        set_blocking_sync(device_index)  # before anything touches CUDA
     import torch
 
     torch.set_num_threads(1)

@@ -641,7 +641,7 @@ class Run:
             self._put(self.q4, (obj, slot, time.perf_counter()))
 
     def _decode_worker(self) -> None:
-        st, eng, labels = self.stats["decode"], self.engine, self.engine.labels
+        st, eng = self.stats["decode"], self.engine
         pending: dict[int, Result] = {}
         next_index = 0
         ordered = self.config.ordered
@@ -664,18 +664,17 @@ class Run:
                         probs, idx = eng.collect(slot)  # waits for the device
                 st.begin()
                 st.waited(time.perf_counter() - t_q, len(batch))
+                now = time.perf_counter()
                 if slot.error is not None:
-                    out = [Result(it.index, it.id, error=f"{it.id}: {slot.error}") for it in batch.items]
-                else:
-                    n_labels = len(labels)
-                    out = [Result(it.index, it.id, labels=[labels[c] if c < n_labels else str(c) for c in ids],
-                                  class_ids=ids, probs=p)
-                           for it, ids, p in zip(batch.items, idx.tolist(), probs.tolist())]
+                    out = [Result(it.index, it.id, error=f"{it.id}: {slot.error}",
+                                  latency_ms=1e3 * (now - it.t_start)) for it in batch.items]
+                else:  # positional: the per-image cost here is paid under the GIL
+                    out = [Result(it.index, it.id, lab, ids, p, None, 1e3 * (now - it.t_start))
+                           for it, lab, ids, p in zip(batch.items, eng.label_lists(idx), idx.tolist(), probs.tolist())]
                 eng.release(slot)
                 st.end(len(batch))
-            now = time.perf_counter()
-            for r, src in zip(out, [obj] if isinstance(obj, Item) else obj[0].items):
-                r.latency_ms = 1e3 * (now - src.t_start)
+            if isinstance(obj, Item):
+                out[0].latency_ms = 1e3 * (time.perf_counter() - obj.t_start)
             if not ordered:
                 self.out.put(out)  # a batch's results in one hand-off
                 continue
@@ -885,8 +884,9 @@ class Pipeline:
                 for r in got:
                     ok += r.ok
                     failed += not r.ok
-                    run.window.release()  # this item has left the pipeline
                     yield r
+                if got:  # these items have left the pipeline: one release for the list (a Semaphore
+                    run.window.release(len(got))  # release per item woke the loader once per image)
                 if run.done:
                     break
         finally:
@@ -905,8 +905,9 @@ class Pipeline:
                 for r in got:
                     ok += r.ok
                     failed += not r.ok
-                    run.window.release()  # this item has left the pipeline
                     yield r
+                if got:  # these items have left the pipeline: one release for the list (a Semaphore
+                    run.window.release(len(got))  # release per item woke the loader once per image)
                 if run.done:
                     break
         finally:
