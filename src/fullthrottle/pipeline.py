@@ -447,11 +447,14 @@ class Run:
                     best, best_k = x, k
             return best
         outstanding, busy_since = 0, 0.0
+        idle = n  # workers with nothing out (kept as pending[w] empties and fills)
         ended, held = False, None
         gbuf: list = []  # images routed to the GPU decoders, handed over GPU_CHUNK at a time
 
-        def gpu_room() -> bool:
-            return self.gq is not None and not self.gq.full()
+        gq = self.gq
+
+        def gpu_room() -> bool:  # (the deque's length without the queue's lock: a hint, the put still waits)
+            return gq is not None and len(gq.queue) < gq.maxsize
 
         def resend(w: int) -> None:  # the worker was replaced: its queued images go again
             started[w] = time.perf_counter()
@@ -508,7 +511,9 @@ class Run:
                     # an image queues behind others only if it fits in the socket's buffer: a send
                     # to a hung worker must never block this thread
                     size = len(it.data) + 4
-                    w = pick(size)
+                    # every worker busy: a GPU candidate goes to the GPU without scanning them (the
+                    # per-image cost of this thread bounds the whole pipeline)
+                    w = None if eligible and not idle and GPU_SPILL_DEPTH <= 1 and gpu_room() else pick(size)
                     if w is None or (eligible and len(pending[w]) >= GPU_SPILL_DEPTH and gpu_room()):
                         if eligible and gpu_room():
                             splitter.note(gpu=True)
@@ -529,6 +534,7 @@ class Run:
                     now = time.perf_counter()
                     if not pending[w]:
                         started[w] = now
+                        idle -= 1
                     if outstanding == 0:
                         busy_since = now
                     pending[w].append(it)
@@ -550,6 +556,7 @@ class Run:
                          and now - max(started[w], workers[w].spawned + STARTUP_S) > timeout_s]
                 for w in ready + stuck:
                     it = pending[w].popleft()
+                    idle += not pending[w]
                     queued[w] -= len(it.data) + 4
                     outstanding -= 1
                     try:
