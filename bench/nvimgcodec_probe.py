@@ -1,8 +1,8 @@
 """nvImageCodec's JPEG decoders on the H200, beside torchvision's batched nvJPEG, in one run (issue 04).
 
-The H200 has hardware JPEG decoders (NVJPG engines) that torchvision's ``decode_jpeg(device="cuda")``
-does not use (it runs nvJPEG's CUDA backend on the SMs, which the model needs too). NVIDIA's
-nvImageCodec (``nvidia-nvimgcodec-cu13``, carried as a wheel: nothing is installed on the device)
+The H200 has hardware JPEG decoders (NVJPG engines). (An earlier note here said torchvision's
+``decode_jpeg(device="cuda")`` does not use them; its source says otherwise: on such GPUs it opens
+nvJPEG's hardware backend for baseline JPEGs, ``decode_jpegs_cuda.cpp``.) NVIDIA's nvImageCodec (``nvidia-nvimgcodec-cu13``, carried as a wheel: nothing is installed on the device)
 exposes the hardware backend. This probe decodes the same in-memory JPEGs in batches of 128 for a
 fixed time per decoder and reports images/s and the mean absolute difference against OpenCV on the
 CPU (a sanity check, not the pipeline's transform).

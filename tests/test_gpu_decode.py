@@ -630,3 +630,14 @@ def test_gpu_decoder_pool_takes_one_kind_per_process():
             GpuDecoderPool(2, pool, crop_size=8, decoder=["hardware", "nvjpeg", "nvjpeg"])
     finally:
         pool.close()
+
+
+def test_mps_server_running_looks_for_the_control_socket(tmp_path, monkeypatch):
+    """The run summary says whether the GPU decoder processes are MPS clients: a daemon's ``control``
+    socket in $CUDA_MPS_PIPE_DIRECTORY means yes, its absence no."""
+    from fullthrottle.gpu_decode_procs import mps_server_running
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_server_running()
+    (tmp_path / "control").touch()
+    assert mps_server_running()

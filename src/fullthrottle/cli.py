@@ -48,8 +48,9 @@ def _add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
                         "whenever no CPU worker is idle; with threads, split by measured rates")
     p.add_argument("--gpu-decoder", default=None, choices=GPU_DECODERS,
                    help="with --gpu-decode: 'hardware' = the GPU's JPEG engines via nvImageCodec (pip install "
-                        "nvidia-nvimgcodec-cu13; A100/H100/H200), which leave the SMs to the model; 'nvjpeg' = "
-                        "torchvision's nvJPEG on the SMs; 'auto' = hardware when available, else nvjpeg. "
+                        "nvidia-nvimgcodec-cu13; A100/H100/H200); 'nvjpeg' = torchvision's nvJPEG, which on those GPUs "
+                        "also sends baseline JPEGs to the engines (its hardware backend) and decodes the rest "
+                        "with Huffman decoding on the CPU; 'auto' = hardware when available, else nvjpeg. "
                         f"Default: {Config.gpu_decoder}")
     p.add_argument("--gpu-decode-processes", type=int, default=None, metavar="N",
                    help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "

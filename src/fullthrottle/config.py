@@ -54,9 +54,11 @@ class Config:
             follows the two decoders' measured rates. Only JPEGs the GPU decodes like the CPU path are
             decoded there; the rest (truncated, CMYK, EXIF-rotated) by the CPU path's decoder.
         gpu_decoder: which GPU JPEG decoder ``gpu_decode`` uses: ``"nvjpeg"`` (default),
-            torchvision's nvJPEG, which runs on the SMs; ``"hardware"``, the GPU's JPEG engines (NVJPG)
-            through nvImageCodec (``pip install nvidia-nvimgcodec-cu13``; A100, H100, H200, B200),
-            which leave the SMs to the model; ``"auto"``: the engines when nvImageCodec is installed
+            torchvision's nvJPEG (on GPUs with JPEG engines it opens nvJPEG's hardware backend and
+            decodes baseline JPEGs there in batches, the rest one by one with Huffman decoding on the
+            CPU: torchvision's ``decode_jpegs_cuda.cpp``); ``"hardware"``, the GPU's JPEG engines
+            (NVJPG) through nvImageCodec (``pip install nvidia-nvimgcodec-cu13``; A100, H100, H200,
+            B200); ``"auto"``: the engines when nvImageCodec is installed
             and the GPU has them, nvJPEG otherwise. With ResNet18 on the H200 the engines did not
             beat nvJPEG end to end (6 processes: 12.2k against 16.9k img/s on 640x480 photos, 14.3k
             against 15.3k on the mixed samples, in one call;

@@ -4,7 +4,7 @@ The 16 CPU cores of our H200 machine decode ~4k JPEGs/s; nvJPEG decodes ~21k/s
 (../shared/DESIGN.md), so on CUDA the preprocess threads only read headers and route:
 
 - two GPU decoders with one contract (``n`` JPEGs in, ``n`` device tensors or per-item exceptions
-  out): :class:`GpuJpegDecoder` (torchvision's nvJPEG, on the SMs) and :class:`HwJpegDecoder` (the
+  out): :class:`GpuJpegDecoder` (torchvision's nvJPEG) and :class:`HwJpegDecoder` (the
   GPU's hardware JPEG engines through nvImageCodec); :func:`make_gpu_decoder` picks one;
 - :func:`gpu_eligible` sends to the GPU only what it decodes exactly like the CPU path: complete
   (nvJPEG silently greys a truncated file), 1- or 3-component (no CMYK), baseline/extended/progressive
@@ -308,8 +308,12 @@ def resize_crop_interpolate(images: Sequence[torch.Tensor], out: torch.Tensor, r
 
 
 class GpuJpegDecoder:
-    """nvJPEG's CUDA backend (on the SMs) through ``torchvision.io.decode_jpeg(list, device=...)``,
-    one call per batch.
+    """torchvision's nvJPEG, ``torchvision.io.decode_jpeg(list, device=...)``, one call per batch.
+
+    On GPUs with JPEG engines (A100, H100, H200) torchvision opens nvJPEG's hardware backend and
+    decodes the baseline JPEGs of a batch there (``nvjpegDecodeBatched``), the others (progressive)
+    one by one with Huffman decoding on the CPU (``decode_jpegs_cuda.cpp``; we read the source, we
+    did not trace which path each image took).
 
     Calling it with ``n`` JPEG byte strings returns ``n`` entries: a ``(3, H, W)`` uint8 tensor on
     the device, or the exception that image raised (a failed batch call is retried image by image, so
@@ -377,7 +381,7 @@ class HwJpegDecoder:
     Same contract as :class:`GpuJpegDecoder`: ``n`` JPEG byte strings in, ``n`` entries out, each a
     ``(3, H, W)`` uint8 tensor on ``device`` or the exception that image raised. The engines sit
     beside the SMs, so decoding does not take compute from the model running on the same GPU
-    (torchvision's nvJPEG runs its Huffman decode and IDCT as kernels on the SMs). Images the engines
+    (torchvision's nvJPEG uses them too for baseline JPEGs: :class:`GpuJpegDecoder`). Images the engines
     do not take (nvImageCodec answers ``None``: progressive JPEGs, for one) are decoded by
     ``fallback`` (torchvision's nvJPEG) when given, else they get an exception and the caller's CPU
     path takes them.

@@ -86,6 +86,15 @@ def set_blocking_sync(device_index: int) -> bool:
         return False
 
 
+def mps_server_running() -> bool:
+    """Whether a CUDA MPS control daemon is listening where this process's CUDA would look for it
+    (``$CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``: its ``control`` socket). Then the
+    GPU decoder processes and the main process share the GPU as MPS clients, their kernels running at
+    once, instead of time-slicing it between one CUDA context each."""
+    pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    return os.path.exists(os.path.join(pipe_dir, "control"))
+
+
 #: buffers per ``os.pwritev`` call (the system's IOV_MAX)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 

@@ -40,6 +40,7 @@ from .load import Item, Loader
 from .gpu_decode import gpu_eligible
 from .preprocess import ImageError, allow_pillow_pixels, preprocess
 from .gpu_decode_procs import DEPTH as GPU_DEPTH
+from .gpu_decode_procs import mps_server_running
 from .preprocess_procs import STARTUP_S, DecoderPool, WorkerDied
 from .report import Report, StageStats
 
@@ -757,9 +758,11 @@ class Run:
             return (f"GPU decode: {name} in {where}; {gpu} of {gpu + cpu} eligible JPEGs{share} sent there, "
                     "the rest decoded on the CPU")
         on_cpu = sum(p.times["cpu_decoded"] for p in self.gpu_procs) - self._gpu_cpu0
-        return (f"GPU decode: {name} in {where}; {gpu} of {gpu + cpu} JPEGs{share} sent there ({on_cpu} of them "
-                "to those processes' CPU decoder: not for the GPU decoder or refused by it), the rest decoded "
-                "by the CPU decoder processes")
+        mps = ("as clients of a CUDA MPS server" if mps_server_running() else
+               "time-slicing the GPU (no CUDA MPS server found: see the README's GPU JPEG decoding section)")
+        return (f"GPU decode: {name} in {where}, {mps}; {gpu} of {gpu + cpu} JPEGs{share} sent there ({on_cpu} "
+                "of them to those processes' CPU decoder: not for the GPU decoder or refused by it), the rest "
+                "decoded by the CPU decoder processes")
 
 
 class Pipeline:
