@@ -239,16 +239,26 @@ class Loader:
         sem = asyncio.Semaphore(self.concurrency)
         client_box: list = [None]
         tasks: set[asyncio.Task] = set()
+        in_memory = 0  # bytes items passed on and not yet counted in the stage's stats
         try:
             for index, (item_id, src) in enumerate(expand(self.inputs)):
+                if isinstance(src, bytes):  # nothing to wait for: no task, no hop
+                    # (the common case is taken without a coroutine call: this thread's per-image
+                    # Python shares the GIL with every other stage)
+                    if not self.window.acquire(blocking=False) and not await self._acquire_window(idle=not tasks):
+                        return
+                    item = Item(index=index, id=item_id, data=src)
+                    in_memory += 1
+                    if in_memory >= 64:
+                        self.stats.add(in_memory, 0.0)
+                        in_memory = 0
+                    item.t_queued = time.perf_counter()
+                    if not self.put(self.out, item, block=False):
+                        await self._emit(item, idle=not tasks)
+                    continue
                 if not await self._acquire_window(idle=not tasks):
                     return
                 item = Item(index=index, id=item_id, source=src)
-                if isinstance(src, bytes):  # nothing to wait for: no task, no hop
-                    item.data, item.source = src, None
-                    self.stats.add(1, 0.0)
-                    await self._emit(item, idle=not tasks)
-                    continue
                 t = asyncio.create_task(self._load_one(client_box, item, sem))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
@@ -263,6 +273,8 @@ class Loader:
             for _ in range(self.n_end):
                 await asyncio.to_thread(self.put, self.out, self.end)
         finally:
+            if in_memory:
+                self.stats.add(in_memory, 0.0)
             for t in tasks:
                 t.cancel()
             if client_box[0] is not None:
