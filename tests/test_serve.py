@@ -156,7 +156,13 @@ def test_sigterm_drains_in_flight_requests(samples, tmp_path):
         assert url, "server did not start"
         with cf.ThreadPoolExecutor(6) as ex:
             futs = [ex.submit(post_image, url, p.read_bytes(), 60) for p in samples[:6]]
-            time.sleep(0.2)
+            # SIGTERM once the server has taken all six (a request it has not read yet is not in flight)
+            taken, deadline = 0, time.time() + 30
+            while taken < 6 and time.time() < deadline:
+                m = re.search(r'fullthrottle_pending_images\{replica="0"\} (\S+)', httpx.get(url + "/metrics").text)
+                taken = int(float(m.group(1))) + sum(f.done() for f in futs) if m else 0
+                time.sleep(0.01)
+            assert taken >= 6, "the server never held the six requests"
             proc.send_signal(signal.SIGTERM)
             codes = [f.result().status_code for f in futs]
         assert codes == [200] * 6

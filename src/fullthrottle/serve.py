@@ -311,6 +311,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
     m_queued = Gauge("fullthrottle_queue_images", "images waiting to enter the pipeline", ["replica"],
                      registry=reg)
+    m_pending = Gauge("fullthrottle_pending_images", "images submitted and not yet answered", ["replica"],
+                      registry=reg)
     m_busy = Gauge("fullthrottle_stage_busy_percent", "stage busy % since start", ["replica", "stage"],
                    registry=reg)
     m_gpu = Gauge("fullthrottle_gpu_utilization_percent", "GPU utilisation (NVML)", ["replica"], registry=reg)
@@ -383,6 +385,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         for i, svc in enumerate(state["services"]):
             rep = str(i)
             m_queued.labels(rep).set(svc.queued())
+            m_pending.labels(rep).set(svc.pending())
             run = svc.pipeline.current_run
             if run is not None:
                 wall = time.perf_counter() - run.t0
