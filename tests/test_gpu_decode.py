@@ -633,11 +633,23 @@ def test_gpu_decoder_pool_takes_one_kind_per_process():
 
 
 def test_mps_server_running_looks_for_the_control_socket(tmp_path, monkeypatch):
-    """The run summary says whether the GPU decoder processes are MPS clients: a daemon's ``control``
-    socket in $CUDA_MPS_PIPE_DIRECTORY means yes, its absence no."""
+    """The run summary says whether the GPU decoder processes started as MPS clients: a daemon
+    listening on ``control`` in $CUDA_MPS_PIPE_DIRECTORY means yes; nothing there, a plain file, or
+    the socket a killed daemon left behind (nobody accepts) mean no."""
+    import socket
+
     from fullthrottle.gpu_decode_procs import mps_server_running
 
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     assert not mps_server_running()
     (tmp_path / "control").touch()
-    assert mps_server_running()
+    assert not mps_server_running()
+    (tmp_path / "control").unlink()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(tmp_path / "control"))
+    srv.listen(1)
+    try:
+        assert mps_server_running()
+    finally:
+        srv.close()
+    assert (tmp_path / "control").exists() and not mps_server_running()  # stale socket file

@@ -241,6 +241,9 @@ def test_config_errors():
         Config(dtype="int8")
     with pytest.raises(ValueError, match="max_batch_size"):
         Config(max_batch_size=0)
+    for labels in ("abc", ["cat", 3]):  # a string would have been taken as one label per letter
+        with pytest.raises(ValueError, match="labels must be a list of class names"):
+            Config(labels=labels)
     # settings that used to pass and then hang the run (load_concurrency=0) or fail deep inside it
     bad = {"load_concurrency": 0, "max_in_flight": -5, "torch_threads": 0, "queue_size": -1,
            "max_file_bytes": 0, "max_image_pixels": -3, "max_batch_size": "64", "top_k": 1.5}
@@ -360,3 +363,5 @@ def test_label_lists_name_classes_past_the_labels_by_id():
     assert pipe.engine.label_lists(idx) == [[labels[0], labels[1]], [str(len(labels) + 2), labels[1]]]
     assert pipe.engine.label_lists(np.array([[1, 0]])) == [[labels[1], labels[0]]]
     assert pipe.engine.label_lists(np.zeros((0, 5), dtype=np.int64)) == []
+    pipe.engine.labels = [f"custom{i}" for i in range(len(labels))]  # replaced after use: taken at once
+    assert pipe.engine.label_lists(np.array([[1, 0]])) == [["custom1", "custom0"]]

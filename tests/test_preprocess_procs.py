@@ -245,3 +245,35 @@ def test_copy_all_copies_every_pair_like_copy_(monkeypatch, foreach):
     c.copy_all([], [])  # nothing to copy: no call
     with pytest.raises(ValueError, match="1 destinations for 2 sources"):
         c.copy_all([mirror[0]], [pool[0], pool[1]])
+
+
+def test_worker_crash_with_answers_owed_costs_only_its_image(samples, monkeypatch, no_thread_leak):
+    """A worker that dies on an image while the dispatcher is slow to come back (GIL contention) must
+    not be replaced by the next send: the new worker's answer would be taken for the crashed image,
+    whose crop was never written. The crashed image gets the error; every other image its own result."""
+    import fullthrottle.preprocess_procs as pp
+
+    monkeypatch.setattr(pp, "_WORKER_CMD", (
+        "import sys, os; import fullthrottle.preprocess_procs as pp; orig = pp._work_one\n"
+        "def w(msg, *a):\n"
+        "    if b'CRASHME' in msg[:40]: os._exit(3)\n"
+        "    return orig(msg, *a)\n"
+        "pp._work_one = w; pp._worker_main(sys.argv[1:])"))
+    receive = pp.DecoderProcess.receive
+    slow = [False]
+
+    def slow_receive(self):
+        receive(self)
+        if slow[0]:
+            time.sleep(0.1)  # the dispatcher late to its next send: the worker dies in the meantime
+    monkeypatch.setattr(pp.DecoderProcess, "receive", slow_receive)
+    good = [(p.name, p.read_bytes()) for p in samples[:12]]
+    with tiny_pipe(preprocess="processes", threads=1, decode_timeout_s=5.0) as pipe:
+        ref = {r.id: r.class_ids for r in pipe.classify(good)}
+        slow[0] = True
+        t0 = time.perf_counter()
+        res = pipe.classify(good[:4] + [("CRASH", b"\xff\xd8\xffCRASHME" + bytes(100))] + good[4:])
+        took = time.perf_counter() - t0
+    assert "decoder process died on this item (exit code 3)" in res[4].error
+    assert all(r.ok and r.class_ids == ref[r.id] for r in res if r.id != "CRASH")
+    assert took < 5.0  # nobody waited out decode_timeout_s

@@ -66,6 +66,7 @@ def _gpu_decode_settings(args) -> dict:
     if given and not args.gpu_decode:
         print(f"note: {' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --gpu-decode",
               file=sys.stderr)
+        return {"gpu_decode": False}  # (ignored: not checked either, as the note says)
     return {"gpu_decode": args.gpu_decode,
             "gpu_decoder": args.gpu_decoder if args.gpu_decoder is not None else Config.gpu_decoder,
             "gpu_decode_processes": (args.gpu_decode_processes if args.gpu_decode_processes is not None
@@ -98,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--threads", type=_positive_int, default=None,
                    help="preprocess threads (default: one per CPU core)")
     c.add_argument("--preprocess", default="auto", choices=("auto", "threads", "processes"),
-                   help="decode in the threads themselves, or hand each image to the thread's own worker "
-                        "process, outside this process's GIL (auto: processes on CUDA, threads on CPU)")
+                   help="decode in threads of this process, or in --threads worker processes fed by one "
+                        "dispatcher thread, outside this process's GIL (auto: processes on CUDA, threads on CPU)")
     c.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
     c.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype on CUDA (default: bfloat16 on CUDA; CPU always float32)")
@@ -141,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--threads", type=_positive_int, default=None,
                    help="preprocess threads (default: one per core; with worker processes, one per core but one)")
     v.add_argument("--preprocess", default="auto", choices=("auto", "threads", "processes"),
-                   help="decode in threads or in one worker process per thread (auto: processes on CUDA)")
+                   help="decode in threads of this process, or in --threads worker processes fed by one "
+                        "dispatcher thread (auto: processes on CUDA)")
     v.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     v.add_argument("--gpus", default=None,
                    help="'all' or N: one model replica per GPU (default with --device auto: every GPU)")

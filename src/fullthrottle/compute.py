@@ -371,6 +371,7 @@ class Engine:
         self.model_unfolded = place(model) if self.bn_folded and config.graphs else None
         self.labels = list(config.labels) if config.labels is not None else imagenet_labels()
         self._label_arr: np.ndarray | None = None  # labels as an object array, for label_lists
+        self._label_src, self._label_n = None, 0   # the list it was built from, and its length then
         self.mean = torch.tensor(config.mean, device=self.device).view(1, 3, 1, 1) * 255.0
         self.inv_std = 1.0 / (torch.tensor(config.std, device=self.device).view(1, 3, 1, 1) * 255.0)
         # half precision: x * scale + shift in one pass over the half tensor (opmath is fp32 inside)
@@ -584,10 +585,13 @@ class Engine:
         """Class ids ``(n, k)`` int64 -> their labels, one list per row, by one numpy gather (a class
         past the end of :attr:`labels` is named by its id)."""
         hi = int(idx.max()) + 1 if idx.size else 0
-        if self._label_arr is None or len(self._label_arr) < hi:
-            names = self.labels + [str(c) for c in range(len(self.labels), hi)]
+        src = self.labels
+        if (self._label_arr is None or len(self._label_arr) < hi or self._label_src is not src
+                or self._label_n != len(src)):  # (labels replaced or changed since: built again)
+            names = src + [str(c) for c in range(len(src), hi)]
             self._label_arr = np.empty(len(names), dtype=object)
             self._label_arr[:] = names
+            self._label_src, self._label_n = src, len(src)
         return self._label_arr[idx].tolist()
 
     def collect(self, slot: Slot) -> tuple[np.ndarray, np.ndarray]:

@@ -62,9 +62,8 @@ class Config:
             and the GPU has them, nvJPEG otherwise. With ResNet18 on the H200 the engines did not
             beat nvJPEG end to end (6 processes: 12.2k against 16.9k img/s on 640x480 photos, 14.3k
             against 15.3k on the mixed samples, in one call;
-            bench/results/e2e_gpu_decode_*_decoders_procs_session9.json):
-            the model leaves the SMs room. A model that needs all the SMs may gain from them (not
-            measured).
+            bench/results/e2e_gpu_decode_*_decoders_procs_session9.json); torchvision's path uses
+            the same engines for these JPEGs, with less overhead around them.
         gpu_decode_processes: with ``gpu_decode`` and decoder processes, how many processes decode on
             the GPU (each its own decoder and CUDA context, writing crops into the shared pool);
             torchvision serialises GPU decodes within one process. Default 6: on the H200 machine
@@ -89,8 +88,8 @@ class Config:
             Default: powers of two up to ``max_batch_size``.
         threads: preprocess (decode + resize) threads; default one per CPU core (with decoder
             processes, one per core but one: the main process's own threads need about a core).
-        preprocess: where images are decoded: ``"threads"`` (in this process), ``"processes"`` (one
-            worker process per thread, fed by one dispatcher thread, outside this process's GIL, like a
+        preprocess: where images are decoded: ``"threads"`` (in this process), ``"processes"``
+            (``threads`` worker processes, fed by one dispatcher thread, outside this process's GIL, like a
             ``DataLoader``'s workers; bit-identical results), or ``"auto"``: processes on CUDA, where
             the compute thread must not wait for the GIL, threads on CPU. At most one process per
             core (each imports torch: ~0.5 GB resident).
@@ -167,6 +166,9 @@ class Config:
                                                                                   and v == 0):
                 rule = "> 0" if name == "http_timeout_s" else ">= 0"
                 raise ValueError(f"{name} must be a finite number {rule}, got {v!r}")
+        if self.labels is not None and (not isinstance(self.labels, (list, tuple))
+                                        or not all(isinstance(x, str) for x in self.labels)):
+            raise ValueError(f"labels must be a list of class names (str), got {self.labels!r:.80}")
         for name in ("mean", "std"):
             v = getattr(self, name)
             try:

@@ -88,11 +88,30 @@ def set_blocking_sync(device_index: int) -> bool:
 
 def mps_server_running() -> bool:
     """Whether a CUDA MPS control daemon is listening where this process's CUDA would look for it
-    (``$CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``: its ``control`` socket). Then the
-    GPU decoder processes and the main process share the GPU as MPS clients, their kernels running at
-    once, instead of time-slicing it between one CUDA context each."""
-    pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
-    return os.path.exists(os.path.join(pipe_dir, "control"))
+    (``$CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``: its ``control`` socket, which must
+    accept a connection: a socket file left by a killed daemon does not count). Then the GPU decoder
+    processes started now share the GPU as MPS clients, their kernels running at once, instead of
+    time-slicing it between one CUDA context each. Never raises."""
+    import stat
+
+    path = os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps", "control")
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    if stat.S_ISFIFO(mode):  # (a named pipe: nothing to probe without talking to the daemon)
+        return True
+    if not stat.S_ISSOCK(mode):
+        return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
 
 
 #: buffers per ``os.pwritev`` call (the system's IOV_MAX)
@@ -357,6 +376,8 @@ class GpuDecoderPool:
         kinds = [decoder] * n if isinstance(decoder, str) else list(decoder)
         if len(kinds) != n:
             raise ValueError(f"{len(kinds)} decoder kinds for {n} GPU decoder processes")
+        #: whether the processes start as clients of a CUDA MPS server (:func:`mps_server_running`)
+        self.mps = mps_server_running()
         self.workers: list[GpuDecoderProcess] = []
         try:
             for kind in kinds:

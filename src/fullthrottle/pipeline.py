@@ -40,7 +40,6 @@ from .load import Item, Loader
 from .gpu_decode import gpu_eligible
 from .preprocess import ImageError, allow_pillow_pixels, preprocess
 from .gpu_decode_procs import DEPTH as GPU_DEPTH
-from .gpu_decode_procs import mps_server_running
 from .preprocess_procs import STARTUP_S, DecoderPool, WorkerDied
 from .report import Report, StageStats
 
@@ -99,6 +98,7 @@ class Run:
         self.decoders = decoders  # a DecoderPool (one worker process per preprocess thread) or None
         # GpuDecoderProcess workers (nvJPEG in processes, with decoder processes) or none
         self.gpu_procs = list(gpu_decoders.workers) if gpu_decoders is not None else []
+        self.gpu_mps = getattr(gpu_decoders, "mps", False)  # started as MPS clients (GpuDecoderPool.mps)
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
         self._routed0 = dict(engine.splitter.routed)  # the splitter lives on: this run's counts are the change
@@ -758,7 +758,7 @@ class Run:
             return (f"GPU decode: {name} in {where}; {gpu} of {gpu + cpu} eligible JPEGs{share} sent there, "
                     "the rest decoded on the CPU")
         on_cpu = sum(p.times["cpu_decoded"] for p in self.gpu_procs) - self._gpu_cpu0
-        mps = ("as clients of a CUDA MPS server" if mps_server_running() else
+        mps = ("as clients of a CUDA MPS server" if self.gpu_mps else
                "time-slicing the GPU (no CUDA MPS server found: see the README's GPU JPEG decoding section)")
         return (f"GPU decode: {name} in {where}, {mps}; {gpu} of {gpu + cpu} JPEGs{share} sent there ({on_cpu} "
                 "of them to those processes' CPU decoder: not for the GPU decoder or refused by it), the rest "

@@ -242,6 +242,7 @@ class DecoderProcess:
     def _start(self) -> None:
         if self.closed:  # never start a worker after close(): it would outlive its pipeline
             raise WorkerDied("the decoder pool is closed")
+        self.owed = 0  # requests sent to this worker and not yet answered
         parent, child = socket.socketpair()
         try:  # room for several images queued in the socket (the kernel caps it at net.core.wmem_max)
             parent.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
@@ -283,11 +284,14 @@ class DecoderProcess:
         """Hand one image to the worker, to be written into pool row ``row`` (:meth:`receive` gets the
         answer; one request at a time).
 
-        A worker found dead here (it died while idle) is replaced first, so the image is not lost;
-        one that dies on this image is reported by :meth:`receive`.
+        A worker found dead here while it owes no answer (it died idle) is replaced first, so the image
+        is not lost. One that still owes answers is left as it is: replacing it here would hand the new
+        worker's answer to the oldest image out (whose crop was never written); :meth:`receive` reports
+        the death for that image instead, and the caller sends the others again.
         """
-        if self.proc.poll() is not None:
+        if self.proc.poll() is not None and not self.owed:
             self._restart()
+        self.owed += 1
         try:
             self.conn.send_bytes(_ROW.pack(row) + data)
         except OSError:
@@ -304,6 +308,7 @@ class DecoderProcess:
             how = exit_reason(self.proc)
             self._restart()
             raise WorkerDied(f"decoder process died on this item ({how}): {type(e).__name__}") from None
+        self.owed -= 1
         if msg[0] == _OK:
             return
         # _IMAGE_ERROR or _OTHER_ERROR: the message is already worded as the thread path words it
