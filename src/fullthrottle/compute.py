@@ -551,8 +551,6 @@ class Engine:
             with torch.cuda.stream(self.copy_stream):  # every H2D copy of the batch in one call
                 dst, src = ([slot.dev_in[:k_arr]], [slot.host_in[:k_arr]]) if k_arr else ([], [])
                 if m and self.mapped_crops is not None:  # one kernel reads the rows from host memory
-                    copy_all(dst, src)
-                    dst = src = []
                     self.pool_copies += 1
                     torch.index_select(self.mapped_crops, 0, slot.mapped_rows[:m],
                                        out=slot.dev_in[k_arr:k_cpu].view(m, -1).view(self.mapped_crops.dtype))
