@@ -64,6 +64,8 @@ GPU_SPILL_DEPTH = 1
 #: images per hand-off on the GPU decode path (dispatcher -> GPU decoders -> batcher): each hand-off
 #: between threads costs a queue operation and a GIL hand-off, so the GPU's images travel in lists
 GPU_CHUNK = 32
+#: consumed results whose window permits the iterator gives back at once (never before they are consumed)
+RELEASE_EVERY = 16
 
 
 def limit_heap_fragmentation(arenas: int = 2) -> bool:
@@ -891,12 +893,17 @@ class Pipeline:
                 got = run.get_many(0.1)
                 if got is None:
                     break
+                owed = 0  # items consumed whose window permits are not yet given back
                 for r in got:
                     ok += r.ok
                     failed += not r.ok
                     yield r
-                if got:  # these items have left the pipeline: one release for the list (a Semaphore
-                    run.window.release(len(got))  # release per item woke the loader once per image)
+                    owed += 1  # (after the yield: the caller has taken it)
+                    if owed == RELEASE_EVERY:  # released in groups: a Semaphore release per item
+                        run.window.release(owed)  # woke the loader once per image
+                        owed = 0
+                if owed:
+                    run.window.release(owed)
                 if run.done:
                     break
         finally:
@@ -912,12 +919,17 @@ class Pipeline:
                 got = await loop.run_in_executor(None, run.get_many, 0.1)
                 if got is None:
                     break
+                owed = 0  # items consumed whose window permits are not yet given back
                 for r in got:
                     ok += r.ok
                     failed += not r.ok
                     yield r
-                if got:  # these items have left the pipeline: one release for the list (a Semaphore
-                    run.window.release(len(got))  # release per item woke the loader once per image)
+                    owed += 1  # (after the yield: the caller has taken it)
+                    if owed == RELEASE_EVERY:  # released in groups: a Semaphore release per item
+                        run.window.release(owed)  # woke the loader once per image
+                        owed = 0
+                if owed:
+                    run.window.release(owed)
                 if run.done:
                     break
         finally:
