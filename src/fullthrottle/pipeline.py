@@ -113,6 +113,7 @@ class Run:
         self.q4: queue.Queue = queue.Queue(config.staging_slots + 2)
         self.out: queue.Queue = queue.Queue()  # bounded by the window
         self.window = threading.Semaphore(config.in_flight_limit)
+        self._owed = 0  # results consumed whose window permits are not yet given back (consumed())
         self.stats = {
             "load": StageStats("load", config.load_concurrency),
             "preprocess": StageStats("preprocess", len(decoders) if decoders is not None else nthreads),
@@ -732,6 +733,16 @@ class Run:
             return out if out else None
         return out
 
+    def consumed(self, flush: bool = False) -> None:
+        """The caller took one more result (``flush``: none, but give back what is owed now): its
+        window permit goes back, :data:`RELEASE_EVERY` at a time (a Semaphore release per item woke
+        the loader once per image), never before the item is consumed."""
+        if not flush:
+            self._owed += 1
+        if self._owed and (flush or self._owed >= RELEASE_EVERY):
+            self.window.release(self._owed)
+            self._owed = 0
+
     def report(self, ok: int, failed: int) -> Report:
         wall = (self.t_end or time.perf_counter()) - self.t0
         eng = self.engine
@@ -893,17 +904,12 @@ class Pipeline:
                 got = run.get_many(0.1)
                 if got is None:
                     break
-                owed = 0  # items consumed whose window permits are not yet given back
                 for r in got:
                     ok += r.ok
                     failed += not r.ok
                     yield r
-                    owed += 1  # (after the yield: the caller has taken it)
-                    if owed == RELEASE_EVERY:  # released in groups: a Semaphore release per item
-                        run.window.release(owed)  # woke the loader once per image
-                        owed = 0
-                if owed:
-                    run.window.release(owed)
+                    run.consumed()  # (after the yield: the caller has taken it)
+                run.consumed(flush=True)
                 if run.done:
                     break
         finally:
@@ -919,17 +925,12 @@ class Pipeline:
                 got = await loop.run_in_executor(None, run.get_many, 0.1)
                 if got is None:
                     break
-                owed = 0  # items consumed whose window permits are not yet given back
                 for r in got:
                     ok += r.ok
                     failed += not r.ok
                     yield r
-                    owed += 1  # (after the yield: the caller has taken it)
-                    if owed == RELEASE_EVERY:  # released in groups: a Semaphore release per item
-                        run.window.release(owed)  # woke the loader once per image
-                        owed = 0
-                if owed:
-                    run.window.release(owed)
+                    run.consumed()  # (after the yield: the caller has taken it)
+                run.consumed(flush=True)
                 if run.done:
                     break
         finally:
