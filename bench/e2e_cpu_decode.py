@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import jpegs_640x480, machine_info, sample_jpegs, write_json  # noqa: E402
+from common import jpegs_640x480, machine_info, mps_clients, mps_servers, sample_jpegs, write_json  # noqa: E402
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
@@ -281,57 +281,8 @@ def main():
                     help="also try fullthrottle with this sys.setswitchinterval (s)")
     ap.add_argument("--out", default="bench/results/e2e_cpu_decode.json")
     args = ap.parse_args()
-    mps = start_mps() if args.mps else None  # before this process's first CUDA call
-    try:
+    with mps_clients(args.mps) as mps:  # before this process's first CUDA call
         run(args, mps)
-    finally:
-        if mps is not None:
-            stop_mps(mps)
-
-
-def start_mps() -> dict:
-    """Start a CUDA MPS control daemon with a private pipe/log folder (exported to this process and
-    its children, so their CUDA contexts become its clients). Exits if it cannot be started."""
-    import shutil
-    import subprocess
-    import tempfile
-
-    exe = shutil.which("nvidia-cuda-mps-control") or next(
-        (p for p in ("/usr/bin/nvidia-cuda-mps-control", "/usr/local/cuda/bin/nvidia-cuda-mps-control",
-                     "/usr/local/nvidia/bin/nvidia-cuda-mps-control") if os.path.exists(p)), None)
-    if exe is None:
-        sys.exit("--mps: nvidia-cuda-mps-control not found (PATH, /usr/bin, /usr/local/cuda/bin)")
-    root = tempfile.mkdtemp(prefix="ft-mps-")
-    env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
-    for d in env.values():
-        os.makedirs(d)
-    os.environ.update(env)
-    r = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
-        sys.exit(f"--mps: nvidia-cuda-mps-control -d failed ({r.returncode}): {r.stderr or r.stdout}")
-    print(f"MPS control daemon started ({root})", flush=True)
-    return {"exe": exe, "root": root}
-
-
-def mps_servers(mps: dict) -> str:
-    """The MPS control daemon's answer to get_server_list (the PIDs of its servers: one once a client
-    connected)."""
-    import subprocess
-
-    r = subprocess.run([mps["exe"]], input="get_server_list\n", capture_output=True, text=True, timeout=30)
-    return r.stdout.strip()
-
-
-def stop_mps(mps: dict) -> None:
-    """Ask the MPS control daemon to quit once this process (still one of its clients) has exited:
-    ``quit`` waits for the clients, so it is sent from a detached process, not waited for here."""
-    import subprocess
-
-    log = os.path.join(mps["root"], "log", "control.log")
-    if os.path.exists(log):
-        print("MPS control.log (tail):", open(log).read()[-800:], flush=True)
-    subprocess.Popen(["sh", "-c", f"echo quit | {mps['exe']}"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def run(args, mps) -> None:
@@ -393,14 +344,19 @@ def run(args, mps) -> None:
                 for pg in (args.pool_gathers.split(",") if args.pool_gathers else [""])
                 ] if args.gpu_decode else []
     spill0, si0 = pl.GPU_SPILL_DEPTH, sys.getswitchinterval()
-    sync0 = os.environ.get(SYNC_ENV)
+    env0 = {k: os.environ.get(k) for k in (SYNC_ENV, POOL_GATHER_ENV)}  # the caller's settings
+
+    def set_env(name: str, value: str) -> None:  # a variant's value, or "": the caller's setting
+        if value:
+            os.environ[name] = value
+        elif env0[name] is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = env0[name]
     for kind, t, b, g, s, si, sy, pg in variants:
         sys.setswitchinterval(si)
-        os.environ[POOL_GATHER_ENV] = pg  # "": the library's default (copy)
-        if sy:
-            os.environ[SYNC_ENV] = sy
-        elif sync0 is None:
-            os.environ.pop(SYNC_ENV, None)
+        set_env(SYNC_ENV, sy)
+        set_env(POOL_GATHER_ENV, pg)
         os.environ["FULLTHROTTLE_NVIMGCODEC_THREADS"] = t  # nvImageCodec's CPU threads per decoder ("": one per core)
         os.environ["FULLTHROTTLE_NVIMGCODEC_BACKENDS"] = b  # its backends ("": the engines alone)
         pl.GPU_SPILL_DEPTH = s
@@ -421,11 +377,8 @@ def run(args, mps) -> None:
                           "error": f"{type(e).__name__}: {e}"[:500]})
             continue
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
-    os.environ.pop(POOL_GATHER_ENV, None)
-    if sync0 is None:
-        os.environ.pop(SYNC_ENV, None)
-    else:
-        os.environ[SYNC_ENV] = sync0
+    set_env(SYNC_ENV, "")
+    set_env(POOL_GATHER_ENV, "")
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_THREADS", None)
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_BACKENDS", None)
     pl.GPU_SPILL_DEPTH = spill0

@@ -20,7 +20,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import jpegs_640x480, machine_info, write_json  # noqa: E402
+from common import jpegs_640x480, machine_info, mps_clients, write_json  # noqa: E402
 from fullthrottle.config import GPU_DECODERS  # noqa: E402
 
 
@@ -62,14 +62,8 @@ def main():
                     "(as bench/e2e_cpu_decode.py --mps)")
     ap.add_argument("--out", default="bench/results/gpu_decode_soak.json")
     args = ap.parse_args()
-    from e2e_cpu_decode import start_mps, stop_mps
-
-    mps = start_mps() if args.mps else None  # before this process's first CUDA call
-    try:
+    with mps_clients(args.mps):  # before this process's first CUDA call
         run(args)
-    finally:
-        if mps is not None:
-            stop_mps(mps)
 
 
 def run(args) -> None:
