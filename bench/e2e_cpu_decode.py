@@ -27,6 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import jpegs_640x480, machine_info, mps_clients, mps_servers, sample_jpegs, write_json  # noqa: E402
 
+PY_SPY_S = 3.0  # seconds py-spy records (--py-spy-s)
+
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
 
@@ -161,7 +163,8 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
                 import subprocess
 
                 exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
-                subprocess.Popen([exe, "record", "--gil", "--nonblocking", "-r", "200", "-d", "3", "-f", "raw",
+                os.makedirs(os.path.dirname(os.path.abspath(py_spy)), exist_ok=True)
+                subprocess.Popen([exe, "record", "--gil", "--nonblocking", "-r", "250", "-d", str(PY_SPY_S), "-f", "raw",
                                   "-p", str(os.getpid()), "-o", py_spy], stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
             cpu0, main0, thr0 = sum(map(_cpu_s, pids)), time.process_time(), _threads_cpu_s()
@@ -265,8 +268,9 @@ def main():
     ap.add_argument("--baseline-n", type=int, default=None,
                     help="images for the DataLoader and CPU-only runs (default: --n)")
     ap.add_argument("--py-spy", default="",
-                    help="folder: record the main process's GIL-holding stacks (py-spy --gil, 3 s) during each "
+                    help="folder: record the main process's GIL-holding stacks (py-spy --gil, --py-spy-s seconds) during each "
                          "GPU decode variant's steady part, one raw file per variant")
+    ap.add_argument("--py-spy-s", type=float, default=3.0, help="with --py-spy: seconds to record")
     ap.add_argument("--skip-no-graphs", action="store_true", help="skip the graphs-off fullthrottle run")
     ap.add_argument("--thread-decode", action="store_true",
                     help="also run fullthrottle with decoding in threads (preprocess='threads')")
@@ -286,6 +290,8 @@ def main():
 
 
 def run(args, mps) -> None:
+    global PY_SPY_S
+    PY_SPY_S = args.py_spy_s
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
     import torchvision

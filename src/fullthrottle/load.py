@@ -22,6 +22,8 @@ import numpy as np
 
 from .gpumon import nvtx_range
 
+#: most items per list the loader hands on (one queue hand-off for up to this many images)
+LOAD_CHUNK = 32
 #: file name endings a directory walk picks up (decoding itself goes by content, not by name)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff")
 
@@ -156,8 +158,8 @@ class Loader:
 
     Args:
         inputs: anything :func:`expand` accepts.
-        out: the bounded queue to the preprocess stage (receives :class:`Item` and, at the end,
-            ``n_end`` copies of ``end``).
+        out: the bounded queue to the preprocess stage: it receives lists of :class:`Item` (chunks of
+            up to :data:`LOAD_CHUNK`, see :meth:`take`) and, at the end, ``n_end`` copies of ``end``.
         window: a semaphore with one permit per item allowed in flight (released by the consumer).
         stop: set to abandon the stage.
         stats: the stage's :class:`~fullthrottle.report.StageStats`.
@@ -171,6 +173,30 @@ class Loader:
         self.n_end, self.end = n_end, end
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._thread_main, name="ft-load", daemon=True)
+        # the newest chunk handed to ``out``: items join it until a consumer takes it (take()), so an
+        # item is never held back waiting for a chunk to fill, and a busy consumer gets many at once
+        self._open: list | None = None
+        self._open_lock = threading.Lock()
+
+    def take(self, chunk: list) -> list:
+        """A consumer got ``chunk`` from ``out``: close it (no item joins it after this) and return it.
+        Every consumer of ``out`` calls this on each list it gets, before reading it."""
+        with self._open_lock:
+            if self._open is chunk:
+                self._open = None
+        return chunk
+
+    def _chunk_for(self, item: Item) -> list | None:
+        """Add ``item`` to the open chunk (None: done, it is in ``out`` already) or start a new
+        chunk with it, which the caller puts in ``out``. One queue put per chunk instead of one per
+        image: under load each put and get costs the GIL a few microseconds and a thread wake-up."""
+        with self._open_lock:
+            c = self._open
+            if c is not None and len(c) < LOAD_CHUNK:
+                c.append(item)
+                return None
+            c = self._open = [item]
+            return c
 
     def start(self) -> None:
         self.thread.start()
@@ -197,11 +223,15 @@ class Loader:
 
     async def _emit(self, item, idle: bool = False) -> None:
         item.t_queued = time.perf_counter()
-        if not self.put(self.out, item, block=False):
-            if idle:  # nothing else for the event loop to do: wait here
-                self.put(self.out, item)
-            else:
-                await asyncio.to_thread(self.put, self.out, item)
+        chunk = self._chunk_for(item)
+        if chunk is not None and not self.put(self.out, chunk, block=False):
+            await self._put_waiting(chunk, idle)
+
+    async def _put_waiting(self, chunk: list, idle: bool) -> None:
+        if idle:  # nothing else for the event loop to do: wait here
+            self.put(self.out, chunk)
+        else:
+            await asyncio.to_thread(self.put, self.out, chunk)
 
     async def _load_one(self, client_box, item: Item, sem: asyncio.Semaphore) -> None:
         async with sem:
@@ -253,8 +283,9 @@ class Loader:
                         self.stats.add(in_memory, 0.0)
                         in_memory = 0
                     item.t_queued = time.perf_counter()
-                    if not self.put(self.out, item, block=False):
-                        await self._emit(item, idle=not tasks)
+                    chunk = self._chunk_for(item)
+                    if chunk is not None and not self.put(self.out, chunk, block=False):
+                        await self._put_waiting(chunk, not tasks)
                     continue
                 if not await self._acquire_window(idle=not tasks):
                     return

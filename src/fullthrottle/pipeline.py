@@ -113,7 +113,7 @@ class Run:
         self.q4: queue.Queue = queue.Queue(config.staging_slots + 2)
         self.out: queue.Queue = queue.Queue()  # bounded by the window
         self.window = threading.Semaphore(config.in_flight_limit)
-        self._owed = 0  # results consumed whose window permits are not yet given back (consumed())
+        self.ok = self.failed = 0  # results handed out (hand_out)
         self.stats = {
             "load": StageStats("load", config.load_concurrency),
             "preprocess": StageStats("preprocess", len(decoders) if decoders is not None else nthreads),
@@ -139,6 +139,7 @@ class Run:
                                                    else config.queue_size)
                                        if engine.gpu_decoder is not None else None)
         self._ends, self._ends_lock = 0, threading.Lock()
+        self._inbox: collections.deque = collections.deque()  # preprocess threads: items taken from q1
         gpu_consumers = (max(1, len(self.gpu_procs))) if self.gq is not None else 0
         self.batcher = Batcher(lambda t: self._get(self.q2, t), lambda o, block=True: self._put(self.q3, o, block),
                                config.max_batch_size, config.max_wait_ms, n_pre + gpu_consumers, _END,
@@ -452,7 +453,9 @@ class Run:
             return best
         outstanding, busy_since = 0, 0.0
         idle = n  # workers with nothing out (kept as pending[w] empties and fills)
-        ended, held = False, None
+        ended = False
+        inbox: collections.deque = collections.deque()  # items from the loader not yet handed out
+        take = self.loader.take
         gbuf: list = []  # images routed to the GPU decoders, handed over GPU_CHUNK at a time
 
         gq = self.gq
@@ -491,33 +494,47 @@ class Run:
                 # routing follows availability: an eligible JPEG goes to the GPU when every CPU
                 # worker is taken, so both decoders stay busy whatever their speeds (a split by
                 # measured rates starves the GPU of batch size when it starts slow)
-                while (outstanding < places or gpu_room()) and (held is not None or not ended):
+                while (outstanding < places or gpu_room()) and (inbox or not ended):
                     if outstanding and not crops.free_rows():  # backpressure: collect replies meanwhile
                         break
-                    if held is not None:
-                        it, held = held, None
-                    else:
-                        it = self._get(self.q1, None if outstanding or gbuf else 0.05)
-                        if it is None:
+                    if not inbox:  # the loader's next list of items
+                        c = self._get(self.q1, None if outstanding or gbuf else 0.05)
+                        if c is None:
                             break
-                        if it is _END:
+                        if c is _END:
                             ended = True
                             break
-                        st.waited(time.perf_counter() - it.t_queued)
-                        if it.error is not None:
-                            st.add(1, 0.0)
-                            it.data = None
-                            it.t_queued = time.perf_counter()
-                            self._put(self.q2, it)
+                        inbox.extend(take(c))
+                        now = time.perf_counter()
+                        st.waited(sum(now - it.t_queued for it in c) / len(c), len(c))
+                    if self.gpu_procs and not idle and GPU_SPILL_DEPTH <= 1 and gpu_room():
+                        # every CPU worker busy: the run of JPEGs at the inbox's head goes to the GPU
+                        # at once (this thread's per-image cost bounds the whole pipeline)
+                        k = 0
+                        for it in inbox:
+                            if it.error is not None or not it.data.startswith(b"\xff\xd8\xff"):
+                                break
+                            k += 1
+                        if k:
+                            splitter.routed["gpu"] += k
+                            gbuf += [inbox.popleft() for _ in range(k)]
+                            if len(gbuf) >= GPU_CHUNK:
+                                self._to_gpu(gbuf)
+                                gbuf = []
                             continue
+                    it = inbox.popleft()
+                    if it.error is not None:
+                        st.add(1, 0.0)
+                        it.data = None
+                        it.t_queued = time.perf_counter()
+                        self._put(self.q2, it)
+                        continue
                     eligible = self.gq is not None and (self._gpu_candidate(it) if self.gpu_procs
                                                         else self._gpu_eligible(it))
                     # an image queues behind others only if it fits in the socket's buffer: a send
                     # to a hung worker must never block this thread
                     size = len(it.data) + 4
-                    # every worker busy: a GPU candidate goes to the GPU without scanning them (the
-                    # per-image cost of this thread bounds the whole pipeline)
-                    w = None if eligible and not idle and GPU_SPILL_DEPTH <= 1 and gpu_room() else pick(size)
+                    w = pick(size)
                     if w is None or (eligible and len(pending[w]) >= GPU_SPILL_DEPTH and gpu_room()):
                         if eligible and gpu_room():
                             splitter.note(gpu=True)
@@ -527,7 +544,7 @@ class Run:
                                 gbuf = []
                             continue
                         if w is None:
-                            held = it  # waits for a worker with room
+                            inbox.appendleft(it)  # waits for a worker with room
                             break
                     row = crops.acquire(self.stop_event.is_set)  # waits while the GPU holds all rows
                     if row is None:
@@ -549,7 +566,7 @@ class Run:
                 if gbuf:  # the GPU's images so far go now, before this thread waits
                     self._to_gpu(gbuf)
                     gbuf = []
-                if ended and not outstanding and held is None:
+                if ended and not outstanding and not inbox:
                     self._end_of_stream()
                     return
                 if not outstanding:
@@ -595,13 +612,20 @@ class Run:
     def _preprocess_worker(self) -> None:
         cfg, st = self.config, self.stats["preprocess"]
         gpu, splitter = self.engine.gpu_decoder, self.engine.splitter
+        inbox = self._inbox  # the rest of a list from the loader, for any preprocess thread to take
         while not self.stop_event.is_set():
-            it = self._get(self.q1)
-            if it is None:
-                continue
-            if it is _END:
-                self._end_of_stream()
-                return
+            try:
+                it = inbox.popleft()
+            except IndexError:
+                c = self._get(self.q1)
+                if c is None:
+                    continue
+                if c is _END:  # (its list's other items are in the inbox: whoever took one drains it)
+                    self._end_of_stream()
+                    return
+                c = self.loader.take(c)
+                it = c[0]
+                inbox.extend(c[1:])
             if self._route_to_gpu(it):
                 continue
             st.begin()
@@ -725,30 +749,40 @@ class Run:
             self.done = True
             self.stop()
             raise PipelineError(f"pipeline stage failed: {type(err).__name__}: {err}") from err
-        for r in out:
-            self.latencies.append(r.latency_ms)
+        self.latencies += [r.latency_ms for r in out]
         if finished:
             self.done = True
             self.t_end = time.perf_counter()
             return out if out else None
         return out
 
-    def consumed(self, flush: bool = False) -> None:
-        """The caller took one more result (``flush``: none, but give back what is owed now): its
-        window permit goes back, :data:`RELEASE_EVERY` at a time (a Semaphore release per item woke
-        the loader once per image), never before the item is consumed."""
-        if not flush:
-            self._owed += 1
-        if self._owed and (flush or self._owed >= RELEASE_EVERY):
-            self.window.release(self._owed)
-            self._owed = 0
+    def hand_out(self, results: list) -> Iterator[Result]:
+        """Yield ``results`` to the caller, counting ok/failed; a result's window permit goes back
+        once the caller asks for the next (it has taken this one), :data:`RELEASE_EVERY` at a time
+        (a Semaphore release per item woke the loader once per image), the rest when the list ends
+        or the caller stops."""
+        owed = 0
+        try:
+            for r in results:
+                if r.error is None:
+                    self.ok += 1
+                else:
+                    self.failed += 1
+                yield r
+                owed += 1
+                if owed >= RELEASE_EVERY:
+                    self.window.release(owed)
+                    owed = 0
+        finally:
+            if owed:
+                self.window.release(owed)
 
-    def report(self, ok: int, failed: int) -> Report:
+    def report(self) -> Report:
         wall = (self.t_end or time.perf_counter()) - self.t0
         eng = self.engine
         batches = self.batcher.batches
         return Report(
-            items=ok + failed, ok=ok, failed=failed, wall_s=wall, latencies_ms=list(self.latencies),
+            items=self.ok + self.failed, ok=self.ok, failed=self.failed, wall_s=wall, latencies_ms=list(self.latencies),
             stages=[s.snapshot(wall) for s in self.stats.values()], batches=batches,
             mean_batch_size=self.batcher.batched_items / batches if batches else 0.0,
             device=str(eng.device), model=eng.model_name, dtype=str(eng.dtype).removeprefix("torch."),
@@ -880,10 +914,10 @@ class Pipeline:
         run.start()
         return run
 
-    def _finish(self, run: Run, ok: int, failed: int) -> None:
+    def _finish(self, run: Run) -> None:
         try:
             run.stop()
-            self.last_report = run.report(ok, failed)
+            self.last_report = run.report()
         finally:
             self._busy.release()
 
@@ -898,43 +932,32 @@ class Pipeline:
             PipelineError: a stage failed for a reason that belongs to no single item.
         """
         run = self._begin(inputs)
-        ok = failed = 0
         try:
-            while True:
+            while not run.done:
                 got = run.get_many(0.1)
                 if got is None:
                     break
-                for r in got:
-                    ok += r.ok
-                    failed += not r.ok
-                    yield r
-                    run.consumed()  # (after the yield: the caller has taken it)
-                run.consumed(flush=True)
-                if run.done:
-                    break
+                yield from run.hand_out(got)
         finally:
-            self._finish(run, ok, failed)
+            self._finish(run)
 
     async def arun(self, inputs: Iterable) -> AsyncIterator[Result]:
         """Async twin of :meth:`run`; cancelling the consuming task stops every stage."""
         run = self._begin(inputs)
         loop = asyncio.get_running_loop()
-        ok = failed = 0
         try:
-            while True:
+            while not run.done:
                 got = await loop.run_in_executor(None, run.get_many, 0.1)
                 if got is None:
                     break
-                for r in got:
-                    ok += r.ok
-                    failed += not r.ok
-                    yield r
-                    run.consumed()  # (after the yield: the caller has taken it)
-                run.consumed(flush=True)
-                if run.done:
-                    break
+                results = run.hand_out(got)
+                try:
+                    for r in results:
+                        yield r
+                finally:
+                    results.close()  # (the permits of what was taken go back now, not at collection)
         finally:
-            self._finish(run, ok, failed)
+            self._finish(run)
 
     def classify(self, inputs: Iterable) -> list[Result]:
         """All results of :meth:`run` as a list."""
