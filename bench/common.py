@@ -128,6 +128,28 @@ def mps_servers(mps: dict) -> str:
     return r.stdout.strip()
 
 
+def mps_pipe_listing() -> dict:
+    """What the MPS pipe folder ($CUDA_MPS_PIPE_DIRECTORY) holds: name -> file type, to check how
+    :func:`fullthrottle.gpu_decode_procs.mps_server_running` should find the daemon."""
+    import stat
+
+    d = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    kinds = {stat.S_ISSOCK: "socket", stat.S_ISFIFO: "fifo", stat.S_ISREG: "file", stat.S_ISDIR: "dir"}
+    try:
+        names = sorted(os.listdir(d))
+    except OSError as e:
+        return {"error": str(e)}
+    out = {}
+    for name in names:
+        try:
+            mode = os.lstat(os.path.join(d, name)).st_mode
+        except OSError as e:
+            out[name] = str(e)
+            continue
+        out[name] = next((k for f, k in kinds.items() if f(mode)), oct(mode))
+    return out
+
+
 def stop_mps(mps: dict) -> None:
     """Ask the MPS control daemon to quit once this process (still one of its clients) has exited:
     ``quit`` waits for the clients, so it is sent from a detached process, not waited for here."""

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import jpegs_640x480, machine_info, mps_clients, mps_servers, sample_jpegs, write_json  # noqa: E402
+from common import (jpegs_640x480, machine_info, mps_clients, mps_pipe_listing, mps_servers, sample_jpegs,  # noqa: E402
+                    write_json)
 
 PY_SPY_S = 3.0  # seconds py-spy records (--py-spy-s)
 
@@ -113,7 +114,7 @@ def _worker_stats(folder: str) -> dict | None:
 
 def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu_decode=False, warm_frac=0.25,
                      preprocess="auto", dispatchers=None, gpu_procs=2, worker_depth=None, worker_nice=None,
-                     worker_stats=False, gpu_decoder="auto", py_spy=None):
+                     worker_stats=False, gpu_decoder="auto", py_spy=None, max_in_flight=None):
     import tempfile
 
     import fullthrottle.pipeline as pl
@@ -134,7 +135,7 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="bfloat16", channels_last=True,
                            max_batch_size=batch, threads=threads, max_wait_ms=max_wait_ms, graphs=graphs,
                            gpu_decode=gpu_decode, preprocess=preprocess, gpu_decode_processes=gpu_procs,
-                           gpu_decoder="nvjpeg" if mix is not None else gpu_decoder))
+                           gpu_decoder="nvjpeg" if mix is not None else gpu_decoder, max_in_flight=max_in_flight))
     if mix is not None and pipe.gpu_decoders is not None:  # the same number of processes, mix of two kinds
         from fullthrottle.gpu_decode_procs import GpuDecoderPool
 
@@ -164,9 +165,9 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
 
                 exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
                 os.makedirs(os.path.dirname(os.path.abspath(py_spy)), exist_ok=True)
-                subprocess.Popen([exe, "record", "--gil", "--nonblocking", "-r", "250", "-d", str(PY_SPY_S), "-f", "raw",
+                subprocess.Popen([exe, "record", "--gil", "--nonblocking", "-r", "250", "-d", str(max(1, round(PY_SPY_S))), "-f", "raw",
                                   "-p", str(os.getpid()), "-o", py_spy], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)
+                                 stderr=open(py_spy + ".log", "w"))  # (why it wrote nothing, if so)
             cpu0, main0, thr0 = sum(map(_cpu_s, pids)), time.process_time(), _threads_cpu_s()
             gcpu0 = sum(map(_cpu_s, gpids))
         if cpu is None and seen >= 0.85 * n:  # CPU use measured while every stage's thread still runs
@@ -212,7 +213,8 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
             "worker_depth": pl.WORKER_DEPTH if worker_depth is None else worker_depth,
             "decoder_processes_cpu_pct": workers_cpu_pct, "main_process_cores": main_cores,
             "main_process_cores_by_thread": main_threads,
-            "dispatch_threads": n_disp, "crop_pool_pinned": pinned,
+            "dispatch_threads": n_disp, "crop_pool_pinned": pinned, "max_in_flight": pipe.config.in_flight_limit,
+            "crop_pool_rows": pipe.decoders.crops.rows if pipe.decoders is not None else None,
             "graphs": graphs, "max_wait_ms": max_wait_ms, "gpu_decode": gpu_decode,
             "gpu_decode_processes": gpu_procs if gpu_decode and n_procs else 0, "gpu_decoder": gpu_kind,
             "gpu_decode_summary": rep.gpu_decode, "gpu_decoder_processes_timing": gpu_procs_timing,
@@ -262,14 +264,17 @@ def main():
     ap.add_argument("--pool-gathers", default="",
                     help="how the compute thread reads the crop pool, variants to try: mapped,copy "
                          "(FULLTHROTTLE_POOL_GATHER; mapped: one gather kernel reading the pinned pool in place)")
+    ap.add_argument("--max-in-flights", default="",
+                    help="with --gpu-decode: Config.max_in_flight values to try, e.g. 2080,3072 (default: the "
+                         "library's, (4 + 2 x GPU decoder processes) x batch + 2 x decoder processes)")
     ap.add_argument("--mps", action="store_true",
                     help="run everything (baselines too) as clients of a CUDA MPS server this script starts "
                          "(nvidia-cuda-mps-control -d, private pipe folder) and stops at the end")
     ap.add_argument("--baseline-n", type=int, default=None,
                     help="images for the DataLoader and CPU-only runs (default: --n)")
     ap.add_argument("--py-spy", default="",
-                    help="folder: record the main process's GIL-holding stacks (py-spy --gil, --py-spy-s seconds) during each "
-                         "GPU decode variant's steady part, one raw file per variant")
+                    help="folder: record the main process's GIL-holding stacks (py-spy --gil, --py-spy-s seconds) during the "
+                         "last GPU decode variant's steady part (list it twice to have one run without)")
     ap.add_argument("--py-spy-s", type=float, default=3.0, help="with --py-spy: seconds to record")
     ap.add_argument("--skip-no-graphs", action="store_true", help="skip the graphs-off fullthrottle run")
     ap.add_argument("--thread-decode", action="store_true",
@@ -290,6 +295,8 @@ def main():
 
 
 def run(args, mps) -> None:
+    from fullthrottle.gpu_decode_procs import mps_server_running
+
     global PY_SPY_S
     PY_SPY_S = args.py_spy_s
     if not torch.cuda.is_available():
@@ -340,7 +347,7 @@ def run(args, mps) -> None:
     from fullthrottle.compute import POOL_GATHER_ENV
     from fullthrottle.gpu_decode_procs import SYNC_ENV
 
-    variants = [(kind, t, b, g, s, si, sy, pg) for kind in args.gpu_decoders.split(",") if kind
+    variants = [(kind, t, b, g, s, si, sy, pg, mf) for kind in args.gpu_decoders.split(",") if kind
                 for t in (args.nvimgcodec_threads.split(",") if kind != "nvjpeg" else [""])
                 for b in (args.nvimgcodec_backends.split(",") if kind != "nvjpeg" else [""])
                 for g in [int(x) for x in args.gpu_procs.split(",") if x]
@@ -348,6 +355,7 @@ def run(args, mps) -> None:
                 for si in ([float(x) for x in args.gpu_switch_intervals.split(",") if x] or [sys.getswitchinterval()])
                 for sy in (args.gpu_worker_syncs.split(",") if args.gpu_worker_syncs else [""])
                 for pg in (args.pool_gathers.split(",") if args.pool_gathers else [""])
+                for mf in ([int(x) for x in args.max_in_flights.split(",") if x] or [None])
                 ] if args.gpu_decode else []
     spill0, si0 = pl.GPU_SPILL_DEPTH, sys.getswitchinterval()
     env0 = {k: os.environ.get(k) for k in (SYNC_ENV, POOL_GATHER_ENV)}  # the caller's settings
@@ -359,7 +367,7 @@ def run(args, mps) -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = env0[name]
-    for kind, t, b, g, s, si, sy, pg in variants:
+    for vi, (kind, t, b, g, s, si, sy, pg, mf) in enumerate(variants):
         sys.setswitchinterval(si)
         set_env(SYNC_ENV, sy)
         set_env(POOL_GATHER_ENV, pg)
@@ -368,11 +376,12 @@ def run(args, mps) -> None:
         pl.GPU_SPILL_DEPTH = s
         print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes, nvImageCodec threads {t or 'default'} backends {b or 'hw'}, "
               f"CPU workers hold {s} before the GPU takes the rest, switch interval {si * 1e3:g} ms, "
-              f"GPU worker sync {sy or 'default'}, pool gather {pg or 'default'} ...", flush=True)
+              f"GPU worker sync {sy or 'default'}, pool gather {pg or 'default'}, max_in_flight {mf or 'default'} ...", flush=True)
         try:
-            spy = (os.path.join(args.py_spy, f"py_spy_{len(extra)}_{kind}_{g}.raw") if args.py_spy else None)
+            last = vi == len(variants) - 1  # (py-spy's sampling costs some speed)
+            spy = (os.path.join(args.py_spy, f"py_spy_{len(extra)}_{kind}_{g}.raw") if args.py_spy and last else None)
             extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, gpu_decode=True, gpu_procs=g,
-                                          gpu_decoder=kind, py_spy=spy))
+                                          gpu_decoder=kind, py_spy=spy, max_in_flight=mf))
             extra[-1]["nvimgcodec_threads"] = t or "default"
             extra[-1]["nvimgcodec_backends"] = b or "hw"
             extra[-1]["gpu_spill_depth"] = s
@@ -409,7 +418,8 @@ def run(args, mps) -> None:
         "baseline_dataloader_pil": dl, "fullthrottle": ft, "fullthrottle_no_graphs": ft_eager,
         "ratio_fullthrottle_over_dataloader": ft["img_per_s"] / dl["img_per_s"],
         "fullthrottle_variants": extra,
-        "mps": None if mps is None else {"server_list_after_run": mps_servers(mps)},
+        "mps": None if mps is None else {"server_list_after_run": mps_servers(mps), "pipe_dir": mps_pipe_listing(),
+                                         "library_sees_server": mps_server_running()},
     }
     write_json(args.out, payload)
     print(f"fullthrottle {ft['img_per_s']:.0f} img/s vs DataLoader+PIL {dl['img_per_s']:.0f} img/s "

@@ -856,10 +856,11 @@ class Pipeline:
             # bench/results/e2e_cpu_decode_640x480_decoder_processes_15_vs_16.json)
             n = min(config.threads, usable_cores()) if config.threads else max(1, usable_cores() - 1)
             n_gpu = config.gpu_decode_processes if self.engine.gpu_decoder is not None else 0
-            # crop rows: enough for every batch in flight plus the ones forming and those out at the
-            # GPU decoder processes, capped by the window
+            # crop rows: one per item the window lets in, capped at twice what every batch in flight,
+            # forming, and out at the GPU decoder processes needs (a larger max_in_flight keeps more
+            # items queued ahead of the decoders, not more pinned memory than that)
             rows = min(config.in_flight_limit,
-                       (config.staging_slots + 3 + n_gpu * GPU_DEPTH) * config.max_batch_size + 2 * n)
+                       2 * ((config.staging_slots + 3 + n_gpu * GPU_DEPTH) * config.max_batch_size + 2 * n))
             self.decoders = DecoderPool(n, config.resize_size, config.crop_size, config.max_image_pixels,
                                         rows=rows)
             try:
