@@ -277,3 +277,16 @@ def test_worker_crash_with_answers_owed_costs_only_its_image(samples, monkeypatc
     assert "decoder process died on this item (exit code 3)" in res[4].error
     assert all(r.ok and r.class_ids == ref[r.id] for r in res if r.id != "CRASH")
     assert took < 5.0  # nobody waited out decode_timeout_s
+
+
+def test_crop_rows_follow_a_raised_window_up_to_twice_the_batches_need():
+    """Every item the window admits may hold a decoded crop: a larger max_in_flight gets the rows to
+    queue more ahead of the decoders (a fixed cap made the rows, not the window, the limit), up to
+    twice what the batches in flight need."""
+    with tiny_pipe(preprocess="processes", threads=2, max_batch_size=8, staging_slots=3) as pipe:
+        assert pipe.decoders.crops.rows == pipe.config.in_flight_limit  # the default window
+    need = (3 + 3) * 8 + 2 * 2  # staging slots + 3 batches of 8, 2 rows per decoder process
+    with tiny_pipe(preprocess="processes", threads=2, max_batch_size=8, staging_slots=3, max_in_flight=80) as pipe:
+        assert need < 80 and pipe.decoders.crops.rows == 80
+    with tiny_pipe(preprocess="processes", threads=2, max_batch_size=8, staging_slots=3, max_in_flight=500) as pipe:
+        assert pipe.decoders.crops.rows == 2 * need

@@ -102,8 +102,10 @@ class Config:
         ordered: yield results in input order (default) or in completion order.
         queue_size: capacity of each inter-stage queue (items or batches).
         max_in_flight: most items between load and the consumer at once (bounds memory, also
-            for the reorder buffer); default ``(4 + g) * max_batch_size + 2 * threads``, ``g`` the GPU
-            decoder processes when ``gpu_decode`` is on (their batches are in flight too).
+            for the reorder buffer); default ``(4 + g) * max_batch_size + 2 * threads``, ``g`` twice the
+            batches out at the GPU decoder processes (``4 * gpu_decode_processes``) when ``gpu_decode``
+            is on: their batches are in flight, and as many wait to be sent to them next. A larger
+            window trades latency for throughput while a stage waits on it.
         load_concurrency: concurrent file reads / HTTP requests in the load stage.
         http_timeout_s: timeout (s) for one HTTP(S) request.
         max_file_bytes: largest input accepted (bytes); larger files fail with an error.
@@ -223,5 +225,9 @@ class Config:
     def in_flight_limit(self) -> int:
         from .gpu_decode_procs import DEPTH
 
-        gpu = self.gpu_decode_processes * DEPTH if self.gpu_decode else 0  # batches out at GPU decoder processes
+        # batches out at the GPU decoder processes, and as many again queued for their next sends: with
+        # one batch less, a process waited on the window, not on work (H200, 6 processes, batch 128:
+        # 2080 in flight gave 18.9k img/s, 2816 21.2k, 3584 21.4k on 640x480 photos; mixed ImageNet
+        # samples 15.6k, 16.7k, 17.4k; bench/results/e2e_gpu_decode_*_max_in_flight_session11.json)
+        gpu = 2 * self.gpu_decode_processes * DEPTH if self.gpu_decode else 0
         return self.max_in_flight or ((4 + gpu) * self.max_batch_size + 2 * self.num_threads)
