@@ -3,6 +3,8 @@ CPU (CI); the real nvJPEG path is checked against the CPU path under the ``gpu``
 
 import collections
 import os
+import subprocess
+import sys
 import time
 
 import cv2
@@ -634,8 +636,9 @@ def test_gpu_decoder_pool_takes_one_kind_per_process():
 
 def test_mps_server_running_looks_for_the_control_socket(tmp_path, monkeypatch):
     """The run summary says whether the GPU decoder processes started as MPS clients: a daemon
-    listening on ``control`` in $CUDA_MPS_PIPE_DIRECTORY means yes; nothing there, a plain file, or
-    the socket a killed daemon left behind (nobody accepts) mean no."""
+    listening on ``control`` in $CUDA_MPS_PIPE_DIRECTORY (stream or seqpacket), or its pid file naming
+    a live process, means yes; nothing there, a plain file, the socket a killed daemon left behind
+    (nobody accepts) or its pid file naming a dead process mean no."""
     import socket
 
     from fullthrottle.gpu_decode_procs import mps_server_running
@@ -653,3 +656,18 @@ def test_mps_server_running_looks_for_the_control_socket(tmp_path, monkeypatch):
     finally:
         srv.close()
     assert (tmp_path / "control").exists() and not mps_server_running()  # stale socket file
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # (the kind the daemon's may be)
+    (tmp_path / "control").unlink()
+    srv.bind(str(tmp_path / "control"))
+    srv.listen(1)
+    try:
+        assert mps_server_running()
+    finally:
+        srv.close()
+    # the daemon's pid file: a live process means a server, a dead one's id a stale file
+    (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
+    assert mps_server_running()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{dead.pid}\n")
+    assert not mps_server_running()

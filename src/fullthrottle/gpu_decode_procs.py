@@ -87,14 +87,31 @@ def set_blocking_sync(device_index: int) -> bool:
 
 
 def mps_server_running() -> bool:
-    """Whether a CUDA MPS control daemon is listening where this process's CUDA would look for it
-    (``$CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``: its ``control`` socket, which must
-    accept a connection: a socket file left by a killed daemon does not count). Then the GPU decoder
-    processes started now share the GPU as MPS clients, their kernels running at once, instead of
-    time-slicing it between one CUDA context each. Never raises."""
+    """Whether a CUDA MPS control daemon serves the folder where this process's CUDA would look for it
+    (``$CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``). Then the GPU decoder processes
+    started now share the GPU as MPS clients, their kernels running at once, instead of
+    time-slicing it between one CUDA context each. Never raises.
+
+    The daemon writes ``nvidia-cuda-mps-control.pid`` there: a live process of that id means yes (a
+    file left by a killed daemon, no). Without that file, its ``control`` socket must accept a
+    connection (stream or seqpacket; a socket file nobody listens on does not count)."""
     import stat
 
-    path = os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps", "control")
+    folder = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    try:
+        with open(os.path.join(folder, "nvidia-cuda-mps-control.pid")) as f:
+            pid = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        pid = 0
+    if pid > 0:
+        try:
+            os.kill(pid, 0)  # (signal 0: only asks whether it exists)
+        except PermissionError:
+            return True  # another user's daemon, alive
+        except OSError:
+            return False
+        return True
+    path = os.path.join(folder, "control")
     try:
         mode = os.stat(path).st_mode
     except OSError:
@@ -103,15 +120,17 @@ def mps_server_running() -> bool:
         return True
     if not stat.S_ISSOCK(mode):
         return False
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(1.0)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
+    for kind in (socket.SOCK_STREAM, socket.SOCK_SEQPACKET):
+        s = socket.socket(socket.AF_UNIX, kind)
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+            return True
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return False
 
 
 #: buffers per ``os.pwritev`` call (the system's IOV_MAX)
