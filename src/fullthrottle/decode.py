@@ -20,7 +20,7 @@ def topk_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return probs.topk(min(k, logits.shape[-1]), dim=-1)
 
 
-@dataclass
+@dataclass(slots=True)  # (no per-instance dict: made and read once per image, under the GIL)
 class Result:
     """The answer for one input item.
 

@@ -28,7 +28,7 @@ LOAD_CHUNK = 32
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff")
 
 
-@dataclass
+@dataclass(slots=True)  # (no per-instance dict: made and read once per image, under the GIL)
 class Item:
     """One input on its way through the stages.
 
