@@ -261,6 +261,9 @@ def main():
     ap.add_argument("--gpu-worker-syncs", default="",
                     help="how the GPU decoder processes wait for the GPU, variants to try: spin,blocking "
                          "(FULLTHROTTLE_GPU_WORKER_SYNC; default: the library's)")
+    ap.add_argument("--gpu-worker-nices", default="",
+                    help="niceness of the GPU decoder processes, variants to try, e.g. 0,3 "
+                         "(FULLTHROTTLE_GPU_WORKER_NICE; default: the library's, 0)")
     ap.add_argument("--pool-gathers", default="",
                     help="how the compute thread reads the crop pool, variants to try: mapped,copy "
                          "(FULLTHROTTLE_POOL_GATHER; mapped: one gather kernel reading the pinned pool in place)")
@@ -345,9 +348,9 @@ def run(args, mps) -> None:
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     import fullthrottle.pipeline as pl
     from fullthrottle.compute import POOL_GATHER_ENV
-    from fullthrottle.gpu_decode_procs import SYNC_ENV
+    from fullthrottle.gpu_decode_procs import NICE_ENV, SYNC_ENV
 
-    variants = [(kind, t, b, g, s, si, sy, pg, mf) for kind in args.gpu_decoders.split(",") if kind
+    variants = [(kind, t, b, g, s, si, sy, pg, mf, nv) for kind in args.gpu_decoders.split(",") if kind
                 for t in (args.nvimgcodec_threads.split(",") if kind != "nvjpeg" else [""])
                 for b in (args.nvimgcodec_backends.split(",") if kind != "nvjpeg" else [""])
                 for g in [int(x) for x in args.gpu_procs.split(",") if x]
@@ -356,9 +359,10 @@ def run(args, mps) -> None:
                 for sy in (args.gpu_worker_syncs.split(",") if args.gpu_worker_syncs else [""])
                 for pg in (args.pool_gathers.split(",") if args.pool_gathers else [""])
                 for mf in ([int(x) for x in args.max_in_flights.split(",") if x] or [None])
+                for nv in (args.gpu_worker_nices.split(",") if args.gpu_worker_nices else [""])
                 ] if args.gpu_decode else []
     spill0, si0 = pl.GPU_SPILL_DEPTH, sys.getswitchinterval()
-    env0 = {k: os.environ.get(k) for k in (SYNC_ENV, POOL_GATHER_ENV)}  # the caller's settings
+    env0 = {k: os.environ.get(k) for k in (SYNC_ENV, POOL_GATHER_ENV, NICE_ENV)}  # the caller's settings
 
     def set_env(name: str, value: str) -> None:  # a variant's value, or "": the caller's setting
         if value:
@@ -367,16 +371,18 @@ def run(args, mps) -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = env0[name]
-    for vi, (kind, t, b, g, s, si, sy, pg, mf) in enumerate(variants):
+    for vi, (kind, t, b, g, s, si, sy, pg, mf, nv) in enumerate(variants):
         sys.setswitchinterval(si)
         set_env(SYNC_ENV, sy)
         set_env(POOL_GATHER_ENV, pg)
+        set_env(NICE_ENV, nv)
         os.environ["FULLTHROTTLE_NVIMGCODEC_THREADS"] = t  # nvImageCodec's CPU threads per decoder ("": one per core)
         os.environ["FULLTHROTTLE_NVIMGCODEC_BACKENDS"] = b  # its backends ("": the engines alone)
         pl.GPU_SPILL_DEPTH = s
         print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes, nvImageCodec threads {t or 'default'} backends {b or 'hw'}, "
               f"CPU workers hold {s} before the GPU takes the rest, switch interval {si * 1e3:g} ms, "
-              f"GPU worker sync {sy or 'default'}, pool gather {pg or 'default'}, max_in_flight {mf or 'default'} ...", flush=True)
+              f"GPU worker sync {sy or 'default'}, pool gather {pg or 'default'}, max_in_flight {mf or 'default'}, "
+              f"GPU worker nice {nv or 'default'} ...", flush=True)
         try:
             last = vi == len(variants) - 1  # (py-spy's sampling costs some speed)
             spy = (os.path.join(args.py_spy, f"py_spy_{len(extra)}_{kind}_{g}.raw") if args.py_spy and last else None)
@@ -386,6 +392,7 @@ def run(args, mps) -> None:
             extra[-1]["nvimgcodec_backends"] = b or "hw"
             extra[-1]["gpu_spill_depth"] = s
             extra[-1]["gpu_worker_sync"] = os.environ.get(SYNC_ENV, "default")
+            extra[-1]["gpu_worker_nice"] = os.environ.get(NICE_ENV, "0")
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' figures
             print(f"  failed: {type(e).__name__}: {e}", flush=True)
             extra.append({"gpu_decode": True, "gpu_decoder": kind, "gpu_decode_processes": g,
@@ -394,6 +401,7 @@ def run(args, mps) -> None:
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     set_env(SYNC_ENV, "")
     set_env(POOL_GATHER_ENV, "")
+    set_env(NICE_ENV, "")
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_THREADS", None)
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_BACKENDS", None)
     pl.GPU_SPILL_DEPTH = spill0

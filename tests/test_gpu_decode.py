@@ -671,3 +671,22 @@ def test_mps_server_running_looks_for_the_control_socket(tmp_path, monkeypatch):
     dead.wait()
     (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{dead.pid}\n")
     assert not mps_server_running()
+
+
+def test_gpu_worker_nice_comes_from_the_environment_and_is_checked(monkeypatch):
+    """FULLTHROTTLE_GPU_WORKER_NICE: unset means 0; 0-19 taken as given; anything else is refused with
+    the variable named, by GpuDecoderPool before it starts a process (not as a failed start)."""
+    from fullthrottle.gpu_decode_procs import NICE_ENV, GpuDecoderPool, worker_nice
+    from fullthrottle.preprocess_procs import CropPool
+
+    monkeypatch.delenv(NICE_ENV, raising=False)
+    assert worker_nice() == 0
+    monkeypatch.setenv(NICE_ENV, " 5 ")
+    assert worker_nice() == 5
+    for bad in ("-1", "20", "x", "2.5"):
+        monkeypatch.setenv(NICE_ENV, bad)
+        with pytest.raises(ValueError, match=NICE_ENV):
+            worker_nice()
+    pool = CropPool(4, 8)
+    with pytest.raises(ValueError, match=NICE_ENV):
+        GpuDecoderPool(1, pool, crop_size=8)

@@ -62,6 +62,26 @@ SLOT_BYTES = 32 << 20
 #: kernel until the stream is done (``CU_CTX_SCHED_BLOCKING_SYNC``), leaving the core to the CPU
 #: decoders; ``"spin"`` or unset: CUDA's default (it spins when there are fewer contexts than cores).
 SYNC_ENV = "FULLTHROTTLE_GPU_WORKER_SYNC"
+#: environment variable: niceness added to each GPU decoder process (unset or 0: the parent's), so
+#: that the main process's threads, whose per-image Python under one GIL bounds the pipeline, win a
+#: contended core (an experiment: bench/e2e_cpu_decode.py --gpu-worker-nices; not measured yet)
+NICE_ENV = "FULLTHROTTLE_GPU_WORKER_NICE"
+
+
+def worker_nice() -> int:
+    """The niceness :data:`NICE_ENV` asks for (0 when unset).
+
+    Raises:
+        ValueError: it is not an integer from 0 to 19.
+    """
+    raw = os.environ.get(NICE_ENV, "").strip()
+    try:
+        n = int(raw or 0)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 19:
+        raise ValueError(f"{NICE_ENV} must be an integer from 0 to 19, got {raw!r}")
+    return n
 
 
 def set_blocking_sync(device_index: int) -> bool:
@@ -385,7 +405,7 @@ class GpuDecoderPool:
     ``bench/e2e_cpu_decode.py --gpu-decoders mix:N``, not yet run on the GPU).
 
     Raises:
-        ValueError: a list of kinds that is not one per process.
+        ValueError: a list of kinds that is not one per process, or a bad :data:`NICE_ENV`.
         RuntimeError: a process could not start (no CUDA there, an import failed), with the cause.
     """
 
@@ -395,6 +415,7 @@ class GpuDecoderPool:
         kinds = [decoder] * n if isinstance(decoder, str) else list(decoder)
         if len(kinds) != n:
             raise ValueError(f"{len(kinds)} decoder kinds for {n} GPU decoder processes")
+        worker_nice()  # (a bad value fails here, named, not as a process that did not start)
         #: whether the processes start as clients of a CUDA MPS server (:func:`mps_server_running`)
         self.mps = mps_server_running()
         self.workers: list[GpuDecoderProcess] = []
@@ -437,6 +458,9 @@ def _gpu_worker_main(argv: list[str]) -> None:
     arena = mmap.mmap(arena_fd, arena_bytes) if arena_fd >= 0 else None
     if os.environ.get(SYNC_ENV, "") == "blocking":
         set_blocking_sync(device_index)  # before anything touches CUDA
+    nice = worker_nice()  # (checked by the parent before it started this process)
+    if nice:
+        os.nice(nice)
     import torch
 
     torch.set_num_threads(1)
