@@ -647,23 +647,16 @@ def test_mps_server_running_looks_for_the_control_socket(tmp_path, monkeypatch):
     assert not mps_server_running()
     (tmp_path / "control").touch()
     assert not mps_server_running()
-    (tmp_path / "control").unlink()
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(str(tmp_path / "control"))
-    srv.listen(1)
-    try:
-        assert mps_server_running()
-    finally:
-        srv.close()
-    assert (tmp_path / "control").exists() and not mps_server_running()  # stale socket file
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # (the kind the daemon's may be)
-    (tmp_path / "control").unlink()
-    srv.bind(str(tmp_path / "control"))
-    srv.listen(1)
-    try:
-        assert mps_server_running()
-    finally:
-        srv.close()
+    for kind in (socket.SOCK_STREAM, socket.SOCK_SEQPACKET):  # (the daemon's may be either)
+        (tmp_path / "control").unlink()
+        srv = socket.socket(socket.AF_UNIX, kind)
+        srv.bind(str(tmp_path / "control"))
+        srv.listen(1)
+        try:
+            assert mps_server_running()
+        finally:
+            srv.close()
+        assert (tmp_path / "control").exists() and not mps_server_running()  # stale socket file
     # the daemon's pid file: a live process means a server, a dead one's id a stale file
     (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
     assert mps_server_running()
