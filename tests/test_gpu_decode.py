@@ -363,6 +363,8 @@ def test_gpu_decoder_processes_path_equals_cpu_only(samples, bad_dir):
         assert max(f.max_queued for f in fakes) == 2  # a batch waited behind another, never more
         assert sum(f.inline for f in fakes) > 0  # images larger than a slot went inline, to idle processes
         assert 0 < pipe.engine.splitter.routed_gpu_share < 1
+        # every image counted as routed to the GPU reached a GPU process (one at a time or in runs)
+        assert pipe.engine.splitter.routed["gpu"] == sum(sum(f.batches) for f in fakes)
         # a process that dies on one image of a batch: the batch is retried image by image, so only
         # that image fails (when it went to the GPU; a CPU worker decodes it fine)
         poisoned = {str(p): p.read_bytes() for p in samples[:80:4]}

@@ -113,9 +113,9 @@ class RateSplitter:
         self.note(gpu)
         return "gpu" if gpu else "cpu"
 
-    def note(self, gpu: bool) -> None:
-        """Count one eligible image routed to the GPU (True) or a CPU decoder (False)."""
-        self.routed["gpu" if gpu else "cpu"] += 1
+    def note(self, gpu: bool, n: int = 1) -> None:
+        """Count ``n`` eligible images routed to the GPU (True) or a CPU decoder (False)."""
+        self.routed["gpu" if gpu else "cpu"] += n
 
     @property
     def routed_gpu_share(self) -> float:

@@ -512,11 +512,11 @@ class Run:
                         # at once (this thread's per-image cost bounds the whole pipeline)
                         k = 0
                         for it in inbox:
-                            if it.error is not None or not it.data.startswith(b"\xff\xd8\xff"):
+                            if not self._gpu_candidate(it):
                                 break
                             k += 1
                         if k:
-                            splitter.routed["gpu"] += k
+                            splitter.note(gpu=True, n=k)
                             gbuf += [inbox.popleft() for _ in range(k)]
                             if len(gbuf) >= GPU_CHUNK:
                                 self._to_gpu(gbuf)
