@@ -110,8 +110,57 @@ def test_break_stops_every_thread(samples, no_thread_leak):
         if n == 5:
             break
     assert n == 5
+    # the report counts what was handed out, latencies included (not results left unconsumed)
+    assert pipe.last_report.items == 5 and len(pipe.last_report.latencies_ms) == 5
     # the pipeline is usable again afterwards
     assert len(pipe.classify(samples[:3])) == 3
+
+
+@pytest.mark.parametrize("kind", ["path", "bytes after a path"])
+def test_slow_generator_of_paths_gets_each_result_before_its_next_item(samples, kind):
+    """A generator that waits between items (a queue of requests, say): a file load in flight must
+    run while the generator is blocked, so no item waits for later ones (each 0.3 s apart)."""
+    pipe = tiny_pipe(max_batch_size=4, max_wait_ms=1)
+    yielded, gap = {}, 0.3
+
+    def slow():
+        for i in range(4):
+            yielded[i] = time.perf_counter()
+            yield samples[i] if kind == "path" or i == 0 else (f"b{i}", samples[i].read_bytes())
+            time.sleep(gap)
+    list(pipe.run(samples[:2]))  # warm-up
+    lat = [time.perf_counter() - yielded[r.index] for r in pipe.run(slow()) if r.ok]
+    assert len(lat) == 4
+    assert max(lat) < gap, f"an item waited for later ones: {lat}"
+
+
+def test_a_raising_iterable_loses_nothing_before_it(samples):
+    """The inputs iterable raising ends the stream there: every item before it is answered, then the
+    error, named as the iterable's, is raised."""
+    pipe = tiny_pipe()
+
+    def broken():
+        yield from (p.read_bytes() for p in samples[:5])
+        raise ValueError("source broke")
+    got = []
+    with pytest.raises(PipelineError, match="inputs iterable raised ValueError: source broke") as e:
+        for r in pipe.run(broken()):
+            got.append(r)
+    assert [r.index for r in got] == [0, 1, 2, 3, 4] and all(r.ok for r in got)
+    assert isinstance(e.value.__cause__, ValueError)
+    assert pipe.last_report.items == 5
+
+
+def test_inputs_that_are_not_iterable_are_a_type_error_at_once():
+    pipe = tiny_pipe()
+    with pytest.raises(TypeError, match="iterable of paths, URLs, bytes.*got int"):
+        next(pipe.run(42))
+
+    async def agen():
+        yield b""
+    with pytest.raises(TypeError, match="async iterable"):
+        next(pipe.run(agen()))
+    assert len(pipe.classify([])) == 0  # not left busy
 
 
 def test_cancel_async_iterator_stops_every_thread(samples, no_thread_leak):

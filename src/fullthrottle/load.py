@@ -172,6 +172,8 @@ class Loader:
         self.concurrency, self.timeout_s, self.max_bytes = concurrency, timeout_s, max_bytes
         self.n_end, self.end = n_end, end
         self.error: BaseException | None = None
+        #: what the inputs iterable raised: the stream ends there, every item before it is answered
+        self.source_error: Exception | None = None
         self.thread = threading.Thread(target=self._thread_main, name="ft-load", daemon=True)
         # the newest chunk handed to ``out``: items join it until a consumer takes it (take()), so an
         # item is never held back waiting for a chunk to fill, and a busy consumer gets many at once
@@ -270,8 +272,21 @@ class Loader:
         client_box: list = [None]
         tasks: set[asyncio.Task] = set()
         in_memory = 0  # bytes items passed on and not yet counted in the stage's stats
+        source = enumerate(expand(self.inputs))
+        # a list or tuple is walked here, and nothing of the caller's can block next() on it; another
+        # iterable may (a generator waiting for requests): while loads are in flight its next item is
+        # awaited in a helper thread, so the event loop keeps running them meanwhile
+        may_block = not isinstance(self.inputs, (list, tuple, str, bytes, os.PathLike))
         try:
-            for index, (item_id, src) in enumerate(expand(self.inputs)):
+            while True:
+                try:
+                    nxt = await asyncio.to_thread(next, source, None) if tasks and may_block else next(source, None)
+                except Exception as e:  # noqa: BLE001 - the caller's iterable: what came before it still counts
+                    self.source_error = e
+                    break
+                if nxt is None:
+                    break
+                index, (item_id, src) = nxt
                 if isinstance(src, bytes):  # nothing to wait for: no task, no hop
                     # (the common case is taken without a coroutine call: this thread's per-image
                     # Python shares the GIL with every other stage)

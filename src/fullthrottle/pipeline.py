@@ -761,13 +761,14 @@ class Run:
         once the caller asks for the next (it has taken this one), :data:`RELEASE_EVERY` at a time
         (a Semaphore release per item woke the loader once per image), the rest when the list ends
         or the caller stops."""
-        owed = 0
+        owed = given = 0
         try:
             for r in results:
                 if r.error is None:
                     self.ok += 1
                 else:
                     self.failed += 1
+                given += 1
                 yield r
                 owed += 1
                 if owed >= RELEASE_EVERY:
@@ -776,6 +777,20 @@ class Run:
         finally:
             if owed:
                 self.window.release(owed)
+            if given < len(results):  # the caller stopped: latencies only of the results it got
+                del self.latencies[len(self.latencies) - (len(results) - given):]
+
+    def raise_source_error(self) -> None:
+        """After the last result: if the inputs iterable raised, raise that now (every item it
+        gave before is answered).
+
+        Raises:
+            PipelineError: naming the iterable's exception (chained to it).
+        """
+        e = self.loader.source_error
+        if e is not None:
+            raise PipelineError(f"the inputs iterable raised {type(e).__name__}: {e} (after "
+                                f"{self.ok + self.failed} items, all answered)") from e
 
     def report(self) -> Report:
         wall = (self.t_end or time.perf_counter()) - self.t0
@@ -906,6 +921,10 @@ class Pipeline:
     def _begin(self, inputs: Iterable) -> Run:
         if isinstance(inputs, (str, bytes)) or hasattr(inputs, "__fspath__"):
             inputs = [inputs]
+        if not isinstance(inputs, Iterable):  # (a clear error now, not a stage failure once running)
+            what = "an async iterable (iterate it yourself and pass a list or a plain generator)" if hasattr(
+                inputs, "__aiter__") else type(inputs).__name__
+            raise TypeError(f"inputs must be an iterable of paths, URLs, bytes or (id, bytes) pairs, got {what}")
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("this Pipeline is already running a stream; finish it first "
                                "(or build a second Pipeline)")
@@ -930,7 +949,9 @@ class Pipeline:
         Breaking out of the loop (or Ctrl-C) stops every stage and joins its threads.
 
         Raises:
-            PipelineError: a stage failed for a reason that belongs to no single item.
+            PipelineError: a stage failed for a reason that belongs to no single item, or the
+                ``inputs`` iterable raised (after every item it gave has been answered).
+            TypeError: ``inputs`` is not iterable (an async iterable included).
         """
         run = self._begin(inputs)
         try:
@@ -939,6 +960,7 @@ class Pipeline:
                 if got is None:
                     break
                 yield from run.hand_out(got)
+            run.raise_source_error()
         finally:
             self._finish(run)
 
@@ -957,6 +979,7 @@ class Pipeline:
                         yield r
                 finally:
                     results.close()  # (the permits of what was taken go back now, not at collection)
+            run.raise_source_error()
         finally:
             self._finish(run)
 
