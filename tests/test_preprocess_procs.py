@@ -35,6 +35,23 @@ def test_worker_that_died_idle_is_replaced_before_the_next_image(pool, samples):
     assert w.proc is not old
 
 
+def test_ctrl_c_while_a_worker_starts_is_ignored_without_a_traceback(samples, capfd):
+    """Ctrl-C during start-up (the worker still importing torch) neither kills it nor prints a
+    KeyboardInterrupt traceback from it."""
+    p = DecoderPool(1)
+    try:
+        w = p.workers[0]
+        w._restart()  # a fresh process, signalled at once, while it imports
+        time.sleep(0.05)
+        os.kill(w.proc.pid, signal.SIGINT)
+        data = samples[1].read_bytes()
+        assert np.array_equal(w(data), preprocess(data))
+        assert w.proc.poll() is None
+    finally:
+        p.close()
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
+
+
 def test_ctrl_c_is_left_to_the_parent(pool, samples):
     os.kill(pool[0].proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
     time.sleep(0.3)

@@ -49,7 +49,10 @@ _ITEM = struct.Struct("<II")    # request: pool row, byte length
 _STATUS = struct.Struct("<BI")  # reply: 0 ok / 1 the item's error, message length
 _TIMES = struct.Struct("<ddI")  # reply: seconds the process spent launching the batch, and in all; images it
                                 # gave its CPU decoder (not for the GPU decoder, or refused by it)
-_CMD = "import sys; from fullthrottle.gpu_decode_procs import _gpu_worker_main; _gpu_worker_main(sys.argv[1:])"
+# Ctrl-C is the parent's to handle (the worker ends on EOF): ignored before the imports, so a
+# Ctrl-C while torch loads prints no traceback from every worker
+_CMD = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "from fullthrottle.gpu_decode_procs import _gpu_worker_main; _gpu_worker_main(sys.argv[1:])")
 
 
 #: batches a GPU decoder process holds at once (one decoding, the next waiting in its arena slot)
