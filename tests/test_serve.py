@@ -126,6 +126,10 @@ def test_flood_gets_503_then_serves_normally(samples):
         assert refused.headers["retry-after"] == "1" and "overloaded" in refused.json()["detail"]
         assert post_image(s.url, data).status_code == 200
         assert 'status="503"' in httpx.get(s.url + "/metrics").text
+        # more images in one request than the queue ever holds: 413 naming the limit, not a 503
+        big = httpx.post(s.url + "/v1/classify", files=[("files", (f"{i}.jpg", data, "image/jpeg")) for i in range(3)],
+                         timeout=60)
+        assert big.status_code == 413 and "queues at most 2 (--max-queue)" in big.json()["detail"]
 
 
 def test_deadline_504(samples):

@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="longest a partial batch waits for more images (default: %(default)s)")
     v.add_argument("--max-queue", type=_positive_int, default=256,
-                   help="images waiting before 503 (default: %(default)s)")
+                   help="images waiting before 503; also the most images one request may carry (more: 413) "
+                        "(default: %(default)s)")
     v.add_argument("--timeout-s", type=float, default=30.0,
                    help="per-request deadline before 504 (default: %(default)s)")
     v.add_argument("--max-body-mb", type=float, default=32.0,

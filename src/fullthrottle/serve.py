@@ -264,7 +264,7 @@ class ServeOptions:
     """Server knobs (besides the pipeline's :class:`~fullthrottle.config.Config`).
 
     Attributes:
-        max_queue: images waiting before 503.
+        max_queue: images waiting before 503; a classify request with more images than this gets 413.
         timeout_s: per-request deadline (s) before 504.
         max_body_bytes: request body limit (bytes) before 413.
         retry_after_s: the Retry-After header sent with 503 (s).
@@ -598,6 +598,10 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             if not state["ready"]:
                 raise _HTTPError(503, "model is loading", {"Retry-After": str(opts.retry_after_s)})
             images = await read_images(request)
+            n_new = sum(not isinstance(data, _FetchError) for _, data in images)
+            if n_new > opts.max_queue:  # (a 503 would ask for a retry that can never succeed)
+                raise _HTTPError(413, f"{n_new} images in one request; this server queues at most "
+                                      f"{opts.max_queue} (--max-queue): send them in smaller requests")
             svc = min(state["services"], key=lambda v: v.queued() + v.pending())
             futs = []
             try:
