@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long a batch may wait to fill, ms (default: %(default)s)")
     c.add_argument("--threads", type=_positive_int, default=None,
-                   help="preprocess threads (default: one per CPU core)")
+                   help="preprocess threads, or decoder processes with --preprocess processes (default: one "
+                        "per CPU core; with processes, one per core but one, left to this process's threads)")
     c.add_argument("--preprocess", default="auto", choices=("auto", "threads", "processes"),
                    help="decode in threads of this process, or in --threads worker processes fed by one "
                         "dispatcher thread, outside this process's GIL (auto: processes on CUDA, threads on CPU)")
@@ -188,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--max-seq-len", type=_positive_int, default=None,
                    help="KV cache length (default: prompt + max new tokens)")
-    g.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA graphs for the decode step (one replay per token; CUDA only; default: on)")
     m = sub.add_parser(
         "embed", help="text embeddings (sentence-transformers models; all-MiniLM-L6-v2 by default)",
         description="Embed one text per line of FILE (or '-' for stdin; .jsonl lines may be "
@@ -198,11 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("file", metavar="FILE|-")
     m.add_argument("--model-dir", default=None, help="sentence-transformers folder (default: all-MiniLM-L6-v2)")
     m.add_argument("--out", required=True, help="output: .npy or .jsonl")
-    m.add_argument("--device", default="auto")
+    m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     m.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="default: float16 on CUDA, float32 on CPU")
-    m.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
-    m.add_argument("--no-progress", action="store_true")
+    m.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA graphs per batch bucket (CUDA only; default: on)")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar")
     b = sub.add_parser(
         "bench", help="reproduce the field's experiments (threads, batch, transfer, e2e): JSON + PNG",
         description="Run one experiment side by side on this machine and write PREFIX.json (machine, "
@@ -224,16 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
             e.add_argument("--seconds", type=float, default=2.0, help="per point (default: %(default)s)")
         if name in ("batch", "transfer"):
             e.add_argument("--batches", default=None, help="comma list of batch sizes")
-            e.add_argument("--model", default="resnet18")
+            e.add_argument("--model", default="resnet18", help="torchvision model (default: %(default)s)")
         if name == "batch":
             e.add_argument("--compile", action="store_true", help="also torch.compile + graphs (slow start)")
         if name == "e2e":
             e.add_argument("--n", type=_positive_int, default=20000, help="images per method (default: %(default)s)")
             e.add_argument("--workers", type=_positive_int, default=usable_cores(),
                            help="DataLoader workers and fullthrottle threads (default: cores)")
-            e.add_argument("--batch", type=_positive_int, default=128)
-            e.add_argument("--device", default="auto")
-            e.add_argument("--model", default="resnet18")
+            e.add_argument("--batch", type=_positive_int, default=128,
+                           help="batch size, the same for every method (default: %(default)s)")
+            e.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+            e.add_argument("--model", default="resnet18", help="torchvision model (default: %(default)s)")
     return p
 
 
