@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from multiprocessing import BufferTooShort
 from multiprocessing.connection import Connection
 
-from .preprocess_procs import STARTUP_S, CropPool, WorkerDied, _shutdown, exit_reason
+from .preprocess_procs import STARTUP_S, CropPool, WorkerDied, _shutdown, exit_reason, worker_command
 
 _N = struct.Struct("<I")        # items in a request or reply
 _WHERE = struct.Struct("<BQ")   # request: 0 bytes follow inline / 1 bytes in the arena, from this offset
@@ -49,10 +49,7 @@ _ITEM = struct.Struct("<II")    # request: pool row, byte length
 _STATUS = struct.Struct("<BI")  # reply: 0 ok / 1 the item's error, message length
 _TIMES = struct.Struct("<ddI")  # reply: seconds the process spent launching the batch, and in all; images it
                                 # gave its CPU decoder (not for the GPU decoder, or refused by it)
-# Ctrl-C is the parent's to handle (the worker ends on EOF): ignored before the imports, so a
-# Ctrl-C while torch loads prints no traceback from every worker
-_CMD = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-        "from fullthrottle.gpu_decode_procs import _gpu_worker_main; _gpu_worker_main(sys.argv[1:])")
+_CMD = worker_command("gpu_decode_procs", "_gpu_worker_main")
 
 
 #: batches a GPU decoder process holds at once (one decoding, the next waiting in its arena slot)

@@ -64,10 +64,17 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(16 << 20), "MALLOC_TRIM_THRESHOLD_":
 #: with where its time went (seconds blocked in recv, in preprocess (wall and CPU), writing the crop,
 #: in send; images; page faults and context switches) -- for benchmarks, off by default
 STATS_ENV = "FULLTHROTTLE_WORKER_STATS"
-# Ctrl-C is the parent's to handle (the worker ends on EOF): ignored before the imports, so a
-# Ctrl-C while torch loads prints no traceback from every worker
-_WORKER_CMD = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-               "from fullthrottle.preprocess_procs import _worker_main; _worker_main(sys.argv[1:])")
+
+
+def worker_command(module: str, main: str) -> str:
+    """The ``python -c`` line that runs ``fullthrottle.<module>.<main>(sys.argv[1:])`` in a worker
+    process. Ctrl-C is the parent's to handle (the worker ends on EOF): it is ignored before the
+    imports, so a Ctrl-C while torch loads prints no traceback from every worker."""
+    return (f"import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            f"from fullthrottle.{module} import {main}; {main}(sys.argv[1:])")
+
+
+_WORKER_CMD = worker_command("preprocess_procs", "_worker_main")
 
 
 class WorkerDied(RuntimeError):
