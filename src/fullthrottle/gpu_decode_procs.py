@@ -41,7 +41,8 @@ from collections.abc import Sequence
 from multiprocessing import BufferTooShort
 from multiprocessing.connection import Connection
 
-from .preprocess_procs import STARTUP_S, CropPool, WorkerDied, _shutdown, exit_reason, worker_command
+from .preprocess_procs import (STARTUP_S, WORKER_PROCESS_GROUP, CropPool, WorkerDied, _shutdown, exit_reason,
+                              worker_command)
 
 _N = struct.Struct("<I")        # items in a request or reply
 _WHERE = struct.Struct("<BQ")   # request: 0 bytes follow inline / 1 bytes in the arena, from this offset
@@ -300,7 +301,7 @@ class GpuDecoderProcess:
             [sys.executable, "-c", _CMD, str(child.fileno()), str(self.pool.fd), *map(str, self.args),
              str(self.arena_fd if self.arena_fd is not None else -1), str(DEPTH * SLOT_BYTES)],
             pass_fds=(child.fileno(), self.pool.fd, *arena), env=dict(os.environ, OMP_NUM_THREADS="1"),
-            stdin=subprocess.DEVNULL, close_fds=True)
+            stdin=subprocess.DEVNULL, close_fds=True, process_group=WORKER_PROCESS_GROUP)
         self._sent.clear()
         child.close()
         self.spawned = time.perf_counter()

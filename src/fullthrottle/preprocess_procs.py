@@ -66,10 +66,16 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(16 << 20), "MALLOC_TRIM_THRESHOLD_":
 STATS_ENV = "FULLTHROTTLE_WORKER_STATS"
 
 
+#: worker processes start in a process group of their own (``Popen(process_group=0)``): a terminal's
+#: Ctrl-C goes to the foreground group, so it reaches the parent only, also while a worker is still
+#: starting (a SIGINT then, before its first line ran, killed it with a traceback)
+WORKER_PROCESS_GROUP = 0
+
+
 def worker_command(module: str, main: str) -> str:
     """The ``python -c`` line that runs ``fullthrottle.<module>.<main>(sys.argv[1:])`` in a worker
-    process. Ctrl-C is the parent's to handle (the worker ends on EOF): it is ignored before the
-    imports, so a Ctrl-C while torch loads prints no traceback from every worker."""
+    process. Ctrl-C is the parent's to handle (the worker ends on EOF): a SIGINT sent to the worker
+    itself is ignored from its first line, before the imports."""
     return (f"import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
             f"from fullthrottle.{module} import {main}; {main}(sys.argv[1:])")
 
@@ -265,7 +271,8 @@ class DecoderProcess:
         env.update({k: v for k, v in MALLOC_ENV.items() if k not in os.environ})  # the user's settings win
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _WORKER_CMD, str(child.fileno()), str(self.pool.fd), *map(str, self.args)],
-            pass_fds=(child.fileno(), self.pool.fd), env=env, stdin=subprocess.DEVNULL, close_fds=True)
+            pass_fds=(child.fileno(), self.pool.fd), env=env, stdin=subprocess.DEVNULL, close_fds=True,
+            process_group=WORKER_PROCESS_GROUP)
         child.close()
         self.spawned = time.perf_counter()  # a new worker first imports its libraries (seconds)
         self.conn = Connection(parent.detach())
