@@ -486,9 +486,11 @@ def _gpu_worker_main(argv: list[str]) -> None:
         _clear_cuda_error()
     stream = torch.cuda.Stream(dev)
     done = torch.cuda.Event(blocking=True)
-    with torch.cuda.stream(stream):  # the decoder's set-up happens here, before the first real batch
+    with torch.cuda.stream(stream), torch.inference_mode():  # set-up here, before the first real batch:
         decoder = make_gpu_decoder(dev, kind)  # "hardware" fails loudly here: the pool reports it
-        decoder([_test_jpeg()])
+        # the decoder's state, and the resize kernels' JIT compile (Triton: seconds on a cold cache,
+        # which would otherwise stall the first batches of every process at once)
+        decode_crops(decoder, [_test_jpeg()], resize_size, crop_size, max_pixels, dev)
     stream.synchronize()
     conn = Connection(fd)
     buf = bytearray(1 << 20)  # requests land here: the decoder reads the images in place, no copy
