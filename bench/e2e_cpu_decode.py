@@ -141,9 +141,9 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
 
         cfg = pipe.config
         pipe.gpu_decoders.close()
-        pipe.gpu_decoders = GpuDecoderPool(gpu_procs, pipe.decoders.crops, 0, cfg.resize_size, cfg.crop_size,
+        pipe.gpu_decoders = GpuDecoderPool(cfg.gpu_decode_processes, pipe.decoders.crops, 0, cfg.resize_size, cfg.crop_size,
                                            cfg.max_image_pixels, decoder=["hardware"] * mix
-                                           + ["nvjpeg"] * (gpu_procs - mix))
+                                           + ["nvjpeg"] * (cfg.gpu_decode_processes - mix))
     list(pipe.run([blobs[i % len(blobs)] for i in range(2000)]))  # warm-up (cuDNN autotune, pools)
     seen, t_warm, n_warm = 0, None, 0
     inputs = (blobs[i % len(blobs)] for i in range(n))
@@ -205,6 +205,7 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     gpu_kind = (gpu_decoder if mix is not None else eng.gpu_decoder.kind) if eng.gpu_decoder is not None else None
     n_disp = sum(t.name.startswith("ft-preprocess-dispatch") for t in pipe.current_run.threads)
     mapped = eng.mapped_crops is not None
+    n_gpu = len(pipe.gpu_decoders) if pipe.gpu_decoders is not None else 0
     pipe.close()
     worker_split = _worker_stats(stats_dir) if stats_dir else None
     return {"threads": threads, "preprocess": preprocess, "decoder_processes": n_procs,
@@ -216,7 +217,8 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
             "dispatch_threads": n_disp, "crop_pool_pinned": pinned, "max_in_flight": pipe.config.in_flight_limit,
             "crop_pool_rows": pipe.decoders.crops.rows if pipe.decoders is not None else None,
             "graphs": graphs, "max_wait_ms": max_wait_ms, "gpu_decode": gpu_decode,
-            "gpu_decode_processes": gpu_procs if gpu_decode and n_procs else 0, "gpu_decoder": gpu_kind,
+            "gpu_decode_processes": n_gpu if gpu_decode and n_procs else 0,
+            "gpu_decode_processes_asked": "auto" if gpu_procs is None else gpu_procs, "gpu_decoder": gpu_kind,
             "gpu_decode_summary": rep.gpu_decode, "gpu_decoder_processes_timing": gpu_procs_timing,
             "gpu_share": eng.splitter.routed_gpu_share if gpu_decode else 0.0,
             "gpu_util_mean_pct": rep.gpu_util_pct, "verdict": rep.verdict, "switch_interval_s": sys.getswitchinterval(),
@@ -243,7 +245,8 @@ def main():
                     "the decoder processes, e.g. 4,16 (default run: 1)")
     ap.add_argument("--gpu-decode", action="store_true", help="also run fullthrottle with GPU JPEG decoding")
     ap.add_argument("--gpu-procs", default="2", help="GPU decoder processes to try with --gpu-decode, e.g. 0,2,4 "
-                    "(0: the GPU decode thread in the main process)")
+                    "(0: the GPU decode thread in the main process; auto: Config's default, 8 under a CUDA "
+                    "MPS server, else 6)")
     ap.add_argument("--gpu-decoders", default="auto", help="GPU JPEG decoders to try with --gpu-decode: "
                     "hardware, nvjpeg, auto, or mix:N (N of the --gpu-procs processes on the hardware engines, "
                     "the rest nvJPEG), comma-separated (each with every --gpu-procs value)")
@@ -353,7 +356,7 @@ def run(args, mps) -> None:
     variants = [(kind, t, b, g, s, si, sy, pg, mf, nv) for kind in args.gpu_decoders.split(",") if kind
                 for t in (args.nvimgcodec_threads.split(",") if kind != "nvjpeg" else [""])
                 for b in (args.nvimgcodec_backends.split(",") if kind != "nvjpeg" else [""])
-                for g in [int(x) for x in args.gpu_procs.split(",") if x]
+                for g in [None if x == "auto" else int(x) for x in args.gpu_procs.split(",") if x]
                 for s in [int(x) for x in args.gpu_spill_depths.split(",") if x]
                 for si in ([float(x) for x in args.gpu_switch_intervals.split(",") if x] or [sys.getswitchinterval()])
                 for sy in (args.gpu_worker_syncs.split(",") if args.gpu_worker_syncs else [""])

@@ -668,6 +668,31 @@ def test_mps_server_running_looks_for_the_control_socket(tmp_path, monkeypatch):
     assert not mps_server_running()
 
 
+def test_gpu_decode_processes_default_follows_the_mps_server(tmp_path, monkeypatch):
+    """Config(gpu_decode=True) with gpu_decode_processes unset takes 8 GPU decoder processes when an
+    MPS server runs (its pid file names a live process) and 6 when none does; the window
+    (in_flight_limit) grows with them; a value given is kept, and so is the CLI's."""
+    from fullthrottle.cli import _gpu_decode_settings, build_parser
+    from fullthrottle.config import Config
+    from fullthrottle.gpu_decode_procs import DEPTH
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert Config(gpu_decode=True).gpu_decode_processes == 6
+    assert Config(gpu_decode=False).gpu_decode_processes == 6
+    (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
+    cfg = Config(gpu_decode=True, max_batch_size=128, threads=15)
+    assert cfg.gpu_decode_processes == 8
+    assert cfg.in_flight_limit == (4 + 2 * 8 * DEPTH) * 128 + 2 * 15
+    assert Config(gpu_decode=False).gpu_decode_processes == 6  # (not asked: no GPU decode)
+    assert Config(gpu_decode=True, gpu_decode_processes=3).gpu_decode_processes == 3
+    assert Config(gpu_decode=True, gpu_decode_processes=0).gpu_decode_processes == 0
+    for argv, want in ((["--gpu-decode"], 8), (["--gpu-decode", "--gpu-decode-processes", "2"], 2)):
+        args = build_parser().parse_args(["classify", "x.jpg", *argv])
+        assert Config(**_gpu_decode_settings(args)).gpu_decode_processes == want
+    with pytest.raises(ValueError, match="gpu_decode_processes must be an integer in 0..16"):
+        Config(gpu_decode=True, gpu_decode_processes=17)
+
+
 def test_gpu_worker_nice_comes_from_the_environment_and_is_checked(monkeypatch):
     """FULLTHROTTLE_GPU_WORKER_NICE: unset means 0; 0-19 taken as given; anything else is refused with
     the variable named, by GpuDecoderPool before it starts a process (not as a failed start)."""

@@ -54,8 +54,8 @@ def _add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
                         f"Default: {Config.gpu_decoder}")
     p.add_argument("--gpu-decode-processes", type=int, default=None, metavar="N",
                    help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "
-                        "decoder, 0..16 (0: one GPU decode thread in this process; default: "
-                        f"{Config.gpu_decode_processes})")
+                        "decoder, 0..16 (0: one GPU decode thread in this process; default: 8 when a CUDA MPS "
+                        "server is running, else 6)")
 
 
 def _gpu_decode_settings(args) -> dict:
@@ -69,8 +69,7 @@ def _gpu_decode_settings(args) -> dict:
         return {"gpu_decode": False}  # (ignored: not checked either, as the note says)
     return {"gpu_decode": args.gpu_decode,
             "gpu_decoder": args.gpu_decoder if args.gpu_decoder is not None else Config.gpu_decoder,
-            "gpu_decode_processes": (args.gpu_decode_processes if args.gpu_decode_processes is not None
-                                     else Config.gpu_decode_processes)}
+            "gpu_decode_processes": args.gpu_decode_processes}  # (None: Config picks by MPS)
 
 
 def build_parser() -> argparse.ArgumentParser:

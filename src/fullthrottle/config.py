@@ -66,12 +66,14 @@ class Config:
             the same engines for these JPEGs, with less overhead around them.
         gpu_decode_processes: with ``gpu_decode`` and decoder processes, how many processes decode on
             the GPU (each its own decoder and CUDA context, writing crops into the shared pool);
-            torchvision serialises GPU decodes within one process. Default 6: on the H200 machine
-            nvJPEG in 6 processes gave 16.9k img/s end to end on 640x480 photos and 8 gave 11.3k in
-            the same call (15.3k both on the mixed samples;
-            bench/results/e2e_gpu_decode_*_decoders_procs_session9.json); earlier, 3 / 9 / 12 gave
-            10.1k / 12.3k / 12.6k (bench/results/e2e_gpu_decode_640x480_procs_session8.json). 0: one
-            GPU decode thread in this process instead.
+            torchvision serialises GPU decodes within one process. 0: one GPU decode thread in this
+            process instead. Default (None): 8 when a CUDA MPS server is running (the processes'
+            kernels then run at once), 6 otherwise (time-sliced contexts), resolved here, when the
+            Config is made (:func:`~fullthrottle.gpu_decode_procs.default_processes`). On the H200
+            machine, under MPS, 8 gave 22.6k img/s end to end on 640x480 photos where 6 gave 21.6k
+            (bench/results/e2e_gpu_decode_640x480_procs_nice_session12.json); time-sliced, 8 gave 11.3k
+            where 6 gave 16.9k (bench/results/e2e_gpu_decode_*_decoders_procs_session9.json); earlier,
+            3 / 9 / 12 gave 10.1k / 12.3k / 12.6k (bench/results/e2e_gpu_decode_640x480_procs_session8.json).
         fold_bn: on CUDA, fold each eval-mode BatchNorm into the convolution before it (the standard
             inference rewrite TensorRT and ONNX Runtime also do; ``torch.fx.experimental.optimization.fuse``):
             then run each conv -> ReLU and conv -> residual add -> ReLU as one cuDNN call
@@ -126,7 +128,7 @@ class Config:
     compile: bool = False
     gpu_decode: bool = False
     gpu_decoder: str = "nvjpeg"
-    gpu_decode_processes: int = 6
+    gpu_decode_processes: int | None = None
     max_batch_size: int = 64
     max_wait_ms: float = 5.0
     buckets: tuple[int, ...] | None = None
@@ -195,6 +197,10 @@ class Config:
         if self.gpu_decoder not in GPU_DECODERS:
             names = ", ".join(map(repr, GPU_DECODERS[:-1])) + f" or {GPU_DECODERS[-1]!r}"
             raise ValueError(f"gpu_decoder must be {names}, got {self.gpu_decoder!r}")
+        if self.gpu_decode_processes is None:
+            from .gpu_decode_procs import default_processes
+
+            self.gpu_decode_processes = default_processes(mps=None if self.gpu_decode else False)
         if not (isinstance(self.gpu_decode_processes, int) and not isinstance(self.gpu_decode_processes, bool)
                 and 0 <= self.gpu_decode_processes <= 16):
             raise ValueError(f"gpu_decode_processes must be an integer in 0..16, got {self.gpu_decode_processes!r}")
