@@ -258,10 +258,6 @@ def main():
     ap.add_argument("--gpu-spill-depths", default="1",
                     help="with --gpu-decode: images each CPU decoder process holds before an eligible JPEG goes "
                          "to the GPU instead (pipeline.GPU_SPILL_DEPTH), e.g. 1,2 (default: %(default)s)")
-    ap.add_argument("--gpu-fills", default="",
-                    help="with --gpu-decode: pipeline.GPU_FILL values to try, e.g. 0,0.75 (how long a GPU decoder "
-                         "process's feeder collects the next batch while the process is busy, as a share of "
-                         "its expected busy time; empty: the default)")
     ap.add_argument("--gpu-switch-intervals", default="",
                     help="with --gpu-decode: sys.setswitchinterval values (s) to try, e.g. 0.005,0.0005 (how long a "
                          "thread waiting for the GIL lets another run before asking for it; Python's default 0.005)")
@@ -357,7 +353,7 @@ def run(args, mps) -> None:
     from fullthrottle.compute import POOL_GATHER_ENV
     from fullthrottle.gpu_decode_procs import NICE_ENV, SYNC_ENV
 
-    variants = [(kind, t, b, g, s, si, sy, pg, mf, nv, fl) for kind in args.gpu_decoders.split(",") if kind
+    variants = [(kind, t, b, g, s, si, sy, pg, mf, nv) for kind in args.gpu_decoders.split(",") if kind
                 for t in (args.nvimgcodec_threads.split(",") if kind != "nvjpeg" else [""])
                 for b in (args.nvimgcodec_backends.split(",") if kind != "nvjpeg" else [""])
                 for g in [None if x == "auto" else int(x) for x in args.gpu_procs.split(",") if x]
@@ -367,9 +363,8 @@ def run(args, mps) -> None:
                 for pg in (args.pool_gathers.split(",") if args.pool_gathers else [""])
                 for mf in ([int(x) for x in args.max_in_flights.split(",") if x] or [None])
                 for nv in (args.gpu_worker_nices.split(",") if args.gpu_worker_nices else [""])
-                for fl in ([float(x) for x in args.gpu_fills.split(",") if x] or [pl.GPU_FILL])
                 ] if args.gpu_decode else []
-    spill0, si0, fill0 = pl.GPU_SPILL_DEPTH, sys.getswitchinterval(), pl.GPU_FILL
+    spill0, si0 = pl.GPU_SPILL_DEPTH, sys.getswitchinterval()
     env0 = {k: os.environ.get(k) for k in (SYNC_ENV, POOL_GATHER_ENV, NICE_ENV)}  # the caller's settings
 
     def set_env(name: str, value: str) -> None:  # a variant's value, or "": the caller's setting
@@ -379,7 +374,7 @@ def run(args, mps) -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = env0[name]
-    for vi, (kind, t, b, g, s, si, sy, pg, mf, nv, fl) in enumerate(variants):
+    for vi, (kind, t, b, g, s, si, sy, pg, mf, nv) in enumerate(variants):
         sys.setswitchinterval(si)
         set_env(SYNC_ENV, sy)
         set_env(POOL_GATHER_ENV, pg)
@@ -387,11 +382,10 @@ def run(args, mps) -> None:
         os.environ["FULLTHROTTLE_NVIMGCODEC_THREADS"] = t  # nvImageCodec's CPU threads per decoder ("": one per core)
         os.environ["FULLTHROTTLE_NVIMGCODEC_BACKENDS"] = b  # its backends ("": the engines alone)
         pl.GPU_SPILL_DEPTH = s
-        pl.GPU_FILL = fl
         print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes, nvImageCodec threads {t or 'default'} backends {b or 'hw'}, "
               f"CPU workers hold {s} before the GPU takes the rest, switch interval {si * 1e3:g} ms, "
               f"GPU worker sync {sy or 'default'}, pool gather {pg or 'default'}, max_in_flight {mf or 'default'}, "
-              f"GPU worker nice {nv or 'default'}, GPU fill {fl:g} ...", flush=True)
+              f"GPU worker nice {nv or 'default'} ...", flush=True)
         try:
             last = vi == len(variants) - 1  # (py-spy's sampling costs some speed)
             spy = (os.path.join(args.py_spy, f"py_spy_{len(extra)}_{kind}_{g}.raw") if args.py_spy and last else None)
@@ -400,7 +394,6 @@ def run(args, mps) -> None:
             extra[-1]["nvimgcodec_threads"] = t or "default"
             extra[-1]["nvimgcodec_backends"] = b or "hw"
             extra[-1]["gpu_spill_depth"] = s
-            extra[-1]["gpu_fill"] = fl
             extra[-1]["gpu_worker_sync"] = os.environ.get(SYNC_ENV, "default")
             extra[-1]["gpu_worker_nice"] = os.environ.get(NICE_ENV, "0")
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' figures
@@ -414,7 +407,7 @@ def run(args, mps) -> None:
     set_env(NICE_ENV, "")
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_THREADS", None)
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_BACKENDS", None)
-    pl.GPU_SPILL_DEPTH, pl.GPU_FILL = spill0, fill0
+    pl.GPU_SPILL_DEPTH = spill0
     sys.setswitchinterval(si0)
     for w in [float(x) for x in args.ft_waits.split(",") if x]:
         print(f"fullthrottle, max_wait_ms {w} ...", flush=True)
@@ -446,7 +439,7 @@ def run(args, mps) -> None:
         if v.get("gpu_decode") and "error" not in v:
             print(f"  GPU decode ({v['gpu_decoder']}, nvImageCodec threads {v.get('nvimgcodec_threads')}), "
                   f"{v['gpu_decode_processes']} GPU decoder processes, spill depth {v.get('gpu_spill_depth')}, "
-                  f"sync {v.get('gpu_worker_sync')}, pool {v.get('pool_gather')}, fill {v.get('gpu_fill')}: "
+                  f"sync {v.get('gpu_worker_sync')}, pool {v.get('pool_gather')}: "
                   f"{v['img_per_s']:.0f} img/s, "
                   f"{v['gpu_share']:.0%} of eligible JPEGs on the GPU, GPU busy {v['gpu_util_mean_pct']:.0f}%")
 

@@ -86,7 +86,6 @@ def main():
 
             class InstantGpuProcess:  # answers at once: only the main process's side costs anything
                 depth = 2
-                batch_s = 0.0  # (no batch time measured: its feeder sends at once)
 
                 def __init__(self):
                     self.sent = collections.deque()

@@ -2,7 +2,6 @@
 CPU (CI); the real nvJPEG path is checked against the CPU path under the ``gpu`` marker."""
 
 import collections
-import functools
 import os
 import subprocess
 import sys
@@ -294,7 +293,6 @@ class FakeGpuProcess:
 
     depth = 2  # batches it may hold at once, answered in order
     delay_s = 0.01
-    batch_s = delay_s  # its time over a batch, as GpuDecoderProcess measures it (the feeder's fill wait)
 
     def __init__(self, pool, poison=None):
         self.pool, self.batches, self.poison, self.died = pool, [], poison, 0
@@ -383,56 +381,6 @@ def test_gpu_decoder_processes_path_equals_cpu_only(samples, bad_dir):
         assert sum(not r.ok for r in res.values()) > sum(not r.ok for r in ref.values())
     finally:
         pipe.close()
-
-
-def test_gpu_feeder_collects_until_the_process_is_free():
-    """A GPU decoder process's feeder, while the process is busy (``until``), keeps collecting the next
-    batch until then, for its first image as well; without ``until`` it stops ``wait_s`` after the
-    first image; a full batch goes at once either way, the rest staying in ``carry``."""
-    import queue
-    import threading
-    from types import SimpleNamespace
-
-    from fullthrottle.pipeline import _END, Run
-
-    gq = queue.Queue()
-    fake = SimpleNamespace(gq=gq, _get=lambda q, timeout=0.05: Run._get(None, q, timeout))
-    take = functools.partial(Run._take_gpu_batch, fake)
-
-    def later(delay, obj):
-        threading.Timer(delay, gq.put, (obj,)).start()
-
-    gq.put(list(range(10)))
-    later(0.06, list(range(10, 20)))
-    t0 = time.perf_counter()
-    items, ends = take([], 128, 0.005, 1, block=False)  # no until: the first list alone
-    assert items == list(range(10)) and ends == 0 and time.perf_counter() - t0 < 0.05
-    items, ends = take([], 128, 0.005, 1, block=False)  # nothing queued, not blocking: nothing
-    assert items == [] and ends == 0
-    time.sleep(0.08)
-    assert gq.get_nowait() == list(range(10, 20))
-
-    gq.put(list(range(10)))
-    later(0.04, list(range(10, 20)))
-    t0 = time.perf_counter()
-    items, _ = take([], 128, 0.005, 1, block=False, until=t0 + 0.15)  # busy: both lists, then until
-    waited = time.perf_counter() - t0
-    assert items == list(range(20)) and 0.14 <= waited < 0.5
-
-    later(0.03, list(range(5)))  # the first image too is waited for while the process is busy
-    t0 = time.perf_counter()
-    items, _ = take([], 128, 0.005, 1, block=False, until=t0 + 0.08)
-    assert items == list(range(5)) and time.perf_counter() - t0 >= 0.07
-
-    gq.put(list(range(100)))
-    gq.put(list(range(100, 200)))
-    carry: list = []
-    t0 = time.perf_counter()
-    items, _ = take(carry, 128, 0.005, 1, block=False, until=t0 + 5.0)  # full: no waiting for until
-    assert items == list(range(128)) and carry == list(range(128, 200)) and time.perf_counter() - t0 < 1.0
-    gq.put(_END)
-    items, ends = take(carry, 128, 0.005, 1, block=False, until=time.perf_counter() + 5.0)
-    assert items == list(range(128, 200)) and ends == 1 and carry == []
 
 
 def test_gpu_process_discards_replies_owed_when_a_run_stops():

@@ -305,8 +305,6 @@ class GpuDecoderProcess:
         #: seconds summed over answered batches: in this process's thread (send to answer), and in the
         #: worker (``launch``: decode call + resize/copy launches; ``total``: until its stream finished)
         self.times = {"round_trip_s": 0.0, "launch_s": 0.0, "total_s": 0.0, "batches": 0, "cpu_decoded": 0}
-        #: seconds the process takes over a batch, from receipt to answer (moving average; 0 before the first)
-        self.batch_s = 0.0
         self._start()
 
     def _start(self) -> None:
@@ -395,7 +393,6 @@ class GpuDecoderProcess:
         t["total_s"] += total_s
         t["batches"] += 1
         t["cpu_decoded"] += cpu_decoded
-        self.batch_s = total_s if not self.batch_s else 0.8 * self.batch_s + 0.2 * total_s
         return statuses
 
     def discard_replies(self, timeout: float = 2.0) -> None:

@@ -64,11 +64,6 @@ GPU_SPILL_DEPTH = 1
 #: images per hand-off on the GPU decode path (dispatcher -> GPU decoders -> batcher): each hand-off
 #: between threads costs a queue operation and a GIL hand-off, so the GPU's images travel in lists
 GPU_CHUNK = 32
-#: a GPU decoder process's feeder, while the process is busy, collects the next batch until this share
-#: of the process's expected remaining busy time has passed (0: only ``max_wait_ms`` after the first
-#: image). On the H200 a process took about the same time over a batch of 72 or 84 640x480 JPEGs
-#: (28-30 ms), so fuller batches are more images per unit of its time
-GPU_FILL = 0.75
 #: consumed results whose window permits the iterator gives back at once (never before they are consumed)
 RELEASE_EVERY = 16
 
@@ -248,20 +243,15 @@ class Run:
         self._put(self.gq, items)
 
     def _take_gpu_batch(self, carry: list, limit: int, wait_s: float, ends_wanted: int,
-                        block: bool = True, until: float | None = None) -> tuple[list, int]:
+                        block: bool = True) -> tuple[list, int]:
         """Up to ``limit`` items for one GPU batch: what ``carry`` holds first (left over from a list),
         then lists from the GPU queue, waiting at most ``wait_s`` after the first item (for the first,
-        briefly, or not at all without ``block``). ``until`` (a ``time.perf_counter()`` time): keep
-        collecting until then as well, the first item included (the GPU decoder process is busy until
-        about then, so a fuller batch costs no idle time there). Items beyond ``limit`` stay in
-        ``carry``. Returns ``(items, end markers seen)``; stops at ``ends_wanted`` ends."""
+        briefly, or not at all without ``block``). Items beyond ``limit`` stay in ``carry``. Returns
+        ``(items, end markers seen)``; stops at ``ends_wanted`` ends."""
         items = carry[:limit]
         del carry[:limit]
         ends = 0
-        now = time.perf_counter()
-        deadline = now + wait_s if items else None
-        if until is not None and until > now:
-            deadline = max(deadline or until, until)
+        deadline = time.perf_counter() + wait_s if items else None
         while len(items) < limit and ends < ends_wanted:
             # nothing yet: wait briefly (the caller checks the stop event and asks again)
             if deadline is None:
@@ -273,10 +263,9 @@ class Run:
             if c is _END:
                 ends += 1
                 continue
-            if not items:  # the first: wait_s more from now, at least
-                first_by = time.perf_counter() + wait_s
-                deadline = first_by if deadline is None else max(deadline, first_by)
             items.extend(c)
+            if deadline is None:
+                deadline = time.perf_counter() + wait_s
         if len(items) > limit:
             carry[:0] = items[limit:]
             del items[limit:]
@@ -355,17 +344,13 @@ class Run:
         """
         cfg, st, crops = self.config, self.stats["gpu decode"], self.decoders.crops
         limit, wait_s = cfg.max_batch_size, cfg.max_wait_ms / 1e3
-        ended, carry, busy_from = False, [], 0.0
+        ended, carry = False, []
         inflight: collections.deque = collections.deque()  # (items, rows, arena slot) sent, oldest first
         slots = list(range(proc.depth))
         try:
             while not self.stop_event.is_set() and (not ended or carry or inflight):
                 while len(inflight) < proc.depth and (not ended or carry):  # fill the process's queue
-                    # busy with what it holds until about busy_from + its batches' time: until then a
-                    # fuller batch costs the process no idle time
-                    until = (busy_from + GPU_FILL * proc.batch_s * len(inflight)) if inflight else None
-                    items, e = self._take_gpu_batch(carry, limit, wait_s, 0 if ended else 1, block=not inflight,
-                                                    until=until)
+                    items, e = self._take_gpu_batch(carry, limit, wait_s, 0 if ended else 1, block=not inflight)
                     ended = ended or e > 0
                     if not items:
                         break
@@ -379,10 +364,9 @@ class Run:
                     rows = crops.acquire_many(len(items), self.stop_event.is_set)  # backpressure: consumed crops
                     if rows is None:
                         return
-                    t0 = time.perf_counter()
                     if not inflight:
                         st.begin()
-                        busy_from = t0
+                    t0 = time.perf_counter()
                     st.waited(sum(t0 - it.t_queued for it in items) / len(items), len(items))
                     slot = slots.pop()
                     queued = proc.send([(it.data, r) for it, r in zip(items, rows)], slot)
@@ -395,7 +379,6 @@ class Run:
                 slots.append(slot)
                 try:
                     answers = proc.receive(cfg.decode_timeout_s)
-                    busy_from = time.perf_counter()  # (it now works on the next batch it holds)
                 except WorkerDied as e:  # the process died or hung on this batch (and was replaced):
                     for items2, rows2, slot2 in inflight:  # what waited behind it goes again, to the new one
                         crops.release(rows2)
