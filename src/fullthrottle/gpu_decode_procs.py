@@ -65,7 +65,9 @@ SLOT_BYTES = 32 << 20
 SYNC_ENV = "FULLTHROTTLE_GPU_WORKER_SYNC"
 #: environment variable: niceness added to each GPU decoder process (unset or 0: the parent's), so
 #: that the main process's threads, whose per-image Python under one GIL bounds the pipeline, win a
-#: contended core (an experiment: bench/e2e_cpu_decode.py --gpu-worker-nices; not measured yet)
+#: contended core (bench/e2e_cpu_decode.py --gpu-worker-nices). Measured on the H200 under MPS, 3
+#: against 0: 21.0k/19.9k, 21.6k/21.3k img/s (6 processes), 22.6k/22.4k (8), within the spread
+#: between runs, so the default stays 0 (bench/results/e2e_gpu_decode_640x480_*nice*_session12.json)
 NICE_ENV = "FULLTHROTTLE_GPU_WORKER_NICE"
 
 
