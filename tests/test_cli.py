@@ -147,3 +147,28 @@ def test_embed_input_lines_end_at_newline_and_jsonl_errors_name_their_line(tmp_p
     assert next(got) == "a" and next(got) == "b" and next(got) == ""
     with pytest.raises(ValueError, match=r"line 4: not valid JSON \(Expecting value at character 10\)"):
         next(got)
+
+
+def test_help_imports_no_torch_and_ctrl_c_while_starting_is_clean(samples):
+    """``import fullthrottle`` (and so the CLI's --help) does not import torch; a Ctrl-C while
+    ``classify`` starts (importing torch, building the model) ends it with 130 and one line, no
+    traceback."""
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", "import sys, fullthrottle, fullthrottle.cli; "
+                          "print('torch' in sys.modules)"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+    for delay in (0.5, 1.5):
+        p = subprocess.Popen([sys.executable, "-m", "fullthrottle.cli", "classify", str(samples[0]),
+                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+        if p.returncode == 0:  # (finished before the signal: nothing to check)
+            continue
+        assert p.returncode == 130, (delay, p.returncode, err[-2000:])
+        assert "Traceback" not in err and "interrupted" in err, err[-2000:]

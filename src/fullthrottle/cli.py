@@ -779,6 +779,14 @@ def _close_out(out) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run_command(args, argv)
+    except KeyboardInterrupt:  # before a command's own handling (Ctrl-C while torch is imported, say)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def _run_command(args, argv: list[str] | None) -> int:
     if args.command == "bench":
         return cmd_bench(args)
     if args.command == "serve":
