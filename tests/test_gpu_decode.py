@@ -666,31 +666,46 @@ def test_mps_server_running_looks_for_the_control_socket(tmp_path, monkeypatch):
     dead.wait()
     (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{dead.pid}\n")
     assert not mps_server_running()
+    for junk in ("2147483648", "99999999999999999999", "-5", "abc", ""):  # never raises: no server
+        (tmp_path / "nvidia-cuda-mps-control.pid").write_text(junk)
+        assert not mps_server_running()
+    (tmp_path / "nvidia-cuda-mps-control.pid").unlink()
+    os.mkfifo(tmp_path / "nvidia-cuda-mps-control.pid")  # not a file: not read (opening it would wait)
+    assert not mps_server_running()
 
 
 def test_gpu_decode_processes_default_follows_the_mps_server(tmp_path, monkeypatch):
-    """Config(gpu_decode=True) with gpu_decode_processes unset takes 8 GPU decoder processes when an
-    MPS server runs (its pid file names a live process) and 6 when none does; the window
-    (in_flight_limit) grows with them; a value given is kept, and so is the CLI's."""
+    """gpu_decode_processes unset (None) is decided when the Pipeline is made, however the Config was
+    built (directly, by replace, by Pipeline overrides, by the CLI): 8 GPU decoder processes when an
+    MPS server runs (its pid file names a live process), 6 when none does; the window
+    (in_flight_limit) counts the same number; a value given is kept."""
+    import dataclasses
+
     from fullthrottle.cli import _gpu_decode_settings, build_parser
-    from fullthrottle.config import Config
     from fullthrottle.gpu_decode_procs import DEPTH
 
+    def made(*args, **kw):  # the number a Pipeline settles on (CPU: no process is started)
+        with Pipeline(*args, model=Tiny(), **kw) as pipe:
+            return pipe.config.gpu_decode_processes, pipe.config.in_flight_limit
+
+    base = dict(labels=LABELS, device="cpu", max_batch_size=8, threads=2, preprocess="threads")
+    window = {n: (4 + 2 * n * DEPTH) * 8 + 2 * 2 for n in (6, 8, 3)}
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
-    assert Config(gpu_decode=True).gpu_decode_processes == 6
-    assert Config(gpu_decode=False).gpu_decode_processes == 6
+    assert Config(gpu_decode=True).gpu_decode_processes is None
+    assert made(Config(gpu_decode=True, **base)) == (6, window[6])
     (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
-    cfg = Config(gpu_decode=True, max_batch_size=128, threads=15)
-    assert cfg.gpu_decode_processes == 8
-    assert cfg.in_flight_limit == (4 + 2 * 8 * DEPTH) * 128 + 2 * 15
-    assert Config(gpu_decode=False).gpu_decode_processes == 6  # (not asked: no GPU decode)
-    assert Config(gpu_decode=True, gpu_decode_processes=3).gpu_decode_processes == 3
-    assert Config(gpu_decode=True, gpu_decode_processes=0).gpu_decode_processes == 0
+    assert Config(gpu_decode=True, **base).in_flight_limit == window[8]
+    assert made(Config(gpu_decode=True, **base)) == (8, window[8])
+    assert made(dataclasses.replace(Config(**base), gpu_decode=True)) == (8, window[8])
+    assert made(Config(**base), gpu_decode=True) == (8, window[8])
+    assert made(Config(gpu_decode=True, gpu_decode_processes=3, **base)) == (3, window[3])
+    assert made(Config(**base))[0] is None  # (no GPU decode: nothing to decide)
     for argv, want in ((["--gpu-decode"], 8), (["--gpu-decode", "--gpu-decode-processes", "2"], 2)):
         args = build_parser().parse_args(["classify", "x.jpg", *argv])
-        assert Config(**_gpu_decode_settings(args)).gpu_decode_processes == want
-    with pytest.raises(ValueError, match="gpu_decode_processes must be an integer in 0..16"):
-        Config(gpu_decode=True, gpu_decode_processes=17)
+        assert made(Config(**base, **_gpu_decode_settings(args)))[0] == want
+    for bad in (17, -1, True, "8", 2.0):
+        with pytest.raises(ValueError, match="gpu_decode_processes must be None .* or an integer in 0..16"):
+            Config(gpu_decode=True, gpu_decode_processes=bad)
 
 
 def test_gpu_worker_nice_comes_from_the_environment_and_is_checked(monkeypatch):

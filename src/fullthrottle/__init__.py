@@ -11,9 +11,13 @@ The names below are imported on first use (PEP 562), so ``import fullthrottle`` 
 ``--help`` do not import torch, and a Ctrl-C while the CLI starts is handled by the CLI.
 """
 
-from __future__ import annotations
+from typing import TYPE_CHECKING
 
-import importlib
+if TYPE_CHECKING:  # (for type checkers and IDEs; at run time the names come from __getattr__)
+    from .config import Config
+    from .decode import Result
+    from .pipeline import Pipeline, PipelineError, classify
+    from .preprocess import ImageError
 
 _WHERE = {"Config": ".config", "Result": ".decode", "Pipeline": ".pipeline", "PipelineError": ".pipeline",
           "classify": ".pipeline", "ImageError": ".preprocess"}
@@ -24,6 +28,8 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name in _WHERE:
+        import importlib
+
         value = getattr(importlib.import_module(_WHERE[name], __name__), name)
         globals()[name] = value  # (looked up here from now on)
         return value
@@ -31,4 +37,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    return sorted(__all__ + ["__version__"])

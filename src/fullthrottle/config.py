@@ -68,9 +68,10 @@ class Config:
             the GPU (each its own decoder and CUDA context, writing crops into the shared pool);
             torchvision serialises GPU decodes within one process. 0: one GPU decode thread in this
             process instead. Default (None): 8 when a CUDA MPS server is running (the processes'
-            kernels then run at once), 6 otherwise (time-sliced contexts), resolved here, when the
-            Config is made (:func:`~fullthrottle.gpu_decode_procs.default_processes`). On the H200
-            machine, under MPS, 8 gave 22.6k img/s end to end on 640x480 photos where 6 gave 21.6k
+            kernels then run at once), 6 otherwise (time-sliced contexts), decided where and when the
+            :class:`~fullthrottle.Pipeline` is made (:func:`~fullthrottle.gpu_decode_procs.default_processes`;
+            its ``config`` then holds the number). On the H200 machine, under MPS, 8 gave 22.4k img/s
+            end to end on 640x480 photos where 6 gave 21.3k in one call
             (bench/results/e2e_gpu_decode_640x480_procs_nice_session12.json); time-sliced, 8 gave 11.3k
             where 6 gave 16.9k (bench/results/e2e_gpu_decode_*_decoders_procs_session9.json); earlier,
             3 / 9 / 12 gave 10.1k / 12.3k / 12.6k (bench/results/e2e_gpu_decode_640x480_procs_session8.json).
@@ -128,7 +129,7 @@ class Config:
     compile: bool = False
     gpu_decode: bool = False
     gpu_decoder: str = "nvjpeg"
-    gpu_decode_processes: int | None = None
+    gpu_decode_processes: int | None = None  # (None: 8 under a CUDA MPS server, else 6)
     max_batch_size: int = 64
     max_wait_ms: float = 5.0
     buckets: tuple[int, ...] | None = None
@@ -197,13 +198,11 @@ class Config:
         if self.gpu_decoder not in GPU_DECODERS:
             names = ", ".join(map(repr, GPU_DECODERS[:-1])) + f" or {GPU_DECODERS[-1]!r}"
             raise ValueError(f"gpu_decoder must be {names}, got {self.gpu_decoder!r}")
-        if self.gpu_decode_processes is None:
-            from .gpu_decode_procs import default_processes
-
-            self.gpu_decode_processes = default_processes(mps=None if self.gpu_decode else False)
-        if not (isinstance(self.gpu_decode_processes, int) and not isinstance(self.gpu_decode_processes, bool)
+        if self.gpu_decode_processes is not None and not (
+                isinstance(self.gpu_decode_processes, int) and not isinstance(self.gpu_decode_processes, bool)
                 and 0 <= self.gpu_decode_processes <= 16):
-            raise ValueError(f"gpu_decode_processes must be an integer in 0..16, got {self.gpu_decode_processes!r}")
+            raise ValueError(f"gpu_decode_processes must be None (the default) or an integer in 0..16, "
+                             f"got {self.gpu_decode_processes!r}")
         v = self.decode_timeout_s
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):  # (inf: no limit)
             raise ValueError(f"decode_timeout_s must be a number > 0 (seconds; inf for no limit), got {v!r}")
@@ -235,5 +234,10 @@ class Config:
         # one batch less, a process waited on the window, not on work (H200, 6 processes, batch 128:
         # 2080 in flight gave 18.9k img/s, 2816 21.2k, 3584 21.4k on 640x480 photos; mixed ImageNet
         # samples 15.6k, 16.7k, 17.4k; bench/results/e2e_gpu_decode_*_max_in_flight_session11.json)
-        gpu = 2 * self.gpu_decode_processes * DEPTH if self.gpu_decode else 0
+        n = self.gpu_decode_processes
+        if n is None and self.gpu_decode:  # (what a Pipeline made now would start)
+            from .gpu_decode_procs import default_processes
+
+            n = default_processes()
+        gpu = 2 * n * DEPTH if self.gpu_decode else 0
         return self.max_in_flight or ((4 + gpu) * self.max_batch_size + 2 * self.num_threads)

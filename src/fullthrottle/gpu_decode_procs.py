@@ -31,6 +31,7 @@ import mmap
 import os
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -133,20 +134,23 @@ def mps_server_running() -> bool:
     The daemon writes ``nvidia-cuda-mps-control.pid`` there: a live process of that id means yes (a
     file left by a killed daemon, no). Without that file, its ``control`` socket must accept a
     connection (stream or seqpacket; a socket file nobody listens on does not count)."""
-    import stat
-
     folder = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    pid_path = os.path.join(folder, "nvidia-cuda-mps-control.pid")
     try:
-        with open(os.path.join(folder, "nvidia-cuda-mps-control.pid")) as f:
-            pid = int(f.read().strip() or 0)
+        # a regular file only (opening a FIFO would wait for a writer), read without blocking
+        fd = os.open(pid_path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            pid = int(os.read(fd, 64).strip() or 0) if stat.S_ISREG(os.fstat(fd).st_mode) else 0
+        finally:
+            os.close(fd)
     except (OSError, ValueError):
         pid = 0
-    if pid > 0:
+    if 0 < pid < 1 << 31:  # (os.kill takes a C int: anything larger is not a process id)
         try:
             os.kill(pid, 0)  # (signal 0: only asks whether it exists)
         except PermissionError:
             return True  # another user's daemon, alive
-        except OSError:
+        except (OSError, OverflowError):
             return False
         return True
     path = os.path.join(folder, "control")
