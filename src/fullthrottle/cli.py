@@ -69,7 +69,7 @@ def _gpu_decode_settings(args) -> dict:
         return {"gpu_decode": False}  # (ignored: not checked either, as the note says)
     return {"gpu_decode": args.gpu_decode,
             "gpu_decoder": args.gpu_decoder if args.gpu_decoder is not None else Config.gpu_decoder,
-            "gpu_decode_processes": args.gpu_decode_processes}  # (None: Config picks by MPS)
+            "gpu_decode_processes": args.gpu_decode_processes}  # (None: the Pipeline picks, by MPS)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -874,7 +874,7 @@ class Pipeline:
             # 3.5k img/s where 16 gave 3.1k, their CPU 95% busy against 85%,
             # bench/results/e2e_cpu_decode_640x480_decoder_processes_15_vs_16.json)
             n = min(config.threads, usable_cores()) if config.threads else max(1, usable_cores() - 1)
-            n_gpu = (config.gpu_decode_processes or 0) if self.engine.gpu_decoder is not None else 0
+            n_gpu = config.gpu_decode_processes if self.engine.gpu_decoder is not None else 0
             # crop rows: one per item the window lets in, capped at twice what every batch in flight,
             # forming, and out at the GPU decoder processes needs (a larger max_in_flight keeps more
             # items queued ahead of the decoders, not more pinned memory than that)
