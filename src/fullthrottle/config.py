@@ -198,9 +198,8 @@ class Config:
         if self.gpu_decoder not in GPU_DECODERS:
             names = ", ".join(map(repr, GPU_DECODERS[:-1])) + f" or {GPU_DECODERS[-1]!r}"
             raise ValueError(f"gpu_decoder must be {names}, got {self.gpu_decoder!r}")
-        if self.gpu_decode_processes is not None and not (
-                isinstance(self.gpu_decode_processes, int) and not isinstance(self.gpu_decode_processes, bool)
-                and 0 <= self.gpu_decode_processes <= 16):
+        if self.gpu_decode_processes is not None and not (is_int(self.gpu_decode_processes)
+                                                          and 0 <= self.gpu_decode_processes <= 16):
             raise ValueError(f"gpu_decode_processes must be None (the default) or an integer in 0..16, "
                              f"got {self.gpu_decode_processes!r}")
         v = self.decode_timeout_s
