@@ -28,6 +28,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 if [[ ,$parts, == *,gdtests,* ]]; then   # issue 04: the GPU decode tests only
   $TO python3 -m pytest -q -s -m gpu tests/test_gpu_decode.py 2>&1 | tee "$OUT/gpu_decode_tests.log" | grep -E "Error|error:|passed|failed|skipped|agreement|abs diff" | tail -14
 fi
+if [[ ,$parts, == *,gpuquick,* ]]; then   # the classification GPU tests and the model tests
+  $TO python3 -m pytest -q -s -m "gpu or not gpu" tests/test_gpu.py tests/test_models.py 2>&1 | tee "$OUT/gpu_quick_tests.log" | grep -E "Error|error:|passed|failed|agreement|top-1" | tail -14
+fi
 if [[ $parts == *gputests* ]]; then
   $TO python3 -m pytest -q -s -m gpu $gpu_sel tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed|agreement" | tail -12
 elif [[ ,$parts, == *,tests,* ]]; then
@@ -38,6 +41,12 @@ if [[ $parts == *classify* ]]; then
   $TO python3 -m fullthrottle.cli classify tests/data/imagenet-sample --device cuda --no-progress \
     --out "$OUT/classify.jsonl" --report-json "$OUT/classify_report.json" >/dev/null 2>"$OUT/classify_summary.txt"
   echo "classify exit $?"; cat "$OUT/classify_summary.txt"
+fi
+if [[ ,$parts, == *,effnet,* ]]; then     # issue 09: EfficientNet-Lite0, product API vs the reference package
+  $TO python3 bench/efficientnet.py ${EFFNET_ARGS:-} --out "$OUT/efficientnet_lite0.json" 2>&1 | tee "$OUT/efficientnet_lite0.log" | tail -12
+fi
+if [[ ,$parts, == *,files,* ]]; then      # issues 09/10: the CLI on a folder of JPEG files vs a DataLoader loop
+  $PIN $TO python3 bench/files_e2e.py --n ${FILES_N:-60000} ${FILES_ARGS:-} --out "$OUT/files_e2e_efficientnet_lite0.json" 2>&1 | tee "$OUT/files_e2e.log" | tail -8
 fi
 if [[ ,$parts, == *,probe,* ]]; then
   $TO python3 bench/threads_probe.py --threads 1,8,12,16,24 --out "$OUT/threads_probe.json" 2>&1 | tail -25

@@ -24,14 +24,16 @@ from pathlib import Path
 
 import torch
 
+from fullthrottle.models import TORCHVISION_IMAGENET
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (jpegs_640x480, machine_info, mps_clients, mps_pipe_listing, mps_servers, sample_jpegs,  # noqa: E402
                     write_json)
 
 PY_SPY_S = 3.0  # seconds py-spy records (--py-spy-s)
 
-MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
-STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
+MEAN = torch.tensor(TORCHVISION_IMAGENET.mean).view(1, 3, 1, 1) * 255  # (the baselines run a ResNet18)
+STD = torch.tensor(TORCHVISION_IMAGENET.std).view(1, 3, 1, 1) * 255
 
 
 class BytesDataset(torch.utils.data.Dataset):

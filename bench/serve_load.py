@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fullthrottle.models import TORCHVISION_IMAGENET
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import jpegs_640x480, machine_info, write_json  # noqa: E402
 
@@ -38,8 +40,8 @@ def baseline_app(device: str):
     torch.manual_seed(0)
     model = torchvision.models.resnet18().eval().to(dev, dtype)
     tf = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224), v2.PILToTensor()])
-    mean = torch.tensor([0.485, 0.456, 0.406], device=dev).view(1, 3, 1, 1) * 255
-    std = torch.tensor([0.229, 0.224, 0.225], device=dev).view(1, 3, 1, 1) * 255
+    mean = torch.tensor(TORCHVISION_IMAGENET.mean, device=dev).view(1, 3, 1, 1) * 255
+    std = torch.tensor(TORCHVISION_IMAGENET.std, device=dev).view(1, 3, 1, 1) * 255
     app = FastAPI()
 
     @app.get("/readyz")

@@ -24,8 +24,9 @@ def test_classify_default_photos(capsys):
     rc = main(["classify", "--device", "cpu", "--no-progress", "--batch-size", "4"])
     out, err = capsys.readouterr()
     assert rc == 0
-    assert "chelsea.png:" in out
-    assert "randomly initialised" in err and "img/s" in err and "p99" in err
+    chelsea = next(line for line in out.splitlines() if "chelsea.png:" in line)
+    assert chelsea.split(": ", 1)[1].split(" 0.")[0] in ("tiger cat", "Egyptian cat", "tabby")  # it is a cat
+    assert "randomly initialised" not in err and "img/s" in err and "p99" in err
     for stage in ("load", "preprocess", "batch", "compute", "decode"):
         assert f"\n{stage} " in err
 
@@ -46,6 +47,8 @@ def test_classify_bad_inputs_jsonl(tmp_path, bad_dir, capsys):
     for ok in ("png-named-as.JPEG", "cmyk.jpg", "gray16.png", "rgba.png", "exif-rotated.jpg", "tiny-1x1.jpg",
                "progressive.jpg", "animated.gif", "photo.webp", "large-6000x4000.jpg"):
         assert len(by_name[ok]["top_k"]) == 3, by_name[ok]
+    # the default model has real weights: the CMYK copy of a photo is seen as the photo itself
+    assert by_name["cmyk.jpg"]["top_k"][0]["label"] == by_name["progressive.jpg"]["top_k"][0]["label"]
     summary = json.loads(rep.read_text())
     assert summary["ok"] == 10 and summary["failed"] == 4
     assert summary["images_per_s"] == pytest.approx(10 / summary["wall_s"])  # failed items don't count
@@ -53,11 +56,17 @@ def test_classify_bad_inputs_jsonl(tmp_path, bad_dir, capsys):
     assert "ERROR" in err and "truncated" in err
 
 
-@pytest.mark.parametrize("args,msg", [(["--model", "resnet19"], "unknown model"),
-                                      (["--weights", "/nonexistent.safetensors"], "weights file not found")])
+@pytest.mark.parametrize("args,msg", [(["--weights", "/nonexistent.safetensors"], "weights file not found")])
 def test_config_errors_exit_2(args, msg, capsys):
     rc = main(["classify", "--device", "cpu", "--no-progress", *args])
     assert rc == 2 and msg in capsys.readouterr().err
+
+
+def test_unknown_model_is_a_usage_error_naming_the_models(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["classify", "--device", "cpu", "--model", "resnet19"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "invalid choice: 'resnet19'" in err and "efficientnet_lite0" in err
 
 
 def test_console_script_installed():

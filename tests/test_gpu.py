@@ -121,3 +121,64 @@ def test_pool_rows_gathered_in_place_match_the_copy_path(samples, monkeypatch, n
         assert pipe.engine.mapped_crops is None and pipe.engine.dev_crops is not None
         res2 = pipe.classify(samples[:64])
     assert [r.class_ids[0] for r in res2] == ref
+
+
+def _top1(res):
+    return [r.labels[0] if r.ok else None for r in res]
+
+
+def _accuracy(samples, labels):
+    return float(np.mean([lab == s.name.split(".")[0].split("_", 1)[1].replace("_", " ")
+                          for s, lab in zip(samples, labels)]))
+
+
+def test_efficientnet_lite0_bf16_graphs_agree_with_fp32_eager(samples, no_thread_leak):
+    """The default model as it runs by default on CUDA (bf16, channels_last, BN folded, CUDA graphs per
+    bucket) against fp32 eager: top-1 agreement >= 99% on the 200 samples; both accurate (>= 0.88)."""
+    with Pipeline(Config(device="cuda", dtype="float32", graphs=False, fold_bn=False, max_batch_size=64)) as pipe:
+        ref = _top1(pipe.classify(samples))
+    with Pipeline(Config(device="cuda", dtype="bfloat16", max_batch_size=64)) as pipe:
+        assert pipe.engine.runner is not None and pipe.engine.bn_folded
+        out = _top1(pipe.classify(samples))
+    agree = float(np.mean([a == b for a, b in zip(out, ref)]))
+    acc_ref, acc = _accuracy(samples, ref), _accuracy(samples, out)
+    print(f"EfficientNet-Lite0 bf16 graphs vs fp32 eager: top-1 agreement {agree:.3f}; "
+          f"accuracy {acc:.3f} / {acc_ref:.3f}")
+    assert agree >= 0.99 and min(acc, acc_ref) >= 0.88
+
+
+def test_efficientnet_lite0_gpu_decode_agrees_with_cpu_decode(samples, no_thread_leak):
+    """GPU-decoded and CPU-decoded inputs through the default model: top-1 agreement >= 99%,
+    accuracy within 1 point of each other."""
+    with Pipeline(Config(device="cuda", max_batch_size=64)) as pipe:
+        cpu = _top1(pipe.classify(samples))
+    with Pipeline(Config(device="cuda", max_batch_size=64, gpu_decode=True)) as pipe:
+        gpu = _top1(pipe.classify(samples))
+        share = pipe.engine.splitter.routed_gpu_share
+    agree = float(np.mean([a == b for a, b in zip(cpu, gpu)]))
+    acc_cpu, acc_gpu = _accuracy(samples, cpu), _accuracy(samples, gpu)
+    print(f"EfficientNet-Lite0 GPU vs CPU decode: top-1 agreement {agree:.3f}; accuracy {acc_gpu:.3f} "
+          f"(GPU) / {acc_cpu:.3f} (CPU); {share:.0%} of eligible JPEGs decoded on the GPU")
+    assert agree >= 0.99 and abs(acc_cpu - acc_gpu) <= 0.01 and share > 0
+
+
+def test_efficientnet_lite0_fused_form_on_cuda_equals_the_module():
+    """The inference form (BN folded, Triton depthwise convolutions with their activations) equals the
+    plain module on CUDA in fp32 (TF32 off) to 1e-4 relative, and is what the Engine runs."""
+    from fullthrottle.models import load_model
+
+    model, _ = load_model("efficientnet_lite0")
+    model = model.cuda()
+    fused = model.fused_for_inference().cuda().eval()
+    x = torch.randn(8, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.inference_mode():
+            ref, out = model(x), fused(x)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-4
+    assert out.argmax(1).tolist() == ref.argmax(1).tolist()
+    with Pipeline(Config(device="cuda", max_batch_size=8)) as pipe:
+        assert pipe.engine.model_fused is not None and pipe.engine.bn_folded

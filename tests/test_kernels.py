@@ -13,6 +13,8 @@ import textwrap
 import pytest
 import torch
 
+from fullthrottle.models import TORCHVISION_IMAGENET
+
 CHECK = textwrap.dedent("""
     import torch
     from fullthrottle import kernels as K
@@ -226,7 +228,7 @@ def test_normalize_matches_addcmul_on_gpu():
     from fullthrottle import kernels as K
 
     x8 = torch.randint(0, 256, (8, 224, 224, 3), dtype=torch.uint8, device="cuda")
-    std, mean = torch.tensor([0.229, 0.224, 0.225], device="cuda"), torch.tensor([0.485, 0.456, 0.406], device="cuda")
+    std, mean = (torch.tensor(v, device="cuda") for v in (TORCHVISION_IMAGENET.std, TORCHVISION_IMAGENET.mean))
     scale, shift = (1 / (255 * std)).bfloat16(), (-mean / std).bfloat16()
     y = K.normalize_u8(x8, scale, shift, torch.bfloat16)
     ref = torch.addcmul(shift, x8, scale)                                   # Engine's path without Triton

@@ -8,7 +8,7 @@ from torch import nn
 from torchvision.transforms import v2
 
 from fullthrottle import Config, Pipeline, PipelineError
-from fullthrottle.models import WeightsError
+from fullthrottle.models import TORCHVISION_IMAGENET, WeightsError
 from fullthrottle.preprocess import preprocess
 
 LABELS = [f"class{i}" for i in range(10)]
@@ -27,7 +27,7 @@ class Tiny(nn.Module):
         return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
 
 
-NORM = v2.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+NORM = v2.Normalize(mean=list(TORCHVISION_IMAGENET.mean), std=list(TORCHVISION_IMAGENET.std))  # (Tiny declares none)
 
 
 def reference_logits(model, arrays):
@@ -316,7 +316,7 @@ def test_config_errors():
         Config(decode_timeout_s="30")
     with pytest.raises(ValueError, match=r"buckets must be positive integer batch sizes, got \[1.5\]"):
         Config(buckets=[1.5])
-    with pytest.raises(ValueError, match="need integers 1 <= crop_size"):
+    with pytest.raises(ValueError, match="crop_size must be None .* or an integer >= 1, got True"):
         Config(crop_size=True)
     assert Config(decode_timeout_s=float("inf"), buckets=[8, 1, 4]).buckets == (1, 4, 8)  # inf: no limit
     if not torch.cuda.is_available():

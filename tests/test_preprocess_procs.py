@@ -89,7 +89,7 @@ def test_a_hung_worker_costs_its_image_only(samples, no_thread_leak):
 
 def test_config_checks():
     with pytest.raises(ValueError, match="crop_size <= resize_size"):
-        Config(crop_size=300)
+        Config(crop_size=300).for_model()  # (checked against the model's resize 256)
     for bad in (1.5, True, 0):
         with pytest.raises(ValueError, match="threads must be an integer"):
             Config(threads=bad)

@@ -28,10 +28,11 @@ import time
 import numpy as np
 import torch
 
+from .models import TORCHVISION_IMAGENET
 from .preprocess import preprocess
 
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
+# the baselines run torchvision ResNets, so they normalise as torchvision's recipe does
+MEAN, STD = TORCHVISION_IMAGENET.mean, TORCHVISION_IMAGENET.std
 
 
 def machine_info() -> dict:

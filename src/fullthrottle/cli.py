@@ -16,6 +16,7 @@ import sys
 import time
 
 from .config import GPU_DECODERS, Config, usable_cores
+from .models import DEFAULT_MODEL, MODELS
 
 SAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg", "motorcycle_left.png")
 
@@ -72,6 +73,14 @@ def _gpu_decode_settings(args) -> dict:
             "gpu_decode_processes": args.gpu_decode_processes}  # (None: the Pipeline picks, by MPS)
 
 
+_MODEL_HELP = ("; ".join(f"{name}: {m.about}" for name, m in MODELS.items())
+               + ". Each model brings its own resize, crop and normalisation (default: %(default)s)")
+_WEIGHTS_HELP = ("state dict file: .safetensors, or .pth loaded with weights_only=True (no code is "
+                 "unpickled), e.g. torchvision's own checkpoint resnet50-11ad3fa6.pth from torch's hub cache "
+                 "(~/.cache/torch/hub/checkpoints/); default: the model's bundled weights, or none "
+                 "(random weights, fixed seed: labels are then meaningless)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fullthrottle",
@@ -80,18 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "dynamic batching -> model on the device -> top-k on the device.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser(
-        "classify", help="classify images (files, folders, globs, URLs) with a torchvision ResNet",
+        "classify", help="classify images (files, folders, globs, URLs): EfficientNet-Lite0 or a ResNet",
         description="Classify images and print top-k ImageNet labels. With no INPUT, classifies a few "
-                    "sample photos that ship with scikit-image. Without --weights the model is "
-                    "randomly initialised and its labels are meaningless (the output says so).",
+                    "sample photos that ship with scikit-image. The default model, efficientnet_lite0, "
+                    "comes with its ImageNet weights; a ResNet without --weights is randomly "
+                    "initialised and its labels are meaningless (the output says so).",
         epilog="Exit status: 0 all items ok; 1 some item failed (see its error); 2 usage or "
                "configuration error, or --out / --report-json cannot be written; 130 interrupted.")
     c.add_argument("inputs", nargs="*", metavar="INPUT",
                    help="image file, folder (recursive), glob pattern or http(s) URL")
-    c.add_argument("--model", default="resnet18",
-                   help="torchvision ResNet: resnet18 | resnet34 | resnet50 | resnet101 | resnet152 "
-                        "(default: %(default)s)")
-    c.add_argument("--weights", help="state dict: .safetensors, or .pth (loaded with weights_only=True)")
+    c.add_argument("--model", default=DEFAULT_MODEL, choices=tuple(MODELS), metavar="MODEL",
+                   help=_MODEL_HELP)
+    c.add_argument("--weights", metavar="FILE", help=_WEIGHTS_HELP)
     c.add_argument("--batch-size", type=_positive_int, default=64, help="max batch size (default: %(default)s)")
     c.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long a batch may wait to fill, ms (default: %(default)s)")
@@ -124,9 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "GET /healthz, /readyz, /metrics. Concurrent requests share batches. Full queue: 503 "
                     "with Retry-After; past the deadline: 504; body too large: 413; undecodable image: 422. "
                     "SIGTERM finishes in-flight requests, then exits 0.")
-    v.add_argument("--model", default="resnet18",
-                   help="resnet18, resnet34, resnet50, resnet101 or resnet152 (default: %(default)s)")
-    v.add_argument("--weights", help="state dict: .safetensors, or .pth (weights_only=True)")
+    v.add_argument("--model", default=DEFAULT_MODEL, choices=tuple(MODELS), metavar="MODEL",
+                   help=_MODEL_HELP)
+    v.add_argument("--weights", metavar="FILE", help=_WEIGHTS_HELP)
     v.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, local only)")
     v.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
     v.add_argument("--max-batch-size", type=_positive_int, default=64,
@@ -300,8 +309,8 @@ def cmd_serve(args) -> int:
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
         return 2
-    if args.weights is None:
-        print("WARNING: no --weights given: the model is randomly initialised, labels are meaningless",
+    if args.weights is None and MODELS[args.model].bundled_weights is None:
+        print(f"WARNING: no --weights given: {args.model} is randomly initialised, labels are meaningless",
               file=sys.stderr)
     llm = None
     if args.llm_model_dir:
@@ -707,7 +716,7 @@ def cmd_classify(args) -> int:
         _close_out(out)
         return 130
     if pipe.engine.random_weights:
-        print("WARNING: no --weights given: the model is randomly initialised, labels are meaningless",
+        print(f"WARNING: no --weights given: {args.model} is randomly initialised (fixed seed), labels are meaningless",
               file=sys.stderr)
     failed = 0
     bar = tqdm(unit="img", desc="classify", disable=args.no_progress or None, file=sys.stderr,

