@@ -206,7 +206,7 @@ class Config:
                 raise ValueError(f"{name} must be None (the model's) or an integer >= 1, got {v!r}")
         if self.resize_size is not None and self.crop_size is not None and self.crop_size > self.resize_size:
             raise ValueError(f"need crop_size <= resize_size, got crop_size={self.crop_size!r}, "
-                             f"resize_size={self.resize_size!r}")
+                             f"resize_size={self.resize_size!r} (set resize_size too)")
         if self.interpolation is not None and self.interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation must be None (the model's) or one of {INTERPOLATIONS}, "
                              f"got {self.interpolation!r}")
@@ -260,7 +260,7 @@ class Config:
         missing = [f for f in _TRANSFORM if getattr(self, f) is None]
         if missing:
             raise ValueError(f"{', '.join(missing)} not resolved: call Config.for_model() first")
-        return Transform(self.resize_size, self.crop_size, self.interpolation, tuple(self.mean), tuple(self.std))
+        return Transform(self.resize_size, self.crop_size, tuple(self.mean), tuple(self.std), self.interpolation)
 
     @property
     def num_threads(self) -> int:

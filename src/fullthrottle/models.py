@@ -27,9 +27,9 @@ class Transform:
     Attributes:
         resize: the shorter side is resized to this many pixels (aspect ratio kept).
         crop: then a ``crop`` x ``crop`` center crop (``crop <= resize``).
-        interpolation: the resize filter, antialiased; ``"bilinear"`` (the one every decode path has).
         mean / std: per RGB channel, in units of the pixel range ``[0, 1]``: the model sees
             ``(x / 255 - mean) / std``, applied on the device.
+        interpolation: the resize filter, antialiased; ``"bilinear"`` (the one every decode path has).
 
     Raises:
         ValueError: sizes that are not integers with ``1 <= crop <= resize``, an unknown
@@ -38,9 +38,9 @@ class Transform:
 
     resize: int
     crop: int
-    interpolation: str
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    interpolation: str = "bilinear"
 
     def __post_init__(self) -> None:
         ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (self.resize, self.crop))
@@ -66,10 +66,10 @@ def check_channels(name: str, v: Any) -> None:
 
 #: torchvision's ImageNet eval recipe (its ResNet weights' ``transforms()``): resize 256, crop 224,
 #: ImageNet's channel mean and std
-TORCHVISION_IMAGENET = Transform(256, 224, "bilinear", (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+TORCHVISION_IMAGENET = Transform(resize=256, crop=224, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
 #: EfficientNet-Lite's: ``(x - 127) / 128`` (tensorflow/tpu ``efficientnet_lite_builder.py``,
 #: ``MEAN_RGB`` / ``STDDEV_RGB``), resize 256 + center crop 224
-EFFICIENTNET_LITE = Transform(256, 224, "bilinear", (127 / 255,) * 3, (128 / 255,) * 3)
+EFFICIENTNET_LITE = Transform(resize=256, crop=224, mean=(127 / 255,) * 3, std=(128 / 255,) * 3)
 
 
 @dataclass(frozen=True)
@@ -147,11 +147,18 @@ def spec(name: str) -> ModelSpec:
 def transform_of(model: Any) -> Transform:
     """The input declaration of ``model``: a name's from :data:`MODELS`; an ``nn.Module``'s own
     ``input_transform`` attribute when it is a :class:`Transform`, else torchvision's ImageNet recipe
-    (:data:`TORCHVISION_IMAGENET`: what a model trained with torchvision's references expects)."""
+    (:data:`TORCHVISION_IMAGENET`: what a model trained with torchvision's references expects).
+
+    Raises:
+        ValueError: an unknown name; TypeError: an ``input_transform`` that is not a :class:`Transform`.
+    """
     if isinstance(model, str):
         return spec(model).transform
     own = getattr(model, "input_transform", None)
-    return own if isinstance(own, Transform) else TORCHVISION_IMAGENET
+    if own is not None and not isinstance(own, Transform):
+        raise TypeError(f"{type(model).__name__}.input_transform must be a fullthrottle.models.Transform, "
+                        f"got {type(own).__name__}")
+    return TORCHVISION_IMAGENET if own is None else own
 
 
 def imagenet_labels() -> list[str]:
@@ -206,8 +213,12 @@ def load_state_dict(path: str | Path) -> dict:
     import torch
 
     p = Path(path)
+    if p.is_dir():
+        raise WeightsError(f"cannot read weights from {p}: it is a directory, not a file")
     if not p.is_file():
         raise FileNotFoundError(f"weights file not found: {p}")
+    if p.stat().st_size == 0:
+        raise WeightsError(f"cannot read weights from {p}: empty file (0 bytes)")
     suffix = p.suffix.lower()
     try:
         if suffix == ".safetensors":
@@ -239,8 +250,17 @@ def load_weights(model, path: str | Path) -> None:
         WeightsError: missing/unexpected keys or shape mismatch, with the first few named.
     """
     sd = load_state_dict(path)
+    name = type(model).__name__
     try:
-        model.load_state_dict(sd, strict=True)
-    except RuntimeError as e:
-        msg = str(e).splitlines()
-        raise WeightsError(f"weights in {path} do not fit the model: " + " ".join(msg[:4])[:600]) from None
+        res = model.load_state_dict(sd, strict=False)
+    except RuntimeError as e:  # shapes that differ
+        sizes = [line.strip() for line in str(e).splitlines() if "size mismatch" in line]
+        raise WeightsError(f"weights in {path} do not fit {name} (weights of another model?): "
+                           f"{len(sizes)} tensors of another shape"
+                           f"{' (' + sizes[0][:200] + ')' if sizes else ''}") from None
+    if res.missing_keys or res.unexpected_keys:
+        def few(keys):
+            return ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+        raise WeightsError(f"weights in {path} do not fit {name} (weights of another model?): "
+                           f"{len(res.missing_keys)} of its keys missing ({few(res.missing_keys)}), "
+                           f"{len(res.unexpected_keys)} unexpected ({few(res.unexpected_keys)})")
