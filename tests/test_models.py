@@ -182,27 +182,30 @@ def test_bundled_weights_missing_is_a_clear_error(monkeypatch):
 FUSED_CHECK = """
 import torch
 from fullthrottle.dwconv import dw_conv, dw_conv_ref
-from fullthrottle.models import load_model
 torch.manual_seed(0)
 for B, C, H, W, k, s, act in [(2, 24, 9, 10, 3, 2, True), (1, 40, 8, 8, 5, 2, False), (2, 96, 7, 7, 5, 1, True),
-                              (1, 70, 6, 5, 3, 1, True)]:
+                              (1, 70, 6, 5, 3, 1, True), (1, 200, 4, 3, 5, 2, True)]:
     x = torch.randn(B, C, H, W).contiguous(memory_format=torch.channels_last) * 3
     w, b, bi = torch.randn(C, k * k), torch.randn(C), torch.randn(C) if act else None
     y, r = dw_conv(x, w, b, k, s, bi), dw_conv_ref(x, w, b, k, s, bi)
     assert y.shape == r.shape and y.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(y, r, atol=1e-5, rtol=1e-5)
-m, _ = load_model("efficientnet_lite0")
-x = torch.randn(2, 3, 64, 48).contiguous(memory_format=torch.channels_last)
-with torch.inference_mode():
-    torch.testing.assert_close(m.fused_for_inference()(x), m(x), atol=1e-4, rtol=1e-4)
 print("ok")
 """
 
 
-def test_fused_inference_form_runs_the_triton_kernels_on_cpu():
-    """The depthwise kernel (its tap indexing, 'SAME' padding by masks, the input activation) under
-    Triton's interpreter against the reference, and the whole fused EfficientNet-Lite0 against the
-    module: the code the GPU runs, checked without one."""
+def test_fused_inference_form_equals_the_module(samples):
+    """BN folding, the deferred activations and the 1x1 convolutions as matrix products: the fused
+    EfficientNet-Lite0 (its depthwise step by the reference here) against the module, on real photos."""
+    m, _ = load_model("efficientnet_lite0")
+    x = normalise([preprocess(p.read_bytes()) for p in samples[:4]], EFFICIENTNET_LITE)
+    with torch.inference_mode():
+        torch.testing.assert_close(m.fused_for_inference()(x), m(x), atol=1e-4, rtol=1e-4)
+
+
+def test_depthwise_triton_kernel_on_cpu():
+    """The depthwise kernel the GPU runs (tap indexing, 'SAME' padding by masks, the input
+    activation, several channel blocks) under Triton's interpreter, against the reference."""
     import os
     import subprocess
     import sys

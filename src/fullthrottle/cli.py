@@ -149,6 +149,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-request deadline before 504 (default: %(default)s)")
     v.add_argument("--max-body-mb", type=float, default=32.0,
                    help="request body limit before 413, MiB (default: %(default)s)")
+    v.add_argument("--allow-fetch", nargs="+", action="extend", default=[], metavar="HOST|CIDR",
+                   help="let JSON requests name image URLs on these hosts (their public addresses) or "
+                        "networks (10.0.0.0/8, 192.168.1.7: private ones only when named so); default: the "
+                        "server fetches nothing. Every address a name resolves to is checked and the "
+                        "connection made to it; redirects (at most 3) are checked the same way")
+    v.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require Authorization: Bearer KEY on every route but /healthz (repeatable; also "
+                        "$FULLTHROTTLE_API_KEY, comma-separated, and --api-key-file)")
+    v.add_argument("--api-key-file", default=None, metavar="FILE", help="API keys, one per line")
+    v.add_argument("--body-timeout-s", type=float, default=10.0,
+                   help="a request body must arrive within this time, else 408 (default: %(default)s)")
+    v.add_argument("--max-images", type=_positive_int, default=64,
+                   help="most images (files or URLs) per classify request, else 413 (default: %(default)s)")
+    v.add_argument("--max-request-megapixels", type=float, default=1000.0,
+                   help="most pixels the images of one request hold together, else 413 (default: %(default)s)")
+    v.add_argument("--max-connections", type=_positive_int, default=1024,
+                   help="open connections beyond this get 503 at once (default: %(default)s)")
     v.add_argument("--threads", type=_positive_int, default=None,
                    help="preprocess threads (default: one per core; with worker processes, one per core but one)")
     v.add_argument("--preprocess", default="auto", choices=("auto", "threads", "processes"),
@@ -281,6 +298,23 @@ def _ints(s: str | None, default: list[int]) -> list[int]:
     return vals
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """ValueError when ``host:port`` cannot be listened on (in use, not an address of this machine)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    fam, _, _, _, addr = infos[0]
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def cmd_serve(args) -> int:
     from .compute import resolve_device
     from .config import Config
@@ -295,8 +329,14 @@ def cmd_serve(args) -> int:
                      preprocess=args.preprocess)
         if args.weights is not None and not os.path.isfile(args.weights):
             raise FileNotFoundError(f"weights file not found: {args.weights}")
-        if args.timeout_s <= 0 or args.max_body_mb <= 0:
-            raise ValueError("--timeout-s and --max-body-mb must be > 0")
+        if args.timeout_s <= 0 or args.max_body_mb <= 0 or args.body_timeout_s <= 0 or args.max_request_megapixels <= 0:
+            raise ValueError("--timeout-s, --max-body-mb, --body-timeout-s and --max-request-megapixels must be > 0")
+        from .fetch import FetchPolicy
+        from .serve_guard import load_keys
+
+        FetchPolicy(tuple(args.allow_fetch))  # (checks every entry now)
+        keys = load_keys(args.api_key, args.api_key_file)
+        _check_port_free(args.host, args.port)  # before the model loads, not after
         devices = None
         if args.gpus is not None:
             import torch
@@ -309,6 +349,11 @@ def cmd_serve(args) -> int:
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
         return 2
+    guard = dict(allow_fetch=tuple(args.allow_fetch), api_keys=keys, body_timeout_s=args.body_timeout_s,
+                 max_images=args.max_images, max_request_pixels=int(args.max_request_megapixels * 1e6))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+        print(f"note: serving on {args.host} without --api-key: anyone who can reach it may use it",
+              file=sys.stderr)
     if args.weights is None and MODELS[args.model].bundled_weights is None:
         print(f"WARNING: no --weights given: {args.model} is randomly initialised, labels are meaningless",
               file=sys.stderr)
@@ -343,13 +388,14 @@ def cmd_serve(args) -> int:
         from .ray_jobs import serve_on_ray
 
         serve_on_ray(cfg, ServeOptions(max_queue=args.max_queue, timeout_s=args.timeout_s,
-                                       max_body_bytes=int(args.max_body_mb * 2**20)),
+                                       max_body_bytes=int(args.max_body_mb * 2**20), **guard),
                      replicas=args.replicas, host=args.host, port=args.port)
         return 0
     run_server(cfg, args.host, args.port,
                ServeOptions(max_queue=args.max_queue, timeout_s=args.timeout_s,
                             max_body_bytes=int(args.max_body_mb * 2**20), devices=devices,
-                            embed_model=args.embed_model, llm=llm))
+                            embed_model=args.embed_model, llm=llm, **guard),
+               max_connections=args.max_connections)
     return 0
 
 

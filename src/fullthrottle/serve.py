@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import queue
 import threading
 import time
@@ -24,9 +25,14 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 
 from .config import Config, usable_cores
 from .decode import Result
+from .fetch import FetchPolicy, FetchRefused
 from .pipeline import Pipeline
+from .serve_guard import HTTPError as _HTTPError
+from .serve_guard import authorised, check_pixels, read_body
 
-MAX_IMAGES_PER_REQUEST = 64
+MAX_IMAGES_PER_REQUEST = 64  # (the default of ServeOptions.max_images)
+log = logging.getLogger("fullthrottle.serve")
+_ROUTES = ("/v1/classify", "/v1/embeddings", "/v1/completions", "/readyz", "/metrics")  # metric labels
 MAX_TEXTS_PER_REQUEST = 2048
 
 
@@ -268,7 +274,16 @@ class ServeOptions:
         timeout_s: per-request deadline (s) before 504.
         max_body_bytes: request body limit (bytes) before 413.
         retry_after_s: the Retry-After header sent with 503 (s).
-        url_timeout_s: timeout (s) for fetching one image URL of a JSON request.
+        url_timeout_s: timeout (s) for fetching one image URL of a JSON request (redirects included).
+        allow_fetch: hosts and networks whose URLs a JSON request may name
+            (:class:`~fullthrottle.fetch.FetchPolicy`); empty (the default): the server fetches nothing.
+            Each URL reads at most ``max_body_bytes``, and all of a request's URLs together at most
+            ``max_request_fetch_bytes`` (default: 4 x ``max_body_bytes``); a URL past either limit
+            fails alone, and what it read no longer counts.
+        api_keys: with any, every route but ``/healthz`` needs ``Authorization: Bearer KEY`` (401).
+        body_timeout_s: a request body must arrive within this many seconds (408 otherwise).
+        max_images: most images (files or URLs) in one classify request (413 over it).
+        max_request_pixels: most pixels the images of one classify request hold together (413).
         embed_model: serve ``POST /v1/embeddings`` with this sentence-transformers folder ("default":
             all-MiniLM-L6-v2); None leaves the route off.
         devices: one model replica (its own pipeline) per device; default: every visible GPU when the
@@ -281,6 +296,12 @@ class ServeOptions:
     max_body_bytes: int = 32 * 1024 * 1024
     retry_after_s: int = 1
     url_timeout_s: float = 10.0
+    allow_fetch: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()
+    body_timeout_s: float = 10.0
+    max_images: int = MAX_IMAGES_PER_REQUEST
+    max_request_pixels: int = 1_000_000_000
+    max_request_fetch_bytes: int | None = None
     devices: tuple[str, ...] | None = None
     embed_model: str | None = None
     llm: object | None = None  # a (Generator, tokenizer or None) pair: serves POST /v1/completions
@@ -301,6 +322,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     from prometheus_client import CONTENT_TYPE_LATEST
 
     opts = options or ServeOptions()
+    policy = FetchPolicy(opts.allow_fetch, max_bytes=opts.max_body_bytes, timeout_s=opts.url_timeout_s) \
+        if opts.allow_fetch else None
     reg = CollectorRegistry()
     m_requests = Counter("fullthrottle_requests", "HTTP requests", ["route", "status"], registry=reg)
     m_latency = Histogram("fullthrottle_request_latency_seconds", "request latency (s)", ["route"],
@@ -347,7 +370,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             state["embed"] = EmbedService(await asyncio.to_thread(Embedder, path, devices[0]),
                                           max_queue=opts.max_queue)
         state["ready"] = True
-        state["http"] = httpx.AsyncClient(timeout=opts.url_timeout_s, follow_redirects=True)
+        # redirects are followed by the FetchPolicy, each checked; no proxy from the environment
+        state["http"] = httpx.AsyncClient(timeout=opts.url_timeout_s, follow_redirects=False, trust_env=False)
         try:
             yield
         finally:
@@ -366,6 +390,16 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     def reply(route: str, status: int, body: dict, headers: dict | None = None):
         m_requests.labels(route, str(status)).inc()
         return JSONResponse(body, status_code=status, headers=headers)
+
+    if opts.api_keys:
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if request.url.path != "/healthz" and not authorised(request.headers.get("authorization"),
+                                                                 opts.api_keys):
+                return reply(request.url.path if request.url.path in _ROUTES else "other", 401,
+                             {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
+                             {"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
 
     @app.get("/healthz")
     async def healthz():
@@ -401,18 +435,11 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
 
     async def read_images(request: Request) -> list[tuple[str, bytes]]:
         """(id, bytes) for every image in the request. Raises _HTTPError."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > opts.max_body_bytes:
-            raise _HTTPError(413, f"request body of {declared} bytes exceeds the limit of {opts.max_body_bytes}")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > opts.max_body_bytes:
-                raise _HTTPError(413, f"request body exceeds the limit of {opts.max_body_bytes} bytes")
+        body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype == "multipart/form-data":
             try:
-                form = await _parse_form(request, bytes(body))
+                form = await _parse_form(request, body, opts.max_images)
             except Exception as e:  # noqa: BLE001 - starlette's MultiPartException and parser errors
                 raise _HTTPError(400, f"malformed multipart body: {e}") from None
             images = [(f.filename or f"file{i}", await f.read()) for i, f in enumerate(form)]
@@ -425,28 +452,31 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             except ValueError as e:
                 what = "malformed JSON" if isinstance(e, json.JSONDecodeError) else "wrong shape"
                 raise _HTTPError(400, f'{what}: the body must be {{"urls": ["http(s)://...", ...]}}') from None
-            if len(urls) > MAX_IMAGES_PER_REQUEST:
-                raise _HTTPError(413, f"{len(urls)} images in one request; at most {MAX_IMAGES_PER_REQUEST}")
+            if policy is None:
+                raise _HTTPError(400, "this server fetches no URLs: send the images in the body, or start it "
+                                      "with --allow-fetch HOST|CIDR ... to let clients name URLs on those hosts")
+            if len(urls) > opts.max_images:
+                raise _HTTPError(413, f"{len(urls)} images in one request; at most {opts.max_images}")
             for u in urls:
                 if not u.startswith(("http://", "https://")):
                     raise _HTTPError(400, f"not an http(s) URL: {u[:200]}")
+            budget = [opts.max_request_fetch_bytes or 4 * opts.max_body_bytes]  # all of its URLs together
 
-            async def fetch(u):
+            async def fetch(i, u):
                 try:
-                    r = await state["http"].get(u)
-                except httpx.HTTPError as e:
-                    return u, _FetchError(f"cannot fetch {u}: {type(e).__name__}")
-                if r.status_code != 200:
-                    return u, _FetchError(f"cannot fetch {u}: HTTP {r.status_code}")
-                return u, r.content
+                    return u, await policy.fetch(state["http"], u, budget)
+                except FetchRefused as e:  # the detail is for the operator, not the client
+                    log.warning("classify: URL %d (%s) not fetched: %s", i, u[:200], str(e))  # (not e: its frames)
+                    return u, _FetchError(f"cannot fetch URL {i}")
 
-            images = list(await asyncio.gather(*(fetch(u) for u in urls)))
+            images = list(await asyncio.gather(*(fetch(i, u) for i, u in enumerate(urls))))
         else:
             images = [("body", bytes(body))]
         if not images:
             raise _HTTPError(400, "no image in the request")
-        if len(images) > MAX_IMAGES_PER_REQUEST:
-            raise _HTTPError(413, f"{len(images)} images in one request; at most {MAX_IMAGES_PER_REQUEST}")
+        if len(images) > opts.max_images:
+            raise _HTTPError(413, f"{len(images)} images in one request; at most {opts.max_images}")
+        check_pixels(images, opts.max_request_pixels, cfg.max_image_pixels)
         return images
 
     @app.post("/v1/embeddings")
@@ -643,13 +673,7 @@ class _FetchError(str):
     """A URL of a JSON request that could not be fetched (that image's error)."""
 
 
-class _HTTPError(Exception):
-    def __init__(self, status: int, detail: str, headers: dict | None = None):
-        super().__init__(detail)
-        self.status, self.detail, self.headers = status, detail, headers
-
-
-async def _parse_form(request, body: bytes):
+async def _parse_form(request, body: bytes, max_files: int):
     """The uploaded files of a multipart body (already read and size-checked)."""
     from starlette.datastructures import UploadFile
     from starlette.formparsers import MultiPartParser
@@ -658,15 +682,19 @@ async def _parse_form(request, body: bytes):
         yield body
         yield b""
 
-    parser = MultiPartParser(request.headers, stream(), max_files=MAX_IMAGES_PER_REQUEST + 1,
+    parser = MultiPartParser(request.headers, stream(), max_files=max_files + 1,
                              max_part_size=len(body) + 1)
     form = await parser.parse()
     return [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
 
 
 def run_server(config: Config, host: str = "127.0.0.1", port: int = 8000,
-               options: ServeOptions | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (graceful: in-flight requests finish), then return (exit status 0)."""
+               options: ServeOptions | None = None, max_connections: int = 1024) -> None:
+    """Serve until SIGINT/SIGTERM (graceful: in-flight requests finish), then return (exit status 0).
+
+    ``max_connections``: open connections and requests beyond it get 503 at once (uvicorn's
+    ``limit_concurrency``); idle keep-alive connections close after 5 s; request heads are limited
+    to 16 KiB (h11's default)."""
     import contextlib
     import signal
 
@@ -687,4 +715,5 @@ def run_server(config: Config, host: str = "127.0.0.1", port: int = 8000,
 
     opts = options or ServeOptions()
     _Server(uvicorn.Config(create_app(config, opts), host=host, port=port, log_level="info",
-                           timeout_graceful_shutdown=opts.timeout_s)).run()
+                           timeout_graceful_shutdown=opts.timeout_s, limit_concurrency=max_connections,
+                           timeout_keep_alive=5)).run()

@@ -1,0 +1,105 @@
+"""What the server does before a request reaches a model: API keys, bounded body reads, and the
+total-pixels limit of a classify request.
+
+- Keys: with any key configured, every route but ``/healthz`` needs ``Authorization: Bearer KEY``;
+  keys are compared in constant time (``hmac.compare_digest``) so that timing tells nothing about them.
+- Bodies: read in full within ``body_timeout_s`` (a client trickling bytes is cut off with 408) and
+  at most ``max_body_bytes`` (413), whatever ``Content-Length`` claims.
+- Pixels: the images of one request may hold at most ``max_request_pixels`` together (each image's
+  own limit is the pipeline's ``max_image_pixels``), read from their headers before any decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+
+#: environment variable with API keys for ``fullthrottle serve`` (comma-separated), besides --api-key
+API_KEY_ENV = "FULLTHROTTLE_API_KEY"
+
+
+class HTTPError(Exception):
+    """An HTTP error answer: status, detail (the JSON body's ``detail``) and extra headers."""
+
+    def __init__(self, status: int, detail: str, headers: dict | None = None):
+        super().__init__(detail)
+        self.status, self.detail, self.headers = status, detail, headers
+
+
+def load_keys(keys=(), key_file: str | None = None, environ=os.environ) -> tuple[str, ...]:
+    """Every API key from ``keys``, ``key_file`` (one per line; blank lines and ``#`` comments
+    skipped) and :data:`API_KEY_ENV`.
+
+    Raises:
+        ValueError: an unreadable key file, or a key shorter than 16 characters.
+    """
+    out = [k.strip() for k in keys]
+    if key_file is not None:
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                out += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        except OSError as e:
+            raise ValueError(f"cannot read the API key file {key_file}: {e.strerror or e}") from None
+    out += [k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    short = [k for k in out if len(k) < 16]
+    if short:
+        raise ValueError(f"{len(short)} API key(s) shorter than 16 characters: use long random keys "
+                         "(python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    return tuple(dict.fromkeys(out))
+
+
+def authorised(header: str | None, keys: tuple[str, ...]) -> bool:
+    """Whether an ``Authorization`` header carries one of ``keys`` as a Bearer token (every key is
+    compared, in constant time, whether or not an earlier one matched)."""
+    if not header or not header.lower().startswith("bearer "):
+        return False
+    token = header[7:].strip().encode()
+    ok = False
+    for k in keys:
+        ok |= hmac.compare_digest(token, k.encode())
+    return ok
+
+
+async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
+    """The whole request body, within ``timeout_s`` and ``max_bytes``.
+
+    Raises:
+        HTTPError: 413 over the limit (declared or read), 408 not received in time.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise HTTPError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes}")
+    body = bytearray()
+
+    async def read():
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > max_bytes:
+                raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes")
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise HTTPError(408, f"request body not received within {timeout_s:g} s", {"Connection": "close"}) from None
+    return bytes(body)
+
+
+def check_pixels(images: list[tuple[str, object]], max_pixels: int, max_image_pixels: int) -> None:
+    """HTTPError 413 when the images (``(id, bytes)``; other entries skipped) hold more than
+    ``max_pixels`` together, by their headers. An image that will fail alone (an unreadable header,
+    over ``max_image_pixels`` by itself) counts 0: it gets its own error."""
+    from .preprocess import ImageError, header_size, sniff
+
+    total = 0
+    for _, data in images:
+        if isinstance(data, bytes) and data:
+            try:
+                w, h, _ = header_size(data, sniff(data))
+            except ImageError:
+                continue
+            if 0 < w * h <= max_image_pixels:
+                total += w * h
+    if total > max_pixels:
+        raise HTTPError(413, f"the request's images hold {total / 1e6:.1f} megapixels together, over the "
+                             f"limit of {max_pixels / 1e6:.1f} (--max-request-megapixels): send fewer per request")

@@ -1,0 +1,233 @@
+"""The server facing untrusted clients: no SSRF, bounded downloads, API keys, slow clients, limits.
+
+Every attempt runs against listeners of the test's own on loopback addresses; a refused URL must
+never reach them."""
+
+import http.server
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from fullthrottle.fetch import FetchPolicy, FetchRefused, is_public, parse_ip
+from fullthrottle.serve import ServeOptions
+
+from test_serve import Server, Tiny, post_image
+
+
+class Listener:
+    """An HTTP server on ``host`` (ephemeral port) that records every request path. Paths:
+    ``/a.jpg`` a sample photo, ``/redirect?to=URL`` a 302 to URL, ``/chain/N`` N redirects before
+    ``/a.jpg``, ``/endless`` a body streamed without end (chunked)."""
+
+    def __init__(self, host: str, photo: bytes):
+        self.paths: list[str] = []
+        outer = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                outer.paths.append(self.path)
+                if self.path == "/a.jpg":
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(photo)))
+                    self.end_headers()
+                    self.wfile.write(photo)
+                elif self.path.startswith("/redirect?to="):
+                    self.send_response(302)
+                    self.send_header("Location", self.path.split("=", 1)[1])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif self.path.startswith("/chain/"):
+                    n = int(self.path.rsplit("/", 1)[1])
+                    self.send_response(302)
+                    self.send_header("Location", f"/chain/{n - 1}" if n > 1 else "/a.jpg")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif self.path == "/endless":
+                    self.send_response(200)
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    block = b"\xff" * 65536
+                    try:
+                        for _ in range(2000):  # 128 MiB, far past any limit
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(block), block))
+                    except OSError:
+                        pass  # cut off by the client, as it should be
+                else:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+
+        self.srv = http.server.ThreadingHTTPServer((host, 0), H)
+        self.srv.daemon_threads = True
+        self.port = self.srv.server_address[1]
+        self.base = f"http://{host}:{self.port}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+@pytest.fixture
+def listeners(samples):
+    photo = samples[0].read_bytes()
+    a, b = Listener("127.0.0.2", photo), Listener("127.0.0.1", photo)  # a: admitted, b: never
+    yield a, b
+    a.close()
+    b.close()
+
+
+def rss_mib() -> float:
+    """This process's resident memory now (MiB)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def classify_urls(s, urls, **kw):
+    return httpx.post(s.url + "/v1/classify", json={"urls": urls}, timeout=60, **kw)
+
+
+def test_numeric_hosts_are_read_like_the_c_library():
+    loop = ["127.0.0.1", "2130706433", "0x7f.0.0.1", "0177.0.0.1", "127.1", "0x7f000001", "017700000001",
+            "[::ffff:127.0.0.1]", "::ffff:7f00:1"]
+    assert {str(parse_ip(h)) for h in loop} == {"127.0.0.1"}
+    assert parse_ip("example.com") is None and parse_ip("0x7f.example.com") is None
+    for h in ["127.0.0.1", "::1", "0.0.0.0", "169.254.169.254", "10.1.2.3", "192.168.0.1", "100.64.0.1",
+              "224.0.0.1", "fe80::1", "fd00:ec2::254", "::"]:
+        assert not is_public(parse_ip(h)), h
+    assert is_public(parse_ip("93.184.216.34"))
+    with pytest.raises(ValueError, match="neither a host name"):
+        FetchPolicy(("http://x/",))
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "2130706433", "0x7f.0.0.1", "0177.0.0.1", "127.1",
+                                  "[::1]", "[::ffff:127.0.0.1]", "0.0.0.0", "169.254.169.254", "10.0.0.1",
+                                  "192.168.1.1"])
+def test_policy_refuses_internal_addresses_before_connecting(host):
+    import asyncio
+
+    pol = FetchPolicy(("images.example.com", "8.8.8.0/24"))
+    with pytest.raises(FetchRefused, match="not admitted"):
+        asyncio.run(pol.resolve(f"http://{host}:8080/x.jpg"))
+
+
+def test_fetching_is_off_by_default(listeners):
+    a, b = listeners
+    with Server(Tiny()) as s:
+        r = classify_urls(s, [a.base + "/a.jpg"])
+    assert r.status_code == 400 and "--allow-fetch" in r.json()["detail"]
+    assert a.paths == [] and b.paths == []
+
+
+def test_ssrf_attempts_are_refused_and_never_reach_the_listener(listeners):
+    a, b = listeners
+    p = b.port
+    attempts = [f"http://{h}:{p}/a.jpg" for h in ("localhost", "127.0.0.1", "2130706433", "0x7f.0.0.1",
+                                                  "0177.0.0.1", "127.1", "[::1]", "[::ffff:127.0.0.1]",
+                                                  "0.0.0.0")]
+    attempts += ["http://169.254.169.254/latest/meta-data/", "http://10.0.0.1/a.jpg",
+                 f"{a.base}/redirect?to=http://127.0.0.1:{p}/a.jpg",   # admitted host, redirect to loopback
+                 f"{a.base}/redirect?to=http://2130706433:{p}/a.jpg",
+                 f"{a.base}/chain/4"]                                  # a chain of 4 redirects (3 allowed)
+    with Server(Tiny(), ServeOptions(allow_fetch=("127.0.0.2",))) as s:
+        r = classify_urls(s, attempts)
+        seen = list(a.paths)
+        ok = classify_urls(s, [f"{a.base}/a.jpg", f"{a.base}/chain/3"])
+    assert r.status_code == 422
+    errors = [x["error"] for x in r.json()["results"]]
+    assert errors == [f"{u}: cannot fetch URL {i}" for i, u in enumerate(attempts)]  # and nothing more
+    assert b.paths == []  # the loopback listener saw no request at all
+    assert "/a.jpg" not in seen and seen.count("/chain/1") == 1  # the chain stopped before /a.jpg
+    assert ok.status_code == 200 and all("top_k" in x for x in ok.json()["results"])
+
+
+def test_a_url_streaming_past_the_limit_is_cut_and_memory_stays_flat(listeners):
+    a, _ = listeners
+    with Server(Tiny(), ServeOptions(allow_fetch=("127.0.0.2",), max_body_bytes=2 * 2**20)) as s:
+        for _ in range(5):  # warm: the pipeline's buffers, the allocator's working set
+            assert classify_urls(s, [a.base + "/endless", a.base + "/a.jpg"]).status_code == 200
+        rss0 = rss_mib()
+        for _ in range(20):  # 20 x 128 MiB offered
+            r = classify_urls(s, [a.base + "/endless", a.base + "/a.jpg"])
+            assert r.status_code == 200
+            res = r.json()["results"]
+            assert res[0]["error"].endswith("cannot fetch URL 0") and "top_k" in res[1]
+        grown = rss_mib() - rss0
+    assert grown < 100, grown
+
+
+def test_api_keys(samples):
+    key = "k" * 24
+    photo = samples[0].read_bytes()
+    with Server(Tiny(), ServeOptions(api_keys=(key,))) as s:
+        assert httpx.get(s.url + "/healthz").status_code == 200  # liveness needs no key
+        for headers in ({}, {"Authorization": "Bearer wrong-key-of-some-length"}, {"Authorization": key}):
+            r = httpx.post(s.url + "/v1/classify", content=photo, headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(s.url + "/metrics").status_code == 401
+        good = httpx.post(s.url + "/v1/classify", content=photo, headers={"Authorization": f"Bearer {key}"})
+        assert good.status_code == 200
+    from fullthrottle.serve_guard import load_keys
+
+    with pytest.raises(ValueError, match="shorter than 16"):
+        load_keys(["short"], environ={})
+    assert load_keys([key], environ={"FULLTHROTTLE_API_KEY": f"{'x' * 20},{key}"}) == (key, "x" * 20)
+
+
+def test_a_trickling_client_is_cut_off_while_others_are_served(samples):
+    photo = samples[0].read_bytes()
+    with Server(Tiny(), ServeOptions(body_timeout_s=1.0)) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                     b"Content-Length: 100000\r\n\r\n")
+        t0, answer = time.time(), b""
+        sock.settimeout(0.2)
+        served = None
+        while time.time() - t0 < 10 and b"\r\n\r\n" not in answer:
+            try:
+                sock.sendall(b"x")
+                answer += sock.recv(4096)
+            except (TimeoutError, socket.timeout):
+                pass
+            except OSError:
+                break
+            if served is None:  # meanwhile another client is answered at once
+                served = post_image(s.url, photo).status_code
+        took = time.time() - t0
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert took < 3 and served == 200
+
+
+def test_limits_per_request(samples):
+    photos = [p.read_bytes() for p in samples[:3]]
+    files = [("f", (f"{i}.jpg", d, "image/jpeg")) for i, d in enumerate(photos)]
+    with Server(Tiny(), ServeOptions(max_images=2, max_request_pixels=300_000)) as s:
+        r = httpx.post(s.url + "/v1/classify", files=files)
+        assert r.status_code == 413 and "at most 2" in r.json()["detail"]
+        r = httpx.post(s.url + "/v1/classify", files=files[:2])
+        assert r.status_code == 413 and "megapixels together" in r.json()["detail"]
+        assert post_image(s.url, photos[0]).status_code == 200
+
+
+def test_serve_on_a_port_in_use_exits_2_before_loading_the_model():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.time()
+        out = subprocess.run([sys.executable, "-m", "fullthrottle.cli", "serve", "--device", "cpu", "--port",
+                              str(port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr[-500:]
+    assert "in use" in out.stderr and time.time() - t0 < 30
