@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--api-key-file", default=None, metavar="FILE", help="API keys, one per line")
     v.add_argument("--body-timeout-s", type=float, default=10.0,
                    help="a request body must arrive within this time, else 408 (default: %(default)s)")
+    v.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="a request's line and headers must arrive within this time, else the connection "
+                        "is closed (default: %(default)s)")
     v.add_argument("--max-images", type=_positive_int, default=64,
                    help="most images (files or URLs) per classify request, else 413 (default: %(default)s)")
     v.add_argument("--max-request-megapixels", type=float, default=1000.0,
@@ -329,8 +332,10 @@ def cmd_serve(args) -> int:
                      preprocess=args.preprocess)
         if args.weights is not None and not os.path.isfile(args.weights):
             raise FileNotFoundError(f"weights file not found: {args.weights}")
-        if args.timeout_s <= 0 or args.max_body_mb <= 0 or args.body_timeout_s <= 0 or args.max_request_megapixels <= 0:
-            raise ValueError("--timeout-s, --max-body-mb, --body-timeout-s and --max-request-megapixels must be > 0")
+        if min(args.timeout_s, args.max_body_mb, args.body_timeout_s, args.header_timeout_s,
+               args.max_request_megapixels) <= 0:
+            raise ValueError("--timeout-s, --max-body-mb, --body-timeout-s, --header-timeout-s and "
+                             "--max-request-megapixels must be > 0")
         from .fetch import FetchPolicy
         from .serve_guard import load_keys
 
@@ -350,6 +355,7 @@ def cmd_serve(args) -> int:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
         return 2
     guard = dict(allow_fetch=tuple(args.allow_fetch), api_keys=keys, body_timeout_s=args.body_timeout_s,
+                 header_timeout_s=args.header_timeout_s,
                  max_images=args.max_images, max_request_pixels=int(args.max_request_megapixels * 1e6))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         print(f"note: serving on {args.host} without --api-key: anyone who can reach it may use it",

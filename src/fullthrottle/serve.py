@@ -28,7 +28,7 @@ from .decode import Result
 from .fetch import FetchPolicy, FetchRefused
 from .pipeline import Pipeline
 from .serve_guard import HTTPError as _HTTPError
-from .serve_guard import authorised, check_pixels, read_body
+from .serve_guard import authorised, check_pixels, head_deadline_protocol, read_body
 
 MAX_IMAGES_PER_REQUEST = 64  # (the default of ServeOptions.max_images)
 log = logging.getLogger("fullthrottle.serve")
@@ -282,6 +282,8 @@ class ServeOptions:
             fails alone, and what it read no longer counts.
         api_keys: with any, every route but ``/healthz`` needs ``Authorization: Bearer KEY`` (401).
         body_timeout_s: a request body must arrive within this many seconds (408 otherwise).
+        header_timeout_s: a request's line and headers must arrive within this many seconds of the
+            connection opening (or of its previous response), else the connection is closed.
         max_images: most images (files or URLs) in one classify request (413 over it).
         max_request_pixels: most pixels the images of one classify request hold together (413).
         embed_model: serve ``POST /v1/embeddings`` with this sentence-transformers folder ("default":
@@ -299,6 +301,7 @@ class ServeOptions:
     allow_fetch: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()
     body_timeout_s: float = 10.0
+    header_timeout_s: float = 10.0
     max_images: int = MAX_IMAGES_PER_REQUEST
     max_request_pixels: int = 1_000_000_000
     max_request_fetch_bytes: int | None = None
@@ -396,9 +399,10 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         async def require_key(request: Request, call_next):
             if request.url.path != "/healthz" and not authorised(request.headers.get("authorization"),
                                                                  opts.api_keys):
+                # (answered before the body is read: the connection closes, the body is never taken in)
                 return reply(request.url.path if request.url.path in _ROUTES else "other", 401,
                              {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
-                             {"WWW-Authenticate": "Bearer"})
+                             {"WWW-Authenticate": "Bearer", "Connection": "close"})
             return await call_next(request)
 
     @app.get("/healthz")
@@ -693,8 +697,8 @@ def run_server(config: Config, host: str = "127.0.0.1", port: int = 8000,
     """Serve until SIGINT/SIGTERM (graceful: in-flight requests finish), then return (exit status 0).
 
     ``max_connections``: open connections and requests beyond it get 503 at once (uvicorn's
-    ``limit_concurrency``); idle keep-alive connections close after 5 s; request heads are limited
-    to 16 KiB (h11's default)."""
+    ``limit_concurrency``); idle keep-alive connections close after 5 s; a request head must arrive
+    whole within ``options.header_timeout_s`` and is limited to 16 KiB (h11's default)."""
     import contextlib
     import signal
 
@@ -716,4 +720,4 @@ def run_server(config: Config, host: str = "127.0.0.1", port: int = 8000,
     opts = options or ServeOptions()
     _Server(uvicorn.Config(create_app(config, opts), host=host, port=port, log_level="info",
                            timeout_graceful_shutdown=opts.timeout_s, limit_concurrency=max_connections,
-                           timeout_keep_alive=5)).run()
+                           timeout_keep_alive=5, http=head_deadline_protocol(opts.header_timeout_s))).run()

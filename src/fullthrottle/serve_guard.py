@@ -103,3 +103,73 @@ def check_pixels(images: list[tuple[str, object]], max_pixels: int, max_image_pi
     if total > max_pixels:
         raise HTTPError(413, f"the request's images hold {total / 1e6:.1f} megapixels together, over the "
                              f"limit of {max_pixels / 1e6:.1f} (--max-request-megapixels): send fewer per request")
+
+
+#: at a graceful shutdown, how long an idle keep-alive connection stays open for a request that
+#: may already be on its way (it is answered, with ``Connection: close``), seconds
+SHUTDOWN_LINGER_S = 0.5
+
+
+def head_deadline_protocol(seconds: float):
+    """uvicorn's h11 protocol with a deadline on every request head: a connection whose request line
+    and headers are not complete ``seconds`` after it opened (or after its previous response) is
+    closed. uvicorn itself times out only idle keep-alive connections, and any byte received
+    cancels that timer, so a client trickling a head could hold a connection for ever.
+
+    At a graceful shutdown an idle keep-alive connection is closed :data:`SHUTDOWN_LINGER_S` later,
+    not at once: a request the client sent just before is then answered (uvicorn would drop it
+    unread, and the client sees a connection closed without an answer)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadDeadlineH11(H11Protocol):
+        _head_timer = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _expired(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        _closing = False
+
+        def handle_events(self) -> None:
+            before = self.cycle
+            super().handle_events()
+            if self.cycle is not before:  # a request head arrived whole
+                self._disarm()
+                if self._closing and self.cycle is not None:
+                    self.cycle.keep_alive = False  # answered, then closed
+
+        def shutdown(self) -> None:
+            if self.cycle is None or self.cycle.response_complete:
+                self._closing = True
+                self.loop.call_later(SHUTDOWN_LINGER_S, self._shutdown_now)
+            else:
+                super().shutdown()
+
+        def _shutdown_now(self) -> None:
+            if not self.transport.is_closing():
+                super().shutdown()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+    return HeadDeadlineH11
