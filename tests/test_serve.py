@@ -204,8 +204,9 @@ def test_embeddings_route_matches_library():
         got = np.array([r.json()["data"][0]["embedding"] for r in resps], dtype=np.float32)
         assert all(r.status_code == 200 for r in resps)
         assert cosine(got, ref).min() >= 0.99999
-        r = httpx.post(s.url + "/v1/embeddings", json={"input": texts}, timeout=30).json()
+        r = httpx.post(s.url + "/v1/embeddings", json={"input": texts, "model": "<script>"}, timeout=30).json()
         assert [d["index"] for d in r["data"]] == [0, 1, 2, 3] and r["usage"]["prompt_tokens"] > 0
+        assert r["model"] == "all-MiniLM-L6-v2"  # the model that answered, not what the client wrote
         assert httpx.post(s.url + "/v1/embeddings", json={"input": [1, 2]}).status_code == 400
         assert httpx.post(s.url + "/v1/embeddings", json={"input": ["a"] * 2049}).status_code == 413
     with Server(Tiny()) as s:

@@ -387,3 +387,22 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_an_unterminated_multipart_body_is_malformed(samples):
+    photo = samples[0].read_bytes()
+    body = (b"--xyz\r\nContent-Disposition: form-data; name=\"f\"; filename=\"a.jpg\"\r\n"
+            b"Content-Type: image/jpeg\r\n\r\n" + photo[:5000])  # no closing boundary
+    with Server(Tiny()) as s:
+        r = httpx.post(s.url + "/v1/classify", content=body,
+                       headers={"content-type": "multipart/form-data; boundary=xyz"})
+    assert r.status_code == 400 and "closing boundary" in r.json()["detail"]
+
+
+def test_embed_that_cannot_start_leaves_no_file(tmp_path, capsys):
+    from fullthrottle.cli import main
+
+    (tmp_path / "t.txt").write_text("a\n")
+    out = tmp_path / "v.npy"
+    assert main(["embed", str(tmp_path / "t.txt"), "--out", str(out), "--model-dir", str(tmp_path / "nope")]) == 2
+    assert not out.exists() and "model folder not found" in capsys.readouterr().err

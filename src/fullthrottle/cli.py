@@ -246,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in helps.items():
         e = bsub.add_parser(name, help=text, description=text)
         e.add_argument("--out", default=None, help="output prefix (default: fullthrottle-bench-EXPERIMENT)")
-        e.add_argument("--quick", action="store_true", help="a small, fast run (what CI runs on CPU)")
+        e.add_argument("--quick", action="store_true",
+                       help="a small, fast run (what CI runs on CPU; transfer needs CUDA even so)")
         if name in ("threads", "e2e"):
             e.add_argument("--images", nargs="*", default=None,
                            help="image files/folders/globs (default: scikit-image's sample photos)")
@@ -569,11 +570,11 @@ def cmd_embed(args) -> int:
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         print(f"fullthrottle: error: cannot write {args.out}: its folder does not exist", file=sys.stderr)
         return 2
-    try:  # find out now, not after the whole corpus is embedded
-        with open(args.out, "a"):
-            pass
-    except OSError as e:
-        print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+    # find out now, not after the whole corpus is embedded, and leave no empty file behind
+    target = args.out if os.path.exists(args.out) else os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out) or not os.access(target, os.W_OK):
+        why = "it is a directory" if os.path.isdir(args.out) else "permission denied"
+        print(f"fullthrottle: error: cannot write {args.out}: {why}", file=sys.stderr)
         return 2
     if args.model_dir and not os.path.isdir(args.model_dir):
         print(f"fullthrottle: error: model folder not found: {args.model_dir}", file=sys.stderr)

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -370,6 +371,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             from .embed import Embedder
 
             path = None if opts.embed_model == "default" else opts.embed_model
+            state["embed_name"] = "all-MiniLM-L6-v2" if path is None else os.path.basename(os.path.normpath(path))
             state["embed"] = EmbedService(await asyncio.to_thread(Embedder, path, devices[0]),
                                           max_queue=opts.max_queue)
         state["ready"] = True
@@ -447,6 +449,9 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             except Exception as e:  # noqa: BLE001 - starlette's MultiPartException and parser errors
                 raise _HTTPError(400, f"malformed multipart body: {e}") from None
             images = [(f.filename or f"file{i}", await f.read()) for i, f in enumerate(form)]
+            boundary = request.headers.get("content-type", "").partition("boundary=")[2].split(";")[0].strip('"')
+            if not images and boundary and f"--{boundary}--".encode() not in body:
+                raise _HTTPError(400, "malformed multipart body: it ends before its closing boundary")
         elif ctype == "application/json":
             try:
                 payload = json.loads(body)
@@ -515,7 +520,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             data = [{"object": "embedding", "index": i, "embedding": v.tolist(), "truncated": bool(t)}
                     for i, (v, t) in enumerate(zip(vecs, trunc))]
             n_tok = int(toks.sum())
-            return reply(route, 200, {"object": "list", "data": data, "model": payload.get("model") or "default",
+            return reply(route, 200, {"object": "list", "data": data, "model": state["embed_name"],
                                       "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}})
         except _HTTPError as e:
             return reply(route, e.status, {"detail": e.detail}, e.headers)
