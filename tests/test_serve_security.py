@@ -52,6 +52,15 @@ class Listener:
                     self.send_header("Location", f"/chain/{n - 1}" if n > 1 else "/a.jpg")
                     self.send_header("Content-Length", "0")
                     self.end_headers()
+                elif self.path == "/gzip":  # 64 MiB of zeros in 64 KiB: a decompression bomb
+                    import gzip
+
+                    blob = gzip.compress(b"\0" * (64 << 20), 9)
+                    self.send_response(200)
+                    self.send_header("Content-Encoding", "gzip")
+                    self.send_header("Content-Length", str(len(blob)))
+                    self.end_headers()
+                    self.wfile.write(blob)
                 elif self.path == "/endless":
                     self.send_response(200)
                     self.send_header("Transfer-Encoding", "chunked")
@@ -162,6 +171,8 @@ def test_a_url_streaming_past_the_limit_is_cut_and_memory_stays_flat(listeners):
             assert r.status_code == 200
             res = r.json()["results"]
             assert res[0]["error"].endswith("cannot fetch URL 0") and "top_k" in res[1]
+        bomb = classify_urls(s, [a.base + "/gzip"])  # refused, never inflated
+        assert bomb.status_code == 422 and bomb.json()["detail"] == "cannot fetch URL 0"
         grown = rss_mib() - rss0
     assert grown < 100, grown
 

@@ -15,7 +15,8 @@ Sheet). :class:`FetchPolicy` admits a URL only when every address its host resol
   rewritten to it; ``Host`` and, for https, the TLS server name stay the original host), so a DNS
   answer that changes between check and connect (rebinding) cannot redirect it;
 - redirects are followed by hand, at most :attr:`FetchPolicy.max_redirects`, each checked the same way;
-- the body is streamed and cut at ``max_bytes``.
+- the body is streamed and cut at ``max_bytes``; it must come uncompressed (``Accept-Encoding:
+  identity``; a compressed answer is refused, as it would be inflated before any limit saw it).
 
 Every refusal and failure raises :class:`FetchRefused` with the detail (for the server's log); the
 client is told only "cannot fetch URL N".
@@ -165,7 +166,9 @@ class FetchPolicy:
             parts = urlsplit(url)
             netloc = f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
             pinned = urlunsplit((scheme, netloc, parts.path or "/", parts.query, ""))
-            headers = {"Host": parts.netloc.rsplit("@", 1)[-1]}
+            # identity only: a compressed body would be inflated by the client before any limit could
+            # see it (a gzip bomb of 64 KiB can become 64 MiB in one chunk); images gain nothing from it
+            headers = {"Host": parts.netloc.rsplit("@", 1)[-1], "Accept-Encoding": "identity"}
             ext = {"sni_hostname": host} if scheme == "https" else {}
             try:
                 async with client.stream("GET", pinned, headers=headers, extensions=ext) as r:
@@ -174,12 +177,14 @@ class FetchPolicy:
                         continue
                     if r.status_code != 200:
                         raise FetchRefused(f"HTTP {r.status_code} from {host}")
+                    if r.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
+                        raise FetchRefused(f"a {r.headers['content-encoding']!r}-encoded body (identity was asked for)")
                     declared = r.headers.get("content-length", "")
                     if declared.isdigit() and int(declared) > self.max_bytes:
                         raise FetchRefused(f"{declared} bytes declared, over the limit of {self.max_bytes}")
                     buf = bytearray()
                     try:
-                        async for chunk in r.aiter_bytes():
+                        async for chunk in r.aiter_raw():
                             buf += chunk
                             if budget is not None:
                                 budget[0] -= len(chunk)
