@@ -134,7 +134,10 @@ def test_fetching_is_off_by_default(listeners):
     a, b = listeners
     with Server(Tiny()) as s:
         r = classify_urls(s, [a.base + "/a.jpg"])
+        deep = httpx.post(s.url + "/v1/classify", content=b'{"urls": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                          headers={"content-type": "application/json"})
     assert r.status_code == 400 and "--allow-fetch" in r.json()["detail"]
+    assert deep.status_code == 400 and "malformed JSON" in deep.json()["detail"]
     assert a.paths == [] and b.paths == []
 
 
@@ -147,7 +150,10 @@ def test_ssrf_attempts_are_refused_and_never_reach_the_listener(listeners):
     attempts += ["http://169.254.169.254/latest/meta-data/", "http://10.0.0.1/a.jpg",
                  f"{a.base}/redirect?to=http://127.0.0.1:{p}/a.jpg",   # admitted host, redirect to loopback
                  f"{a.base}/redirect?to=http://2130706433:{p}/a.jpg",
-                 f"{a.base}/chain/4"]                                  # a chain of 4 redirects (3 allowed)
+                 f"{a.base}/chain/4",                                  # a chain of 4 redirects (3 allowed)
+                 f"http://127.0.0.2%40127.0.0.1:{a.port}/a.jpg",         # a zone id riding into Host
+                 f"{a.base}/a\x00.jpg", f"{a.base}/" + "a" * 100_000,   # what httpx itself refuses
+                 f"http://127.0.0.2%C3%A9:{a.port}/a.jpg"]
     with Server(Tiny(), ServeOptions(allow_fetch=("127.0.0.2",))) as s:
         r = classify_urls(s, attempts)
         seen = list(a.paths)
@@ -155,6 +161,7 @@ def test_ssrf_attempts_are_refused_and_never_reach_the_listener(listeners):
     assert r.status_code == 422
     errors = [x["error"] for x in r.json()["results"]]
     assert errors == [f"{u}: cannot fetch URL {i}" for i, u in enumerate(attempts)]  # and nothing more
+    assert r.json()["detail"] == "; ".join(f"cannot fetch URL {i}" for i in range(len(attempts)))
     assert b.paths == []  # the loopback listener saw no request at all
     assert "/a.jpg" not in seen and seen.count("/chain/1") == 1  # the chain stopped before /a.jpg
     assert ok.status_code == 200 and all("top_k" in x for x in ok.json()["results"])

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
+_HOST = re.compile(r"[A-Za-z0-9.-]{1,253}|[0-9A-Fa-f:.]{2,45}")  # a name or number, or an IPv6 literal
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -125,6 +127,9 @@ class FetchPolicy:
         if parts.username or parts.password:
             raise FetchRefused("credentials in the URL")
         host = parts.hostname
+        if not _HOST.fullmatch(host):  # (no zone ids, escapes or spaces: they would ride along in Host)
+            raise FetchRefused(f"a host of other characters than letters, digits, '.', '-' (or an IPv6 literal): "
+                               f"{host[:100]!r}")
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
@@ -197,6 +202,6 @@ class FetchPolicy:
                             budget[0] += len(buf)
                         raise
                     return bytes(buf)
-            except httpx.HTTPError as e:
-                raise FetchRefused(f"{type(e).__name__} fetching from {host}: {e}") from None
+            except (httpx.HTTPError, httpx.InvalidURL, UnicodeError, ValueError) as e:  # (too long, control chars)
+                raise FetchRefused(f"{type(e).__name__} fetching from {host}: {str(e)[:200]}") from None
         raise FetchRefused(f"more than {self.max_redirects} redirects")

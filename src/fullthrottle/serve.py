@@ -26,7 +26,7 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 
 from .config import Config, usable_cores
 from .decode import Result
-from .fetch import FetchPolicy, FetchRefused
+from .fetch import FetchPolicy
 from .pipeline import Pipeline
 from .serve_guard import HTTPError as _HTTPError
 from .serve_guard import authorised, check_pixels, head_deadline_protocol, read_body
@@ -458,8 +458,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 urls = payload.get("urls") if isinstance(payload, dict) else None
                 if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
                     raise ValueError
-            except ValueError as e:
-                what = "malformed JSON" if isinstance(e, json.JSONDecodeError) else "wrong shape"
+            except (ValueError, RecursionError) as e:  # (RecursionError: JSON nested thousands deep)
+                what = "wrong shape" if type(e) is ValueError else "malformed JSON"
                 raise _HTTPError(400, f'{what}: the body must be {{"urls": ["http(s)://...", ...]}}') from None
             if policy is None:
                 raise _HTTPError(400, "this server fetches no URLs: send the images in the body, or start it "
@@ -474,7 +474,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             async def fetch(i, u):
                 try:
                     return u, await policy.fetch(state["http"], u, budget)
-                except FetchRefused as e:  # the detail is for the operator, not the client
+                except Exception as e:  # noqa: BLE001 - refused or failed: the detail is for the operator only
                     log.warning("classify: URL %d (%s) not fetched: %s", i, u[:200], str(e))  # (not e: its frames)
                     return u, _FetchError(f"cannot fetch URL {i}")
 
@@ -668,7 +668,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                                 for i, (r, (iid, _)) in enumerate(zip(results, images))]}
             status = 422 if all(not r.ok for r in results) else 200
             if status == 422:
-                body["detail"] = "; ".join(r.error.split(": ", 1)[-1] for r in results)
+                body["detail"] = "; ".join(r.error.removeprefix(f"{iid}: ") for r, (iid, _) in zip(results, images))
             return reply(route, status, body)
         except _HTTPError as e:
             return reply(route, e.status, {"detail": e.detail}, e.headers)
