@@ -105,6 +105,9 @@ def test_gpu_decoder_options_without_gpu_decode_are_named_not_ignored(samples, c
     assert rc == 0 and "note: --gpu-decode-processes has no effect without --gpu-decode" in err
     rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress"])
     assert rc == 0 and "no effect" not in capsys.readouterr().err
+    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--gpu-decode",
+               "--gpu-decode-processes", "17"])
+    assert rc == 2 and "--gpu-decode-processes must be in 0..16, got 17" in capsys.readouterr().err
 
 
 def test_unwritable_report_json_fails_before_the_run(samples, tmp_path, capsys, monkeypatch):

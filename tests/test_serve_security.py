@@ -326,6 +326,7 @@ def test_faults_under_load_lose_no_accepted_request(samples):
     import signal
 
     photos = [p.read_bytes() for p in samples[:24]]
+    grown = float("nan")
     proc = subprocess.Popen([sys.executable, "-m", "fullthrottle.cli", "serve", "--device", "cpu", "--port", "0",
                              "--threads", "2", "--preprocess", "processes", "--max-wait-ms", "20"],
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -339,12 +340,14 @@ def test_faults_under_load_lose_no_accepted_request(samples):
         host, port = url.removeprefix("http://").split(":")
         workers = _children(proc.pid)
         assert len(workers) == 2, workers
-        stop, outcomes, lock, t_term = threading.Event(), [], threading.Lock(), [float("inf")]
+        stop, pause, outcomes, lock, t_term = threading.Event(), threading.Event(), [], threading.Lock(), [float("inf")]
 
         def client(k):
             with httpx.Client(timeout=60) as c:
                 i = k
                 while not stop.is_set():
+                    while pause.is_set():
+                        time.sleep(0.05)
                     try:
                         r = c.post(url + "/v1/classify", content=photos[i % len(photos)],
                                    headers={"content-type": "image/jpeg", "connection": conn_mode[k % 2]})
@@ -368,6 +371,7 @@ def test_faults_under_load_lose_no_accepted_request(samples):
         for t in threads:
             t.start()
         time.sleep(2)
+        rss0 = _rss_mib([proc.pid, *_children(proc.pid)])  # warm, under load
         os.kill(sorted(workers)[0], signal.SIGKILL)  # a decoder process dies under load
         for _ in range(5):  # clients that hang up mid-body, and before reading their answer
             s = socket.create_connection((host, int(port)))
@@ -379,6 +383,11 @@ def test_faults_under_load_lose_no_accepted_request(samples):
                       b"Content-Length: %d\r\n\r\n" % len(photos[1]) + photos[1])
             s.close()
         time.sleep(2)
+        pause.set()  # the load stops a moment: memory is back near where it was
+        time.sleep(1.5)
+        grown = _rss_mib([proc.pid, *_children(proc.pid)]) - rss0
+        pause.clear()
+        time.sleep(0.5)
         t_term[0] = time.time()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
@@ -389,13 +398,26 @@ def test_faults_under_load_lose_no_accepted_request(samples):
         if proc.poll() is None:
             proc.kill()
     statuses = [o[0] for o in outcomes]
-    print(f"faults under load: {len(outcomes)} requests: " + ", ".join(
+    print(f"faults under load: RSS {grown:+.0f} MiB; {len(outcomes)} requests: " + ", ".join(
         f"{statuses.count(s)} x {s}" for s in sorted(set(statuses), key=str)), sorted({o for o in outcomes if o[1]}, key=str))
     assert "lost" not in statuses, [o for o in outcomes if o[0] == "lost"][:5]
     assert statuses.count(200) >= 20 and statuses.count("raced") <= 3
     assert all(o[1] for o in outcomes if o[0] not in (200, "refused")), outcomes  # errors say why
     time.sleep(1)
     assert not [w for w in workers if _alive(w)], "decoder processes left behind"
+    assert grown < 150, f"the server and its decoder processes grew {grown:.0f} MiB"
+
+
+def _rss_mib(pids) -> float:
+    """Resident memory of these processes together (MiB)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            pass
+    return total / 1024
 
 
 def _alive(pid: int) -> bool:

@@ -68,6 +68,9 @@ def _gpu_decode_settings(args) -> dict:
         print(f"note: {' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --gpu-decode",
               file=sys.stderr)
         return {"gpu_decode": False}  # (ignored: not checked either, as the note says)
+    n = args.gpu_decode_processes
+    if n is not None and not 0 <= n <= 16:
+        raise ValueError(f"--gpu-decode-processes must be in 0..16, got {n}")
     return {"gpu_decode": args.gpu_decode,
             "gpu_decoder": args.gpu_decoder if args.gpu_decoder is not None else Config.gpu_decoder,
             "gpu_decode_processes": args.gpu_decode_processes}  # (None: the Pipeline picks, by MPS)
@@ -673,9 +676,14 @@ def _classify_ray(args) -> int:
     if importlib.util.find_spec("ray") is None:
         print("fullthrottle: error: --ray needs Ray: pip install 'fullthrottle[ray]'", file=sys.stderr)
         return 2
+    try:
+        gpu = _gpu_decode_settings(args)  # (the GPU decoder flags go to the actors too)
+    except ValueError as e:
+        print(f"fullthrottle: error: {e}", file=sys.stderr)
+        return 2
     cfg = {"model": args.model, "weights": args.weights, "device": args.device, "top_k": args.top_k,
            "max_batch_size": args.batch_size, "max_wait_ms": args.max_wait_ms, "threads": args.threads,
-           "graphs": args.graphs, "gpu_decode": args.gpu_decode}
+           "graphs": args.graphs, **gpu}
     if args.dtype:
         cfg["dtype"] = args.dtype
     inputs = args.inputs or sample_photos()
