@@ -446,3 +446,47 @@ def test_embed_that_cannot_start_leaves_no_file(tmp_path, capsys):
     out = tmp_path / "v.npy"
     assert main(["embed", str(tmp_path / "t.txt"), "--out", str(out), "--model-dir", str(tmp_path / "nope")]) == 2
     assert not out.exists() and "model folder not found" in capsys.readouterr().err
+
+
+def test_one_client_address_cannot_take_every_connection(samples):
+    """Past its per-address limit a client's new connections are closed as they open; a client at
+    another address is served meanwhile."""
+    import uvicorn
+
+    from fullthrottle import Config
+    from fullthrottle.serve import create_app
+    from fullthrottle.serve_guard import head_deadline_protocol
+
+    from test_pipeline import LABELS
+
+    app = create_app(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2), ServeOptions(), model=Tiny())
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", limit_concurrency=20,
+                                           http=head_deadline_protocol(30.0, per_client=5)))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    socks = []
+    try:
+        deadline = time.time() + 30
+        while not server.started and time.time() < deadline:
+            time.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        while httpx.get(url + "/readyz").status_code != 200 and time.time() < deadline:
+            time.sleep(0.05)
+        for _ in range(30):  # from 127.0.0.3: 5 stay open, the rest are closed at once
+            s = socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.3", 0))
+            s.settimeout(0.5)
+            socks.append(s)
+        closed = 0
+        for s in socks:
+            try:
+                closed += s.recv(1) == b""
+            except (TimeoutError, socket.timeout):
+                pass
+        assert closed == 25
+        assert post_image(url, samples[0].read_bytes()).status_code == 200  # others are still served
+    finally:
+        for s in socks:
+            s.close()
+        server.should_exit = True
+        t.join(30)

@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most pixels the images of one request hold together, else 413 (default: %(default)s)")
     v.add_argument("--max-connections", type=_positive_int, default=1024,
                    help="open connections beyond this get 503 at once (default: %(default)s)")
+    v.add_argument("--max-connections-per-client", type=_positive_int, default=64,
+                   help="connections one client address may hold open; more are closed as they open "
+                        "(behind a proxy every client has its address: raise this) (default: %(default)s)")
     v.add_argument("--threads", type=_positive_int, default=None,
                    help="preprocess threads (default: one per core; with worker processes, one per core but one)")
     v.add_argument("--preprocess", default="auto", choices=("auto", "threads", "processes"),
@@ -359,7 +362,7 @@ def cmd_serve(args) -> int:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
         return 2
     guard = dict(allow_fetch=tuple(args.allow_fetch), api_keys=keys, body_timeout_s=args.body_timeout_s,
-                 header_timeout_s=args.header_timeout_s,
+                 header_timeout_s=args.header_timeout_s, max_connections_per_client=args.max_connections_per_client,
                  max_images=args.max_images, max_request_pixels=int(args.max_request_megapixels * 1e6))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         print(f"note: serving on {args.host} without --api-key: anyone who can reach it may use it",

@@ -285,6 +285,8 @@ class ServeOptions:
         body_timeout_s: a request body must arrive within this many seconds (408 otherwise).
         header_timeout_s: a request's line and headers must arrive within this many seconds of the
             connection opening (or of its previous response), else the connection is closed.
+        max_connections_per_client: most connections open at once from one client address (more are
+            closed as they open).
         max_images: most images (files or URLs) in one classify request (413 over it).
         max_request_pixels: most pixels the images of one classify request hold together (413).
         embed_model: serve ``POST /v1/embeddings`` with this sentence-transformers folder ("default":
@@ -303,6 +305,7 @@ class ServeOptions:
     api_keys: tuple[str, ...] = ()
     body_timeout_s: float = 10.0
     header_timeout_s: float = 10.0
+    max_connections_per_client: int = 64
     max_images: int = MAX_IMAGES_PER_REQUEST
     max_request_pixels: int = 1_000_000_000
     max_request_fetch_bytes: int | None = None
@@ -725,4 +728,5 @@ def run_server(config: Config, host: str = "127.0.0.1", port: int = 8000,
     opts = options or ServeOptions()
     _Server(uvicorn.Config(create_app(config, opts), host=host, port=port, log_level="info",
                            timeout_graceful_shutdown=opts.timeout_s, limit_concurrency=max_connections,
-                           timeout_keep_alive=5, http=head_deadline_protocol(opts.header_timeout_s))).run()
+                           timeout_keep_alive=5,
+                           http=head_deadline_protocol(opts.header_timeout_s, opts.max_connections_per_client))).run()

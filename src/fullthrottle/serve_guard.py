@@ -110,19 +110,26 @@ def check_pixels(images: list[tuple[str, object]], max_pixels: int, max_image_pi
 SHUTDOWN_LINGER_S = 0.5
 
 
-def head_deadline_protocol(seconds: float):
+def head_deadline_protocol(seconds: float, per_client: int | None = None):
     """uvicorn's h11 protocol with a deadline on every request head: a connection whose request line
     and headers are not complete ``seconds`` after it opened (or after its previous response) is
     closed. uvicorn itself times out only idle keep-alive connections, and any byte received
     cancels that timer, so a client trickling a head could hold a connection for ever.
+
+    ``per_client``: most connections open at once from one client address; one more is closed as
+    it opens, so that one client cannot take every connection the server allows (behind a proxy,
+    every client has the proxy's address: raise it, or let the proxy limit).
 
     At a graceful shutdown an idle keep-alive connection is closed :data:`SHUTDOWN_LINGER_S` later,
     not at once: a request the client sent just before is then answered (uvicorn would drop it
     unread, and the client sees a connection closed without an answer)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    open_from: dict = {}  # client address -> its connections open now (one event loop: no lock)
+
     class HeadDeadlineH11(H11Protocol):
         _head_timer = None
+        _peer = None
 
         def _arm(self) -> None:
             self._disarm()
@@ -140,10 +147,21 @@ def head_deadline_protocol(seconds: float):
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            peer = transport.get_extra_info("peername")
+            self._peer = peer[0] if isinstance(peer, tuple) and peer else None
+            n = open_from[self._peer] = open_from.get(self._peer, 0) + 1
+            if per_client is not None and n > per_client:
+                transport.close()
+                return
             self._arm()
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            n = open_from.get(self._peer, 0) - 1
+            if n > 0:
+                open_from[self._peer] = n
+            else:
+                open_from.pop(self._peer, None)
             super().connection_lost(exc)
 
         _closing = False
