@@ -26,6 +26,11 @@ SAMPLES = sorted((DATA / "imagenet-sample").glob("*.JPEG"))
 BAD = DATA / "bad-inputs"
 
 
+def sample_label(path) -> str:
+    """The class a sample's file name names: ``n01484850_great_white_shark.JPEG`` -> 'great white shark'."""
+    return path.name.split(".")[0].split("_", 1)[1].replace("_", " ")
+
+
 @pytest.fixture(scope="session")
 def samples():
     assert len(SAMPLES) == 200, f"expected the 200 sample images under {DATA}"

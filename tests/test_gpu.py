@@ -9,6 +9,8 @@ import torch
 from fullthrottle import Config, Pipeline
 from fullthrottle.preprocess import preprocess
 
+from conftest import sample_label
+
 pytestmark = pytest.mark.gpu
 
 
@@ -128,8 +130,7 @@ def _top1(res):
 
 
 def _accuracy(samples, labels):
-    return float(np.mean([lab == s.name.split(".")[0].split("_", 1)[1].replace("_", " ")
-                          for s, lab in zip(samples, labels)]))
+    return float(np.mean([lab == sample_label(s) for s, lab in zip(samples, labels)]))
 
 
 def test_efficientnet_lite0_bf16_graphs_agree_with_fp32_eager(samples, no_thread_leak):

@@ -15,10 +15,7 @@ from fullthrottle.models import (EFFICIENTNET_LITE, MODELS, TORCHVISION_IMAGENET
                                  load_model, transform_of)
 from fullthrottle.preprocess import preprocess
 
-
-def true_label(path) -> str:
-    """The class a sample's file name names: ``n01484850_great_white_shark.JPEG`` -> 'great white shark'."""
-    return path.name.split(".")[0].split("_", 1)[1].replace("_", " ")
+from conftest import sample_label
 
 
 def normalise(arrays, t: Transform) -> torch.Tensor:
@@ -71,8 +68,8 @@ def test_cli_default_model_classifies_the_samples(samples, tmp_path, capsys):
     assert "randomly initialised" not in err and "efficientnet_lite0" in err
     rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert len(rows) == 200
-    top1 = np.mean([rows[str(p)]["top_k"][0]["label"] == true_label(p) for p in samples])
-    top5 = np.mean([true_label(p) in [t["label"] for t in rows[str(p)]["top_k"]] for p in samples])
+    top1 = np.mean([rows[str(p)]["top_k"][0]["label"] == sample_label(p) for p in samples])
+    top5 = np.mean([sample_label(p) in [t["label"] for t in rows[str(p)]["top_k"]] for p in samples])
     print(f"EfficientNet-Lite0 on the 200 samples: top-1 {top1:.3f}, top-5 {top5:.3f}")
     assert top1 >= 0.88 and top5 >= 0.95
     lib = Pipeline(Config(device="cpu")).classify(samples[::4])  # (50 of them: the suite's time)

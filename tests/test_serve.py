@@ -26,12 +26,13 @@ class SlowTiny(Tiny):
 
 
 class Server:
-    def __init__(self, model, options=None, **cfg):
+    def __init__(self, model, options=None, uvicorn_kw=None, **cfg):
         cfg = {"labels": LABELS, "device": "cpu", "max_batch_size": 8, "threads": 2, **cfg}
         options = options or ServeOptions()
         self.auth = {"Authorization": f"Bearer {options.api_keys[0]}"} if options.api_keys else {}
         app = create_app(Config(**cfg), options, model=model)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    **(uvicorn_kw or {})))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -39,8 +40,8 @@ class Server:
         deadline = time.time() + 30
         while not self.server.started and time.time() < deadline:
             time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
         while httpx.get(self.url + "/readyz", headers=self.auth).status_code != 200 and time.time() < deadline:
             time.sleep(0.05)
         return self

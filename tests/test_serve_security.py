@@ -254,27 +254,10 @@ def test_serve_on_a_port_in_use_exits_2_before_loading_the_model():
 def test_a_client_trickling_its_request_head_is_disconnected(samples):
     """uvicorn times out only idle keep-alive connections; the head deadline closes a connection
     whose request line and headers do not arrive whole in time, also after a first request."""
-    import uvicorn
-
-    from fullthrottle import Config
-    from fullthrottle.serve import create_app
     from fullthrottle.serve_guard import head_deadline_protocol
 
-    from test_pipeline import LABELS
-
-    app = create_app(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2), ServeOptions(), model=Tiny())
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           http=head_deadline_protocol(1.0)))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    try:
-        deadline = time.time() + 30
-        while not server.started and time.time() < deadline:
-            time.sleep(0.02)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
-        while httpx.get(url + "/readyz").status_code != 200 and time.time() < deadline:
-            time.sleep(0.05)
+    with Server(Tiny(), uvicorn_kw={"http": head_deadline_protocol(1.0)}) as srv:
+        port = srv.port
         for first in (b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"):  # fresh, and after a response
             sock = socket.create_connection(("127.0.0.1", port))
             sock.sendall(first)
@@ -293,10 +276,7 @@ def test_a_client_trickling_its_request_head_is_disconnected(samples):
                     break
             sock.close()
             assert closed and time.time() - t0 < 4, (first, time.time() - t0)
-        assert post_image(url, samples[0].read_bytes()).status_code == 200  # others are served
-    finally:
-        server.should_exit = True
-        t.join(30)
+        assert post_image(srv.url, samples[0].read_bytes()).status_code == 200  # others are served
 
 
 def _children(pid: int) -> set[int]:
@@ -451,28 +431,12 @@ def test_embed_that_cannot_start_leaves_no_file(tmp_path, capsys):
 def test_one_client_address_cannot_take_every_connection(samples):
     """Past its per-address limit a client's new connections are closed as they open; a client at
     another address is served meanwhile."""
-    import uvicorn
-
-    from fullthrottle import Config
-    from fullthrottle.serve import create_app
     from fullthrottle.serve_guard import head_deadline_protocol
 
-    from test_pipeline import LABELS
-
-    app = create_app(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2), ServeOptions(), model=Tiny())
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", limit_concurrency=20,
-                                           http=head_deadline_protocol(30.0, per_client=5)))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
     socks = []
-    try:
-        deadline = time.time() + 30
-        while not server.started and time.time() < deadline:
-            time.sleep(0.02)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
-        while httpx.get(url + "/readyz").status_code != 200 and time.time() < deadline:
-            time.sleep(0.05)
+    kw = {"limit_concurrency": 20, "http": head_deadline_protocol(30.0, per_client=5)}
+    with Server(Tiny(), uvicorn_kw=kw) as srv:
+        port = srv.port
         for _ in range(30):  # from 127.0.0.3: 5 stay open, the rest are closed at once
             s = socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.3", 0))
             s.settimeout(0.5)
@@ -484,9 +448,6 @@ def test_one_client_address_cannot_take_every_connection(samples):
             except (TimeoutError, socket.timeout):
                 pass
         assert closed == 25
-        assert post_image(url, samples[0].read_bytes()).status_code == 200  # others are still served
-    finally:
+        assert post_image(srv.url, samples[0].read_bytes()).status_code == 200  # others are still served
         for s in socks:
             s.close()
-        server.should_exit = True
-        t.join(30)

@@ -26,6 +26,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from .dwconv import dw_conv, same_pads
+
 BN_EPS = 1e-3
 
 # (expand ratio, kernel, stride, in channels, out channels, repeats) per stage; the first block of a
@@ -45,11 +47,7 @@ def same_pad(x: torch.Tensor, k: int, stride: int) -> torch.Tensor:
     """Zero-pad ``x`` ``(B, C, H, W)`` so that a ``k`` x ``k`` convolution of ``stride`` (with no padding
     of its own) gives ``ceil(H / stride)`` x ``ceil(W / stride)``, as TensorFlow's ``"SAME"``: the total
     ``max((ceil(n / s) - 1) * s + k - n, 0)`` per side pair, the odd pixel at the bottom / right."""
-    pads = []
-    for n in (x.shape[3], x.shape[2]):  # F.pad lists the last dim first
-        total = max((-(-n // stride) - 1) * stride + k - n, 0)
-        pads += [total // 2, total - total // 2]
-    return F.pad(x, pads)
+    return F.pad(x, [*same_pads(x.shape[3], k, stride), *same_pads(x.shape[2], k, stride)])  # (last dim first)
 
 
 torch.fx.wrap("same_pad")  # a leaf when traced (torch.fx BN folding): its shape arithmetic runs per call
@@ -166,8 +164,6 @@ class FusedEfficientNetLite0(nn.Module):
         self.register_buffer("fc_b", m.fc.bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .dwconv import dw_conv
-
         h = F.conv2d(same_pad(x, 3, 2), self.stem_w, stride=2)  # (B, 32, 112, 112), before bias + ReLU6
         b_in = self.stem_b                                         # which block 0's dw_conv applies
         for i, (k, stride, residual, expand) in enumerate(self.blocks_meta):
