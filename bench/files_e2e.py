@@ -1,15 +1,20 @@
-"""The main job as a user runs it: ``fullthrottle classify DIR`` on a folder of JPEG files read from
+"""The main job as a user runs it: ``fullthrottle classify DIR`` on folders of JPEG files read from
 disk, against a hand-written PyTorch loop on the same files and machine, in one run.
 
-The folder: ``--n`` distinct 640x480 JPEG files made from the 200 ImageNet samples (random crop of
-60-100% of each side, random horizontal flip, resized to 640x480, JPEG quality 75-95; seeded), written
-once by a process pool and then in the page cache. Ours: the CLI in a subprocess, wall clock from
-start to exit (model load and graph capture included) and its own report (``--report-json``: img/s
-over the run, GPU utilisation, stage busy %). Baseline: a ``Dataset`` reading each file with PIL,
-torchvision v2 ``Resize(256) + CenterCrop(224)``, a ``DataLoader`` (``--workers``, pin_memory, batch
-128), the same model eager in bf16 channels_last with the model's own normalisation, top-5 to the host.
+Folders (made once by a process pool, seeded, then in the page cache), ``--n`` distinct files each:
 
-Usage: python bench/files_e2e.py --n 60000 --out bench/results/files_e2e_efficientnet_lite0.json
+- ``640x480``: the 200 ImageNet samples, random crop of 60-100% of each side, random horizontal flip,
+  resized to 640x480, JPEG quality 75-95;
+- ``mixed``: the same crops scaled so that the longer side is 64 to 2000 px (uniform), quality 75-95.
+
+Ours: the CLI in a subprocess, wall clock from start to exit (model load and graph capture included),
+its own report (``--report-json``: img/s over the run, GPU utilisation, stage busy %, verdict) and the
+main process's CPU use (``/proc/PID/stat`` sampled every 0.5 s: the busiest 5-s window, in cores).
+Baseline: a ``Dataset`` reading each file with PIL, torchvision v2 ``Resize(256) + CenterCrop(224)``,
+a ``DataLoader`` (``--workers``, pin_memory, batch 128), the same model eager in bf16 channels_last
+with the model's own normalisation, top-5 to the host.
+
+Usage: python bench/files_e2e.py --n 60000 --out bench/results/files_e2e.json
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from common import SAMPLES, machine_info, write_json  # noqa: E402
 
 
 def _make(args) -> int:
-    start, stop, folder = args
+    start, stop, folder, kind = args
     from PIL import Image
 
     photos = [Image.open(p).convert("RGB") for p in sorted(SAMPLES.glob("*.JPEG"))]
@@ -42,34 +47,62 @@ def _make(args) -> int:
         w, h = im.size
         cw, ch = int(w * rng.uniform(0.6, 1.0)), int(h * rng.uniform(0.6, 1.0))
         x, y = rng.randint(0, w - cw), rng.randint(0, h - ch)
-        out = im.crop((x, y, x + cw, y + ch)).resize((640, 480), Image.BILINEAR)
+        if kind == "640x480":
+            size = (640, 480)
+        else:  # the longer side 64..2000 px, the aspect ratio of the crop
+            k = rng.uniform(64, 2000) / max(cw, ch)
+            size = (max(1, round(cw * k)), max(1, round(ch * k)))
+        out = im.crop((x, y, x + cw, y + ch)).resize(size, Image.BILINEAR)
         if rng.random() < 0.5:
             out = out.transpose(Image.FLIP_LEFT_RIGHT)
         out.save(os.path.join(folder, f"{i:06d}.jpg"), quality=rng.randint(75, 95))
     return stop - start
 
 
-def make_folder(folder: Path, n: int) -> float:
-    """``n`` JPEG files in ``folder`` (kept when already complete); returns their total bytes."""
+def make_folder(folder: Path, n: int, kind: str) -> float:
+    """``n`` JPEG files of ``kind`` in ``folder`` (kept when already complete); returns their total bytes."""
     folder.mkdir(parents=True, exist_ok=True)
     if len(list(folder.glob("*.jpg"))) != n:
         step = 500
         with ProcessPoolExecutor(os.cpu_count()) as ex:
-            sum(ex.map(_make, [(s, min(s + step, n), str(folder)) for s in range(0, n, step)]))
+            sum(ex.map(_make, [(s, min(s + step, n), str(folder), kind) for s in range(0, n, step)]))
     return sum(p.stat().st_size for p in folder.glob("*.jpg"))
+
+
+def _cpu_s(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def run_cli(folder: Path, extra: list[str], tmp: Path) -> dict:
     rep = tmp / "report.json"
+    rep.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "fullthrottle.cli", "classify", str(folder), "--device", "cuda",
            "--no-progress", "--out", str(tmp / "out.jsonl"), "--report-json", str(rep), *extra]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    samples = []  # (seconds since start, CPU seconds of the main process)
+    import threading
+
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.append(p.stderr.read()), daemon=True)
+    reader.start()
+    while p.poll() is None:
+        c = _cpu_s(p.pid)
+        if c is not None:
+            samples.append((time.perf_counter() - t0, c))
+        time.sleep(0.5)
     wall = time.perf_counter() - t0
+    reader.join(10)
+    stderr = err[0] if err else ""
     r = json.loads(rep.read_text()) if rep.exists() else {}
-    print(" ".join(cmd[2:]), "->", p.returncode, p.stderr[-1500:], flush=True)
+    peak = max(((c1 - c0) / (t1 - t0_) for (t0_, c0), (t1, c1) in zip(samples, samples[10:])), default=None)
+    print(" ".join(cmd[3:]), "->", p.returncode, stderr[-1500:], flush=True)
     return {"command": "fullthrottle " + " ".join(cmd[3:]), "exit": p.returncode, "wall_s_with_startup": wall,
-            "report": r, "stderr_tail": p.stderr[-3000:]}
+            "main_process_cores_peak_5s": peak, "report": r, "stderr_tail": stderr[-3000:]}
 
 
 class Files(torch.utils.data.Dataset):
@@ -114,38 +147,55 @@ def dataloader_loop(paths: list[Path], model_name: str, workers: int, batch: int
             "model": f"{model_name} bf16 channels_last eager"}
 
 
+#: the runs of record: (folder kind, "dataloader" or the CLI's arguments after the folder)
+RUNS = {
+    "dataloader_resnet18_640x480": ("640x480", "dataloader resnet18"),
+    "cli_resnet18_640x480": ("640x480", "--model resnet18"),
+    "cli_resnet18_640x480_mps": ("640x480", "--model resnet18 --mps"),
+    "cli_resnet18_640x480_cpu_decode": ("640x480", "--model resnet18 --no-gpu-decode"),
+    "dataloader_efficientnet_lite0_640x480": ("640x480", "dataloader efficientnet_lite0"),
+    "cli_efficientnet_lite0_640x480": ("640x480", ""),
+    "cli_resnet18_mixed": ("mixed", "--model resnet18"),
+}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=60000)
-    ap.add_argument("--folder", default="/tmp/ft-files-640x480")
-    ap.add_argument("--model", default="efficientnet_lite0")
-    ap.add_argument("--workers", type=int, default=os.cpu_count())
-    ap.add_argument("--variants", default="gpu-decode,cpu-decode",
-                    help="CLI runs: gpu-decode (--gpu-decode), cpu-decode (the default decode path)")
-    ap.add_argument("--out", default="bench/results/files_e2e_efficientnet_lite0.json")
+    ap.add_argument("--n", type=int, default=60000, help="files per folder")
+    ap.add_argument("--folders", default="/tmp/ft-files", help="the folders are made under this one")
+    ap.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers")
+    ap.add_argument("--runs", default=",".join(RUNS), help=f"which runs, in order: {', '.join(RUNS)}")
+    ap.add_argument("--out", default="bench/results/files_e2e.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
-    folder = Path(args.folder)
-    t0 = time.perf_counter()
-    size = make_folder(folder, args.n)
-    print(f"{args.n} files, {size / 1e9:.2f} GB, made in {time.perf_counter() - t0:.0f} s", flush=True)
-    paths = sorted(folder.glob("*.jpg"))
+    runs = args.runs.split(",")
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown:
+        sys.exit(f"unknown runs {unknown}: choose from {list(RUNS)}")
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "ft-files-e2e"
     tmp.mkdir(exist_ok=True)
-    payload = {"benchmark": "files_e2e", "machine": machine_info(),
-               "inputs": f"{args.n} distinct 640x480 JPEG files ({size / 1e9:.2f} GB, page cache), "
-                         "made from the 200 ImageNet samples (random crop, flip, quality 75-95)",
-               "model": args.model, "runs": {}}
-    payload["runs"]["dataloader_baseline"] = dataloader_loop(paths, args.model, args.workers)
-    print("DataLoader:", payload["runs"]["dataloader_baseline"], flush=True)
-    flags = {"gpu-decode": ["--gpu-decode"], "cpu-decode": []}
-    for v in args.variants.split(","):
-        payload["runs"][f"cli_{v}"] = run_cli(folder, ["--model", args.model, "--batch-size", "128", *flags[v]], tmp)
-    write_json(args.out, payload)
-    for k, r in payload["runs"].items():
-        rate = r.get("img_per_s_after_first_quarter") or r.get("report", {}).get("images_per_s")
-        print(f"{k:>24}: {rate or 0:.0f} img/s", flush=True)
+    payload = {"benchmark": "files_e2e", "machine": machine_info(), "folders": {}, "runs": {}}
+    for name in runs:
+        kind, what = RUNS[name]
+        folder = Path(args.folders) / kind
+        if kind not in payload["folders"]:
+            t0 = time.perf_counter()
+            size = make_folder(folder, args.n, kind)
+            payload["folders"][kind] = (f"{args.n} distinct JPEG files ({size / 1e9:.2f} GB, page cache), "
+                                        f"{'640x480' if kind == '640x480' else 'longer side 64-2000 px'}, made "
+                                        "from the 200 ImageNet samples (random crop, flip, quality 75-95)")
+            print(f"{kind}: {args.n} files, {size / 1e9:.2f} GB, made in {time.perf_counter() - t0:.0f} s", flush=True)
+        if what.startswith("dataloader "):
+            r = dataloader_loop(sorted(folder.glob("*.jpg")), what.split()[1], args.workers)
+        else:
+            r = run_cli(folder, what.split(), tmp)
+        payload["runs"][name] = {"folder": kind, **r}
+        write_json(args.out, payload)  # after every run: a later one that fails leaves the earlier ones
+        rep = r.get("report", {})
+        rate = r.get("img_per_s_after_first_quarter") or rep.get("images_per_s")
+        print(f"{name:>44}: {rate or 0:.0f} img/s  GPU {rep.get('gpu_util_mean_pct')}  "
+              f"main cores {r.get('main_process_cores_peak_5s')}  {rep.get('verdict', '')}", flush=True)
 
 
 if __name__ == "__main__":

@@ -97,12 +97,14 @@ def test_cuda_only_options_on_cpu_are_named_not_ignored(samples, capsys):
 
 
 def test_gpu_decoder_options_without_gpu_decode_are_named_not_ignored(samples, capsys):
-    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--gpu-decoder", "hardware"])
+    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--no-gpu-decode",
+               "--gpu-decoder", "hardware"])
     assert rc == 0
-    assert "note: --gpu-decoder has no effect without --gpu-decode" in capsys.readouterr().err
-    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--gpu-decode-processes", "99"])
+    assert "note: --gpu-decoder has no effect with --no-gpu-decode" in capsys.readouterr().err
+    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--no-gpu-decode",
+               "--gpu-decode-processes", "99"])
     err = capsys.readouterr().err  # ignored, so not refused either (it used to note, then fail on the value)
-    assert rc == 0 and "note: --gpu-decode-processes has no effect without --gpu-decode" in err
+    assert rc == 0 and "note: --gpu-decode-processes has no effect with --no-gpu-decode" in err
     rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress"])
     assert rc == 0 and "no effect" not in capsys.readouterr().err
     rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--gpu-decode",

@@ -30,7 +30,7 @@ def test_cuda_fp32_equals_cpu(crops):
     and top-1 must agree on >= 99% of the 200 images."""
     torch.manual_seed(0)
     cpu = Pipeline(Config(model="resnet18", device="cpu", max_batch_size=50))
-    gpu = Pipeline(Config(device="cuda", dtype="float32", max_batch_size=50),
+    gpu = Pipeline(Config(device="cuda", gpu_decode=False, dtype="float32", max_batch_size=50),
                    model=copy.deepcopy(cpu.engine.model))
     cpu_ref = _logits(cpu, crops)
     out = _logits(gpu, crops)
@@ -42,9 +42,9 @@ def test_cuda_fp32_equals_cpu(crops):
 
 def test_bf16_top1_agrees_with_fp32(crops):
     torch.manual_seed(0)
-    fp32 = Pipeline(Config(model="resnet18", device="cuda", dtype="float32", max_batch_size=50))
+    fp32 = Pipeline(Config(model="resnet18", device="cuda", gpu_decode=False, dtype="float32", max_batch_size=50))
     ref = _logits(fp32, crops)
-    bf16 = Pipeline(Config(device="cuda", dtype="bfloat16", channels_last=True, max_batch_size=50),
+    bf16 = Pipeline(Config(device="cuda", gpu_decode=False, dtype="bfloat16", channels_last=True, max_batch_size=50),
                     model=copy.deepcopy(fp32.engine.model))
     out = _logits(bf16, crops)
     agree = (out.argmax(1) == ref.argmax(1)).float().mean().item()
@@ -54,7 +54,7 @@ def test_bf16_top1_agrees_with_fp32(crops):
 
 def test_pipeline_on_cuda_matches_engine(samples, no_thread_leak):
     torch.manual_seed(0)
-    pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="float32", max_batch_size=16, threads=8))
+    pipe = Pipeline(Config(model="resnet18", device="cuda", gpu_decode=False, dtype="float32", max_batch_size=16, threads=8))
     res = pipe.classify(list(samples) + [samples[0].parent.parent / "bad-inputs"])
     good = [r for r in res if r.ok]
     assert len(res) == 214 and len(good) == 210
@@ -108,7 +108,7 @@ def test_pool_rows_gathered_in_place_match_the_copy_path(samples, monkeypatch, n
     reading the pinned pool in place (mapped_on_device); top-1 equals the eager model on the CPU path's
     crops for every image, and the default (H2D copies into a device mirror) gives the same classes."""
     torch.manual_seed(0)
-    cfg = dict(model="resnet18", device="cuda", dtype="float32", max_batch_size=16, preprocess="processes",
+    cfg = dict(model="resnet18", device="cuda", gpu_decode=False, dtype="float32", max_batch_size=16, preprocess="processes",
                threads=4)
     monkeypatch.setenv("FULLTHROTTLE_POOL_GATHER", "mapped")
     with Pipeline(Config(**cfg)) as pipe:
@@ -136,9 +136,9 @@ def _accuracy(samples, labels):
 def test_efficientnet_lite0_bf16_graphs_agree_with_fp32_eager(samples, no_thread_leak):
     """The default model as it runs by default on CUDA (bf16, channels_last, BN folded, CUDA graphs per
     bucket) against fp32 eager: top-1 agreement >= 99% on the 200 samples; both accurate (>= 0.88)."""
-    with Pipeline(Config(device="cuda", dtype="float32", graphs=False, fold_bn=False, max_batch_size=64)) as pipe:
+    with Pipeline(Config(device="cuda", gpu_decode=False, dtype="float32", graphs=False, fold_bn=False, max_batch_size=64)) as pipe:
         ref = _top1(pipe.classify(samples))
-    with Pipeline(Config(device="cuda", dtype="bfloat16", max_batch_size=64)) as pipe:
+    with Pipeline(Config(device="cuda", gpu_decode=False, dtype="bfloat16", max_batch_size=64)) as pipe:
         assert pipe.engine.runner is not None and pipe.engine.bn_folded
         out = _top1(pipe.classify(samples))
     agree = float(np.mean([a == b for a, b in zip(out, ref)]))
@@ -151,7 +151,7 @@ def test_efficientnet_lite0_bf16_graphs_agree_with_fp32_eager(samples, no_thread
 def test_efficientnet_lite0_gpu_decode_agrees_with_cpu_decode(samples, no_thread_leak):
     """GPU-decoded and CPU-decoded inputs through the default model: top-1 agreement >= 99%,
     accuracy within 1 point of each other."""
-    with Pipeline(Config(device="cuda", max_batch_size=64)) as pipe:
+    with Pipeline(Config(device="cuda", gpu_decode=False, max_batch_size=64)) as pipe:
         cpu = _top1(pipe.classify(samples))
     with Pipeline(Config(device="cuda", max_batch_size=64, gpu_decode=True)) as pipe:
         gpu = _top1(pipe.classify(samples))

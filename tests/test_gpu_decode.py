@@ -297,7 +297,7 @@ class FakeGpuProcess:
     def __init__(self, pool, poison=None):
         self.pool, self.batches, self.poison, self.died = pool, [], poison, 0
         self.sent, self.max_queued, self.lost, self.inline = collections.deque(), 0, 0, 0
-        self.discarded = 0
+        self.discarded = self.paths = 0
         self.times = {"cpu_decoded": 0}  # images it would have decoded on its CPU (not gpu_eligible)
 
     slot_bytes = 150_000  # small arena slots: batches are split, the largest images go inline
@@ -308,6 +308,9 @@ class FakeGpuProcess:
         return count_fitting(items, self.slot_bytes)
 
     def send(self, items, slot=None):
+        from fullthrottle.preprocess_procs import PATH_BIT
+
+        self.paths += sum(1 for _, row in items if row & PATH_BIT)
         in_arena = slot is not None and sum(len(d) for d, _ in items) <= self.slot_bytes
         if not in_arena:
             self.inline += 1
@@ -323,15 +326,20 @@ class FakeGpuProcess:
     def receive(self, timeout):
         from fullthrottle.preprocess_procs import WorkerDied
 
+        from fullthrottle.gpu_decode_procs import _read_paths
+
         time.sleep(self.delay_s)  # decoding takes a while: the next batch can queue behind this one
-        batch = self.sent.popleft()
+        batch, read_errors = _read_paths(self.sent.popleft(), 256 << 20)  # (files sent as paths: read here)
         if self.poison and any(bytes(d) in self.poison for d, _ in batch):
             self.died += 1
             self.lost += len(self.sent)
             self.sent.clear()  # replaced: the new process owes nothing
             raise WorkerDied("GPU decoder process died on this batch (killed by signal SIGSEGV)")
         out = []
-        for data, row in batch:
+        for (data, row), err in zip(batch, read_errors):
+            if err is not None:
+                out.append(err)
+                continue
             self.times["cpu_decoded"] += not gpu_eligible(bytes(data))[0]
             try:
                 self.pool.array[row] = preprocess(bytes(data))
@@ -347,7 +355,8 @@ def test_gpu_decoder_processes_path_equals_cpu_only(samples, bad_dir):
     same results as CPU-only decoding, every image accounted for, every crop row given back."""
     from types import SimpleNamespace
 
-    inputs = [p for p in samples[:80]] + [bad_dir]
+    # files (sent to the processes as paths) and bytes in memory (sent in their arena, or inline)
+    inputs = [p if i % 2 else (str(p), p.read_bytes()) for i, p in enumerate(samples[:80])] + [bad_dir]
     ref = {r.id: r for r in _pipe(None).run(inputs)}
     pipe = _pipe(FakeGpuDecoder(), "processes")
     fakes = [FakeGpuProcess(pipe.decoders.crops) for _ in range(2)]
@@ -362,6 +371,7 @@ def test_gpu_decoder_processes_path_equals_cpu_only(samples, bad_dir):
         assert sum(sum(f.batches) for f in fakes) > 10, "nothing was routed to the GPU processes"
         assert max(f.max_queued for f in fakes) == 2  # a batch waited behind another, never more
         assert sum(f.inline for f in fakes) > 0  # images larger than a slot went inline, to idle processes
+        assert sum(f.paths for f in fakes) > 0  # files went as paths, read by the process
         assert 0 < pipe.engine.splitter.routed_gpu_share < 1
         # every image counted as routed to the GPU reached a GPU process (one at a time or in runs)
         assert pipe.engine.splitter.routed["gpu"] == sum(sum(f.batches) for f in fakes)
@@ -476,7 +486,7 @@ def test_gpu_decoder_against_cpu_path(samples, bad_dir, kind):
     print(f"{kind} vs CPU path: mean abs diff {mad:.3f} / 255 over {len(blobs)} images")
     assert mad <= 2.0
     torch.manual_seed(0)
-    cpu_pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="float32", max_batch_size=32))
+    cpu_pipe = Pipeline(Config(model="resnet18", device="cuda", gpu_decode=False, dtype="float32", max_batch_size=32))
     a = {r.id: r for r in cpu_pipe.run(list(samples) + [bad_dir])}
     cpu_pipe.close()
     # nvJPEG in decoder processes (the default with processes), and in a thread of this process
@@ -684,9 +694,10 @@ def test_gpu_decode_processes_default_follows_the_mps_server(tmp_path, monkeypat
     from fullthrottle.cli import _gpu_decode_settings, build_parser
     from fullthrottle.gpu_decode_procs import DEPTH
 
-    def made(*args, **kw):  # the number a Pipeline settles on (CPU: no process is started)
-        with Pipeline(*args, model=Tiny(), **kw) as pipe:
-            return pipe.config.gpu_decode_processes, pipe.config.in_flight_limit
+    def made(*args, **kw):  # the number a Pipeline settles on (CPU: no process is started, and the
+        with Pipeline(*args, model=Tiny(), **kw) as pipe:  # run decodes on the CPU only)
+            assert pipe.config.gpu_decode is False
+            return pipe.config.gpu_decode_processes, dataclasses.replace(pipe.config, gpu_decode=True).in_flight_limit
 
     base = dict(labels=LABELS, device="cpu", max_batch_size=8, threads=2, preprocess="threads")
     window = {n: (4 + 2 * n * DEPTH) * 8 + 2 * 2 for n in (6, 8, 3)}
@@ -699,7 +710,7 @@ def test_gpu_decode_processes_default_follows_the_mps_server(tmp_path, monkeypat
     assert made(dataclasses.replace(Config(**base), gpu_decode=True)) == (8, window[8])
     assert made(Config(**base), gpu_decode=True) == (8, window[8])
     assert made(Config(gpu_decode=True, gpu_decode_processes=3, **base)) == (3, window[3])
-    assert made(Config(**base))[0] is None  # (no GPU decode: nothing to decide)
+    assert made(Config(gpu_decode=False, **base))[0] is None  # (no GPU decode: nothing to decide)
     for argv, want in ((["--gpu-decode"], 8), (["--gpu-decode", "--gpu-decode-processes", "2"], 2)):
         args = build_parser().parse_args(["classify", "x.jpg", *argv])
         assert made(Config(**base, **_gpu_decode_settings(args)))[0] == want

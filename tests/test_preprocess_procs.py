@@ -171,13 +171,14 @@ def test_images_queue_at_a_worker_only_within_its_socket_buffer(samples, monkeyp
     real buffer images do queue; every result arrives either way."""
     import fullthrottle.preprocess_procs as pp
 
-    out, peak = {}, {}
+    out, peak, kinds = {}, {}, set()
     send0, receive0 = pp.DecoderProcess.send, pp.DecoderProcess.receive
 
-    def send(self, data, row):
+    def send(self, data, row, is_path=False):
         out[id(self)] = out.get(id(self), 0) + 1
         peak[id(self)] = max(peak.get(id(self), 0), out[id(self)])
-        return send0(self, data, row)
+        kinds.add(is_path)
+        return send0(self, data, row, is_path)
 
     def receive(self):
         try:
@@ -192,8 +193,10 @@ def test_images_queue_at_a_worker_only_within_its_socket_buffer(samples, monkeyp
         ref = [(r.id, r.class_ids) for r in pipe.classify(inputs)]
     with tiny_pipe(preprocess="processes") as pipe:
         assert all(w.queue_bytes > 100_000 for w in pipe.decoders.workers)  # the kernel's grant
+        kinds.clear()  # (the workers' start-up probe went as bytes)
         got = [(r.id, r.class_ids) for r in pipe.classify(inputs)]
         assert got == ref and max(peak.values()) >= 2
+        assert kinds == {True}  # files go to the workers as paths: this process reads none of them
         peak.clear()
         for w in pipe.decoders.workers:
             w.queue_bytes = 16
@@ -304,3 +307,56 @@ def test_crop_rows_follow_a_raised_window_up_to_twice_the_batches_need():
         assert need < 80 and pipe.decoders.crops.rows == 80
     with tiny_pipe(preprocess="processes", threads=2, max_batch_size=8, staging_slots=3, max_in_flight=500) as pipe:
         assert pipe.decoders.crops.rows == 2 * need
+
+
+def test_a_folder_with_broken_files_read_by_the_decoder_processes(samples, bad_dir, tmp_path, no_thread_leak):
+    """2,000 files, 5% of them broken (the bad inputs under other names, and files that cannot be
+    read: missing, a symlink loop, a named pipe, over max_file_bytes), read by the decoder processes
+    themselves: every result equals the one from the loader's own reads (threads) on the same files,
+    errors worded alike, in input order; a decoder process killed mid-run costs at most the image it held."""
+    import os
+    import signal
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    bad = sorted(p for p in bad_dir.iterdir() if p.name != "README.md" and p.stat().st_size < 5 << 20)
+    specials = ["missing", "loop", "fifo", "oversized"]
+    n_bad = unreadable = 0
+    for i in range(2000):
+        name = folder / f"{i:05d}.jpg"
+        if i % 20 == 7:  # 5% broken
+            kind = (bad + specials)[n_bad % (len(bad) + len(specials))]
+            n_bad += 1
+            unreadable += kind in specials
+            if kind == "missing":
+                name.symlink_to(tmp_path / "gone.jpg")  # (a file that vanished after the walk)
+            elif kind == "loop":
+                name.symlink_to(name)
+            elif kind == "fifo":  # (never opened: a read would wait for a writer)
+                os.mkfifo(name)
+            elif kind == "oversized":
+                with open(name, "wb") as f:
+                    f.truncate(6 << 20)
+            else:
+                name.write_bytes(kind.read_bytes())
+        else:
+            name.symlink_to(samples[i % len(samples)])
+    inputs = [str(folder / f"{i:05d}.jpg") for i in range(2000)]
+    with tiny_pipe(max_file_bytes=5 << 20) as pipe:
+        ref = [(r.id, r.class_ids, r.error) for r in pipe.run(inputs)]
+    errors = [e for _, _, e in ref if e]
+    # (most of the bad inputs are odd but valid images: WebP, CMYK, 16-bit PNG, ... which decode)
+    assert unreadable + 5 < len(errors) < n_bad
+    for want in ("file not found", "Too many levels of symbolic links", "not a regular file", "file too large"):
+        assert any(want in e for e in errors), want
+    with tiny_pipe(max_file_bytes=5 << 20, preprocess="processes") as pipe:
+        it = pipe.run(inputs)  # a decoder process is killed after the first results
+        got, killed = [], False
+        for r in it:
+            got.append((r.id, r.class_ids, r.error))
+            if len(got) == 300 and not killed:
+                os.kill(pipe.decoders.workers[0].proc.pid, signal.SIGKILL)
+                killed = True
+    diff = [(g, r) for g, r in zip(got, ref) if g != r]
+    assert [g[0] for g in got] == [r[0] for r in ref]  # nothing lost, order kept
+    assert len(diff) <= 1 and all("decoder process died on this item" in g[2] for g, _ in diff), diff[:3]

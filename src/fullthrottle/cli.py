@@ -8,6 +8,7 @@ CUDA asked for but absent) or an output file that cannot be written; 130 interru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import io
 import json
@@ -44,9 +45,16 @@ def _positive_int(s: str) -> int:
 
 def _add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
     """--gpu-decode, --gpu-decoder and --gpu-decode-processes (classify and serve)."""
-    p.add_argument("--gpu-decode", action="store_true",
-                   help="also decode JPEGs on the GPU: with decoder processes, a JPEG goes to the GPU "
-                        "whenever no CPU worker is idle; with threads, split by measured rates")
+    p.add_argument("--gpu-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="also decode JPEGs on the GPU (default on CUDA: on): with decoder processes, a JPEG "
+                        "goes to the GPU whenever no CPU worker is idle; with threads, split by measured "
+                        "rates. --no-gpu-decode: decode on the CPU only")
+    p.add_argument("--mps", action=argparse.BooleanOptionalAction, default=None,
+                   help="with GPU decoding on CUDA: run this command's GPU work as clients of a private CUDA "
+                        "MPS server, started for the command and stopped after it, so that the GPU decoder "
+                        "processes' kernels and the model's run at once instead of time-slicing the GPU "
+                        "(default: off; nothing is started when an MPS server is already running, or "
+                        "without an NVIDIA driver, and the run says why)")
     p.add_argument("--gpu-decoder", default=None, choices=GPU_DECODERS,
                    help="with --gpu-decode: 'hardware' = the GPU's JPEG engines via nvImageCodec (pip install "
                         "nvidia-nvimgcodec-cu13; A100/H100/H200); 'nvjpeg' = torchvision's nvJPEG, which on those GPUs "
@@ -61,17 +69,18 @@ def _add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
 
 def _gpu_decode_settings(args) -> dict:
     """``Config`` fields of the GPU-decode options; a note on stderr when --gpu-decoder or
-    --gpu-decode-processes is given without --gpu-decode (they would do nothing)."""
+    --gpu-decode-processes is given with --no-gpu-decode (they would do nothing)."""
     given = [f for f, v in (("--gpu-decoder", args.gpu_decoder), ("--gpu-decode-processes",
                                                                    args.gpu_decode_processes)) if v is not None]
-    if given and not args.gpu_decode:
-        print(f"note: {' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --gpu-decode",
+    on = Config.gpu_decode if args.gpu_decode is None else args.gpu_decode
+    if given and not on:
+        print(f"note: {' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with --no-gpu-decode",
               file=sys.stderr)
         return {"gpu_decode": False}  # (ignored: not checked either, as the note says)
     n = args.gpu_decode_processes
     if n is not None and not 0 <= n <= 16:
         raise ValueError(f"--gpu-decode-processes must be in 0..16, got {n}")
-    return {"gpu_decode": args.gpu_decode,
+    return {"gpu_decode": on,
             "gpu_decoder": args.gpu_decoder if args.gpu_decoder is not None else Config.gpu_decoder,
             "gpu_decode_processes": args.gpu_decode_processes}  # (None: the Pipeline picks, by MPS)
 
@@ -759,7 +768,7 @@ def cmd_classify(args) -> int:
                      graphs=args.graphs, compile=args.compile, **_gpu_decode_settings(args),
                      preprocess=args.preprocess)
         if device.type != "cuda":  # say what a CPU run leaves out, rather than ignoring it silently
-            ignored = [f for f, on in (("--gpu-decode", args.gpu_decode),
+            ignored = [f for f, on in (("--gpu-decode", args.gpu_decode is True),
                                        (f"--dtype {args.dtype}", args.dtype not in (None, "float32"))) if on]
             if ignored:
                 what = {"--gpu-decode": "decodes on the CPU"}
@@ -859,11 +868,26 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+@contextlib.contextmanager
+def _private_mps(args):
+    """classify and serve: a private CUDA MPS server (:mod:`fullthrottle.mps`) while the command runs,
+    with ``--mps`` when it may decode on the GPU; started before any CUDA call."""
+    from .mps import private_mps
+
+    gpu_decode = Config.gpu_decode if args.gpu_decode is None else args.gpu_decode
+    wanted = gpu_decode and args.mps is True and args.device != "cpu" and not getattr(args, "ray", None)
+    with private_mps(wanted) as how:
+        if args.mps and how not in ("started", "a server is running"):  # (--mps with --no-gpu-decode: "off")
+            print(f"note: --mps: no private CUDA MPS server: {how}", file=sys.stderr)
+        yield
+
+
 def _run_command(args, argv: list[str] | None) -> int:
     if args.command == "bench":
         return cmd_bench(args)
     if args.command == "serve":
-        return cmd_serve(args)
+        with _private_mps(args):
+            return cmd_serve(args)
     if args.command in ("generate", "embed"):
         try:
             return (cmd_generate if args.command == "generate" else cmd_embed)(args)
@@ -874,7 +898,8 @@ def _run_command(args, argv: list[str] | None) -> int:
             _silence_stdout()
             return 1
     if args.command == "classify":
-        rc = cmd_classify(args)
+        with _private_mps(args):
+            rc = cmd_classify(args)
         if rc == 130 and argv is None:
             # Interrupted: our stages are joined, but native thread pools may still be tearing down;
             # skip interpreter finalisation, which can otherwise abort (exit 134) in their destructors.

@@ -58,7 +58,8 @@ class Config:
         channels_last: run the model in NHWC memory format on CUDA.
         graphs: replay normalise + model + top-k as CUDA graphs, one per batch bucket, captured when
             the pipeline is built (CUDA only; CPU runs eager).
-        gpu_decode: decode JPEGs on the GPU as well as on the CPU (CUDA only). With decoder
+        gpu_decode: decode JPEGs on the GPU as well as on the CPU (default on; CUDA only, ignored on
+            the CPU). With decoder
             processes a JPEG goes to the GPU whenever no CPU decoder is idle; with threads the split
             follows the two decoders' measured rates. Only JPEGs the GPU decodes like the CPU path are
             decoded there; the rest (truncated, CMYK, EXIF-rotated) by the CPU path's decoder.
@@ -140,7 +141,7 @@ class Config:
     graphs: bool = True
     fold_bn: bool = True
     compile: bool = False
-    gpu_decode: bool = False
+    gpu_decode: bool = True
     gpu_decoder: str = "nvjpeg"
     gpu_decode_processes: int | None = None  # (None: 8 under a CUDA MPS server, else 6)
     max_batch_size: int = 64

@@ -42,13 +42,14 @@ from collections.abc import Sequence
 from multiprocessing import BufferTooShort
 from multiprocessing.connection import Connection
 
-from .preprocess_procs import (STARTUP_S, WORKER_PROCESS_GROUP, CropPool, WorkerDied, _shutdown, exit_reason,
-                              worker_command)
+from .load import LoadError, read_local
+from .preprocess_procs import (PATH_BIT, STARTUP_S, WORKER_PROCESS_GROUP, CropPool, WorkerDied, _shutdown,
+                              exit_reason, worker_command)
 
 _N = struct.Struct("<I")        # items in a request or reply
 _WHERE = struct.Struct("<BQ")   # request: 0 bytes follow inline / 1 bytes in the arena, from this offset
 _ITEM = struct.Struct("<II")    # request: pool row, byte length
-_STATUS = struct.Struct("<BI")  # reply: 0 ok / 1 the item's error, message length
+_STATUS = struct.Struct("<BI")  # reply: 0 ok / 1 the item's error / 2 its file's read error, message length
 _TIMES = struct.Struct("<ddI")  # reply: seconds the process spent launching the batch, and in all; images it
                                 # gave its CPU decoder (not for the GPU decoder, or refused by it)
 _CMD = worker_command("gpu_decode_procs", "_gpu_worker_main")
@@ -243,21 +244,23 @@ def _encode_reply(statuses: Sequence[str | None], launch_s: float = 0.0, total_s
                   cpu_decoded: int = 0) -> bytes:
     parts = [_N.pack(len(statuses)), _TIMES.pack(launch_s, total_s, cpu_decoded)]
     for s in statuses:
-        m = b"" if s is None else s.encode("utf-8", "replace")[:60000]
-        parts += [_STATUS.pack(0 if s is None else 1, len(m)), m]
+        m = b"" if s is None else str(s).encode("utf-8", "replace")[:60000]
+        parts += [_STATUS.pack(0 if s is None else 2 if isinstance(s, LoadError) else 1, len(m)), m]
     return b"".join(parts)
 
 
-def _decode_reply(msg: bytes) -> tuple[list[str | None], float, float, int]:
-    """``(statuses, launch_s, total_s, cpu_decoded)``: per image None or its error; the process's time
-    on the batch; how many of its images went to its CPU decoder (crops and errors alike)."""
+def _decode_reply(msg: bytes) -> tuple[list, float, float, int]:
+    """``(statuses, launch_s, total_s, cpu_decoded)``: per image None, its error (``str``: to be
+    prefixed with its id) or its file's :class:`~fullthrottle.load.LoadError` (the whole error); the
+    process's time on the batch; how many of its images went to its CPU decoder (crops and errors alike)."""
     (n,) = _N.unpack_from(msg)
     launch_s, total_s, cpu_decoded = _TIMES.unpack_from(msg, _N.size)
     off, out = _N.size + _TIMES.size, []
     for _ in range(n):
         code, length = _STATUS.unpack_from(msg, off)
         off += _STATUS.size
-        out.append(None if code == 0 else msg[off:off + length].decode("utf-8", "replace"))
+        text = msg[off:off + length].decode("utf-8", "replace")
+        out.append(None if code == 0 else LoadError(text) if code == 2 else text)
         off += length
     return out, launch_s, total_s, cpu_decoded
 
@@ -286,19 +289,22 @@ class GpuDecoderProcess:
         resize_size / crop_size / max_pixels: the transform (as in :class:`~fullthrottle.config.Config`).
         decoder: ``"hardware"`` (the GPU's JPEG engines via nvImageCodec) or ``"nvjpeg"`` (torchvision);
             see :func:`~fullthrottle.gpu_decode.make_gpu_decoder`.
+        max_file_bytes: largest file the process reads for an item sent as a path (its row with
+            :data:`~fullthrottle.preprocess_procs.PATH_BIT` set).
 
     Up to :data:`DEPTH` batches may be sent before the first answer (:meth:`send` with a free
     ``slot``); answers come in the order sent. Not thread-safe: one caller thread per process.
     """
 
     def __init__(self, pool: CropPool, device_index: int = 0, resize_size: int = 256, crop_size: int = 224,
-                 max_pixels: int = 89_478_485, decoder: str = "nvjpeg"):
+                 max_pixels: int = 89_478_485, decoder: str = "nvjpeg", max_file_bytes: int = 256 << 20):
         if pool.crop_size != crop_size:
             raise ValueError(f"pool rows are {pool.crop_size}px crops, the transform makes {crop_size}px")
         if decoder not in ("hardware", "nvjpeg"):
             raise ValueError(f"decoder must be 'hardware' or 'nvjpeg', got {decoder!r}")
         self.pool = pool
-        self.args = (device_index, resize_size, crop_size, max_pixels, pool.rows + pool.scratch, decoder)
+        self.args = (device_index, resize_size, crop_size, max_pixels, pool.rows + pool.scratch, decoder,
+                     max_file_bytes)
         self.closed = False
         self.depth = DEPTH
         self.arena_fd = os.memfd_create("fullthrottle-jpegs", 0) if hasattr(os, "memfd_create") else None
@@ -351,7 +357,8 @@ class GpuDecoderProcess:
         return 0 if self.arena is None else count_fitting(items, SLOT_BYTES)
 
     def send(self, items: Sequence[tuple[bytes, int]], slot: int | None = None) -> bool:
-        """Hand a batch to the process: ``(encoded bytes, pool row)`` per image (:meth:`receive` answers).
+        """Hand a batch to the process: ``(encoded bytes, pool row)`` per image, or ``(path, pool row |
+        PATH_BIT)`` for a file the process reads itself (:meth:`receive` answers).
 
         ``slot`` (0..DEPTH-1, free: its previous batch answered) puts the bytes in that arena slot;
         returns True then, False when they went inline (no slot, no arena, or more than
@@ -373,9 +380,10 @@ class GpuDecoderProcess:
             pass  # gone: receive() reports it for this batch and restarts it
         return in_arena
 
-    def receive(self, timeout: float) -> list[str | None]:
+    def receive(self, timeout: float) -> list:
         """The answer to the oldest unanswered :meth:`send`: per image ``None`` (its crop is in its pool
-        row) or its error message (worded like the CPU path's). Adds the batch's times to :attr:`times`.
+        row), its error message (worded like the CPU path's) or, for a path, the
+        :class:`~fullthrottle.load.LoadError` of its file. Adds the batch's times to :attr:`times`.
 
         Raises:
             WorkerDied: the process died on this batch, or took longer than ``timeout`` s (+ its
@@ -433,7 +441,7 @@ class GpuDecoderPool:
 
     def __init__(self, n: int, pool: CropPool, device_index: int = 0, resize_size: int = 256,
                  crop_size: int = 224, max_pixels: int = 89_478_485, start_timeout_s: float = 120.0,
-                 decoder: str | Sequence[str] = "nvjpeg"):
+                 decoder: str | Sequence[str] = "nvjpeg", max_file_bytes: int = 256 << 20):
         kinds = [decoder] * n if isinstance(decoder, str) else list(decoder)
         if len(kinds) != n:
             raise ValueError(f"{len(kinds)} decoder kinds for {n} GPU decoder processes")
@@ -444,7 +452,7 @@ class GpuDecoderPool:
         try:
             for kind in kinds:
                 self.workers.append(GpuDecoderProcess(pool, device_index, resize_size, crop_size, max_pixels,
-                                                      kind))
+                                                      kind, max_file_bytes))
             errs: list[BaseException] = []
 
             def wait(w):
@@ -476,7 +484,7 @@ class GpuDecoderPool:
 def _gpu_worker_main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; we end on EOF
     fd, pool_fd, device_index, resize_size, crop_size, max_pixels, pool_rows = (int(a) for a in argv[:7])
-    kind, arena_fd, arena_bytes = argv[7], int(argv[8]), int(argv[9])
+    kind, max_file_bytes, arena_fd, arena_bytes = argv[7], int(argv[8]), int(argv[9]), int(argv[10])
     arena = mmap.mmap(arena_fd, arena_bytes) if arena_fd >= 0 else None
     if os.environ.get(SYNC_ENV, "") == "blocking":
         set_blocking_sync(device_index)  # before anything touches CUDA
@@ -524,18 +532,22 @@ def _gpu_worker_main(argv: list[str]) -> None:
         except (EOFError, OSError):
             return
         t0 = time.perf_counter()
-        items = _decode_request(memoryview(buf)[:n], arena)
-        statuses: list[str | None] = [None] * len(items)
+        items, statuses = _read_paths(_decode_request(memoryview(buf)[:n], arena), max_file_bytes)
         t1, cpu_decoded = t0, 0
+        todo = [j for j, s in enumerate(statuses) if s is None]  # (not the files that could not be read)
         try:
             with torch.cuda.stream(stream), torch.inference_mode():
                 # check=True: the main process only looked at the JPEG signature (its GIL is the pipeline's
                 # bottleneck); what nvJPEG would not decode like the CPU path is decoded here, on the CPU
-                out = decode_crops(decoder, [d for d, _ in items], resize_size, crop_size, max_pixels, dev,
-                                   check=True)
-                cpu_decoded = sum(1 for o in out if not isinstance(o, tuple))
+                out = [None] * len(items)
+                for j, o in zip(todo, decode_crops(decoder, [items[j][0] for j in todo], resize_size, crop_size,
+                                                   max_pixels, dev, check=True)):
+                    out[j] = o
+                cpu_decoded = sum(1 for o in out if o is not None and not isinstance(o, tuple))
                 run = None  # (rows, r0, pool row0, length): consecutive crops copied with one D2H
                 for j, (o, (_, row)) in enumerate(zip(out, items)):
+                    if o is None:  # its file's read error
+                        continue
                     if isinstance(o, tuple):
                         rows, r = o
                         if run and run[0] is rows and run[1] + run[3] == r and run[2] + run[3] == row:
@@ -554,8 +566,25 @@ def _gpu_worker_main(argv: list[str]) -> None:
             done.record(stream)
             done.synchronize()  # every crop is in the pool before the answer goes out (sleeping, not spinning)
         except Exception as e:  # noqa: BLE001 - a failed batch fails its items, not the process
-            statuses = [f"GPU decode failed: {type(e).__name__}: {e}"] * len(items)
+            for j in todo:
+                statuses[j] = f"GPU decode failed: {type(e).__name__}: {e}"
         try:
             conn.send_bytes(_encode_reply(statuses, t1 - t0, time.perf_counter() - t0, cpu_decoded))
         except (EOFError, OSError):
             return
+
+
+def _read_paths(items: list, max_file_bytes: int) -> tuple[list, list]:
+    """A request's items with each path item's file read: ``([(bytes, pool row), ...], statuses)``,
+    the status of an item whose file cannot be read its :class:`~fullthrottle.load.LoadError`."""
+    statuses: list = [None] * len(items)
+    out = []
+    for j, (d, row) in enumerate(items):
+        if row & PATH_BIT:
+            row &= ~PATH_BIT
+            try:
+                d = read_local(os.fsdecode(bytes(d)), max_file_bytes)
+            except LoadError as e:
+                statuses[j], d = e, b""
+        out.append((d, row))
+    return out, statuses

@@ -44,6 +44,7 @@ class Item:
     array: np.ndarray | None = None
     error: str | None = None
     gpu_crop: Any = None  # (rows, r): its crop is row r of a (m, S, S, 3) uint8 device tensor (GPU decoded)
+    is_path: bool = False  # data holds the file's path (os.fsencode): a decoder process reads the file
     pool_row: int = -1  # the crop is in this row of the decoder processes' shared CropPool (no array)
     t_start: float = field(default_factory=time.perf_counter)
     t_queued: float = 0.0
@@ -109,9 +110,22 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
                 f"cannot load an input of type {type(src).__name__} (give a path, URL, bytes or (id, bytes))")
 
 
-def _read_file(path: Path, max_bytes: int) -> bytes:
-    with nvtx_range("load"):
-        return _read_file_inner(path, max_bytes)
+def read_local(path: str, max_bytes: int) -> bytes:
+    """The bytes of the local file ``path`` (an item's id), at most ``max_bytes`` of them.
+
+    Used by the load stage and by the decoder processes that read files themselves.
+
+    Raises:
+        LoadError: the item's error, worded for it: not found, not a regular file, too large, or
+            the system's reason (permission denied, too many levels of symbolic links, ...).
+    """
+    try:
+        with nvtx_range("load"):
+            return _read_file_inner(Path(path), max_bytes)
+    except LoadError:
+        raise
+    except OSError as e:
+        raise LoadError(f"cannot read {path}: {e.strerror or e}") from None
 
 
 def _read_file_inner(path: Path, max_bytes: int) -> bytes:
@@ -163,14 +177,19 @@ class Loader:
         window: a semaphore with one permit per item allowed in flight (released by the consumer).
         stop: set to abandon the stage.
         stats: the stage's :class:`~fullthrottle.report.StageStats`.
+        defer_files: local files are not read here: each item carries its path (``is_path``) and the
+            decoder process it goes to reads it (:func:`read_local`), so no file's bytes pass through
+            this process. URLs are still fetched here.
     """
 
     def __init__(self, inputs, out, put, window: threading.Semaphore, stop: threading.Event,
-                 stats, concurrency: int, timeout_s: float, max_bytes: int, n_end: int, end):
+                 stats, concurrency: int, timeout_s: float, max_bytes: int, n_end: int, end,
+                 defer_files: bool = False):
         self.inputs, self.out, self.put = inputs, out, put
         self.window, self.stop, self.stats = window, stop, stats
         self.concurrency, self.timeout_s, self.max_bytes = concurrency, timeout_s, max_bytes
         self.n_end, self.end = n_end, end
+        self.defer_files = defer_files
         self.error: BaseException | None = None
         #: what the inputs iterable raised: the stream ends there, every item before it is answered
         self.source_error: Exception | None = None
@@ -257,7 +276,7 @@ class Loader:
                     except asyncio.TimeoutError:
                         raise LoadError(f"timeout after {self.timeout_s:g} s fetching {src}") from None
                 else:
-                    item.data = await asyncio.to_thread(_read_file, src, self.max_bytes)
+                    item.data = await asyncio.to_thread(read_local, item.id, self.max_bytes)
             except LoadError as e:
                 item.error = str(e)
             except OSError as e:
@@ -287,12 +306,14 @@ class Loader:
                 if nxt is None:
                     break
                 index, (item_id, src) = nxt
-                if isinstance(src, bytes):  # nothing to wait for: no task, no hop
+                deferred = self.defer_files and isinstance(src, Path)
+                if deferred or isinstance(src, bytes):  # nothing to wait for: no task, no hop
                     # (the common case is taken without a coroutine call: this thread's per-image
                     # Python shares the GIL with every other stage)
                     if not self.window.acquire(blocking=False) and not await self._acquire_window(idle=not tasks):
                         return
-                    item = Item(index=index, id=item_id, data=src)
+                    item = (Item(index=index, id=item_id, data=os.fsencode(item_id), is_path=True) if deferred
+                            else Item(index=index, id=item_id, data=src))
                     in_memory += 1
                     if in_memory >= 64:
                         self.stats.add(in_memory, 0.0)

@@ -36,11 +36,11 @@ from .compute import Engine
 from .config import Config, usable_cores
 from .decode import Result
 from .gpumon import GpuMonitor, nvtx_range
-from .load import Item, Loader
+from .load import Item, LoadError, Loader
 from .gpu_decode import gpu_eligible
 from .preprocess import ImageError, allow_pillow_pixels, preprocess
 from .gpu_decode_procs import DEPTH as GPU_DEPTH
-from .preprocess_procs import STARTUP_S, DecoderPool, WorkerDied
+from .preprocess_procs import PATH_BIT, STARTUP_S, DecoderPool, WorkerDied
 from .report import Report, StageStats
 
 _END = object()
@@ -66,6 +66,9 @@ GPU_SPILL_DEPTH = 1
 GPU_CHUNK = 32
 #: consumed results whose window permits the iterator gives back at once (never before they are consumed)
 RELEASE_EVERY = 16
+#: file name endings of the unread files that go to the GPU decoder processes (which decode what is not
+#: a JPEG the GPU takes on their CPU)
+JPEG_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".jfif")
 
 
 def limit_heap_fragmentation(arenas: int = 2) -> bool:
@@ -123,9 +126,12 @@ class Run:
             "compute": StageStats("compute", 1),
             "decode": StageStats("decode", 1),
         }
+        # with decoder processes (and the GPU's JPEGs decoded in processes too) no file's bytes pass
+        # through this process: the items carry paths, and the process each goes to reads it
+        defer = decoders is not None and (engine.gpu_decoder is None or bool(self.gpu_procs))
         self.loader = Loader(inputs, self.q1, self._put, self.window, self.stop_event,
                              self.stats["load"], config.load_concurrency, config.http_timeout_s,
-                             config.max_file_bytes, nthreads, _END)
+                             config.max_file_bytes, nthreads, _END, defer_files=defer)
         # With decoder processes, dispatcher threads feed them: by default one for all workers
         # (DISPATCH_THREADS). Fewer threads means fewer GIL hand-offs for the compute thread to wait in.
         if decoders is not None:
@@ -233,6 +239,8 @@ class Run:
         """With GPU decoder processes: whether ``it`` starts like a JPEG. They run :func:`gpu_eligible`
         themselves and decode what fails it on their CPU, so this process (whose GIL bounds the whole
         pipeline) spends ~0.1 us on the image here instead of ~3 us parsing its header."""
+        if it.is_path:  # (unread: its name says whether it is meant to be a JPEG)
+            return it.error is None and it.id.lower().endswith(JPEG_SUFFIXES)
         return it.error is None and it.data.startswith(b"\xff\xd8\xff")
 
     def _to_gpu(self, items: list) -> None:
@@ -369,7 +377,7 @@ class Run:
                     t0 = time.perf_counter()
                     st.waited(sum(t0 - it.t_queued for it in items) / len(items), len(items))
                     slot = slots.pop()
-                    queued = proc.send([(it.data, r) for it, r in zip(items, rows)], slot)
+                    queued = proc.send([(it.data, r | PATH_BIT if it.is_path else r) for it, r in zip(items, rows)], slot)
                     inflight.append((items, rows, slot))
                     if not queued:  # went inline on the socket: nothing may wait behind it
                         break
@@ -388,7 +396,7 @@ class Run:
                     answers = [str(e)] * len(items)
                     if len(items) > 1:  # one image at a time to the new one, so a culprit costs itself only
                         for k, (it, r) in enumerate(zip(items, rows)):
-                            proc.send([(it.data, r)])
+                            proc.send([(it.data, r | PATH_BIT if it.is_path else r)])
                             try:
                                 answers[k] = proc.receive(cfg.decode_timeout_s)[0]
                             except WorkerDied as e1:
@@ -396,8 +404,8 @@ class Run:
                 for it, r, err in zip(items, rows, answers):
                     if err is None:
                         it.pool_row = r  # the crop is in crops.array[r]
-                    else:
-                        it.error = f"{it.id}: {err}"
+                    else:  # (a LoadError names its file already)
+                        it.error = str(err) if isinstance(err, LoadError) else f"{it.id}: {err}"
                         crops.release([r])
                     it.data = None
                 st.end(len(items))
@@ -466,7 +474,7 @@ class Run:
         def resend(w: int) -> None:  # the worker was replaced: its queued images go again
             started[w] = time.perf_counter()
             for it in pending[w]:
-                workers[w].send(it.data, it.pool_row)
+                workers[w].send(it.data, it.pool_row, it.is_path)
 
         # the sockets of the workers that owe replies, in one epoll set kept across waits
         # (multiprocessing.connection.wait builds a new poll set per call: 19 us for 16 sockets)
@@ -561,7 +569,7 @@ class Run:
                     pending[w].append(it)
                     queued[w] += size
                     outstanding += 1
-                    workers[w].send(it.data, row)
+                    workers[w].send(it.data, row, it.is_path)
                     watch(w)
                 if gbuf:  # the GPU's images so far go now, before this thread waits
                     self._to_gpu(gbuf)
@@ -586,8 +594,8 @@ class Run:
                         else:  # a worker stuck on one image (a decoder hang) costs that image only
                             raise workers[w].kill(f"decoding took longer than {timeout_s:g} s "
                                                   "(decode_timeout_s): its worker process was replaced")
-                    except (ImageError, WorkerDied) as e:  # worded like the thread path's errors
-                        it.error = f"{it.id}: {e}"
+                    except (ImageError, WorkerDied, LoadError) as e:  # worded like the thread path's errors
+                        it.error = str(e) if isinstance(e, LoadError) else f"{it.id}: {e}"
                         crops.release([it.pool_row])
                         it.pool_row = -1
                         if isinstance(e, WorkerDied) and pending[w]:
@@ -820,7 +828,10 @@ class Run:
             return (f"GPU decode: {name} in {where}; {gpu} of {gpu + cpu} eligible JPEGs{share} sent there, "
                     "the rest decoded on the CPU")
         on_cpu = sum(p.times["cpu_decoded"] for p in self.gpu_procs) - self._gpu_cpu0
-        mps = ("as clients of a CUDA MPS server" if self.gpu_mps else
+        from .mps import started_here
+
+        mps = ("as clients of a CUDA MPS server" + (" started for this run" if started_here() else "")
+               if self.gpu_mps else
                "time-slicing the GPU (no CUDA MPS server found: see the README's GPU JPEG decoding section)")
         return (f"GPU decode: {name} in {where}, {mps}; {gpu} of {gpu + cpu} JPEGs{share} sent there ({on_cpu} "
                 "of them to those processes' CPU decoder: not for the GPU decoder or refused by it), the rest "
@@ -860,9 +871,11 @@ class Pipeline:
 
             config = replace(config, gpu_decode_processes=default_processes())
         config = config.for_model(model)  # the model's own resize, crop and normalisation
-        self.config = config
         limit_heap_fragmentation()
         self.engine = Engine(config, model)
+        if config.gpu_decode and not self.engine.cuda:  # (CUDA only: nothing of it on the CPU)
+            config = replace(config, gpu_decode=False)
+        self.config = config
         n = config.torch_threads or (1 if self.engine.cuda else None)
         if n is not None:
             torch.set_num_threads(n)
@@ -884,7 +897,7 @@ class Pipeline:
             rows = min(config.in_flight_limit,
                        2 * ((config.staging_slots + 3 + n_gpu * GPU_DEPTH) * config.max_batch_size + 2 * n))
             self.decoders = DecoderPool(n, config.resize_size, config.crop_size, config.max_image_pixels,
-                                        rows=rows)
+                                        rows=rows, max_file_bytes=config.max_file_bytes)
             try:
                 self.engine.attach_crops(self.decoders.crops)
                 if n_gpu:
@@ -893,7 +906,8 @@ class Pipeline:
                     try:
                         self.gpu_decoders = GpuDecoderPool(
                             n_gpu, self.decoders.crops, self.engine.device.index or 0, config.resize_size,
-                            config.crop_size, config.max_image_pixels, decoder=getattr(self.engine.gpu_decoder, "kind", "nvjpeg"))
+                            config.crop_size, config.max_image_pixels, decoder=getattr(self.engine.gpu_decoder, "kind", "nvjpeg"),
+                            max_file_bytes=config.max_file_bytes)
                     except RuntimeError as e:  # e.g. nvJPEG unavailable there: decode in this process
                         warnings.warn(f"GPU decoder processes did not start ({e}); decoding on the GPU "
                                       "from a thread of this process instead", RuntimeWarning, stacklevel=2)

@@ -41,6 +41,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from .load import LoadError, read_local
 from .preprocess import ImageError, preprocess
 
 _OK, _IMAGE_ERROR, _OTHER_ERROR = 0, 1, 2
@@ -50,6 +51,9 @@ STARTUP_S = 15.0
 #: images may queue at a worker (:attr:`DecoderProcess.queue_bytes`)
 SOCKET_BUFFER = 4 << 20
 _ROW = struct.Struct("<I")  # the pool row a request's crop goes to, ahead of the encoded bytes
+#: set in a request's row: what follows is a file's path (``os.fsencode``), which the worker reads itself
+PATH_BIT = 1 << 31
+_LOAD_ERROR = 3  # reply: the file could not be read (the message is the item's whole error)
 #: scheduling niceness added to each decoder process (so the main process's compute and copy threads
 #: win the cores when all are busy)
 WORKER_NICE = 5
@@ -233,12 +237,14 @@ class DecoderProcess:
             :data:`WORKER_NICE`).
         pool: the shared crop rows the worker writes into; ``None``: a private pool of one row.
         scratch_row: the pool row that :meth:`__call__` uses (this worker's own).
+        max_file_bytes: largest file the worker reads for a path request (``send(..., is_path=True)``).
 
     Not thread-safe: one caller thread per process.
     """
 
     def __init__(self, resize_size: int = 256, crop_size: int = 224, max_pixels: int = 89_478_485,
-                 nice: int | None = None, pool: CropPool | None = None, scratch_row: int | None = None):
+                 nice: int | None = None, pool: CropPool | None = None, scratch_row: int | None = None,
+                 max_file_bytes: int = 256 << 20):
         self._own_pool = pool is None
         if pool is None:
             pool, scratch_row = CropPool(0, crop_size, scratch=1), 0
@@ -247,7 +253,7 @@ class DecoderProcess:
         self.pool = pool
         self.scratch_row = scratch_row
         nice = WORKER_NICE if nice is None else nice
-        self.args = (resize_size, crop_size, max_pixels, nice, pool.rows + pool.scratch)
+        self.args = (resize_size, crop_size, max_pixels, nice, pool.rows + pool.scratch, max_file_bytes)
         self.crop_size = crop_size
         self.closed = False
         # held from send to reply: a thread that is still waiting when its run is stopped reads its own
@@ -297,9 +303,10 @@ class DecoderProcess:
             self.receive()
             return self.pool.array[self.scratch_row].copy()
 
-    def send(self, data: bytes, row: int) -> None:
+    def send(self, data: bytes, row: int, is_path: bool = False) -> None:
         """Hand one image to the worker, to be written into pool row ``row`` (:meth:`receive` gets the
-        answer; one request at a time).
+        answer; one request at a time). ``is_path``: ``data`` is a file's path (``os.fsencode``), which
+        the worker reads (:func:`~fullthrottle.load.read_local`).
 
         A worker found dead here while it owes no answer (it died idle) is replaced first, so the image
         is not lost. One that still owes answers is left as it is: replacing it here would hand the new
@@ -310,14 +317,15 @@ class DecoderProcess:
             self._restart()
         self.owed += 1
         try:
-            self.conn.send_bytes(_ROW.pack(row) + data)
+            self.conn.send_bytes(_ROW.pack(row | PATH_BIT if is_path else row) + data)
         except OSError:
             pass  # the worker is gone: receive() reports it for this item and restarts it
 
     def receive(self) -> None:
         """Wait for the answer to the last :meth:`send`: returns once the crop is in its pool row.
 
-        Raises: see :meth:`__call__` (the item's error).
+        Raises: see :meth:`__call__` (the item's error); :class:`~fullthrottle.load.LoadError`: the
+            file of a path request could not be read (its message is the item's whole error).
         """
         try:
             msg = self.conn.recv_bytes()
@@ -328,6 +336,8 @@ class DecoderProcess:
         self.owed -= 1
         if msg[0] == _OK:
             return
+        if msg[0] == _LOAD_ERROR:
+            raise LoadError(msg[1:].decode("utf-8", "replace"))
         # _IMAGE_ERROR or _OTHER_ERROR: the message is already worded as the thread path words it
         raise ImageError(msg[1:].decode("utf-8", "replace"))
 
@@ -406,7 +416,7 @@ class DecoderPool:
     """
 
     def __init__(self, n: int, resize_size: int = 256, crop_size: int = 224, max_pixels: int = 89_478_485,
-                 rows: int = 256):
+                 rows: int = 256, max_file_bytes: int = 256 << 20):
         self.workers: list[DecoderProcess] = []
         self.crops = CropPool(rows, crop_size, scratch=n)
         errs: list[BaseException] = []
@@ -415,7 +425,8 @@ class DecoderPool:
 
         def start(i: int):
             try:
-                w = DecoderProcess(resize_size, crop_size, max_pixels, pool=self.crops, scratch_row=rows + i)
+                w = DecoderProcess(resize_size, crop_size, max_pixels, pool=self.crops, scratch_row=rows + i,
+                                   max_file_bytes=max_file_bytes)
                 with lock:
                     if self._closing:  # start-up was abandoned (Ctrl-C): don't leave this one behind
                         w.close()
@@ -483,7 +494,7 @@ _PROBE = _probe_png()
 
 def _worker_main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; we end on EOF
-    fd, pool_fd, resize_size, crop_size, max_pixels, nice, pool_rows = (int(a) for a in argv)
+    fd, pool_fd, resize_size, crop_size, max_pixels, nice, pool_rows, max_file_bytes = (int(a) for a in argv)
     if nice:
         try:
             os.nice(nice)
@@ -507,24 +518,39 @@ def _worker_main(argv: list[str]) -> None:
     conn = Connection(fd)
     stats_path = os.environ.get(STATS_ENV)
     if stats_path:
-        return _worker_loop_timed(conn, crops, resize_size, crop_size, max_pixels, f"{stats_path}.{os.getpid()}.json")
+        return _worker_loop_timed(conn, crops, resize_size, crop_size, max_pixels, max_file_bytes,
+                                  f"{stats_path}.{os.getpid()}.json")
     while True:
         try:
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        out = _work_one(msg, crops, resize_size, crop_size, max_pixels)
+        out = _work_one(msg, crops, resize_size, crop_size, max_pixels, max_file_bytes)
         try:
             conn.send_bytes(out)
         except (EOFError, OSError):
             return
 
 
-def _work_one(msg: bytes, crops: np.ndarray, resize_size: int, crop_size: int, max_pixels: int) -> bytes:
-    """One request (pool row + encoded bytes) -> its reply (status byte, or status and error text)."""
+def _request(msg: bytes, max_file_bytes: int) -> tuple[int, bytes]:
+    """``(pool row, encoded bytes)`` of a request; a path request's file is read here.
+
+    Raises:
+        LoadError: the file of a path request cannot be read.
+    """
+    (row,) = _ROW.unpack_from(msg)
+    data = msg[_ROW.size:]
+    if row & PATH_BIT:
+        return row & ~PATH_BIT, read_local(os.fsdecode(data), max_file_bytes)
+    return row, data
+
+
+def _work_one(msg: bytes, crops: np.ndarray, resize_size: int, crop_size: int, max_pixels: int,
+              max_file_bytes: int) -> bytes:
+    """One request (pool row + encoded bytes or a path) -> its reply (status byte, or status and error text)."""
     try:
-        (row,) = _ROW.unpack_from(msg)
-        arr = preprocess(msg[_ROW.size:], resize_size, crop_size, max_pixels)
+        row, data = _request(msg, max_file_bytes)
+        arr = preprocess(data, resize_size, crop_size, max_pixels)
         crops[row] = arr  # straight into the shared (pinned) pool: the only copy of the pixels
         return bytes([_OK])
     except Exception as e:  # noqa: BLE001 - a decoder error belongs to this item
@@ -532,12 +558,14 @@ def _work_one(msg: bytes, crops: np.ndarray, resize_size: int, crop_size: int, m
 
 
 def _error_reply(e: Exception) -> bytes:
+    if isinstance(e, LoadError):  # the item's whole error, naming its file
+        return bytes([_LOAD_ERROR]) + str(e).encode("utf-8", "replace")[:60000]
     if isinstance(e, ImageError):  # already worded as the thread path words it
         return bytes([_IMAGE_ERROR]) + str(e).encode()[:60000]
     return bytes([_OTHER_ERROR]) + f"cannot decode image: {type(e).__name__}: {e}".encode()[:60000]
 
 
-def _worker_loop_timed(conn, crops, resize_size, crop_size, max_pixels, path: str) -> None:
+def _worker_loop_timed(conn, crops, resize_size, crop_size, max_pixels, max_file_bytes, path: str) -> None:
     """The worker loop with a time split per phase, written as JSON to ``path`` at exit (benchmarks)."""
     import json
     import resource
@@ -554,8 +582,8 @@ def _worker_loop_timed(conn, crops, resize_size, crop_size, max_pixels, path: st
                 return
             b, c0 = clock(), cpu()
             try:
-                (row,) = _ROW.unpack_from(msg)
-                arr = preprocess(msg[_ROW.size:], resize_size, crop_size, max_pixels)
+                row, data = _request(msg, max_file_bytes)
+                arr = preprocess(data, resize_size, crop_size, max_pixels)
                 c, c1 = clock(), cpu()
                 crops[row] = arr
                 out = bytes([_OK])

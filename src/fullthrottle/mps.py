@@ -1,0 +1,86 @@
+"""A private CUDA MPS server for one command, so that the GPU decoder processes and the model share the GPU.
+
+Without MPS every process that uses the GPU has its own CUDA context and the GPU time-slices between
+them: the GPU decoder processes' kernels and the model's never run at once. Under an MPS server their
+kernels run side by side. :func:`private_mps` starts a control daemon (``nvidia-cuda-mps-control -d``)
+with its own pipe and log folders, exports them (``CUDA_MPS_PIPE_DIRECTORY``,
+``CUDA_MPS_LOG_DIRECTORY``: NVIDIA's variables) to this process and its children, and asks the daemon
+to quit when the block ends; the daemon and its server exit once the last client has. It must be
+entered before this process's first CUDA call, and changes nothing when a server already runs, when
+there is no NVIDIA driver, or when the daemon does not start (the run then time-slices, as it says).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+
+#: the prefix of the folder a private server lives in (how the report tells it from a user's server)
+PREFIX = "fullthrottle-mps-"
+
+
+def control_binary() -> str | None:
+    """The path of ``nvidia-cuda-mps-control`` (PATH, then the driver's usual folders), or None."""
+    return shutil.which("nvidia-cuda-mps-control") or next(
+        (p for p in ("/usr/bin/nvidia-cuda-mps-control", "/usr/local/cuda/bin/nvidia-cuda-mps-control",
+                     "/usr/local/nvidia/bin/nvidia-cuda-mps-control") if os.path.exists(p)), None)
+
+
+def driver_present() -> bool:
+    """Whether this machine has an NVIDIA driver's control device (``/dev/nvidiactl``)."""
+    return os.path.exists("/dev/nvidiactl")
+
+
+def started_here() -> bool:
+    """Whether this process's CUDA talks to a server :func:`private_mps` started."""
+    return os.path.basename(os.path.dirname(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", ""))).startswith(PREFIX)
+
+
+@contextlib.contextmanager
+def private_mps(enabled: bool = True) -> Iterator[str]:
+    """``with private_mps() as how:`` CUDA in the block (this process and the processes it starts)
+    runs as clients of a private MPS server; ``how`` says what was done (for a note): ``"started"``,
+    or why not (``"off"``, ``"a server is running"``, ``"no NVIDIA driver"``, ``"... did not start: ..."``)."""
+    from .gpu_decode_procs import mps_server_running
+
+    if not enabled:
+        yield "off"
+        return
+    if mps_server_running():
+        yield "a server is running"
+        return
+    exe = control_binary()
+    if exe is None or not driver_present():
+        yield "no NVIDIA driver (nvidia-cuda-mps-control, /dev/nvidiactl)"
+        return
+    root = tempfile.mkdtemp(prefix=PREFIX)
+    env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
+    for d in env.values():
+        os.makedirs(d)
+    try:
+        r = subprocess.run([exe, "-d"], env=dict(os.environ, **env), capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        r = subprocess.CompletedProcess([exe], -1, "", str(e))
+    if r.returncode != 0:
+        shutil.rmtree(root, ignore_errors=True)
+        yield f"nvidia-cuda-mps-control -d did not start ({r.returncode}): {(r.stderr or r.stdout).strip()[:200]}"
+        return
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield "started"
+    finally:
+        # "quit" lets the daemon finish once its clients (this process among them) have exited: it is
+        # sent from a detached shell, which then removes the folders
+        subprocess.Popen(["sh", "-c", 'echo quit | "$0"; sleep 1; rm -rf "$1"', exe, root], env=dict(os.environ),
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,56 @@
+"""The private CUDA MPS server of ``--mps`` (fullthrottle.mps), with a stand-in for nvidia-cuda-mps-control."""
+
+import os
+import time
+
+from fullthrottle import mps
+
+
+def _fake_control(tmp_path, monkeypatch, rc=0):
+    """An nvidia-cuda-mps-control on PATH that logs its arguments, its pipe folder and its stdin."""
+    log = tmp_path / "calls.log"
+    exe = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    exe.parent.mkdir()
+    exe.write_text(f'#!/bin/sh\necho "args:$* pipe:$CUDA_MPS_PIPE_DIRECTORY" >> {log}\n'
+                   f'if [ -z "$1" ]; then cat >> {log}; fi\nexit {rc}\n')
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{exe.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(mps, "driver_present", lambda: True)
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    return log
+
+
+def test_private_server_is_started_exported_and_asked_to_quit(tmp_path, monkeypatch):
+    log = _fake_control(tmp_path, monkeypatch)
+    with mps.private_mps() as how:
+        assert how == "started"
+        pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+        assert os.path.isdir(pipe) and os.path.isdir(os.environ["CUDA_MPS_LOG_DIRECTORY"])
+        assert mps.started_here()
+        assert log.read_text().splitlines() == [f"args:-d pipe:{pipe}"]
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ and not mps.started_here()
+    deadline = time.time() + 10
+    while os.path.exists(os.path.dirname(pipe)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(os.path.dirname(pipe)), "the server's folder was left behind"
+    assert log.read_text().splitlines()[1:] == [f"args: pipe:{pipe}", "quit"]
+
+
+def test_nothing_is_started_when_off_unavailable_or_failing(tmp_path, monkeypatch):
+    with mps.private_mps(False) as how:
+        assert how == "off"
+    log = _fake_control(tmp_path, monkeypatch, rc=3)
+    with mps.private_mps() as how:  # the daemon does not start: the run goes on, time-sliced, and says why
+        assert how.startswith("nvidia-cuda-mps-control -d did not start (3)")
+        assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    assert log.read_text().count("args:-d") == 1
+    monkeypatch.setattr(mps, "driver_present", lambda: False)
+    with mps.private_mps() as how:
+        assert how.startswith("no NVIDIA driver")
+    monkeypatch.setattr(mps, "driver_present", lambda: True)
+    (tmp_path / "live").mkdir()
+    (tmp_path / "live" / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "live"))
+    with mps.private_mps() as how:  # a user's server runs: it is used as it is
+        assert how == "a server is running" and os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "live")
