@@ -52,59 +52,59 @@ if [[ ,$parts, == *,faults,* ]]; then     # issue 11: faults under load with GPU
   $TO python3 bench/serve_faults.py --duration ${FAULT_S:-300} --out "$OUT/serve_faults.json" -- --device cuda ${FAULT_ARGS:-} 2>&1 | tee "$OUT/serve_faults.log" | tail -3
 fi
 if [[ ,$parts, == *,probe,* ]]; then
-  $TO python3 bench/threads_probe.py --threads 1,8,12,16,24 --out "$OUT/threads_probe.json" 2>&1 | tail -25
+  $TO python3 bench/probes/threads_probe.py --threads 1,8,12,16,24 --out "$OUT/threads_probe.json" 2>&1 | tail -25
 fi
 if [[ $parts == *e2e640* || $parts == *e2e,* || $parts == *e2e ]]; then
-  $PIN $TO python3 bench/e2e_cpu_decode.py --images 640x480 ${E2E_ARGS:-} --out "$OUT/e2e_cpu_decode_640x480.json" 2>&1 | tail -4
+  $PIN $TO python3 bench/probes/e2e_cpu_decode.py --images 640x480 ${E2E_ARGS:-} --out "$OUT/e2e_cpu_decode_640x480.json" 2>&1 | tail -4
 fi
 if [[ $parts == *e2emixed* || $parts == *e2e,* || $parts == *e2e ]]; then
-  $PIN $TO python3 bench/e2e_cpu_decode.py --images mixed --n 20000 ${E2E_ARGS:-} --out "$OUT/e2e_cpu_decode_mixed.json" 2>&1 | tail -4
+  $PIN $TO python3 bench/probes/e2e_cpu_decode.py --images mixed --n 20000 ${E2E_ARGS:-} --out "$OUT/e2e_cpu_decode_mixed.json" 2>&1 | tail -4
 fi
 if [[ $parts == *graphs* ]]; then
   $TO python3 bench/graphs.py --out "$OUT/graphs_resnet18.json" 2>&1 | tail -30
 fi
 if [[ ,$parts, == *,overhead,* ]]; then   # issue 02: product API vs raw replay, decomposed
-  $TO python3 bench/graphs_overhead_probe.py --out "$OUT/graphs_overhead_probe.json" 2>&1 | tail -6
+  $TO python3 bench/probes/graphs_overhead_probe.py --out "$OUT/graphs_overhead_probe.json" 2>&1 | tail -6
 fi
 if [[ ,$parts, == *,fusion,* ]]; then     # issue 02: ResNet18 variants (folded, cuDNN conv+relu, inductor)
-  $TO python3 bench/resnet_fusion_probe.py ${FUSION_ARGS:-} --out "$OUT/resnet_fusion_probe.json" 2>&1 | tail -6
+  $TO python3 bench/probes/resnet_fusion_probe.py ${FUSION_ARGS:-} --out "$OUT/resnet_fusion_probe.json" 2>&1 | tail -6
 fi
 if [[ ,$parts, == *,dprate,* ]]; then     # issue 01: decoder processes alone, malloc settings on/off
-  $PIN $TO python3 bench/decoder_process_rate.py --procs 1,15 --out "$OUT/decoder_process_rate.json" 2>&1 | tail -6
+  $PIN $TO python3 bench/probes/decoder_process_rate.py --procs 1,15 --out "$OUT/decoder_process_rate.json" 2>&1 | tail -6
 fi
 if [[ ,$parts, == *,ceiling,* ]]; then    # issue 01: what the CPUs alone can decode, no pipeline
-  $PIN $TO python3 bench/cpu_decode_ceiling.py --procs 1,4,8,12,16 --out "$OUT/cpu_decode_ceiling.json" 2>&1 | grep -v lscpu | tail -12
+  $PIN $TO python3 bench/probes/cpu_decode_ceiling.py --procs 1,4,8,12,16 --out "$OUT/cpu_decode_ceiling.json" 2>&1 | grep -v lscpu | tail -12
 fi
 if [[ ,$parts, == *,fusedgemv,* ]]; then  # issue 06: fused epilogues vs the kernel pairs they replace
-  $TO python3 bench/gemv_probe.py --fused --out "$OUT/gemv_probe_fused.json" 2>&1 | tail -4
+  $TO python3 bench/probes/gemv_probe.py --fused --out "$OUT/gemv_probe_fused.json" 2>&1 | tail -4
 fi
 if [[ ,$parts, == *,gemv,* ]]; then       # issue 06: batch-1 projections, cuBLAS vs Triton GEMV
-  $TO python3 bench/gemv_probe.py --out "$OUT/gemv_probe.json" 2>&1 | tail -8
+  $TO python3 bench/probes/gemv_probe.py --out "$OUT/gemv_probe.json" 2>&1 | tail -8
 fi
 if [[ $parts == *gpudecode* ]]; then   # issue 04: CPU+GPU JPEG decode end to end vs DataLoader
-  $TO python3 bench/e2e_cpu_decode.py --images 640x480 --gpu-decode --skip-no-graphs --n ${GD_N:-60000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} ${GD_ARGS:-} --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -8
-  $TO python3 bench/e2e_cpu_decode.py --images mixed --gpu-decode --skip-no-graphs --n ${GD_N:-40000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} ${GD_ARGS:-} --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -8
+  $TO python3 bench/probes/e2e_cpu_decode.py --images 640x480 --gpu-decode --skip-no-graphs --n ${GD_N:-60000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} ${GD_ARGS:-} --out "$OUT/e2e_gpu_decode_640x480.json" 2>&1 | tail -8
+  $TO python3 bench/probes/e2e_cpu_decode.py --images mixed --gpu-decode --skip-no-graphs --n ${GD_N:-40000} ${GPU_PROCS:+--gpu-procs $GPU_PROCS} ${GPU_DECODERS:+--gpu-decoders $GPU_DECODERS} ${GD_ARGS:-} --out "$OUT/e2e_gpu_decode_mixed.json" 2>&1 | tail -8
 fi
 if [[ ,$parts, == *,mpsab,* ]]; then      # issue 04: GPU decoder processes time-sliced vs as MPS clients
   for im in ${MPS_IMAGES:-640x480}; do
     for m in "" --mps; do
-      $TO python3 bench/e2e_cpu_decode.py --images $im --gpu-decode --skip-no-graphs --n ${GD_N:-40000} --gpu-decoders nvjpeg \
+      $TO python3 bench/probes/e2e_cpu_decode.py --images $im --gpu-decode --skip-no-graphs --n ${GD_N:-40000} --gpu-decoders nvjpeg \
         --gpu-procs ${GPU_PROCS:-6} --gpu-worker-syncs ${GPU_SYNCS:-spin,blocking} $m ${GD_ARGS:-} \
         --out "$OUT/e2e_gpu_decode_${im}${m:+_mps}.json" 2>&1 | grep -v "^{" | tail -12
     done
   done
 fi
 if [[ ,$parts, == *,mpcost,* ]]; then      # issue 04: the main process's own CPU per image (GIL ceiling)
-  $TO python3 bench/main_process_cost.py --n 30000 --gpu-procs 6 --repeats 2 --out "$OUT/main_process_cost_gpu_procs.json" 2>&1 | tail -2
+  $TO python3 bench/probes/main_process_cost.py --n 30000 --gpu-procs 6 --repeats 2 --out "$OUT/main_process_cost_gpu_procs.json" 2>&1 | tail -2
 fi
 if [[ ,$parts, == *,resizeprobe,* ]]; then  # issue 04: GPU decode stage piece by piece
-  $TO python3 bench/resize_probe.py --out "$OUT/resize_probe.json" 2>&1 | tail -4
+  $TO python3 bench/probes/resize_probe.py --out "$OUT/resize_probe.json" 2>&1 | tail -4
 fi
 if [[ $parts == *gdprobe* ]]; then     # issue 04: where the GPU decode thread's time goes
-  $TO python3 bench/gpu_decode_probe.py --out "$OUT/gpu_decode_probe.json" 2>&1 | tail -20
+  $TO python3 bench/probes/gpu_decode_probe.py --out "$OUT/gpu_decode_probe.json" 2>&1 | tail -20
 fi
 if [[ $parts == *llmprof* ]]; then     # issue 06: kernels of one decode step
-  $TO python3 bench/llm_profile.py --out "$OUT/llm_profile.json" 2>&1 | tail -34
+  $TO python3 bench/probes/llm_profile.py --out "$OUT/llm_profile.json" 2>&1 | tail -34
 fi
 if [[ $parts == *soak* ]]; then        # issue 04: 100k images through nvJPEG, memory at start and end
   $TO python3 bench/gpu_decode_soak.py ${SOAK_ARGS:-} --out "$OUT/gpu_decode_soak.json" 2>&1 | tail -3
@@ -130,5 +130,5 @@ if [[ $parts == *benchcli* ]]; then    # issue 03: the four experiments at full 
   $TO python3 -m fullthrottle.cli bench e2e --images tests/data/imagenet-sample --n 30000 --out "$OUT/bench_e2e" 2>&1 | tail -2
 fi
 if [[ $parts == *nvprocs* ]]; then     # issue 04: nvJPEG across processes
-  $TO python3 bench/nvjpeg_procs_probe.py --out "$OUT/nvjpeg_procs_probe.json" 2>&1 | grep -v Warning | tail -20
+  $TO python3 bench/probes/nvjpeg_procs_probe.py --out "$OUT/nvjpeg_procs_probe.json" 2>&1 | grep -v Warning | tail -20
 fi

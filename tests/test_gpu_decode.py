@@ -440,7 +440,7 @@ def test_stopping_a_run_leaves_no_gpu_answer_owed(samples):
 def test_cpu_workers_may_hold_more_before_the_gpu_takes_over(samples, bad_dir, monkeypatch):
     """pipeline.GPU_SPILL_DEPTH = 2 (a CPU worker holding one image still gets the next): the same
     results as CPU-only decoding, both decoders used. (Which share each takes depends on timing:
-    bench/e2e_cpu_decode.py --gpu-spill-depths measures it.)"""
+    bench/probes/e2e_cpu_decode.py --gpu-spill-depths measures it.)"""
     from types import SimpleNamespace
 
     import fullthrottle.pipeline as pl
