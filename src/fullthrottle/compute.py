@@ -217,9 +217,8 @@ def row_spans(rows, max_gap: int = 16) -> list[tuple[int, int]]:
 
 #: environment variable: ``mapped`` has the compute thread read the crop pool in place
 #: (:func:`mapped_on_device`: one gather kernel per batch); otherwise (the default) the rows go H2D by
-#: copy-engine copies into a device mirror, then a gather. On the H200 the in-place gather cut the
-#: compute stage's busy time (61% against 79%) but not the run's time (17.9k against 18.9k img/s,
-#: bench/results/e2e_gpu_decode_640x480_mps_pool_gather_session10.json), so it is not the default.
+#: copy-engine copies into a device mirror, then a gather. The in-place gather lowers the compute
+#: stage's busy time but not the end-to-end rate, so it is not the default (see docs/performance.md).
 POOL_GATHER_ENV = "FULLTHROTTLE_POOL_GATHER"
 
 _TYPESTR = {torch.uint8: "|u1", torch.int32: "<i4", torch.int64: "<i8"}
@@ -279,9 +278,9 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
     Every PyTorch op releases the GIL and must take it back, and the compute thread, taking it back
     while the decoder-feeding threads run Python, can wait up to the interpreter's switch interval
-    (5 ms) each time; a batch's crop-pool rows took 11-13 H2D copies on the H200
-    (bench/results/e2e_gpu_decode_*_session9.json, ``compute_pool_copies_per_batch``). One call takes
-    the GIL back once. Shapes and dtypes pair up as for ``copy_``; pinned sources copy asynchronously.
+    (5 ms) each time, and a batch's crop-pool rows take about a dozen H2D copies
+    (``compute_pool_copies_per_batch``). One call takes the GIL back once. Shapes and dtypes pair up
+    as for ``copy_``; pinned sources copy asynchronously.
 
     Raises:
         ValueError: the lists differ in length; RuntimeError (PyTorch's): a pair that ``copy_`` refuses.
@@ -354,8 +353,8 @@ class Engine:
         self.random_weights = by_name and self.weights_path is None
         model = model.eval()
         folded, self.bn_folded = fold_batchnorm(model) if config.fold_bn and self.cuda else (model, False)
-        # and conv -> (add ->) relu as one cuDNN call each: at batch 512 on the H200 ResNet18 replays at
-        # 56.4k img/s that way, against 38.2k folded only and 40.4k unfolded (bench/results/resnet_fusion_probe.json)
+        # and conv -> (add ->) relu as one cuDNN call each: fewer kernels and fewer passes over the
+        # activations than folding alone (see docs/performance.md)
         self.conv_relu_fused = 0
         if self.bn_folded:
             try:  # on a copy: a graph the rewrite cannot take leaves the folded model as it was
@@ -374,8 +373,8 @@ class Engine:
             return m
 
         self.model = place(folded)
-        # with graphs, each bucket keeps whichever replays faster, folded or not (measured: folding wins
-        # at small batches, loses a little at large ones on the H200, bench/results/graphs_resnet18.json)
+        # with graphs, each bucket keeps whichever replays faster, folded or not: neither wins at
+        # every batch size (see docs/performance.md)
         self.model_unfolded = place(model) if self.bn_folded and config.graphs else None
         # a model with an inference form of its own (EfficientNet-Lite0: BN folded, Triton depthwise
         # convolutions with their activations fused) is one more graph candidate, kept per bucket

@@ -69,30 +69,25 @@ class Config:
             CPU: torchvision's ``decode_jpegs_cuda.cpp``); ``"hardware"``, the GPU's JPEG engines
             (NVJPG) through nvImageCodec (``pip install nvidia-nvimgcodec-cu13``; A100, H100, H200,
             B200); ``"auto"``: the engines when nvImageCodec is installed
-            and the GPU has them, nvJPEG otherwise. With ResNet18 on the H200 the engines did not
-            beat nvJPEG end to end (6 processes: 12.2k against 16.9k img/s on 640x480 photos, 14.3k
-            against 15.3k on the mixed samples, in one call;
-            bench/results/e2e_gpu_decode_*_decoders_procs_session9.json); torchvision's path uses
-            the same engines for these JPEGs, with less overhead around them.
+            and the GPU has them, nvJPEG otherwise. nvJPEG is the default: end to end the engines
+            through nvImageCodec are slower than torchvision's path, which uses the same engines for
+            these JPEGs with less overhead around them (see docs/performance.md).
         gpu_decode_processes: with ``gpu_decode`` and decoder processes, how many processes decode on
             the GPU (each its own decoder and CUDA context, writing crops into the shared pool);
             torchvision serialises GPU decodes within one process. 0: one GPU decode thread in this
             process instead. Default (None): 8 when a CUDA MPS server is running (the processes'
             kernels then run at once), 6 otherwise (time-sliced contexts), decided where and when the
             :class:`~fullthrottle.Pipeline` is made (:func:`~fullthrottle.gpu_decode_procs.default_processes`;
-            its ``config`` then holds the number). On the H200 machine, under MPS, 8 gave 22.4k img/s
-            end to end on 640x480 photos where 6 gave 21.3k in one call
-            (bench/results/e2e_gpu_decode_640x480_procs_nice_session12.json); time-sliced, 8 gave 11.3k
-            where 6 gave 16.9k (bench/results/e2e_gpu_decode_*_decoders_procs_session9.json); earlier,
-            3 / 9 / 12 gave 10.1k / 12.3k / 12.6k (bench/results/e2e_gpu_decode_640x480_procs_session8.json).
+            its ``config`` then holds the number). 8 under MPS: more processes decode faster; 6 when
+            time-sliced: more contexts slow the GPU down (see docs/performance.md).
         fold_bn: on CUDA, fold each eval-mode BatchNorm into the convolution before it (the standard
             inference rewrite TensorRT and ONNX Runtime also do; ``torch.fx.experimental.optimization.fuse``):
             then run each conv -> ReLU and conv -> residual add -> ReLU as one cuDNN call
             (``cudnn_convolution_relu`` / ``_add_relu``; :func:`~fullthrottle.compute.fuse_conv_relu`):
             the bias, the add and the clamp happen in the convolution's epilogue instead of separate
-            passes over the activations. ResNet18 bf16 at batch 512 on the H200: 56.4k img/s against
-            40.4k unfolded (bench/results/resnet_fusion_probe.json). Changes fp32 logits by ~1e-6
-            relative. A model that ``torch.fx`` cannot trace runs unfolded.
+            passes over the activations, which makes large batches markedly faster (see
+            docs/performance.md). Changes fp32 logits by ~1e-6 relative. A model that ``torch.fx``
+            cannot trace runs unfolded.
         compile: ``torch.compile(mode="max-autotune-no-cudagraphs")`` the model before capture (kernel
             fusion only; the graphs stay ours). Slow first build.
         max_batch_size: largest batch the batcher forms (images).
@@ -272,9 +267,7 @@ class Config:
         from .gpu_decode_procs import DEPTH
 
         # batches out at the GPU decoder processes, and as many again queued for their next sends: with
-        # one batch less, a process waited on the window, not on work (H200, 6 processes, batch 128:
-        # 2080 in flight gave 18.9k img/s, 2816 21.2k, 3584 21.4k on 640x480 photos; mixed ImageNet
-        # samples 15.6k, 16.7k, 17.4k; bench/results/e2e_gpu_decode_*_max_in_flight_session11.json)
+        # one batch less, a process waits on the window, not on work (see docs/performance.md)
         n = self.gpu_decode_processes
         if n is None and self.gpu_decode:  # (what a Pipeline made now would start)
             from .gpu_decode_procs import default_processes

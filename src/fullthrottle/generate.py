@@ -26,8 +26,8 @@ def kv_buckets(max_seq_len: int) -> tuple[int, ...]:
     """Attention lengths to capture decode graphs for: 256, 1024, 4096, ... below ``max_seq_len``, and it.
 
     A step whose longest row is at position ``p`` replays the graph of the smallest length > ``p``, so
-    attention reads that much of the static KV cache, not all of it (at batch 64 on the H200 the
-    attention kernel was a third of the step reading all 328 slots, bench/results/llm_profile_before_attention_lengths.json).
+    attention reads that much of the static KV cache, not all of it (at large batches, reading the
+    whole cache makes attention a large share of the step: see docs/performance.md).
 
     >>> kv_buckets(328), kv_buckets(4096)
     ((256, 328), (256, 1024, 4096))

@@ -1,7 +1,7 @@
 """Preprocess on the GPU: batched JPEG decoding, batched resize + crop, and the CPU/GPU split.
 
-The 16 CPU cores of our H200 machine decode ~4k JPEGs/s; nvJPEG decodes ~21k/s
-(../shared/DESIGN.md), so on CUDA the preprocess threads only read headers and route:
+nvJPEG on one GPU decodes several times as many JPEGs a second as a machine's CPU cores (see
+docs/performance.md), so on CUDA the preprocess threads only read headers and route:
 
 - two GPU decoders with one contract (``n`` JPEGs in, ``n`` device tensors or per-item exceptions
   out): :class:`GpuJpegDecoder` (torchvision's nvJPEG) and :class:`HwJpegDecoder` (the
@@ -149,7 +149,6 @@ def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize:
     place and compute only what the crop keeps (:func:`~fullthrottle.kernels.resize_crop_u8`);
     otherwise float matrix products (:func:`resize_crop_matmul`). Both round once, from float32
     (Triton) or float16/float32 (products), and agree with each other and ``F.interpolate`` to 1/255.
-    Timings on the H200: bench/results/resize_probe_*.json.
     """
     from .kernels import resize_crop_u8, use_triton
 
@@ -177,13 +176,10 @@ def resize_crop_matmul(images: Sequence[torch.Tensor], out: torch.Tensor, resize
     matrices (cached per size); a mix of sizes is zero-padded to the largest (rounded up to a
     multiple of 8, sizes float16 GEMMs run on tensor cores) and gets per-image matrices, so a batch
     costs ~10 kernel launches whatever its sizes. On CUDA the products run in float16 (the pixels
-    0..255 are exact in float16; the weights carry 11 bits). Measured on the H200, batches of 128
-    (bench/results/resize_probe_session7.json): 640x480 photos 6 us of GPU per image, against 14 us
-    with PyTorch's antialiased ``F.interpolate``; the mixed ImageNet samples, padded 8x to their
-    largest, 59 us (``F.interpolate`` per size: 53-73 us). Splitting them into chunks of similar
-    size was slower, 113-123 us, its per-chunk work outweighing the padding
-    (resize_probe_unaligned_chunks_session7.json, resize_probe_chunks_session7.json). The result is
-    within 1/255 of the CPU path's uint8 kernel on almost every pixel.
+    0..255 are exact in float16; the weights carry 11 bits). Mixed sizes are padded to the largest
+    rather than grouped into chunks of similar size: per-chunk work costs more than the padding
+    (see docs/performance.md). The result is within 1/255 of the CPU path's uint8 kernel on almost
+    every pixel.
     """
     if not images:
         return
@@ -294,7 +290,7 @@ def _resize_crop_padded(images: Sequence[torch.Tensor], hmax: int, wmax: int, re
 def resize_crop_interpolate(images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256,
                             crop: int = 224) -> None:
     """The reference: PyTorch's antialiased ``F.interpolate`` (float32), one call per image size, then
-    the crop. Same arguments as :func:`resize_crop_batch`; kept for tests and bench/resize_probe.py."""
+    the crop. Same arguments as :func:`resize_crop_batch`; kept for tests and benchmarks."""
     by_size: dict[tuple[int, int], list[int]] = {}
     for k, im in enumerate(images):
         by_size.setdefault(tuple(im.shape[1:]), []).append(k)

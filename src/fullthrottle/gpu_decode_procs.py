@@ -3,10 +3,9 @@
 
 Why: torchvision serialises ``decode_jpeg(..., device="cuda")`` within a process (one global decoder
 behind a mutex), and nvJPEG spends ~50-70 us of CPU per image around the hardware decoder. In the
-pipeline's own process that CPU time competes for the GIL with every other stage: the GPU decode
-thread sat 96-98% busy at ~5.9k img/s (bench/results/e2e_gpu_decode_*_availability_routing.json).
-Alone, one process decodes + resizes + copies back 13.6k img/s of 640x480 photos, two 20.6k, four
-22.1k (bench/results/nvjpeg_procs_probe.txt). So each :class:`GpuDecoderProcess` owns a decoder:
+pipeline's own process that CPU time competes for the GIL with every other stage, and one GPU
+decode thread saturates long before the GPU does; several processes, each with its own decoder,
+decode far more (see docs/performance.md). So each :class:`GpuDecoderProcess` owns a decoder:
 
 - the pipeline sends it a batch: ``n``, where the bytes are, then ``(pool row, length)`` per image; the
   bytes lie in one of the process's :data:`DEPTH` slots of shared memory (its input arena), so a
@@ -67,9 +66,8 @@ SLOT_BYTES = 32 << 20
 SYNC_ENV = "FULLTHROTTLE_GPU_WORKER_SYNC"
 #: environment variable: niceness added to each GPU decoder process (unset or 0: the parent's), so
 #: that the main process's threads, whose per-image Python under one GIL bounds the pipeline, win a
-#: contended core (bench/e2e_cpu_decode.py --gpu-worker-nices). Measured on the H200 under MPS, 3
-#: against 0: 21.0k/19.9k, 21.6k/21.3k img/s (6 processes), 22.6k/22.4k (8), within the spread
-#: between runs, so the default stays 0 (bench/results/e2e_gpu_decode_640x480_*nice*_session12.json)
+#: contended core. The default is 0: a higher niceness makes no difference beyond the spread between
+#: runs (see docs/performance.md).
 NICE_ENV = "FULLTHROTTLE_GPU_WORKER_NICE"
 
 
@@ -119,8 +117,8 @@ def default_processes(mps: bool | None = None) -> int:
     """How many GPU decoder processes ``Config.gpu_decode_processes=None`` means:
     :data:`PROCESSES_MPS` (8) when a CUDA MPS server is running (``mps=None``: ask
     :func:`mps_server_running`), :data:`PROCESSES_TIME_SLICED` (6) otherwise. Under MPS their kernels
-    run at once and 8 decoded faster than 6 on the H200 machine; time-sliced, 8 were slower (the
-    figures are in :class:`~fullthrottle.config.Config`'s docstring)."""
+    run at once and more processes decode faster; time-sliced, more contexts slow the GPU down (see
+    docs/performance.md)."""
     if mps is None:
         mps = mps_server_running()
     return PROCESSES_MPS if mps else PROCESSES_TIME_SLICED
@@ -185,9 +183,9 @@ def _encode_request(items: Sequence[tuple[bytes, int]], arena=None, base: int = 
     back to back, and only their lengths travel; without, they follow the request.
 
     With ``fd`` (the file behind ``arena``: a memfd) the copy is ``os.pwritev``: one system call for
-    the batch, made without the GIL, where a slice assignment per image holds it (~80-110 kB an image,
-    3-5 us of memcpy each here, twice that on the H200 machine's cores, taken from every other thread
-    of the pipeline). ``items``' data: bytes-like with one-byte items (``bytes``, ``bytearray``).
+    the batch, made without the GIL, where a slice assignment per image holds it for a memcpy of the
+    image (~100 kB), time taken from every other thread of the pipeline. ``items``' data: bytes-like
+    with one-byte items (``bytes``, ``bytearray``).
 
     Raises:
         ValueError: the bytes do not fit in ``arena`` from ``base``.
@@ -431,8 +429,7 @@ class GpuDecoderPool:
     """``n`` :class:`GpuDecoderProcess` workers started in parallel, writing into ``pool``.
 
     ``decoder``: one kind for all (``"nvjpeg"`` or ``"hardware"``), or one per process (a mix: the
-    hardware engines and nvJPEG's CUDA and CPU stages are different resources; to be measured with
-    ``bench/e2e_cpu_decode.py --gpu-decoders mix:N``, not yet run on the GPU).
+    hardware engines and nvJPEG's CUDA and CPU stages are different resources).
 
     Raises:
         ValueError: a list of kinds that is not one per process, or a bad :data:`NICE_ENV`.

@@ -1,10 +1,10 @@
 """Fused kernels for the LLM decode step and the image input (Triton on CUDA; the plain PyTorch
 reference everywhere else).
 
-A Llama-2-7B decode step at batch 1 is ~660 kernels, and on the H200 the small ones cost as much as
-their launch: profiled under graph replay (``bench/llm_profile.py``), RMSNorm took 5.7 us a call,
-RoPE was five elementwise kernels on q and k, and the KV-cache write two scatters, together
-~1.3 ms of a 5.3 ms step next to ~3.7 ms of matrix products. Three kernels here replace them:
+A Llama-2-7B decode step at batch 1 is ~660 kernels, and the small ones cost as much as their
+launch: in plain PyTorch RMSNorm, RoPE (five elementwise kernels on q and k) and the KV-cache write
+(two scatters) take a sizeable share of the step next to the matrix products (see
+docs/performance.md). Three kernels here replace them:
 
 - :func:`rms_norm` — RMSNorm of each row, optionally after adding a residual (one read, one write);
 - :func:`rope_qkv_into_cache` — RoPE on q and k straight from the fused qkv projection, q written out
@@ -493,8 +493,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _gemv_config(N: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages), the fastest found per Llama-2-7B projection shape on the H200
-    (bench/gemv_probe.py, bench/results/gemv_probe.json)."""
+    """(BLOCK_N, BLOCK_K, warps, stages), the fastest per Llama-2-7B projection shape on an H200
+    (see docs/performance.md)."""
     if N <= 4096:                   # o_proj (4096x4096), down_proj (4096x11008)
         bn, bk, warps, stages = 16, 1024, 8, 3
     elif N >= 32000:                # lm_head (32000x4096)
@@ -508,9 +508,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` (no bias); for a single row on CUDA a Triton GEMV.
 
     At batch 1 an LLM decode step is weight-bandwidth bound: every projection reads its whole weight
-    for one token. cuBLAS ran the Llama-2-7B projections at 2.5-4.0 TB/s on the H200 (and split K
-    into a second reduction kernel); this GEMV streams each weight row block once, at 3.1-4.1 TB/s
-    (bench/results/gemv_probe.json). Any other shape goes to ``F.linear``.
+    for one token. cuBLAS splits K into a second reduction kernel for these shapes; this GEMV streams
+    each weight row block once, in one kernel, closer to the memory bandwidth (see
+    docs/performance.md). Any other shape goes to ``F.linear``.
 
     Args:
         x: ``(..., K)``; weight: ``(N, K)``, same dtype and device.
@@ -546,8 +546,8 @@ epilogue before anything is written."""
 
 
 #: launch settings (BLOCK_N, BLOCK_K, warps, stages) of the GEMVs with fused epilogues, by epilogue
-#: (1: SwiGLU, 2: RoPE + cache write), the fastest found on the H200 for Llama-2-7B's gate_up and qkv
-#: (bench/gemv_probe.py --fused, bench/results/gemv_probe_fused.json)
+#: (1: SwiGLU, 2: RoPE + cache write), the fastest on an H200 for Llama-2-7B's gate_up and qkv
+#: (see docs/performance.md)
 FUSED_CONFIGS = {1: (32, 256, 8, 1), 2: (16, 256, 4, 3)}
 
 
@@ -638,8 +638,9 @@ def linear_rope_qkv_into_cache(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.
     return q
 
 
-#: decode attention's cache slots per split and warps per program (bench/gemv_probe.py --fused)
-ATTN_BLOCK_T, ATTN_WARPS = 64, 2   # 4.6 us against 5.5 with 4 warps (Llama-2-7B heads, 328 slots)
+#: decode attention's cache slots per split and warps per program (2 warps: faster than 4 for
+#: Llama-2-7B's heads; see docs/performance.md)
+ATTN_BLOCK_T, ATTN_WARPS = 64, 2
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
@@ -716,8 +717,7 @@ def normalize_u8(x_u8: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, d
     The image classifier's input step (``(x/255 - mean) / std`` with ``scale = 1/(255*std)``,
     ``shift = -mean/std``): one read of the uint8 batch and one write of the result, computed in
     float32 and rounded once. PyTorch's ``addcmul`` on a uint8 tensor and half-precision scalars goes
-    through its dynamic-casting elementwise path instead (measured on the H200 at batch 512:
-    bench/results/graphs_overhead_probe.json).
+    through its dynamic-casting elementwise path instead, which is slower (see docs/performance.md).
 
     Args:
         x_u8: ``(..., C)`` uint8, channels last (NHWC images).

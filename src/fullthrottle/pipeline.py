@@ -55,11 +55,8 @@ DISPATCH_THREADS: int | None = None
 #: an image too large to queue waits for an idle worker
 WORKER_DEPTH = 4
 #: with GPU decoding, images a CPU decoder process holds before an eligible JPEG goes to the GPU
-#: instead (1: the GPU takes it unless the chosen worker is idle). Measured on the H200 with 1: the
-#: CPU workers were 19-26% busy, waiting for the dispatcher between images
-#: (bench/results/e2e_gpu_decode_*_session8_final.json); 2 was no clear gain in the same call
-#: (640x480 13.8k against 13.5k img/s, mixed 11.7k against 11.7k, lower p99:
-#: bench/results/e2e_gpu_decode_*_spill_depth_session9.json); bench/e2e_cpu_decode.py --gpu-spill-depths
+#: instead (1: the GPU takes it unless the chosen worker is idle). 1: a deeper queue per CPU worker
+#: gives no clear gain in throughput (see docs/performance.md)
 GPU_SPILL_DEPTH = 1
 #: images per hand-off on the GPU decode path (dispatcher -> GPU decoders -> batcher): each hand-off
 #: between threads costs a queue operation and a GIL hand-off, so the GPU's images travel in lists
@@ -75,10 +72,9 @@ def limit_heap_fragmentation(arenas: int = 2) -> bool:
     """Cap glibc's malloc arenas (``mallopt(M_ARENA_MAX)``), process-wide, for threads started later.
 
     Decoded images and crops (0.1-1 MB each) are allocated in one thread and freed in another; with
-    glibc's default of up to 8 arenas per core the arenas fragment and RSS creeps up (measured on CPU:
-    814 -> 1380 MiB over 18k images, still rising). With 2 arenas it rose 809 -> 1012 MiB over the
-    first 12k images and stayed at 1012 MiB over the next 6k. (Serving large blocks with mmap keeps
-    RSS flatter, ~750 MiB, but makes every activation of a CPU model page-fault: 2x slower.)
+    glibc's default of up to 8 arenas per core the arenas fragment and RSS keeps creeping up; with 2
+    arenas it levels off (see docs/performance.md). (Serving large blocks with mmap keeps RSS flatter
+    but makes every activation of a CPU model page-fault, which makes it much slower.)
     Returns False where glibc is absent (nothing changed).
     """
     import ctypes
@@ -886,9 +882,8 @@ class Pipeline:
         self.decoders = self.gpu_decoders = None
         if use_procs:
             # by default one core is left to this process: its dispatcher, batcher, compute and decode
-            # threads use about one (measured on the H200 machine: 15 decoder processes fed ResNet18
-            # 3.5k img/s where 16 gave 3.1k, their CPU 95% busy against 85%,
-            # bench/results/e2e_cpu_decode_640x480_decoder_processes_15_vs_16.json)
+            # threads use about one, and one decoder process per core would slow the pipeline
+            # (see docs/performance.md)
             n = min(config.threads, usable_cores()) if config.threads else max(1, usable_cores() - 1)
             n_gpu = config.gpu_decode_processes if self.engine.gpu_decoder is not None else 0
             # crop rows: one per item the window lets in, capped at twice what every batch in flight,

@@ -241,9 +241,10 @@ def resize_crop(rgb: np.ndarray, resize_size: int = 256, crop_size: int = 224) -
     Uses the very kernel ``torchvision.transforms.v2.Resize(resize_size, antialias=True)`` runs on a
     uint8 tensor (``F.interpolate(..., mode="bilinear", antialias=True)``, AVX2 on x86), with the same
     output size and ``CenterCrop(crop_size)`` offsets, so the result equals torchvision's exactly; it is
-    also 3x faster than Pillow's or OpenCV's area resize. With intra-op threads set to 1 it is
-    one single-threaded kernel that releases the GIL. Few Python->C calls per image on purpose: under
-    16 threads every GIL hand-off costs, and hand-offs, not pixels, set the pace.
+    also faster than Pillow's or OpenCV's area resize (see docs/performance.md). With intra-op
+    threads set to 1 it is one single-threaded kernel that releases the GIL. Few Python->C calls per
+    image on purpose: under 16 threads every GIL hand-off costs, and hand-offs, not pixels, set the
+    pace.
 
     Args:
         rgb: ``(H, W, 3)`` uint8.
@@ -261,7 +262,7 @@ def resize_crop(rgb: np.ndarray, resize_size: int = 256, crop_size: int = 224) -
     top = int(round((nh - crop_size) / 2.0))
     left = int(round((nw - crop_size) / 2.0))
     # C-contiguous on purpose: the compute stage stacks crops into pinned memory, and a strided
-    # uint8 source makes that copy run 3 bytes at a time (measured: 60 ms per 124-image batch)
+    # uint8 source makes that copy run 3 bytes at a time, many times slower
     return np.ascontiguousarray(t[0].permute(1, 2, 0).numpy()[top:top + crop_size, left:left + crop_size])
 
 

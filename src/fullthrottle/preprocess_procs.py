@@ -2,10 +2,9 @@
 
 Why: OpenCV and torch release the GIL while they work, but every call into them takes it back, and
 with 16 decode threads the main process's GIL is handed over thousands of times a second. The
-compute thread (which must take the GIL for every launch and copy) then waits in that queue: measured
-on the H200 machine, 16 threads decoding 640x480 JPEGs fed ResNet18 at 1.8-2.3k img/s while the
-compute thread sat at 100% busy and the GPU at 9% (bench/results/e2e_cpu_decode_*.json). A
-``DataLoader`` escapes the GIL with worker processes; so does this.
+compute thread (which must take the GIL for every launch and copy) then waits in that queue, busy
+all the time while the GPU is mostly idle (see docs/performance.md). A ``DataLoader`` escapes the
+GIL with worker processes; so does this.
 
 Each preprocess thread of the pipeline owns one worker process and talks to it over a socket pair:
 it sends a row number of the shared :class:`CropPool` and the encoded bytes; the worker runs
@@ -59,10 +58,9 @@ _LOAD_ERROR = 3  # reply: the file could not be read (the message is the item's 
 WORKER_NICE = 5
 #: glibc malloc settings for the workers. By default a block over 128 KiB may be a fresh ``mmap``,
 #: unmapped when freed, so an image's decode buffer (900 KB at 640x480) and resize output kept coming
-#: back as new zeroed pages: 360-420 page faults per image on the H200 machine. Keeping blocks up to
-#: 16 MiB in the heap (trimmed only past 64 MiB free) leaves ~0: 15 workers alone went from 3610 to
-#: 4491 img/s, one from 332 to 423 (``bench/decoder_process_rate.py``, same images side by side,
-#: bench/results/decoder_process_rate.json).
+#: back as new zeroed pages: hundreds of page faults per image. Keeping blocks up to 16 MiB in the
+#: heap (trimmed only past 64 MiB free) leaves almost none, and the workers decode faster (see
+#: docs/performance.md).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(16 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
 #: environment variable: when set to a path prefix, each worker writes ``<prefix>.<pid>.json`` on exit
 #: with where its time went (seconds blocked in recv, in preprocess (wall and CPU), writing the crop,
