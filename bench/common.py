@@ -95,30 +95,6 @@ def write_json(path: str | os.PathLike, payload: dict) -> None:
     print(f"wrote {path}")
 
 
-def start_mps() -> dict:
-    """Start a CUDA MPS control daemon with a private pipe/log folder (exported to this process and
-    its children, so their CUDA contexts become its clients). Exits if it cannot be started."""
-    import shutil
-    import subprocess
-    import tempfile
-
-    exe = shutil.which("nvidia-cuda-mps-control") or next(
-        (p for p in ("/usr/bin/nvidia-cuda-mps-control", "/usr/local/cuda/bin/nvidia-cuda-mps-control",
-                     "/usr/local/nvidia/bin/nvidia-cuda-mps-control") if os.path.exists(p)), None)
-    if exe is None:
-        sys.exit("--mps: nvidia-cuda-mps-control not found (PATH, /usr/bin, /usr/local/cuda/bin)")
-    root = tempfile.mkdtemp(prefix="ft-mps-")
-    env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
-    for d in env.values():
-        os.makedirs(d)
-    os.environ.update(env)
-    r = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
-        sys.exit(f"--mps: nvidia-cuda-mps-control -d failed ({r.returncode}): {r.stderr or r.stdout}")
-    print(f"MPS control daemon started ({root})", flush=True)
-    return {"exe": exe, "root": root}
-
-
 def mps_servers(mps: dict) -> str:
     """The MPS control daemon's answer to get_server_list (the PIDs of its servers: one once a client
     connected)."""
@@ -150,26 +126,20 @@ def mps_pipe_listing() -> dict:
     return out
 
 
-def stop_mps(mps: dict) -> None:
-    """Ask the MPS control daemon to quit once this process (still one of its clients) has exited:
-    ``quit`` waits for the clients, so it is sent from a detached process, not waited for here."""
-    import subprocess
-
-    log = os.path.join(mps["root"], "log", "control.log")
-    if os.path.exists(log):
-        print("MPS control.log (tail):", open(log).read()[-800:], flush=True)
-    subprocess.Popen(["sh", "-c", f"echo quit | {mps['exe']}"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, start_new_session=True)
-
-
 @contextlib.contextmanager
 def mps_clients(enabled: bool):
     """``with mps_clients(True) as mps:`` everything CUDA in the block (this process and its children)
-    runs as clients of a private CUDA MPS server (:func:`start_mps`), asked to quit at the end
-    (:func:`stop_mps`); ``mps`` is None when not ``enabled``. Enter it before the first CUDA call."""
-    mps = start_mps() if enabled else None
-    try:
-        yield mps
-    finally:
-        if mps is not None:
-            stop_mps(mps)
+    runs as clients of a private CUDA MPS server (the product's :func:`fullthrottle.mps.private_mps`),
+    asked to quit at the end; ``mps`` (``{"exe", "root"}``) is None when not ``enabled``. Enter it
+    before the first CUDA call. Exits if the server cannot be started."""
+    from fullthrottle.mps import control_binary, private_mps
+
+    with private_mps(enabled) as how:
+        if not enabled:
+            yield None
+            return
+        if how != "started":
+            sys.exit(f"--mps: {how}")
+        root = os.path.dirname(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
+        print(f"MPS control daemon started ({root})", flush=True)
+        yield {"exe": control_binary(), "root": root}
