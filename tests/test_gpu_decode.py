@@ -437,30 +437,6 @@ def test_stopping_a_run_leaves_no_gpu_answer_owed(samples):
         pipe.close()
 
 
-def test_cpu_workers_may_hold_more_before_the_gpu_takes_over(samples, bad_dir, monkeypatch):
-    """pipeline.GPU_SPILL_DEPTH = 2 (a CPU worker holding one image still gets the next): the same
-    results as CPU-only decoding, both decoders used. (Which share each takes depends on timing:
-    bench/probes/e2e_cpu_decode.py --gpu-spill-depths measures it.)"""
-    from types import SimpleNamespace
-
-    import fullthrottle.pipeline as pl
-
-    inputs = [p for p in samples[:80]] + [bad_dir]
-    ref = {r.id: r for r in _pipe(None).run(inputs)}
-    shares = {}
-    for depth in (1, 2):
-        monkeypatch.setattr(pl, "GPU_SPILL_DEPTH", depth)
-        pipe = _pipe(FakeGpuDecoder(), "processes")
-        fakes = [FakeGpuProcess(pipe.decoders.crops) for _ in range(2)]
-        pipe.gpu_decoders = SimpleNamespace(workers=fakes, close=lambda: None)
-        try:
-            assert_same_results(list(pipe.run(inputs)), ref)
-            shares[depth] = pipe.engine.splitter.routed_gpu_share
-        finally:
-            pipe.close()
-    assert all(0 < s < 1 for s in shares.values()), shares
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["nvjpeg", "hardware"])
 def test_gpu_decoder_against_cpu_path(samples, bad_dir, kind):

@@ -108,14 +108,9 @@ def test_row_spans_cover_exactly_the_rows_asked_for():
     assert set(rows) <= covered
 
 
-@pytest.mark.parametrize("dispatchers", [1, 2])
-def test_few_crop_rows_and_several_dispatchers_keep_every_result(samples, bad_dir, dispatchers, monkeypatch,
-                                                                no_thread_leak):
-    """4 shared crop rows for batches of 8: the dispatchers wait for rows (backpressure), nothing is lost,
+def test_few_crop_rows_keep_every_result(samples, bad_dir, no_thread_leak):
+    """4 shared crop rows for batches of 8: the dispatcher waits for rows (backpressure), nothing is lost,
     and every crop reaches its own item."""
-    import fullthrottle.pipeline as pl
-
-    monkeypatch.setattr(pl, "DISPATCH_THREADS", dispatchers)
     inputs = [str(p) for p in samples[:50]] + sorted(str(p) for p in bad_dir.iterdir())
     with tiny_pipe() as pipe:
         ref = pipe.classify(inputs)
@@ -124,7 +119,7 @@ def test_few_crop_rows_and_several_dispatchers_keep_every_result(samples, bad_di
         got = pipe.classify(inputs)
         assert pipe.decoders.crops.free_rows() == 4  # every row given back
         names = [t.name for t in pipe.current_run.threads if t.name.startswith("ft-preprocess-dispatch")]
-        assert len(names) == dispatchers
+        assert len(names) == 1
     assert [(r.id, r.ok, r.error, r.class_ids) for r in got] == [(r.id, r.ok, r.error, r.class_ids) for r in ref]
 
 

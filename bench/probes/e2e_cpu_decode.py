@@ -115,11 +115,10 @@ def _worker_stats(folder: str) -> dict | None:
 
 
 def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu_decode=False, warm_frac=0.25,
-                     preprocess="auto", dispatchers=None, gpu_procs=2, worker_depth=None, worker_nice=None,
+                     preprocess="auto", gpu_procs=2, worker_nice=None,
                      worker_stats=False, gpu_decoder="auto", py_spy=None, max_in_flight=None):
     import tempfile
 
-    import fullthrottle.pipeline as pl
     import fullthrottle.preprocess_procs as pp
     from fullthrottle import Config, Pipeline
 
@@ -129,9 +128,6 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     if stats_dir:
         os.environ[pp.STATS_ENV] = os.path.join(stats_dir, "w")
 
-    pl.DISPATCH_THREADS = dispatchers
-    depth0 = pl.WORKER_DEPTH
-    pl.WORKER_DEPTH = worker_depth or depth0
     torch.manual_seed(0)
     mix = int(gpu_decoder.split(":")[1]) if gpu_decoder.startswith("mix:") else None  # hardware processes
     pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="bfloat16", channels_last=True,
@@ -197,7 +193,6 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     workers_cpu_pct = 100 * (cpu1 - cpu0) / (window * len(pids)) if pids else None
     main_cores = (main1 - main0) / window
     main_threads = {k: round((v - thr0.get(k, 0.0)) / window, 3) for k, v in sorted(thr1.items())}
-    pl.WORKER_DEPTH = depth0
     pp.WORKER_NICE = nice0
     os.environ.pop(pp.STATS_ENV, None)
     rep = pipe.last_report
@@ -213,7 +208,6 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     return {"threads": threads, "preprocess": preprocess, "decoder_processes": n_procs,
             "worker_nice": pp.WORKER_NICE if worker_nice is None else worker_nice,
             "worker_time_split": worker_split,
-            "worker_depth": pl.WORKER_DEPTH if worker_depth is None else worker_depth,
             "decoder_processes_cpu_pct": workers_cpu_pct, "main_process_cores": main_cores,
             "main_process_cores_by_thread": main_threads,
             "dispatch_threads": n_disp, "crop_pool_pinned": pinned, "max_in_flight": pipe.config.in_flight_limit,
@@ -243,8 +237,6 @@ def main():
                     "(one per core but one with decoder processes)")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--ft-threads", default="", help="extra fullthrottle thread counts to try, e.g. 8,12")
-    ap.add_argument("--dispatchers", default="", help="extra runs with this many dispatcher threads feeding "
-                    "the decoder processes, e.g. 4,16 (default run: 1)")
     ap.add_argument("--gpu-decode", action="store_true", help="also run fullthrottle with GPU JPEG decoding")
     ap.add_argument("--gpu-procs", default="2", help="GPU decoder processes to try with --gpu-decode, e.g. 0,2,4 "
                     "(0: the GPU decode thread in the main process; auto: Config's default, 8 under a CUDA "
@@ -257,9 +249,6 @@ def main():
     ap.add_argument("--nvimgcodec-backends", default="",
                     help="with the hardware decoder: nvImageCodec backend mixes to try, comma-separated, each like "
                          "hw:0.7+hybrid (FULLTHROTTLE_NVIMGCODEC_BACKENDS; empty: hw, the engines alone)")
-    ap.add_argument("--gpu-spill-depths", default="1",
-                    help="with --gpu-decode: images each CPU decoder process holds before an eligible JPEG goes "
-                         "to the GPU instead (pipeline.GPU_SPILL_DEPTH), e.g. 1,2 (default: %(default)s)")
     ap.add_argument("--gpu-switch-intervals", default="",
                     help="with --gpu-decode: sys.setswitchinterval values (s) to try, e.g. 0.005,0.0005 (how long a "
                          "thread waiting for the GIL lets another run before asking for it; Python's default 0.005)")
@@ -288,8 +277,6 @@ def main():
     ap.add_argument("--thread-decode", action="store_true",
                     help="also run fullthrottle with decoding in threads (preprocess='threads')")
     ap.add_argument("--ft-waits", default="", help="extra fullthrottle max_wait_ms values to try, e.g. 50")
-    ap.add_argument("--worker-depths", default="", help="extra runs with this many images out at each decoder "
-                    "process, e.g. 2,8 (default: fullthrottle.pipeline.WORKER_DEPTH)")
     ap.add_argument("--worker-nices", default="", help="extra runs with this niceness for the decoder "
                     "processes, e.g. 0 (default: fullthrottle.preprocess_procs.WORKER_NICE)")
     ap.add_argument("--worker-stats", action="store_true", help="decoder processes report where their "
@@ -334,14 +321,6 @@ def run(args, mps) -> None:
         print(f"fullthrottle, {t} threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, t, args.batch))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
-    for d in [int(x) for x in args.dispatchers.split(",") if x]:
-        print(f"fullthrottle, {d} dispatcher threads ...", flush=True)
-        extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, dispatchers=d))
-        print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
-    for d in [int(x) for x in args.worker_depths.split(",") if x]:
-        print(f"fullthrottle, worker depth {d} ...", flush=True)
-        extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, worker_depth=d))
-        print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     for v in [int(x) for x in args.worker_nices.split(",") if x]:
         print(f"fullthrottle, decoder processes at nice {v} ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, worker_nice=v,
@@ -351,22 +330,20 @@ def run(args, mps) -> None:
         print("fullthrottle, decoding in threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, preprocess="threads"))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
-    import fullthrottle.pipeline as pl
     from fullthrottle.compute import POOL_GATHER_ENV
     from fullthrottle.gpu_decode_procs import NICE_ENV, SYNC_ENV
 
-    variants = [(kind, t, b, g, s, si, sy, pg, mf, nv) for kind in args.gpu_decoders.split(",") if kind
+    variants = [(kind, t, b, g, si, sy, pg, mf, nv) for kind in args.gpu_decoders.split(",") if kind
                 for t in (args.nvimgcodec_threads.split(",") if kind != "nvjpeg" else [""])
                 for b in (args.nvimgcodec_backends.split(",") if kind != "nvjpeg" else [""])
                 for g in [None if x == "auto" else int(x) for x in args.gpu_procs.split(",") if x]
-                for s in [int(x) for x in args.gpu_spill_depths.split(",") if x]
                 for si in ([float(x) for x in args.gpu_switch_intervals.split(",") if x] or [sys.getswitchinterval()])
                 for sy in (args.gpu_worker_syncs.split(",") if args.gpu_worker_syncs else [""])
                 for pg in (args.pool_gathers.split(",") if args.pool_gathers else [""])
                 for mf in ([int(x) for x in args.max_in_flights.split(",") if x] or [None])
                 for nv in (args.gpu_worker_nices.split(",") if args.gpu_worker_nices else [""])
                 ] if args.gpu_decode else []
-    spill0, si0 = pl.GPU_SPILL_DEPTH, sys.getswitchinterval()
+    si0 = sys.getswitchinterval()
     env0 = {k: os.environ.get(k) for k in (SYNC_ENV, POOL_GATHER_ENV, NICE_ENV)}  # the caller's settings
 
     def set_env(name: str, value: str) -> None:  # a variant's value, or "": the caller's setting
@@ -376,16 +353,15 @@ def run(args, mps) -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = env0[name]
-    for vi, (kind, t, b, g, s, si, sy, pg, mf, nv) in enumerate(variants):
+    for vi, (kind, t, b, g, si, sy, pg, mf, nv) in enumerate(variants):
         sys.setswitchinterval(si)
         set_env(SYNC_ENV, sy)
         set_env(POOL_GATHER_ENV, pg)
         set_env(NICE_ENV, nv)
         os.environ["FULLTHROTTLE_NVIMGCODEC_THREADS"] = t  # nvImageCodec's CPU threads per decoder ("": one per core)
         os.environ["FULLTHROTTLE_NVIMGCODEC_BACKENDS"] = b  # its backends ("": the engines alone)
-        pl.GPU_SPILL_DEPTH = s
         print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes, nvImageCodec threads {t or 'default'} backends {b or 'hw'}, "
-              f"CPU workers hold {s} before the GPU takes the rest, switch interval {si * 1e3:g} ms, "
+              f"switch interval {si * 1e3:g} ms, "
               f"GPU worker sync {sy or 'default'}, pool gather {pg or 'default'}, max_in_flight {mf or 'default'}, "
               f"GPU worker nice {nv or 'default'} ...", flush=True)
         try:
@@ -395,7 +371,6 @@ def run(args, mps) -> None:
                                           gpu_decoder=kind, py_spy=spy, max_in_flight=mf))
             extra[-1]["nvimgcodec_threads"] = t or "default"
             extra[-1]["nvimgcodec_backends"] = b or "hw"
-            extra[-1]["gpu_spill_depth"] = s
             extra[-1]["gpu_worker_sync"] = os.environ.get(SYNC_ENV, "default")
             extra[-1]["gpu_worker_nice"] = os.environ.get(NICE_ENV, "0")
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' figures
@@ -409,7 +384,6 @@ def run(args, mps) -> None:
     set_env(NICE_ENV, "")
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_THREADS", None)
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_BACKENDS", None)
-    pl.GPU_SPILL_DEPTH = spill0
     sys.setswitchinterval(si0)
     for w in [float(x) for x in args.ft_waits.split(",") if x]:
         print(f"fullthrottle, max_wait_ms {w} ...", flush=True)
@@ -440,7 +414,7 @@ def run(args, mps) -> None:
     for v in extra:
         if v.get("gpu_decode") and "error" not in v:
             print(f"  GPU decode ({v['gpu_decoder']}, nvImageCodec threads {v.get('nvimgcodec_threads')}), "
-                  f"{v['gpu_decode_processes']} GPU decoder processes, spill depth {v.get('gpu_spill_depth')}, "
+                  f"{v['gpu_decode_processes']} GPU decoder processes, "
                   f"sync {v.get('gpu_worker_sync')}, pool {v.get('pool_gather')}: "
                   f"{v['img_per_s']:.0f} img/s, "
                   f"{v['gpu_share']:.0%} of eligible JPEGs on the GPU, GPU busy {v['gpu_util_mean_pct']:.0f}%")

@@ -6,9 +6,10 @@
         -q4-> decode thread -> reorder buffer -> your iterator (sync or async)
                   `-gq-> GPU decode thread -q2-^       (with gpu_decode: nvJPEG batches, own stream)
 
-With ``preprocess="processes"`` (the default on CUDA) a dispatcher thread hands each image to a
-worker process (:mod:`fullthrottle.preprocess_procs`), which writes the crop into shared pinned
-memory; the dispatcher waits on the workers' sockets without the GIL.
+With ``preprocess="processes"`` (the default on CUDA) one dispatcher thread (:mod:`fullthrottle.cpu_feed`)
+hands each image, a file as its path, to a decoder process (:mod:`fullthrottle.preprocess_procs`),
+which reads it and writes the crop into shared pinned memory; with GPU decoding, JPEGs go in batches
+to GPU decoder processes (:mod:`fullthrottle.gpu_feed`), which write their crops there too.
 
 Every queue is bounded, and a window of ``max_in_flight`` permits (taken when an item starts
 loading, given back when you receive its result) bounds everything in between, the reorder buffer
@@ -21,7 +22,6 @@ import asyncio
 import collections
 import functools
 import queue
-import selectors
 import threading
 import time
 import warnings
@@ -32,35 +32,21 @@ import torch
 from torch import nn
 
 from .batch import Batch, Batcher
+from .cpu_feed import feed_cpu_decoders
+from .gpu_feed import GPU_CHUNK, feed_gpu_process, gpu_decode_thread
 from .compute import Engine
 from .config import Config, usable_cores
 from .decode import Result
 from .gpumon import GpuMonitor, nvtx_range
-from .load import Item, LoadError, Loader
+from .load import Item, Loader
 from .gpu_decode import gpu_eligible
 from .preprocess import ImageError, allow_pillow_pixels, preprocess
 from .gpu_decode_procs import DEPTH as GPU_DEPTH
-from .preprocess_procs import PATH_BIT, STARTUP_S, DecoderPool, WorkerDied
+from .preprocess_procs import DecoderPool
 from .report import Report, StageStats
 
 _END = object()
 
-#: threads feeding the decoder processes; None: one in all (each image costs it a few microseconds
-#: of Python: a 5-byte header out, a 1-byte answer back; the pixels go through shared memory)
-DISPATCH_THREADS: int | None = None
-#: images out at each decoder process at once (one decoding, the rest waiting in its socket), so
-#: that a worker finishing an image finds the next one even when this process is slow to answer
-#: (its threads take turns on the GIL). Images queue behind others only while their bytes fit in the
-#: worker's socket buffer (``DecoderProcess.queue_bytes``): a send to a hung worker never blocks;
-#: an image too large to queue waits for an idle worker
-WORKER_DEPTH = 4
-#: with GPU decoding, images a CPU decoder process holds before an eligible JPEG goes to the GPU
-#: instead (1: the GPU takes it unless the chosen worker is idle). 1: a deeper queue per CPU worker
-#: gives no clear gain in throughput (see docs/performance.md)
-GPU_SPILL_DEPTH = 1
-#: images per hand-off on the GPU decode path (dispatcher -> GPU decoders -> batcher): each hand-off
-#: between threads costs a queue operation and a GIL hand-off, so the GPU's images travel in lists
-GPU_CHUNK = 32
 #: consumed results whose window permits the iterator gives back at once (never before they are consumed)
 RELEASE_EVERY = 16
 #: file name endings of the unread files that go to the GPU decoder processes (which decode what is not
@@ -93,6 +79,8 @@ class PipelineError(RuntimeError):
 
 class Run:
     """One pass of an input stream through the stages (internal: use :meth:`Pipeline.run`)."""
+
+    END = _END  #: the end-of-stream marker in the stages' queues
 
     def __init__(self, engine: Engine, config: Config, inputs: Iterable, decoders=None, gpu_decoders=None):
         self.engine, self.config = engine, config
@@ -128,12 +116,9 @@ class Run:
         self.loader = Loader(inputs, self.q1, self._put, self.window, self.stop_event,
                              self.stats["load"], config.load_concurrency, config.http_timeout_s,
                              config.max_file_bytes, nthreads, _END, defer_files=defer)
-        # With decoder processes, dispatcher threads feed them: by default one for all workers
-        # (DISPATCH_THREADS). Fewer threads means fewer GIL hand-offs for the compute thread to wait in.
-        if decoders is not None:
-            n_pre = max(1, min(DISPATCH_THREADS or 1, len(decoders)))
-        else:
-            n_pre = nthreads
+        # with decoder processes one dispatcher thread feeds them all (cpu_feed): each image costs it a
+        # few microseconds of Python, and more threads only mean more GIL hand-offs for compute to wait in
+        n_pre = 1 if decoders is not None else nthreads
         self.n_pre = n_pre
         # lists of items and end markers: up to GPU_CHUNK items a list from the dispatcher (GPU decoder
         # processes), one item a list from the preprocess threads (the GPU decode thread)
@@ -148,19 +133,18 @@ class Run:
                                self.stats["batch"], self.stop_event.is_set,
                                lambda: engine.in_flight() >= 2)
         if decoders is not None:
-            self.threads = [threading.Thread(target=self._guard(functools.partial(
-                                self._dispatch_to_processes, list(decoders.workers)[i::n_pre])),
-                                             name=f"ft-preprocess-dispatch-{i}", daemon=True)
-                            for i in range(n_pre)]
+            self.threads = [threading.Thread(target=self._guard(functools.partial(feed_cpu_decoders, self,
+                                                                                    list(decoders.workers))),
+                                             name="ft-preprocess-dispatch-0", daemon=True)]
         else:
             self.threads = [threading.Thread(target=self._guard(self._preprocess_worker),
                                              name=f"ft-preprocess-{i}", daemon=True) for i in range(nthreads)]
         if self.gpu_procs:
-            self.threads += [threading.Thread(target=self._guard(functools.partial(self._gpu_process_feeder, p)),
+            self.threads += [threading.Thread(target=self._guard(functools.partial(feed_gpu_process, self, p)),
                                               name=f"ft-gpu-decode-{i}", daemon=True)
                              for i, p in enumerate(self.gpu_procs)]
         elif self.gq is not None:
-            self.threads.append(threading.Thread(target=self._guard(self._gpu_decode_worker),
+            self.threads.append(threading.Thread(target=self._guard(functools.partial(gpu_decode_thread, self)),
                                                  name="ft-gpu-decode", daemon=True))
         self.threads += [
             threading.Thread(target=self._guard(self.batcher.run), name="ft-batch", daemon=True),
@@ -246,35 +230,6 @@ class Run:
             it.t_queued = now
         self._put(self.gq, items)
 
-    def _take_gpu_batch(self, carry: list, limit: int, wait_s: float, ends_wanted: int,
-                        block: bool = True) -> tuple[list, int]:
-        """Up to ``limit`` items for one GPU batch: what ``carry`` holds first (left over from a list),
-        then lists from the GPU queue, waiting at most ``wait_s`` after the first item (for the first,
-        briefly, or not at all without ``block``). Items beyond ``limit`` stay in ``carry``. Returns
-        ``(items, end markers seen)``; stops at ``ends_wanted`` ends."""
-        items = carry[:limit]
-        del carry[:limit]
-        ends = 0
-        deadline = time.perf_counter() + wait_s if items else None
-        while len(items) < limit and ends < ends_wanted:
-            # nothing yet: wait briefly (the caller checks the stop event and asks again)
-            if deadline is None:
-                c = self._get(self.gq) if block else self._get(self.gq, None)
-            else:
-                c = self._get(self.gq, max(deadline - time.perf_counter(), 0.0))
-            if c is None:
-                break
-            if c is _END:
-                ends += 1
-                continue
-            items.extend(c)
-            if deadline is None:
-                deadline = time.perf_counter() + wait_s
-        if len(items) > limit:
-            carry[:0] = items[limit:]
-            del items[limit:]
-        return items, ends
-
     def _route_to_gpu(self, it: Item) -> bool:
         """Transform threads: hand ``it`` to the GPU decode thread if it is an eligible JPEG and the
         rate split says so."""
@@ -296,126 +251,6 @@ class Run:
                 for _ in self.gpu_procs:
                     self._put(self.gq, _END)
 
-    def _gpu_decode_worker(self) -> None:
-        """nvJPEG in batches on its own stream, ahead of the compute thread.
-
-        Takes up to ``max_batch_size`` routed JPEGs at a time (waiting at most ``max_wait_ms`` for
-        more), decodes, resizes and crops them as one batch (:func:`~fullthrottle.gpu_decode.decode_crops`),
-        waits for that stream (the GIL is released meanwhile), and passes each item on with its device
-        crop, or with the CPU path's crop or error for the images nvJPEG refused.
-        """
-        eng, cfg, st = self.engine, self.config, self.stats["gpu decode"]
-        ends, limit, wait_s = 0, cfg.max_batch_size, cfg.max_wait_ms / 1e3
-        carry: list = []
-        while not self.stop_event.is_set() and (ends < self.n_pre or carry):
-            items, e = self._take_gpu_batch(carry, limit, wait_s, self.n_pre - ends)
-            ends += e
-            if not items:
-                continue
-            st.begin()
-            t0 = time.perf_counter()
-            st.waited(sum(t0 - it.t_queued for it in items) / len(items), len(items))
-            with nvtx_range(f"gpu decode {len(items)}"):
-                if eng.cuda:
-                    with torch.cuda.stream(eng.decode_stream):
-                        crops = self._decode_crops(items)
-                    eng.decode_stream.synchronize()  # rows complete before another stream reads them
-                else:
-                    crops = self._decode_crops(items)
-            eng.splitter.record_gpu(len(items), time.perf_counter() - t0)
-            for it, c in zip(items, crops):
-                if isinstance(c, ImageError):
-                    it.error = f"{it.id}: {c}"
-                elif isinstance(c, tuple):
-                    it.gpu_crop = c  # (rows, r): row r of the batch's device tensor
-                else:
-                    it.array = c
-                it.data = None
-            st.end(len(items))
-            now = time.perf_counter()
-            for it in items:
-                it.t_queued = now
-            self._put(self.q2, items)  # one hand-off for the batch
-        self._put(self.q2, _END)
-
-    def _gpu_process_feeder(self, proc) -> None:
-        """Keeps one GPU decoder process (:class:`~fullthrottle.gpu_decode_procs.GpuDecoderProcess`)
-        busy: takes up to ``max_batch_size`` routed JPEGs (waiting at most ``max_wait_ms`` for more),
-        gives each a row of the shared crop pool and sends the batch, keeping up to ``proc.depth``
-        batches at the process (the next one waits in its arena while it decodes one), and waits for
-        each answer on the process's socket (without the GIL). Each image then travels on as a pooled
-        crop, like the CPU decoder processes' ones, or with its error. Stops at its end marker.
-        """
-        cfg, st, crops = self.config, self.stats["gpu decode"], self.decoders.crops
-        limit, wait_s = cfg.max_batch_size, cfg.max_wait_ms / 1e3
-        ended, carry = False, []
-        inflight: collections.deque = collections.deque()  # (items, rows, arena slot) sent, oldest first
-        slots = list(range(proc.depth))
-        try:
-            while not self.stop_event.is_set() and (not ended or carry or inflight):
-                while len(inflight) < proc.depth and (not ended or carry):  # fill the process's queue
-                    items, e = self._take_gpu_batch(carry, limit, wait_s, 0 if ended else 1, block=not inflight)
-                    ended = ended or e > 0
-                    if not items:
-                        break
-                    k = proc.fitting(items)  # the images whose bytes fit in an arena slot
-                    if k == 0 and inflight:  # inline on the socket: only to an idle process (a send to a
-                        carry[:0] = items    # busy one could wait as long as it hangs)
-                        break
-                    if 0 < k < len(items):
-                        carry[:0] = items[k:]
-                        del items[k:]
-                    rows = crops.acquire_many(len(items), self.stop_event.is_set)  # backpressure: consumed crops
-                    if rows is None:
-                        return
-                    if not inflight:
-                        st.begin()
-                    t0 = time.perf_counter()
-                    st.waited(sum(t0 - it.t_queued for it in items) / len(items), len(items))
-                    slot = slots.pop()
-                    queued = proc.send([(it.data, r | PATH_BIT if it.is_path else r) for it, r in zip(items, rows)], slot)
-                    inflight.append((items, rows, slot))
-                    if not queued:  # went inline on the socket: nothing may wait behind it
-                        break
-                if not inflight:
-                    continue
-                items, rows, slot = inflight.popleft()
-                slots.append(slot)
-                try:
-                    answers = proc.receive(cfg.decode_timeout_s)
-                except WorkerDied as e:  # the process died or hung on this batch (and was replaced):
-                    for items2, rows2, slot2 in inflight:  # what waited behind it goes again, to the new one
-                        crops.release(rows2)
-                        carry[:0] = items2
-                        slots.append(slot2)
-                    inflight.clear()
-                    answers = [str(e)] * len(items)
-                    if len(items) > 1:  # one image at a time to the new one, so a culprit costs itself only
-                        for k, (it, r) in enumerate(zip(items, rows)):
-                            proc.send([(it.data, r | PATH_BIT if it.is_path else r)])
-                            try:
-                                answers[k] = proc.receive(cfg.decode_timeout_s)[0]
-                            except WorkerDied as e1:
-                                answers[k] = str(e1)
-                for it, r, err in zip(items, rows, answers):
-                    if err is None:
-                        it.pool_row = r  # the crop is in crops.array[r]
-                    else:  # (a LoadError names its file already)
-                        it.error = str(err) if isinstance(err, LoadError) else f"{it.id}: {err}"
-                        crops.release([r])
-                    it.data = None
-                st.end(len(items))
-                if inflight:
-                    st.begin()
-                now = time.perf_counter()
-                for it in items:
-                    it.t_queued = now
-                self._put(self.q2, items)  # one hand-off for the batch
-        finally:
-            if inflight:  # stopped with batches out: their answers must not reach the next run
-                proc.discard_replies()
-        self._put(self.q2, _END)
-
     @torch.inference_mode()
     def _decode_crops(self, items: list) -> list:
         from .gpu_decode import decode_crops
@@ -426,192 +261,6 @@ class Run:
                                 cfg.crop_size, cfg.max_image_pixels, self.engine.device)
         except Exception as e:  # noqa: BLE001 - a failed batch fails its items, not the run
             return [ImageError(f"GPU decode failed: {type(e).__name__}: {e}")] * len(items)
-
-    def _dispatch_to_processes(self, workers: list) -> None:
-        """Transform with worker processes: this thread keeps ``workers`` (:class:`DecoderProcess`) busy.
-
-        Each worker has up to :data:`WORKER_DEPTH` images out (the next one is already waiting in its
-        socket when it finishes one, as a DataLoader's prefetch does); the thread waits on all their
-        sockets at once (``multiprocessing.connection.wait``) and on the input queue, so it holds the
-        GIL only for a few microseconds per image. A worker's replies come in the order it was sent
-        images. A worker that dies or hangs (past ``decode_timeout_s``) costs the image it was on;
-        the images queued behind it go to its replacement.
-        """
-        st, splitter = self.stats["preprocess"], self.engine.splitter
-        timeout_s = self.config.decode_timeout_s
-        crops = self.decoders.crops
-        n = len(workers)
-        pending = [collections.deque() for _ in range(n)]  # per worker: items sent, oldest first
-        queued = [0] * n  # per worker: bytes of the items sent and not answered
-        started = [0.0] * n  # when each worker began its oldest pending image
-        places = n * WORKER_DEPTH  # images that may be out at the workers at once
-
-        def pick(size: int):  # an idle worker first, else the shortest queue with room for the bytes
-            best, best_k = None, WORKER_DEPTH
-            for x in range(n):
-                k = len(pending[x])
-                if k == 0:
-                    return x
-                if k < best_k and queued[x] + size <= workers[x].queue_bytes:
-                    best, best_k = x, k
-            return best
-        outstanding, busy_since = 0, 0.0
-        idle = n  # workers with nothing out (kept as pending[w] empties and fills)
-        ended = False
-        inbox: collections.deque = collections.deque()  # items from the loader not yet handed out
-        take = self.loader.take
-        gbuf: list = []  # images routed to the GPU decoders, handed over GPU_CHUNK at a time
-
-        gq = self.gq
-
-        def gpu_room() -> bool:  # (the deque's length without the queue's lock: a hint, the put still waits)
-            return gq is not None and len(gq.queue) < gq.maxsize
-
-        def resend(w: int) -> None:  # the worker was replaced: its queued images go again
-            started[w] = time.perf_counter()
-            for it in pending[w]:
-                workers[w].send(it.data, it.pool_row, it.is_path)
-
-        # the sockets of the workers that owe replies, in one epoll set kept across waits
-        # (multiprocessing.connection.wait builds a new poll set per call: 19 us for 16 sockets)
-        sel = selectors.DefaultSelector()
-        watched: dict[int, tuple] = {}  # worker -> (its connection, fd) registered in sel
-
-        def watch(w: int) -> None:
-            """Register w's current connection while it owes replies, and only then. Called right
-            after every call that may replace w's process (and so close its socket)."""
-            conn, cur = workers[w].conn, watched.get(w)
-            if cur is not None and (cur[0] is not conn or not pending[w]):
-                try:
-                    sel.unregister(cur[1])
-                except (KeyError, ValueError, OSError):
-                    pass
-                del watched[w]
-                cur = None
-            if cur is None and pending[w]:
-                watched[w] = (conn, conn.fileno())
-                sel.register(watched[w][1], selectors.EVENT_READ, w)
-
-        try:
-            while not self.stop_event.is_set():
-                # hand out work while a worker or the GPU decoder has room. With the GPU decoder on,
-                # routing follows availability: an eligible JPEG goes to the GPU when every CPU
-                # worker is taken, so both decoders stay busy whatever their speeds (a split by
-                # measured rates starves the GPU of batch size when it starts slow)
-                while (outstanding < places or gpu_room()) and (inbox or not ended):
-                    if outstanding and not crops.free_rows():  # backpressure: collect replies meanwhile
-                        break
-                    if not inbox:  # the loader's next list of items
-                        c = self._get(self.q1, None if outstanding or gbuf else 0.05)
-                        if c is None:
-                            break
-                        if c is _END:
-                            ended = True
-                            break
-                        inbox.extend(take(c))
-                        now = time.perf_counter()
-                        st.waited(sum(now - it.t_queued for it in c) / len(c), len(c))
-                    if self.gpu_procs and not idle and GPU_SPILL_DEPTH <= 1 and gpu_room():
-                        # every CPU worker busy: the run of JPEGs at the inbox's head goes to the GPU
-                        # at once (this thread's per-image cost bounds the whole pipeline)
-                        k = 0
-                        for it in inbox:
-                            if not self._gpu_candidate(it):
-                                break
-                            k += 1
-                        if k:
-                            splitter.note(gpu=True, n=k)
-                            gbuf += [inbox.popleft() for _ in range(k)]
-                            if len(gbuf) >= GPU_CHUNK:
-                                self._to_gpu(gbuf)
-                                gbuf = []
-                            continue
-                    it = inbox.popleft()
-                    if it.error is not None:
-                        st.add(1, 0.0)
-                        it.data = None
-                        it.t_queued = time.perf_counter()
-                        self._put(self.q2, it)
-                        continue
-                    eligible = self.gq is not None and (self._gpu_candidate(it) if self.gpu_procs
-                                                        else self._gpu_eligible(it))
-                    # an image queues behind others only if it fits in the socket's buffer: a send
-                    # to a hung worker must never block this thread
-                    size = len(it.data) + 4
-                    w = pick(size)
-                    if w is None or (eligible and len(pending[w]) >= GPU_SPILL_DEPTH and gpu_room()):
-                        if eligible and gpu_room():
-                            splitter.note(gpu=True)
-                            gbuf.append(it)
-                            if len(gbuf) >= GPU_CHUNK:
-                                self._to_gpu(gbuf)
-                                gbuf = []
-                            continue
-                        if w is None:
-                            inbox.appendleft(it)  # waits for a worker with room
-                            break
-                    row = crops.acquire(self.stop_event.is_set)  # waits while the GPU holds all rows
-                    if row is None:
-                        break
-                    if eligible:
-                        splitter.note(gpu=False)
-                    it.pool_row = row
-                    now = time.perf_counter()
-                    if not pending[w]:
-                        started[w] = now
-                        idle -= 1
-                    if outstanding == 0:
-                        busy_since = now
-                    pending[w].append(it)
-                    queued[w] += size
-                    outstanding += 1
-                    workers[w].send(it.data, row, it.is_path)
-                    watch(w)
-                if gbuf:  # the GPU's images so far go now, before this thread waits
-                    self._to_gpu(gbuf)
-                    gbuf = []
-                if ended and not outstanding and not inbox:
-                    self._end_of_stream()
-                    return
-                if not outstanding:
-                    continue
-                ready = [key.data for key, _ in sel.select(0.002 if outstanding < places and not ended else 0.05)]
-                now = time.perf_counter()
-                stuck = [w for w in range(n) if pending[w] and w not in ready  # (a new worker's imports don't count)
-                         and now - max(started[w], workers[w].spawned + STARTUP_S) > timeout_s]
-                for w in ready + stuck:
-                    it = pending[w].popleft()
-                    idle += not pending[w]
-                    queued[w] -= len(it.data) + 4
-                    outstanding -= 1
-                    try:
-                        if w not in stuck:
-                            workers[w].receive()  # the crop is in crops.array[it.pool_row]
-                        else:  # a worker stuck on one image (a decoder hang) costs that image only
-                            raise workers[w].kill(f"decoding took longer than {timeout_s:g} s "
-                                                  "(decode_timeout_s): its worker process was replaced")
-                    except (ImageError, WorkerDied, LoadError) as e:  # worded like the thread path's errors
-                        it.error = str(e) if isinstance(e, LoadError) else f"{it.id}: {e}"
-                        crops.release([it.pool_row])
-                        it.pool_row = -1
-                        if isinstance(e, WorkerDied) and pending[w]:
-                            resend(w)
-                    watch(w)
-                    now = time.perf_counter()
-                    work = now - started[w]
-                    started[w] = now  # the next queued image starts now
-                    st.record(1, work, now - busy_since if outstanding == 0 else 0.0)
-                    if outstanding == 0:
-                        busy_since = now
-                    it.data = None
-                    it.t_queued = now
-                    self._put(self.q2, it)
-        finally:
-            sel.close()
-            for w in range(n):  # stopped mid-run: keep each worker's replies in step
-                for _ in pending[w]:
-                    if workers[w].discard_reply():
-                        break  # replaced: the new worker owes nothing
 
     def _preprocess_worker(self) -> None:
         cfg, st = self.config, self.stats["preprocess"]
