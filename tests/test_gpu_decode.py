@@ -629,7 +629,7 @@ def test_mps_server_running_looks_for_the_control_socket(tmp_path, monkeypatch):
     (nobody accepts) or its pid file naming a dead process mean no."""
     import socket
 
-    from fullthrottle.gpu_decode_procs import mps_server_running
+    from fullthrottle.mps import mps_server_running
 
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     assert not mps_server_running()
@@ -693,22 +693,3 @@ def test_gpu_decode_processes_default_follows_the_mps_server(tmp_path, monkeypat
     for bad in (17, -1, True, "8", 2.0):
         with pytest.raises(ValueError, match="gpu_decode_processes must be None .* or an integer in 0..16"):
             Config(gpu_decode=True, gpu_decode_processes=bad)
-
-
-def test_gpu_worker_nice_comes_from_the_environment_and_is_checked(monkeypatch):
-    """FULLTHROTTLE_GPU_WORKER_NICE: unset means 0; 0-19 taken as given; anything else is refused with
-    the variable named, by GpuDecoderPool before it starts a process (not as a failed start)."""
-    from fullthrottle.gpu_decode_procs import NICE_ENV, GpuDecoderPool, worker_nice
-    from fullthrottle.preprocess_procs import CropPool
-
-    monkeypatch.delenv(NICE_ENV, raising=False)
-    assert worker_nice() == 0
-    monkeypatch.setenv(NICE_ENV, " 5 ")
-    assert worker_nice() == 5
-    for bad in ("-1", "20", "x", "2.5"):
-        monkeypatch.setenv(NICE_ENV, bad)
-        with pytest.raises(ValueError, match=NICE_ENV):
-            worker_nice()
-    pool = CropPool(4, 8)
-    with pytest.raises(ValueError, match=NICE_ENV):
-        GpuDecoderPool(1, pool, crop_size=8)

@@ -54,3 +54,4 @@ def test_nothing_is_started_when_off_unavailable_or_failing(tmp_path, monkeypatc
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "live"))
     with mps.private_mps() as how:  # a user's server runs: it is used as it is
         assert how == "a server is running" and os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "live")
+

@@ -115,15 +115,13 @@ def _worker_stats(folder: str) -> dict | None:
 
 
 def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu_decode=False, warm_frac=0.25,
-                     preprocess="auto", gpu_procs=2, worker_nice=None,
+                     preprocess="auto", gpu_procs=2,
                      worker_stats=False, gpu_decoder="auto", py_spy=None, max_in_flight=None):
     import tempfile
 
     import fullthrottle.preprocess_procs as pp
     from fullthrottle import Config, Pipeline
 
-    nice0 = pp.WORKER_NICE
-    pp.WORKER_NICE = nice0 if worker_nice is None else worker_nice
     stats_dir = tempfile.mkdtemp(prefix="ft-worker-stats-") if worker_stats else None
     if stats_dir:
         os.environ[pp.STATS_ENV] = os.path.join(stats_dir, "w")
@@ -193,7 +191,6 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     workers_cpu_pct = 100 * (cpu1 - cpu0) / (window * len(pids)) if pids else None
     main_cores = (main1 - main0) / window
     main_threads = {k: round((v - thr0.get(k, 0.0)) / window, 3) for k, v in sorted(thr1.items())}
-    pp.WORKER_NICE = nice0
     os.environ.pop(pp.STATS_ENV, None)
     rep = pipe.last_report
     eng = pipe.engine
@@ -206,7 +203,7 @@ def run_fullthrottle(blobs, n, threads, batch, graphs=True, max_wait_ms=5.0, gpu
     pipe.close()
     worker_split = _worker_stats(stats_dir) if stats_dir else None
     return {"threads": threads, "preprocess": preprocess, "decoder_processes": n_procs,
-            "worker_nice": pp.WORKER_NICE if worker_nice is None else worker_nice,
+            "worker_nice": pp.WORKER_NICE,
             "worker_time_split": worker_split,
             "decoder_processes_cpu_pct": workers_cpu_pct, "main_process_cores": main_cores,
             "main_process_cores_by_thread": main_threads,
@@ -252,12 +249,6 @@ def main():
     ap.add_argument("--gpu-switch-intervals", default="",
                     help="with --gpu-decode: sys.setswitchinterval values (s) to try, e.g. 0.005,0.0005 (how long a "
                          "thread waiting for the GIL lets another run before asking for it; Python's default 0.005)")
-    ap.add_argument("--gpu-worker-syncs", default="",
-                    help="how the GPU decoder processes wait for the GPU, variants to try: spin,blocking "
-                         "(FULLTHROTTLE_GPU_WORKER_SYNC; default: the library's)")
-    ap.add_argument("--gpu-worker-nices", default="",
-                    help="niceness of the GPU decoder processes, variants to try, e.g. 0,3 "
-                         "(FULLTHROTTLE_GPU_WORKER_NICE; default: the library's, 0)")
     ap.add_argument("--pool-gathers", default="",
                     help="how the compute thread reads the crop pool, variants to try: mapped,copy "
                          "(FULLTHROTTLE_POOL_GATHER; mapped: one gather kernel reading the pinned pool in place)")
@@ -277,8 +268,6 @@ def main():
     ap.add_argument("--thread-decode", action="store_true",
                     help="also run fullthrottle with decoding in threads (preprocess='threads')")
     ap.add_argument("--ft-waits", default="", help="extra fullthrottle max_wait_ms values to try, e.g. 50")
-    ap.add_argument("--worker-nices", default="", help="extra runs with this niceness for the decoder "
-                    "processes, e.g. 0 (default: fullthrottle.preprocess_procs.WORKER_NICE)")
     ap.add_argument("--worker-stats", action="store_true", help="decoder processes report where their "
                     "time went (recv wait, preprocess wall/CPU, pool write, send; faults, switches)")
     ap.add_argument("--switch-interval", type=float, default=0.0,
@@ -290,7 +279,7 @@ def main():
 
 
 def run(args, mps) -> None:
-    from fullthrottle.gpu_decode_procs import mps_server_running
+    from fullthrottle.mps import mps_server_running
 
     global PY_SPY_S
     PY_SPY_S = args.py_spy_s
@@ -321,30 +310,22 @@ def run(args, mps) -> None:
         print(f"fullthrottle, {t} threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, t, args.batch))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
-    for v in [int(x) for x in args.worker_nices.split(",") if x]:
-        print(f"fullthrottle, decoder processes at nice {v} ...", flush=True)
-        extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, worker_nice=v,
-                                      worker_stats=args.worker_stats))
-        print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     if args.thread_decode:
         print("fullthrottle, decoding in threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, preprocess="threads"))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
     from fullthrottle.compute import POOL_GATHER_ENV
-    from fullthrottle.gpu_decode_procs import NICE_ENV, SYNC_ENV
 
-    variants = [(kind, t, b, g, si, sy, pg, mf, nv) for kind in args.gpu_decoders.split(",") if kind
+    variants = [(kind, t, b, g, si, pg, mf) for kind in args.gpu_decoders.split(",") if kind
                 for t in (args.nvimgcodec_threads.split(",") if kind != "nvjpeg" else [""])
                 for b in (args.nvimgcodec_backends.split(",") if kind != "nvjpeg" else [""])
                 for g in [None if x == "auto" else int(x) for x in args.gpu_procs.split(",") if x]
                 for si in ([float(x) for x in args.gpu_switch_intervals.split(",") if x] or [sys.getswitchinterval()])
-                for sy in (args.gpu_worker_syncs.split(",") if args.gpu_worker_syncs else [""])
                 for pg in (args.pool_gathers.split(",") if args.pool_gathers else [""])
                 for mf in ([int(x) for x in args.max_in_flights.split(",") if x] or [None])
-                for nv in (args.gpu_worker_nices.split(",") if args.gpu_worker_nices else [""])
                 ] if args.gpu_decode else []
     si0 = sys.getswitchinterval()
-    env0 = {k: os.environ.get(k) for k in (SYNC_ENV, POOL_GATHER_ENV, NICE_ENV)}  # the caller's settings
+    env0 = {k: os.environ.get(k) for k in (POOL_GATHER_ENV,)}  # the caller's settings
 
     def set_env(name: str, value: str) -> None:  # a variant's value, or "": the caller's setting
         if value:
@@ -353,17 +334,14 @@ def run(args, mps) -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = env0[name]
-    for vi, (kind, t, b, g, si, sy, pg, mf, nv) in enumerate(variants):
+    for vi, (kind, t, b, g, si, pg, mf) in enumerate(variants):
         sys.setswitchinterval(si)
-        set_env(SYNC_ENV, sy)
         set_env(POOL_GATHER_ENV, pg)
-        set_env(NICE_ENV, nv)
         os.environ["FULLTHROTTLE_NVIMGCODEC_THREADS"] = t  # nvImageCodec's CPU threads per decoder ("": one per core)
         os.environ["FULLTHROTTLE_NVIMGCODEC_BACKENDS"] = b  # its backends ("": the engines alone)
         print(f"fullthrottle, GPU decode ({kind}), {g} GPU decoder processes, nvImageCodec threads {t or 'default'} backends {b or 'hw'}, "
               f"switch interval {si * 1e3:g} ms, "
-              f"GPU worker sync {sy or 'default'}, pool gather {pg or 'default'}, max_in_flight {mf or 'default'}, "
-              f"GPU worker nice {nv or 'default'} ...", flush=True)
+              f"pool gather {pg or 'default'}, max_in_flight {mf or 'default'} ...", flush=True)
         try:
             last = vi == len(variants) - 1  # (py-spy's sampling costs some speed)
             spy = (os.path.join(args.py_spy, f"py_spy_{len(extra)}_{kind}_{g}.raw") if args.py_spy and last else None)
@@ -371,17 +349,13 @@ def run(args, mps) -> None:
                                           gpu_decoder=kind, py_spy=spy, max_in_flight=mf))
             extra[-1]["nvimgcodec_threads"] = t or "default"
             extra[-1]["nvimgcodec_backends"] = b or "hw"
-            extra[-1]["gpu_worker_sync"] = os.environ.get(SYNC_ENV, "default")
-            extra[-1]["gpu_worker_nice"] = os.environ.get(NICE_ENV, "0")
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' figures
             print(f"  failed: {type(e).__name__}: {e}", flush=True)
             extra.append({"gpu_decode": True, "gpu_decoder": kind, "gpu_decode_processes": g,
                           "error": f"{type(e).__name__}: {e}"[:500]})
             continue
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
-    set_env(SYNC_ENV, "")
     set_env(POOL_GATHER_ENV, "")
-    set_env(NICE_ENV, "")
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_THREADS", None)
     os.environ.pop("FULLTHROTTLE_NVIMGCODEC_BACKENDS", None)
     sys.setswitchinterval(si0)
@@ -415,7 +389,7 @@ def run(args, mps) -> None:
         if v.get("gpu_decode") and "error" not in v:
             print(f"  GPU decode ({v['gpu_decoder']}, nvImageCodec threads {v.get('nvimgcodec_threads')}), "
                   f"{v['gpu_decode_processes']} GPU decoder processes, "
-                  f"sync {v.get('gpu_worker_sync')}, pool {v.get('pool_gather')}: "
+                  f"pool {v.get('pool_gather')}: "
                   f"{v['img_per_s']:.0f} img/s, "
                   f"{v['gpu_share']:.0%} of eligible JPEGs on the GPU, GPU busy {v['gpu_util_mean_pct']:.0f}%")
 

@@ -17,6 +17,7 @@ import sys
 import time
 
 from .config import GPU_DECODERS, Config, usable_cores
+from .env import describe as describe_env
 from .models import DEFAULT_MODEL, MODELS
 
 SAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg", "motorcycle_left.png")
@@ -98,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fullthrottle",
         description="GPU inference that keeps the GPU busy: load (asyncio) -> preprocess (threads or "
                     "worker processes) -> "
-                    "dynamic batching -> model on the device -> top-k on the device.")
+                    "dynamic batching -> model on the device -> top-k on the device.",
+        epilog="Environment variables:\n" + describe_env(), formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser(
         "classify", help="classify images (files, folders, globs, URLs): EfficientNet-Lite0 or a ResNet",

@@ -19,7 +19,6 @@ code runs with plain tensors, no streams and no events.
 from __future__ import annotations
 
 import copy
-import os
 import threading
 import time
 import warnings
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import env
 from .config import Config
 from .decode import topk_probs
 from .gpu_decode import RateSplitter, crop_runs, make_gpu_decoder
@@ -219,7 +219,7 @@ def row_spans(rows, max_gap: int = 16) -> list[tuple[int, int]]:
 #: (:func:`mapped_on_device`: one gather kernel per batch); otherwise (the default) the rows go H2D by
 #: copy-engine copies into a device mirror, then a gather. The in-place gather lowers the compute
 #: stage's busy time but not the end-to-end rate, so it is not the default (see docs/performance.md).
-POOL_GATHER_ENV = "FULLTHROTTLE_POOL_GATHER"
+POOL_GATHER_ENV = env.POOL_GATHER
 
 _TYPESTR = {torch.uint8: "|u1", torch.int32: "<i4", torch.int64: "<i8"}
 
@@ -500,7 +500,7 @@ class Engine:
         self.crops = crops
         if self.cuda:
             pinned = crops.pin()
-            if pinned and os.environ.get(POOL_GATHER_ENV, "") == "mapped":
+            if pinned and env.get(env.POOL_GATHER) == "mapped":
                 self.mapped_crops = mapped_on_device(crops.tensor[:crops.rows].view(crops.rows, -1), self.device)
                 for slot in self.slots:
                     slot.mapped_rows = mapped_on_device(slot.host_rows, self.device) if self.mapped_crops is not None else None

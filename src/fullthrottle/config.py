@@ -12,6 +12,8 @@ from .models import DEFAULT_MODEL, INTERPOLATIONS, Transform, check_channels, tr
 DTYPES = ("float32", "bfloat16", "float16")
 #: values of ``Config.gpu_decoder`` (:func:`fullthrottle.gpu_decode.make_gpu_decoder`)
 GPU_DECODERS = ("auto", "hardware", "nvjpeg")
+#: batches a GPU decoder process holds at once: one decoding, the next waiting in its shared-memory slot
+GPU_PROCESS_DEPTH = 2
 
 
 #: Config field -> Transform field, for the input transform
@@ -77,7 +79,7 @@ class Config:
             torchvision serialises GPU decodes within one process. 0: one GPU decode thread in this
             process instead. Default (None): 8 when a CUDA MPS server is running (the processes'
             kernels then run at once), 6 otherwise (time-sliced contexts), decided where and when the
-            :class:`~fullthrottle.Pipeline` is made (:func:`~fullthrottle.gpu_decode_procs.default_processes`;
+            :class:`~fullthrottle.Pipeline` is made (:func:`~fullthrottle.mps.default_processes`;
             its ``config`` then holds the number). 8 under MPS: more processes decode faster; 6 when
             time-sliced: more contexts slow the GPU down (see docs/performance.md).
         fold_bn: on CUDA, fold each eval-mode BatchNorm into the convolution before it (the standard
@@ -264,14 +266,13 @@ class Config:
 
     @property
     def in_flight_limit(self) -> int:
-        from .gpu_decode_procs import DEPTH
 
         # batches out at the GPU decoder processes, and as many again queued for their next sends: with
         # one batch less, a process waits on the window, not on work (see docs/performance.md)
         n = self.gpu_decode_processes
         if n is None and self.gpu_decode:  # (what a Pipeline made now would start)
-            from .gpu_decode_procs import default_processes
+            from .mps import default_processes
 
             n = default_processes()
-        gpu = 2 * n * DEPTH if self.gpu_decode else 0
+        gpu = 2 * n * GPU_PROCESS_DEPTH if self.gpu_decode else 0
         return self.max_in_flight or ((4 + gpu) * self.max_batch_size + 2 * self.num_threads)

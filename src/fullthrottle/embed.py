@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -25,6 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .env import EMBED_MODEL
+from .env import get as getenv
 
 #: characters of a text that reach the tokenizer. The model reads at most ``max_seq_length`` tokens
 #: (256 for MiniLM), which real text covers in a few thousand characters (a WordPiece token spans at
@@ -113,7 +115,7 @@ def default_model_dir() -> Path:
     Raises:
         FileNotFoundError: the variable names a missing folder, or the package is not installed.
     """
-    env = os.environ.get("FULLTHROTTLE_EMBED_MODEL")
+    env = getenv(EMBED_MODEL) or None
     if env:
         if not (Path(env) / "config.json").is_file():
             raise FileNotFoundError(f"FULLTHROTTLE_EMBED_MODEL={env!r} is not a sentence-transformers model "

@@ -20,13 +20,13 @@ docs/performance.md), so on CUDA the preprocess threads only read headers and ro
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from . import env
 from .config import GPU_DECODERS
 from .preprocess import jpeg_info, jpeg_is_complete, resized_pixels, sniff
 
@@ -406,9 +406,9 @@ class HwJpegDecoder:
 
         self.device = torch.device(device)
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        threads = int(os.environ.get("FULLTHROTTLE_NVIMGCODEC_THREADS", "0") or 0)  # 0: one per core
+        threads = int(env.get(env.NVIMGCODEC_THREADS) or 0)  # 0: one per core
         backends = [nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k), load_hint=h)
-                    for k, h in parse_nvimgcodec_backends(os.environ.get("FULLTHROTTLE_NVIMGCODEC_BACKENDS", ""))]
+                    for k, h in parse_nvimgcodec_backends(env.get(env.NVIMGCODEC_BACKENDS))]
         self._dec = nvimgcodec.Decoder(device_id=index, max_num_cpu_threads=threads, backends=backends)
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False,
                                                color_spec=nvimgcodec.ColorSpec.RGB, allow_any_depth=False)

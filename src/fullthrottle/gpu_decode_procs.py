@@ -30,7 +30,6 @@ import mmap
 import os
 import signal
 import socket
-import stat
 import struct
 import subprocess
 import sys
@@ -41,7 +40,9 @@ from collections.abc import Sequence
 from multiprocessing import BufferTooShort
 from multiprocessing.connection import Connection
 
+from .config import GPU_PROCESS_DEPTH
 from .load import LoadError, read_local
+from .mps import mps_server_running
 from .preprocess_procs import (PATH_BIT, STARTUP_S, WORKER_PROCESS_GROUP, CropPool, WorkerDied, _shutdown,
                               exit_reason, worker_command)
 
@@ -55,123 +56,9 @@ _CMD = worker_command("gpu_decode_procs", "_gpu_worker_main")
 
 
 #: batches a GPU decoder process holds at once (one decoding, the next waiting in its arena slot)
-DEPTH = 2
+DEPTH = GPU_PROCESS_DEPTH
 #: bytes of each arena slot (a batch of encoded JPEGs larger than this goes inline on the socket)
 SLOT_BYTES = 32 << 20
-
-
-#: environment variable: how a GPU decoder process waits for the GPU. ``"blocking"``: it sleeps in the
-#: kernel until the stream is done (``CU_CTX_SCHED_BLOCKING_SYNC``), leaving the core to the CPU
-#: decoders; ``"spin"`` or unset: CUDA's default (it spins when there are fewer contexts than cores).
-SYNC_ENV = "FULLTHROTTLE_GPU_WORKER_SYNC"
-#: environment variable: niceness added to each GPU decoder process (unset or 0: the parent's), so
-#: that the main process's threads, whose per-image Python under one GIL bounds the pipeline, win a
-#: contended core. The default is 0: a higher niceness makes no difference beyond the spread between
-#: runs (see docs/performance.md).
-NICE_ENV = "FULLTHROTTLE_GPU_WORKER_NICE"
-
-
-def worker_nice() -> int:
-    """The niceness :data:`NICE_ENV` asks for (0 when unset).
-
-    Raises:
-        ValueError: it is not an integer from 0 to 19.
-    """
-    raw = os.environ.get(NICE_ENV, "").strip()
-    try:
-        n = int(raw or 0)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= 19:
-        raise ValueError(f"{NICE_ENV} must be an integer from 0 to 19, got {raw!r}")
-    return n
-
-
-def set_blocking_sync(device_index: int) -> bool:
-    """Make the device's primary CUDA context wait by sleeping instead of spinning
-    (``cuDevicePrimaryCtxSetFlags(CU_CTX_SCHED_BLOCKING_SYNC)``, CUDA driver API). Only takes effect
-    if called before the process first uses CUDA (before ``torch.cuda.set_device``, say).
-
-    Returns:
-        True if the driver accepted the flag; False without a CUDA driver or if it refused (the
-        process then keeps CUDA's default). Never raises.
-    """
-    import ctypes
-
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-        dev = ctypes.c_int()
-        if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), device_index) != 0:
-            return False
-        fn = getattr(cuda, "cuDevicePrimaryCtxSetFlags_v2", None) or cuda.cuDevicePrimaryCtxSetFlags
-        return fn(dev, 0x04) == 0  # CU_CTX_SCHED_BLOCKING_SYNC
-    except (OSError, AttributeError):
-        return False
-
-
-#: GPU decoder processes by default: as MPS clients, and time-slicing the GPU (Config.gpu_decode_processes)
-PROCESSES_MPS, PROCESSES_TIME_SLICED = 8, 6
-
-
-def default_processes(mps: bool | None = None) -> int:
-    """How many GPU decoder processes ``Config.gpu_decode_processes=None`` means:
-    :data:`PROCESSES_MPS` (8) when a CUDA MPS server is running (``mps=None``: ask
-    :func:`mps_server_running`), :data:`PROCESSES_TIME_SLICED` (6) otherwise. Under MPS their kernels
-    run at once and more processes decode faster; time-sliced, more contexts slow the GPU down (see
-    docs/performance.md)."""
-    if mps is None:
-        mps = mps_server_running()
-    return PROCESSES_MPS if mps else PROCESSES_TIME_SLICED
-
-
-def mps_server_running() -> bool:
-    """Whether a CUDA MPS control daemon serves the folder where this process's CUDA would look for it
-    (``$CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``). Then the GPU decoder processes
-    started now share the GPU as MPS clients, their kernels running at once, instead of
-    time-slicing it between one CUDA context each. Never raises.
-
-    The daemon writes ``nvidia-cuda-mps-control.pid`` there: a live process of that id means yes (a
-    file left by a killed daemon, no). Without that file, its ``control`` socket must accept a
-    connection (stream or seqpacket; a socket file nobody listens on does not count)."""
-    folder = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
-    pid_path = os.path.join(folder, "nvidia-cuda-mps-control.pid")
-    try:
-        # a regular file only (opening a FIFO would wait for a writer), read without blocking
-        fd = os.open(pid_path, os.O_RDONLY | os.O_NONBLOCK)
-        try:
-            pid = int(os.read(fd, 64).strip() or 0) if stat.S_ISREG(os.fstat(fd).st_mode) else 0
-        finally:
-            os.close(fd)
-    except (OSError, ValueError):
-        pid = 0
-    if 0 < pid < 1 << 31:  # (os.kill takes a C int: anything larger is not a process id)
-        try:
-            os.kill(pid, 0)  # (signal 0: only asks whether it exists)
-        except PermissionError:
-            return True  # another user's daemon, alive
-        except (OSError, OverflowError):
-            return False
-        return True
-    path = os.path.join(folder, "control")
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return False
-    if stat.S_ISFIFO(mode):  # (a named pipe: nothing to probe without talking to the daemon)
-        return True
-    if not stat.S_ISSOCK(mode):
-        return False
-    for kind in (socket.SOCK_STREAM, socket.SOCK_SEQPACKET):
-        s = socket.socket(socket.AF_UNIX, kind)
-        s.settimeout(1.0)
-        try:
-            s.connect(path)
-            return True
-        except OSError:
-            pass
-        finally:
-            s.close()
-    return False
 
 
 #: buffers per ``os.pwritev`` call (the system's IOV_MAX)
@@ -432,7 +319,7 @@ class GpuDecoderPool:
     hardware engines and nvJPEG's CUDA and CPU stages are different resources).
 
     Raises:
-        ValueError: a list of kinds that is not one per process, or a bad :data:`NICE_ENV`.
+        ValueError: a list of kinds that is not one per process.
         RuntimeError: a process could not start (no CUDA there, an import failed), with the cause.
     """
 
@@ -442,7 +329,6 @@ class GpuDecoderPool:
         kinds = [decoder] * n if isinstance(decoder, str) else list(decoder)
         if len(kinds) != n:
             raise ValueError(f"{len(kinds)} decoder kinds for {n} GPU decoder processes")
-        worker_nice()  # (a bad value fails here, named, not as a process that did not start)
         #: whether the processes start as clients of a CUDA MPS server (:func:`mps_server_running`)
         self.mps = mps_server_running()
         self.workers: list[GpuDecoderProcess] = []
@@ -483,11 +369,6 @@ def _gpu_worker_main(argv: list[str]) -> None:
     fd, pool_fd, device_index, resize_size, crop_size, max_pixels, pool_rows = (int(a) for a in argv[:7])
     kind, max_file_bytes, arena_fd, arena_bytes = argv[7], int(argv[8]), int(argv[9]), int(argv[10])
     arena = mmap.mmap(arena_fd, arena_bytes) if arena_fd >= 0 else None
-    if os.environ.get(SYNC_ENV, "") == "blocking":
-        set_blocking_sync(device_index)  # before anything touches CUDA
-    nice = worker_nice()  # (checked by the parent before it started this process)
-    if nice:
-        os.nice(nice)
     import torch
 
     torch.set_num_threads(1)

@@ -30,6 +30,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import env
+
 try:
     import triton
     import triton.language as tl
@@ -43,7 +45,7 @@ def use_triton(t: torch.Tensor) -> bool:
     """True when the Triton kernels run for tensors like ``t``: Triton importable, ``t`` on CUDA (or
     Triton's interpreter on), and ``FULLTHROTTLE_TRITON`` not ``0``."""
     return (triton is not None and (t.is_cuda or _INTERPRET)
-            and os.environ.get("FULLTHROTTLE_TRITON", "1") != "0")
+            and env.get(env.TRITON) != "0")
 
 
 # -- references (plain PyTorch) ------------------------------------------------------------------

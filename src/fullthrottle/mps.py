@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
+import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -45,8 +47,6 @@ def private_mps(enabled: bool = True) -> Iterator[str]:
     """``with private_mps() as how:`` CUDA in the block (this process and the processes it starts)
     runs as clients of a private MPS server; ``how`` says what was done (for a note): ``"started"``,
     or why not (``"off"``, ``"a server is running"``, ``"no NVIDIA driver"``, ``"... did not start: ..."``)."""
-    from .gpu_decode_procs import mps_server_running
-
     if not enabled:
         yield "off"
         return
@@ -84,3 +84,68 @@ def private_mps(enabled: bool = True) -> Iterator[str]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+#: GPU decoder processes by default: as MPS clients, and time-slicing the GPU (Config.gpu_decode_processes)
+PROCESSES_MPS, PROCESSES_TIME_SLICED = 8, 6
+
+
+def default_processes(mps: bool | None = None) -> int:
+    """How many GPU decoder processes ``Config.gpu_decode_processes=None`` means:
+    :data:`PROCESSES_MPS` (8) when a CUDA MPS server is running (``mps=None``: ask
+    :func:`mps_server_running`), :data:`PROCESSES_TIME_SLICED` (6) otherwise. Under MPS their kernels
+    run at once and more processes decode faster; time-sliced, more contexts slow the GPU down (see
+    docs/performance.md)."""
+    if mps is None:
+        mps = mps_server_running()
+    return PROCESSES_MPS if mps else PROCESSES_TIME_SLICED
+
+
+def mps_server_running() -> bool:
+    """Whether a CUDA MPS control daemon serves the folder where this process's CUDA would look for it
+    (``$CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``). Then the GPU decoder processes
+    started now share the GPU as MPS clients, their kernels running at once, instead of
+    time-slicing it between one CUDA context each. Never raises.
+
+    The daemon writes ``nvidia-cuda-mps-control.pid`` there: a live process of that id means yes (a
+    file left by a killed daemon, no). Without that file, its ``control`` socket must accept a
+    connection (stream or seqpacket; a socket file nobody listens on does not count)."""
+    folder = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    pid_path = os.path.join(folder, "nvidia-cuda-mps-control.pid")
+    try:
+        # a regular file only (opening a FIFO would wait for a writer), read without blocking
+        fd = os.open(pid_path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            pid = int(os.read(fd, 64).strip() or 0) if stat.S_ISREG(os.fstat(fd).st_mode) else 0
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        pid = 0
+    if 0 < pid < 1 << 31:  # (os.kill takes a C int: anything larger is not a process id)
+        try:
+            os.kill(pid, 0)  # (signal 0: only asks whether it exists)
+        except PermissionError:
+            return True  # another user's daemon, alive
+        except (OSError, OverflowError):
+            return False
+        return True
+    path = os.path.join(folder, "control")
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    if stat.S_ISFIFO(mode):  # (a named pipe: nothing to probe without talking to the daemon)
+        return True
+    if not stat.S_ISSOCK(mode):
+        return False
+    for kind in (socket.SOCK_STREAM, socket.SOCK_SEQPACKET):
+        s = socket.socket(socket.AF_UNIX, kind)
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+            return True
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return False

@@ -35,13 +35,12 @@ from .batch import Batch, Batcher
 from .cpu_feed import feed_cpu_decoders
 from .gpu_feed import GPU_CHUNK, feed_gpu_process, gpu_decode_thread
 from .compute import Engine
-from .config import Config, usable_cores
+from .config import GPU_PROCESS_DEPTH, Config, usable_cores
 from .decode import Result
 from .gpumon import GpuMonitor, nvtx_range
 from .load import Item, Loader
 from .gpu_decode import gpu_eligible
 from .preprocess import ImageError, allow_pillow_pixels, preprocess
-from .gpu_decode_procs import DEPTH as GPU_DEPTH
 from .preprocess_procs import DecoderPool
 from .report import Report, StageStats
 
@@ -512,7 +511,7 @@ class Pipeline:
         if overrides:
             config = replace(config, **overrides)
         if config.gpu_decode and config.gpu_decode_processes is None:  # decided here, on this machine
-            from .gpu_decode_procs import default_processes
+            from .mps import default_processes
 
             config = replace(config, gpu_decode_processes=default_processes())
         config = config.for_model(model)  # the model's own resize, crop and normalisation
@@ -539,7 +538,7 @@ class Pipeline:
             # forming, and out at the GPU decoder processes needs (a larger max_in_flight keeps more
             # items queued ahead of the decoders, not more pinned memory than that)
             rows = min(config.in_flight_limit,
-                       2 * ((config.staging_slots + 3 + n_gpu * GPU_DEPTH) * config.max_batch_size + 2 * n))
+                       2 * ((config.staging_slots + 3 + n_gpu * GPU_PROCESS_DEPTH) * config.max_batch_size + 2 * n))
             self.decoders = DecoderPool(n, config.resize_size, config.crop_size, config.max_image_pixels,
                                         rows=rows, max_file_bytes=config.max_file_bytes)
             try:

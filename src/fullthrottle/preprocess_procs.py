@@ -40,6 +40,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from . import env
 from .load import LoadError, read_local
 from .preprocess import ImageError, preprocess
 
@@ -65,7 +66,7 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(16 << 20), "MALLOC_TRIM_THRESHOLD_":
 #: environment variable: when set to a path prefix, each worker writes ``<prefix>.<pid>.json`` on exit
 #: with where its time went (seconds blocked in recv, in preprocess (wall and CPU), writing the crop,
 #: in send; images; page faults and context switches) -- for benchmarks, off by default
-STATS_ENV = "FULLTHROTTLE_WORKER_STATS"
+STATS_ENV = env.WORKER_STATS
 
 
 #: worker processes start in a process group of their own (``Popen(process_group=0)``): a terminal's
@@ -514,7 +515,7 @@ def _worker_main(argv: list[str]) -> None:
     crops = np.frombuffer(mmap.mmap(pool_fd, pool_rows * crop_size * crop_size * 3), np.uint8).reshape(
         pool_rows, crop_size, crop_size, 3)
     conn = Connection(fd)
-    stats_path = os.environ.get(STATS_ENV)
+    stats_path = env.get(env.WORKER_STATS)
     if stats_path:
         return _worker_loop_timed(conn, crops, resize_size, crop_size, max_pixels, max_file_bytes,
                                   f"{stats_path}.{os.getpid()}.json")

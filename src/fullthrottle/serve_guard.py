@@ -15,8 +15,10 @@ import asyncio
 import hmac
 import os
 
+from .env import API_KEY
+
 #: environment variable with API keys for ``fullthrottle serve`` (comma-separated), besides --api-key
-API_KEY_ENV = "FULLTHROTTLE_API_KEY"
+API_KEY_ENV = API_KEY  #: (declared in fullthrottle.env)
 
 
 class HTTPError(Exception):
