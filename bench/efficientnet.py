@@ -58,7 +58,8 @@ def peer(path: str, big: int) -> dict:
         del g
         mb = m32.to(torch.bfloat16).to(memory_format=torch.channels_last)
         xb = torch.randn(big, 3, 224, 224, device="cuda", dtype=torch.bfloat16).contiguous(
-            memory_format=torch.channels_last)
+            memory_format=torch.channels_last
+        )
         out[f"batch{big}_bf16_cl_eager"] = big / warm_time(lambda: mb(xb), 30)
         g = capture_graph(lambda: mb(xb))
         out[f"batch{big}_bf16_cl_graph"] = big / warm_time(g.replay, 60)
@@ -92,8 +93,16 @@ def product(batches: list[int], **cfg) -> dict:
             times.append(time.perf_counter() - t)
         rows[bs] = bs * iters / statistics.median(times)
         print(f"  product {cfg or 'default'} batch {bs}: {rows[bs]:.0f} img/s", flush=True)
-    res = {"img_per_s": rows, "engine_build_s": build_s, "capture_total_s": info.total_capture_s,
-           "capture_ms_per_bucket": info.capture_ms, "bn_folded": eng.bn_folded, "fused_form": eng.model_fused is not None, "kept": info.variant, "graph_info": info.format()}
+    res = {
+        "img_per_s": rows,
+        "engine_build_s": build_s,
+        "capture_total_s": info.total_capture_s,
+        "capture_ms_per_bucket": info.capture_ms,
+        "bn_folded": eng.bn_folded,
+        "fused_form": eng.model_fused is not None,
+        "kept": info.variant,
+        "graph_info": info.format(),
+    }
     del eng
     torch.cuda.empty_cache()
     return res
@@ -106,15 +115,21 @@ def accuracy() -> dict:
     paths = sorted(SAMPLES.glob("*.JPEG"))
     truth = [true_label(p) for p in paths]
     runs = {}
-    for name, cfg in (("fp32_eager", dict(dtype="float32", graphs=False, fold_bn=False)),
-                      ("bf16_graphs", dict(dtype="bfloat16"))):
+    for name, cfg in (
+        ("fp32_eager", dict(dtype="float32", graphs=False, fold_bn=False)),
+        ("bf16_graphs", dict(dtype="bfloat16")),
+    ):
         with Pipeline(Config(device="cuda", max_batch_size=64, **cfg)) as pipe:
             res = pipe.classify(paths)
         runs[name] = [r.labels[0] if r.ok else None for r in res]
     ref = runs["fp32_eager"]
-    return {name: {"top1": float(np.mean([a == t for a, t in zip(labs, truth)])),
-                   "top1_agreement_with_fp32_eager": float(np.mean([a == b for a, b in zip(labs, ref)]))}
-            for name, labs in runs.items()}
+    return {
+        name: {
+            "top1": float(np.mean([a == t for a, t in zip(labs, truth)])),
+            "top1_agreement_with_fp32_eager": float(np.mean([a == b for a, b in zip(labs, ref)])),
+        }
+        for name, labs in runs.items()
+    }
 
 
 def main():
@@ -129,9 +144,12 @@ def main():
 
     batches = [int(b) for b in args.batches.split(",")]
     _, path = load_model("efficientnet_lite0")
-    payload = {"benchmark": "efficientnet_lite0", "machine": machine_info(),
-               "inputs": "random uint8 crops (speed); the 200 ImageNet samples (accuracy)",
-               "peer": "efficientnet_lite_pytorch 0.1.0 (reference implementation), same weights"}
+    payload = {
+        "benchmark": "efficientnet_lite0",
+        "machine": machine_info(),
+        "inputs": "random uint8 crops (speed); the 200 ImageNet samples (accuracy)",
+        "peer": "efficientnet_lite_pytorch 0.1.0 (reference implementation), same weights",
+    }
     payload["peer_img_per_s"] = peer(str(path), max(batches))
     print("peer:", payload["peer_img_per_s"], flush=True)
     payload["product"] = product(batches)

@@ -89,13 +89,22 @@ def main():
         t = time.perf_counter()
         st.encode(short)
         st_lat.append(time.perf_counter() - t)
-    payload = {"benchmark": "embed_minilm", "machine": machine_info(), "device": dev, "dtype": str(emb.dtype),
-               "texts": len(texts), "words_median": words[len(words) // 2], "words_p90": words[int(len(words) * .9)],
-               "fullthrottle_texts_per_s": len(texts) / ours_s,
-               "fullthrottle_pass_s": runs, "tokenize_only_texts_per_s": len(texts) / statistics.median(tok),
-               "fullthrottle_one_short_text_ms": 1e3 * statistics.median(lat),
-               "sentence_transformers_one_short_text_ms": 1e3 * statistics.median(st_lat),
-               "min_cosine_vs_sentence_transformers": float(cosine(ours, ref).min()), **rows}
+    payload = {
+        "benchmark": "embed_minilm",
+        "machine": machine_info(),
+        "device": dev,
+        "dtype": str(emb.dtype),
+        "texts": len(texts),
+        "words_median": words[len(words) // 2],
+        "words_p90": words[int(len(words) * 0.9)],
+        "fullthrottle_texts_per_s": len(texts) / ours_s,
+        "fullthrottle_pass_s": runs,
+        "tokenize_only_texts_per_s": len(texts) / statistics.median(tok),
+        "fullthrottle_one_short_text_ms": 1e3 * statistics.median(lat),
+        "sentence_transformers_one_short_text_ms": 1e3 * statistics.median(st_lat),
+        "min_cosine_vs_sentence_transformers": float(cosine(ours, ref).min()),
+        **rows,
+    }
     write_json(args.out, payload)
     print({k: v for k, v in payload.items() if k != "machine"})
 

@@ -80,8 +80,21 @@ def _cpu_s(pid: int) -> float | None:
 def run_cli(folder: Path, extra: list[str], tmp: Path) -> dict:
     rep = tmp / "report.json"
     rep.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "fullthrottle.cli", "classify", str(folder), "--device", "cuda",
-           "--no-progress", "--out", str(tmp / "out.jsonl"), "--report-json", str(rep), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fullthrottle.cli",
+        "classify",
+        str(folder),
+        "--device",
+        "cuda",
+        "--no-progress",
+        "--out",
+        str(tmp / "out.jsonl"),
+        "--report-json",
+        str(rep),
+        *extra,
+    ]
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samples = []  # (seconds since start, CPU seconds of the main process)
@@ -101,8 +114,14 @@ def run_cli(folder: Path, extra: list[str], tmp: Path) -> dict:
     r = json.loads(rep.read_text()) if rep.exists() else {}
     peak = max(((c1 - c0) / (t1 - t0_) for (t0_, c0), (t1, c1) in zip(samples, samples[10:])), default=None)
     print(" ".join(cmd[3:]), "->", p.returncode, stderr[-1500:], flush=True)
-    return {"command": "fullthrottle " + " ".join(cmd[3:]), "exit": p.returncode, "wall_s_with_startup": wall,
-            "main_process_cores_peak_5s": peak, "report": r, "stderr_tail": stderr[-3000:]}
+    return {
+        "command": "fullthrottle " + " ".join(cmd[3:]),
+        "exit": p.returncode,
+        "wall_s_with_startup": wall,
+        "main_process_cores_peak_5s": peak,
+        "report": r,
+        "stderr_tail": stderr[-3000:],
+    }
 
 
 class Files(torch.utils.data.Dataset):
@@ -130,21 +149,36 @@ def dataloader_loop(paths: list[Path], model_name: str, workers: int, batch: int
     model = model.cuda().to(torch.bfloat16).to(memory_format=torch.channels_last)
     mean = torch.tensor(t.mean, device="cuda").view(1, 3, 1, 1) * 255
     std = torch.tensor(t.std, device="cuda").view(1, 3, 1, 1) * 255
-    dl = torch.utils.data.DataLoader(Files(paths), batch_size=batch, num_workers=workers, pin_memory=True,
-                                     persistent_workers=False, prefetch_factor=4)
+    dl = torch.utils.data.DataLoader(
+        Files(paths),
+        batch_size=batch,
+        num_workers=workers,
+        pin_memory=True,
+        persistent_workers=False,
+        prefetch_factor=4,
+    )
     n, t0, t_warm, n_warm = 0, time.perf_counter(), None, 0
     with torch.inference_mode():
         for x in dl:
-            x = ((x.cuda(non_blocking=True).float() - mean) / std).to(torch.bfloat16).contiguous(
-                memory_format=torch.channels_last)
+            x = (
+                ((x.cuda(non_blocking=True).float() - mean) / std)
+                .to(torch.bfloat16)
+                .contiguous(memory_format=torch.channels_last)
+            )
             model(x).float().softmax(-1).topk(5)[1].cpu()
             n += len(x)
             if t_warm is None and n >= len(paths) // 4:
                 t_warm, n_warm = time.perf_counter(), n
     t1 = time.perf_counter()
-    return {"images": n, "img_per_s_whole": n / (t1 - t0), "img_per_s_after_first_quarter": (n - n_warm) / (t1 - t_warm),
-            "workers": workers, "batch": batch, "reader": "PIL + torchvision v2 Resize(256)+CenterCrop(224)",
-            "model": f"{model_name} bf16 channels_last eager"}
+    return {
+        "images": n,
+        "img_per_s_whole": n / (t1 - t0),
+        "img_per_s_after_first_quarter": (n - n_warm) / (t1 - t_warm),
+        "workers": workers,
+        "batch": batch,
+        "reader": "PIL + torchvision v2 Resize(256)+CenterCrop(224)",
+        "model": f"{model_name} bf16 channels_last eager",
+    }
 
 
 #: the runs of record: (folder kind, "dataloader" or the CLI's arguments after the folder)
@@ -182,9 +216,11 @@ def main():
         if kind not in payload["folders"]:
             t0 = time.perf_counter()
             size = make_folder(folder, args.n, kind)
-            payload["folders"][kind] = (f"{args.n} distinct JPEG files ({size / 1e9:.2f} GB, page cache), "
-                                        f"{'640x480' if kind == '640x480' else 'longer side 64-2000 px'}, made "
-                                        "from the 200 ImageNet samples (random crop, flip, quality 75-95)")
+            payload["folders"][kind] = (
+                f"{args.n} distinct JPEG files ({size / 1e9:.2f} GB, page cache), "
+                f"{'640x480' if kind == '640x480' else 'longer side 64-2000 px'}, made "
+                "from the 200 ImageNet samples (random crop, flip, quality 75-95)"
+            )
             print(f"{kind}: {args.n} files, {size / 1e9:.2f} GB, made in {time.perf_counter() - t0:.0f} s", flush=True)
         if what.startswith("dataloader "):
             r = dataloader_loop(sorted(folder.glob("*.jpg")), what.split()[1], args.workers)
@@ -194,8 +230,11 @@ def main():
         write_json(args.out, payload)  # after every run: a later one that fails leaves the earlier ones
         rep = r.get("report", {})
         rate = r.get("img_per_s_after_first_quarter") or rep.get("images_per_s")
-        print(f"{name:>44}: {rate or 0:.0f} img/s  GPU {rep.get('gpu_util_mean_pct')}  "
-              f"main cores {r.get('main_process_cores_peak_5s')}  {rep.get('verdict', '')}", flush=True)
+        print(
+            f"{name:>44}: {rate or 0:.0f} img/s  GPU {rep.get('gpu_util_mean_pct')}  "
+            f"main cores {r.get('main_process_cores_peak_5s')}  {rep.get('verdict', '')}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

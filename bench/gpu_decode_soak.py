@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import jpegs_640x480, machine_info, mps_clients, write_json  # noqa: E402
+
 from fullthrottle.config import GPU_DECODERS  # noqa: E402
 
 
@@ -38,11 +39,15 @@ def memory() -> dict:
             rss[kind + "_uss"] += m.uss
         except psutil.Error:  # exited meanwhile
             pass
-    out = {"host_rss_bytes": me.memory_info().rss,
-           "cpu_decoder_processes_rss_bytes": rss["cpu"], "gpu_decoder_processes_rss_bytes": rss["gpu"],
-           "cpu_decoder_processes_uss_bytes": rss["cpu_uss"], "gpu_decoder_processes_uss_bytes": rss["gpu_uss"],
-           "cuda_allocated_bytes": torch.cuda.memory_allocated(),
-           "cuda_reserved_bytes": torch.cuda.memory_reserved()}
+    out = {
+        "host_rss_bytes": me.memory_info().rss,
+        "cpu_decoder_processes_rss_bytes": rss["cpu"],
+        "gpu_decoder_processes_rss_bytes": rss["gpu"],
+        "cpu_decoder_processes_uss_bytes": rss["cpu_uss"],
+        "gpu_decoder_processes_uss_bytes": rss["gpu_uss"],
+        "cuda_allocated_bytes": torch.cuda.memory_allocated(),
+        "cuda_reserved_bytes": torch.cuda.memory_reserved(),
+    }
     try:
         import pynvml
 
@@ -58,8 +63,11 @@ def main():
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--every", type=int, default=10_000)
     ap.add_argument("--gpu-decoder", default="auto", choices=GPU_DECODERS)
-    ap.add_argument("--mps", action="store_true", help="run as clients of a CUDA MPS server started here "
-                    "(as bench/e2e_cpu_decode.py --mps)")
+    ap.add_argument(
+        "--mps",
+        action="store_true",
+        help="run as clients of a CUDA MPS server started here (as bench/e2e_cpu_decode.py --mps)",
+    )
     ap.add_argument("--out", default="bench/results/gpu_decode_soak.json")
     args = ap.parse_args()
     with mps_clients(args.mps):  # before this process's first CUDA call
@@ -72,8 +80,17 @@ def run(args) -> None:
     from fullthrottle import Config, Pipeline
 
     blobs = jpegs_640x480()
-    pipe = Pipeline(Config(model="resnet18", device="cuda", dtype="bfloat16", max_batch_size=128,
-                           threads=16, gpu_decode=True, gpu_decoder=args.gpu_decoder))
+    pipe = Pipeline(
+        Config(
+            model="resnet18",
+            device="cuda",
+            dtype="bfloat16",
+            max_batch_size=128,
+            threads=16,
+            gpu_decode=True,
+            gpu_decoder=args.gpu_decoder,
+        )
+    )
     list(pipe.run([blobs[i % len(blobs)] for i in range(5000)]))  # warm-up: pools, graphs, nvJPEG state
     samples = [{"images": 0, "t_s": 0.0, **memory()}]
     t0 = time.perf_counter()
@@ -85,12 +102,20 @@ def run(args) -> None:
             samples.append({"images": seen, "t_s": time.perf_counter() - t0, **memory()})
             print(samples[-1], flush=True)
     first, last = samples[0], samples[-1]
-    payload = {"benchmark": "gpu_decode_soak", "machine": machine_info(), "mps": args.mps, "images": seen, "failed": failed,
-               "img_per_s": seen / (time.perf_counter() - t0), "gpu_share": pipe.engine.splitter.routed_gpu_share,
-               "gpu_decoder": pipe.engine.gpu_decoder.kind, "gpu_decode_summary": pipe.last_report.gpu_decode,
-               "gpu_decoder_processes": len(pipe.gpu_decoders) if pipe.gpu_decoders is not None else 0,
-               "growth_bytes": {k: last[k] - first[k] for k in first if k.endswith("_bytes")},
-               "samples": samples}
+    payload = {
+        "benchmark": "gpu_decode_soak",
+        "machine": machine_info(),
+        "mps": args.mps,
+        "images": seen,
+        "failed": failed,
+        "img_per_s": seen / (time.perf_counter() - t0),
+        "gpu_share": pipe.engine.splitter.routed_gpu_share,
+        "gpu_decoder": pipe.engine.gpu_decoder.kind,
+        "gpu_decode_summary": pipe.last_report.gpu_decode,
+        "gpu_decoder_processes": len(pipe.gpu_decoders) if pipe.gpu_decoders is not None else 0,
+        "growth_bytes": {k: last[k] - first[k] for k in first if k.endswith("_bytes")},
+        "samples": samples,
+    }
     pipe.close()
     write_json(args.out, payload)
     print({k: v for k, v in payload.items() if k not in ("machine", "samples")})

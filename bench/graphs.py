@@ -66,7 +66,8 @@ def main():
     with torch.inference_mode():
         for bs in batches:
             x = torch.randn(bs, 3, 224, 224, device="cuda", dtype=torch.bfloat16).contiguous(
-                memory_format=torch.channels_last)
+                memory_format=torch.channels_last
+            )
             eager_s = time_loop(lambda: model(x), iters_for(bs))
             g = capture_graph(lambda: model(x), warmup=2)
             graph_s = time_loop(g.replay, iters_for(bs))
@@ -81,8 +82,18 @@ def main():
     for fold in (True, False):
         key = "fullthrottle_pinned_u8_img_per_s" if fold else "fullthrottle_unfolded_bn_img_per_s"
         t0 = time.perf_counter()
-        eng = Engine(Config(model=model, device="cuda", dtype="bfloat16", channels_last=True, graphs=True,
-                            fold_bn=fold, max_batch_size=max(batches), staging_slots=3))
+        eng = Engine(
+            Config(
+                model=model,
+                device="cuda",
+                dtype="bfloat16",
+                channels_last=True,
+                graphs=True,
+                fold_bn=fold,
+                max_batch_size=max(batches),
+                staging_slots=3,
+            )
+        )
         if fold:
             build_s, info = time.perf_counter() - t0, eng.runner.info
             print(info.format(), "BN folded:", eng.bn_folded, flush=True)
@@ -108,19 +119,27 @@ def main():
             print(row, flush=True)
         del eng
         torch.cuda.empty_cache()
-    payload = {"benchmark": "graphs_resnet18", "machine": machine_info(),
-               "model": "resnet18 bf16 channels_last, random weights; inputs random",
-               "product_api": "Engine(graphs=True): pinned uint8 -> H2D copy stream -> graph(normalise+model+"
-                              "softmax+top5) -> D2H pinned, 3 slots in flight; BatchNorm folded into the "
-                              "convs (default fold_bn=True; the unfolded column runs the raw columns' model)",
-               "capture_ms_per_bucket": info.capture_ms, "capture_total_s": info.total_capture_s,
-               "engine_build_s": build_s, "graph_pool_bytes": info.pool_bytes, "rows": rows}
+    payload = {
+        "benchmark": "graphs_resnet18",
+        "machine": machine_info(),
+        "model": "resnet18 bf16 channels_last, random weights; inputs random",
+        "product_api": "Engine(graphs=True): pinned uint8 -> H2D copy stream -> graph(normalise+model+"
+        "softmax+top5) -> D2H pinned, 3 slots in flight; BatchNorm folded into the "
+        "convs (default fold_bn=True; the unfolded column runs the raw columns' model)",
+        "capture_ms_per_bucket": info.capture_ms,
+        "capture_total_s": info.total_capture_s,
+        "engine_build_s": build_s,
+        "graph_pool_bytes": info.pool_bytes,
+        "rows": rows,
+    }
     write_json(args.out, payload)
     print(f"{'batch':>6}{'eager':>10}{'raw graph':>11}{'product':>10}{'unfolded':>10}{'graph/eager':>13}")
     for r in rows:
-        print(f"{r['batch']:>6}{r['eager_img_per_s']:>10.0f}{r['raw_graph_img_per_s']:>11.0f}"
-              f"{r['fullthrottle_pinned_u8_img_per_s']:>10.0f}{r['fullthrottle_unfolded_bn_img_per_s']:>10.0f}"
-              f"{r['graph_over_eager']:>13.2f}")
+        print(
+            f"{r['batch']:>6}{r['eager_img_per_s']:>10.0f}{r['raw_graph_img_per_s']:>11.0f}"
+            f"{r['fullthrottle_pinned_u8_img_per_s']:>10.0f}{r['fullthrottle_unfolded_bn_img_per_s']:>10.0f}"
+            f"{r['graph_over_eager']:>13.2f}"
+        )
     print(f"capture of {len(info.capture_ms)} buckets: {info.total_capture_s:.2f} s")
 
 

@@ -50,8 +50,15 @@ def main():
         gen.generate(prompts, max_new_tokens=8)  # warm-up
         st = GenerateStats()
         gen.generate(prompts, max_new_tokens=new, stats=st)
-        rows.append({"batch": b, "new_tokens_per_row": new, "tok_per_s": st.tokens_per_s,
-                     "prefill_s": st.prefill_s, "decode_s": st.decode_s})
+        rows.append(
+            {
+                "batch": b,
+                "new_tokens_per_row": new,
+                "tok_per_s": st.tokens_per_s,
+                "prefill_s": st.prefill_s,
+                "decode_s": st.decode_s,
+            }
+        )
         print(rows[-1], flush=True)
     hf = None
     if not args.no_hf:
@@ -70,10 +77,19 @@ def main():
         torch.cuda.synchronize()
         hf = {"batch": 1, "tok_per_s": (out.shape[1] - 128) / (time.perf_counter() - t)}
         print("transformers eager", hf, flush=True)
-    write_json(args.out, {"benchmark": "llm_llama2_7b", "machine": machine_info(),
-                          "model": "Llama-2-7B shape, bf16, random weights", "init_s": init_s,
-                          "graph_capture_s": capture_s, "buckets": list(gen_buckets),
-                          "rows": rows, "baseline_transformers_eager": hf})
+    write_json(
+        args.out,
+        {
+            "benchmark": "llm_llama2_7b",
+            "machine": machine_info(),
+            "model": "Llama-2-7B shape, bf16, random weights",
+            "init_s": init_s,
+            "graph_capture_s": capture_s,
+            "buckets": list(gen_buckets),
+            "rows": rows,
+            "baseline_transformers_eager": hf,
+        },
+    )
 
 
 if __name__ == "__main__":

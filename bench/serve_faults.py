@@ -81,8 +81,9 @@ def main() -> None:
     args = ap.parse_args()
     photos = [p.read_bytes() for p in sorted(SAMPLES.glob("*.JPEG"))]
     cmd = [sys.executable, "-m", "fullthrottle.cli", "serve", "--port", "0", *args.server_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
+    )
     log: list[str] = []
     url, deadline = None, time.time() + 300
     while url is None and time.time() < deadline and proc.poll() is None:
@@ -106,15 +107,20 @@ def main() -> None:
                 while pause.is_set():
                     time.sleep(0.05)
                 try:
-                    r = c.post(url + "/v1/classify", content=photos[i % len(photos)],
-                               headers={"content-type": "image/jpeg", "connection": modes[k % 2]})
+                    r = c.post(
+                        url + "/v1/classify",
+                        content=photos[i % len(photos)],
+                        headers={"content-type": "image/jpeg", "connection": modes[k % 2]},
+                    )
                     got = (r.status_code, r.json().get("detail", "") if r.status_code != 200 else "")
                 except httpx.ConnectError:
                     got = ("refused", "")
                 except httpx.HTTPError as e:
                     raced = modes[k % 2] == "keep-alive" and time.time() > t_term[0]
-                    got = ("raced" if raced else "lost", f"{type(e).__name__} {time.time() - t_term[0]:+.2f} s "
-                                                         f"from SIGTERM, connection {modes[k % 2]}")
+                    got = (
+                        "raced" if raced else "lost",
+                        f"{type(e).__name__} {time.time() - t_term[0]:+.2f} s from SIGTERM, connection {modes[k % 2]}",
+                    )
                 with lock:
                     outcomes.append(got)
                 if got[0] == "refused":
@@ -126,8 +132,10 @@ def main() -> None:
             for body in (photos[0][:1000], photos[1]):  # mid-body; whole body, then gone before the answer
                 s = socket.create_connection((host, int(port)))
                 n = len(photos[0]) if len(body) == 1000 else len(body)
-                s.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
-                          b"Content-Length: %d\r\n\r\n" % n + body)
+                s.sendall(
+                    b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                    b"Content-Length: %d\r\n\r\n" % n + body
+                )
                 s.close()
 
     def snapshot() -> float:
@@ -176,15 +184,34 @@ def main() -> None:
     statuses = [o[0] for o in outcomes]
     counts = {str(s): statuses.count(s) for s in sorted(set(statuses), key=str)}
     reasons = sorted({f"{o[0]}: {o[1]}" for o in outcomes if o[1]})[:30]
-    payload = {"benchmark": "serve_faults", "machine": machine_info(), "command": " ".join(cmd[2:]),
-               "duration_s": args.duration, "every_s": args.every, "clients": args.clients, "rounds": rounds,
-               "kills": kills, "hang_ups": rounds * 10, "requests": len(outcomes),
-               "requests_before_sigterm": n_before_end, "outcomes": counts, "reasons": reasons,
-               "rss_mib_start": rss0, "rss_mib_end": rss1, "exit_code": code, "processes_left": left,
-               "server_log_tail": "".join(log[-30:])[-4000:]}
+    payload = {
+        "benchmark": "serve_faults",
+        "machine": machine_info(),
+        "command": " ".join(cmd[2:]),
+        "duration_s": args.duration,
+        "every_s": args.every,
+        "clients": args.clients,
+        "rounds": rounds,
+        "kills": kills,
+        "hang_ups": rounds * 10,
+        "requests": len(outcomes),
+        "requests_before_sigterm": n_before_end,
+        "outcomes": counts,
+        "reasons": reasons,
+        "rss_mib_start": rss0,
+        "rss_mib_end": rss1,
+        "exit_code": code,
+        "processes_left": left,
+        "server_log_tail": "".join(log[-30:])[-4000:],
+    }
     write_json(args.out, payload)
-    print({k: payload[k] for k in ("requests", "outcomes", "kills", "rss_mib_start", "rss_mib_end", "exit_code",
-                                   "processes_left")}, flush=True)
+    print(
+        {
+            k: payload[k]
+            for k in ("requests", "outcomes", "kills", "rss_mib_start", "rss_mib_end", "exit_code", "processes_left")
+        },
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

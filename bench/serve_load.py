@@ -6,7 +6,6 @@ subprocesses on 127.0.0.1; the client runs here.
 Usage: python bench/serve_load.py --out bench/results/serve_load.json [--requests 2000] [--device cuda]
 """
 
-
 import argparse
 import asyncio
 import os
@@ -91,12 +90,14 @@ async def load(url: str, blobs: list[bytes], n: int, conc: int) -> dict:
     errors = 0
     sem = asyncio.Semaphore(conc)
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=conc)) as c:
+
         async def one(i):
             nonlocal errors
             async with sem:
                 t = time.perf_counter()
-                r = await c.post(url + "/v1/classify", content=blobs[i % len(blobs)],
-                                 headers={"content-type": "image/jpeg"})
+                r = await c.post(
+                    url + "/v1/classify", content=blobs[i % len(blobs)], headers={"content-type": "image/jpeg"}
+                )
                 lat.append(time.perf_counter() - t)
                 errors += r.status_code != 200
 
@@ -127,9 +128,15 @@ def load_many(url: str, blobs: list[bytes], n: int, conc: int, procs: int = 1) -
             parts = list(ex.map(_client_proc, [(url, n // procs, max(1, conc // procs))] * procs))
     a = np.concatenate([np.array(p["lat"]) for p in parts]) * 1e3
     total = sum(p["n"] for p in parts)
-    return {"concurrency": conc, "client_processes": procs, "requests": total,
-            "img_per_s": total / max(p["wall"] for p in parts), "p50_ms": float(np.percentile(a, 50)),
-            "p99_ms": float(np.percentile(a, 99)), "errors": sum(p["errors"] for p in parts)}
+    return {
+        "concurrency": conc,
+        "client_processes": procs,
+        "requests": total,
+        "img_per_s": total / max(p["wall"] for p in parts),
+        "p50_ms": float(np.percentile(a, 50)),
+        "p99_ms": float(np.percentile(a, 99)),
+        "errors": sum(p["errors"] for p in parts),
+    }
 
 
 def main():
@@ -139,8 +146,11 @@ def main():
     ap.add_argument("--device", default="auto")
     ap.add_argument("--concurrency", default="1,8,64")
     ap.add_argument("--client-procs", type=int, default=1, help="client processes sharing the concurrency")
-    ap.add_argument("--compare-gpus", action="store_true",
-                    help="issue 08: `fullthrottle serve --gpus all` against one GPU (no plain baseline)")
+    ap.add_argument(
+        "--compare-gpus",
+        action="store_true",
+        help="issue 08: `fullthrottle serve --gpus all` against one GPU (no plain baseline)",
+    )
     ap.add_argument("--server-args", default="", help="extra `fullthrottle serve` arguments, e.g. '--gpu-decode'")
     ap.add_argument("--baseline-server", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -156,20 +166,32 @@ def main():
     blobs = jpegs_640x480()
     conc = [int(c) for c in args.concurrency.split(",")]
     out = {}
-    ft = [sys.executable, "-m", "fullthrottle.cli", "serve", "--device", args.device, "--max-wait-ms", "2",
-          *args.server_args.split()]
+    ft = [
+        sys.executable,
+        "-m",
+        "fullthrottle.cli",
+        "serve",
+        "--device",
+        args.device,
+        "--max-wait-ms",
+        "2",
+        *args.server_args.split(),
+    ]
     if args.compare_gpus:
         servers = {"fullthrottle_1_gpu": ft + ["--gpus", "1"], "fullthrottle_all_gpus": ft + ["--gpus", "all"]}
     else:
-        servers = {"fullthrottle": ft, "plain_fastapi_eager": [sys.executable, __file__, "--device", args.device,
-                                                               "--baseline-server"]}
+        servers = {
+            "fullthrottle": ft,
+            "plain_fastapi_eager": [sys.executable, __file__, "--device", args.device, "--baseline-server"],
+        }
     for name, cmd in servers.items():
         port = free_port()
         cmd = cmd + ([str(port)] if cmd[-1] == "--baseline-server" else ["--port", str(port)])
         proc = start(cmd, port)
         try:
-            out[name] = [load_many(f"http://127.0.0.1:{port}", blobs, args.requests, c, args.client_procs)
-                         for c in conc]
+            out[name] = [
+                load_many(f"http://127.0.0.1:{port}", blobs, args.requests, c, args.client_procs) for c in conc
+            ]
             print(name, out[name], flush=True)
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -178,11 +200,22 @@ def main():
     ratios = {f"c{c}": a["img_per_s"] / b["img_per_s"] for c, a, b in zip(conc, out[a_name], out[b_name])}
     import torch
 
-    write_json(args.out, {"benchmark": "serve_load", "machine": machine_info(), "device": args.device,
-                          "gpus": torch.cuda.device_count(), "ratio": f"{a_name} / {b_name}",
-                          "server_args": args.server_args, "command": " ".join(sys.argv),
-                          "images": "200 ImageNet samples at 640x480, JPEG", "model": "resnet18 random weights",
-                          **out, "throughput_ratio": ratios})
+    write_json(
+        args.out,
+        {
+            "benchmark": "serve_load",
+            "machine": machine_info(),
+            "device": args.device,
+            "gpus": torch.cuda.device_count(),
+            "ratio": f"{a_name} / {b_name}",
+            "server_args": args.server_args,
+            "command": " ".join(sys.argv),
+            "images": "200 ImageNet samples at 640x480, JPEG",
+            "model": "resnet18 random weights",
+            **out,
+            "throughput_ratio": ratios,
+        },
+    )
     print(ratios)
 
 

@@ -17,8 +17,9 @@ def _find_data() -> Path:
     for cand in ([Path(env)] if env else []) + [ROOT / "tests" / "data", ROOT.parent / "shared" / "data"]:
         if (cand / "imagenet-sample").is_dir():
             return cand
-    raise RuntimeError("test data not found: set FULLTHROTTLE_DATA to the folder holding "
-                       "imagenet-sample/ and bad-inputs/")
+    raise RuntimeError(
+        "test data not found: set FULLTHROTTLE_DATA to the folder holding imagenet-sample/ and bad-inputs/"
+    )
 
 
 DATA = _find_data()

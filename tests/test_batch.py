@@ -38,11 +38,13 @@ def test_split_into_buckets():
 
 def _getter(q: queue.Queue):
     """``get(timeout_s) -> item | None``, as the pipeline hands it to the Batcher."""
+
     def get(t):
         try:
             return q.get(timeout=t) if t else q.get_nowait()
         except queue.Empty:
             return None
+
     return get
 
 
@@ -73,8 +75,10 @@ def _run_batcher(items, max_batch, wait_ms, feed_delay=0.0, n_end=1):
 
 
 def _items(n, errors=()):
-    return [Item(i, f"#{i}", array=None if i in errors else np.zeros(1), error="bad" if i in errors else None)
-            for i in range(n)]
+    return [
+        Item(i, f"#{i}", array=None if i in errors else np.zeros(1), error="bad" if i in errors else None)
+        for i in range(n)
+    ]
 
 
 def test_full_batches_when_items_are_ready():
@@ -105,8 +109,9 @@ def test_lists_of_items_are_batched_like_single_items():
     items = _items(30, errors={5, 17})
     q_in: queue.Queue = queue.Queue()
     out: list = []
-    b = Batcher(_getter(q_in), lambda o, block=True: out.append(o) or True, 8, 1000, 1, END,
-                StageStats("batch"), lambda: False)
+    b = Batcher(
+        _getter(q_in), lambda o, block=True: out.append(o) or True, 8, 1000, 1, END, StageStats("batch"), lambda: False
+    )
     for it in items:
         it.t_queued = time.perf_counter()
     for chunk in (items[:12], items[12], items[13:14], items[14:30]):
@@ -117,7 +122,7 @@ def test_lists_of_items_are_batched_like_single_items():
     errs = [o.index for o in out[:-1] if isinstance(o, Item)]
     batches = [o for o in out[:-1] if isinstance(o, Batch)]
     assert sorted(errs) == [5, 17]
-    assert [len(x) for x in batches] == [8, 8, 8, 4]   # full batches across list boundaries, then the rest
+    assert [len(x) for x in batches] == [8, 8, 8, 4]  # full batches across list boundaries, then the rest
     assert [it.index for x in batches for it in x.items] == [i for i in range(30) if i not in (5, 17)]
     assert b.batched_items == 28 and b.stats.items == 30
 
@@ -166,8 +171,17 @@ def test_busy_device_grows_batches_past_deadline():
 
     get = _getter(q_in)
 
-    b = Batcher(get, lambda o, block=True: sent.append(o) or True, 100, 1.0, 1, END, StageStats("batch"),
-                lambda: False, device_busy=busy.is_set)
+    b = Batcher(
+        get,
+        lambda o, block=True: sent.append(o) or True,
+        100,
+        1.0,
+        1,
+        END,
+        StageStats("batch"),
+        lambda: False,
+        device_busy=busy.is_set,
+    )
     th = threading.Thread(target=b.run)
     th.start()
     for it in _items(20):

@@ -51,8 +51,12 @@ def test_e2e(tmp_path, samples):
     rc, prefix = _run(tmp_path, "e2e", "--images", *map(str, samples[:16]))
     assert rc == 0
     d = _check_files(prefix)
-    assert set(d["results"]) == {"naive loop", "DataLoader 2 workers, pil", "DataLoader 2 workers, opencv",
-                                 "fullthrottle"}
+    assert set(d["results"]) == {
+        "naive loop",
+        "DataLoader 2 workers, pil",
+        "DataLoader 2 workers, opencv",
+        "fullthrottle",
+    }
     assert all(v["img_per_s"] > 0 for v in d["results"].values())
     assert d["results"]["fullthrottle"]["report"]["ok"] == 48
     assert d["verdict"].split(":")[0].endswith("-bound")

@@ -8,8 +8,9 @@ from fullthrottle.cli import main, sample_photos
 
 
 def test_help_explains():
-    out = subprocess.run([sys.executable, "-m", "fullthrottle.cli", "classify", "--help"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "fullthrottle.cli", "classify", "--help"], capture_output=True, text=True
+    )
     assert out.returncode == 0
     for word in ("--batch-size", "--max-wait-ms", "--weights", "Exit status", "randomly initialised"):
         assert word in out.stdout
@@ -34,8 +35,21 @@ def test_classify_default_photos(capsys):
 def test_classify_bad_inputs_jsonl(tmp_path, bad_dir, capsys):
     out = tmp_path / "r.jsonl"
     rep = tmp_path / "rep.json"
-    rc = main(["classify", str(bad_dir), "--device", "cpu", "--no-progress", "--out", str(out),
-               "--report-json", str(rep), "--top-k", "3"])
+    rc = main(
+        [
+            "classify",
+            str(bad_dir),
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--report-json",
+            str(rep),
+            "--top-k",
+            "3",
+        ]
+    )
     assert rc == 1  # some items failed
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     by_name = {r["id"].rsplit("/", 1)[-1]: r for r in rows}
@@ -44,8 +58,18 @@ def test_classify_bad_inputs_jsonl(tmp_path, bad_dir, capsys):
     assert "empty file" in by_name["empty.jpg"]["error"]
     assert "not a supported image" in by_name["not-an-image.jpg"]["error"]
     assert "image too large" in by_name["bomb-40000x40000.png"]["error"]
-    for ok in ("png-named-as.JPEG", "cmyk.jpg", "gray16.png", "rgba.png", "exif-rotated.jpg", "tiny-1x1.jpg",
-               "progressive.jpg", "animated.gif", "photo.webp", "large-6000x4000.jpg"):
+    for ok in (
+        "png-named-as.JPEG",
+        "cmyk.jpg",
+        "gray16.png",
+        "rgba.png",
+        "exif-rotated.jpg",
+        "tiny-1x1.jpg",
+        "progressive.jpg",
+        "animated.gif",
+        "photo.webp",
+        "large-6000x4000.jpg",
+    ):
         assert len(by_name[ok]["top_k"]) == 3, by_name[ok]
     # the default model has real weights: the CMYK copy of a photo is seen as the photo itself
     assert by_name["cmyk.jpg"]["top_k"][0]["label"] == by_name["progressive.jpg"]["top_k"][0]["label"]
@@ -88,8 +112,20 @@ def test_unwritable_out_exits_2_with_one_line(samples, tmp_path, capsys, out, ms
 
 
 def test_cuda_only_options_on_cpu_are_named_not_ignored(samples, capsys):
-    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--gpu-decode",
-               "--dtype", "bfloat16", "--top-k", "1001"])
+    rc = main(
+        [
+            "classify",
+            str(samples[0]),
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--gpu-decode",
+            "--dtype",
+            "bfloat16",
+            "--top-k",
+            "1001",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 0
     assert "note: --gpu-decode and --dtype bfloat16 need CUDA" in err
@@ -97,18 +133,48 @@ def test_cuda_only_options_on_cpu_are_named_not_ignored(samples, capsys):
 
 
 def test_gpu_decoder_options_without_gpu_decode_are_named_not_ignored(samples, capsys):
-    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--no-gpu-decode",
-               "--gpu-decoder", "hardware"])
+    rc = main(
+        [
+            "classify",
+            str(samples[0]),
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--no-gpu-decode",
+            "--gpu-decoder",
+            "hardware",
+        ]
+    )
     assert rc == 0
     assert "note: --gpu-decoder has no effect with --no-gpu-decode" in capsys.readouterr().err
-    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--no-gpu-decode",
-               "--gpu-decode-processes", "99"])
+    rc = main(
+        [
+            "classify",
+            str(samples[0]),
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--no-gpu-decode",
+            "--gpu-decode-processes",
+            "99",
+        ]
+    )
     err = capsys.readouterr().err  # ignored, so not refused either (it used to note, then fail on the value)
     assert rc == 0 and "note: --gpu-decode-processes has no effect with --no-gpu-decode" in err
     rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress"])
     assert rc == 0 and "no effect" not in capsys.readouterr().err
-    rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--gpu-decode",
-               "--gpu-decode-processes", "17"])
+    rc = main(
+        [
+            "classify",
+            str(samples[0]),
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--gpu-decode",
+            "--gpu-decode-processes",
+            "17",
+        ]
+    )
     assert rc == 2 and "--gpu-decode-processes must be in 0..16, got 17" in capsys.readouterr().err
 
 
@@ -153,7 +219,7 @@ def test_embed_input_lines_end_at_newline_and_jsonl_errors_name_their_line(tmp_p
     from fullthrottle.cli import _read_texts
 
     src = tmp_path / "in.txt"
-    src.write_bytes("one\rstill one\r\ntwo\nthree".encode())
+    src.write_bytes(b"one\rstill one\r\ntwo\nthree")
     assert list(_read_texts(str(src))) == ["one\rstill one", "two", "three"]
     bad = tmp_path / "in.jsonl"
     bad.write_text('{"text": "a"}\n"b"\n\n{"text": oops}\n')
@@ -172,13 +238,22 @@ def test_help_imports_no_torch_and_ctrl_c_while_starting_is_clean(samples):
     import time
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", "import sys, fullthrottle, fullthrottle.cli; "
-                          "print('torch' in sys.modules)"], capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, fullthrottle, fullthrottle.cli; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert out.stdout.strip() == "False", out.stderr
     for delay in (0.5, 1.5):
-        p = subprocess.Popen([sys.executable, "-m", "fullthrottle.cli", "classify", str(samples[0]),
-                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "fullthrottle.cli", "classify", str(samples[0]), "--no-progress"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)

@@ -42,6 +42,7 @@ def test_no_import_circles():
                 circles.append(path + [d])
             elif d not in path:
                 walk(start, d, path + [d])
+
     for m in sorted(deps):
         walk(m, m, [m])
     assert not circles, circles[:5]

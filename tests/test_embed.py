@@ -29,9 +29,20 @@ def varied_texts(n=1000):
             d = getattr(getattr(mod, name, None), "__doc__", None)
             if isinstance(d, str) and d.strip():
                 docs.append(d.strip().split("\n\n")[0])  # first paragraph: short, like real queries
-    extra = ["", " ", "🙂🚀🔥 emoji only?", "東京は日本の首都です。", "Москва — столица России.",
-             "مرحبا بالعالم", "नमस्ते दुनिया", "a", "word " * 800, "x" * 3000, "GPU " * 300,
-             "Mixed 中文 and English and עברית."]
+    extra = [
+        "",
+        " ",
+        "🙂🚀🔥 emoji only?",
+        "東京は日本の首都です。",
+        "Москва — столица России.",
+        "مرحبا بالعالم",
+        "नमस्ते दुनिया",
+        "a",
+        "word " * 800,
+        "x" * 3000,
+        "GPU " * 300,
+        "Mixed 中文 and English and עברית.",
+    ]
     texts = []
     i = 0
     while len(texts) < n:
@@ -99,12 +110,18 @@ def test_bad_input_types(emb):
 def test_cli_embed_npy_and_jsonl(tmp_path, emb):
     texts = ["first text", "", "third 🙂", "long " * 400]
     (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
-    assert main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "o.npy"), "--device", "cpu",
-                 "--no-progress"]) == 0
+    assert (
+        main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "o.npy"), "--device", "cpu", "--no-progress"])
+        == 0
+    )
     a = np.load(tmp_path / "o.npy")
     np.testing.assert_allclose(a, emb.embed(texts).vectors, atol=1e-6)
-    assert main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "o.jsonl"), "--device", "cpu",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            ["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "o.jsonl"), "--device", "cpu", "--no-progress"]
+        )
+        == 0
+    )
     rows = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert [r["truncated"] for r in rows] == [False, False, False, True]
     assert main(["embed", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x.npy")]) == 2
@@ -144,9 +161,10 @@ def test_a_huge_text_is_cut_before_tokenising_without_changing_its_vector(emb, m
 
     seen = []
     encode = emb.tokenizer.encode_batch
-    monkeypatch.setattr(emb.tokenizer, "encode_batch", lambda texts: seen.extend(map(len, texts)) or encode(texts),
-                        raising=False)
-    huge = "the quick brown fox jumps over the lazy dog. " * 10_000        # 450k characters
+    monkeypatch.setattr(
+        emb.tokenizer, "encode_batch", lambda texts: seen.extend(map(len, texts)) or encode(texts), raising=False
+    )
+    huge = "the quick brown fox jumps over the lazy dog. " * 10_000  # 450k characters
     got = emb.embed([huge, huge[:5000]])
     assert max(seen) == E.MAX_TEXT_CHARS
     assert got.truncated.tolist() == [True, True]

@@ -5,11 +5,10 @@ import copy
 import numpy as np
 import pytest
 import torch
+from conftest import sample_label
 
 from fullthrottle import Config, Pipeline
 from fullthrottle.preprocess import preprocess
-
-from conftest import sample_label
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +20,7 @@ def crops(samples):
 
 def _logits(pipe, crops, bs=50):
     dev = pipe.engine.device
-    return torch.cat([pipe.engine.forward(crops[i:i + bs].to(dev)).cpu() for i in range(0, len(crops), bs)])
+    return torch.cat([pipe.engine.forward(crops[i : i + bs].to(dev)).cpu() for i in range(0, len(crops), bs)])
 
 
 def test_cuda_fp32_equals_cpu(crops):
@@ -30,8 +29,10 @@ def test_cuda_fp32_equals_cpu(crops):
     and top-1 must agree on >= 99% of the 200 images."""
     torch.manual_seed(0)
     cpu = Pipeline(Config(model="resnet18", device="cpu", max_batch_size=50))
-    gpu = Pipeline(Config(device="cuda", gpu_decode=False, dtype="float32", max_batch_size=50),
-                   model=copy.deepcopy(cpu.engine.model))
+    gpu = Pipeline(
+        Config(device="cuda", gpu_decode=False, dtype="float32", max_batch_size=50),
+        model=copy.deepcopy(cpu.engine.model),
+    )
     cpu_ref = _logits(cpu, crops)
     out = _logits(gpu, crops)
     rel = (out - cpu_ref).norm() / cpu_ref.norm()
@@ -44,8 +45,10 @@ def test_bf16_top1_agrees_with_fp32(crops):
     torch.manual_seed(0)
     fp32 = Pipeline(Config(model="resnet18", device="cuda", gpu_decode=False, dtype="float32", max_batch_size=50))
     ref = _logits(fp32, crops)
-    bf16 = Pipeline(Config(device="cuda", gpu_decode=False, dtype="bfloat16", channels_last=True, max_batch_size=50),
-                    model=copy.deepcopy(fp32.engine.model))
+    bf16 = Pipeline(
+        Config(device="cuda", gpu_decode=False, dtype="bfloat16", channels_last=True, max_batch_size=50),
+        model=copy.deepcopy(fp32.engine.model),
+    )
     out = _logits(bf16, crops)
     agree = (out.argmax(1) == ref.argmax(1)).float().mean().item()
     print(f"bf16 vs fp32 top-1 agreement on 200 images: {agree:.3f}")
@@ -54,7 +57,9 @@ def test_bf16_top1_agrees_with_fp32(crops):
 
 def test_pipeline_on_cuda_matches_engine(samples, no_thread_leak):
     torch.manual_seed(0)
-    pipe = Pipeline(Config(model="resnet18", device="cuda", gpu_decode=False, dtype="float32", max_batch_size=16, threads=8))
+    pipe = Pipeline(
+        Config(model="resnet18", device="cuda", gpu_decode=False, dtype="float32", max_batch_size=16, threads=8)
+    )
     res = pipe.classify(list(samples) + [samples[0].parent.parent / "bad-inputs"])
     good = [r for r in res if r.ok]
     assert len(res) == 214 and len(good) == 210
@@ -108,8 +113,15 @@ def test_pool_rows_gathered_in_place_match_the_copy_path(samples, monkeypatch, n
     reading the pinned pool in place (mapped_on_device); top-1 equals the eager model on the CPU path's
     crops for every image, and the default (H2D copies into a device mirror) gives the same classes."""
     torch.manual_seed(0)
-    cfg = dict(model="resnet18", device="cuda", gpu_decode=False, dtype="float32", max_batch_size=16, preprocess="processes",
-               threads=4)
+    cfg = dict(
+        model="resnet18",
+        device="cuda",
+        gpu_decode=False,
+        dtype="float32",
+        max_batch_size=16,
+        preprocess="processes",
+        threads=4,
+    )
     monkeypatch.setenv("FULLTHROTTLE_POOL_GATHER", "mapped")
     with Pipeline(Config(**cfg)) as pipe:
         assert pipe.engine.mapped_crops is not None and pipe.engine.dev_crops is None
@@ -136,15 +148,18 @@ def _accuracy(samples, labels):
 def test_efficientnet_lite0_bf16_graphs_agree_with_fp32_eager(samples, no_thread_leak):
     """The default model as it runs by default on CUDA (bf16, channels_last, BN folded, CUDA graphs per
     bucket) against fp32 eager: top-1 agreement >= 99% on the 200 samples; both accurate (>= 0.88)."""
-    with Pipeline(Config(device="cuda", gpu_decode=False, dtype="float32", graphs=False, fold_bn=False, max_batch_size=64)) as pipe:
+    with Pipeline(
+        Config(device="cuda", gpu_decode=False, dtype="float32", graphs=False, fold_bn=False, max_batch_size=64)
+    ) as pipe:
         ref = _top1(pipe.classify(samples))
     with Pipeline(Config(device="cuda", gpu_decode=False, dtype="bfloat16", max_batch_size=64)) as pipe:
         assert pipe.engine.runner is not None and pipe.engine.bn_folded
         out = _top1(pipe.classify(samples))
     agree = float(np.mean([a == b for a, b in zip(out, ref)]))
     acc_ref, acc = _accuracy(samples, ref), _accuracy(samples, out)
-    print(f"EfficientNet-Lite0 bf16 graphs vs fp32 eager: top-1 agreement {agree:.3f}; "
-          f"accuracy {acc:.3f} / {acc_ref:.3f}")
+    print(
+        f"EfficientNet-Lite0 bf16 graphs vs fp32 eager: top-1 agreement {agree:.3f}; accuracy {acc:.3f} / {acc_ref:.3f}"
+    )
     assert agree >= 0.99 and min(acc, acc_ref) >= 0.88
 
 
@@ -158,8 +173,10 @@ def test_efficientnet_lite0_gpu_decode_agrees_with_cpu_decode(samples, no_thread
         share = pipe.engine.splitter.routed_gpu_share
     agree = float(np.mean([a == b for a, b in zip(cpu, gpu)]))
     acc_cpu, acc_gpu = _accuracy(samples, cpu), _accuracy(samples, gpu)
-    print(f"EfficientNet-Lite0 GPU vs CPU decode: top-1 agreement {agree:.3f}; accuracy {acc_gpu:.3f} "
-          f"(GPU) / {acc_cpu:.3f} (CPU); {share:.0%} of eligible JPEGs decoded on the GPU")
+    print(
+        f"EfficientNet-Lite0 GPU vs CPU decode: top-1 agreement {agree:.3f}; accuracy {acc_gpu:.3f} "
+        f"(GPU) / {acc_cpu:.3f} (CPU); {share:.0%} of eligible JPEGs decoded on the GPU"
+    )
     assert agree >= 0.99 and abs(acc_cpu - acc_gpu) <= 0.01 and share > 0
 
 

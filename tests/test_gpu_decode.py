@@ -11,18 +11,25 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from test_pipeline import LABELS, Tiny
 
 from fullthrottle import Config, Pipeline
 from fullthrottle.gpu_decode import RateSplitter, gpu_eligible, jpeg_info, resize_crop_batch, resize_crop_interpolate
 from fullthrottle.preprocess import decode, preprocess, resize_crop
 
-from test_pipeline import LABELS, Tiny
-
-ROUTE = {"truncated.jpg": (False, "truncated"), "cmyk.jpg": (False, "4-component"),
-         "exif-rotated.jpg": (False, "EXIF orientation"), "png-named-as.JPEG": (False, "not a JPEG"),
-         "empty.jpg": (False, "not a JPEG"), "not-an-image.jpg": (False, "not a JPEG"),
-         "photo.webp": (False, "not a JPEG"), "animated.gif": (False, "not a JPEG"),
-         "progressive.jpg": (True, ""), "tiny-1x1.jpg": (True, ""), "large-6000x4000.jpg": (True, "")}
+ROUTE = {
+    "truncated.jpg": (False, "truncated"),
+    "cmyk.jpg": (False, "4-component"),
+    "exif-rotated.jpg": (False, "EXIF orientation"),
+    "png-named-as.JPEG": (False, "not a JPEG"),
+    "empty.jpg": (False, "not a JPEG"),
+    "not-an-image.jpg": (False, "not a JPEG"),
+    "photo.webp": (False, "not a JPEG"),
+    "animated.gif": (False, "not a JPEG"),
+    "progressive.jpg": (True, ""),
+    "tiny-1x1.jpg": (True, ""),
+    "large-6000x4000.jpg": (True, ""),
+}
 
 
 @pytest.mark.parametrize("name", sorted(ROUTE))
@@ -41,8 +48,8 @@ def test_rate_split_follows_measured_rates():
     s = RateSplitter(cpu_workers=16, initial_gpu_share=0.5)
     assert [s.choose() for _ in range(4)].count("gpu") == 2
     for _ in range(50):
-        s.record_cpu(1, 0.004)       # 16 threads x 250 img/s = 4000 img/s
-        s.record_gpu(100, 0.005)     # 20000 img/s
+        s.record_cpu(1, 0.004)  # 16 threads x 250 img/s = 4000 img/s
+        s.record_gpu(100, 0.005)  # 20000 img/s
     assert s.gpu_share == pytest.approx(20000 / 24000, rel=1e-6)
     picks = [s.choose() for _ in range(600)]
     assert picks.count("gpu") == 500  # deterministic proportion, not a random draw
@@ -167,8 +174,12 @@ def test_nvimgcodec_backend_spec():
     assert parse("") == parse("hw") == [("HW_GPU_ONLY", 1.0)]
     assert parse("hw:0.7+hybrid") == [("HW_GPU_ONLY", 0.7), ("HYBRID_CPU_GPU", 1.0)]
     assert parse(" gpu + hw:0 ") == [("GPU_ONLY", 1.0), ("HW_GPU_ONLY", 0.0)]
-    for bad, msg in (("cuda", "unknown nvImageCodec backend 'cuda'"), ("hw:1.5", "must be a number in 0..1"),
-                     ("hw:x", "must be a number in 0..1"), ("hw+", "unknown nvImageCodec backend ''")):
+    for bad, msg in (
+        ("cuda", "unknown nvImageCodec backend 'cuda'"),
+        ("hw:1.5", "must be a number in 0..1"),
+        ("hw:x", "must be a number in 0..1"),
+        ("hw+", "unknown nvImageCodec backend ''"),
+    ):
         with pytest.raises(ValueError, match=msg):
             parse(bad)
 
@@ -188,6 +199,7 @@ def test_gpu_decoder_choice_and_errors(monkeypatch):
         if name.startswith("nvidia"):
             raise ImportError("No module named 'nvidia.nvimgcodec'")
         return real_import(name, *a, **k)
+
     monkeypatch.setattr(builtins, "__import__", no_nvimgcodec)
     d = make_gpu_decoder(torch.device("cpu"), "auto")  # auto falls back to nvJPEG
     assert isinstance(d, GpuJpegDecoder) and d.kind == "nvjpeg"
@@ -209,8 +221,9 @@ def assert_same_results(res, ref):
 
 
 def _pipe(gpu_decode, preprocess="threads"):
-    pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2, top_k=3,
-                           preprocess=preprocess), model=Tiny())
+    pipe = Pipeline(
+        Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2, top_k=3, preprocess=preprocess), model=Tiny()
+    )
     if gpu_decode is not None:
         pipe.engine.gpu_decoder = gpu_decode
     return pipe
@@ -274,6 +287,7 @@ def test_gpu_process_request_written_with_pwritev(monkeypatch, short):
                 calls.append(len(bufs))
                 data = b"".join(bytes(b) for b in bufs)[:short]
                 return real(f, [data], off) if data else 0
+
             monkeypatch.setattr(gp.os, "pwritev", pwritev)
         monkeypatch.setattr(gp, "_IOV_MAX", 3)  # two system calls for 4 images
         msg = gp._encode_request(items, arena, 1000, fd)
@@ -324,9 +338,8 @@ class FakeGpuProcess:
         self.sent.clear()
 
     def receive(self, timeout):
-        from fullthrottle.preprocess_procs import WorkerDied
-
         from fullthrottle.gpu_decode_procs import _read_paths
+        from fullthrottle.preprocess_procs import WorkerDied
 
         time.sleep(self.delay_s)  # decoding takes a while: the next batch can queue behind this one
         batch, read_errors = _read_paths(self.sent.popleft(), 256 << 20)  # (files sent as paths: read here)
@@ -411,7 +424,7 @@ def test_gpu_process_discards_replies_owed_when_a_run_stops():
     worker.send_bytes(_encode_reply(["truncated or corrupt JPEG"]))
     p.discard_replies(1.0)
     assert not p._sent and p.times["batches"] == 2 and p.times["cpu_decoded"] == 1 and not p.conn.poll(0)
-    worker.send_bytes(_encode_reply([None]))      # the next batch's answer is its own
+    worker.send_bytes(_encode_reply([None]))  # the next batch's answer is its own
     p._sent.append(time.perf_counter())
     assert p.receive(1.0) == [None]
 
@@ -432,7 +445,7 @@ def test_stopping_a_run_leaves_no_gpu_answer_owed(samples):
             pipe.current_run.stop()
             assert all(not f.sent for f in fakes), [len(f.sent) for f in fakes]
         ref = {r.id: r for r in _pipe(None).run(samples[:30])}
-        assert_same_results(list(pipe.run(samples[:30])), ref)   # and the next run is right
+        assert_same_results(list(pipe.run(samples[:30])), ref)  # and the next run is right
     finally:
         pipe.close()
 
@@ -467,9 +480,18 @@ def test_gpu_decoder_against_cpu_path(samples, bad_dir, kind):
     cpu_pipe.close()
     # nvJPEG in decoder processes (the default with processes), and in a thread of this process
     for pre, n_gpu in (("processes", 2), ("threads", 0)):
-        gpu_pipe = Pipeline(Config(device="cuda", dtype="float32", max_batch_size=32, gpu_decode=True,
-                                   gpu_decoder=kind, preprocess=pre, gpu_decode_processes=n_gpu),
-                            model=cpu_pipe.engine.model)
+        gpu_pipe = Pipeline(
+            Config(
+                device="cuda",
+                dtype="float32",
+                max_batch_size=32,
+                gpu_decode=True,
+                gpu_decoder=kind,
+                preprocess=pre,
+                gpu_decode_processes=n_gpu,
+            ),
+            model=cpu_pipe.engine.model,
+        )
         try:
             b = {r.id: r for r in gpu_pipe.run(list(samples) + [bad_dir])}
             share = gpu_pipe.engine.splitter.routed_gpu_share
@@ -480,8 +502,10 @@ def test_gpu_decoder_against_cpu_path(samples, bad_dir, kind):
         assert all(a[k].ok == b[k].ok for k in a), [(k, a[k].error, b[k].error) for k in a if a[k].ok != b[k].ok]
         assert all(a[k].error.split(": ", 1)[1] == b[k].error.split(": ", 1)[1] for k in a if not a[k].ok)
         agree = np.mean([a[k].class_ids[0] == b[k].class_ids[0] for k in a if a[k].ok])
-        print(f"top-1 agreement CPU vs GPU decode ({kind}, {pre}, {n_gpu} GPU processes): {agree:.3f}; "
-              f"{share:.0%} of eligible JPEGs decoded on the GPU; {summary}")
+        print(
+            f"top-1 agreement CPU vs GPU decode ({kind}, {pre}, {n_gpu} GPU processes): {agree:.3f}; "
+            f"{share:.0%} of eligible JPEGs decoded on the GPU; {summary}"
+        )
         assert summary.startswith("GPU decode: " + ("the GPU's JPEG engines" if kind == "hardware" else "nvJPEG"))
         assert agree >= 0.99 and share > 0
 
@@ -494,11 +518,12 @@ def test_triton_resize_on_gpu_matches_the_products(samples, bad_dir):
     from fullthrottle.kernels import use_triton
 
     rgbs = [decode(p.read_bytes()) for p in samples[:40]]
-    rgbs.append(decode((bad_dir / "large-6000x4000.jpg").read_bytes()))    # 15x downscale: ~34 taps
-    rgbs += [cv2.resize(rgbs[0], (640, 480))] * 3                             # one shared size
+    rgbs.append(decode((bad_dir / "large-6000x4000.jpg").read_bytes()))  # 15x downscale: ~34 taps
+    rgbs += [cv2.resize(rgbs[0], (640, 480))] * 3  # one shared size
     hwc = [torch.from_numpy(np.ascontiguousarray(a)) for a in rgbs]
-    on_gpu = [t.cuda().permute(2, 0, 1) if k % 2 else t.permute(2, 0, 1).contiguous().cuda()
-              for k, t in enumerate(hwc)]                                     # HWC views and planar CHW
+    on_gpu = [
+        t.cuda().permute(2, 0, 1) if k % 2 else t.permute(2, 0, 1).contiguous().cuda() for k, t in enumerate(hwc)
+    ]  # HWC views and planar CHW
     out = torch.empty((len(rgbs), 224, 224, 3), dtype=torch.uint8, device="cuda")
     assert use_triton(out)
     resize_crop_batch(on_gpu, out)
@@ -510,7 +535,6 @@ def test_triton_resize_on_gpu_matches_the_products(samples, bad_dir):
     for a, o in zip(rgbs, out.cpu()):
         diff = np.abs(o.numpy().astype(np.int16) - resize_crop(a).astype(np.int16))
         assert diff.mean() <= 0.5 and diff.max() <= 2
-
 
 
 def assert_cpu_path_result(blob: bytes, got) -> None:
@@ -531,8 +555,9 @@ def test_decode_crops_checks_eligibility_itself_when_asked(samples, bad_dir):
     byte for byte; the rest are decoded by the GPU decoder."""
     from fullthrottle.gpu_decode import decode_crops
 
-    blobs = [p.read_bytes() for p in samples[:6]] + \
-        [(bad_dir / n).read_bytes() for n in ("cmyk.jpg", "exif-rotated.jpg", "truncated.jpg", "progressive.jpg")]
+    blobs = [p.read_bytes() for p in samples[:6]] + [
+        (bad_dir / n).read_bytes() for n in ("cmyk.jpg", "exif-rotated.jpg", "truncated.jpg", "progressive.jpg")
+    ]
     eligible = [gpu_eligible(b)[0] for b in blobs]
     assert eligible[6:] == [False, False, False, True]
     dec = FakeGpuDecoder()
@@ -578,6 +603,7 @@ def test_gpu_process_send_reports_a_failed_copy_and_bounds(monkeypatch):
 
     def no_space(fd, bufs, off):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(gp.os, "pwritev", no_space)
     with pytest.raises(RuntimeError, match="shared memory.*No space left"):
         p.send([(b"\xff\xd8\xff" + b"x" * 100, 0)], slot=0)
@@ -600,9 +626,12 @@ def test_decode_crops_falls_back_to_the_cpu_when_the_gpu_batch_fails(samples, ba
 
     def boom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
     monkeypatch.setattr(gd, "resize_crop_batch", boom)
-    blobs = [p.read_bytes() for p in samples[:3]] + [(bad_dir / "cmyk.jpg").read_bytes(),
-                                                     (bad_dir / "truncated.jpg").read_bytes()]
+    blobs = [p.read_bytes() for p in samples[:3]] + [
+        (bad_dir / "cmyk.jpg").read_bytes(),
+        (bad_dir / "truncated.jpg").read_bytes(),
+    ]
     out = gd.decode_crops(FakeGpuDecoder(), blobs, check=True)
     for b, o in zip(blobs, out):
         assert_cpu_path_result(b, o)

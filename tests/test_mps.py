@@ -11,8 +11,10 @@ def _fake_control(tmp_path, monkeypatch, rc=0):
     log = tmp_path / "calls.log"
     exe = tmp_path / "bin" / "nvidia-cuda-mps-control"
     exe.parent.mkdir()
-    exe.write_text(f'#!/bin/sh\necho "args:$* pipe:$CUDA_MPS_PIPE_DIRECTORY" >> {log}\n'
-                   f'if [ -z "$1" ]; then cat >> {log}; fi\nexit {rc}\n')
+    exe.write_text(
+        f'#!/bin/sh\necho "args:$* pipe:$CUDA_MPS_PIPE_DIRECTORY" >> {log}\n'
+        f'if [ -z "$1" ]; then cat >> {log}; fi\nexit {rc}\n'
+    )
     exe.chmod(0o755)
     monkeypatch.setenv("PATH", f"{exe.parent}:{os.environ['PATH']}")
     monkeypatch.setattr(mps, "driver_present", lambda: True)
@@ -54,4 +56,3 @@ def test_nothing_is_started_when_off_unavailable_or_failing(tmp_path, monkeypatc
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "live"))
     with mps.private_mps() as how:  # a user's server runs: it is used as it is
         assert how == "a server is running" and os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "live")
-

@@ -128,6 +128,7 @@ def test_slow_generator_of_paths_gets_each_result_before_its_next_item(samples, 
             yielded[i] = time.perf_counter()
             yield samples[i] if kind == "path" or i == 0 else (f"b{i}", samples[i].read_bytes())
             time.sleep(gap)
+
     list(pipe.run(samples[:2]))  # warm-up
     lat = [time.perf_counter() - yielded[r.index] for r in pipe.run(slow()) if r.ok]
     assert len(lat) == 4
@@ -142,6 +143,7 @@ def test_a_raising_iterable_loses_nothing_before_it(samples):
     def broken():
         yield from (p.read_bytes() for p in samples[:5])
         raise ValueError("source broke")
+
     got = []
     with pytest.raises(PipelineError, match="inputs iterable raised ValueError: source broke") as e:
         for r in pipe.run(broken()):
@@ -158,6 +160,7 @@ def test_inputs_that_are_not_iterable_are_a_type_error_at_once():
 
     async def agen():
         yield b""
+
     with pytest.raises(TypeError, match="async iterable"):
         next(pipe.run(agen()))
     assert len(pipe.classify([])) == 0  # not left busy
@@ -226,8 +229,7 @@ def test_model_failure_belongs_to_its_batch(samples, no_thread_leak):
                 raise RuntimeError("boom")
             return super().forward(x)
 
-    pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=4, threads=1, max_wait_ms=1000),
-                    model=Flaky())
+    pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=4, threads=1, max_wait_ms=1000), model=Flaky())
     res = pipe.classify(samples[:12])
     bad = [r for r in res if not r.ok]
     assert len(bad) == 4 and all("compute failed: RuntimeError: boom" in r.error for r in bad)
@@ -247,9 +249,8 @@ def test_missing_file_and_glob_and_dir(tmp_path, samples):
 
 
 def test_weights_safetensors_and_pth(tmp_path, samples):
-    from safetensors.torch import save_file
-
     import torchvision
+    from safetensors.torch import save_file
 
     torch.manual_seed(1)
     src = torchvision.models.resnet18(weights=None).eval()
@@ -260,8 +261,7 @@ def test_weights_safetensors_and_pth(tmp_path, samples):
     for name in ("w.safetensors", "w.pth"):
         pipe = Pipeline(Config(model="resnet18", weights=str(tmp_path / name), device="cpu", max_batch_size=1))
         assert not pipe.engine.random_weights
-        torch.testing.assert_close(pipe.engine.forward(torch.from_numpy(np.stack(arrays))), ref,
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(pipe.engine.forward(torch.from_numpy(np.stack(arrays))), ref, atol=1e-5, rtol=0)
 
 
 class _Evil:
@@ -294,8 +294,16 @@ def test_config_errors():
         with pytest.raises(ValueError, match="labels must be a list of class names"):
             Config(labels=labels)
     # settings that used to pass and then hang the run (load_concurrency=0) or fail deep inside it
-    bad = {"load_concurrency": 0, "max_in_flight": -5, "torch_threads": 0, "queue_size": -1,
-           "max_file_bytes": 0, "max_image_pixels": -3, "max_batch_size": "64", "top_k": 1.5}
+    bad = {
+        "load_concurrency": 0,
+        "max_in_flight": -5,
+        "torch_threads": 0,
+        "queue_size": -1,
+        "max_file_bytes": 0,
+        "max_image_pixels": -3,
+        "max_batch_size": "64",
+        "top_k": 1.5,
+    }
     for name, value in bad.items():
         with pytest.raises(ValueError, match=f"{name} must be .*integer >= 1, got {value!r}"):
             Config(**{name: value})
@@ -344,8 +352,18 @@ def test_one_stream_at_a_time(samples):
 
 def test_bad_input_types_and_empty_matches_are_per_item_errors(samples, tmp_path):
     pipe = tiny_pipe()
-    res = pipe.classify([samples[0], 12345, str(tmp_path), str(tmp_path / "*.jpg"), samples[1],
-                         "ftp://example.com/cat.jpg", "", "file:///etc/passwd"])
+    res = pipe.classify(
+        [
+            samples[0],
+            12345,
+            str(tmp_path),
+            str(tmp_path / "*.jpg"),
+            samples[1],
+            "ftp://example.com/cat.jpg",
+            "",
+            "file:///etc/passwd",
+        ]
+    )
     assert [r.ok for r in res] == [True, False, False, False, True, False, False, False]
     assert "cannot load an input of type int" in res[1].error
     assert "unsupported URL scheme 'ftp'" in res[5].error and res[5].id == "ftp://example.com/cat.jpg"
@@ -386,8 +404,9 @@ def test_decoder_processes_give_the_thread_results(samples, bad_dir, no_thread_l
         rest = first + list(stream)
         assert len(rest) == 120
         died = [r for r in rest if not r.ok]
-        assert len(died) <= 1 and all("decoder process died on this item (killed by signal SIGKILL)" in r.error
-                                      for r in died)
+        assert len(died) <= 1 and all(
+            "decoder process died on this item (killed by signal SIGKILL)" in r.error for r in died
+        )
         ok_ref = {r.id: r.class_ids for r in pipe.classify([str(p) for p in samples[:120]])}
         assert all(r.class_ids == ok_ref[r.id] for r in rest if r.ok)
         assert pipe.decoders[0].proc is not victim and pipe.decoders[0].proc.poll() is None

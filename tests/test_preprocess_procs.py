@@ -8,12 +8,11 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from test_pipeline import tiny_pipe
 
 from fullthrottle import Config
 from fullthrottle.preprocess import ImageError, preprocess
 from fullthrottle.preprocess_procs import DecoderPool, DecoderProcess
-
-from test_pipeline import tiny_pipe
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +149,11 @@ def test_forged_bmp_and_gif_headers_meet_our_limit(fmt):
     import struct
 
     if fmt == "BMP":
-        data = b"BM" + struct.pack("<IHHI", 54, 0, 0, 54) + struct.pack("<IiiHHIIiiII", 40, 15000, 15000, 1, 24,
-                                                                         0, 0, 0, 0, 0, 0)
+        data = (
+            b"BM"
+            + struct.pack("<IHHI", 54, 0, 0, 54)
+            + struct.pack("<IiiHHIIiiII", 40, 15000, 15000, 1, 24, 0, 0, 0, 0, 0, 0)
+        )
     else:
         data = b"GIF89a" + struct.pack("<HHBBB", 60000, 60000, 0, 0, 0) + b"\x3b"
     for limit in (1_000_000, 89_478_485):
@@ -228,11 +230,11 @@ def test_worker_gets_malloc_settings_and_reports_its_time_split(samples, tmp_pat
     env = open(f"/proc/{w.proc.pid}/environ", "rb").read().split(b"\0")
     assert f"MALLOC_MMAP_THRESHOLD_={16 << 20}".encode() in env
     with pytest.raises(ImageError, match="unrecognised format"):
-        w(b"not an image")   # the timed loop words errors as the plain one does
+        w(b"not an image")  # the timed loop words errors as the plain one does
     pid = w.proc.pid
     w.close()
     stats = json.loads((tmp_path / f"w.{pid}.json").read_text())
-    assert stats["images"] == 4   # 3 images + the refused one
+    assert stats["images"] == 4  # 3 images + the refused one
     assert stats["preprocess_cpu_s"] > 0 and stats["minor_faults"] >= 0
 
 
@@ -265,12 +267,17 @@ def test_worker_crash_with_answers_owed_costs_only_its_image(samples, monkeypatc
     whose crop was never written. The crashed image gets the error; every other image its own result."""
     import fullthrottle.preprocess_procs as pp
 
-    monkeypatch.setattr(pp, "_WORKER_CMD", (
-        "import sys, os; import fullthrottle.preprocess_procs as pp; orig = pp._work_one\n"
-        "def w(msg, *a):\n"
-        "    if b'CRASHME' in msg[:40]: os._exit(3)\n"
-        "    return orig(msg, *a)\n"
-        "pp._work_one = w; pp._worker_main(sys.argv[1:])"))
+    monkeypatch.setattr(
+        pp,
+        "_WORKER_CMD",
+        (
+            "import sys, os; import fullthrottle.preprocess_procs as pp; orig = pp._work_one\n"
+            "def w(msg, *a):\n"
+            "    if b'CRASHME' in msg[:40]: os._exit(3)\n"
+            "    return orig(msg, *a)\n"
+            "pp._work_one = w; pp._worker_main(sys.argv[1:])"
+        ),
+    )
     receive = pp.DecoderProcess.receive
     slow = [False]
 
@@ -278,6 +285,7 @@ def test_worker_crash_with_answers_owed_costs_only_its_image(samples, monkeypatc
         receive(self)
         if slow[0]:
             time.sleep(0.1)  # the dispatcher late to its next send: the worker dies in the meantime
+
     monkeypatch.setattr(pp.DecoderProcess, "receive", slow_receive)
     good = [(p.name, p.read_bytes()) for p in samples[:12]]
     with tiny_pipe(preprocess="processes", threads=1, decode_timeout_s=5.0) as pipe:

@@ -28,8 +28,13 @@ def test_offline_job_one_result_per_item_across_two_nodes(cluster, tmp_path, sam
 
     torch.manual_seed(0)
     save_file(torchvision.models.resnet18().state_dict(), str(tmp_path / "w.safetensors"))
-    cfg = {"model": "resnet18", "weights": str(tmp_path / "w.safetensors"), "device": "cpu", "threads": 1,
-           "max_batch_size": 16}
+    cfg = {
+        "model": "resnet18",
+        "weights": str(tmp_path / "w.safetensors"),
+        "device": "cpu",
+        "threads": 1,
+        "max_batch_size": 16,
+    }
     inputs = [str(samples[0].parent), str(bad_dir)]
     rows = list(classify_on_ray(inputs, cfg, concurrency=2, batch_size=16))
     ref = Pipeline(Config(**cfg)).classify(inputs)
@@ -60,8 +65,7 @@ def test_ray_serve_same_answers_and_survives_a_killed_replica(cluster, tmp_path,
 
     torch.manual_seed(1)
     save_file(torchvision.models.resnet18().state_dict(), str(tmp_path / "w.safetensors"))
-    cfg = Config(model="resnet18", weights=str(tmp_path / "w.safetensors"), device="cpu", threads=1,
-                 max_batch_size=8)
+    cfg = Config(model="resnet18", weights=str(tmp_path / "w.safetensors"), device="cpu", threads=1, max_batch_size=8)
     ref = {r.id: r for r in Pipeline(cfg).classify([(p.name, p.read_bytes()) for p in samples[:12]])}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,8 +83,9 @@ def test_ray_serve_same_answers_and_survives_a_killed_replica(cluster, tmp_path,
             time.sleep(0.5)
 
         def ask(p):
-            r = httpx.post(url + "/v1/classify", content=p.read_bytes(), headers={"content-type": "image/jpeg"},
-                           timeout=60)
+            r = httpx.post(
+                url + "/v1/classify", content=p.read_bytes(), headers={"content-type": "image/jpeg"}, timeout=60
+            )
             return p.name, r
 
         def check(results):

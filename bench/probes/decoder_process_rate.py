@@ -40,7 +40,7 @@ def measure(procs: int, seconds: float, blobs: list[bytes], malloc_env: bool) ->
 
     def feed(i):
         w = pool[i]
-        for b in blobs[:10]:   # warm-up
+        for b in blobs[:10]:  # warm-up
             w(b)
         start.wait()
         t0 = time.perf_counter()
@@ -58,8 +58,12 @@ def measure(procs: int, seconds: float, blobs: list[bytes], malloc_env: bool) ->
         t.join()
     rate = sum(counts) / (time.perf_counter() - t0)
     pool.close()
-    return {"procs": procs, "malloc_env": pp.MALLOC_ENV if malloc_env else "glibc defaults",
-            "img_per_s": rate, "worker_time_split": _worker_stats(stats)}
+    return {
+        "procs": procs,
+        "malloc_env": pp.MALLOC_ENV if malloc_env else "glibc defaults",
+        "img_per_s": rate,
+        "worker_time_split": _worker_stats(stats),
+    }
 
 
 def main():
@@ -71,13 +75,17 @@ def main():
     blobs = jpegs_640x480()[:256]
     rows = []
     for p in [int(x) for x in args.procs.split(",")]:
-        for env in (False, True):   # side by side, same images
+        for env in (False, True):  # side by side, same images
             rows.append(measure(p, args.seconds, blobs, env))
             r = rows[-1]
-            print(f"{p} procs, malloc env {'on ' if env else 'off'}: {r['img_per_s']:.0f} img/s, "
-                  f"{r['worker_time_split']['minor_faults_per_image']:.0f} faults/img", flush=True)
-    write_json(args.out, {"benchmark": "decoder_process_rate", "machine": machine_info(), "images": "640x480",
-                          "rows": rows})
+            print(
+                f"{p} procs, malloc env {'on ' if env else 'off'}: {r['img_per_s']:.0f} img/s, "
+                f"{r['worker_time_split']['minor_faults_per_image']:.0f} faults/img",
+                flush=True,
+            )
+    write_json(
+        args.out, {"benchmark": "decoder_process_rate", "machine": machine_info(), "images": "640x480", "rows": rows}
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,12 @@ def phases(blobs, device):
     torch.cuda.synchronize()
     t3 = time.perf_counter()
     n = len(blobs)
-    return {"wrap_us": 1e6 * (t1 - t0) / n, "decode_us": 1e6 * (t2 - t1) / n, "resize_us": 1e6 * (t3 - t2) / n,
-            "total_img_per_s": n / (t3 - t0)}
+    return {
+        "wrap_us": 1e6 * (t1 - t0) / n,
+        "decode_us": 1e6 * (t2 - t1) / n,
+        "resize_us": 1e6 * (t3 - t2) / n,
+        "total_img_per_s": n / (t3 - t0),
+    }
 
 
 def measure(blobs_all, bs, device, reps=8):
@@ -71,10 +75,12 @@ def main():
             procs = [subprocess.Popen(["nice", "-n", "5", sys.executable, "-c", "while True: pass"]) for _ in range(16)]
             time.sleep(0.5)
         if cond == "GIL-holding thread":
+
             def spin():
                 x = 0
                 while not stop.is_set():
                     x += 1
+
             threading.Thread(target=spin, daemon=True).start()
         for name, blobs in sets.items():
             for bs in (32, 128, 256):

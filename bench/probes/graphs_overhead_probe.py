@@ -46,15 +46,36 @@ def main():
         iters = max(8, 20_000 // bs)
         with torch.inference_mode():
             x = torch.randn(bs, 3, 224, 224, device="cuda", dtype=torch.bfloat16).contiguous(
-                memory_format=torch.channels_last)
+                memory_format=torch.channels_last
+            )
             g_raw = capture_graph(lambda: model(x))
-        eng = Engine(Config(model=model, device="cuda", dtype="bfloat16", channels_last=True, graphs=True,
-                            max_batch_size=bs, buckets=(bs,), staging_slots=3))
+        eng = Engine(
+            Config(
+                model=model,
+                device="cuda",
+                dtype="bfloat16",
+                channels_last=True,
+                graphs=True,
+                max_batch_size=bs,
+                buckets=(bs,),
+                staging_slots=3,
+            )
+        )
         print(eng.runner.info.format(), flush=True)
         g_prod, _ = eng.runner.graphs[bs]
         os.environ["FULLTHROTTLE_TRITON"] = "0"  # the same Engine with normalise as torch.addcmul
-        eng_addcmul = Engine(Config(model=model, device="cuda", dtype="bfloat16", channels_last=True, graphs=True,
-                                    max_batch_size=bs, buckets=(bs,), staging_slots=2))
+        eng_addcmul = Engine(
+            Config(
+                model=model,
+                device="cuda",
+                dtype="bfloat16",
+                channels_last=True,
+                graphs=True,
+                max_batch_size=bs,
+                buckets=(bs,),
+                staging_slots=2,
+            )
+        )
         os.environ.pop("FULLTHROTTLE_TRITON")
         g_addcmul, _ = eng_addcmul.runner.graphs[bs]
         u8 = torch.randint(0, 256, (bs, 224, 224, 3), dtype=torch.uint8, device="cuda")

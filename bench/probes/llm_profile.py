@@ -65,14 +65,21 @@ def main():
             if ev.device_type == torch.autograd.DeviceType.CUDA:
                 agg[ev.name][0] += 1
                 agg[ev.name][1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-        kernels = sorted(({"name": k[:120], "count": v[0], "us": v[1]} for k, v in agg.items()),
-                         key=lambda r: -r["us"])
+        kernels = sorted(({"name": k[:120], "count": v[0], "us": v[1]} for k, v in agg.items()), key=lambda r: -r["us"])
         total_n = sum(r["count"] for r in kernels)
         total_us = sum(r["us"] for r in kernels)
-        out[b] = {"graph_step_ms": step_ms, "tok_per_s_graph": b / step_ms * 1e3, "kernels_per_step": total_n,
-                  "kernel_time_us": total_us, "top": kernels[:30]}
-        print(f"batch {b}: graph step {step_ms:.3f} ms ({b / step_ms * 1e3:.0f} tok/s), {total_n} kernels, "
-              f"{total_us / 1e3:.3f} ms of kernel time", flush=True)
+        out[b] = {
+            "graph_step_ms": step_ms,
+            "tok_per_s_graph": b / step_ms * 1e3,
+            "kernels_per_step": total_n,
+            "kernel_time_us": total_us,
+            "top": kernels[:30],
+        }
+        print(
+            f"batch {b}: graph step {step_ms:.3f} ms ({b / step_ms * 1e3:.0f} tok/s), {total_n} kernels, "
+            f"{total_us / 1e3:.3f} ms of kernel time",
+            flush=True,
+        )
         for r in kernels[:14]:
             print(f"   {r['count']:5d} {r['us']:9.1f} us  {r['name'][:90]}", flush=True)
     write_json(args.out, {"benchmark": "llm_profile", "machine": machine_info(), "batches": out})

@@ -56,6 +56,7 @@ def main():
                 inner()
             finally:
                 cpu[threading.current_thread().name.rstrip("0123456789").rstrip("-")] += time.thread_time() - t
+
         return run
 
     def loader_main(self):
@@ -78,9 +79,17 @@ def main():
             return self.fc(x.mean((2, 3)))
 
     runs = []
-    with Pipeline(model=Tiny(), device="cpu", threads=args.threads, preprocess="processes", max_batch_size=128,
-                  torch_threads=1,  # as on CUDA: no OpenMP pool spinning in this process
-                  crop_size=8, resize_size=8, labels=[str(i) for i in range(1000)]) as pipe:
+    with Pipeline(
+        model=Tiny(),
+        device="cpu",
+        threads=args.threads,
+        preprocess="processes",
+        max_batch_size=128,
+        torch_threads=1,  # as on CUDA: no OpenMP pool spinning in this process
+        crop_size=8,
+        resize_size=8,
+        labels=[str(i) for i in range(1000)],
+    ) as pipe:
         if args.gpu_procs:
             from types import SimpleNamespace
 
@@ -113,9 +122,11 @@ def main():
 
             import fullthrottle.gpu_decode_procs as gp
             from fullthrottle.gpu_decode import GpuJpegDecoder
+
             pipe.engine.gpu_decoder = GpuJpegDecoder(torch.device("cpu"))  # never called: routing only
-            pipe.gpu_decoders = SimpleNamespace(workers=[InstantGpuProcess() for _ in range(args.gpu_procs)],
-                                                close=lambda: None)
+            pipe.gpu_decoders = SimpleNamespace(
+                workers=[InstantGpuProcess() for _ in range(args.gpu_procs)], close=lambda: None
+            )
         items = [blobs[i % len(blobs)] for i in range(args.n)]
         list(pipe.run(items[:500]))  # warm-up: worker start, first calls
         for _ in range(args.repeats):
@@ -123,13 +134,26 @@ def main():
             t, c = time.perf_counter(), time.process_time()
             assert all(r.ok for r in pipe.run(items))
             wall, proc = time.perf_counter() - t, time.process_time() - c
-            runs.append({"img_per_s": args.n / wall, "main_process_us_per_img": 1e6 * proc / args.n,
-                         "threads_us_per_img": {k: 1e6 * v / args.n for k, v in sorted(cpu.items())}})
+            runs.append(
+                {
+                    "img_per_s": args.n / wall,
+                    "main_process_us_per_img": 1e6 * proc / args.n,
+                    "threads_us_per_img": {k: 1e6 * v / args.n for k, v in sorted(cpu.items())},
+                }
+            )
             print(runs[-1], flush=True)
-    write_json(args.out, {"benchmark": "main_process_cost", "machine": machine_info(),
-                          "images": "64x64 random JPEGs, 8x8 crops, linear model on CPU",
-                          "decoder_processes": args.threads, "gpu_decoder_processes": args.gpu_procs,
-                          "n": args.n, "runs": runs})
+    write_json(
+        args.out,
+        {
+            "benchmark": "main_process_cost",
+            "machine": machine_info(),
+            "images": "64x64 random JPEGs, 8x8 crops, linear model on CPU",
+            "decoder_processes": args.threads,
+            "gpu_decoder_processes": args.gpu_procs,
+            "n": args.n,
+            "runs": runs,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def rate(decode_batch, blobs, seconds=3.0, batch=128, threads=1):
             decode_batch(chunk)
             counts[i] += batch
             j += batch * threads
+
     t0 = time.perf_counter()
     ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
     for t in ts:
@@ -59,6 +60,7 @@ def main():
     out = {"benchmark": "nvimgcodec_probe", "machine": machine_info(), "rows": [], "errors": []}
     try:
         from nvidia import nvimgcodec
+
         out["nvimgcodec"] = getattr(nvimgcodec, "__version__", "?")
         out["nvimgcodec_names"] = sorted(n for n in dir(nvimgcodec) if not n.startswith("_"))
     except Exception as e:  # noqa: BLE001
@@ -70,15 +72,25 @@ def main():
         tv = lambda b: decode_jpeg([torch.frombuffer(x, dtype=torch.uint8) for x in b], device="cuda")  # noqa: E731
         r = rate(tv, blobs)
         mad = (tv(blobs[:1])[0].permute(1, 2, 0).cpu().float() - torch.from_numpy(ref).float()).abs().mean().item()
-        out["rows"].append({"images": name, "decoder": f"torchvision {torchvision.__version__} nvJPEG (CUDA)",
-                            "img_per_s": r, "mad_vs_opencv": mad})
+        out["rows"].append(
+            {
+                "images": name,
+                "decoder": f"torchvision {torchvision.__version__} nvJPEG (CUDA)",
+                "img_per_s": r,
+                "mad_vs_opencv": mad,
+            }
+        )
         print(out["rows"][-1], flush=True)
         if nvimgcodec is None:
             continue
         for kind in ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU"):
             for threads in (1, 2):
                 try:
-                    bk = getattr(nvimgcodec.BackendKind, kind) if hasattr(nvimgcodec, "BackendKind") else getattr(nvimgcodec, kind)
+                    bk = (
+                        getattr(nvimgcodec.BackendKind, kind)
+                        if hasattr(nvimgcodec, "BackendKind")
+                        else getattr(nvimgcodec, kind)
+                    )
                     decs = [nvimgcodec.Decoder(backends=[nvimgcodec.Backend(bk)]) for _ in range(threads)]
                     local = threading.local()
                     pool = iter(decs)
@@ -90,13 +102,22 @@ def main():
                                 local.d = next(pool, decs[0])
                         imgs = local.d.decode(b)
                         return [torch.as_tensor(im, device="cuda") for im in imgs if im is not None]
+
                     got = dec(blobs[:8])
                     r = rate(dec, blobs, threads=threads)
                     im = dec(blobs[:1])[0].cpu().float()
                     mad = (im - torch.from_numpy(ref).float()).abs().mean().item() if im.shape == ref.shape else None
-                    out["rows"].append({"images": name, "decoder": f"nvimgcodec {kind}", "threads": threads,
-                                        "img_per_s": r, "decoded_of_8": len(got), "shape": list(im.shape),
-                                        "mad_vs_opencv": mad})
+                    out["rows"].append(
+                        {
+                            "images": name,
+                            "decoder": f"nvimgcodec {kind}",
+                            "threads": threads,
+                            "img_per_s": r,
+                            "decoded_of_8": len(got),
+                            "shape": list(im.shape),
+                            "mad_vs_opencv": mad,
+                        }
+                    )
                 except Exception as e:  # noqa: BLE001
                     out["errors"].append(f"{name} {kind} x{threads}: {type(e).__name__}: {e}"[:300])
                     print(out["errors"][-1], flush=True)

@@ -47,7 +47,7 @@ def _worker(blobs, bs, seconds, mode, barrier, q):
         else:
             out = decode_crops(dec, b, device=dev)
             rows = next(o[0] for o in out if isinstance(o, tuple))
-            host[:rows.shape[0]].copy_(rows, non_blocking=True)
+            host[: rows.shape[0]].copy_(rows, non_blocking=True)
         torch.cuda.synchronize()
 
     for i in range(3):
@@ -97,8 +97,16 @@ def main():
                 r = run(blobs, p, args.batch, args.seconds, mode, busy)
                 rows.append({"images": images, "mode": mode, "busy_cpu_procs": busy, "procs": p, "img_per_s": r})
                 print(rows[-1], flush=True)
-    write_json(args.out, {"benchmark": "nvjpeg_procs_probe", "machine": machine_info(), "batch": args.batch,
-                          "seconds": args.seconds, "rows": rows})
+    write_json(
+        args.out,
+        {
+            "benchmark": "nvjpeg_procs_probe",
+            "machine": machine_info(),
+            "batch": args.batch,
+            "seconds": args.seconds,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

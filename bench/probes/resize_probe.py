@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import jpegs_640x480, machine_info, sample_jpegs, write_json  # noqa: E402
+
 from fullthrottle.config import GPU_DECODERS  # noqa: E402
 
 
@@ -60,14 +61,18 @@ def main():
     ap.add_argument("--burners", type=int, default=15)
     ap.add_argument("--out", default="resize_probe.json")
     args = ap.parse_args()
-    from fullthrottle.gpu_decode import (gpu_eligible, make_gpu_decoder, resize_crop_batch, resize_crop_interpolate,
-                                         resize_crop_matmul)
+    from fullthrottle.gpu_decode import (
+        gpu_eligible,
+        make_gpu_decoder,
+        resize_crop_batch,
+        resize_crop_interpolate,
+        resize_crop_matmul,
+    )
     from fullthrottle.kernels import resize_crop_u8
     from fullthrottle.preprocess import preprocess
 
     dec = make_gpu_decoder(torch.device("cuda"), args.decoder)
-    out = {"benchmark": "resize_probe", "machine": machine_info(), "decoder": dec.kind, "batch": args.batch,
-           "rows": []}
+    out = {"benchmark": "resize_probe", "machine": machine_info(), "decoder": dec.kind, "batch": args.batch, "rows": []}
     stream = torch.cuda.Stream()
     torch.cuda.set_stream(stream)  # as in the pipeline: a side stream
     for name, blobs in {"640x480": jpegs_640x480()[:512], "mixed": sample_jpegs()}.items():
@@ -79,8 +84,11 @@ def main():
         torch.cuda.synchronize()
         ref = np.stack([preprocess(b) for b in blobs[:bs]]).astype(np.int16)
         res = torch.empty((bs, 224, 224, 3), dtype=torch.uint8, device="cuda")
-        for label, fn in (("interpolate_fp32", resize_crop_interpolate), ("matmul_fp16", resize_crop_matmul),
-                          ("triton", resize_crop_u8)):
+        for label, fn in (
+            ("interpolate_fp32", resize_crop_interpolate),
+            ("matmul_fp16", resize_crop_matmul),
+            ("triton", resize_crop_u8),
+        ):
             fn(imgs, res)
             torch.cuda.synchronize()
             row[f"{label}_mad_vs_cpu"] = float(np.abs(res.cpu().numpy().astype(np.int16) - ref).mean())
@@ -98,7 +106,7 @@ def main():
             row[f"{label}_wall_us_per_image"] = 1e6 * (time.perf_counter() - t0) / (10 * bs)
             if label == "triton" or (label == "matmul_fp16" and name == "640x480"):  # no host waits inside:
                 torch.cuda._sleep(int(5e8))  # the GPU spins while the 10 calls queue up behind it, so the
-                s.record()                   # events time the GPU's work alone, not the host's launches
+                s.record()  # events time the GPU's work alone, not the host's launches
                 for _ in range(10):
                     fn(imgs, res)
                 e.record()
@@ -108,7 +116,8 @@ def main():
         def both(b, fn=resize_crop_batch):
             d = dec(b)
             r = torch.empty((len(b), 224, 224, 3), dtype=torch.uint8, device="cuda")
-            fn([x for x in d if isinstance(x, torch.Tensor)], r[:sum(isinstance(x, torch.Tensor) for x in d)])
+            fn([x for x in d if isinstance(x, torch.Tensor)], r[: sum(isinstance(x, torch.Tensor) for x in d)])
+
         row["decode_resize_triton_img_per_s"] = rate(both, blobs, bs)
         row["decode_resize_matmul_img_per_s"] = rate(lambda b: both(b, resize_crop_matmul), blobs, bs)
         row["decode_resize_interpolate_img_per_s"] = rate(lambda b: both(b, resize_crop_interpolate), blobs, bs)

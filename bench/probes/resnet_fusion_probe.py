@@ -56,7 +56,8 @@ def main():
     for bs in [int(b) for b in args.batches.split(",")]:
         iters = max(8, 20_000 // bs)
         x = torch.randn(bs, 3, 224, 224, device="cuda", dtype=torch.bfloat16).contiguous(
-            memory_format=torch.channels_last)
+            memory_format=torch.channels_last
+        )
         graphs, top1 = {}, {}
         with torch.inference_mode():
             for name, m in variants.items():
@@ -74,14 +75,24 @@ def main():
                 times[name].append(events_time(g.replay, iters))
         row = {"batch": bs}
         for name in graphs:
-            row[name] = {"img_per_s": bs / statistics.median(times[name]),
-                         "top1_agree_with_unfolded": (top1[name] == top1["unfolded"]).float().mean().item()}
+            row[name] = {
+                "img_per_s": bs / statistics.median(times[name]),
+                "top1_agree_with_unfolded": (top1[name] == top1["unfolded"]).float().mean().item(),
+            }
         rows.append(row)
         print(bs, {k: round(v["img_per_s"]) for k, v in row.items() if k != "batch"}, flush=True)
         del graphs
         torch.cuda.empty_cache()
-    write_json(args.out, {"benchmark": "resnet_fusion_probe", "machine": machine_info(), "fused_pairs": n_fused,
-                          "capture_or_compile_s": compile_s, "rows": rows})
+    write_json(
+        args.out,
+        {
+            "benchmark": "resnet_fusion_probe",
+            "machine": machine_info(),
+            "fused_pairs": n_fused,
+            "capture_or_compile_s": compile_s,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,7 @@ def torch_min(d):
     return t[0].permute(1, 2, 0).numpy()[16:240, 58:282]
 
 
-RECIPES = {"decode_only": decode_only, "current_preprocess": preprocess, "cv2_area": cv2_area,
-           "torch_min": torch_min}
+RECIPES = {"decode_only": decode_only, "current_preprocess": preprocess, "cv2_area": cv2_area, "torch_min": torch_min}
 
 
 def main():

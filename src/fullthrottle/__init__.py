@@ -19,8 +19,14 @@ if TYPE_CHECKING:  # (for type checkers and IDEs; at run time the names come fro
     from .pipeline import Pipeline, PipelineError, classify
     from .preprocess import ImageError
 
-_WHERE = {"Config": ".config", "Result": ".decode", "Pipeline": ".pipeline", "PipelineError": ".pipeline",
-          "classify": ".pipeline", "ImageError": ".preprocess"}
+_WHERE = {
+    "Config": ".config",
+    "Result": ".decode",
+    "Pipeline": ".pipeline",
+    "PipelineError": ".pipeline",
+    "classify": ".pipeline",
+    "ImageError": ".preprocess",
+}
 
 __all__ = ["Config", "ImageError", "Pipeline", "PipelineError", "Result", "classify"]
 __version__ = "0.1.0"

@@ -73,9 +73,18 @@ class Batcher:
             partial batch past its deadline keeps filling instead of being sent).
     """
 
-    def __init__(self, get: Callable, put: Callable, max_batch_size: int, max_wait_ms: float,
-                 n_end: int, end, stats, stopped: Callable[[], bool],
-                 device_busy: Callable[[], bool] = lambda: False):
+    def __init__(
+        self,
+        get: Callable,
+        put: Callable,
+        max_batch_size: int,
+        max_wait_ms: float,
+        n_end: int,
+        end,
+        stats,
+        stopped: Callable[[], bool],
+        device_busy: Callable[[], bool] = lambda: False,
+    ):
         self.get, self.put, self.device_busy = get, put, device_busy
         self.max_batch_size, self.max_wait_s = max_batch_size, max_wait_ms / 1e3
         self.n_end, self.end, self.stats, self.stopped = n_end, end, stats, stopped

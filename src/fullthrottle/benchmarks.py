@@ -42,14 +42,26 @@ def machine_info() -> dict:
     import torchvision
 
     return {
-        "host": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0], "torch": torch.__version__, "torchvision": torchvision.__version__,
-        "opencv": cv2.__version__, "pillow": PIL.__version__,
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "opencv": cv2.__version__,
+        "pillow": PIL.__version__,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "cuda": torch.version.cuda,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "free_threaded": not getattr(sys, "_is_gil_enabled", lambda: True)(),
-        "command": " ".join(([os.path.basename(sys.executable), sys.argv[0]] if sys.argv[0].endswith(".py")
-                             else [os.path.basename(sys.argv[0])]) + sys.argv[1:]),
+        "command": " ".join(
+            (
+                [os.path.basename(sys.executable), sys.argv[0]]
+                if sys.argv[0].endswith(".py")
+                else [os.path.basename(sys.argv[0])]
+            )
+            + sys.argv[1:]
+        ),
     }
 
 
@@ -74,6 +86,7 @@ def _time_per_call(step, dev: torch.device, iters: int, repeats: int = 3, warmup
 
 
 # -- threads ---------------------------------------------------------------------------------------
+
 
 def _python_work(n: int) -> int:
     acc = 0
@@ -122,11 +135,17 @@ def bench_threads(blobs: list[bytes], threads: list[int], seconds: float = 2.0) 
     for name, fn in recipes.items():
         for n in threads:
             rows.append({"recipe": name, "threads": n, "img_per_s": _rate(fn, n, seconds)})
-    return {"experiment": "threads", "single_thread_ms_per_image": 1e3 * per_img, "python_loops": loops,
-            "free_threaded": not getattr(sys, "_is_gil_enabled", lambda: True)(), "rows": rows}
+    return {
+        "experiment": "threads",
+        "single_thread_ms_per_image": 1e3 * per_img,
+        "python_loops": loops,
+        "free_threaded": not getattr(sys, "_is_gil_enabled", lambda: True)(),
+        "rows": rows,
+    }
 
 
 # -- batch -----------------------------------------------------------------------------------------
+
 
 def _model(name: str, dev: torch.device, dtype: torch.dtype, channels_last: bool):
     import torchvision
@@ -142,9 +161,11 @@ def bench_batch(batches: list[int], model: str = "resnet18", compile: bool = Fal
 
     configs = [("cpu fp32 eager", "cpu", torch.float32, False, None)]
     if torch.cuda.is_available():
-        configs += [("gpu fp32 eager", "cuda", torch.float32, False, None),
-                    ("gpu bf16 channels_last eager", "cuda", torch.bfloat16, True, None),
-                    ("gpu bf16 channels_last CUDA graphs", "cuda", torch.bfloat16, True, "graphs")]
+        configs += [
+            ("gpu fp32 eager", "cuda", torch.float32, False, None),
+            ("gpu bf16 channels_last eager", "cuda", torch.bfloat16, True, None),
+            ("gpu bf16 channels_last CUDA graphs", "cuda", torch.bfloat16, True, "graphs"),
+        ]
         if compile:
             configs.append(("gpu bf16 channels_last compile+graphs", "cuda", torch.bfloat16, True, "compile"))
     rows = []
@@ -153,8 +174,9 @@ def bench_batch(batches: list[int], model: str = "resnet18", compile: bool = Fal
         m = _model(model, dev, dtype, cl)
         runner = None
         if mode is not None:
-            runner = graph_module(m, (3, 224, 224), batches, device=dev, dtype=dtype, channels_last=cl,
-                                  compile=mode == "compile")
+            runner = graph_module(
+                m, (3, 224, 224), batches, device=dev, dtype=dtype, channels_last=cl, compile=mode == "compile"
+            )
         for bs in batches:
             if devname == "cpu" and bs > 64:
                 continue
@@ -163,11 +185,14 @@ def bench_batch(batches: list[int], model: str = "resnet18", compile: bool = Fal
                 x = x.contiguous(memory_format=torch.channels_last)
             with torch.inference_mode():
                 if runner is None:
+
                     def step():
                         return torch.softmax(m(x).float(), dim=-1)
                 else:
+
                     def step():
                         return torch.softmax(runner(x).float(), dim=-1)
+
                 n = max(1, iters if devname == "cuda" else min(iters, max(1, 16 // bs)))
                 s = _time_per_call(step, dev, n * (10 if devname == "cuda" else 1))
             rows.append({"config": name, "batch": bs, "img_per_s": bs / s})
@@ -176,6 +201,7 @@ def bench_batch(batches: list[int], model: str = "resnet18", compile: bool = Fal
 
 
 # -- transfer --------------------------------------------------------------------------------------
+
 
 def bench_transfer(batches: list[int], model: str = "resnet18", iters: int = 20) -> dict:
     """H2D of uint8 (B,224,224,3) batches + bf16 model, three ways, img/s against batch size.
@@ -223,17 +249,27 @@ def bench_transfer(batches: list[int], model: str = "resnet18", iters: int = 20)
                 done[i].record(cur)
 
         with torch.inference_mode():
-            for name, fn in (("pageable, blocking", blocking), ("pinned, non_blocking", pinned_nb),
-                             ("pinned, copy stream, 2 in flight", stream_2_in_flight)):
+            for name, fn in (
+                ("pageable, blocking", blocking),
+                ("pinned, non_blocking", pinned_nb),
+                ("pinned, copy stream, 2 in flight", stream_2_in_flight),
+            ):
                 s = _time_per_call(fn, dev, max(2, iters * 8 // max(bs, 8)))
                 rows.append({"mode": name, "batch": bs, "img_per_s": 2 * bs / s})
         copy_s = _time_per_call(lambda: dbuf[0].copy_(pinned[0], non_blocking=True), dev, 10)
-        rows.append({"mode": "pinned H2D copy alone", "batch": bs, "img_per_s": bs / copy_s,
-                     "GB_per_s": pinned[0].numel() / copy_s / 1e9})
+        rows.append(
+            {
+                "mode": "pinned H2D copy alone",
+                "batch": bs,
+                "img_per_s": bs / copy_s,
+                "GB_per_s": pinned[0].numel() / copy_s / 1e9,
+            }
+        )
     return {"experiment": "transfer", "model": model + " bf16 channels_last eager", "rows": rows}
 
 
 # -- e2e -------------------------------------------------------------------------------------------
+
 
 class _BytesDataset(torch.utils.data.Dataset):
     def __init__(self, blobs, n, decoder):
@@ -258,7 +294,7 @@ class _BytesDataset(torch.utils.data.Dataset):
         bgr = cv2.resize(bgr, (max(256, int(w * s)), max(256, int(h * s))), interpolation=cv2.INTER_AREA)
         h, w = bgr.shape[:2]
         top, left = (h - 224) // 2, (w - 224) // 2
-        rgb = cv2.cvtColor(bgr[top:top + 224, left:left + 224], cv2.COLOR_BGR2RGB)
+        rgb = cv2.cvtColor(bgr[top : top + 224, left : left + 224], cv2.COLOR_BGR2RGB)
         return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
 
 
@@ -269,8 +305,15 @@ def _steady(times: list[tuple[float, int]], n: int, warm_frac: float) -> float:
     return (end[1] - start[1]) / (end[0] - start[0]) if end[0] > start[0] else 0.0
 
 
-def bench_e2e(blobs: list[bytes], n: int, workers: int, batch: int, device: str = "auto",
-              model: str = "resnet18", warm_frac: float = 0.25) -> dict:
+def bench_e2e(
+    blobs: list[bytes],
+    n: int,
+    workers: int,
+    batch: int,
+    device: str = "auto",
+    model: str = "resnet18",
+    warm_frac: float = 0.25,
+) -> dict:
     """Images (bytes in memory) to top-5, fullthrottle vs naive loop vs DataLoader (PIL, OpenCV)."""
     from .compute import resolve_device
     from .config import Config
@@ -305,18 +348,28 @@ def bench_e2e(blobs: list[bytes], n: int, workers: int, batch: int, device: str 
         results["naive loop"] = {"images": seen, "img_per_s": _steady(times, seen, warm_frac)}
         # (b) DataLoader with N workers, pin_memory, PIL and OpenCV decoding
         for dec in ("pil", "opencv"):
-            dl = torch.utils.data.DataLoader(_BytesDataset(blobs, n, dec), batch_size=batch,
-                                             num_workers=workers, pin_memory=dev.type == "cuda")
+            dl = torch.utils.data.DataLoader(
+                _BytesDataset(blobs, n, dec), batch_size=batch, num_workers=workers, pin_memory=dev.type == "cuda"
+            )
             times, seen = [], 0
             for x in dl:
                 top5(x)
                 seen += len(x)
                 times.append((time.perf_counter(), seen))
-            results[f"DataLoader {workers} workers, {dec}"] = {"images": seen,
-                                                             "img_per_s": _steady(times, seen, warm_frac)}
+            results[f"DataLoader {workers} workers, {dec}"] = {
+                "images": seen,
+                "img_per_s": _steady(times, seen, warm_frac),
+            }
     # (c) fullthrottle
-    pipe = Pipeline(Config(model=model, device=str(dev), dtype="bfloat16" if dev.type == "cuda" else "float32",
-                           max_batch_size=batch, threads=workers))
+    pipe = Pipeline(
+        Config(
+            model=model,
+            device=str(dev),
+            dtype="bfloat16" if dev.type == "cuda" else "float32",
+            max_batch_size=batch,
+            threads=workers,
+        )
+    )
     list(pipe.run(blobs[: min(len(blobs), 2 * batch)]))  # warm-up
     times, seen = [], 0
     for r in pipe.run(blobs[i % len(blobs)] for i in range(n)):
@@ -324,16 +377,28 @@ def bench_e2e(blobs: list[bytes], n: int, workers: int, batch: int, device: str 
         if seen % 16 == 0 or seen == n:
             times.append((time.perf_counter(), seen))
     rep = pipe.last_report
-    results["fullthrottle"] = {"images": seen, "img_per_s": _steady(times, seen, warm_frac),
-                               "report": rep.to_dict()}
+    results["fullthrottle"] = {"images": seen, "img_per_s": _steady(times, seen, warm_frac), "report": rep.to_dict()}
     ft = results["fullthrottle"]["img_per_s"]
-    ratios = {f"fullthrottle / {k}": ft / v["img_per_s"] for k, v in results.items()
-              if k != "fullthrottle" and v["img_per_s"] > 0}
-    return {"experiment": "e2e", "device": str(dev), "model": model, "n": n, "workers": workers,
-            "batch": batch, "results": results, "ratios": ratios, "verdict": rep.verdict}
+    ratios = {
+        f"fullthrottle / {k}": ft / v["img_per_s"]
+        for k, v in results.items()
+        if k != "fullthrottle" and v["img_per_s"] > 0
+    }
+    return {
+        "experiment": "e2e",
+        "device": str(dev),
+        "model": model,
+        "n": n,
+        "workers": workers,
+        "batch": batch,
+        "results": results,
+        "ratios": ratios,
+        "verdict": rep.verdict,
+    }
 
 
 # -- plots -----------------------------------------------------------------------------------------
+
 
 def plot(result: dict, path: str) -> None:
     """A PNG of ``result`` (one line per recipe/config/mode, or bars for e2e)."""
@@ -349,8 +414,7 @@ def plot(result: dict, path: str) -> None:
         ax.barh(names, [result["results"][k]["img_per_s"] for k in names])
         ax.set_xlabel("images/s (steady state)")
     else:
-        key, x = {"threads": ("recipe", "threads"), "batch": ("config", "batch"),
-                  "transfer": ("mode", "batch")}[exp]
+        key, x = {"threads": ("recipe", "threads"), "batch": ("config", "batch"), "transfer": ("mode", "batch")}[exp]
         for name in dict.fromkeys(r[key] for r in result["rows"]):
             pts = [(r[x], r["img_per_s"]) for r in result["rows"] if r[key] == name]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)

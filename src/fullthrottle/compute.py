@@ -53,8 +53,9 @@ def resolve_device(spec: str) -> torch.device:
     except RuntimeError:
         raise ValueError(f"unsupported device {spec!r}: use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {spec!r} requested but CUDA is not available on this machine "
-                           "(use --device cpu or auto)")
+        raise RuntimeError(
+            f"device {spec!r} requested but CUDA is not available on this machine (use --device cpu or auto)"
+        )
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {spec!r}: use auto, cpu, cuda or cuda:N")
     return dev
@@ -77,8 +78,9 @@ def fold_batchnorm(model: nn.Module) -> tuple[nn.Module, bool]:
         fused = fuse(copy.deepcopy(model).eval().float(), inplace=True)
     except Exception:  # noqa: BLE001 - an untraceable model simply runs as it is
         return model, False
-    folded = sum(isinstance(m, nn.BatchNorm2d) for m in fused.modules()) < \
-        sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    folded = sum(isinstance(m, nn.BatchNorm2d) for m in fused.modules()) < sum(
+        isinstance(m, nn.BatchNorm2d) for m in model.modules()
+    )
     return (fused, True) if folded else (model, False)
 
 
@@ -92,8 +94,10 @@ def conv_relu(x, weight, bias, stride, padding, dilation, groups):
 
 def _conv2d_out_shape(x, weight, stride, padding, dilation) -> tuple[int, ...]:
     """``(N, C_out, H_out, W_out)`` of ``F.conv2d`` (PyTorch's Conv2d output-size formula)."""
-    hw = [(x.shape[2 + i] + 2 * padding[i] - dilation[i] * (weight.shape[2 + i] - 1) - 1) // stride[i] + 1
-          for i in range(2)]
+    hw = [
+        (x.shape[2 + i] + 2 * padding[i] - dilation[i] * (weight.shape[2 + i] - 1) - 1) // stride[i] + 1
+        for i in range(2)
+    ]
     return (x.shape[0], weight.shape[0], *hw)
 
 
@@ -101,8 +105,12 @@ def conv_add_relu(x, weight, z, bias, stride, padding, dilation, groups):
     """``relu(conv2d(x) + z)`` (a residual block's tail) as one cuDNN call on CUDA
     (``torch.cudnn_convolution_add_relu``) when ``z`` is a tensor of the conv output's exact shape and
     dtype; plain PyTorch otherwise (a broadcast ``z``, CPU)."""
-    if (x.is_cuda and isinstance(z, torch.Tensor) and z.dtype == x.dtype
-            and tuple(z.shape) == _conv2d_out_shape(x, weight, stride, padding, dilation)):
+    if (
+        x.is_cuda
+        and isinstance(z, torch.Tensor)
+        and z.dtype == x.dtype
+        and tuple(z.shape) == _conv2d_out_shape(x, weight, stride, padding, dilation)
+    ):
         return torch.cudnn_convolution_add_relu(x, weight, z, 1.0, bias, stride, padding, dilation, groups)
     return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups) + z)
 
@@ -122,28 +130,67 @@ def fuse_conv_relu(gm: torch.fx.GraphModule) -> int:
 
     mods = dict(gm.named_modules())
     g = gm.graph
-    inplace_ops = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
-                   "ilshift", "irshift", "imatmul", "setitem"}
+    inplace_ops = {
+        "iadd",
+        "isub",
+        "imul",
+        "itruediv",
+        "ifloordiv",
+        "imod",
+        "ipow",
+        "iand",
+        "ior",
+        "ixor",
+        "ilshift",
+        "irshift",
+        "imatmul",
+        "setitem",
+    }
 
     def conv_of(n):
-        if (n.op == "call_module" and type(mods.get(n.target)) is nn.Conv2d and len(n.users) == 1
-                and len(n.args) == 1 and not n.kwargs):
+        if (
+            n.op == "call_module"
+            and type(mods.get(n.target)) is nn.Conv2d
+            and len(n.users) == 1
+            and len(n.args) == 1
+            and not n.kwargs
+        ):
             c = mods[n.target]
-            if (c.padding_mode == "zeros" and not isinstance(c.padding, str) and not parametrize.is_parametrized(c)
-                    and not (c._forward_hooks or c._forward_pre_hooks)):
+            if (
+                c.padding_mode == "zeros"
+                and not isinstance(c.padding, str)
+                and not parametrize.is_parametrized(c)
+                and not (c._forward_hooks or c._forward_pre_hooks)
+            ):
                 return c
         return None
 
     def is_relu(n):
-        return len(n.args) == 1 and not n.kwargs.get("input") and (
-            (n.op == "call_module" and isinstance(mods.get(n.target), nn.ReLU))
-            or (n.op == "call_function" and n.target in (F.relu, torch.relu)))
+        return (
+            len(n.args) == 1
+            and not n.kwargs.get("input")
+            and (
+                (n.op == "call_module" and isinstance(mods.get(n.target), nn.ReLU))
+                or (n.op == "call_function" and n.target in (F.relu, torch.relu))
+            )
+        )
 
     def may_mutate(n):
         if n.op == "call_module":
             return bool(getattr(mods.get(n.target), "inplace", False)) or not isinstance(
-                mods.get(n.target), (nn.Conv2d, nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d,
-                                     nn.BatchNorm2d, nn.Identity, nn.Linear, nn.Flatten))
+                mods.get(n.target),
+                (
+                    nn.Conv2d,
+                    nn.ReLU,
+                    nn.MaxPool2d,
+                    nn.AvgPool2d,
+                    nn.AdaptiveAvgPool2d,
+                    nn.BatchNorm2d,
+                    nn.Identity,
+                    nn.Linear,
+                    nn.Flatten,
+                ),
+            )
         if n.op in ("call_function", "call_method"):
             name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
             return name.endswith("_") or bool(n.kwargs.get("inplace")) or name in inplace_ops
@@ -157,11 +204,20 @@ def fuse_conv_relu(gm: torch.fx.GraphModule) -> int:
         z = None
         if not isinstance(src, torch.fx.Node):
             continue
-        if src.op == "call_function" and src.target in (operator.add, torch.add) and len(src.users) == 1 \
-                and len(src.args) == 2 and not src.kwargs:
-            for a, b in (src.args, src.args[::-1]):   # the conv on either side; z another node
-                if (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and a is not b
-                        and conv_of(a) is not None):
+        if (
+            src.op == "call_function"
+            and src.target in (operator.add, torch.add)
+            and len(src.users) == 1
+            and len(src.args) == 2
+            and not src.kwargs
+        ):
+            for a, b in (src.args, src.args[::-1]):  # the conv on either side; z another node
+                if (
+                    isinstance(a, torch.fx.Node)
+                    and isinstance(b, torch.fx.Node)
+                    and a is not b
+                    and conv_of(a) is not None
+                ):
                     add, src, z = src, a, b
                     break
             else:
@@ -170,7 +226,7 @@ def fuse_conv_relu(gm: torch.fx.GraphModule) -> int:
         if conv is None:
             continue
         between, seen = [], False
-        for n in g.nodes:                       # the nodes run between the conv and the ReLU
+        for n in g.nodes:  # the nodes run between the conv and the ReLU
             if n is relu:
                 break
             if seen:
@@ -228,8 +284,13 @@ class _CudaArray:
     """Just a ``__cuda_array_interface__`` (version 2: no stream to synchronise with)."""
 
     def __init__(self, ptr: int, shape: tuple, dtype: torch.dtype):
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": _TYPESTR[dtype],
-                                         "strides": None, "version": 2}
+        self.__cuda_array_interface__ = {
+            "data": (ptr, False),
+            "shape": shape,
+            "typestr": _TYPESTR[dtype],
+            "strides": None,
+            "version": 2,
+        }
 
 
 def mapped_on_device(host: torch.Tensor, device: torch.device, wide: bool = True) -> torch.Tensor | None:
@@ -302,20 +363,20 @@ class Slot:
     """One entry of the staging ring: host and device buffers plus the events that order them."""
 
     index: int
-    host_in: torch.Tensor          # (maxB, S, S, 3) uint8, pinned on CUDA
-    host_np: np.ndarray            # numpy view of host_in (filled without torch ops)
-    dev_in: torch.Tensor           # (maxB, S, S, 3) uint8 on the device (host_in itself on CPU)
-    out_probs: torch.Tensor        # (maxB, k) float32, pinned on CUDA
-    out_idx: torch.Tensor          # (maxB, k) int64, pinned on CUDA
+    host_in: torch.Tensor  # (maxB, S, S, 3) uint8, pinned on CUDA
+    host_np: np.ndarray  # numpy view of host_in (filled without torch ops)
+    dev_in: torch.Tensor  # (maxB, S, S, 3) uint8 on the device (host_in itself on CPU)
+    out_probs: torch.Tensor  # (maxB, k) float32, pinned on CUDA
+    out_idx: torch.Tensor  # (maxB, k) int64, pinned on CUDA
     copied: torch.cuda.Event | None = None
     done: torch.cuda.Event | None = None
     n: int = 0
     k: int = 0
     error: str | None = None
     host_rows: torch.Tensor | None = None  # (maxB,) int64, pinned: crop-pool rows of this batch
-    dev_rows: torch.Tensor | None = None   # the same on the device (gather indices)
+    dev_rows: torch.Tensor | None = None  # the same on the device (gather indices)
     mapped_rows: torch.Tensor | None = None  # host_rows as the device reads it in place (zero-copy)
-    pool_rows: list | None = None          # crop-pool rows to give back when the slot is released
+    pool_rows: list | None = None  # crop-pool rows to give back when the slot is released
 
 
 class Engine:
@@ -386,21 +447,31 @@ class Engine:
             try:
                 fused = place(own().eval())
                 with torch.inference_mode():
-                    fused(torch.zeros((1, 3, config.crop_size, config.crop_size), device=self.device,
-                                      dtype=self.dtype).contiguous(memory_format=torch.channels_last))
+                    fused(
+                        torch.zeros(
+                            (1, 3, config.crop_size, config.crop_size), device=self.device, dtype=self.dtype
+                        ).contiguous(memory_format=torch.channels_last)
+                    )
                 self.model_fused = fused
             except Exception as e:  # noqa: BLE001 - the folded forms still run
-                warnings.warn(f"{self.model_name}'s fused inference form failed ({type(e).__name__}: {e}); "
-                              "running it BN-folded instead", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"{self.model_name}'s fused inference form failed ({type(e).__name__}: {e}); "
+                    "running it BN-folded instead",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         self.labels = list(config.labels) if config.labels is not None else imagenet_labels()
         self._label_arr: np.ndarray | None = None  # labels as an object array, for label_lists
-        self._label_src, self._label_n = None, 0   # the list it was built from, and its length then
+        self._label_src, self._label_n = None, 0  # the list it was built from, and its length then
         self.mean = torch.tensor(config.mean, device=self.device).view(1, 3, 1, 1) * 255.0
         self.inv_std = 1.0 / (torch.tensor(config.std, device=self.device).view(1, 3, 1, 1) * 255.0)
         # half precision: x * scale + shift in one pass over the half tensor (opmath is fp32 inside)
         self.scale_h = (1.0 / (torch.tensor(config.std, device=self.device) * 255.0)).view(1, 3, 1, 1).to(self.dtype)
-        self.shift_h = (-torch.tensor(config.mean, device=self.device)
-                        / torch.tensor(config.std, device=self.device)).view(1, 3, 1, 1).to(self.dtype)
+        self.shift_h = (
+            (-torch.tensor(config.mean, device=self.device) / torch.tensor(config.std, device=self.device))
+            .view(1, 3, 1, 1)
+            .to(self.dtype)
+        )
         self.max_batch = max(config.buckets)
         s = config.crop_size
         if self.cuda:
@@ -411,7 +482,9 @@ class Engine:
             host_in = torch.empty((self.max_batch, s, s, 3), dtype=torch.uint8, pin_memory=self.cuda)
             k = config.top_k
             slot = Slot(
-                index=i, host_in=host_in, host_np=host_in.numpy(),
+                index=i,
+                host_in=host_in,
+                host_np=host_in.numpy(),
                 dev_in=torch.empty_like(host_in, device=self.device) if self.cuda else host_in,
                 out_probs=torch.empty((self.max_batch, k), dtype=torch.float32, pin_memory=self.cuda),
                 out_idx=torch.empty((self.max_batch, k), dtype=torch.int64, pin_memory=self.cuda),
@@ -424,22 +497,26 @@ class Engine:
             self.slots.append(slot)
         self._free: list[Slot] = []
         self._cv = threading.Condition()
-        self.crops = None      # the decoder processes' CropPool (attach_crops)
+        self.crops = None  # the decoder processes' CropPool (attach_crops)
         self.dev_crops = None  # its device mirror: rows are copied H2D in place, then gathered
         self.mapped_crops = None  # or the pool itself as the device reads it (mapped_on_device), (rows, S*S*3/8)
         self.runner: GraphRunner | None = None
         # the GPU JPEG decoder (its .kind: "hardware" or "nvjpeg"); decoder processes make their own
-        self.gpu_decoder = make_gpu_decoder(self.device, config.gpu_decoder) if config.gpu_decode and self.cuda else None
+        self.gpu_decoder = (
+            make_gpu_decoder(self.device, config.gpu_decoder) if config.gpu_decode and self.cuda else None
+        )
         self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None  # the GPU decode thread's
         self.splitter = RateSplitter(config.num_threads)
         self.staging_s = 0.0  # host time copying crops into pinned memory (s)
-        self.launch_s = 0.0   # host time issuing copies, model/graph replay, top-k (s)
-        self.batches = 0      # batches submitted, and the H2D copies their crop-pool rows took
+        self.launch_s = 0.0  # host time issuing copies, model/graph replay, top-k (s)
+        self.batches = 0  # batches submitted, and the H2D copies their crop-pool rows took
         self.pool_copies = 0
         if config.graphs and self.cuda:
             k = config.top_k
             # normalise + model + softmax + top-k, all inside one graph per bucket
-            name = ("BN folded, conv+ReLU fused" if self.conv_relu_fused else "BN folded") if self.bn_folded else "model"
+            name = (
+                ("BN folded, conv+ReLU fused" if self.conv_relu_fused else "BN folded") if self.bn_folded else "model"
+            )
             fns = {name: lambda x: topk_probs(self.model(self.normalize(x)), k)}
             if self.model_fused is not None:
                 fns["fused inference form"] = lambda x: topk_probs(self.model_fused(self.normalize(x)), k)
@@ -501,13 +578,15 @@ class Engine:
         if self.cuda:
             pinned = crops.pin()
             if pinned and env.get(env.POOL_GATHER) == "mapped":
-                self.mapped_crops = mapped_on_device(crops.tensor[:crops.rows].view(crops.rows, -1), self.device)
+                self.mapped_crops = mapped_on_device(crops.tensor[: crops.rows].view(crops.rows, -1), self.device)
                 for slot in self.slots:
-                    slot.mapped_rows = mapped_on_device(slot.host_rows, self.device) if self.mapped_crops is not None else None
+                    slot.mapped_rows = (
+                        mapped_on_device(slot.host_rows, self.device) if self.mapped_crops is not None else None
+                    )
                 if any(slot.mapped_rows is None for slot in self.slots):
                     self.mapped_crops = None
             if self.mapped_crops is None:
-                self.dev_crops = torch.empty_like(crops.tensor[:crops.rows], device=self.device)
+                self.dev_crops = torch.empty_like(crops.tensor[: crops.rows], device=self.device)
 
     def release(self, slot: Slot) -> None:
         """Give ``slot`` (and the crop-pool rows its batch read) back for the next batch."""
@@ -525,11 +604,17 @@ class Engine:
             if self.cuda and id(t) not in seen:  # allocated on the decode stream, read on this one
                 t.record_stream(torch.cuda.current_stream(self.device))
                 seen.add(id(t))
-            slot.dev_in[k:k + r1 - r0].copy_(t[r0:r1])
+            slot.dev_in[k : k + r1 - r0].copy_(t[r0:r1])
             k += r1 - r0
 
-    def submit(self, slot: Slot, arrays: list[np.ndarray] | None, n: int | None = None,
-               gpu_crops: list[tuple[torch.Tensor, int]] = (), pool_rows: list[int] = ()) -> Slot:
+    def submit(
+        self,
+        slot: Slot,
+        arrays: list[np.ndarray] | None,
+        n: int | None = None,
+        gpu_crops: list[tuple[torch.Tensor, int]] = (),
+        pool_rows: list[int] = (),
+    ) -> Slot:
         """Stage ``arrays`` (each ``(S, S, 3)`` uint8) in ``slot`` and launch copy, model and top-k.
 
         With ``arrays=None`` the first ``n`` rows of ``slot.host_in`` are taken as already filled.
@@ -570,15 +655,19 @@ class Engine:
                 self._copy_gpu_crops(slot, k_cpu, gpu_crops)
                 probs, idx = topk_probs(self.forward(slot.dev_in[:n]), k)
                 slot.k = probs.shape[1]
-                slot.out_probs[:n, :probs.shape[1]] = probs
-                slot.out_idx[:n, :idx.shape[1]] = idx
+                slot.out_probs[:n, : probs.shape[1]] = probs
+                slot.out_idx[:n, : idx.shape[1]] = idx
                 return slot
             with torch.cuda.stream(self.copy_stream):  # every H2D copy of the batch in one call
                 dst, src = ([slot.dev_in[:k_arr]], [slot.host_in[:k_arr]]) if k_arr else ([], [])
                 if m and self.mapped_crops is not None:  # one kernel reads the rows from host memory
                     self.pool_copies += 1
-                    torch.index_select(self.mapped_crops, 0, slot.mapped_rows[:m],
-                                       out=slot.dev_in[k_arr:k_cpu].view(m, -1).view(self.mapped_crops.dtype))
+                    torch.index_select(
+                        self.mapped_crops,
+                        0,
+                        slot.mapped_rows[:m],
+                        out=slot.dev_in[k_arr:k_cpu].view(m, -1).view(self.mapped_crops.dtype),
+                    )
                 elif m:  # each run of pool rows H2D in place into the device mirror, then one gather
                     spans = row_spans(pool_rows)
                     self.pool_copies += len(spans)
@@ -597,7 +686,7 @@ class Engine:
                 else:
                     probs, idx = topk_probs(self.forward(slot.dev_in[:n]), k)
                 slot.k = probs.shape[1]
-                copy_all([slot.out_probs[:n, :probs.shape[1]], slot.out_idx[:n, :idx.shape[1]]], [probs, idx])  # D2H
+                copy_all([slot.out_probs[:n, : probs.shape[1]], slot.out_idx[:n, : idx.shape[1]]], [probs, idx])  # D2H
                 slot.done.record(self.compute_stream)
         except Exception as e:  # noqa: BLE001 - belongs to this batch's items, not the run
             slot.error = f"compute failed: {type(e).__name__}: {e}"
@@ -609,8 +698,12 @@ class Engine:
         past the end of :attr:`labels` is named by its id)."""
         hi = int(idx.max()) + 1 if idx.size else 0
         src = self.labels
-        if (self._label_arr is None or len(self._label_arr) < hi or self._label_src is not src
-                or self._label_n != len(src)):  # (labels replaced or changed since: built again)
+        if (
+            self._label_arr is None
+            or len(self._label_arr) < hi
+            or self._label_src is not src
+            or self._label_n != len(src)
+        ):  # (labels replaced or changed since: built again)
             names = src + [str(c) for c in range(len(src), hi)]
             self._label_arr = np.empty(len(names), dtype=object)
             self._label_arr[:] = names

@@ -17,8 +17,13 @@ GPU_PROCESS_DEPTH = 2
 
 
 #: Config field -> Transform field, for the input transform
-_TRANSFORM = {"resize_size": "resize", "crop_size": "crop", "interpolation": "interpolation", "mean": "mean",
-              "std": "std"}
+_TRANSFORM = {
+    "resize_size": "resize",
+    "crop_size": "crop",
+    "interpolation": "interpolation",
+    "mean": "mean",
+    "std": "std",
+}
 
 
 def default_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -168,8 +173,15 @@ class Config:
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        for name in ("max_batch_size", "top_k", "staging_slots", "queue_size", "load_concurrency",
-                     "max_file_bytes", "max_image_pixels"):
+        for name in (
+            "max_batch_size",
+            "top_k",
+            "staging_slots",
+            "queue_size",
+            "load_concurrency",
+            "max_file_bytes",
+            "max_image_pixels",
+        ):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -179,12 +191,17 @@ class Config:
                 raise ValueError(f"{name} must be None (the default) or an integer >= 1, got {v!r}")
         for name in ("max_wait_ms", "http_timeout_s"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (name == "http_timeout_s"
-                                                                                  and v == 0):
+            if (
+                not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < 0
+                or (name == "http_timeout_s" and v == 0)
+            ):
                 rule = "> 0" if name == "http_timeout_s" else ">= 0"
                 raise ValueError(f"{name} must be a finite number {rule}, got {v!r}")
-        if self.labels is not None and (not isinstance(self.labels, (list, tuple))
-                                        or not all(isinstance(x, str) for x in self.labels)):
+        if self.labels is not None and (
+            not isinstance(self.labels, (list, tuple)) or not all(isinstance(x, str) for x in self.labels)
+        ):
             raise ValueError(f"labels must be a list of class names (str), got {self.labels!r:.80}")
         for name in ("mean", "std"):
             if getattr(self, name) is not None:
@@ -195,26 +212,33 @@ class Config:
             raise ValueError(f"staging_slots must be >= 2, got {self.staging_slots}")
         if self.preprocess not in ("auto", "threads", "processes"):
             raise ValueError(f"preprocess must be 'auto', 'threads' or 'processes', got {self.preprocess!r}")
-        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
-                                         or not 1 <= self.threads <= 512):
+        if self.threads is not None and (
+            not isinstance(self.threads, int) or isinstance(self.threads, bool) or not 1 <= self.threads <= 512
+        ):
             raise ValueError(f"threads must be an integer in 1..512, got {self.threads!r}")
         for name in ("resize_size", "crop_size"):
             v = getattr(self, name)
             if v is not None and not (is_int(v) and v >= 1):
                 raise ValueError(f"{name} must be None (the model's) or an integer >= 1, got {v!r}")
         if self.resize_size is not None and self.crop_size is not None and self.crop_size > self.resize_size:
-            raise ValueError(f"need crop_size <= resize_size, got crop_size={self.crop_size!r}, "
-                             f"resize_size={self.resize_size!r} (set resize_size too)")
+            raise ValueError(
+                f"need crop_size <= resize_size, got crop_size={self.crop_size!r}, "
+                f"resize_size={self.resize_size!r} (set resize_size too)"
+            )
         if self.interpolation is not None and self.interpolation not in INTERPOLATIONS:
-            raise ValueError(f"interpolation must be None (the model's) or one of {INTERPOLATIONS}, "
-                             f"got {self.interpolation!r}")
+            raise ValueError(
+                f"interpolation must be None (the model's) or one of {INTERPOLATIONS}, got {self.interpolation!r}"
+            )
         if self.gpu_decoder not in GPU_DECODERS:
             names = ", ".join(map(repr, GPU_DECODERS[:-1])) + f" or {GPU_DECODERS[-1]!r}"
             raise ValueError(f"gpu_decoder must be {names}, got {self.gpu_decoder!r}")
-        if self.gpu_decode_processes is not None and not (is_int(self.gpu_decode_processes)
-                                                          and 0 <= self.gpu_decode_processes <= 16):
-            raise ValueError(f"gpu_decode_processes must be None (the default) or an integer in 0..16, "
-                             f"got {self.gpu_decode_processes!r}")
+        if self.gpu_decode_processes is not None and not (
+            is_int(self.gpu_decode_processes) and 0 <= self.gpu_decode_processes <= 16
+        ):
+            raise ValueError(
+                f"gpu_decode_processes must be None (the default) or an integer in 0..16, "
+                f"got {self.gpu_decode_processes!r}"
+            )
         v = self.decode_timeout_s
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):  # (inf: no limit)
             raise ValueError(f"decode_timeout_s must be a number > 0 (seconds; inf for no limit), got {v!r}")

@@ -54,6 +54,7 @@ def feed_cpu_decoders(run, workers: list) -> None:
             if k < best_k and queued[x] + size <= workers[x].queue_bytes:
                 best, best_k = x, k
         return best
+
     outstanding, busy_since = 0, 0.0
     idle = n  # workers with nothing out (kept as pending[w] empties and fills)
     ended = False
@@ -132,8 +133,7 @@ def feed_cpu_decoders(run, workers: list) -> None:
                     it.t_queued = time.perf_counter()
                     run._put(run.q2, it)
                     continue
-                eligible = run.gq is not None and (run._gpu_candidate(it) if run.gpu_procs
-                                                    else run._gpu_eligible(it))
+                eligible = run.gq is not None and (run._gpu_candidate(it) if run.gpu_procs else run._gpu_eligible(it))
                 # an image queues behind others only if it fits in the socket's buffer: a send
                 # to a hung worker must never block this thread
                 size = len(it.data) + 4
@@ -176,8 +176,13 @@ def feed_cpu_decoders(run, workers: list) -> None:
                 continue
             ready = [key.data for key, _ in sel.select(0.002 if outstanding < places and not ended else 0.05)]
             now = time.perf_counter()
-            stuck = [w for w in range(n) if pending[w] and w not in ready  # (a new worker's imports don't count)
-                     and now - max(started[w], workers[w].spawned + STARTUP_S) > timeout_s]
+            stuck = [
+                w
+                for w in range(n)
+                if pending[w]
+                and w not in ready  # (a new worker's imports don't count)
+                and now - max(started[w], workers[w].spawned + STARTUP_S) > timeout_s
+            ]
             for w in ready + stuck:
                 it = pending[w].popleft()
                 idle += not pending[w]
@@ -187,8 +192,10 @@ def feed_cpu_decoders(run, workers: list) -> None:
                     if w not in stuck:
                         workers[w].receive()  # the crop is in crops.array[it.pool_row]
                     else:  # a worker stuck on one image (a decoder hang) costs that image only
-                        raise workers[w].kill(f"decoding took longer than {timeout_s:g} s "
-                                              "(decode_timeout_s): its worker process was replaced")
+                        raise workers[w].kill(
+                            f"decoding took longer than {timeout_s:g} s "
+                            "(decode_timeout_s): its worker process was replaced"
+                        )
                 except (ImageError, WorkerDied, LoadError) as e:  # worded like the thread path's errors
                     it.error = str(e) if isinstance(e, LoadError) else f"{it.id}: {e}"
                     crops.release([it.pool_row])

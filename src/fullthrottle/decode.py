@@ -47,8 +47,10 @@ class Result:
     def to_dict(self) -> dict:
         d = {"index": self.index, "id": self.id}
         if self.error is None:
-            d["top_k"] = [{"label": lab, "class_id": c, "prob": round(p, 6)}
-                          for lab, c, p in zip(self.labels, self.class_ids, self.probs)]
+            d["top_k"] = [
+                {"label": lab, "class_id": c, "prob": round(p, 6)}
+                for lab, c, p in zip(self.labels, self.class_ids, self.probs)
+            ]
         else:
             d["error"] = self.error
         return d

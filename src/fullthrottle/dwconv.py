@@ -24,11 +24,28 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _dw_kernel(x_ptr, w_ptr, b_ptr, bin_ptr, y_ptr, H, W, OH, OW, C, P, PAD_T, PAD_L,
-                   K: tl.constexpr, S: tl.constexpr, ACT_IN: tl.constexpr, BLOCK_P: tl.constexpr,
-                   BLOCK_C: tl.constexpr):
-        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)     # output pixels, flat over (B, OH, OW)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)     # channels (contiguous in memory)
+    def _dw_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        bin_ptr,
+        y_ptr,
+        H,
+        W,
+        OH,
+        OW,
+        C,
+        P,
+        PAD_T,
+        PAD_L,
+        K: tl.constexpr,
+        S: tl.constexpr,
+        ACT_IN: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # output pixels, flat over (B, OH, OW)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # channels (contiguous in memory)
         mp, mc = p < P, c < C
         ow = p % OW
         oh = (p // OW) % OH
@@ -60,8 +77,9 @@ def same_pads(n: int, k: int, stride: int) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
-def dw_conv_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, k: int, stride: int,
-                b_in: torch.Tensor | None = None) -> torch.Tensor:
+def dw_conv_ref(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, k: int, stride: int, b_in: torch.Tensor | None = None
+) -> torch.Tensor:
     """The reference: ``relu6(depthwise_conv(relu6(x + b_in)) + b)`` with TensorFlow "SAME" padding
     (``b_in`` None: no input activation), in float32, rounded to ``x``'s dtype once."""
     h = x.float()
@@ -73,8 +91,9 @@ def dw_conv_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, k: int, strid
     return F.relu6(y).to(x.dtype).contiguous(memory_format=torch.channels_last)
 
 
-def dw_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, k: int, stride: int,
-            b_in: torch.Tensor | None = None) -> torch.Tensor:
+def dw_conv(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, k: int, stride: int, b_in: torch.Tensor | None = None
+) -> torch.Tensor:
     """``relu6(depthwise_conv(relu6(x + b_in)) + b)``, TensorFlow "SAME" padding, in one pass.
 
     Args:
@@ -91,8 +110,10 @@ def dw_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, k: int, stride: i
     """
     B, C, H, W = x.shape
     if w.shape != (C, k * k) or b.shape != (C,) or (b_in is not None and b_in.shape != (C,)):
-        raise ValueError(f"dw_conv: weights ({C}, {k * k}) and biases ({C},) expected for x {tuple(x.shape)}, got "
-                         f"{tuple(w.shape)}, {tuple(b.shape)}{'' if b_in is None else ', ' + str(tuple(b_in.shape))}")
+        raise ValueError(
+            f"dw_conv: weights ({C}, {k * k}) and biases ({C},) expected for x {tuple(x.shape)}, got "
+            f"{tuple(w.shape)}, {tuple(b.shape)}{'' if b_in is None else ', ' + str(tuple(b_in.shape))}"
+        )
     if not use_triton(x):
         return dw_conv_ref(x, w, b, k, stride, b_in)
     x = x.contiguous(memory_format=torch.channels_last)
@@ -102,7 +123,25 @@ def dw_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, k: int, stride: i
     BLOCK_C = min(64, triton.next_power_of_2(C))
     BLOCK_P = 4096 // BLOCK_C // 2
     grid = (triton.cdiv(P, BLOCK_P), triton.cdiv(C, BLOCK_C))
-    _dw_kernel[grid](x, w.contiguous(), b.contiguous(), b if b_in is None else b_in.contiguous(), y, H, W, OH, OW,
-                     C, P, same_pads(H, k, stride)[0], same_pads(W, k, stride)[0], K=k, S=stride,
-                     ACT_IN=b_in is not None, BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C, num_warps=4)
+    _dw_kernel[grid](
+        x,
+        w.contiguous(),
+        b.contiguous(),
+        b if b_in is None else b_in.contiguous(),
+        y,
+        H,
+        W,
+        OH,
+        OW,
+        C,
+        P,
+        same_pads(H, k, stride)[0],
+        same_pads(W, k, stride)[0],
+        K=k,
+        S=stride,
+        ACT_IN=b_in is not None,
+        BLOCK_P=BLOCK_P,
+        BLOCK_C=BLOCK_C,
+        num_warps=4,
+    )
     return y

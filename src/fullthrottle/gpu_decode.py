@@ -44,8 +44,12 @@ def gpu_eligible(data: bytes, max_pixels: int = 89_478_485, resize: int = 256) -
         return False, f"{info['components']}-component (CMYK/YCCK) JPEG"
     if info["orientation"] != 1:
         return False, "EXIF orientation"
-    if info["width"] * info["height"] > max_pixels or info["width"] == 0 or info["height"] == 0 \
-            or resized_pixels(info["width"], info["height"], resize) > max_pixels:
+    if (
+        info["width"] * info["height"] > max_pixels
+        or info["width"] == 0
+        or info["height"] == 0
+        or resized_pixels(info["width"], info["height"], resize) > max_pixels
+    ):
         return False, "size out of range"
     if not jpeg_is_complete(data):
         return False, "truncated"
@@ -135,8 +139,9 @@ def _resize_and_crop_at(h: int, w: int, resize: int, crop: int) -> tuple[int, in
     return nh, nw, int(round((nh - crop) / 2.0)), int(round((nw - crop) / 2.0))
 
 
-def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256, crop: int = 224,
-                      chunk_elems: int = 1 << 27) -> None:
+def resize_crop_batch(
+    images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256, crop: int = 224, chunk_elems: int = 1 << 27
+) -> None:
     """Resize (antialiased bilinear, shorter side to ``resize``) + center-crop (``crop``) decoded images
     into ``out``: the GPU decode stage's transform, the same as the CPU path's.
 
@@ -158,8 +163,9 @@ def resize_crop_batch(images: Sequence[torch.Tensor], out: torch.Tensor, resize:
         resize_crop_matmul(images, out, resize, crop, chunk_elems)
 
 
-def resize_crop_matmul(images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256, crop: int = 224,
-                       chunk_elems: int = 1 << 27) -> None:
+def resize_crop_matmul(
+    images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256, crop: int = 224, chunk_elems: int = 1 << 27
+) -> None:
     """Resize (antialiased bilinear) + center-crop decoded images into ``out`` as float matrix products,
     a fixed number of kernels per batch whatever the mix of sizes (the path without Triton).
 
@@ -186,7 +192,7 @@ def resize_crop_matmul(images: Sequence[torch.Tensor], out: torch.Tensor, resize
     dtype = torch.float16 if out.device.type == "cuda" else torch.float32
     h, w = images[0].shape[1:]
     if h % 8 == 0 and w % 8 == 0 and all(im.shape[1:] == (h, w) for im in images):  # one size, aligned
-        x = torch.stack([im.permute(1, 2, 0) for im in images])             # (N, H, W, 3) uint8
+        x = torch.stack([im.permute(1, 2, 0) for im in images])  # (N, H, W, 3) uint8
         rows, cols = _uniform_weights(h, w, resize, crop, out.device, dtype)
         _resize_crop_hwc(x, rows, cols, out)
         return
@@ -204,8 +210,9 @@ def resize_crop_matmul(images: Sequence[torch.Tensor], out: torch.Tensor, resize
         idx = order[i:j]
         hmax, wmax = -(-hmax // 8) * 8, -(-wmax // 8) * 8  # float16 GEMMs run on tensor cores at multiples of 8
         if idx == list(range(idx[0], idx[0] + len(idx))):
-            _resize_crop_padded([images[k] for k in idx], hmax, wmax, resize, crop,
-                                out[idx[0]:idx[0] + len(idx)], dtype)
+            _resize_crop_padded(
+                [images[k] for k in idx], hmax, wmax, resize, crop, out[idx[0] : idx[0] + len(idx)], dtype
+            )
         else:
             res = torch.empty((len(idx), crop, crop, 3), dtype=torch.uint8, device=out.device)
             _resize_crop_padded([images[k] for k in idx], hmax, wmax, resize, crop, res, dtype)
@@ -213,8 +220,9 @@ def resize_crop_matmul(images: Sequence[torch.Tensor], out: torch.Tensor, resize
         i = j
 
 
-def _aa_weights(n_in: torch.Tensor, n_out: torch.Tensor, offset: torch.Tensor, crop: int, n_max: int,
-                device) -> torch.Tensor:
+def _aa_weights(
+    n_in: torch.Tensor, n_out: torch.Tensor, offset: torch.Tensor, crop: int, n_max: int, device
+) -> torch.Tensor:
     """Antialiased bilinear resize along one axis as matrices: ``(N, crop, n_max)`` float32.
 
     Row ``r`` of image ``i`` holds the weights of output pixel ``offset[i] + r`` of a resize from
@@ -224,11 +232,11 @@ def _aa_weights(n_in: torch.Tensor, n_out: torch.Tensor, offset: torch.Tensor, c
     Columns past ``n_in[i]`` are zero (padding).
     """
     n_in, n_out, offset = (t.to(device=device, dtype=torch.float64)[:, None, None] for t in (n_in, n_out, offset))
-    scale = n_in / n_out                                                    # (N, 1, 1)
+    scale = n_in / n_out  # (N, 1, 1)
     support = torch.clamp(scale, min=1.0)
     inv = 1.0 / support
     r = torch.arange(crop, device=device, dtype=torch.float64)[None, :, None] + offset
-    center = scale * (r + 0.5)                                              # (N, crop, 1)
+    center = scale * (r + 0.5)  # (N, crop, 1)
     lo = torch.clamp(torch.trunc(center - support + 0.5), min=0)
     hi = torch.minimum(torch.trunc(center + support + 0.5), n_in)
     j = torch.arange(n_max, device=device, dtype=torch.float64)[None, None, :]
@@ -237,19 +245,21 @@ def _aa_weights(n_in: torch.Tensor, n_out: torch.Tensor, offset: torch.Tensor, c
 
 
 @functools.lru_cache(maxsize=64)
-def _uniform_weights(h: int, w: int, resize: int, crop: int, device: torch.device,
-                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _uniform_weights(
+    h: int, w: int, resize: int, crop: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The filter matrices of one image size: rows ``(crop, h)`` and cols ``(crop, w)`` in ``dtype``."""
     rows, cols = _filter_matrices([(h, w)], h, w, resize, crop, device, dtype)
     return rows[0], cols[0]
 
 
-def _filter_matrices(sizes: Sequence[tuple[int, int]], hmax: int, wmax: int, resize: int, crop: int,
-                     device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _filter_matrices(
+    sizes: Sequence[tuple[int, int]], hmax: int, wmax: int, resize: int, crop: int, device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per image of size ``(h, w)``: rows ``(N, crop, hmax)`` and cols ``(N, crop, wmax)`` in ``dtype``
     (:func:`_aa_weights` for Resize(resize) + CenterCrop(crop), zero over any padding)."""
     dims = [(h, w, *_resize_and_crop_at(h, w, resize, crop)) for h, w in sizes]
-    d = torch.tensor(dims, dtype=torch.float64)                             # (N, 6), one copy to the device
+    d = torch.tensor(dims, dtype=torch.float64)  # (N, 6), one copy to the device
     rows = _aa_weights(d[:, 0], d[:, 2], d[:, 4], crop, hmax, device).to(dtype)
     cols = _aa_weights(d[:, 1], d[:, 3], d[:, 5], crop, wmax, device).to(dtype)
     return rows, cols
@@ -266,29 +276,32 @@ def _resize_crop_hwc(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, ou
     """
     n, h, w, _ = x.shape
     crop = rows.shape[-2]
-    y = torch.matmul(rows, x.to(rows.dtype).view(n, h, w * 3))             # (N, crop, W*3)
-    y = y.view(n, crop, w, 3).transpose(2, 3).reshape(n, crop * 3, w)      # (N, crop*3, W)
-    z = torch.matmul(y, cols.transpose(-1, -2))                              # (N, crop*3, crop)
-    z = z.round_().clamp_(0, 255).view(n, crop, 3, crop).transpose(2, 3)     # (N, crop, crop, 3)
+    y = torch.matmul(rows, x.to(rows.dtype).view(n, h, w * 3))  # (N, crop, W*3)
+    y = y.view(n, crop, w, 3).transpose(2, 3).reshape(n, crop * 3, w)  # (N, crop*3, W)
+    z = torch.matmul(y, cols.transpose(-1, -2))  # (N, crop*3, crop)
+    z = z.round_().clamp_(0, 255).view(n, crop, 3, crop).transpose(2, 3)  # (N, crop, crop, 3)
     out.copy_(z)
 
 
-def _resize_crop_padded(images: Sequence[torch.Tensor], hmax: int, wmax: int, resize: int, crop: int,
-                        out: torch.Tensor, dtype: torch.dtype) -> None:
+def _resize_crop_padded(
+    images: Sequence[torch.Tensor], hmax: int, wmax: int, resize: int, crop: int, out: torch.Tensor, dtype: torch.dtype
+) -> None:
     """Images of different sizes -> ``out`` ``(N, crop, crop, 3)`` uint8: zero-padded to
     ``(hmax, wmax)`` channels-last, then :func:`_resize_crop_hwc` with per-image matrices from
     :func:`_aa_weights` (zero columns over the padding)."""
     dev = images[0].device
     n = len(images)
     buf = torch.zeros((n, hmax, wmax, 3), dtype=torch.uint8, device=dev)
-    torch._foreach_copy_([buf[k, :im.shape[1], :im.shape[2]] for k, im in enumerate(images)],
-                         [im.permute(1, 2, 0) for im in images])
+    torch._foreach_copy_(
+        [buf[k, : im.shape[1], : im.shape[2]] for k, im in enumerate(images)], [im.permute(1, 2, 0) for im in images]
+    )
     rows, cols = _filter_matrices([tuple(im.shape[1:]) for im in images], hmax, wmax, resize, crop, dev, dtype)
     _resize_crop_hwc(buf, rows, cols, out)
 
 
-def resize_crop_interpolate(images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256,
-                            crop: int = 224) -> None:
+def resize_crop_interpolate(
+    images: Sequence[torch.Tensor], out: torch.Tensor, resize: int = 256, crop: int = 224
+) -> None:
     """The reference: PyTorch's antialiased ``F.interpolate`` (float32), one call per image size, then
     the crop. Same arguments as :func:`resize_crop_batch`; kept for tests and benchmarks."""
     by_size: dict[tuple[int, int], list[int]] = {}
@@ -300,7 +313,7 @@ def resize_crop_interpolate(images: Sequence[torch.Tensor], out: torch.Tensor, r
         if (nh, nw) != (h, w):
             x = F.interpolate(x.float(), size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
             x = x.round_().clamp_(0, 255).to(torch.uint8)
-        out[torch.tensor(idx, device=out.device)] = x[:, :, top:top + crop, left:left + crop].permute(0, 2, 3, 1)
+        out[torch.tensor(idx, device=out.device)] = x[:, :, top : top + crop, left : left + crop].permute(0, 2, 3, 1)
 
 
 class GpuJpegDecoder:
@@ -325,8 +338,10 @@ class GpuJpegDecoder:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         # a writable buffer (a memoryview of a bytearray) is read in place; bytes are copied once
-        tensors = [torch.frombuffer(b if isinstance(b, memoryview) and not b.readonly else bytearray(b),
-                                    dtype=torch.uint8) for b in blobs]
+        tensors = [
+            torch.frombuffer(b if isinstance(b, memoryview) and not b.readonly else bytearray(b), dtype=torch.uint8)
+            for b in blobs
+        ]
         try:
             return list(decode_jpeg(tensors, mode=ImageReadMode.RGB, device=self.device))
         except Exception:  # noqa: BLE001 - find the culprit(s), keep the rest
@@ -359,7 +374,9 @@ def parse_nvimgcodec_backends(spec: str) -> list[tuple[str, float]]:
     for part in (spec or "hw").split("+"):
         name, _, hint = part.strip().partition(":")
         if name not in NVIMGCODEC_BACKENDS:
-            raise ValueError(f"unknown nvImageCodec backend {name!r} in {spec!r} (use {', '.join(NVIMGCODEC_BACKENDS)})")
+            raise ValueError(
+                f"unknown nvImageCodec backend {name!r} in {spec!r} (use {', '.join(NVIMGCODEC_BACKENDS)})"
+            )
         try:
             h = float(hint) if hint else 1.0
         except ValueError:
@@ -401,17 +418,20 @@ class HwJpegDecoder:
 
     kind = "hardware"
 
-    def __init__(self, device: torch.device, fallback: "GpuJpegDecoder | None" = None):
+    def __init__(self, device: torch.device, fallback: GpuJpegDecoder | None = None):
         from nvidia import nvimgcodec
 
         self.device = torch.device(device)
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         threads = int(env.get(env.NVIMGCODEC_THREADS) or 0)  # 0: one per core
-        backends = [nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k), load_hint=h)
-                    for k, h in parse_nvimgcodec_backends(env.get(env.NVIMGCODEC_BACKENDS))]
+        backends = [
+            nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k), load_hint=h)
+            for k, h in parse_nvimgcodec_backends(env.get(env.NVIMGCODEC_BACKENDS))
+        ]
         self._dec = nvimgcodec.Decoder(device_id=index, max_num_cpu_threads=threads, backends=backends)
-        self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False,
-                                               color_spec=nvimgcodec.ColorSpec.RGB, allow_any_depth=False)
+        self._params = nvimgcodec.DecodeParams(
+            apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB, allow_any_depth=False
+        )
         self._code_stream = nvimgcodec.CodeStream
         self.fallback = fallback
         probe = _test_jpeg()
@@ -419,9 +439,11 @@ class HwJpegDecoder:
             got = self._decode([probe])[0]
         torch.cuda.synchronize(self.device)
         if not isinstance(got, torch.Tensor):
-            raise RuntimeError("nvImageCodec's hardware JPEG decoder did not decode a 64x64 baseline JPEG "
-                               f"on {torch.cuda.get_device_name(self.device)}: this GPU may have no NVJPG "
-                               "engines (use gpu_decoder='nvjpeg')")
+            raise RuntimeError(
+                "nvImageCodec's hardware JPEG decoder did not decode a 64x64 baseline JPEG "
+                f"on {torch.cuda.get_device_name(self.device)}: this GPU may have no NVJPG "
+                "engines (use gpu_decoder='nvjpeg')"
+            )
 
     def _decode(self, blobs: Sequence[bytes]) -> list:
         import numpy as np
@@ -436,10 +458,10 @@ class HwJpegDecoder:
             if im is None:
                 out.append(None)
                 continue
-            t = torch.as_tensor(im, device=self.device)           # (H, W, C) uint8, no copy
+            t = torch.as_tensor(im, device=self.device)  # (H, W, C) uint8, no copy
             if t.shape[2] == 1:
                 t = t.expand(-1, -1, 3)
-            out.append(t.permute(2, 0, 1))                        # (3, H, W) view
+            out.append(t.permute(2, 0, 1))  # (3, H, W) view
         return out
 
     def __call__(self, blobs: Sequence[bytes]) -> list:
@@ -473,8 +495,6 @@ def _test_jpeg() -> bytes:
     return buf.tobytes()
 
 
-
-
 def make_gpu_decoder(device: torch.device, kind: str = "auto"):
     """The GPU JPEG decoder for ``Config.gpu_decoder``: a :class:`HwJpegDecoder` (``"hardware"``,
     with nvJPEG as its fallback for what the engines refuse) or a :class:`GpuJpegDecoder`
@@ -495,16 +515,25 @@ def make_gpu_decoder(device: torch.device, kind: str = "auto"):
     except Exception as e:  # noqa: BLE001 - ImportError, RuntimeError, a CUDA error from the library
         if kind == "hardware":
             hint = " (pip install nvidia-nvimgcodec-cu13, or -cu12 for CUDA 12)" if isinstance(e, ImportError) else ""
-            raise RuntimeError(f"gpu_decoder={kind!r}: nvImageCodec's hardware JPEG decoder is not "
-                               f"available: {type(e).__name__}: {e}{hint}") from None
+            raise RuntimeError(
+                f"gpu_decoder={kind!r}: nvImageCodec's hardware JPEG decoder is not "
+                f"available: {type(e).__name__}: {e}{hint}"
+            ) from None
         return nvjpeg
 
 
 Decoder = Callable[[Sequence[bytes]], list]
 
 
-def decode_crops(decoder: Decoder, blobs: Sequence[bytes], resize: int = 256, crop: int = 224,
-                 max_pixels: int = 89_478_485, device: torch.device | None = None, check: bool = False) -> list:
+def decode_crops(
+    decoder: Decoder,
+    blobs: Sequence[bytes],
+    resize: int = 256,
+    crop: int = 224,
+    max_pixels: int = 89_478_485,
+    device: torch.device | None = None,
+    check: bool = False,
+) -> list:
     """Decode + resize + crop a batch on the GPU decoder, with the CPU path as the per-item fallback.
 
     Returns one entry per blob: ``(rows, r)``, its crop being row ``r`` of the ``(n_good, crop, crop, 3)``

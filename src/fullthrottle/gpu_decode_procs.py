@@ -43,15 +43,23 @@ from multiprocessing.connection import Connection
 from .config import GPU_PROCESS_DEPTH
 from .load import LoadError, read_local
 from .mps import mps_server_running
-from .preprocess_procs import (PATH_BIT, STARTUP_S, WORKER_PROCESS_GROUP, CropPool, WorkerDied, _shutdown,
-                              exit_reason, worker_command)
+from .preprocess_procs import (
+    PATH_BIT,
+    STARTUP_S,
+    WORKER_PROCESS_GROUP,
+    CropPool,
+    WorkerDied,
+    _shutdown,
+    exit_reason,
+    worker_command,
+)
 
-_N = struct.Struct("<I")        # items in a request or reply
-_WHERE = struct.Struct("<BQ")   # request: 0 bytes follow inline / 1 bytes in the arena, from this offset
-_ITEM = struct.Struct("<II")    # request: pool row, byte length
+_N = struct.Struct("<I")  # items in a request or reply
+_WHERE = struct.Struct("<BQ")  # request: 0 bytes follow inline / 1 bytes in the arena, from this offset
+_ITEM = struct.Struct("<II")  # request: pool row, byte length
 _STATUS = struct.Struct("<BI")  # reply: 0 ok / 1 the item's error / 2 its file's read error, message length
 _TIMES = struct.Struct("<ddI")  # reply: seconds the process spent launching the batch, and in all; images it
-                                # gave its CPU decoder (not for the GPU decoder, or refused by it)
+# gave its CPU decoder (not for the GPU decoder, or refused by it)
 _CMD = worker_command("gpu_decode_procs", "_gpu_worker_main")
 
 
@@ -87,7 +95,7 @@ def _encode_request(items: Sequence[tuple[bytes, int]], arena=None, base: int = 
     off, k = base, 0
     if fd is not None and hasattr(os, "pwritev"):
         while k < len(items):
-            chunk = [d for d, _ in items[k:k + _IOV_MAX]]
+            chunk = [d for d, _ in items[k : k + _IOV_MAX]]
             want = sum(len(d) for d in chunk)
             done = os.pwritev(fd, chunk, off)
             if done != want:  # a short write: the rest by hand, from the first image it cut
@@ -102,7 +110,7 @@ def _encode_request(items: Sequence[tuple[bytes, int]], arena=None, base: int = 
             off += want
             k += len(chunk)
     for d, _ in items[k:]:  # (no pwritev, or after a short write: from the first image not fully written)
-        arena[off:off + len(d)] = d
+        arena[off : off + len(d)] = d
         off += len(d)
     return b"".join([_N.pack(len(items)), _WHERE.pack(1, base)] + heads)
 
@@ -120,13 +128,14 @@ def _decode_request(msg, arena=None) -> list[tuple[memoryview, int]]:
         off = base
     out = []
     for row, length in heads:
-        out.append((view[off:off + length], row))
+        out.append((view[off : off + length], row))
         off += length
     return out
 
 
-def _encode_reply(statuses: Sequence[str | None], launch_s: float = 0.0, total_s: float = 0.0,
-                  cpu_decoded: int = 0) -> bytes:
+def _encode_reply(
+    statuses: Sequence[str | None], launch_s: float = 0.0, total_s: float = 0.0, cpu_decoded: int = 0
+) -> bytes:
     parts = [_N.pack(len(statuses)), _TIMES.pack(launch_s, total_s, cpu_decoded)]
     for s in statuses:
         m = b"" if s is None else str(s).encode("utf-8", "replace")[:60000]
@@ -144,7 +153,7 @@ def _decode_reply(msg: bytes) -> tuple[list, float, float, int]:
     for _ in range(n):
         code, length = _STATUS.unpack_from(msg, off)
         off += _STATUS.size
-        text = msg[off:off + length].decode("utf-8", "replace")
+        text = msg[off : off + length].decode("utf-8", "replace")
         out.append(None if code == 0 else LoadError(text) if code == 2 else text)
         off += length
     return out, launch_s, total_s, cpu_decoded
@@ -181,15 +190,30 @@ class GpuDecoderProcess:
     ``slot``); answers come in the order sent. Not thread-safe: one caller thread per process.
     """
 
-    def __init__(self, pool: CropPool, device_index: int = 0, resize_size: int = 256, crop_size: int = 224,
-                 max_pixels: int = 89_478_485, decoder: str = "nvjpeg", max_file_bytes: int = 256 << 20):
+    def __init__(
+        self,
+        pool: CropPool,
+        device_index: int = 0,
+        resize_size: int = 256,
+        crop_size: int = 224,
+        max_pixels: int = 89_478_485,
+        decoder: str = "nvjpeg",
+        max_file_bytes: int = 256 << 20,
+    ):
         if pool.crop_size != crop_size:
             raise ValueError(f"pool rows are {pool.crop_size}px crops, the transform makes {crop_size}px")
         if decoder not in ("hardware", "nvjpeg"):
             raise ValueError(f"decoder must be 'hardware' or 'nvjpeg', got {decoder!r}")
         self.pool = pool
-        self.args = (device_index, resize_size, crop_size, max_pixels, pool.rows + pool.scratch, decoder,
-                     max_file_bytes)
+        self.args = (
+            device_index,
+            resize_size,
+            crop_size,
+            max_pixels,
+            pool.rows + pool.scratch,
+            decoder,
+            max_file_bytes,
+        )
         self.closed = False
         self.depth = DEPTH
         self.arena_fd = os.memfd_create("fullthrottle-jpegs", 0) if hasattr(os, "memfd_create") else None
@@ -210,10 +234,22 @@ class GpuDecoderProcess:
         parent, child = socket.socketpair()
         arena = () if self.arena_fd is None else (self.arena_fd,)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _CMD, str(child.fileno()), str(self.pool.fd), *map(str, self.args),
-             str(self.arena_fd if self.arena_fd is not None else -1), str(DEPTH * SLOT_BYTES)],
-            pass_fds=(child.fileno(), self.pool.fd, *arena), env=dict(os.environ, OMP_NUM_THREADS="1"),
-            stdin=subprocess.DEVNULL, close_fds=True, process_group=WORKER_PROCESS_GROUP)
+            [
+                sys.executable,
+                "-c",
+                _CMD,
+                str(child.fileno()),
+                str(self.pool.fd),
+                *map(str, self.args),
+                str(self.arena_fd if self.arena_fd is not None else -1),
+                str(DEPTH * SLOT_BYTES),
+            ],
+            pass_fds=(child.fileno(), self.pool.fd, *arena),
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+            process_group=WORKER_PROCESS_GROUP,
+        )
         self._sent.clear()
         child.close()
         self.spawned = time.perf_counter()
@@ -251,11 +287,13 @@ class GpuDecoderProcess:
         behind it. A process found dead while it owes nothing is replaced first."""
         if self.proc.poll() is not None and not self._sent:
             self._restart()
-        in_arena = (slot is not None and self.arena is not None
-                    and sum(len(d) for d, _ in items) <= SLOT_BYTES)
+        in_arena = slot is not None and self.arena is not None and sum(len(d) for d, _ in items) <= SLOT_BYTES
         try:  # the copy into shared memory first: its failure is this process's, not the worker's
-            msg = (_encode_request(items, self.arena, slot * SLOT_BYTES, self.arena_fd) if in_arena
-                   else _encode_request(items))
+            msg = (
+                _encode_request(items, self.arena, slot * SLOT_BYTES, self.arena_fd)
+                if in_arena
+                else _encode_request(items)
+            )
         except OSError as e:
             raise RuntimeError(f"cannot copy a batch into the GPU decoder process's shared memory: {e}") from e
         self._sent.append(time.perf_counter())
@@ -278,8 +316,9 @@ class GpuDecoderProcess:
         if not self.conn.poll(wait if wait < 1e6 else None):  # (None: no limit; poll takes no inf)
             self.proc.kill()
             self._restart()
-            raise WorkerDied(f"GPU decoding took longer than {timeout:g} s (decode_timeout_s): "
-                             "its process was replaced")
+            raise WorkerDied(
+                f"GPU decoding took longer than {timeout:g} s (decode_timeout_s): its process was replaced"
+            )
         try:
             statuses, launch_s, total_s, cpu_decoded = _decode_reply(self.conn.recv_bytes())
         except (EOFError, OSError) as e:
@@ -323,9 +362,18 @@ class GpuDecoderPool:
         RuntimeError: a process could not start (no CUDA there, an import failed), with the cause.
     """
 
-    def __init__(self, n: int, pool: CropPool, device_index: int = 0, resize_size: int = 256,
-                 crop_size: int = 224, max_pixels: int = 89_478_485, start_timeout_s: float = 120.0,
-                 decoder: str | Sequence[str] = "nvjpeg", max_file_bytes: int = 256 << 20):
+    def __init__(
+        self,
+        n: int,
+        pool: CropPool,
+        device_index: int = 0,
+        resize_size: int = 256,
+        crop_size: int = 224,
+        max_pixels: int = 89_478_485,
+        start_timeout_s: float = 120.0,
+        decoder: str | Sequence[str] = "nvjpeg",
+        max_file_bytes: int = 256 << 20,
+    ):
         kinds = [decoder] * n if isinstance(decoder, str) else list(decoder)
         if len(kinds) != n:
             raise ValueError(f"{len(kinds)} decoder kinds for {n} GPU decoder processes")
@@ -334,8 +382,9 @@ class GpuDecoderPool:
         self.workers: list[GpuDecoderProcess] = []
         try:
             for kind in kinds:
-                self.workers.append(GpuDecoderProcess(pool, device_index, resize_size, crop_size, max_pixels,
-                                                      kind, max_file_bytes))
+                self.workers.append(
+                    GpuDecoderProcess(pool, device_index, resize_size, crop_size, max_pixels, kind, max_file_bytes)
+                )
             errs: list[BaseException] = []
 
             def wait(w):
@@ -418,8 +467,12 @@ def _gpu_worker_main(argv: list[str]) -> None:
                 # check=True: the main process only looked at the JPEG signature (its GIL is the pipeline's
                 # bottleneck); what nvJPEG would not decode like the CPU path is decoded here, on the CPU
                 out = [None] * len(items)
-                for j, o in zip(todo, decode_crops(decoder, [items[j][0] for j in todo], resize_size, crop_size,
-                                                   max_pixels, dev, check=True)):
+                for j, o in zip(
+                    todo,
+                    decode_crops(
+                        decoder, [items[j][0] for j in todo], resize_size, crop_size, max_pixels, dev, check=True
+                    ),
+                ):
                     out[j] = o
                 cpu_decoded = sum(1 for o in out if o is not None and not isinstance(o, tuple))
                 run = None  # (rows, r0, pool row0, length): consecutive crops copied with one D2H
@@ -432,14 +485,14 @@ def _gpu_worker_main(argv: list[str]) -> None:
                             run[3] += 1
                             continue
                         if run:
-                            host[run[2]:run[2] + run[3]].copy_(run[0][run[1]:run[1] + run[3]], non_blocking=True)
+                            host[run[2] : run[2] + run[3]].copy_(run[0][run[1] : run[1] + run[3]], non_blocking=True)
                         run = [rows, r, row, 1]
                     elif isinstance(o, ImageError):
                         statuses[j] = str(o)
                     else:  # nvJPEG refused it: the CPU path's crop
                         host[row].copy_(torch.from_numpy(o))
                 if run:
-                    host[run[2]:run[2] + run[3]].copy_(run[0][run[1]:run[1] + run[3]], non_blocking=True)
+                    host[run[2] : run[2] + run[3]].copy_(run[0][run[1] : run[1] + run[3]], non_blocking=True)
             t1 = time.perf_counter()
             done.record(stream)
             done.synchronize()  # every crop is in the pool before the answer goes out (sleeping, not spinning)

@@ -27,8 +27,9 @@ from .preprocess_procs import PATH_BIT, WorkerDied
 GPU_CHUNK = 32
 
 
-def take_gpu_batch(run, carry: list, limit: int, wait_s: float, ends_wanted: int,
-                    block: bool = True) -> tuple[list, int]:
+def take_gpu_batch(
+    run, carry: list, limit: int, wait_s: float, ends_wanted: int, block: bool = True
+) -> tuple[list, int]:
     """Up to ``limit`` items for one GPU batch: what ``carry`` holds first (left over from a list),
     then lists from the GPU queue, waiting at most ``wait_s`` after the first item (for the first,
     briefly, or not at all without ``block``). Items beyond ``limit`` stay in ``carry``. Returns
@@ -122,7 +123,7 @@ def feed_gpu_process(run, proc) -> None:
                     break
                 k = proc.fitting(items)  # the images whose bytes fit in an arena slot
                 if k == 0 and inflight:  # inline on the socket: only to an idle process (a send to a
-                    carry[:0] = items    # busy one could wait as long as it hangs)
+                    carry[:0] = items  # busy one could wait as long as it hangs)
                     break
                 if 0 < k < len(items):
                     carry[:0] = items[k:]

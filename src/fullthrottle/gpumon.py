@@ -83,5 +83,9 @@ class GpuMonitor:
         return max(self.mems) if self.mems else None
 
     def to_dict(self) -> dict:
-        return {"gpu_util_mean_pct": self.mean_util_pct, "gpu_mem_max_bytes": self.max_mem_bytes,
-                "samples": self.samples, "note": self.reason or None}
+        return {
+            "gpu_util_mean_pct": self.mean_util_pct,
+            "gpu_mem_max_bytes": self.max_mem_bytes,
+            "samples": self.samples,
+            "note": self.reason or None,
+        }

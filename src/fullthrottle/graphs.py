@@ -49,8 +49,10 @@ class GraphInfo:
 
     def format(self) -> str:
         per = ", ".join(f"{b}: {ms:.0f} ms" for b, ms in sorted(self.capture_ms.items()))
-        out = (f"CUDA graphs: {len(self.capture_ms)} buckets captured in {self.total_capture_s:.2f} s "
-               f"({per}); graph pool {self.pool_bytes / 2**20:.1f} MiB")
+        out = (
+            f"CUDA graphs: {len(self.capture_ms)} buckets captured in {self.total_capture_s:.2f} s "
+            f"({per}); graph pool {self.pool_bytes / 2**20:.1f} MiB"
+        )
         if self.variant:
             kept: dict[str, list[int]] = {}
             for b, v in sorted(self.variant.items()):
@@ -79,8 +81,16 @@ class GraphRunner:
         RuntimeError: capture failed (a host sync or CPU tensor inside ``fn``), with the bucket named.
     """
 
-    def __init__(self, fn: Callable, item_shape: Sequence[int], dtype: torch.dtype,
-                 buckets: Sequence[int], device: torch.device | str, graphs: bool = True, warmup: int = 2):
+    def __init__(
+        self,
+        fn: Callable,
+        item_shape: Sequence[int],
+        dtype: torch.dtype,
+        buckets: Sequence[int],
+        device: torch.device | str,
+        graphs: bool = True,
+        warmup: int = 2,
+    ):
         self.candidates = dict(fn) if isinstance(fn, dict) else {"": fn}
         self.fn = next(iter(self.candidates.values()))
         self.item_shape, self.dtype = tuple(item_shape), dtype
@@ -129,8 +139,9 @@ class GraphRunner:
                     variant[b] = name
                 capture_ms[b] = 1e3 * (time.perf_counter() - t0)
             torch.cuda.synchronize(dev)
-            self.info = GraphInfo(capture_ms, time.perf_counter() - t_all,
-                                  torch.cuda.memory_reserved(dev) - reserved0, variant, replay_ms)
+            self.info = GraphInfo(
+                capture_ms, time.perf_counter() - t_all, torch.cuda.memory_reserved(dev) - reserved0, variant, replay_ms
+            )
 
     def _capture_one(self, fn: Callable, b: int) -> tuple[torch.cuda.CUDAGraph, Outputs]:
         """Warm ``fn`` up on the side stream, then capture it for bucket ``b`` into the shared pool."""
@@ -146,9 +157,11 @@ class GraphRunner:
             with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
                 out = _as_tuple(fn(x))
         except Exception as e:
-            raise RuntimeError(f"CUDA graph capture failed for bucket {b}: {type(e).__name__}: {e}. "
-                               "The captured function must not synchronise with the host "
-                               "(.item(), .cpu(), printing) or use CPU tensors.") from e
+            raise RuntimeError(
+                f"CUDA graph capture failed for bucket {b}: {type(e).__name__}: {e}. "
+                "The captured function must not synchronise with the host "
+                "(.item(), .cpu(), printing) or use CPU tensors."
+            ) from e
         return g, out
 
     def _time_replay(self, g: torch.cuda.CUDAGraph, reps: int = 5) -> float:
@@ -190,7 +203,7 @@ class GraphRunner:
         parts: list[Outputs] = []
         start = 0
         for size, _bucket in split_into_buckets(x.shape[0], self.buckets):
-            chunk = x[start:start + size]
+            chunk = x[start : start + size]
             start += size
             if self.graphs_enabled:
                 _, out = self.replay(chunk.to(self.device, non_blocking=True))
@@ -201,9 +214,16 @@ class GraphRunner:
         return outs if len(outs) > 1 else outs[0]
 
 
-def graph_module(module: nn.Module, item_shape: Sequence[int], buckets: Sequence[int],
-                 device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32,
-                 channels_last: bool = False, compile: bool = False, graphs: bool = True) -> GraphRunner:
+def graph_module(
+    module: nn.Module,
+    item_shape: Sequence[int],
+    buckets: Sequence[int],
+    device: str | torch.device = "cuda",
+    dtype: torch.dtype = torch.float32,
+    channels_last: bool = False,
+    compile: bool = False,
+    graphs: bool = True,
+) -> GraphRunner:
     """Wrap an ``nn.Module`` (input fixed except the batch dim) as CUDA graph replays per bucket.
 
     Args:

@@ -126,20 +126,20 @@ class Attention(nn.Module):
         self.counters: torch.Tensor | None = None  # (maxB * H,) int32: decode attention's merge counts
 
     def forward(self, x, cos, sin, pos, row0, mask, kv_len):
-        B, S, _ = x.shape                                                 # x: (B, S, dim)
+        B, S, _ = x.shape  # x: (B, S, dim)
         h, hkv, d = self.h, self.hkv, self.d
         # the q/k/v projection (B, S, (H+2*Hkv)*D), RoPE on q and k, k and v written into the cache at
         # ``pos``: one kernel for a single token on CUDA, two otherwise; cos, sin: (B, S, D/2)
-        q = kernels.linear_rope_qkv_into_cache(x, self.qkv_proj.weight, cos, sin, pos, self.k_cache,
-                                               self.v_cache, row0, h, hkv)  # (B, H, S, D)
-        T = kv_len                                                        # attend to cache slots [0, T) only
+        q = kernels.linear_rope_qkv_into_cache(
+            x, self.qkv_proj.weight, cos, sin, pos, self.k_cache, self.v_cache, row0, h, hkv
+        )  # (B, H, S, D)
+        T = kv_len  # attend to cache slots [0, T) only
         if mask is None:
             # decode step: split-KV Triton kernels read each row's valid slots 0..pos only
-            y = kernels.decode_attention(q, self.k_cache, self.v_cache, pos, row0, T,
-                                         self.counters)                   # (B, H, 1, D)
+            y = kernels.decode_attention(q, self.k_cache, self.v_cache, pos, row0, T, self.counters)  # (B, H, 1, D)
         else:
-            kc, vc = self.k_cache[row0:row0 + B, :, :T], self.v_cache[row0:row0 + B, :, :T]  # (B, Hkv, T, D)
-            rep = h // hkv                                                # grouped-query attention
+            kc, vc = self.k_cache[row0 : row0 + B, :, :T], self.v_cache[row0 : row0 + B, :, :T]  # (B, Hkv, T, D)
+            rep = h // hkv  # grouped-query attention
             if rep > 1:  # (a copy: with rep == 1, as in Llama-2-7B, the cache is read in place)
                 kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
             y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)  # mask: (B, 1, S, T) additive
@@ -172,10 +172,10 @@ class Block(nn.Module):
         if r is None:
             xn = self.input_layernorm(x)
         else:
-            x, xn = self.input_layernorm(x, residual=r)                      # x + r, and its norm
+            x, xn = self.input_layernorm(x, residual=r)  # x + r, and its norm
         a = self.self_attn(xn, cos, sin, pos, row0, mask, kv_len)
-        x, hn = self.post_attention_layernorm(x, residual=a)                 # x + a, and its norm
-        return x, self.mlp(hn)                                               # the block's output is x + mlp
+        x, hn = self.post_attention_layernorm(x, residual=a)  # x + a, and its norm
+        return x, self.mlp(hn)  # the block's output is x + mlp
 
 
 class Llama(nn.Module):
@@ -213,22 +213,22 @@ class Llama(nn.Module):
         self.max_seq_len = self.kv_len = max_seq_len
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, row0: int = 0) -> torch.Tensor:
-        x = self.embed_tokens(tokens)                                        # (B, S, dim)
-        freqs = pos[..., None].float() * self.inv_freq                       # (B, S, D/2) float32
+        x = self.embed_tokens(tokens)  # (B, S, dim)
+        freqs = pos[..., None].float() * self.inv_freq  # (B, S, D/2) float32
         cos, sin = freqs.cos(), freqs.sin()
         B, S = tokens.shape
         if S == 1 and B <= DECODE_ATTENTION_MAX_BATCH and kernels.use_triton(x):
             mask = None  # decode step: the attention kernel bounds each row by its own position
         else:
             t = torch.arange(self.kv_len, device=tokens.device)
-            causal = t[None, None, None, :] <= pos[:, None, :, None]          # (B, 1, S, T)
+            causal = t[None, None, None, :] <= pos[:, None, :, None]  # (B, 1, S, T)
             # additive mask, made once here rather than converted from bool by every layer's attention
             mask = torch.zeros(causal.shape, dtype=x.dtype, device=x.device).masked_fill_(~causal, float("-inf"))
         r = None
         for blk in self.layers:
             x, r = blk(x, r, cos, sin, pos, row0, mask, self.kv_len)
-        xn = self.norm(x) if r is None else self.norm(x, residual=r)[1]      # the last block's add, fused
-        return kernels.linear(xn, self.lm_head.weight).float()               # (B, S, vocab)
+        xn = self.norm(x) if r is None else self.norm(x, residual=r)[1]  # the last block's add, fused
+        return kernels.linear(xn, self.lm_head.weight).float()  # (B, S, vocab)
 
 
 def fuse_hf_projections(sd: dict, head_dim: int) -> dict:
@@ -238,7 +238,7 @@ def fuse_hf_projections(sd: dict, head_dim: int) -> dict:
     alternating. One matmul gives the same outputs as HF's three (two), in that order."""
     out = dict(sd)
     for prefix in sorted({k.rsplit(".", 2)[0] for k in sd if k.endswith(".q_proj.weight")}):
-        qkv = torch.cat([out.pop(f"{prefix}.{n}_proj.weight") for n in ("q", "k", "v")])   # (n*D, dim)
+        qkv = torch.cat([out.pop(f"{prefix}.{n}_proj.weight") for n in ("q", "k", "v")])  # (n*D, dim)
         out[f"{prefix}.qkv_proj.weight"] = kernels.interleave_pairs(qkv, head_dim, dim=0).contiguous()
     for prefix in sorted({k.rsplit(".", 2)[0] for k in sd if k.endswith(".gate_proj.weight")}):
         gate, up = out.pop(f"{prefix}.gate_proj.weight"), out.pop(f"{prefix}.up_proj.weight")  # (I, dim)
@@ -272,8 +272,9 @@ def load_hf(path: str | Path, device="cpu", dtype=torch.float32) -> Llama:
     missing = set(model.state_dict()) - set(sd)
     unexpected = set(sd) - set(model.state_dict())
     if missing or unexpected:
-        raise ValueError(f"weights in {path} do not fit: missing {sorted(missing)[:4]}, "
-                         f"unexpected {sorted(unexpected)[:4]}")
+        raise ValueError(
+            f"weights in {path} do not fit: missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}"
+        )
     model.load_state_dict(sd, assign=True)
     model.inv_freq = rope_inv_freq(cfg)
     if cfg.tie_word_embeddings:

@@ -83,8 +83,13 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
                 continue
             scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", s)
             if scheme and not os.path.exists(s):
-                yield s, BadSource(f"unsupported URL scheme {scheme.group(1)!r} (only http:// and https:// "
-                                   "are fetched; give local files as paths)")
+                yield (
+                    s,
+                    BadSource(
+                        f"unsupported URL scheme {scheme.group(1)!r} (only http:// and https:// "
+                        "are fetched; give local files as paths)"
+                    ),
+                )
                 continue
             if os.path.isdir(s):
                 for root, dirs, files in os.walk(s):
@@ -106,8 +111,12 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
             else:
                 yield s, Path(s)
         else:
-            yield f"<input #{i}>", BadSource(
-                f"cannot load an input of type {type(src).__name__} (give a path, URL, bytes or (id, bytes))")
+            yield (
+                f"<input #{i}>",
+                BadSource(
+                    f"cannot load an input of type {type(src).__name__} (give a path, URL, bytes or (id, bytes))"
+                ),
+            )
 
 
 def read_local(path: str, max_bytes: int) -> bytes:
@@ -182,9 +191,21 @@ class Loader:
             this process. URLs are still fetched here.
     """
 
-    def __init__(self, inputs, out, put, window: threading.Semaphore, stop: threading.Event,
-                 stats, concurrency: int, timeout_s: float, max_bytes: int, n_end: int, end,
-                 defer_files: bool = False):
+    def __init__(
+        self,
+        inputs,
+        out,
+        put,
+        window: threading.Semaphore,
+        stop: threading.Event,
+        stats,
+        concurrency: int,
+        timeout_s: float,
+        max_bytes: int,
+        n_end: int,
+        end,
+        defer_files: bool = False,
+    ):
         self.inputs, self.out, self.put = inputs, out, put
         self.window, self.stop, self.stats = window, stop, stats
         self.concurrency, self.timeout_s, self.max_bytes = concurrency, timeout_s, max_bytes
@@ -268,12 +289,13 @@ class Loader:
                         import httpx
 
                         client_box[0] = httpx.AsyncClient(
-                            timeout=self.timeout_s, follow_redirects=True,
-                            limits=httpx.Limits(max_connections=self.concurrency))
+                            timeout=self.timeout_s,
+                            follow_redirects=True,
+                            limits=httpx.Limits(max_connections=self.concurrency),
+                        )
                     try:  # the whole request, not each read: a dripping server cannot hold an item
-                        item.data = await asyncio.wait_for(_fetch(client_box[0], src, self.max_bytes),
-                                                           self.timeout_s)
-                    except asyncio.TimeoutError:
+                        item.data = await asyncio.wait_for(_fetch(client_box[0], src, self.max_bytes), self.timeout_s)
+                    except TimeoutError:
                         raise LoadError(f"timeout after {self.timeout_s:g} s fetching {src}") from None
                 else:
                     item.data = await asyncio.to_thread(read_local, item.id, self.max_bytes)
@@ -312,8 +334,11 @@ class Loader:
                     # Python shares the GIL with every other stage)
                     if not self.window.acquire(blocking=False) and not await self._acquire_window(idle=not tasks):
                         return
-                    item = (Item(index=index, id=item_id, data=os.fsencode(item_id), is_path=True) if deferred
-                            else Item(index=index, id=item_id, data=src))
+                    item = (
+                        Item(index=index, id=item_id, data=os.fsencode(item_id), is_path=True)
+                        if deferred
+                        else Item(index=index, id=item_id, data=src)
+                    )
                     in_memory += 1
                     if in_memory >= 64:
                         self.stats.add(in_memory, 0.0)

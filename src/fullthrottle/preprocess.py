@@ -34,8 +34,12 @@ class ImageError(ValueError):
 # OpenCV >= 4.10 decodes straight to RGB (one GIL-releasing call fewer per image); not combinable
 # with the reduced-size flags, which imply BGR.
 _RGB = getattr(cv2, "IMREAD_COLOR_RGB", None)
-_REDUCED = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
-            8: cv2.IMREAD_REDUCED_COLOR_8}
+_REDUCED = {
+    1: cv2.IMREAD_COLOR,
+    2: cv2.IMREAD_REDUCED_COLOR_2,
+    4: cv2.IMREAD_REDUCED_COLOR_4,
+    8: cv2.IMREAD_REDUCED_COLOR_8,
+}
 
 
 def sniff(data: bytes) -> str | None:
@@ -64,14 +68,14 @@ def _exif_orientation(app1: bytes) -> int:
     (ifd,) = struct.unpack(e + "I", tiff[4:8])
     if ifd + 2 > len(tiff):
         return 1
-    (n,) = struct.unpack(e + "H", tiff[ifd:ifd + 2])
+    (n,) = struct.unpack(e + "H", tiff[ifd : ifd + 2])
     for k in range(n):
         off = ifd + 2 + 12 * k
         if off + 12 > len(tiff):
             break
-        tag, _typ, _cnt = struct.unpack(e + "HHI", tiff[off:off + 8])
+        tag, _typ, _cnt = struct.unpack(e + "HHI", tiff[off : off + 8])
         if tag == 0x0112:
-            return struct.unpack(e + "H", tiff[off + 8:off + 10])[0]
+            return struct.unpack(e + "H", tiff[off + 8 : off + 10])[0]
     return 1
 
 
@@ -88,16 +92,16 @@ def jpeg_info(data: bytes) -> dict | None:
         if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
             i += 2
             continue
-        (seg,) = struct.unpack(">H", data[i + 2:i + 4])
-        if marker == 0xE1 and data[i + 4:i + 10] == b"Exif\x00\x00":
+        (seg,) = struct.unpack(">H", data[i + 2 : i + 4])
+        if marker == 0xE1 and data[i + 4 : i + 10] == b"Exif\x00\x00":
             try:
-                orient = _exif_orientation(data[i + 4:i + 2 + seg])
+                orient = _exif_orientation(data[i + 4 : i + 2 + seg])
             except struct.error:
                 orient = 0
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
             if i + 10 > n:
                 return None
-            h, w = struct.unpack(">HH", data[i + 5:i + 9])
+            h, w = struct.unpack(">HH", data[i + 5 : i + 9])
             return {"sof": marker, "components": data[i + 9], "width": w, "height": h, "orientation": orient}
         i += 2 + seg
     return None
@@ -191,12 +195,14 @@ def decode(data: bytes, min_side: int = 0, max_pixels: int = 89_478_485) -> np.n
     if w * h > max_pixels:
         raise ImageError(
             f"image too large: {w}x{h} = {w * h / 1e6:.1f} megapixels exceeds the limit of "
-            f"{max_pixels / 1e6:.1f} megapixels (max_image_pixels)")
+            f"{max_pixels / 1e6:.1f} megapixels (max_image_pixels)"
+        )
     if min_side > 0 and resized_pixels(w, h, min_side) > max_pixels:
         raise ImageError(
             f"extreme aspect ratio: {w}x{h} with its shorter side resized to {min_side} would be "
             f"{resized_pixels(w, h, min_side) / 1e6:.0f} megapixels, over the limit of "
-            f"{max_pixels / 1e6:.1f} megapixels (max_image_pixels)")
+            f"{max_pixels / 1e6:.1f} megapixels (max_image_pixels)"
+        )
     if fmt == "JPEG" and not jpeg_is_complete(data):
         raise ImageError("truncated or corrupt JPEG (no end-of-image marker after the last scan)")
     if fmt in ("JPEG", "PNG", "WEBP", "BMP", "TIFF"):
@@ -263,11 +269,10 @@ def resize_crop(rgb: np.ndarray, resize_size: int = 256, crop_size: int = 224) -
     left = int(round((nw - crop_size) / 2.0))
     # C-contiguous on purpose: the compute stage stacks crops into pinned memory, and a strided
     # uint8 source makes that copy run 3 bytes at a time, many times slower
-    return np.ascontiguousarray(t[0].permute(1, 2, 0).numpy()[top:top + crop_size, left:left + crop_size])
+    return np.ascontiguousarray(t[0].permute(1, 2, 0).numpy()[top : top + crop_size, left : left + crop_size])
 
 
-def preprocess(data: bytes, resize_size: int = 256, crop_size: int = 224,
-               max_pixels: int = 89_478_485) -> np.ndarray:
+def preprocess(data: bytes, resize_size: int = 256, crop_size: int = 224, max_pixels: int = 89_478_485) -> np.ndarray:
     """Encoded image bytes -> ``(crop_size, crop_size, 3)`` uint8 RGB, ready for the device.
 
     Raises:

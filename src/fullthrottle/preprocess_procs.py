@@ -79,8 +79,10 @@ def worker_command(module: str, main: str) -> str:
     """The ``python -c`` line that runs ``fullthrottle.<module>.<main>(sys.argv[1:])`` in a worker
     process. Ctrl-C is the parent's to handle (the worker ends on EOF): a SIGINT sent to the worker
     itself is ignored from its first line, before the imports."""
-    return (f"import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-            f"from fullthrottle.{module} import {main}; {main}(sys.argv[1:])")
+    return (
+        f"import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        f"from fullthrottle.{module} import {main}; {main}(sys.argv[1:])"
+    )
 
 
 _WORKER_CMD = worker_command("preprocess_procs", "_worker_main")
@@ -117,6 +119,7 @@ class CropPool:
             self.fd = os.memfd_create("fullthrottle-crops", 0)
         else:  # pragma: no cover - not Linux: an unlinked temporary file
             import tempfile
+
             fd, path = tempfile.mkstemp(prefix="fullthrottle-crops-")
             os.unlink(path)
             self.fd = fd
@@ -241,9 +244,16 @@ class DecoderProcess:
     Not thread-safe: one caller thread per process.
     """
 
-    def __init__(self, resize_size: int = 256, crop_size: int = 224, max_pixels: int = 89_478_485,
-                 nice: int | None = None, pool: CropPool | None = None, scratch_row: int | None = None,
-                 max_file_bytes: int = 256 << 20):
+    def __init__(
+        self,
+        resize_size: int = 256,
+        crop_size: int = 224,
+        max_pixels: int = 89_478_485,
+        nice: int | None = None,
+        pool: CropPool | None = None,
+        scratch_row: int | None = None,
+        max_file_bytes: int = 256 << 20,
+    ):
         self._own_pool = pool is None
         if pool is None:
             pool, scratch_row = CropPool(0, crop_size, scratch=1), 0
@@ -276,8 +286,12 @@ class DecoderProcess:
         env.update({k: v for k, v in MALLOC_ENV.items() if k not in os.environ})  # the user's settings win
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _WORKER_CMD, str(child.fileno()), str(self.pool.fd), *map(str, self.args)],
-            pass_fds=(child.fileno(), self.pool.fd), env=env, stdin=subprocess.DEVNULL, close_fds=True,
-            process_group=WORKER_PROCESS_GROUP)
+            pass_fds=(child.fileno(), self.pool.fd),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+            process_group=WORKER_PROCESS_GROUP,
+        )
         child.close()
         self.spawned = time.perf_counter()  # a new worker first imports its libraries (seconds)
         self.conn = Connection(parent.detach())
@@ -414,8 +428,15 @@ class DecoderPool:
         RuntimeError: a worker could not start (its import failed), with its exit code.
     """
 
-    def __init__(self, n: int, resize_size: int = 256, crop_size: int = 224, max_pixels: int = 89_478_485,
-                 rows: int = 256, max_file_bytes: int = 256 << 20):
+    def __init__(
+        self,
+        n: int,
+        resize_size: int = 256,
+        crop_size: int = 224,
+        max_pixels: int = 89_478_485,
+        rows: int = 256,
+        max_file_bytes: int = 256 << 20,
+    ):
         self.workers: list[DecoderProcess] = []
         self.crops = CropPool(rows, crop_size, scratch=n)
         errs: list[BaseException] = []
@@ -424,8 +445,14 @@ class DecoderPool:
 
         def start(i: int):
             try:
-                w = DecoderProcess(resize_size, crop_size, max_pixels, pool=self.crops, scratch_row=rows + i,
-                                   max_file_bytes=max_file_bytes)
+                w = DecoderProcess(
+                    resize_size,
+                    crop_size,
+                    max_pixels,
+                    pool=self.crops,
+                    scratch_row=rows + i,
+                    max_file_bytes=max_file_bytes,
+                )
                 with lock:
                     if self._closing:  # start-up was abandoned (Ctrl-C): don't leave this one behind
                         w.close()
@@ -482,10 +509,16 @@ def _probe_png() -> bytes:
     import zlib
 
     raw = b"\x00\x00\x00\x00"  # one filter byte + one RGB pixel, 1x1
-    chunk = lambda t, d: (len(d).to_bytes(4, "big") + t + d  # noqa: E731
-                          + zlib.crc32(t + d).to_bytes(4, "big"))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", (1).to_bytes(4, "big") * 2 + b"\x08\x02\x00\x00\x00")
-            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+    def chunk(t, d):
+        return len(d).to_bytes(4, "big") + t + d + zlib.crc32(t + d).to_bytes(4, "big")
+
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", (1).to_bytes(4, "big") * 2 + b"\x08\x02\x00\x00\x00")
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
 
 
 _PROBE = _probe_png()
@@ -513,12 +546,14 @@ def _worker_main(argv: list[str]) -> None:
         pass
 
     crops = np.frombuffer(mmap.mmap(pool_fd, pool_rows * crop_size * crop_size * 3), np.uint8).reshape(
-        pool_rows, crop_size, crop_size, 3)
+        pool_rows, crop_size, crop_size, 3
+    )
     conn = Connection(fd)
     stats_path = env.get(env.WORKER_STATS)
     if stats_path:
-        return _worker_loop_timed(conn, crops, resize_size, crop_size, max_pixels, max_file_bytes,
-                                  f"{stats_path}.{os.getpid()}.json")
+        return _worker_loop_timed(
+            conn, crops, resize_size, crop_size, max_pixels, max_file_bytes, f"{stats_path}.{os.getpid()}.json"
+        )
     while True:
         try:
             msg = conn.recv_bytes()
@@ -538,14 +573,15 @@ def _request(msg: bytes, max_file_bytes: int) -> tuple[int, bytes]:
         LoadError: the file of a path request cannot be read.
     """
     (row,) = _ROW.unpack_from(msg)
-    data = msg[_ROW.size:]
+    data = msg[_ROW.size :]
     if row & PATH_BIT:
         return row & ~PATH_BIT, read_local(os.fsdecode(data), max_file_bytes)
     return row, data
 
 
-def _work_one(msg: bytes, crops: np.ndarray, resize_size: int, crop_size: int, max_pixels: int,
-              max_file_bytes: int) -> bytes:
+def _work_one(
+    msg: bytes, crops: np.ndarray, resize_size: int, crop_size: int, max_pixels: int, max_file_bytes: int
+) -> bytes:
     """One request (pool row + encoded bytes or a path) -> its reply (status byte, or status and error text)."""
     try:
         row, data = _request(msg, max_file_bytes)
@@ -603,8 +639,12 @@ def _worker_loop_timed(conn, crops, resize_size, crop_size, max_pixels, max_file
             t["send_s"] += e_ - d
     finally:
         r1 = resource.getrusage(resource.RUSAGE_SELF)
-        t.update(cpu_s=r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, minor_faults=r1.ru_minflt - r0.ru_minflt,
-                 voluntary_switches=r1.ru_nvcsw - r0.ru_nvcsw, involuntary_switches=r1.ru_nivcsw - r0.ru_nivcsw)
+        t.update(
+            cpu_s=r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime,
+            minor_faults=r1.ru_minflt - r0.ru_minflt,
+            voluntary_switches=r1.ru_nvcsw - r0.ru_nvcsw,
+            involuntary_switches=r1.ru_nivcsw - r0.ru_nivcsw,
+        )
         try:
             with open(path, "w") as f:
                 json.dump(t, f)

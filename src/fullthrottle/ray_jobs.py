@@ -58,13 +58,26 @@ class RayClassifier:
         else:
             raise ValueError("a batch needs a 'path' or a 'bytes' column")
         res = self.pipe.classify(inputs)
-        return pd.DataFrame({
-            "id": [r.id for r in res], "labels": [r.labels for r in res], "class_ids": [r.class_ids for r in res],
-            "probs": [r.probs for r in res], "error": [r.error for r in res], "node": [self.node] * len(res)})
+        return pd.DataFrame(
+            {
+                "id": [r.id for r in res],
+                "labels": [r.labels for r in res],
+                "class_ids": [r.class_ids for r in res],
+                "probs": [r.probs for r in res],
+                "error": [r.error for r in res],
+                "node": [self.node] * len(res),
+            }
+        )
 
 
-def classify_on_ray(inputs, config: dict, address: str | None = None, concurrency: int = 2,
-                    batch_size: int = 64, num_gpus: float | None = None) -> Iterator[dict]:
+def classify_on_ray(
+    inputs,
+    config: dict,
+    address: str | None = None,
+    concurrency: int = 2,
+    batch_size: int = 64,
+    num_gpus: float | None = None,
+) -> Iterator[dict]:
     """Run the offline job on a Ray cluster (a local one when ``address`` is None); yields one row
     (dict, see :class:`RayClassifier`) per input item, in input order.
 
@@ -85,8 +98,15 @@ def classify_on_ray(inputs, config: dict, address: str | None = None, concurrenc
         if isinstance(src, Path):
             rows.append({"path": str(src.resolve()) if src.exists() else str(src), "order": i})
         else:
-            bad.append({"id": item_id, "order": i, "error": str(src) if isinstance(src, BadSource)
-                        else f"{item_id}: only files and folders can be sent to Ray workers"})
+            bad.append(
+                {
+                    "id": item_id,
+                    "order": i,
+                    "error": str(src)
+                    if isinstance(src, BadSource)
+                    else f"{item_id}: only files and folders can be sent to Ray workers",
+                }
+            )
     if num_gpus is None:
         import torch
 
@@ -96,21 +116,33 @@ def classify_on_ray(inputs, config: dict, address: str | None = None, concurrenc
     out = {}
     if rows:
         ds = ray.data.from_items(rows)
-        ds = ds.map_batches(RayClassifier, fn_constructor_kwargs={"config": config}, concurrency=concurrency,
-                            batch_size=batch_size, num_gpus=num_gpus, batch_format="pandas")
+        ds = ds.map_batches(
+            RayClassifier,
+            fn_constructor_kwargs={"config": config},
+            concurrency=concurrency,
+            batch_size=batch_size,
+            num_gpus=num_gpus,
+            batch_format="pandas",
+        )
         for row, src in zip(ds.iter_rows(), rows):
-            out[src["order"]] = {k: (list(v) if hasattr(v, "tolist") and not isinstance(v, str) else v)
-                                 for k, v in row.items()}
+            out[src["order"]] = {
+                k: (list(v) if hasattr(v, "tolist") and not isinstance(v, str) else v) for k, v in row.items()
+            }
     for b in bad:
-        out[b["order"]] = {"id": b["id"], "labels": [], "class_ids": [], "probs": [], "error": b["error"],
-                           "node": ""}
+        out[b["order"]] = {"id": b["id"], "labels": [], "class_ids": [], "probs": [], "error": b["error"], "node": ""}
     for k in sorted(out):
         yield out[k]
 
 
-
-def serve_on_ray(config, options=None, replicas: int = 1, host: str = "127.0.0.1", port: int = 8000,
-                 num_gpus: float | None = None, blocking: bool = True):
+def serve_on_ray(
+    config,
+    options=None,
+    replicas: int = 1,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    num_gpus: float | None = None,
+    blocking: bool = True,
+):
     """Deploy ``fullthrottle serve``'s app on Ray Serve: ``replicas`` replicas (one GPU each on CUDA),
     the same routes and response shapes, each replica feeding its own dynamic batcher.
 

@@ -23,9 +23,9 @@ class StageStats:
         self.name, self.workers = name, workers
         self._lock = threading.Lock()
         self.items = 0
-        self.busy_s = 0.0           # union of busy intervals (s)
-        self.work_s = 0.0           # sum over workers of busy time (s)
-        self.queue_wait_s = 0.0     # sum over items of time spent in this stage's input queue (s)
+        self.busy_s = 0.0  # union of busy intervals (s)
+        self.work_s = 0.0  # sum over workers of busy time (s)
+        self.queue_wait_s = 0.0  # sum over items of time spent in this stage's input queue (s)
         self.queue_waits = 0
         self._active = 0
         self._since = 0.0
@@ -77,11 +77,9 @@ class StageStats:
                 "workers": self.workers,
                 "items": self.items,
                 "busy_pct": 100.0 * min(busy / wall_s, 1.0) if wall_s > 0 else 0.0,
-                "worker_busy_pct": (100.0 * min(self.work_s / (wall_s * self.workers), 1.0)
-                                    if wall_s > 0 else 0.0),
+                "worker_busy_pct": (100.0 * min(self.work_s / (wall_s * self.workers), 1.0) if wall_s > 0 else 0.0),
                 "items_per_s": self.items / wall_s if wall_s > 0 else 0.0,
-                "mean_queue_wait_ms": (1e3 * self.queue_wait_s / self.queue_waits
-                                       if self.queue_waits else 0.0),
+                "mean_queue_wait_ms": (1e3 * self.queue_wait_s / self.queue_waits if self.queue_waits else 0.0),
             }
 
 
@@ -108,8 +106,10 @@ def verdict(stages: list[dict], gpu_util_pct: float | None, on_gpu: bool) -> str
         return f"source-bound: no stage is saturated (busiest: {what} {pct:.0f}%), GPU busy {gpu}"
     if stage == "compute" and on_gpu:
         if gpu_util_pct is not None and gpu_util_pct < 70:
-            return (f"compute-bound on the host: compute thread busy {pct:.0f}% (staging copies, launches, "
-                    f"GIL waits) while GPU busy {gpu}")
+            return (
+                f"compute-bound on the host: compute thread busy {pct:.0f}% (staging copies, launches, "
+                f"GIL waits) while GPU busy {gpu}"
+            )
         return f"compute-bound (GPU): GPU busy {gpu}, compute thread busy {pct:.0f}%"
     return f"{stage}-bound: GPU busy {gpu}, {what} busy {pct:.0f}%"
 
@@ -150,14 +150,24 @@ class Report:
 
     def to_dict(self) -> dict:
         return {
-            "items": self.items, "ok": self.ok, "failed": self.failed,
-            "wall_s": self.wall_s, "images_per_s": self.images_per_s,
-            "latency_p50_ms": self.latency_ms(50), "latency_p99_ms": self.latency_ms(99),
-            "batches": self.batches, "mean_batch_size": self.mean_batch_size,
-            "device": self.device, "model": self.model, "dtype": self.dtype,
-            "random_weights": self.random_weights, "graphs": self.graphs, "gpu_decode": self.gpu_decode,
+            "items": self.items,
+            "ok": self.ok,
+            "failed": self.failed,
+            "wall_s": self.wall_s,
+            "images_per_s": self.images_per_s,
+            "latency_p50_ms": self.latency_ms(50),
+            "latency_p99_ms": self.latency_ms(99),
+            "batches": self.batches,
+            "mean_batch_size": self.mean_batch_size,
+            "device": self.device,
+            "model": self.model,
+            "dtype": self.dtype,
+            "random_weights": self.random_weights,
+            "graphs": self.graphs,
+            "gpu_decode": self.gpu_decode,
             "stages": self.stages,
-            "gpu_util_mean_pct": self.gpu_util_pct, "gpu_mem_max_bytes": self.gpu_mem_max_bytes,
+            "gpu_util_mean_pct": self.gpu_util_pct,
+            "gpu_mem_max_bytes": self.gpu_mem_max_bytes,
             "verdict": self.verdict,
         }
 
@@ -171,8 +181,10 @@ class Report:
             f"{'stage':<11}{'workers':>8}{'busy %':>8}{'items/s':>10}{'queue wait ms':>15}",
         ]
         for s in self.stages:
-            lines.append(f"{s['stage']:<11}{s['workers']:>8}{s['busy_pct']:>8.1f}"
-                         f"{s['items_per_s']:>10.1f}{s['mean_queue_wait_ms']:>15.2f}")
+            lines.append(
+                f"{s['stage']:<11}{s['workers']:>8}{s['busy_pct']:>8.1f}"
+                f"{s['items_per_s']:>10.1f}{s['mean_queue_wait_ms']:>15.2f}"
+            )
         gpu = "n/a" if self.gpu_util_pct is None else f"{self.gpu_util_pct:.0f}%"
         mem = "" if self.gpu_mem_max_bytes is None else f", memory used up to {self.gpu_mem_max_bytes / 2**30:.1f} GiB"
         lines.append(f"GPU utilisation (NVML): {gpu}{mem}")

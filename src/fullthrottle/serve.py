@@ -92,8 +92,9 @@ class BatchingService:
             Overloaded: the queue is full. RuntimeError: the service is shutting down or failed.
         """
         if self._closing.is_set() or self.error is not None:
-            raise RuntimeError("the service is shutting down" if self.error is None
-                               else f"the pipeline failed: {self.error}")
+            raise RuntimeError(
+                "the service is shutting down" if self.error is None else f"the pipeline failed: {self.error}"
+            )
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._lock:  # index order == queue order, as the loader enumerates the source
@@ -167,7 +168,11 @@ class EmbedService:
                 continue
             k = 0
             for texts, loop, fut in reqs:
-                part = (res.vectors[k:k + len(texts)], res.truncated[k:k + len(texts)], res.tokens[k:k + len(texts)])
+                part = (
+                    res.vectors[k : k + len(texts)],
+                    res.truncated[k : k + len(texts)],
+                    res.tokens[k : k + len(texts)],
+                )
                 k += len(texts)
                 loop.call_soon_threadsafe(_resolve, fut, part)
 
@@ -222,9 +227,9 @@ class CompletionService:
                         done[i] = True
                     if done[i]:
                         continue
-                    toks = toks[:reqs[i]["max_tokens"] - reqs[i].setdefault("sent", 0)]
+                    toks = toks[: reqs[i]["max_tokens"] - reqs[i].setdefault("sent", 0)]
                     if eos is not None and eos in toks:
-                        toks, done[i] = toks[:toks.index(eos) + 1], True
+                        toks, done[i] = toks[: toks.index(eos) + 1], True
                     reqs[i]["sent"] += len(toks)
                     if reqs[i]["sent"] >= reqs[i]["max_tokens"]:
                         done[i] = True
@@ -233,10 +238,16 @@ class CompletionService:
                 return all(done)  # nobody is waiting for more: stop the batch
 
             try:
-                self.gen.generate([r["ids"] for r in reqs], max(r["max_tokens"] for r in reqs),
-                                  [r["temperature"] for r in reqs], [r["top_k"] for r in reqs],
-                                  [r["top_p"] for r in reqs], seed=reqs[0].get("seed"), eos_id=eos,
-                                  on_tokens=on_tokens)
+                self.gen.generate(
+                    [r["ids"] for r in reqs],
+                    max(r["max_tokens"] for r in reqs),
+                    [r["temperature"] for r in reqs],
+                    [r["top_k"] for r in reqs],
+                    [r["top_p"] for r in reqs],
+                    seed=reqs[0].get("seed"),
+                    eos_id=eos,
+                    on_tokens=on_tokens,
+                )
                 for _, loop, out in batch:
                     loop.call_soon_threadsafe(out.put_nowait, None)
             except Exception as e:  # noqa: BLE001 - every request in the batch gets the error
@@ -325,29 +336,40 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     import httpx
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-    from prometheus_client import CONTENT_TYPE_LATEST
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
     opts = options or ServeOptions()
-    policy = FetchPolicy(opts.allow_fetch, max_bytes=opts.max_body_bytes, timeout_s=opts.url_timeout_s) \
-        if opts.allow_fetch else None
+    policy = (
+        FetchPolicy(opts.allow_fetch, max_bytes=opts.max_body_bytes, timeout_s=opts.url_timeout_s)
+        if opts.allow_fetch
+        else None
+    )
     reg = CollectorRegistry()
     m_requests = Counter("fullthrottle_requests", "HTTP requests", ["route", "status"], registry=reg)
-    m_latency = Histogram("fullthrottle_request_latency_seconds", "request latency (s)", ["route"],
-                          registry=reg, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
-    m_queue_wait = Histogram("fullthrottle_item_latency_seconds", "per-image latency in the pipeline (s)",
-                             registry=reg, buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 5))
-    m_batch = Histogram("fullthrottle_batch_size", "batch sizes formed by the batcher", registry=reg,
-                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
-    m_queued = Gauge("fullthrottle_queue_images", "images waiting to enter the pipeline", ["replica"],
-                     registry=reg)
-    m_pending = Gauge("fullthrottle_pending_images", "images submitted and not yet answered", ["replica"],
-                      registry=reg)
-    m_busy = Gauge("fullthrottle_stage_busy_percent", "stage busy % since start", ["replica", "stage"],
-                   registry=reg)
+    m_latency = Histogram(
+        "fullthrottle_request_latency_seconds",
+        "request latency (s)",
+        ["route"],
+        registry=reg,
+        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    )
+    m_queue_wait = Histogram(
+        "fullthrottle_item_latency_seconds",
+        "per-image latency in the pipeline (s)",
+        registry=reg,
+        buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+    )
+    m_batch = Histogram(
+        "fullthrottle_batch_size",
+        "batch sizes formed by the batcher",
+        registry=reg,
+        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+    )
+    m_queued = Gauge("fullthrottle_queue_images", "images waiting to enter the pipeline", ["replica"], registry=reg)
+    m_pending = Gauge("fullthrottle_pending_images", "images submitted and not yet answered", ["replica"], registry=reg)
+    m_busy = Gauge("fullthrottle_stage_busy_percent", "stage busy % since start", ["replica", "stage"], registry=reg)
     m_gpu = Gauge("fullthrottle_gpu_utilization_percent", "GPU utilisation (NVML)", ["replica"], registry=reg)
-    m_gpu_mem = Gauge("fullthrottle_gpu_memory_used_bytes", "GPU memory used (NVML)", ["replica"],
-                      registry=reg)
+    m_gpu_mem = Gauge("fullthrottle_gpu_memory_used_bytes", "GPU memory used (NVML)", ["replica"], registry=reg)
     state: dict = {"services": [], "ready": False, "t0": time.perf_counter()}
     cfg = config if not config.ordered else Config(**{**config.__dict__, "ordered": False})
     devices = list(opts.devices or _default_devices(cfg.device))
@@ -361,8 +383,10 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             # the cores are shared: by default each replica gets its share of preprocess threads
             threads = cfg.threads or max(1, usable_cores() // len(devices))
             for dev in devices:
-                pipe = Pipeline(Config(**{**cfg.__dict__, "device": dev, "threads": threads}),
-                                model=copy.deepcopy(model) if model is not None else None)
+                pipe = Pipeline(
+                    Config(**{**cfg.__dict__, "device": dev, "threads": threads}),
+                    model=copy.deepcopy(model) if model is not None else None,
+                )
                 pipe.on_batch = m_batch.observe
                 services.append(BatchingService(pipe, opts.max_queue))
             return services
@@ -375,8 +399,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
 
             path = None if opts.embed_model == "default" else opts.embed_model
             state["embed_name"] = "all-MiniLM-L6-v2" if path is None else os.path.basename(os.path.normpath(path))
-            state["embed"] = EmbedService(await asyncio.to_thread(Embedder, path, devices[0]),
-                                          max_queue=opts.max_queue)
+            state["embed"] = EmbedService(await asyncio.to_thread(Embedder, path, devices[0]), max_queue=opts.max_queue)
         state["ready"] = True
         # redirects are followed by the FetchPolicy, each checked; no proxy from the environment
         state["http"] = httpx.AsyncClient(timeout=opts.url_timeout_s, follow_redirects=False, trust_env=False)
@@ -392,22 +415,28 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             if state.get("llm") is not None:
                 await asyncio.to_thread(state["llm"].close)
 
-    app = FastAPI(title="fullthrottle", lifespan=lifespan,
-                  description="Image classification with cross-request dynamic batching on the GPU.")
+    app = FastAPI(
+        title="fullthrottle",
+        lifespan=lifespan,
+        description="Image classification with cross-request dynamic batching on the GPU.",
+    )
 
     def reply(route: str, status: int, body: dict, headers: dict | None = None):
         m_requests.labels(route, str(status)).inc()
         return JSONResponse(body, status_code=status, headers=headers)
 
     if opts.api_keys:
+
         @app.middleware("http")
         async def require_key(request: Request, call_next):
-            if request.url.path != "/healthz" and not authorised(request.headers.get("authorization"),
-                                                                 opts.api_keys):
+            if request.url.path != "/healthz" and not authorised(request.headers.get("authorization"), opts.api_keys):
                 # (answered before the body is read: the connection closes, the body is never taken in)
-                return reply(request.url.path if request.url.path in _ROUTES else "other", 401,
-                             {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
-                             {"WWW-Authenticate": "Bearer", "Connection": "close"})
+                return reply(
+                    request.url.path if request.url.path in _ROUTES else "other",
+                    401,
+                    {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
+                    {"WWW-Authenticate": "Bearer", "Connection": "close"},
+                )
             return await call_next(request)
 
     @app.get("/healthz")
@@ -419,9 +448,16 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         if not state["ready"]:
             return reply("/readyz", 503, {"status": "loading"})
         engines = [svc.pipeline.engine for svc in state["services"]]
-        return reply("/readyz", 200, {"status": "ready", "devices": [str(e.device) for e in engines],
-                                      "model": engines[0].model_name,
-                                      "graphs": [e.runner.info.format() if e.runner else None for e in engines]})
+        return reply(
+            "/readyz",
+            200,
+            {
+                "status": "ready",
+                "devices": [str(e.device) for e in engines],
+                "model": engines[0].model_name,
+                "graphs": [e.runner.info.format() if e.runner else None for e in engines],
+            },
+        )
 
     @app.get("/metrics")
     async def metrics():
@@ -434,8 +470,9 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 wall = time.perf_counter() - run.t0
                 for st in run.stats.values():
                     snap = st.snapshot(wall)
-                    m_busy.labels(rep, snap["stage"]).set(snap["worker_busy_pct"] if snap["stage"] == "preprocess"
-                                                          else snap["busy_pct"])
+                    m_busy.labels(rep, snap["stage"]).set(
+                        snap["worker_busy_pct"] if snap["stage"] == "preprocess" else snap["busy_pct"]
+                    )
                 mon = run.gpumon
                 if mon.utils:
                     m_gpu.labels(rep).set(mon.utils[-1])
@@ -465,8 +502,11 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 what = "wrong shape" if type(e) is ValueError else "malformed JSON"
                 raise _HTTPError(400, f'{what}: the body must be {{"urls": ["http(s)://...", ...]}}') from None
             if policy is None:
-                raise _HTTPError(400, "this server fetches no URLs: send the images in the body, or start it "
-                                      "with --allow-fetch HOST|CIDR ... to let clients name URLs on those hosts")
+                raise _HTTPError(
+                    400,
+                    "this server fetches no URLs: send the images in the body, or start it "
+                    "with --allow-fetch HOST|CIDR ... to let clients name URLs on those hosts",
+                )
             if len(urls) > opts.max_images:
                 raise _HTTPError(413, f"{len(urls)} images in one request; at most {opts.max_images}")
             for u in urls:
@@ -518,13 +558,23 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 raise _HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
             try:
                 vecs, trunc, toks = await asyncio.wait_for(fut, opts.timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
-            data = [{"object": "embedding", "index": i, "embedding": v.tolist(), "truncated": bool(t)}
-                    for i, (v, t) in enumerate(zip(vecs, trunc))]
+            data = [
+                {"object": "embedding", "index": i, "embedding": v.tolist(), "truncated": bool(t)}
+                for i, (v, t) in enumerate(zip(vecs, trunc))
+            ]
             n_tok = int(toks.sum())
-            return reply(route, 200, {"object": "list", "data": data, "model": state["embed_name"],
-                                      "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}})
+            return reply(
+                route,
+                200,
+                {
+                    "object": "list",
+                    "data": data,
+                    "model": state["embed_name"],
+                    "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok},
+                },
+            )
         except _HTTPError as e:
             return reply(route, e.status, {"detail": e.detail}, e.headers)
         finally:
@@ -552,8 +602,11 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 if svc.tok is None:
                     raise _HTTPError(400, "this model has no tokenizer: send prompt as a list of token ids")
                 ids = svc.tok.encode(prompt).ids
-            elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool)
-                                                            for i in prompt):
+            elif (
+                isinstance(prompt, list)
+                and prompt
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)
+            ):
                 ids = prompt
             else:
                 raise _HTTPError(400, "prompt must be a string or a non-empty list of token ids")
@@ -564,19 +617,29 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             if any(i < 0 or i >= vocab for i in ids):
                 raise _HTTPError(400, f"token ids must be in [0, {vocab})")
             if len(ids) + max_tokens > svc.gen.max_seq_len:
-                raise _HTTPError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                                      f"context of {svc.gen.max_seq_len}")
+                raise _HTTPError(
+                    400,
+                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                    f"context of {svc.gen.max_seq_len}",
+                )
             if not isinstance(p.get("stream", False), bool):
                 raise _HTTPError(400, "stream must be true or false")
             try:
-                svc.gen.check_sampling(float(p.get("temperature", 1.0)), int(p.get("top_k", 0)),
-                                       float(p.get("top_p", 1.0)))
+                svc.gen.check_sampling(
+                    float(p.get("temperature", 1.0)), int(p.get("top_k", 0)), float(p.get("top_p", 1.0))
+                )
             except (TypeError, ValueError) as e:
                 raise _HTTPError(400, str(e)) from None
             eos = svc.gen.model.cfg.eos_token_id
-            req = {"ids": ids, "max_tokens": max_tokens, "temperature": float(p.get("temperature", 1.0)),
-                   "top_p": float(p.get("top_p", 1.0)), "top_k": int(p.get("top_k", 0)), "seed": p.get("seed"),
-                   "eos": eos[0] if isinstance(eos, list) else eos}
+            req = {
+                "ids": ids,
+                "max_tokens": max_tokens,
+                "temperature": float(p.get("temperature", 1.0)),
+                "top_p": float(p.get("top_p", 1.0)),
+                "top_k": int(p.get("top_k", 0)),
+                "seed": p.get("seed"),
+                "eos": eos[0] if isinstance(eos, list) else eos,
+            }
             try:
                 out = svc.submit(req)
             except Overloaded as e:
@@ -586,6 +649,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 return svc.tok.decode(toks) if svc.tok is not None else None
 
             if p.get("stream"):
+
                 async def events():
                     last = None
                     try:
@@ -594,15 +658,24 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                             if item is None or isinstance(item, Exception):
                                 break
                             last = item[-1]
-                            chunk = {"object": "text_completion", "choices": [
-                                {"index": 0, "text": text(item), "token_ids": item, "finish_reason": None}]}
+                            chunk = {
+                                "object": "text_completion",
+                                "choices": [{"index": 0, "text": text(item), "token_ids": item, "finish_reason": None}],
+                            }
                             yield f"data: {json.dumps(chunk)}\n\n"
                     finally:  # also when the client disconnects mid-stream: stop generating for it
                         req["cancelled"] = True
-                    finish = ("error" if isinstance(item, Exception) else
-                              "stop" if req["eos"] is not None and last == req["eos"] else "length")
-                    end = {"object": "text_completion", "choices": [
-                        {"index": 0, "text": "", "token_ids": [], "finish_reason": finish}]}
+                    finish = (
+                        "error"
+                        if isinstance(item, Exception)
+                        else "stop"
+                        if req["eos"] is not None and last == req["eos"]
+                        else "length"
+                    )
+                    end = {
+                        "object": "text_completion",
+                        "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": finish}],
+                    }
                     yield f"data: {json.dumps(end)}\n\n"
                     yield "data: [DONE]\n\n"
 
@@ -614,7 +687,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 while True:
                     try:
                         item = await asyncio.wait_for(out.get(), max(deadline - time.perf_counter(), 0.001))
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
                     if item is None:
                         break
@@ -624,10 +697,19 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             finally:  # answered, timed out (504) or cancelled: generate no more for it
                 req["cancelled"] = True
             finish = "stop" if req["eos"] is not None and toks and toks[-1] == req["eos"] else "length"
-            return reply(route, 200, {"object": "text_completion", "choices": [
-                {"index": 0, "text": text(toks), "token_ids": toks, "finish_reason": finish}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(toks),
-                          "total_tokens": len(ids) + len(toks)}})
+            return reply(
+                route,
+                200,
+                {
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "text": text(toks), "token_ids": toks, "finish_reason": finish}],
+                    "usage": {
+                        "prompt_tokens": len(ids),
+                        "completion_tokens": len(toks),
+                        "total_tokens": len(ids) + len(toks),
+                    },
+                },
+            )
         except _HTTPError as e:
             return reply(route, e.status, {"detail": e.detail}, e.headers)
         finally:
@@ -642,8 +724,11 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             images = await read_images(request)
             n_new = sum(not isinstance(data, _FetchError) for _, data in images)
             if n_new > opts.max_queue:  # (a 503 would ask for a retry that can never succeed)
-                raise _HTTPError(413, f"{n_new} images in one request; this server queues at most "
-                                      f"{opts.max_queue} (--max-queue): send them in smaller requests")
+                raise _HTTPError(
+                    413,
+                    f"{n_new} images in one request; this server queues at most "
+                    f"{opts.max_queue} (--max-queue): send them in smaller requests",
+                )
             svc = min(state["services"], key=lambda v: v.queued() + v.pending())
             futs = []
             try:
@@ -663,12 +748,15 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             remaining = opts.timeout_s - (time.perf_counter() - t0)
             try:
                 results = await asyncio.wait_for(asyncio.gather(*futs), max(remaining, 0.001))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
             for r in results:
                 m_queue_wait.observe(r.latency_ms / 1e3)
-            body = {"results": [r.to_dict() | {"index": i, "id": iid}
-                                for i, (r, (iid, _)) in enumerate(zip(results, images))]}
+            body = {
+                "results": [
+                    r.to_dict() | {"index": i, "id": iid} for i, (r, (iid, _)) in enumerate(zip(results, images))
+                ]
+            }
             status = 422 if all(not r.ok for r in results) else 200
             if status == 422:
                 body["detail"] = "; ".join(r.error.removeprefix(f"{iid}: ") for r, (iid, _) in zip(results, images))
@@ -694,14 +782,18 @@ async def _parse_form(request, body: bytes, max_files: int):
         yield body
         yield b""
 
-    parser = MultiPartParser(request.headers, stream(), max_files=max_files + 1,
-                             max_part_size=len(body) + 1)
+    parser = MultiPartParser(request.headers, stream(), max_files=max_files + 1, max_part_size=len(body) + 1)
     form = await parser.parse()
     return [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
 
 
-def run_server(config: Config, host: str = "127.0.0.1", port: int = 8000,
-               options: ServeOptions | None = None, max_connections: int = 1024) -> None:
+def run_server(
+    config: Config,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    options: ServeOptions | None = None,
+    max_connections: int = 1024,
+) -> None:
     """Serve until SIGINT/SIGTERM (graceful: in-flight requests finish), then return (exit status 0).
 
     ``max_connections``: open connections and requests beyond it get 503 at once (uvicorn's
@@ -726,7 +818,15 @@ def run_server(config: Config, host: str = "127.0.0.1", port: int = 8000,
                     signal.signal(s, h)
 
     opts = options or ServeOptions()
-    _Server(uvicorn.Config(create_app(config, opts), host=host, port=port, log_level="info",
-                           timeout_graceful_shutdown=opts.timeout_s, limit_concurrency=max_connections,
-                           timeout_keep_alive=5,
-                           http=head_deadline_protocol(opts.header_timeout_s, opts.max_connections_per_client))).run()
+    _Server(
+        uvicorn.Config(
+            create_app(config, opts),
+            host=host,
+            port=port,
+            log_level="info",
+            timeout_graceful_shutdown=opts.timeout_s,
+            limit_concurrency=max_connections,
+            timeout_keep_alive=5,
+            http=head_deadline_protocol(opts.header_timeout_s, opts.max_connections_per_client),
+        )
+    ).run()

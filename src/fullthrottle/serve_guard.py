@@ -46,8 +46,10 @@ def load_keys(keys=(), key_file: str | None = None, environ=os.environ) -> tuple
     out += [k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()]
     short = [k for k in out if len(k) < 16]
     if short:
-        raise ValueError(f"{len(short)} API key(s) shorter than 16 characters: use long random keys "
-                         "(python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+        raise ValueError(
+            f"{len(short)} API key(s) shorter than 16 characters: use long random keys "
+            "(python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
     return tuple(dict.fromkeys(out))
 
 
@@ -82,7 +84,7 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
 
     try:
         await asyncio.wait_for(read(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise HTTPError(408, f"request body not received within {timeout_s:g} s", {"Connection": "close"}) from None
     return bytes(body)
 
@@ -103,8 +105,11 @@ def check_pixels(images: list[tuple[str, object]], max_pixels: int, max_image_pi
             if 0 < w * h <= max_image_pixels:
                 total += w * h
     if total > max_pixels:
-        raise HTTPError(413, f"the request's images hold {total / 1e6:.1f} megapixels together, over the "
-                             f"limit of {max_pixels / 1e6:.1f} (--max-request-megapixels): send fewer per request")
+        raise HTTPError(
+            413,
+            f"the request's images hold {total / 1e6:.1f} megapixels together, over the "
+            f"limit of {max_pixels / 1e6:.1f} (--max-request-megapixels): send fewer per request",
+        )
 
 
 #: at a graceful shutdown, how long an idle keep-alive connection stays open for a request that
