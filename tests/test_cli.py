@@ -261,3 +261,14 @@ def test_help_imports_no_torch_and_ctrl_c_while_starting_is_clean(samples):
             continue
         assert p.returncode == 130, (delay, p.returncode, err[-2000:])
         assert "Traceback" not in err and "interrupted" in err, err[-2000:]
+
+
+def test_odd_file_names_stay_on_one_line_and_empty_out_is_refused(samples, tmp_path, capsys):
+    """A file name with a newline prints escaped, on its own line; --out '' is a usage error."""
+    odd = tmp_path / "new\nline.jpg"
+    odd.write_bytes(samples[0].read_bytes())
+    rc = main(["classify", str(odd), "--device", "cpu", "--no-progress", "--threads", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0 and len(out) == 1 and out[0].startswith(str(tmp_path) + "/new\\nline.jpg: "), out
+    assert main(["classify", str(odd), "--device", "cpu", "--out", ""]) == 2
+    assert "--out and --report-json need a file name" in capsys.readouterr().err

@@ -238,8 +238,8 @@ def test_weights_errors_say_what_is_wrong(tmp_path):
         ("adir.pth", "is a directory"),
         (
             "r18.safetensors",
-            r"do not fit EfficientNetLite0 \(weights of another model\?\): "
-            r"1 tensors of another shape \(size mismatch for fc.weight",
+            r"do not fit efficientnet_lite0 \(weights of another model\?\): 1 tensors of another shape "
+            r"\(fc.weight: \[1000, 512\] in the file, \[1000, 1280\] in the model\), \d+ of its keys missing",
         ),
     ):
         with pytest.raises(WeightsError, match=pattern):
@@ -250,3 +250,6 @@ def test_weights_errors_say_what_is_wrong(tmp_path):
     )
     with pytest.raises(WeightsError, match=r"2 of its keys missing \(fc.weight, fc.bias\), 1 unexpected \(head.w\)"):
         load_model("resnet18", tmp_path / "b.pth")
+    torch.save(torch.nn.Linear(2, 2), tmp_path / "module.pth")  # a whole module pickled, not a state dict
+    with pytest.raises(WeightsError, match=r"holds pickled Python objects .*: save model.state_dict\(\)"):
+        load_model("resnet18", tmp_path / "module.pth")

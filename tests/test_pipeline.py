@@ -433,3 +433,14 @@ def test_label_lists_name_classes_past_the_labels_by_id():
     assert pipe.engine.label_lists(np.zeros((0, 5), dtype=np.int64)) == []
     pipe.engine.labels = [f"custom{i}" for i in range(len(labels))]  # replaced after use: taken at once
     assert pipe.engine.label_lists(np.array([[1, 0]])) == [["custom1", "custom0"]]
+
+
+def test_a_glob_reports_broken_entries_as_a_folder_does(samples, tmp_path):
+    """A dangling symlink matched by a pattern gets its own error, as it does in a folder walk."""
+    (tmp_path / "a.jpg").symlink_to(samples[0])
+    (tmp_path / "b.jpg").symlink_to(tmp_path / "gone.jpg")
+    with tiny_pipe() as pipe:
+        by_glob = [(r.id, r.ok, r.error) for r in pipe.run([str(tmp_path / "*.jpg")])]
+        by_dir = [(r.id, r.ok, r.error) for r in pipe.run([str(tmp_path)])]
+    assert by_glob == by_dir and [ok for _, ok, _ in by_glob] == [True, False]
+    assert "file not found" in by_glob[1][2]

@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue",
         type=_positive_int,
         default=256,
-        help="images waiting before 503; also the most images one request may carry (more: 413) (default: %(default)s)",
+        help="images waiting before 503; a request with more images than this can never fit (413) "
+        "(default: %(default)s; --max-images is the usual per-request limit)",
     )
     v.add_argument(
         "--timeout-s", type=float, default=30.0, help="per-request deadline before 504 (default: %(default)s)"
@@ -316,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default=None,
         choices=("float32", "bfloat16", "float16"),
-        help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)",
+        help="compute dtype on CUDA (default: bfloat16; the CPU always computes in float32)",
     )
     v.add_argument(
         "--graphs",
@@ -952,11 +953,17 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _shown(s: str) -> str:
+    """``s`` with control characters and undecodable bytes escaped (a file name with a newline stays on
+    one line of the text output)."""
+    return s if s.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
+
+
 def _format_result(r) -> str:
     if r.ok:
-        return f"{r.id}: " + ", ".join(f"{lab} {p:.3f}" for lab, p in zip(r.labels, r.probs))
+        return f"{_shown(r.id)}: " + ", ".join(f"{lab} {p:.3f}" for lab, p in zip(r.labels, r.probs))
     err = r.error.removeprefix(f"{r.id}: ")  # the error names its item already (for library users)
-    return f"{r.id}: ERROR {err}"
+    return f"{_shown(r.id)}: ERROR {_shown(err)}"
 
 
 def _classify_ray(args) -> int:
@@ -1034,6 +1041,9 @@ def cmd_classify(args) -> int:
     inputs = args.inputs
     if args.ray is not None:
         return _classify_ray(args)
+    if args.out == "" or args.report_json == "":
+        print("fullthrottle: error: --out and --report-json need a file name ('-' for stdout)", file=sys.stderr)
+        return 2
     for path in (args.out, args.report_json):
         if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             print(f"fullthrottle: error: cannot write {path}: its folder does not exist", file=sys.stderr)
@@ -1079,12 +1089,13 @@ def cmd_classify(args) -> int:
                 f
                 for f, on in (
                     ("--gpu-decode", args.gpu_decode is True),
+                    ("--compile", args.compile),
                     (f"--dtype {args.dtype}", args.dtype not in (None, "float32")),
                 )
                 if on
             ]
             if ignored:
-                what = {"--gpu-decode": "decodes on the CPU"}
+                what = {"--gpu-decode": "decodes on the CPU", "--compile": "runs the model eager"}
                 does = " and ".join(what.get(f, "computes in float32") for f in ignored)
                 print(
                     f"note: {' and '.join(ignored)} need{'s' if len(ignored) == 1 else ''} CUDA: "
@@ -1224,11 +1235,16 @@ def _run_command(args, argv: list[str] | None) -> int:
             _silence_stdout()
             return 1
     if args.command == "classify":
-        with _private_mps(args):
-            rc = cmd_classify(args)
+        try:
+            with _private_mps(args):
+                rc = cmd_classify(args)
+        except KeyboardInterrupt:  # (while cmd_classify imported torch: before its own handling)
+            print("\ninterrupted", file=sys.stderr)
+            rc = 130
         if rc == 130 and argv is None:
-            # Interrupted: our stages are joined, but native thread pools may still be tearing down;
-            # skip interpreter finalisation, which can otherwise abort (exit 134) in their destructors.
+            # Interrupted: our stages are joined, but native thread pools (or a half-imported torch) may
+            # still be tearing down; skip interpreter finalisation, which can otherwise abort (exit 134)
+            # or end by the signal (-2) in their destructors.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(130)

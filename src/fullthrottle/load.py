@@ -103,7 +103,7 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
                     yield s, BadSource(f"no image files (*{', *'.join(IMAGE_SUFFIXES)}) in directory {s}")
             elif any(c in s for c in "*?[") and not os.path.exists(s):
                 for p in sorted(glob.iglob(s, recursive=True)):
-                    if os.path.isfile(p):
+                    if not os.path.isdir(p):  # (a dangling link or a FIFO gets its own error, as in a folder)
                         found += 1
                         yield p, Path(p)
                 if not found:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.resources
 import importlib.util
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,7 +210,7 @@ def load_model(name: str, weights: str | Path | None = None):
     model = build_model(name)
     path = Path(weights) if weights is not None else (s.bundled_weights() if s.bundled_weights else None)
     if path is not None:
-        load_weights(model, path)
+        load_weights(model, path, name)
     return model.eval(), path
 
 
@@ -245,11 +246,12 @@ def load_state_dict(path: str | Path) -> dict:
     except WeightsError:
         raise
     except Exception as e:  # pickle refusal, corrupt file, header errors
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise WeightsError(
-            f"cannot read weights from {p}: not a safe state dict file "
-            f"(loaded with weights_only=True; {type(e).__name__}: {first[:200]})"
-        ) from None
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # (torch colours its message)
+        if "weights_only" in text.lower() or "weights only" in text.lower():  # a pickle of code or objects
+            why = "it holds pickled Python objects (a whole module, or code), not only tensors: save model.state_dict()"
+        else:
+            why = f"{type(e).__name__}: {(text.splitlines() or [''])[0][:200]}"
+        raise WeightsError(f"cannot read weights from {p}: not a safe state dict file ({why})") from None
     for key in ("state_dict", "model"):
         if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
             sd = sd[key]
@@ -258,30 +260,46 @@ def load_state_dict(path: str | Path) -> dict:
     return {k.removeprefix("module."): v for k, v in sd.items()}
 
 
-def load_weights(model, path: str | Path) -> None:
+def load_weights(model, path: str | Path, name: str | None = None) -> None:
     """Load a state dict file into ``model`` strictly (every key, every shape).
 
+    ``name``: what the errors call the model (default: its class name).
+
     Raises:
-        WeightsError: missing/unexpected keys or shape mismatch, with the first few named.
+        WeightsError: keys missing, unexpected or of another shape, each kind counted and the first
+            few named.
     """
     sd = load_state_dict(path)
-    name = type(model).__name__
+    name = name or type(model).__name__
+    bad: list[str] = []  # "key: shape in the file vs the model's"
     try:
         res = model.load_state_dict(sd, strict=False)
-    except RuntimeError as e:  # shapes that differ
-        sizes = [line.strip() for line in str(e).splitlines() if "size mismatch" in line]
-        raise WeightsError(
-            f"weights in {path} do not fit {name} (weights of another model?): "
-            f"{len(sizes)} tensors of another shape"
-            f"{' (' + sizes[0][:200] + ')' if sizes else ''}"
-        ) from None
-    if res.missing_keys or res.unexpected_keys:
+    except RuntimeError as e:  # shapes that differ: name them, and load the rest to see what else is off
+        lines = [line.strip() for line in str(e).splitlines() if "size mismatch for" in line]
+        shape = r"copying a param with shape torch.Size\(\[(.*?)\]\) from checkpoint, the shape in current model is torch.Size\(\[(.*?)\]\)"
+        bad = [
+            re.sub(shape, r"[\1] in the file, [\2] in the model", line.removeprefix("size mismatch for ")).rstrip(".")[
+                :200
+            ]
+            for line in lines
+        ]
+        try:
+            res = model.load_state_dict({k: v for k, v in sd.items() if k not in _keys(bad)}, strict=False)
+        except RuntimeError:
+            res = None
+    missing = [k for k in (res.missing_keys if res else []) if k not in _keys(bad)]
+    unexpected = list(res.unexpected_keys) if res else []
+    if bad or missing or unexpected:
 
         def few(keys):
             return ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
 
-        raise WeightsError(
-            f"weights in {path} do not fit {name} (weights of another model?): "
-            f"{len(res.missing_keys)} of its keys missing ({few(res.missing_keys)}), "
-            f"{len(res.unexpected_keys)} unexpected ({few(res.unexpected_keys)})"
-        )
+        parts = [f"{len(bad)} tensors of another shape ({few(bad)})"] if bad else []
+        parts += [f"{len(missing)} of its keys missing ({few(missing)})"] if missing else []
+        parts += [f"{len(unexpected)} unexpected ({few(unexpected)})"] if unexpected else []
+        raise WeightsError(f"weights in {path} do not fit {name} (weights of another model?): " + ", ".join(parts))
+
+
+def _keys(mismatches: list[str]) -> set[str]:
+    """The keys of ``"key: copying a param with shape ..."`` lines."""
+    return {m.split(":")[0] for m in mismatches}
