@@ -17,6 +17,8 @@ def test_default_buckets():
     assert default_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
     assert default_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
     assert default_buckets(1) == (1,)
+    assert default_buckets(256, start=16) == (16, 32, 64, 128, 256)  # the embedder's sequence lengths
+    assert default_buckets(8, start=16) == (8,)
     assert Config(max_batch_size=8).buckets == (1, 2, 4, 8)
 
 

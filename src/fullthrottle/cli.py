@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from .config import GPU_DECODERS, Config, usable_cores
+from .config import GPU_DECODERS, Config, torch_dtype, usable_cores
 from .env import describe as describe_env
 from .models import DEFAULT_MODEL, MODELS
 
@@ -695,9 +695,7 @@ def cmd_generate(args) -> int:
 
     try:
         device = resolve_device(args.device)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-            args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-        ]
+        dtype = torch_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
         tok = None
         if args.model_dir:
             if not os.path.isdir(args.model_dir):
@@ -986,6 +984,8 @@ def _classify_ray(args) -> int:
         "max_wait_ms": args.max_wait_ms,
         "threads": args.threads,
         "graphs": args.graphs,
+        "compile": args.compile,
+        "preprocess": args.preprocess,
         **gpu,
     }
     if args.dtype:

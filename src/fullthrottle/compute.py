@@ -30,14 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import env
-from .config import Config
+from .config import Config, torch_dtype
 from .decode import topk_probs
 from .gpu_decode import RateSplitter, crop_runs, make_gpu_decoder
 from .graphs import GraphRunner
 from .kernels import normalize_u8, use_triton
 from .models import imagenet_labels, load_model, load_weights
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -400,7 +398,7 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.cuda = self.device.type == "cuda"
-        self.dtype = _DTYPES[config.dtype] if self.cuda else torch.float32
+        self.dtype = torch_dtype(config.dtype) if self.cuda else torch.float32
         self.channels_last = config.channels_last and self.cuda
         self.model_name = config.model if isinstance(config.model, str) else type(model).__name__
         #: the weights file the model was loaded from (``None``: random, seeded; or a module as given)

@@ -10,6 +10,21 @@ from typing import Any
 from .models import DEFAULT_MODEL, INTERPOLATIONS, Transform, check_channels, transform_of
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def torch_dtype(name: str):
+    """The ``torch.dtype`` of one of :data:`DTYPES` (torch is imported here, not with this module).
+
+    Raises:
+        ValueError: not one of :data:`DTYPES`.
+    """
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
 #: values of ``Config.gpu_decoder`` (:func:`fullthrottle.gpu_decode.make_gpu_decoder`)
 GPU_DECODERS = ("auto", "hardware", "nvjpeg")
 #: batches a GPU decoder process holds at once: one decoding, the next waiting in its shared-memory slot
@@ -26,13 +41,17 @@ _TRANSFORM = {
 }
 
 
-def default_buckets(max_batch_size: int) -> tuple[int, ...]:
-    """Powers of two up to ``max_batch_size``, plus ``max_batch_size`` itself.
+def default_buckets(max_batch_size: int, start: int = 1) -> tuple[int, ...]:
+    """The bucket ladder of every workload: powers of two from ``start`` below ``max_batch_size``,
+    plus ``max_batch_size`` itself (image batches; LLM batches; embedding batches and, from 16,
+    sequence lengths).
 
     >>> default_buckets(48)
     (1, 2, 4, 8, 16, 32, 48)
+    >>> default_buckets(256, start=16)
+    (16, 32, 64, 128, 256)
     """
-    out, b = [], 1
+    out, b = [], start
     while b < max_batch_size:
         out.append(b)
         b *= 2

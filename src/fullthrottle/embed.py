@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import default_buckets, torch_dtype
 from .env import EMBED_MODEL
 from .env import get as getenv
 
@@ -33,9 +34,6 @@ from .env import get as getenv
 #: most ~100), so cutting first changes no token unless the first 256 span more than this; it bounds
 #: the tokenizer's memory, which grew to ~6 GB on one 32 MB line.
 MAX_TEXT_CHARS = 100_000
-
-SEQ_BUCKETS = (16, 32, 64, 128, 256, 512)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class BertLayer(nn.Module):
@@ -186,9 +184,7 @@ class Embedder:
         path = Path(path) if path is not None else default_model_dir()
         self.device = resolve_device(device)
         cuda = self.device.type == "cuda"
-        self.dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
-            dtype or ("float16" if cuda else "float32")
-        ]
+        self.dtype = torch_dtype(dtype or ("float16" if cuda else "float32"))
         cfg = json.loads((path / "config.json").read_text())
         st_cfg = path / "sentence_bert_config.json"
         self.max_seq_length = int(json.loads(st_cfg.read_text())["max_seq_length"]) if st_cfg.exists() else 512
@@ -207,8 +203,8 @@ class Embedder:
         model.load_state_dict({k: _from_hf(sd, k) for k in model.state_dict()})
         self.model = model.eval().to(self.device, self.dtype)
         self.dim = cfg["hidden_size"]
-        self.seq_buckets = tuple(b for b in SEQ_BUCKETS if b < self.max_seq_length) + (self.max_seq_length,)
-        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
+        self.seq_buckets = default_buckets(self.max_seq_length, start=16)
+        self.batch_buckets = default_buckets(max_batch)
         self.graphs_enabled = graphs and cuda
         self.runners: dict[int, object] = {}  # seq bucket -> GraphRunner over batch buckets
         self.chunk = 1024  # texts tokenised at a time by embed() / embed_stream() while the last chunk computes

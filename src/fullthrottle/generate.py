@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import default_buckets
 from .llama import Llama
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_BUCKETS = default_buckets(64)
 
 
 def kv_buckets(max_seq_len: int) -> tuple[int, ...]:
