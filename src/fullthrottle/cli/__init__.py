@@ -1,0 +1,92 @@
+"""The ``fullthrottle`` command line.
+
+Exit status of ``fullthrottle classify``: 0 every item classified; 1 at least one item failed
+(its error is in the output); 2 bad usage or configuration (unknown model, weights that do not fit,
+CUDA asked for but absent) or an output file that cannot be written; 130 interrupted (Ctrl-C).
+
+One module per command (``classify``, ``serve``, ``generate``, ``embed``, ``bench``), the parser in
+:mod:`~fullthrottle.cli.parser`, what they share in :mod:`~fullthrottle.cli.common`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+from ..config import Config
+from .bench import cmd_bench
+from .classify import cmd_classify
+from .common import _close_out, _gpu_decode_settings, _silence_stdout, sample_photos
+from .embed import _read_texts, cmd_embed
+from .generate import _check_memory_for, _llama_bytes, cmd_generate
+from .parser import build_parser
+from .serve import cmd_serve
+
+__all__ = [
+    "main",
+    "build_parser",
+    "sample_photos",
+    "_gpu_decode_settings",
+    "_read_texts",
+    "_check_memory_for",
+    "_llama_bytes",
+    "_close_out",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run_command(args, argv)
+    except KeyboardInterrupt:  # before a command's own handling (Ctrl-C while torch is imported, say)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+@contextlib.contextmanager
+def _private_mps(args):
+    """classify and serve: a private CUDA MPS server (:mod:`fullthrottle.mps`) while the command runs,
+    with ``--mps`` when it may decode on the GPU; started before any CUDA call."""
+    from ..mps import private_mps
+
+    gpu_decode = Config.gpu_decode if args.gpu_decode is None else args.gpu_decode
+    wanted = gpu_decode and args.mps is True and args.device != "cpu" and not getattr(args, "ray", None)
+    with private_mps(wanted) as how:
+        if args.mps and how not in ("started", "a server is running"):  # (--mps with --no-gpu-decode: "off")
+            print(f"note: --mps: no private CUDA MPS server: {how}", file=sys.stderr)
+        yield
+
+
+def _run_command(args, argv: list[str] | None) -> int:
+    if args.command == "bench":
+        return cmd_bench(args)
+    if args.command == "serve":
+        with _private_mps(args):
+            return cmd_serve(args)
+    if args.command in ("generate", "embed"):
+        try:
+            return (cmd_generate if args.command == "generate" else cmd_embed)(args)
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+            _silence_stdout()
+            return 1
+    if args.command == "classify":
+        try:
+            with _private_mps(args):
+                rc = cmd_classify(args)
+        except KeyboardInterrupt:  # (while cmd_classify imported torch: before its own handling)
+            print("\ninterrupted", file=sys.stderr)
+            rc = 130
+        if rc == 130 and argv is None:
+            # Interrupted: our stages are joined, but native thread pools (or a half-imported torch) may
+            # still be tearing down; skip interpreter finalisation, which can otherwise abort (exit 134)
+            # or end by the signal (-2) in their destructors.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        return rc
+    return 2

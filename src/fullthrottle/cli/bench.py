@@ -1,0 +1,83 @@
+"""``fullthrottle bench``: the four experiments of :mod:`fullthrottle.benchmarks`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ..config import usable_cores
+from .common import sample_photos
+
+
+def _blobs(paths: list[str] | None) -> list[bytes]:
+    from ..load import BadSource, expand
+    from ..preprocess import ImageError, preprocess
+
+    paths = paths or sample_photos()
+    out = []
+    for _, p in expand(paths):
+        if isinstance(p, (str, BadSource)):
+            continue
+        data = p.read_bytes()
+        try:
+            preprocess(data)
+        except ImageError as e:  # a benchmark measures images, not errors: say which and go on
+            print(f"fullthrottle bench: skipping {p}: {e}", file=sys.stderr)
+            continue
+        out.append(data)
+    if not out:
+        raise FileNotFoundError(f"no image files found in {paths}")
+    return out
+
+
+def _ints(s: str | None, default: list[int]) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",")] if s else default
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {s!r}") from None
+    if any(v < 1 for v in vals):
+        raise ValueError(f"expected positive integers, got {s!r}")
+    return vals
+
+
+def cmd_bench(args) -> int:
+    from .. import benchmarks as B
+
+    exp = args.experiment
+    prefix = args.out or f"fullthrottle-bench-{exp}"
+    if not os.path.isdir(os.path.dirname(os.path.abspath(prefix))):  # find out before the run, not after
+        print(f"fullthrottle bench {exp}: cannot write {prefix}.json: its folder does not exist", file=sys.stderr)
+        return 2
+    try:
+        if exp == "threads":
+            cores = usable_cores()
+            default = sorted({1, 2, *[2**i for i in range(1, 8) if 2**i <= 2 * cores], cores, 2 * cores})
+            res = B.bench_threads(
+                _blobs(args.images),
+                _ints(args.threads, [1, 2] if args.quick else default),
+                0.3 if args.quick else args.seconds,
+            )
+        elif exp == "batch":
+            res = B.bench_batch(
+                _ints(args.batches, [1, 2] if args.quick else [2**i for i in range(11)]),
+                args.model,
+                args.compile,
+                iters=1 if args.quick else 10,
+            )
+        elif exp == "transfer":
+            res = B.bench_transfer(_ints(args.batches, [1, 8] if args.quick else [1, 8, 32, 128, 512]), args.model)
+        else:
+            n, workers, batch = (48, 2, 8) if args.quick else (args.n, args.workers, args.batch)
+            res = B.bench_e2e(_blobs(args.images), n, workers, batch, args.device, args.model)
+    except (RuntimeError, ValueError, FileNotFoundError) as e:
+        print(f"fullthrottle bench {exp}: {e}", file=sys.stderr)
+        return 2
+    res["machine"] = B.machine_info()
+    res["machine"]["command"] = "fullthrottle " + " ".join(args.argv)
+    with open(prefix + ".json", "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=2)
+    B.plot(res, prefix + ".png")
+    print(json.dumps({k: v for k, v in res.items() if k not in ("machine",)}, indent=1)[:4000])
+    print(f"wrote {prefix}.json and {prefix}.png", file=sys.stderr)
+    return 0

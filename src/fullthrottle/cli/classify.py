@@ -1,0 +1,236 @@
+"""``fullthrottle classify``: images to top-k labels, with a progress bar and the stage report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+
+from .common import _close_out, _gpu_decode_settings, _silence_stdout, sample_photos
+
+
+def _shown(s: str) -> str:
+    """``s`` with control characters and undecodable bytes escaped (a file name with a newline stays on
+    one line of the text output)."""
+    return s if s.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
+
+
+def _format_result(r) -> str:
+    if r.ok:
+        return f"{_shown(r.id)}: " + ", ".join(f"{lab} {p:.3f}" for lab, p in zip(r.labels, r.probs))
+    err = r.error.removeprefix(f"{r.id}: ")  # the error names its item already (for library users)
+    return f"{_shown(r.id)}: ERROR {_shown(err)}"
+
+
+def _classify_ray(args) -> int:
+    from ..ray_jobs import classify_on_ray
+
+    if importlib.util.find_spec("ray") is None:
+        print("fullthrottle: error: --ray needs Ray: pip install 'fullthrottle[ray]'", file=sys.stderr)
+        return 2
+    try:
+        gpu = _gpu_decode_settings(args)  # (the GPU decoder flags go to the actors too)
+    except ValueError as e:
+        print(f"fullthrottle: error: {e}", file=sys.stderr)
+        return 2
+    cfg = {
+        "model": args.model,
+        "weights": args.weights,
+        "device": args.device,
+        "top_k": args.top_k,
+        "max_batch_size": args.batch_size,
+        "max_wait_ms": args.max_wait_ms,
+        "threads": args.threads,
+        "graphs": args.graphs,
+        "compile": args.compile,
+        "preprocess": args.preprocess,
+        **gpu,
+    }
+    if args.dtype:
+        cfg["dtype"] = args.dtype
+    inputs = args.inputs or sample_photos()
+    out = open(args.out, "w", encoding="utf-8") if args.out and args.out != "-" else None
+    t0, ok, failed = time.perf_counter(), 0, 0
+    try:
+        for row in classify_on_ray(
+            inputs,
+            cfg,
+            None if args.ray == "local" else args.ray,
+            concurrency=args.ray_actors,
+            batch_size=args.batch_size,
+        ):
+            good = row["error"] is None
+            ok += good
+            failed += not good
+            line = json.dumps(row)
+            if out is not None:
+                out.write(line + "\n")
+            elif args.out == "-":
+                print(line)
+            else:
+                print(
+                    f"{row['id']}: "
+                    + (
+                        ", ".join(f"{lab} {p:.3f}" for lab, p in zip(row["labels"], row["probs"]))
+                        if good
+                        else f"ERROR {row['error']}"
+                    )
+                )
+    finally:
+        if out is not None:
+            out.close()
+    dt = time.perf_counter() - t0
+    print(
+        f"{ok + failed} items: {ok} ok, {failed} failed in {dt:.1f} s on Ray ({args.ray_actors} actors)",
+        file=sys.stderr,
+    )
+    return 1 if failed else 0
+
+
+def cmd_classify(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from ..compute import resolve_device
+    from ..config import Config
+    from ..models import WeightsError
+    from ..pipeline import Pipeline
+
+    inputs = args.inputs
+    if args.ray is not None:
+        return _classify_ray(args)
+    if args.out == "" or args.report_json == "":
+        print("fullthrottle: error: --out and --report-json need a file name ('-' for stdout)", file=sys.stderr)
+        return 2
+    for path in (args.out, args.report_json):
+        if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            print(f"fullthrottle: error: cannot write {path}: its folder does not exist", file=sys.stderr)
+            return 2
+    if args.report_json:
+        is_dir = os.path.isdir(args.report_json)
+        if is_dir or not os.access(os.path.dirname(os.path.abspath(args.report_json)), os.W_OK):
+            why = "Is a directory" if is_dir else "its folder is not writable"
+            print(f"fullthrottle: error: cannot write {args.report_json}: {why}", file=sys.stderr)
+            return 2
+    out = None
+    if args.out == "-":
+        out = sys.stdout
+    elif args.out:
+        try:  # opened before the model is built: a bad path costs nothing
+            out = open(args.out, "w", encoding="utf-8")
+        except OSError as e:
+            print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+            return 2
+    try:
+        if not inputs:
+            inputs = sample_photos()
+            print(f"no inputs given: classifying {len(inputs)} sample photos from scikit-image", file=sys.stderr)
+        device = resolve_device(args.device)
+        dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+        cfg = Config(
+            model=args.model,
+            weights=args.weights,
+            device=str(device),
+            dtype=dtype,
+            max_batch_size=args.batch_size,
+            max_wait_ms=args.max_wait_ms,
+            threads=args.threads,
+            top_k=args.top_k,
+            ordered=not args.unordered,
+            graphs=args.graphs,
+            compile=args.compile,
+            **_gpu_decode_settings(args),
+            preprocess=args.preprocess,
+        )
+        if device.type != "cuda":  # say what a CPU run leaves out, rather than ignoring it silently
+            ignored = [
+                f
+                for f, on in (
+                    ("--gpu-decode", args.gpu_decode is True),
+                    ("--compile", args.compile),
+                    (f"--dtype {args.dtype}", args.dtype not in (None, "float32")),
+                )
+                if on
+            ]
+            if ignored:
+                what = {"--gpu-decode": "decodes on the CPU", "--compile": "runs the model eager"}
+                does = " and ".join(what.get(f, "computes in float32") for f in ignored)
+                print(
+                    f"note: {' and '.join(ignored)} need{'s' if len(ignored) == 1 else ''} CUDA: "
+                    f"this run on {device} {does}",
+                    file=sys.stderr,
+                )
+        pipe = Pipeline(cfg)
+        n_classes = len(pipe.engine.labels)
+        if args.top_k > n_classes:
+            print(
+                f"note: --top-k {args.top_k} is more than the model's {n_classes} classes: "
+                f"each result lists all {n_classes}",
+                file=sys.stderr,
+            )
+    except (ValueError, FileNotFoundError, RuntimeError, WeightsError) as e:
+        print(f"fullthrottle: error: {e}", file=sys.stderr)
+        _close_out(out)
+        return 2
+    except KeyboardInterrupt:  # during start-up (model load, graph capture, decoder processes)
+        print("interrupted", file=sys.stderr)
+        _close_out(out)
+        return 130
+    if pipe.engine.random_weights:
+        print(
+            f"WARNING: no --weights given: {args.model} is randomly initialised (fixed seed), labels are meaningless",
+            file=sys.stderr,
+        )
+    failed = 0
+    bar = tqdm(
+        unit="img",
+        desc="classify",
+        disable=args.no_progress or None,
+        file=sys.stderr,
+        total=len(inputs) if all(os.path.isfile(str(i)) for i in inputs) else None,
+    )
+    results = pipe.run(inputs)
+    try:
+        for r in results:
+            failed += not r.ok
+            if out is not None:
+                out.write(json.dumps(r.to_dict()) + "\n")
+            if out is None:
+                tqdm.write(_format_result(r), file=sys.stdout)
+            elif not r.ok and out is not sys.stdout:
+                tqdm.write(_format_result(r), file=sys.stderr)
+            bar.update(1)
+    except KeyboardInterrupt:
+        results.close()  # stop every stage and join its thread before the interpreter exits
+        bar.close()
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, like other CLI tools
+        results.close()
+        _silence_stdout()
+        return 1
+    except OSError as e:  # the output could not be written (disk full, ...): stop, say so
+        results.close()
+        print(f"fullthrottle: error: cannot write {args.out or 'stdout'}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    finally:
+        bar.close()
+        pipe.close()  # stops the decoder processes
+        err = _close_out(out)
+    if err is not None:
+        print(f"fullthrottle: error: cannot write {args.out or 'stdout'}: {err}", file=sys.stderr)
+        return 2
+    rep = pipe.last_report
+    print(rep.format(), file=sys.stderr)
+    if device.type == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name(device)}", file=sys.stderr)
+    if args.report_json:
+        try:
+            with open(args.report_json, "w", encoding="utf-8") as f:
+                json.dump(rep.to_dict(), f, indent=2)
+        except OSError as e:
+            print(f"fullthrottle: error: cannot write {args.report_json}: {e.strerror or e}", file=sys.stderr)
+            return 2
+    return 1 if failed else 0

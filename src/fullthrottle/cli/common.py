@@ -1,0 +1,71 @@
+"""What the commands share: the sample photos, the GPU-decode options as Config fields, quiet exits."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from ..config import Config
+
+SAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg", "motorcycle_left.png")
+
+
+def sample_photos() -> list[str]:
+    """Paths of a few real photos that ship with scikit-image (no download).
+
+    Raises:
+        FileNotFoundError: scikit-image is not installed.
+    """
+    spec = importlib.util.find_spec("skimage")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "no inputs given and scikit-image (whose sample photos are the "
+            "default inputs) is not installed: pass image paths or URLs"
+        )
+    data = os.path.join(list(spec.submodule_search_locations)[0], "data")
+    return [os.path.join(data, name) for name in SAMPLE_PHOTOS if os.path.exists(os.path.join(data, name))]
+
+
+def _gpu_decode_settings(args) -> dict:
+    """``Config`` fields of the GPU-decode options; a note on stderr when --gpu-decoder or
+    --gpu-decode-processes is given with --no-gpu-decode (they would do nothing)."""
+    given = [
+        f
+        for f, v in (("--gpu-decoder", args.gpu_decoder), ("--gpu-decode-processes", args.gpu_decode_processes))
+        if v is not None
+    ]
+    on = Config.gpu_decode if args.gpu_decode is None else args.gpu_decode
+    if given and not on:
+        print(
+            f"note: {' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with --no-gpu-decode",
+            file=sys.stderr,
+        )
+        return {"gpu_decode": False}  # (ignored: not checked either, as the note says)
+    n = args.gpu_decode_processes
+    if n is not None and not 0 <= n <= 16:
+        raise ValueError(f"--gpu-decode-processes must be in 0..16, got {n}")
+    return {
+        "gpu_decode": on,
+        "gpu_decoder": args.gpu_decoder if args.gpu_decoder is not None else Config.gpu_decoder,
+        "gpu_decode_processes": args.gpu_decode_processes,
+    }  # (None: the Pipeline picks, by MPS)
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null, so the interpreter's final flush stays quiet."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _close_out(out) -> str | None:
+    """Close the results file (not stdout); the reason if its last writes failed (disk full), else None."""
+    if out is None or out is sys.stdout:
+        return None
+    try:
+        out.close()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None

@@ -1,0 +1,128 @@
+"""``fullthrottle embed``: texts (a file, or stdin) to embedding vectors (.npy or JSON lines)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import time
+
+
+def _read_texts(path: str):
+    """One text per line of ``path`` ('-': stdin), UTF-8. Lines end at ``\n`` (or ``\r\n``) only: a
+    lone ``\r`` inside a line is part of its text. ``.jsonl``: each line a JSON string or an object
+    with a string field ``text``.
+
+    Raises:
+        ValueError: a ``.jsonl`` line that is not valid JSON or lacks ``text``, naming the line.
+        UnicodeDecodeError: the input is not UTF-8.
+    """
+    if path == "-":  # re-read stdin's bytes with the same line rule as files
+        f = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", newline="\n")
+    else:
+        f = open(path, encoding="utf-8", newline="\n")
+    try:
+        for no, line in enumerate(f, 1):
+            line = line[:-1] if line.endswith("\n") else line
+            line = line[:-1] if line.endswith("\r") else line
+            if path.endswith(".jsonl") and line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"line {no}: not valid JSON ({e.msg} at character {e.pos + 1})") from None
+                if isinstance(obj, dict) and not isinstance(obj.get("text"), str):
+                    raise ValueError(f"line {no}: a JSON object needs a string field 'text'")
+                yield obj["text"] if isinstance(obj, dict) else str(obj)
+            else:
+                yield line
+    finally:
+        if path == "-":
+            f.detach()  # leave sys.stdin's buffer open
+        else:
+            f.close()
+
+
+def cmd_embed(args) -> int:
+    import numpy as np
+    from tqdm import tqdm
+
+    from ..embed import Embedder
+
+    if not (args.out.endswith(".npy") or args.out.endswith(".jsonl")):
+        print("fullthrottle: error: --out must end in .npy or .jsonl", file=sys.stderr)
+        return 2
+    if args.file != "-" and not os.path.isfile(args.file):
+        what = "is a directory, not a file" if os.path.isdir(args.file) else "no such file"
+        print(f"fullthrottle: error: {args.file}: {what}", file=sys.stderr)
+        return 2
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        print(f"fullthrottle: error: cannot write {args.out}: its folder does not exist", file=sys.stderr)
+        return 2
+    # find out now, not after the whole corpus is embedded, and leave no empty file behind
+    target = args.out if os.path.exists(args.out) else os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out) or not os.access(target, os.W_OK):
+        why = "it is a directory" if os.path.isdir(args.out) else "permission denied"
+        print(f"fullthrottle: error: cannot write {args.out}: {why}", file=sys.stderr)
+        return 2
+    if args.model_dir and not os.path.isdir(args.model_dir):
+        print(f"fullthrottle: error: model folder not found: {args.model_dir}", file=sys.stderr)
+        return 2
+    try:
+        emb = Embedder(args.model_dir, args.device, args.dtype, args.graphs)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"fullthrottle: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a broken model folder (tokenizer.json, safetensors)
+        print(
+            f"fullthrottle: error: cannot load the model from {args.model_dir or 'the default folder'}: "
+            f"{type(e).__name__}: {e}",
+            file=sys.stderr,
+        )
+        return 2
+    t0 = time.perf_counter()
+    vectors, n, n_trunc = [], 0, 0
+    bar = tqdm(unit="text", desc="embed", disable=args.no_progress or None, file=sys.stderr)
+    jsonl = open(args.out, "w", encoding="utf-8") if args.out.endswith(".jsonl") else None
+    try:
+        for block in emb.embed_stream(_read_texts(args.file)):
+            if jsonl is not None:
+                for k in range(len(block.vectors)):
+                    jsonl.write(
+                        json.dumps(
+                            {
+                                "index": n + k,
+                                "truncated": bool(block.truncated[k]),
+                                "embedding": [round(float(v), 7) for v in block.vectors[k]],
+                            }
+                        )
+                        + "\n"
+                    )
+            else:
+                vectors.append(block.vectors)
+            n += len(block.vectors)
+            n_trunc += int(block.truncated.sum())
+            bar.update(len(block.vectors))
+    except (UnicodeDecodeError, ValueError) as e:
+        print(f"fullthrottle: error: cannot read texts from {args.file}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    finally:
+        bar.close()
+        if jsonl is not None:
+            jsonl.close()
+    if jsonl is None:
+        try:
+            np.save(args.out, np.concatenate(vectors) if vectors else np.zeros((0, emb.dim), np.float32))
+        except OSError as e:
+            print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+            return 2
+    dt = time.perf_counter() - t0
+    print(
+        f"{n} texts in {dt:.2f} s = {n / dt if dt else 0:.1f} texts/s on {emb.device} ({emb.dtype}); "
+        f"{n_trunc} truncated to {emb.max_seq_length} tokens; wrote {args.out}",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,150 @@
+"""``fullthrottle generate``: LLM generation from the command line (a Llama folder or random weights)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from ..config import torch_dtype
+
+
+def _llama_bytes(cfg, dtype) -> int:
+    """Bytes of a Llama's weights (embedding, blocks, norms, lm_head unless tied) in ``dtype``."""
+    import torch
+
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    block = (
+        h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
+        + cfg.num_attention_heads * d * h
+        + 3 * h * i
+        + 2 * h
+    )
+    n = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + cfg.num_hidden_layers * block + h
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _check_memory_for(cfg, device, dtype, free: int | None = None) -> None:
+    """ValueError before building a model whose weights cannot fit in the memory free on ``device``
+    (``free`` bytes; by default read from CUDA or /proc/meminfo's MemAvailable)."""
+    import torch
+
+    need = _llama_bytes(cfg, dtype)
+    if free is None and device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    elif free is None:
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            pass
+    if free is not None and need > free:
+        raise ValueError(
+            f"the weights need {need / 2**30:.1f} GiB in {str(dtype).replace('torch.', '')} on "
+            f"{device}, but only {free / 2**30:.1f} GiB is free"
+            + (" (try --device cuda, or --dtype bfloat16)" if device.type == "cpu" else "")
+        )
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from ..compute import resolve_device
+    from ..generate import GenerateStats, Generator
+    from ..llama import Llama, LlamaConfig, load_hf
+
+    try:
+        device = resolve_device(args.device)
+        dtype = torch_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        tok = None
+        if args.model_dir:
+            if not os.path.isdir(args.model_dir):
+                raise ValueError(f"model folder not found: {args.model_dir}")
+            try:
+                model = load_hf(args.model_dir, device, dtype)
+                tj = os.path.join(args.model_dir, "tokenizer.json")
+                if os.path.isfile(tj):
+                    from tokenizers import Tokenizer
+
+                    tok = Tokenizer.from_file(tj)
+            except (ValueError, FileNotFoundError):
+                raise
+            except Exception as e:  # noqa: BLE001 - a corrupt config, shard or tokenizer.json
+                raise ValueError(f"cannot load the model from {args.model_dir}: {type(e).__name__}: {e}") from None
+        else:
+            cfg = (
+                LlamaConfig.llama2_7b()
+                if args.random == "llama2-7b"
+                else LlamaConfig(
+                    vocab_size=512,
+                    hidden_size=128,
+                    intermediate_size=344,
+                    num_hidden_layers=4,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                )
+            )
+            _check_memory_for(cfg, device, dtype)
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = Llama(cfg).to(dtype).eval()
+            print("WARNING: random weights: the tokens are meaningless", file=sys.stderr)
+        if args.tokens and args.prompt is not None:
+            raise ValueError("give either --prompt or --tokens, not both")
+        if args.tokens:
+            try:
+                ids = [int(x) for x in args.tokens.split(",")]
+            except ValueError:
+                raise ValueError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
+        elif args.prompt is not None:
+            if tok is None:
+                raise ValueError("--prompt needs a tokenizer.json in --model-dir; give --tokens instead")
+            ids = tok.encode(args.prompt).ids
+        else:
+            raise ValueError("give --prompt TEXT or --tokens IDS")
+        if any(i < 0 or i >= model.cfg.vocab_size for i in ids):
+            raise ValueError(f"token ids must be in [0, {model.cfg.vocab_size})")
+        eos = model.cfg.eos_token_id
+        eos = eos[0] if isinstance(eos, list) else eos
+        t0 = time.perf_counter()
+        gen = Generator(
+            model, max_batch=1, max_seq_len=args.max_seq_len or len(ids) + args.max_new_tokens, graphs=args.graphs
+        )
+        ready_s = time.perf_counter() - t0
+        st = GenerateStats()
+
+        stop_id = eos if args.model_dir else None
+        finished = [False]
+
+        def show(chunks):
+            if finished[0]:
+                return
+            toks = chunks[0]
+            if stop_id is not None and stop_id in toks:
+                toks, finished[0] = toks[: toks.index(stop_id) + 1], True
+            text = tok.decode(toks) if tok is not None else " ".join(map(str, toks)) + " "
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        gen.generate(
+            [ids],
+            args.max_new_tokens,
+            args.temperature,
+            args.top_k,
+            args.top_p,
+            args.seed,
+            eos_id=stop_id,
+            stats=st,
+            on_tokens=show,
+        )
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"fullthrottle: error: {e}", file=sys.stderr)
+        return 2
+    print(file=sys.stdout)
+    print(
+        f"{st.new_tokens} tokens in {st.decode_s:.2f} s = {st.tokens_per_s:.1f} tok/s (decode), prefill "
+        f"{1e3 * st.prefill_s:.1f} ms; ready in {ready_s:.2f} s (graphs: {sorted(gen.graphs) or 'off'}) "
+        f"on {device}",
+        file=sys.stderr,
+    )
+    return 0

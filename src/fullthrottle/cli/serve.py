@@ -1,0 +1,159 @@
+"""``fullthrottle serve``: the HTTP server's options checked, then :func:`fullthrottle.serve.run_server`."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from ..models import MODELS
+from .common import _gpu_decode_settings
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """ValueError when ``host:port`` cannot be listened on (in use, not an address of this machine)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    fam, _, _, _, addr = infos[0]
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def cmd_serve(args) -> int:
+    from ..compute import resolve_device
+    from ..config import Config
+    from ..serve import ServeOptions, run_server
+
+    try:
+        device = resolve_device(args.device)
+        cfg = Config(
+            model=args.model,
+            weights=args.weights,
+            device=str(device),
+            dtype=args.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
+            max_batch_size=args.max_batch_size,
+            max_wait_ms=args.max_wait_ms,
+            threads=args.threads,
+            top_k=args.top_k,
+            graphs=args.graphs,
+            ordered=False,
+            **_gpu_decode_settings(args),
+            preprocess=args.preprocess,
+        )
+        if args.weights is not None and not os.path.isfile(args.weights):
+            raise FileNotFoundError(f"weights file not found: {args.weights}")
+        if (
+            min(
+                args.timeout_s,
+                args.max_body_mb,
+                args.body_timeout_s,
+                args.header_timeout_s,
+                args.max_request_megapixels,
+            )
+            <= 0
+        ):
+            raise ValueError(
+                "--timeout-s, --max-body-mb, --body-timeout-s, --header-timeout-s and "
+                "--max-request-megapixels must be > 0"
+            )
+        from ..fetch import FetchPolicy
+        from ..serve_guard import load_keys
+
+        FetchPolicy(tuple(args.allow_fetch))  # (checks every entry now)
+        keys = load_keys(args.api_key, args.api_key_file)
+        _check_port_free(args.host, args.port)  # before the model loads, not after
+        devices = None
+        if args.gpus is not None:
+            import torch
+
+            count = torch.cuda.device_count()
+            want = count if args.gpus == "all" else int(args.gpus)
+            if want < 1 or want > count:
+                raise ValueError(f"--gpus {args.gpus}: this machine has {count} CUDA device(s)")
+            devices = tuple(f"cuda:{i}" for i in range(want))
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        print(f"fullthrottle: error: {e}", file=sys.stderr)
+        return 2
+    guard = dict(
+        allow_fetch=tuple(args.allow_fetch),
+        api_keys=keys,
+        body_timeout_s=args.body_timeout_s,
+        header_timeout_s=args.header_timeout_s,
+        max_connections_per_client=args.max_connections_per_client,
+        max_images=args.max_images,
+        max_request_pixels=int(args.max_request_megapixels * 1e6),
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+        print(f"note: serving on {args.host} without --api-key: anyone who can reach it may use it", file=sys.stderr)
+    if args.weights is None and MODELS[args.model].bundled_weights is None:
+        print(
+            f"WARNING: no --weights given: {args.model} is randomly initialised, labels are meaningless",
+            file=sys.stderr,
+        )
+    llm = None
+    if args.llm_model_dir:
+        import torch
+
+        from ..generate import Generator
+        from ..llama import load_hf
+
+        try:
+            model = load_hf(args.llm_model_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"fullthrottle: error: {e}", file=sys.stderr)
+            return 2
+        tok = None
+        tj = os.path.join(args.llm_model_dir, "tokenizer.json")
+        if os.path.isfile(tj):
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(tj)
+        try:
+            seq = args.llm_max_seq_len or min(model.cfg.max_position_embeddings, 4096)
+            llm = (Generator(model, args.llm_max_batch, seq, graphs=args.graphs), tok)
+        except ValueError as e:
+            print(f"fullthrottle: error: {e}", file=sys.stderr)
+            return 2
+    if args.ray:
+        if importlib.util.find_spec("ray") is None:
+            print("fullthrottle: error: --ray needs Ray Serve: pip install 'fullthrottle[ray]'", file=sys.stderr)
+            return 2
+        from ..ray_jobs import serve_on_ray
+
+        serve_on_ray(
+            cfg,
+            ServeOptions(
+                max_queue=args.max_queue,
+                timeout_s=args.timeout_s,
+                max_body_bytes=int(args.max_body_mb * 2**20),
+                **guard,
+            ),
+            replicas=args.replicas,
+            host=args.host,
+            port=args.port,
+        )
+        return 0
+    run_server(
+        cfg,
+        args.host,
+        args.port,
+        ServeOptions(
+            max_queue=args.max_queue,
+            timeout_s=args.timeout_s,
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            devices=devices,
+            embed_model=args.embed_model,
+            llm=llm,
+            **guard,
+        ),
+        max_connections=args.max_connections,
+    )
+    return 0
