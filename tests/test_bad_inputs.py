@@ -95,3 +95,40 @@ def test_valid_results(bad_dir, name):
 def test_large_jpeg_uses_reduced_decode(bad_dir):
     a = _decoded(bad_dir, "large-6000x4000.jpg")
     assert a.shape == (1000, 1500, 3)  # 1/4 scale, not 4000x6000
+
+
+def test_every_item_error_has_its_stage_and_kind(bad_dir, tmp_path):
+    """Each failing bad input, and each way a file or input cannot be loaded, comes out of the pipeline
+    with its stage and kind (fullthrottle.errors), in the Result and in its JSON, never as 'other'."""
+    import os
+
+    from fullthrottle import Config, Pipeline
+    from fullthrottle.errors import KINDS
+
+    (tmp_path / "loop.jpg").symlink_to(tmp_path / "loop.jpg")
+    os.mkfifo(tmp_path / "fifo.jpg")
+    with open(tmp_path / "big.jpg", "wb") as f:
+        f.truncate(2 << 20)
+    (tmp_path / "empty_dir").mkdir()
+    want = {
+        str(bad_dir / "truncated.jpg"): ("preprocess", "corrupt"),
+        str(bad_dir / "empty.jpg"): ("preprocess", "empty"),
+        str(bad_dir / "not-an-image.jpg"): ("preprocess", "unsupported_format"),
+        str(bad_dir / "bomb-40000x40000.png"): ("preprocess", "too_many_pixels"),
+        str(tmp_path / "missing.jpg"): ("load", "not_found"),
+        str(tmp_path / "empty_dir"): ("load", "not_found"),
+        str(tmp_path / "*.png"): ("load", "not_found"),
+        str(tmp_path / "loop.jpg"): ("load", "unreadable"),
+        str(tmp_path / "fifo.jpg"): ("load", "not_a_file"),
+        str(tmp_path / "big.jpg"): ("load", "too_large"),
+        "ftp://example.com/a.jpg": ("load", "unsupported_input"),
+    }
+    with Pipeline(Config(model="resnet18", device="cpu", threads=2, max_file_bytes=1 << 20)) as pipe:
+        got = {r.id: r for r in pipe.run([*want, 42])}
+    assert got.pop("<input #11>").error_kind == "unsupported_input"  # (the 42)
+    for item, (stage, kind) in want.items():
+        r = got[item]
+        assert (r.error_stage, r.error_kind) == (stage, kind), (item, r.error)
+        assert (r.to_dict()["error_stage"], r.to_dict()["error_kind"]) == (stage, kind)
+    assert {k for k, _, _ in KINDS} >= {k for _, k in want.values()}
+    assert got[str(bad_dir / "truncated.jpg")].to_dict().keys() == {"index", "id", "error", "error_stage", "error_kind"}

@@ -88,6 +88,10 @@ def test_multipart_and_json_urls(samples, http_server):
         assert r2.json()["results"][0]["top_k"] == r.json()["results"][0]["top_k"]
         r3 = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/missing.jpg"]}, timeout=30)
         assert r3.status_code == 422 and r3.json()["detail"] == "cannot fetch URL 0"  # (no detail for the client)
+        assert {k: r3.json()["results"][0][k] for k in ("error_stage", "error_kind")} == {
+            "error_stage": "load",
+            "error_kind": "fetch_failed",
+        }
         assert httpx.post(s.url + "/v1/classify", json={"nope": 1}).status_code == 400
         mixed = httpx.post(
             s.url + "/v1/classify", json={"urls": [f"{http_server}/a.jpg", f"{http_server}/x.jpg"]}, timeout=30
@@ -111,6 +115,12 @@ def test_bad_inputs_give_422_with_reason_and_server_survives(bad_dir, samples):
         "not-an-image.jpg": "not a supported",
         "bomb-40000x40000.png": "image too large",
     }
+    kinds = {
+        "truncated.jpg": "corrupt",
+        "empty.jpg": "empty",
+        "not-an-image.jpg": "unsupported_format",
+        "bomb-40000x40000.png": "too_many_pixels",
+    }
     with Server(Tiny(), ServeOptions(max_body_bytes=3 * 2**20)) as s:
         for f in sorted(bad_dir.iterdir()):
             if f.name == "README.md":
@@ -118,6 +128,7 @@ def test_bad_inputs_give_422_with_reason_and_server_survives(bad_dir, samples):
             r = post_image(s.url, f.read_bytes())
             if f.name in expect_422:
                 assert r.status_code == 422 and expect_422[f.name] in r.json()["detail"], (f.name, r.text)
+                assert r.json()["results"][0]["error_kind"] == kinds[f.name], r.text
             else:
                 assert r.status_code == 200, (f.name, r.text)
         assert post_image(s.url, samples[0].read_bytes()).status_code == 200

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import error_info
+
 
 def topk_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over classes and the ``k`` most probable, on the logits' device.
@@ -28,7 +30,8 @@ class Result:
         index: position in the input stream (0-based).
         id: the file path, URL, or ``<bytes #i>`` name of the item.
         labels / class_ids / probs: the top-k classes, most probable first (probs sum to <= 1).
-        error: why this item failed (then the three lists are empty).
+        error: why this item failed (then the three lists are empty); :attr:`error_stage` and
+            :attr:`error_kind` say where and what (:mod:`fullthrottle.errors`).
         latency_ms: from the start of its load to its result (ms).
     """
 
@@ -44,6 +47,16 @@ class Result:
     def ok(self) -> bool:
         return self.error is None
 
+    @property
+    def error_stage(self) -> str | None:
+        """The stage that failed the item (``load``, ``preprocess``, ``pipeline``), or None."""
+        return error_info(self.error)[0]
+
+    @property
+    def error_kind(self) -> str | None:
+        """The kind of failure (``not_found``, ``corrupt``, ... :data:`fullthrottle.errors.KINDS`), or None."""
+        return error_info(self.error)[1]
+
     def to_dict(self) -> dict:
         d = {"index": self.index, "id": self.id}
         if self.error is None:
@@ -53,4 +66,5 @@ class Result:
             ]
         else:
             d["error"] = self.error
+            d["error_stage"], d["error_kind"] = error_info(self.error)
         return d
