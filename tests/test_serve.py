@@ -312,7 +312,7 @@ def test_completion_stops_generating_when_its_client_goes_away():
 
     from fullthrottle.generate import Generator
     from fullthrottle.llama import Llama, LlamaConfig
-    from fullthrottle.serve import CompletionService
+    from fullthrottle.serve_services import CompletionService
 
     torch_ = pytest.importorskip("torch")
     torch_.manual_seed(0)

@@ -13,12 +13,9 @@ SIGTERM (uvicorn's graceful shutdown) stops accepting, lets in-flight requests f
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import os
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
@@ -30,233 +27,12 @@ from .fetch import FetchPolicy
 from .pipeline import Pipeline
 from .serve_guard import HTTPError as _HTTPError
 from .serve_guard import authorised, check_pixels, head_deadline_protocol, read_body
+from .serve_services import BatchingService, CompletionService, EmbedService, Overloaded
 
 MAX_IMAGES_PER_REQUEST = 64  # (the default of ServeOptions.max_images)
 log = logging.getLogger("fullthrottle.serve")
 _ROUTES = ("/v1/classify", "/v1/embeddings", "/v1/completions", "/readyz", "/metrics")  # metric labels
 MAX_TEXTS_PER_REQUEST = 2048
-
-
-class Overloaded(RuntimeError):
-    """The submission queue is full (HTTP 503)."""
-
-
-class BatchingService:
-    """One pipeline run fed by many concurrent callers; thread-safe, asyncio-friendly.
-
-    Args:
-        pipeline: a built :class:`~fullthrottle.pipeline.Pipeline` (its config should have
-            ``ordered=False``: results are routed by index, not order).
-        max_queue: images waiting to enter the pipeline before :meth:`submit` refuses (503).
-    """
-
-    def __init__(self, pipeline: Pipeline, max_queue: int = 256):
-        self.pipeline = pipeline
-        self.q: queue.Queue = queue.Queue(max_queue)
-        self._lock = threading.Lock()
-        self._count = itertools.count()
-        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._closing = threading.Event()
-        self.error: BaseException | None = None
-        self._results = pipeline.run(self._source())
-        self._thread = threading.Thread(target=self._dispatch, name="ft-dispatch", daemon=True)
-        self._thread.start()
-
-    def _source(self):
-        while True:
-            try:
-                yield self.q.get(timeout=0.05)
-            except queue.Empty:
-                if self._closing.is_set():
-                    return
-
-    def _dispatch(self) -> None:
-        try:
-            for r in self._results:
-                with self._lock:
-                    waiter = self._waiting.pop(r.index, None)
-                if waiter is not None:
-                    loop, fut = waiter
-                    loop.call_soon_threadsafe(_resolve, fut, r)
-        except BaseException as e:  # noqa: BLE001 - the pipeline died: fail every waiter
-            self.error = e
-            with self._lock:
-                waiters, self._waiting = list(self._waiting.values()), {}
-            for loop, fut in waiters:
-                loop.call_soon_threadsafe(_fail, fut, e)
-
-    def submit(self, item_id: str, data: bytes) -> asyncio.Future:
-        """Queue one image; returns a future for its :class:`~fullthrottle.decode.Result`.
-
-        Raises:
-            Overloaded: the queue is full. RuntimeError: the service is shutting down or failed.
-        """
-        if self._closing.is_set() or self.error is not None:
-            raise RuntimeError(
-                "the service is shutting down" if self.error is None else f"the pipeline failed: {self.error}"
-            )
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        with self._lock:  # index order == queue order, as the loader enumerates the source
-            idx = next(self._count)
-            try:
-                self.q.put_nowait((item_id, data))
-            except queue.Full:
-                self._count = itertools.count(idx)  # the index was not used
-                raise Overloaded(f"queue full ({self.q.maxsize} images waiting)") from None
-            self._waiting[idx] = (loop, fut)
-        return fut
-
-    def queued(self) -> int:
-        """Images waiting to enter the pipeline."""
-        return self.q.qsize()
-
-    def pending(self) -> int:
-        """Images submitted and not yet answered."""
-        return len(self._waiting)
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Let queued and in-flight images finish, then stop the pipeline run and its decoder processes."""
-        self._closing.set()
-        self._thread.join(timeout)
-        self._results.close()
-        self.pipeline.close()
-
-
-class EmbedService:
-    """Cross-request batching for text embeddings: one thread drains every waiting request (up to
-    ``max_texts`` texts) into one :meth:`~fullthrottle.embed.Embedder.embed` call."""
-
-    def __init__(self, embedder, max_texts: int = 1024, max_queue: int = 256):
-        self.embedder, self.max_texts = embedder, max_texts
-        self.q: queue.Queue = queue.Queue(max_queue)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="ft-embed", daemon=True)
-        self._thread.start()
-
-    def submit(self, texts: list[str]) -> asyncio.Future:
-        """Raises Overloaded when ``max_queue`` requests are already waiting."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        try:
-            self.q.put_nowait((texts, loop, fut))
-        except queue.Full:
-            raise Overloaded(f"queue full ({self.q.maxsize} requests waiting)") from None
-        return fut
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                reqs = [self.q.get(timeout=0.05)]
-            except queue.Empty:
-                continue
-            n = len(reqs[0][0])
-            while n < self.max_texts:
-                try:
-                    reqs.append(self.q.get_nowait())
-                    n += len(reqs[-1][0])
-                except queue.Empty:
-                    break
-            reqs = [r for r in reqs if not r[2].done()]  # skip requests whose caller gave up (504)
-            if not reqs:
-                continue
-            try:
-                res = self.embedder.embed([t for r in reqs for t in r[0]])
-            except Exception as e:  # noqa: BLE001 - answer every waiting request
-                for _, loop, fut in reqs:
-                    loop.call_soon_threadsafe(_fail, fut, e)
-                continue
-            k = 0
-            for texts, loop, fut in reqs:
-                part = (
-                    res.vectors[k : k + len(texts)],
-                    res.truncated[k : k + len(texts)],
-                    res.tokens[k : k + len(texts)],
-                )
-                k += len(texts)
-                loop.call_soon_threadsafe(_resolve, fut, part)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(60)  # a batch in progress finishes (bounded by MAX_TEXTS_PER_REQUEST)
-
-
-class CompletionService:
-    """LLM requests batched across callers: a thread takes up to ``max_batch`` waiting requests and
-    runs them as one :meth:`~fullthrottle.generate.Generator.generate` call (per-row sampling values),
-    streaming each request's tokens to its asyncio queue as chunks arrive."""
-
-    def __init__(self, generator, tokenizer=None, max_queue: int = 256):
-        self.gen, self.tok = generator, tokenizer
-        self.q: queue.Queue = queue.Queue(max_queue)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="ft-llm", daemon=True)
-        self._thread.start()
-
-    def submit(self, req: dict) -> asyncio.Queue:
-        """Queue ``req`` (ids, max_tokens, temperature, top_k, top_p, eos); returns the queue that
-        receives lists of new token ids, then None at the end (or an Exception). Setting
-        ``req["cancelled"] = True`` (the client disconnected) stops its tokens, and the whole batch
-        once no request in it is still wanted."""
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
-        try:
-            self.q.put_nowait((req, loop, out))
-        except queue.Full:
-            raise Overloaded(f"queue full ({self.q.maxsize} requests waiting)") from None
-        return out
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                batch = [self.q.get(timeout=0.05)]
-            except queue.Empty:
-                continue
-            while len(batch) < self.gen.max_batch:
-                try:
-                    batch.append(self.q.get_nowait())
-                except queue.Empty:
-                    break
-            reqs = [b[0] for b in batch]
-            eos = reqs[0]["eos"]
-            done = [False] * len(batch)
-
-            def on_tokens(chunks):
-                for i, ((_, loop, out), toks) in enumerate(zip(batch, chunks)):
-                    if reqs[i].get("cancelled"):  # its client went away
-                        done[i] = True
-                    if done[i]:
-                        continue
-                    toks = toks[: reqs[i]["max_tokens"] - reqs[i].setdefault("sent", 0)]
-                    if eos is not None and eos in toks:
-                        toks, done[i] = toks[: toks.index(eos) + 1], True
-                    reqs[i]["sent"] += len(toks)
-                    if reqs[i]["sent"] >= reqs[i]["max_tokens"]:
-                        done[i] = True
-                    if toks:
-                        loop.call_soon_threadsafe(out.put_nowait, toks)
-                return all(done)  # nobody is waiting for more: stop the batch
-
-            try:
-                self.gen.generate(
-                    [r["ids"] for r in reqs],
-                    max(r["max_tokens"] for r in reqs),
-                    [r["temperature"] for r in reqs],
-                    [r["top_k"] for r in reqs],
-                    [r["top_p"] for r in reqs],
-                    seed=reqs[0].get("seed"),
-                    eos_id=eos,
-                    on_tokens=on_tokens,
-                )
-                for _, loop, out in batch:
-                    loop.call_soon_threadsafe(out.put_nowait, None)
-            except Exception as e:  # noqa: BLE001 - every request in the batch gets the error
-                for _, loop, out in batch:
-                    loop.call_soon_threadsafe(out.put_nowait, e)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 def _default_devices(device: str) -> list[str]:
@@ -265,16 +41,6 @@ def _default_devices(device: str) -> list[str]:
     if device in ("auto", "cuda") and torch.cuda.is_available():
         return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     return [device]
-
-
-def _resolve(fut: asyncio.Future, r: Result) -> None:
-    if not fut.done():
-        fut.set_result(r)
-
-
-def _fail(fut: asyncio.Future, e: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(RuntimeError(f"pipeline failed: {e}"))
 
 
 @dataclass
