@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import GPU_DECODERS, Config, usable_cores
+from ..config import DTYPES, GPU_DECODERS, Config, usable_cores
 from ..env import describe as describe_env
 from ..models import DEFAULT_MODEL, MODELS
 
@@ -96,9 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--model", default=DEFAULT_MODEL, choices=tuple(MODELS), metavar="MODEL", help=_MODEL_HELP)
     c.add_argument("--weights", metavar="FILE", help=_WEIGHTS_HELP)
-    c.add_argument("--batch-size", type=_positive_int, default=64, help="max batch size (default: %(default)s)")
     c.add_argument(
-        "--max-wait-ms", type=float, default=5.0, help="how long a batch may wait to fill, ms (default: %(default)s)"
+        "--batch-size", type=_positive_int, default=Config.max_batch_size, help="max batch size (default: %(default)s)"
+    )
+    c.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=Config.max_wait_ms,
+        help="how long a batch may wait to fill, ms (default: %(default)s)",
     )
     c.add_argument(
         "--threads",
@@ -109,22 +114,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--preprocess",
-        default="auto",
+        default=Config.preprocess,
         choices=("auto", "threads", "processes"),
         help="decode in threads of this process, or in --threads worker processes fed by one "
         "dispatcher thread, outside this process's GIL (auto: processes on CUDA, threads on CPU)",
     )
-    c.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
+    c.add_argument("--device", default=Config.device, help="auto | cpu | cuda | cuda:N (default: %(default)s)")
     c.add_argument(
         "--dtype",
         default=None,
-        choices=("float32", "bfloat16", "float16"),
+        choices=DTYPES,
         help="compute dtype on CUDA (default: bfloat16 on CUDA; CPU always float32)",
     )
     c.add_argument(
         "--graphs",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=Config.graphs,
         help="replay the model as CUDA graphs, one per batch bucket (CUDA only; default: on)",
     )
     _add_gpu_decode_args(c)
@@ -133,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="torch.compile the model (kernel fusion) before graph capture; slow start",
     )
-    c.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default: %(default)s)")
+    c.add_argument("--top-k", type=_positive_int, default=Config.top_k, help="classes per image (default: %(default)s)")
     c.add_argument("--out", help="write one JSON line per item to this file ('-' for stdout)")
     c.add_argument("--unordered", action="store_true", help="emit results in completion order")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -163,13 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--max-batch-size",
         type=_positive_int,
-        default=64,
+        default=Config.max_batch_size,
         help="largest batch the batcher forms across requests (default: %(default)s)",
     )
     v.add_argument(
         "--max-wait-ms",
         type=float,
-        default=5.0,
+        default=Config.max_wait_ms,
         help="longest a partial batch waits for more images (default: %(default)s)",
     )
     v.add_argument(
@@ -251,28 +256,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument(
         "--preprocess",
-        default="auto",
+        default=Config.preprocess,
         choices=("auto", "threads", "processes"),
         help="decode in threads of this process, or in --threads worker processes fed by one "
         "dispatcher thread (auto: processes on CUDA)",
     )
-    v.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    v.add_argument("--device", default=Config.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     v.add_argument(
         "--gpus", default=None, help="'all' or N: one model replica per GPU (default with --device auto: every GPU)"
     )
     v.add_argument(
         "--dtype",
         default=None,
-        choices=("float32", "bfloat16", "float16"),
+        choices=DTYPES,
         help="compute dtype on CUDA (default: bfloat16; the CPU always computes in float32)",
     )
     v.add_argument(
         "--graphs",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=Config.graphs,
         help="replay the model as CUDA graphs per batch bucket (CUDA only; default: on)",
     )
-    v.add_argument("--top-k", type=_positive_int, default=5, help="classes per image (default: %(default)s)")
+    v.add_argument("--top-k", type=_positive_int, default=Config.top_k, help="classes per image (default: %(default)s)")
     _add_gpu_decode_args(v)
     v.add_argument(
         "--ray",
@@ -326,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--dtype",
         default=None,
-        choices=("float32", "bfloat16", "float16"),
+        choices=DTYPES,
         help="default: bfloat16 on CUDA, float32 on CPU",
     )
     g.add_argument(
@@ -353,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--dtype",
         default=None,
-        choices=("float32", "bfloat16", "float16"),
+        choices=DTYPES,
         help="default: float16 on CUDA, float32 on CPU",
     )
     m.add_argument(
