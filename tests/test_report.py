@@ -5,7 +5,6 @@ import time
 import torch
 from test_pipeline import LABELS, Tiny
 
-import fullthrottle.pipeline as pl
 from fullthrottle import Config, Pipeline
 from fullthrottle.gpumon import GpuMonitor
 from fullthrottle.report import verdict
@@ -29,13 +28,15 @@ def test_slow_model_is_compute_bound(samples):
 
 
 def test_slow_decoder_is_preprocess_bound(samples, monkeypatch):
-    real = pl.preprocess
+    import fullthrottle.run as run_mod
+
+    real = run_mod.preprocess
 
     def slow(data, *a, **k):
         time.sleep(0.05)  # 50 ms per image on each of 2 threads: 40 img/s at most
         return real(data, *a, **k)
 
-    monkeypatch.setattr(pl, "preprocess", slow)
+    monkeypatch.setattr(run_mod, "preprocess", slow)
     pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2), model=Tiny())
     pipe.classify(samples[:40])
     rep = pipe.last_report

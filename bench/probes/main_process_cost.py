@@ -41,7 +41,7 @@ def main():
     from torch import nn
 
     import fullthrottle.load as ld
-    import fullthrottle.pipeline as pl
+    import fullthrottle.run as pl
     from fullthrottle import Pipeline
 
     cpu = collections.Counter()

@@ -4,7 +4,7 @@
 (a file as its path, which the process reads; bytes in memory as they are), with up to
 :data:`WORKER_DEPTH` images out per process, and routes JPEGs to the GPU decoders whenever no CPU
 process is idle. The processes write the crops into the shared crop pool; this thread passes each
-item on with its pool row or its error. Takes the :class:`~fullthrottle.pipeline.Run` it serves.
+item on with its pool row or its error. Takes the :class:`~fullthrottle.run.Run` it serves.
 """
 
 from __future__ import annotations

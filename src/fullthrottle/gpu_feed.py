@@ -7,7 +7,7 @@
   routed JPEGs in batches on its own stream (the device crops travel with the items);
 - :func:`take_gpu_batch`: how both form a batch from the GPU queue (``Run.gq``).
 
-Each function takes the :class:`~fullthrottle.pipeline.Run` it serves.
+Each function takes the :class:`~fullthrottle.run.Run` it serves.
 """
 
 from __future__ import annotations
