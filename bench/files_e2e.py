@@ -114,6 +114,7 @@ def run_cli(folder: Path, extra: list[str], tmp: Path) -> dict:
     r = json.loads(rep.read_text()) if rep.exists() else {}
     peak = max(((c1 - c0) / (t1 - t0_) for (t0_, c0), (t1, c1) in zip(samples, samples[10:])), default=None)
     print(" ".join(cmd[3:]), "->", p.returncode, stderr[-1500:], flush=True)
+    # (the report's main_process_cores: the main process's CPU over the run itself, start-up excluded)
     return {
         "command": "fullthrottle " + " ".join(cmd[3:]),
         "exit": p.returncode,

@@ -25,6 +25,10 @@ def test_slow_model_is_compute_bound(samples):
     assert "GPU busy n/a" in rep.verdict
     stages = {s["stage"]: s for s in rep.stages}
     assert stages["compute"]["busy_pct"] > 80 and stages["preprocess"]["worker_busy_pct"] < 50
+    # the model sleeps: this process used little CPU over the run, and the report says how little
+    assert 0 < rep.main_process_cores < 0.8, rep.main_process_cores
+    assert rep.to_dict()["main_process_cores"] == rep.main_process_cores
+    assert f"this process: {rep.main_process_cores:.2f} cores of CPU" in rep.format()
 
 
 def test_slow_decoder_is_preprocess_bound(samples, monkeypatch):

@@ -134,6 +134,9 @@ class Report:
     gpu_decode: str = ""
     gpu_util_pct: float | None = None
     gpu_mem_max_bytes: int | None = None
+    #: CPU time of the process running the pipeline (all its threads; not its decoder processes) per
+    #: second of the run: how close its one interpreter is to being the limit
+    main_process_cores: float | None = None
 
     @property
     def verdict(self) -> str:
@@ -168,6 +171,7 @@ class Report:
             "stages": self.stages,
             "gpu_util_mean_pct": self.gpu_util_pct,
             "gpu_mem_max_bytes": self.gpu_mem_max_bytes,
+            "main_process_cores": self.main_process_cores,
             "verdict": self.verdict,
         }
 
@@ -188,6 +192,10 @@ class Report:
         gpu = "n/a" if self.gpu_util_pct is None else f"{self.gpu_util_pct:.0f}%"
         mem = "" if self.gpu_mem_max_bytes is None else f", memory used up to {self.gpu_mem_max_bytes / 2**30:.1f} GiB"
         lines.append(f"GPU utilisation (NVML): {gpu}{mem}")
+        if self.main_process_cores is not None:
+            lines.append(
+                f"this process: {self.main_process_cores:.2f} cores of CPU (its threads; decoder processes apart)"
+            )
         lines.append(f"bottleneck: {self.verdict}")
         if self.graphs:
             lines.append(self.graphs)

@@ -182,6 +182,7 @@ class Run:
         self.gpumon = GpuMonitor((engine.device.index or 0) if engine.cuda else None)
         self.t0 = 0.0
         self.t_end = 0.0
+        self.cpu0 = self.cpu_end = 0.0  # this process's CPU time (all its threads) at start and end
         self.done = False
 
     # -- plumbing -------------------------------------------------------------------------------
@@ -224,6 +225,7 @@ class Run:
             self.decoders.crops.reset()
         self.gpumon.__enter__()
         self.t0 = time.perf_counter()
+        self.cpu0 = time.process_time()
         self.loader.start()
         for t in self.threads:
             t.start()
@@ -451,6 +453,7 @@ class Run:
         if finished:
             self.done = True
             self.t_end = time.perf_counter()
+            self.cpu_end = time.process_time()
             return out if out else None
         return out
 
@@ -511,6 +514,7 @@ class Run:
             random_weights=eng.random_weights,
             gpu_util_pct=self.gpumon.mean_util_pct,
             gpu_mem_max_bytes=self.gpumon.max_mem_bytes,
+            main_process_cores=((self.cpu_end or time.process_time()) - self.cpu0) / wall if wall > 0 else None,
             graphs=eng.runner.info.format() if eng.runner is not None and eng.runner.info else "",
             gpu_decode=self._gpu_decode_summary(),
         )
