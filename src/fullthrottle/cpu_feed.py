@@ -16,7 +16,7 @@ import time
 from .gpu_feed import GPU_CHUNK
 from .load import LoadError
 from .preprocess import ImageError
-from .preprocess_procs import STARTUP_S, WorkerDied
+from .preprocess_procs import WorkerDied
 
 #: images out at each decoder process at once (one decoding, the rest waiting in its socket), so
 #: that a worker finishing an image finds the next one even when this process is slow to answer
@@ -181,7 +181,7 @@ def feed_cpu_decoders(run, workers: list) -> None:
                 for w in range(n)
                 if pending[w]
                 and w not in ready  # (a new worker's imports don't count)
-                and now - max(started[w], workers[w].spawned + STARTUP_S) > timeout_s
+                and now - max(started[w], workers[w].grace_until()) > timeout_s
             ]
             for w in ready + stuck:
                 it = pending[w].popleft()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import mmap
 import os
+import select
 import signal
 import socket
 import struct
@@ -275,6 +276,8 @@ class DecoderProcess:
             raise WorkerDied("the decoder pool is closed")
         self.owed = 0  # requests sent to this worker and not yet answered
         parent, child = socket.socketpair()
+        ready_r, ready_w = os.pipe()  # the worker writes one byte here once its imports are done
+        os.set_blocking(ready_r, False)
         try:  # room for several images queued in the socket (the kernel caps it at net.core.wmem_max)
             parent.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
         except OSError:
@@ -285,17 +288,51 @@ class DecoderProcess:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         env.update({k: v for k, v in MALLOC_ENV.items() if k not in os.environ})  # the user's settings win
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_CMD, str(child.fileno()), str(self.pool.fd), *map(str, self.args)],
-            pass_fds=(child.fileno(), self.pool.fd),
+            [
+                sys.executable,
+                "-c",
+                _WORKER_CMD,
+                str(child.fileno()),
+                str(self.pool.fd),
+                str(ready_w),
+                *map(str, self.args),
+            ],
+            pass_fds=(child.fileno(), self.pool.fd, ready_w),
             env=env,
             stdin=subprocess.DEVNULL,
             close_fds=True,
             process_group=WORKER_PROCESS_GROUP,
         )
         child.close()
+        os.close(ready_w)
         self.spawned = time.perf_counter()  # a new worker first imports its libraries (seconds)
+        self._ready_fd, self.ready_at = ready_r, None
         self.conn = Connection(parent.detach())
-        self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.proc)
+        self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.proc, ready_r)
+
+    def is_ready(self) -> bool:
+        """Whether the worker has done its imports and is decoding (it said so; never blocks)."""
+        if self.ready_at is None:
+            try:
+                if os.read(self._ready_fd, 1) == b"R":
+                    self.ready_at = time.perf_counter()
+            except (BlockingIOError, OSError):
+                pass
+        return self.ready_at is not None
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for :meth:`is_ready`; False if the worker is not ready by then."""
+        if not self.is_ready():
+            try:
+                select.select([self._ready_fd], [], [], timeout)
+            except (OSError, ValueError):
+                pass
+        return self.is_ready()
+
+    def grace_until(self) -> float:
+        """Until when (``time.perf_counter()``) a slow answer is not yet a hang: while the worker is
+        still importing its libraries, :data:`STARTUP_S` after its start; 0 once it is ready."""
+        return 0.0 if self.is_ready() else self.spawned + STARTUP_S
 
     def _restart(self) -> None:
         self._finalizer()
@@ -404,11 +441,12 @@ def exit_reason(proc: subprocess.Popen) -> str:
     return f"exit code {code}"
 
 
-def _shutdown(conn: Connection, proc: subprocess.Popen) -> None:
-    try:
-        conn.close()
-    except OSError:
-        pass
+def _shutdown(conn: Connection, proc: subprocess.Popen, ready_fd: int) -> None:
+    for close in (conn.close, lambda: os.close(ready_fd)):
+        try:
+            close()
+        except OSError:
+            pass
     try:
         proc.wait(2.0)
     except subprocess.TimeoutExpired:
@@ -526,7 +564,7 @@ _PROBE = _probe_png()
 
 def _worker_main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; we end on EOF
-    fd, pool_fd, resize_size, crop_size, max_pixels, nice, pool_rows, max_file_bytes = (int(a) for a in argv)
+    fd, pool_fd, ready_fd, resize_size, crop_size, max_pixels, nice, pool_rows, max_file_bytes = (int(a) for a in argv)
     if nice:
         try:
             os.nice(nice)
@@ -549,6 +587,8 @@ def _worker_main(argv: list[str]) -> None:
         pool_rows, crop_size, crop_size, 3
     )
     conn = Connection(fd)
+    os.write(ready_fd, b"R")  # imports done: from now on a slow answer is a hang (DecoderProcess.grace_until)
+    os.close(ready_fd)
     stats_path = env.get(env.WORKER_STATS)
     if stats_path:
         return _worker_loop_timed(
