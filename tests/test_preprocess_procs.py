@@ -11,6 +11,7 @@ import torch
 from test_pipeline import tiny_pipe
 
 from fullthrottle import Config
+from fullthrottle.config import GPU_PROCESS_DEPTH
 from fullthrottle.preprocess import ImageError, preprocess
 from fullthrottle.preprocess_procs import DecoderPool, DecoderProcess
 
@@ -75,11 +76,12 @@ def test_extreme_aspect_ratio_is_refused_before_resizing(size):
 def test_a_hung_worker_costs_its_image_only(samples, no_thread_leak):
     inputs = [str(p) for p in samples[:30]]
     with tiny_pipe(preprocess="processes", threads=2, decode_timeout_s=1.5) as pipe:
+        assert pipe.decoders[0].wait_ready(30)  # past its imports: from now on a slow answer is a hang
         stuck = pipe.decoders[0].proc
         os.kill(stuck.pid, signal.SIGSTOP)  # a decoder hang, as far as the pipeline can tell
         t0 = time.perf_counter()
         res = pipe.classify(inputs)
-        assert time.perf_counter() - t0 < 30
+        assert time.perf_counter() - t0 < 10  # the timeout (1.5 s) and a replacement's start, not STARTUP_S
         failed = [r for r in res if not r.ok]
         assert len(failed) == 1 and "decode_timeout_s" in failed[0].error
         assert [r.id for r in res] == inputs and sum(r.ok for r in res) == 29
@@ -203,15 +205,16 @@ def test_images_queue_at_a_worker_only_within_its_socket_buffer(samples, monkeyp
 
 def test_decoder_processes_default_to_one_per_core_but_one(monkeypatch):
     """The main process's threads (dispatcher, batcher, compute, decode) need about a core: by default
-    one is left to them; an explicit thread count is taken as given (capped at the cores)."""
-    import fullthrottle.pipeline as pl
+    one is left to them; an explicit thread count is taken as given (capped at the cores); the
+    pipeline starts what the config says."""
+    import fullthrottle.config as fc
 
-    monkeypatch.setattr(pl, "usable_cores", lambda: 3)
-    with tiny_pipe(preprocess="processes", threads=None) as pipe:
-        assert len(pipe.decoders) == 2
-    with tiny_pipe(preprocess="processes", threads=3) as pipe:
-        assert len(pipe.decoders) == 3
-    monkeypatch.setattr(pl, "usable_cores", lambda: 1)
+    monkeypatch.setattr(fc, "usable_cores", lambda: 3)
+    assert Config(threads=None).decoder_processes() == 2
+    assert Config(threads=3).decoder_processes() == 3
+    assert Config(threads=8).decoder_processes() == 3
+    monkeypatch.setattr(fc, "usable_cores", lambda: 1)
+    assert Config(threads=None).decoder_processes() == 1
     with tiny_pipe(preprocess="processes", threads=None) as pipe:
         assert len(pipe.decoders) == 1
 
@@ -302,18 +305,21 @@ def test_worker_crash_with_answers_owed_costs_only_its_image(samples, monkeypatc
 def test_crop_rows_follow_a_raised_window_up_to_twice_the_batches_need():
     """Every item the window admits may hold a decoded crop: a larger max_in_flight gets the rows to
     queue more ahead of the decoders (a fixed cap made the rows, not the window, the limit), up to
-    twice what the batches in flight need."""
-    with tiny_pipe(preprocess="processes", threads=2, max_batch_size=8, staging_slots=3) as pipe:
-        assert pipe.decoders.crops.rows == pipe.config.in_flight_limit  # the default window
+    twice what the batches in flight need; the pipeline's pool has the rows the config gives."""
+    base = dict(preprocess="processes", threads=2, max_batch_size=8, staging_slots=3, gpu_decode=False)
+    cfg = Config(**base)
+    assert cfg.crop_rows(2, 0) == cfg.in_flight_limit  # the default window
     need = (3 + 3) * 8 + 2 * 2  # staging slots + 3 batches of 8, 2 rows per decoder process
-    with tiny_pipe(preprocess="processes", threads=2, max_batch_size=8, staging_slots=3, max_in_flight=80) as pipe:
-        assert need < 80 and pipe.decoders.crops.rows == 80
-    with tiny_pipe(preprocess="processes", threads=2, max_batch_size=8, staging_slots=3, max_in_flight=500) as pipe:
+    assert need < 80 and Config(**base, max_in_flight=80).crop_rows(2, 0) == 80
+    assert Config(**base, max_in_flight=500).crop_rows(2, 0) == 2 * need
+    need_gpu = (3 + 3 + 2 * GPU_PROCESS_DEPTH) * 8 + 2 * 2  # and 2 GPU decoder processes' batches out
+    assert Config(**base, max_in_flight=500).crop_rows(2, 2) == 2 * need_gpu
+    with tiny_pipe(**base, max_in_flight=500) as pipe:
         assert pipe.decoders.crops.rows == 2 * need
 
 
 def test_a_folder_with_broken_files_read_by_the_decoder_processes(samples, bad_dir, tmp_path, no_thread_leak):
-    """2,000 files, 5% of them broken (the bad inputs under other names, and files that cannot be
+    """1,000 files, 5% of them broken (the bad inputs under other names, and files that cannot be
     read: missing, a symlink loop, a named pipe, over max_file_bytes), read by the decoder processes
     themselves: every result equals the one from the loader's own reads (threads) on the same files,
     errors worded alike, in input order; a decoder process killed mid-run costs at most the image it held."""
@@ -330,7 +336,7 @@ def test_a_folder_with_broken_files_read_by_the_decoder_processes(samples, bad_d
     bad = sorted(p for p in bad_dir.iterdir() if p.name != "README.md" and p.stat().st_size < 5 << 20)
     specials = ["missing", "loop", "fifo", "oversized"]
     n_bad = unreadable = 0
-    for i in range(2000):
+    for i in range(1000):
         name = folder / f"{i:05d}.jpg"
         if i % 20 == 7:  # 5% broken
             kind = (bad + specials)[n_bad % (len(bad) + len(specials))]
@@ -349,7 +355,7 @@ def test_a_folder_with_broken_files_read_by_the_decoder_processes(samples, bad_d
                 name.write_bytes(kind.read_bytes())
         else:
             name.symlink_to(small[i % len(small)])
-    inputs = [str(folder / f"{i:05d}.jpg") for i in range(2000)]
+    inputs = [str(folder / f"{i:05d}.jpg") for i in range(1000)]
     with tiny_pipe(max_file_bytes=5 << 20) as pipe:
         ref = [(r.id, r.class_ids, r.error) for r in pipe.run(inputs)]
     errors = [e for _, _, e in ref if e]

@@ -319,3 +319,19 @@ class Config:
             n = default_processes()
         gpu = 2 * n * GPU_PROCESS_DEPTH if self.gpu_decode else 0
         return self.max_in_flight or ((4 + gpu) * self.max_batch_size + 2 * self.num_threads)
+
+    def decoder_processes(self) -> int:
+        """How many CPU decoder processes a pipeline with decoder processes starts: ``threads``, capped
+        at the usable cores; by default one per usable core but one, left to the main process's
+        dispatcher, batcher, compute and decode threads, which use about one (one decoder process per
+        core slows the pipeline: see docs/performance.md)."""
+        cores = usable_cores()
+        return min(self.threads, cores) if self.threads else max(1, cores - 1)
+
+    def crop_rows(self, decoders: int, gpu_processes: int) -> int:
+        """Rows of the shared crop pool for ``decoders`` CPU and ``gpu_processes`` GPU decoder processes:
+        one per item the window (:attr:`in_flight_limit`) lets in, capped at twice what every batch in
+        flight, forming, and out at the GPU decoder processes needs (a larger ``max_in_flight`` keeps
+        more items queued ahead of the decoders, not more pinned memory than that)."""
+        need = (self.staging_slots + 3 + gpu_processes * GPU_PROCESS_DEPTH) * self.max_batch_size + 2 * decoders
+        return min(self.in_flight_limit, 2 * need)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .compute import Engine
-from .config import GPU_PROCESS_DEPTH, Config, usable_cores
+from .config import Config
 from .decode import Result
 from .preprocess import allow_pillow_pixels
 from .preprocess_procs import DecoderPool
@@ -83,18 +83,9 @@ class Pipeline:
         allow_pillow_pixels(config.max_image_pixels)
         self.decoders = self.gpu_decoders = None
         if use_procs:
-            # by default one core is left to this process: its dispatcher, batcher, compute and decode
-            # threads use about one, and one decoder process per core would slow the pipeline
-            # (see docs/performance.md)
-            n = min(config.threads, usable_cores()) if config.threads else max(1, usable_cores() - 1)
+            n = config.decoder_processes()
             n_gpu = config.gpu_decode_processes if self.engine.gpu_decoder is not None else 0
-            # crop rows: one per item the window lets in, capped at twice what every batch in flight,
-            # forming, and out at the GPU decoder processes needs (a larger max_in_flight keeps more
-            # items queued ahead of the decoders, not more pinned memory than that)
-            rows = min(
-                config.in_flight_limit,
-                2 * ((config.staging_slots + 3 + n_gpu * GPU_PROCESS_DEPTH) * config.max_batch_size + 2 * n),
-            )
+            rows = config.crop_rows(n, n_gpu)
             self.decoders = DecoderPool(
                 n,
                 config.resize_size,
