@@ -58,7 +58,7 @@ def test_e2e(tmp_path, samples):
         "fullthrottle",
     }
     assert all(v["img_per_s"] > 0 for v in d["results"].values())
-    assert d["results"]["fullthrottle"]["report"]["ok"] == 48
+    assert d["results"]["fullthrottle"]["report"]["ok"] == 24
     assert d["verdict"].split(":")[0].endswith("-bound")
     assert len(d["ratios"]) == 3
 

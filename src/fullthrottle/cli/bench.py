@@ -68,7 +68,7 @@ def cmd_bench(args) -> int:
         elif exp == "transfer":
             res = B.bench_transfer(_ints(args.batches, [1, 8] if args.quick else [1, 8, 32, 128, 512]), args.model)
         else:
-            n, workers, batch = (48, 2, 8) if args.quick else (args.n, args.workers, args.batch)
+            n, workers, batch = (24, 2, 8) if args.quick else (args.n, args.workers, args.batch)
             res = B.bench_e2e(_blobs(args.images), n, workers, batch, args.device, args.model)
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"fullthrottle bench {exp}: {e}", file=sys.stderr)
