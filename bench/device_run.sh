@@ -46,7 +46,8 @@ if [[ ,$parts, == *,effnet,* ]]; then     # issue 09: EfficientNet-Lite0, produc
   $TO python3 bench/efficientnet.py ${EFFNET_ARGS:-} --out "$OUT/efficientnet_lite0.json" 2>&1 | tee "$OUT/efficientnet_lite0.log" | tail -12
 fi
 if [[ ,$parts, == *,files,* ]]; then      # issues 09/10: the CLI on folders of JPEG files vs a DataLoader loop
-  $PIN $TO python3 bench/files_e2e.py --n ${FILES_N:-60000} ${FILES_ARGS:-} --out "$OUT/files_e2e.json" 2>&1 | tee "$OUT/files_e2e.log" | tail -8
+  tries=(); IFS=';' read -ra tl <<< "${FILES_TRIES:-}"; for t in "${tl[@]}"; do tries+=("--try=$t"); done  # ';'-separated
+  $PIN $TO python3 bench/files_e2e.py --n ${FILES_N:-60000} ${FILES_ARGS:-} "${tries[@]}" --out "$OUT/files_e2e.json" 2>&1 | tee "$OUT/files_e2e.log" | tail -8
 fi
 if [[ ,$parts, == *,faults,* ]]; then     # issue 11: faults under load with GPU decoding, nothing lost
   $TO python3 bench/serve_faults.py --duration ${FAULT_S:-300} --out "$OUT/serve_faults.json" -- --device cuda ${FAULT_ARGS:-} 2>&1 | tee "$OUT/serve_faults.log" | tail -3

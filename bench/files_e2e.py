@@ -200,11 +200,22 @@ def main():
     ap.add_argument("--folders", default="/tmp/ft-files", help="the folders are made under this one")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"which runs, in order: {', '.join(RUNS)}")
+    ap.add_argument(
+        "--try",
+        dest="trials",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="also run the CLI with these arguments on the 640x480 folder (a trial, named try_N; repeatable)",
+    )
     ap.add_argument("--out", default="bench/results/files_e2e.json")
     args = ap.parse_args()
+    for i, extra in enumerate(args.trials):
+        RUNS[f"try_{i}"] = ("640x480", extra)
+        args.runs += f",try_{i}"
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
-    runs = args.runs.split(",")
+    runs = [r for r in args.runs.split(",") if r]
     unknown = [r for r in runs if r not in RUNS]
     if unknown:
         sys.exit(f"unknown runs {unknown}: choose from {list(RUNS)}")

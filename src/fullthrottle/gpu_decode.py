@@ -429,9 +429,8 @@ class HwJpegDecoder:
             for k, h in parse_nvimgcodec_backends(env.get(env.NVIMGCODEC_BACKENDS))
         ]
         self._dec = nvimgcodec.Decoder(device_id=index, max_num_cpu_threads=threads, backends=backends)
-        self._params = nvimgcodec.DecodeParams(
-            apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB, allow_any_depth=False
-        )
+        rgb = getattr(nvimgcodec.ColorSpec, "RGB", None) or nvimgcodec.ColorSpec.SRGB  # (SRGB from 0.9 on)
+        self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=rgb, allow_any_depth=False)
         self._code_stream = nvimgcodec.CodeStream
         self.fallback = fallback
         probe = _test_jpeg()
