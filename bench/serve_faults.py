@@ -92,8 +92,11 @@ def main() -> None:
         m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
         url = m.group(1) if m else None
     if url is None:
-        sys.exit("server did not start:\n" + "".join(log[-40:]))
+        if proc.poll() is not None:  # it exited: what it wrote last is still in the pipe
+            log.append(proc.stderr.read())
+        sys.exit(f"server did not start (exit {proc.poll()}):\n" + "".join(log)[-6000:])
     threading.Thread(target=lambda: [log.append(x) for x in proc.stderr], daemon=True).start()
+    print(f"server up at {url} ({' '.join(cmd[2:])})", flush=True)
     host, port = url.removeprefix("http://").split(":")
     stop, pause, lock = threading.Event(), threading.Event(), threading.Lock()
     outcomes: list[tuple] = []
@@ -165,6 +168,13 @@ def main() -> None:
         hang_ups()
         rounds += 1
         time.sleep(args.every)
+        with lock:  # progress, so a run cut short still tells what it saw
+            seen = [o[0] for o in outcomes]
+        print(
+            f"{time.time() - t0:5.0f} s: {len(seen)} requests, {seen.count(200)} ok, "
+            f"{seen.count('lost')} lost, kills {kills}",
+            flush=True,
+        )
     with lock:
         n_before_end = len(outcomes)
     rss1 = snapshot()

@@ -441,8 +441,8 @@ def exit_reason(proc: subprocess.Popen) -> str:
     return f"exit code {code}"
 
 
-def _shutdown(conn: Connection, proc: subprocess.Popen, ready_fd: int) -> None:
-    for close in (conn.close, lambda: os.close(ready_fd)):
+def _shutdown(conn: Connection, proc: subprocess.Popen, ready_fd: int = -1) -> None:
+    for close in (conn.close, lambda: os.close(ready_fd) if ready_fd >= 0 else None):
         try:
             close()
         except OSError:
