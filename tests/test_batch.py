@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from fullthrottle.batch import Batch, Batcher, bucket_for, split_into_buckets
+from fullthrottle.batch import Batch, Batcher, RequestBatcher, bucket_for, split_into_buckets
 from fullthrottle.config import Config, default_buckets
 from fullthrottle.load import Item
 from fullthrottle.report import StageStats
@@ -198,3 +198,38 @@ def test_busy_device_grows_batches_past_deadline():
     assert len(sent) == 1 and len(sent[0]) == 20
     q_in.put(END)
     th.join(5)
+
+
+def test_request_batcher_by_count_and_token_budget():
+    q = queue.Queue()
+    asked = []
+
+    def tokens(r):
+        asked.append(r["id"])
+        return r["tokens"]
+
+    reqs = [{"id": i, "texts": t, "tokens": k} for i, (t, k) in enumerate([(2, 10), (3, 10), (1, 90), (4, 5), (9, 1)])]
+    for r in reqs:
+        q.put(r)
+    b = RequestBatcher(q, max_items=6, max_tokens=100, size=lambda r: r["texts"], tokens=tokens)
+    ids = lambda batch: [r["id"] for r in batch]  # noqa: E731
+    assert ids(b.next()) == [0, 1]  # request 2 would take the tokens to 110: it opens the next batch
+    assert ids(b.next()) == [2, 3]  # 1 + 4 texts, 95 tokens; 9 texts more would pass 6
+    assert ids(b.next()) == [4]  # alone over max_items: taken anyway (the first of a batch always is)
+    assert b.next(timeout=0.01) == []
+    assert asked == [0, 1, 2, 3, 4]  # each request's tokens asked once, the carried one too
+
+
+def test_request_batcher_waits_for_more_only_when_asked():
+    q = queue.Queue()
+    q.put("a")
+    threading.Timer(0.05, q.put, args=("b",)).start()
+    assert RequestBatcher(q, max_items=8).next() == ["a"]  # max_wait_s 0: only what is queued
+    assert q.get(timeout=1) == "b"
+    q.put("a")
+    threading.Timer(0.05, q.put, args=("b",)).start()
+    t0 = time.perf_counter()
+    assert RequestBatcher(q, max_items=8, max_wait_s=0.5).next() == ["a", "b"]
+    assert time.perf_counter() - t0 >= 0.45  # waited out its deadline for more
+    with pytest.raises(ValueError):
+        RequestBatcher(q, max_items=0)

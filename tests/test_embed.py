@@ -169,3 +169,35 @@ def test_a_huge_text_is_cut_before_tokenising_without_changing_its_vector(emb, m
     assert max(seen) == E.MAX_TEXT_CHARS
     assert got.truncated.tolist() == [True, True]
     np.testing.assert_allclose(got.vectors[0], got.vectors[1], rtol=0, atol=1e-6)
+
+
+def test_embed_service_keeps_to_its_token_budget_and_fails_only_the_bad_request(emb, monkeypatch):
+    import asyncio
+
+    from fullthrottle.serve_services import EmbedService
+
+    calls = []
+    real = emb.embed_encoded
+
+    def spy(encs):
+        calls.append(sum(len(e.ids) for e in encs))
+        return real(encs)
+
+    monkeypatch.setattr(emb, "embed_encoded", spy)
+    requests = [["hello world"] * 3, ["bad \udc80 text"], ["a longer sentence, with more tokens " * 3], ["x"] * 5] * 3
+
+    async def main():
+        svc = EmbedService(emb, max_texts=64, max_batch_tokens=40)
+        try:
+            return await asyncio.gather(*(svc.submit(r) for r in requests), return_exceptions=True)
+        finally:
+            svc.close()
+
+    got = asyncio.run(main())
+    one_request = max(sum(len(e.ids) for e in emb.tokenize(r)) for r in requests if "\udc80" not in r[0])
+    assert calls and max(calls) <= max(40, one_request)  # a batch passes the budget only as a lone request
+    for r, g in zip(requests, got):
+        if "\udc80" in r[0]:
+            assert isinstance(g, Exception) and "text 0 is not valid Unicode" in str(g)
+        else:
+            np.testing.assert_allclose(g[0], emb.embed(r).vectors, atol=1e-5)

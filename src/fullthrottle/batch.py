@@ -4,6 +4,7 @@ and the batch-bucket arithmetic (pad up to a bucket, split what exceeds the larg
 from __future__ import annotations
 
 import bisect
+import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -174,3 +175,65 @@ class Batcher:
         for b in full:
             self._flush(b)
         return pending, deadline
+
+
+class RequestBatcher:
+    """Batches of waiting requests for the services that batch across callers (text embeddings, LLM
+    completions): by count, by token budget and by deadline, as text-embeddings-inference forms its
+    batches (``max_batch_tokens``) and LitServe its (``max_batch_size``, ``batch_timeout``).
+
+    :meth:`next` takes the first waiting request (waiting up to ``timeout`` s for one), then more
+    while the batch holds at most ``max_items`` items (``size(request)``: texts per request, or 1)
+    and at most ``max_tokens`` tokens (``tokens(request)``, asked once per request), waiting up to
+    ``max_wait_s`` after the first for more to arrive (0: only what is queued already). A request
+    that would overflow either limit opens the next batch instead; the first request of a batch is
+    always taken, even alone over a limit. ``tokens`` may do work (tokenise) and store it in the
+    request: it runs in the caller's thread, once per request. Not thread-safe: one consumer thread.
+    """
+
+    def __init__(
+        self,
+        q,
+        max_items: int,
+        max_tokens: int | None = None,
+        max_wait_s: float = 0.0,
+        size: Callable = lambda r: 1,
+        tokens: Callable = lambda r: 0,
+    ):
+        if max_items < 1 or (max_tokens is not None and max_tokens < 1) or max_wait_s < 0:
+            raise ValueError("max_items and max_tokens must be >= 1, max_wait_s >= 0")
+        self.q, self.max_items, self.max_tokens, self.max_wait_s = q, max_items, max_tokens, max_wait_s
+        self.size, self.tokens = size, tokens
+        self._carry = None  # (request, its tokens): the one that opened no room in the last batch
+
+    def _take(self, timeout: float | None):
+        if timeout is not None and timeout <= 0:
+            try:
+                r = self.q.get_nowait()
+            except queue.Empty:
+                return None
+        else:
+            try:
+                r = self.q.get(timeout=timeout)
+            except queue.Empty:
+                return None
+        return r, self.tokens(r)
+
+    def next(self, timeout: float = 0.05) -> list:
+        """The next batch of requests, oldest first; ``[]`` when none arrived within ``timeout`` s."""
+        first, self._carry = self._carry or self._take(timeout), None
+        if first is None:
+            return []
+        batch, n, tok = [first[0]], self.size(first[0]), first[1]
+        deadline = time.perf_counter() + self.max_wait_s
+        while n < self.max_items:
+            nxt = self._take(deadline - time.perf_counter())
+            if nxt is None:
+                break
+            k = self.size(nxt[0])
+            if n + k > self.max_items or (self.max_tokens is not None and tok + nxt[1] > self.max_tokens):
+                self._carry = nxt
+                break
+            batch.append(nxt[0])
+            n, tok = n + k, tok + nxt[1]
+        return batch

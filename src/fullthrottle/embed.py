@@ -274,7 +274,7 @@ class Embedder:
                 if not block:
                     return
                 fut = ex.submit(next_chunk)
-                yield self._embed_encoded(encs)
+                yield self.embed_encoded(encs)
 
     def embed(self, texts: list[str]) -> Embeddings:
         """Embed ``texts`` (any length list; empty strings allowed).
@@ -288,12 +288,13 @@ class Embedder:
         if not all(isinstance(t, str) for t in texts):
             raise TypeError("embed() takes a list of str")
         if len(texts) <= self.chunk:
-            return self._embed_encoded(self.tokenize(texts) if texts else [])
+            return self.embed_encoded(self.tokenize(texts) if texts else [])
         parts = list(self.embed_stream(texts, chunk=self.chunk))  # tokenising overlaps the compute
         return Embeddings(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("vectors", "truncated", "tokens")))
 
-    def _embed_encoded(self, encs: list) -> Embeddings:
-        """Embed tokenised texts: sort by length, cut into (sequence bucket, batch) groups, and run them.
+    def embed_encoded(self, encs: list) -> Embeddings:
+        """Embed texts tokenised by :meth:`tokenize` (any number of them): :class:`Embeddings`, rows in
+        the order of ``encs``. Sorts by length, cuts into (sequence bucket, batch) groups and runs them.
 
         The padded ``(B, 2, L)`` int64 inputs are built with numpy (no Python loop per text) in pinned
         memory on CUDA; H2D copies, replays and the D2H copies of the ``(B, E)`` results are queued on

@@ -15,7 +15,9 @@ import asyncio
 import itertools
 import queue
 import threading
+from dataclasses import dataclass, field
 
+from .batch import RequestBatcher
 from .decode import Result
 from .pipeline import Pipeline
 
@@ -107,12 +109,18 @@ class BatchingService:
 
 
 class EmbedService:
-    """Cross-request batching for text embeddings: one thread drains every waiting request (up to
-    ``max_texts`` texts) into one :meth:`~fullthrottle.embed.Embedder.embed` call."""
+    """Cross-request batching for text embeddings: one thread tokenises each waiting request as it
+    takes it and runs as many as fit ``max_texts`` texts and ``max_batch_tokens`` tokens
+    (:class:`~fullthrottle.batch.RequestBatcher`, the token budget as text-embeddings-inference's
+    ``--max-batch-tokens``) as one :meth:`~fullthrottle.embed.Embedder.embed_encoded` call. A request
+    whose texts cannot be tokenised gets its own error; the others in its batch are not affected."""
 
-    def __init__(self, embedder, max_texts: int = 1024, max_queue: int = 256):
-        self.embedder, self.max_texts = embedder, max_texts
+    def __init__(self, embedder, max_texts: int = 1024, max_batch_tokens: int = 32768, max_queue: int = 256):
+        self.embedder = embedder
         self.q: queue.Queue = queue.Queue(max_queue)
+        self.batcher = RequestBatcher(
+            self.q, max_texts, max_batch_tokens, size=lambda r: len(r.texts), tokens=self._tokenize
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ft-embed", daemon=True)
         self._thread.start()
@@ -122,46 +130,57 @@ class EmbedService:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         try:
-            self.q.put_nowait((texts, loop, fut))
+            self.q.put_nowait(_EmbedRequest(texts, loop, fut))
         except queue.Full:
             raise Overloaded(f"queue full ({self.q.maxsize} requests waiting)") from None
         return fut
 
+    def _tokenize(self, r: _EmbedRequest) -> int:
+        """The request's token count (its encodings kept on it); 0 with its error kept instead."""
+        if r.fut.done():  # its caller gave up (504): no work for it
+            return 0
+        try:
+            r.encs = self.embedder.tokenize(r.texts)
+        except Exception as e:  # noqa: BLE001 - this request's error, not its batch's
+            r.error = e
+            return 0
+        return sum(len(e.ids) for e in r.encs)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                reqs = [self.q.get(timeout=0.05)]
-            except queue.Empty:
-                continue
-            n = len(reqs[0][0])
-            while n < self.max_texts:
-                try:
-                    reqs.append(self.q.get_nowait())
-                    n += len(reqs[-1][0])
-                except queue.Empty:
-                    break
-            reqs = [r for r in reqs if not r[2].done()]  # skip requests whose caller gave up (504)
+            reqs = []
+            for r in self.batcher.next():
+                if r.error is not None:
+                    r.loop.call_soon_threadsafe(_fail, r.fut, r.error)
+                elif not r.fut.done():  # (skip requests whose caller gave up)
+                    reqs.append(r)
             if not reqs:
                 continue
             try:
-                res = self.embedder.embed([t for r in reqs for t in r[0]])
+                res = self.embedder.embed_encoded([e for r in reqs for e in r.encs])
             except Exception as e:  # noqa: BLE001 - answer every waiting request
-                for _, loop, fut in reqs:
-                    loop.call_soon_threadsafe(_fail, fut, e)
+                for r in reqs:
+                    r.loop.call_soon_threadsafe(_fail, r.fut, e)
                 continue
             k = 0
-            for texts, loop, fut in reqs:
-                part = (
-                    res.vectors[k : k + len(texts)],
-                    res.truncated[k : k + len(texts)],
-                    res.tokens[k : k + len(texts)],
-                )
-                k += len(texts)
-                loop.call_soon_threadsafe(_resolve, fut, part)
+            for r in reqs:
+                n = len(r.texts)
+                part = (res.vectors[k : k + n], res.truncated[k : k + n], res.tokens[k : k + n])
+                k += n
+                r.loop.call_soon_threadsafe(_resolve, r.fut, part)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(60)  # a batch in progress finishes (bounded by MAX_TEXTS_PER_REQUEST)
+
+
+@dataclass
+class _EmbedRequest:
+    texts: list
+    loop: asyncio.AbstractEventLoop
+    fut: asyncio.Future
+    encs: list = field(default_factory=list)  # its tokenizer encodings, once the service took it
+    error: BaseException | None = None  # why it could not be tokenised
 
 
 class CompletionService:
@@ -172,6 +191,7 @@ class CompletionService:
     def __init__(self, generator, tokenizer=None, max_queue: int = 256):
         self.gen, self.tok = generator, tokenizer
         self.q: queue.Queue = queue.Queue(max_queue)
+        self.batcher = RequestBatcher(self.q, generator.max_batch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ft-llm", daemon=True)
         self._thread.start()
@@ -191,15 +211,9 @@ class CompletionService:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                batch = [self.q.get(timeout=0.05)]
-            except queue.Empty:
+            batch = self.batcher.next()
+            if not batch:
                 continue
-            while len(batch) < self.gen.max_batch:
-                try:
-                    batch.append(self.q.get_nowait())
-                except queue.Empty:
-                    break
             reqs = [b[0] for b in batch]
             eos = reqs[0]["eos"]
             done = [False] * len(batch)
