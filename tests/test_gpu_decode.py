@@ -322,7 +322,7 @@ class FakeGpuProcess:
         return count_fitting(items, self.slot_bytes)
 
     def send(self, items, slot=None):
-        from fullthrottle.preprocess_procs import PATH_BIT
+        from fullthrottle.worker_procs import PATH_BIT
 
         self.paths += sum(1 for _, row in items if row & PATH_BIT)
         in_arena = slot is not None and sum(len(d) for d, _ in items) <= self.slot_bytes
@@ -339,7 +339,7 @@ class FakeGpuProcess:
 
     def receive(self, timeout):
         from fullthrottle.gpu_decode_procs import _read_paths
-        from fullthrottle.preprocess_procs import WorkerDied
+        from fullthrottle.worker_procs import WorkerDied
 
         time.sleep(self.delay_s)  # decoding takes a while: the next batch can queue behind this one
         batch, read_errors = _read_paths(self.sent.popleft(), 256 << 20)  # (files sent as paths: read here)
@@ -640,8 +640,8 @@ def test_decode_crops_falls_back_to_the_cpu_when_the_gpu_batch_fails(samples, ba
 def test_gpu_decoder_pool_takes_one_kind_per_process():
     """A mix of decoder kinds names one kind per process; a list of another length is refused before
     any process starts."""
+    from fullthrottle.crop_pool import CropPool
     from fullthrottle.gpu_decode_procs import GpuDecoderPool
-    from fullthrottle.preprocess_procs import CropPool
 
     pool = CropPool(4, 8)
     try:

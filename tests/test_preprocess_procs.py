@@ -128,7 +128,7 @@ def test_crop_pool_is_released_when_collected():
     """A pool dropped without close() still releases its file (and, on CUDA, its registration)."""
     import gc
 
-    from fullthrottle.preprocess_procs import CropPool
+    from fullthrottle.crop_pool import CropPool
 
     pool = CropPool(3, crop_size=8, scratch=1)
     assert pool.array.shape == (4, 8, 8, 3) and pool.free_rows() == 3

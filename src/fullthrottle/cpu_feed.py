@@ -16,7 +16,7 @@ import time
 from .gpu_feed import GPU_CHUNK
 from .load import LoadError
 from .preprocess import ImageError
-from .preprocess_procs import WorkerDied
+from .worker_procs import WorkerDied
 
 #: images out at each decoder process at once (one decoding, the rest waiting in its socket), so
 #: that a worker finishing an image finds the next one even when this process is slow to answer

@@ -41,16 +41,16 @@ from multiprocessing import BufferTooShort
 from multiprocessing.connection import Connection
 
 from .config import GPU_PROCESS_DEPTH
+from .crop_pool import CropPool
 from .load import LoadError, read_local
 from .mps import mps_server_running
-from .preprocess_procs import (
+from .worker_procs import (
     PATH_BIT,
     STARTUP_S,
     WORKER_PROCESS_GROUP,
-    CropPool,
     WorkerDied,
-    _shutdown,
     exit_reason,
+    shutdown_worker,
     worker_command,
 )
 
@@ -254,7 +254,7 @@ class GpuDecoderProcess:
         child.close()
         self.spawned = time.perf_counter()
         self.conn = Connection(parent.detach())
-        self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.proc)
+        self._finalizer = weakref.finalize(self, shutdown_worker, self.conn, self.proc)
 
     def _restart(self) -> None:
         self._finalizer()
@@ -421,9 +421,9 @@ def _gpu_worker_main(argv: list[str]) -> None:
     import torch
 
     torch.set_num_threads(1)
+    from .crop_pool import clear_cuda_error
     from .gpu_decode import _test_jpeg, decode_crops, make_gpu_decoder
     from .preprocess import ImageError, allow_pillow_pixels
-    from .preprocess_procs import _clear_cuda_error
 
     allow_pillow_pixels(max_pixels)
     try:
@@ -439,7 +439,7 @@ def _gpu_worker_main(argv: list[str]) -> None:
     host = torch.frombuffer(mm, dtype=torch.uint8).view(pool_rows, crop_size, crop_size, 3)
     err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size, 0)  # pinned: D2H copies run async
     if int(err[0] if isinstance(err, tuple) else err) != 0:
-        _clear_cuda_error()
+        clear_cuda_error()
     stream = torch.cuda.Stream(dev)
     done = torch.cuda.Event(blocking=True)
     with torch.cuda.stream(stream), torch.inference_mode():  # set-up here, before the first real batch:

@@ -20,7 +20,7 @@ import torch
 from .gpumon import nvtx_range
 from .load import LoadError
 from .preprocess import ImageError
-from .preprocess_procs import PATH_BIT, WorkerDied
+from .worker_procs import PATH_BIT, WorkerDied
 
 #: images per hand-off on the GPU decode path (dispatcher -> GPU decoders -> batcher): each hand-off
 #: between threads costs a queue operation and a GIL hand-off, so the GPU's images travel in lists

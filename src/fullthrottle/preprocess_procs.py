@@ -25,7 +25,6 @@ gets an error, and a fresh worker replaces it. Workers are started with ``subpro
 
 from __future__ import annotations
 
-import collections
 import mmap
 import os
 import select
@@ -42,18 +41,24 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from . import env
+from .crop_pool import CropPool
 from .load import LoadError, read_local
 from .preprocess import ImageError, preprocess
+from .worker_procs import (
+    PATH_BIT,
+    STARTUP_S,
+    WORKER_PROCESS_GROUP,
+    WorkerDied,
+    exit_reason,
+    shutdown_worker,
+    worker_command,
+)
 
 _OK, _IMAGE_ERROR, _OTHER_ERROR = 0, 1, 2
-#: seconds a freshly started worker is allowed for its imports before decode_timeout_s applies
-STARTUP_S = 15.0
 #: socket send buffer asked for per worker (bytes); what the kernel grants sets how many encoded
 #: images may queue at a worker (:attr:`DecoderProcess.queue_bytes`)
 SOCKET_BUFFER = 4 << 20
 _ROW = struct.Struct("<I")  # the pool row a request's crop goes to, ahead of the encoded bytes
-#: set in a request's row: what follows is a file's path (``os.fsencode``), which the worker reads itself
-PATH_BIT = 1 << 31
 _LOAD_ERROR = 3  # reply: the file could not be read (the message is the item's whole error)
 #: scheduling niceness added to each decoder process (so the main process's compute and copy threads
 #: win the cores when all are busy)
@@ -70,165 +75,7 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(16 << 20), "MALLOC_TRIM_THRESHOLD_":
 STATS_ENV = env.WORKER_STATS
 
 
-#: worker processes start in a process group of their own (``Popen(process_group=0)``): a terminal's
-#: Ctrl-C goes to the foreground group, so it reaches the parent only, also while a worker is still
-#: starting (a SIGINT then, before its first line ran, killed it with a traceback)
-WORKER_PROCESS_GROUP = 0
-
-
-def worker_command(module: str, main: str) -> str:
-    """The ``python -c`` line that runs ``fullthrottle.<module>.<main>(sys.argv[1:])`` in a worker
-    process. Ctrl-C is the parent's to handle (the worker ends on EOF): a SIGINT sent to the worker
-    itself is ignored from its first line, before the imports."""
-    return (
-        f"import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-        f"from fullthrottle.{module} import {main}; {main}(sys.argv[1:])"
-    )
-
-
 _WORKER_CMD = worker_command("preprocess_procs", "_worker_main")
-
-
-class WorkerDied(RuntimeError):
-    """The decoder process exited while working on an item (that item's error)."""
-
-
-class CropPool:
-    """Rows of ``(S, S, 3)`` uint8 crops in memory shared with the decoder processes.
-
-    One anonymous shared-memory file (``memfd_create``; nothing to clean up, it disappears with the
-    last process that maps it) holds ``rows + scratch`` crops. The first ``rows`` are handed out with
-    :meth:`acquire` and given back with :meth:`release`; ``scratch`` rows, one per worker, serve
-    single calls (:meth:`DecoderProcess.__call__`). :meth:`pin` registers the whole file with CUDA
-    (``cudaHostRegister``) so H2D copies read it as pinned memory.
-
-    Attributes:
-        array: ``(rows + scratch, S, S, 3)`` uint8 numpy view; ``tensor``: the same memory as a torch tensor.
-        fd: the file descriptor that workers map (passed to them with ``pass_fds``).
-
-    Raises:
-        OSError: the shared memory cannot be created (size: ``(rows + scratch) * S * S * 3`` bytes).
-    """
-
-    def __init__(self, rows: int, crop_size: int = 224, scratch: int = 0):
-        if rows < 0 or scratch < 0 or rows + scratch < 1:
-            raise ValueError(f"a crop pool needs at least one row, got rows={rows}, scratch={scratch}")
-        self.rows, self.scratch, self.crop_size = rows, scratch, crop_size
-        self.row_bytes = crop_size * crop_size * 3
-        size = (rows + scratch) * self.row_bytes
-        if hasattr(os, "memfd_create"):
-            self.fd = os.memfd_create("fullthrottle-crops", 0)
-        else:  # pragma: no cover - not Linux: an unlinked temporary file
-            import tempfile
-
-            fd, path = tempfile.mkstemp(prefix="fullthrottle-crops-")
-            os.unlink(path)
-            self.fd = fd
-        os.ftruncate(self.fd, size)
-        self.mm = mmap.mmap(self.fd, size)
-        self.array = np.frombuffer(self.mm, np.uint8).reshape(rows + scratch, crop_size, crop_size, 3)
-        import torch
-
-        self.tensor = torch.from_numpy(self.array)
-        self._free = collections.deque(range(rows))
-        self._cv = threading.Condition()
-        # unregistered from CUDA and closed when closed or collected, *before* the mapping goes away:
-        # a range unmapped while registered makes the next registration there fail
-        self._state = {"mm": self.mm, "ptr": self.tensor.data_ptr(), "fd": self.fd, "pinned": False}
-        self._finalizer = weakref.finalize(self, _release_pool, self._state)
-
-    @property
-    def pinned(self) -> bool:
-        """Whether the pool is registered with CUDA as page-locked (pinned) memory."""
-        return self._state["pinned"]
-
-    def pin(self) -> bool:
-        """Register the pool with CUDA as page-locked memory; False (pageable copies) if that fails."""
-        import torch
-
-        if self.pinned or not torch.cuda.is_available():
-            return self.pinned
-        try:
-            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.mm.size(), 0)
-            ok = int(err[0] if isinstance(err, tuple) else err) == 0
-        except (RuntimeError, AttributeError, TypeError):
-            ok = False
-        if not ok:
-            _clear_cuda_error()  # the failed call left an error that the next CUDA call would raise
-        self._state["pinned"] = ok
-        return ok
-
-    def acquire(self, stopped=lambda: False) -> int | None:
-        """A free row, blocking while all are taken (backpressure); ``None`` if ``stopped()``."""
-        with self._cv:
-            while not self._free:
-                if stopped():
-                    return None
-                self._cv.wait(0.05)
-            return self._free.popleft()
-
-    def acquire_many(self, n: int, stopped=lambda: False) -> list[int] | None:
-        """``n`` free rows, taken as they become free (blocking while none is: backpressure);
-        ``None`` if ``stopped()`` first (rows taken so far are given back)."""
-        rows: list[int] = []
-        with self._cv:
-            while len(rows) < n:
-                k = min(n - len(rows), len(self._free))
-                if k:
-                    rows += [self._free.popleft() for _ in range(k)]
-                    continue
-                if stopped():
-                    self._free.extend(rows)
-                    self._cv.notify_all()
-                    return None
-                self._cv.wait(0.05)
-        return rows
-
-    def release(self, rows) -> None:
-        """Give rows back (their crops have been consumed)."""
-        with self._cv:
-            self._free.extend(rows)
-            self._cv.notify_all()
-
-    def reset(self) -> None:
-        """Mark every row free (start of a run; nothing may be writing or reading rows)."""
-        with self._cv:
-            self._free = collections.deque(range(self.rows))
-            self._cv.notify_all()
-
-    def free_rows(self) -> int:
-        return len(self._free)
-
-    def close(self) -> None:
-        """Unregister from CUDA and close the file (the memory goes when the last view does)."""
-        self._finalizer()
-
-
-def _release_pool(state: dict) -> None:
-    if state["pinned"]:
-        try:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(state["ptr"])
-        except (RuntimeError, AttributeError):
-            pass
-        state["pinned"] = False
-    try:
-        os.close(state["fd"])
-    except OSError:
-        pass
-
-
-def _clear_cuda_error() -> None:
-    """Reset the CUDA runtime's last error (``cudaGetLastError``) after a call that failed on purpose."""
-    import ctypes
-
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            ctypes.CDLL(name).cudaGetLastError()
-            return
-        except (OSError, AttributeError):
-            continue
 
 
 class DecoderProcess:
@@ -308,7 +155,7 @@ class DecoderProcess:
         self.spawned = time.perf_counter()  # a new worker first imports its libraries (seconds)
         self._ready_fd, self.ready_at = ready_r, None
         self.conn = Connection(parent.detach())
-        self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.proc, ready_r)
+        self._finalizer = weakref.finalize(self, shutdown_worker, self.conn, self.proc, ready_r)
 
     def is_ready(self) -> bool:
         """Whether the worker has done its imports and is decoding (it said so; never blocks)."""
@@ -424,34 +271,6 @@ class DecoderProcess:
         self._finalizer()
         if self._own_pool:
             self.pool.close()
-
-
-def exit_reason(proc: subprocess.Popen) -> str:
-    """How a worker that closed its socket ended: ``"exit code N"`` or ``"killed by signal SIGSEGV"``
-    (its exit status follows the close at once; waits at most 1 s for it)."""
-    try:
-        code = proc.wait(1.0)
-    except subprocess.TimeoutExpired:
-        code = None
-    if code is not None and code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _shutdown(conn: Connection, proc: subprocess.Popen, ready_fd: int = -1) -> None:
-    for close in (conn.close, lambda: os.close(ready_fd) if ready_fd >= 0 else None):
-        try:
-            close()
-        except OSError:
-            pass
-    try:
-        proc.wait(2.0)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 class DecoderPool:
