@@ -75,7 +75,7 @@ def test_fused_conv_relu_on_cuda_matches_unfused():
     """cuDNN's conv+bias+ReLU (and +add) calls equal the separate ops: fp32 with TF32 off, 1e-4 relative."""
     import torchvision
 
-    from fullthrottle.compute import fold_batchnorm, fuse_conv_relu
+    from fullthrottle.fuse import fold_batchnorm, fuse_conv_relu
 
     torch.manual_seed(0)
     folded, _ = fold_batchnorm(torchvision.models.resnet18().eval())
@@ -97,7 +97,7 @@ def test_fused_conv_relu_on_cuda_matches_unfused():
 def test_mapped_on_device_aliases_pinned_memory():
     """The device reads pinned host memory in place: a later host write shows in a device read;
     rows of bytes are widened to int64 columns; pageable memory is refused (None)."""
-    from fullthrottle.compute import mapped_on_device
+    from fullthrottle.device_copy import mapped_on_device
 
     host = torch.arange(64, dtype=torch.uint8).view(4, 16).pin_memory()
     view = mapped_on_device(host, torch.device("cuda"))

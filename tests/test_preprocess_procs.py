@@ -99,7 +99,7 @@ def test_config_checks():
 
 
 def test_row_spans_cover_exactly_the_rows_asked_for():
-    from fullthrottle.compute import row_spans
+    from fullthrottle.device_copy import row_spans
 
     assert row_spans([7, 3, 4, 5, 40, 41]) == [(3, 8), (40, 42)]
     assert row_spans([5, 1], max_gap=1) == [(1, 2), (5, 6)]

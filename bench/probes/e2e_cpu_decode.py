@@ -439,7 +439,7 @@ def run(args, mps) -> None:
         print("fullthrottle, decoding in threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, preprocess="threads"))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
-    from fullthrottle.compute import POOL_GATHER_ENV
+    from fullthrottle.device_copy import POOL_GATHER_ENV
 
     variants = (
         [

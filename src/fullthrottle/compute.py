@@ -7,7 +7,7 @@ One batch on CUDA goes like this (``n`` images, ``S`` = crop size, ``k`` = top-k
         -> softmax, top-k (n,k) --D2H into pinned--> event "done"
 
 Crops from decoder processes skip the memcpy: they are already in pinned shared memory (the
-:class:`~fullthrottle.preprocess_procs.CropPool`), so their rows go H2D in a few span copies into a
+:class:`~fullthrottle.crop_pool.CropPool`), so their rows go H2D in a few span copies into a
 device mirror of the pool and are gathered into the device slot on the compute stream. Crops the GPU
 decoder made are copied device to device.
 
@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import env
 from .config import Config, torch_dtype
 from .decode import topk_probs
+from .device_copy import copy_all, mapped_on_device, row_spans
+from .fuse import fold_batchnorm, fuse_conv_relu
 from .gpu_decode import RateSplitter, crop_runs, make_gpu_decoder
 from .graphs import GraphRunner
 from .kernels import normalize_u8, use_triton
@@ -57,303 +58,6 @@ def resolve_device(spec: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {spec!r}: use auto, cpu, cuda or cuda:N")
     return dev
-
-
-def fold_batchnorm(model: nn.Module) -> tuple[nn.Module, bool]:
-    """Fold eval-mode ``BatchNorm2d`` layers into the preceding ``Conv2d`` (weights rescaled, bias added).
-
-    Returns ``(model, folded)``: a ``torch.fx`` GraphModule computing the same function (fp32 within
-    ~1e-6 relative) with fewer kernels, and True; or the model itself and False when it has no
-    BatchNorm or ``torch.fx`` cannot trace it (data-dependent control flow): never an error.
-    """
-    if not any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
-        return model, False
-    try:
-        from torch.fx.experimental.optimization import fuse
-
-        # on a float32 copy: the caller's model is untouched, and the rescaled weights are
-        # computed in fp32 before the cast to the compute dtype
-        fused = fuse(copy.deepcopy(model).eval().float(), inplace=True)
-    except Exception:  # noqa: BLE001 - an untraceable model simply runs as it is
-        return model, False
-    folded = sum(isinstance(m, nn.BatchNorm2d) for m in fused.modules()) < sum(
-        isinstance(m, nn.BatchNorm2d) for m in model.modules()
-    )
-    return (fused, True) if folded else (model, False)
-
-
-def conv_relu(x, weight, bias, stride, padding, dilation, groups):
-    """``relu(conv2d(x))`` as one cuDNN call on CUDA (``torch.cudnn_convolution_relu``: the
-    convolution's epilogue adds the bias and clamps), plain PyTorch elsewhere. Shapes as ``F.conv2d``."""
-    if x.is_cuda:
-        return torch.cudnn_convolution_relu(x, weight, bias, stride, padding, dilation, groups)
-    return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
-
-
-def _conv2d_out_shape(x, weight, stride, padding, dilation) -> tuple[int, ...]:
-    """``(N, C_out, H_out, W_out)`` of ``F.conv2d`` (PyTorch's Conv2d output-size formula)."""
-    hw = [
-        (x.shape[2 + i] + 2 * padding[i] - dilation[i] * (weight.shape[2 + i] - 1) - 1) // stride[i] + 1
-        for i in range(2)
-    ]
-    return (x.shape[0], weight.shape[0], *hw)
-
-
-def conv_add_relu(x, weight, z, bias, stride, padding, dilation, groups):
-    """``relu(conv2d(x) + z)`` (a residual block's tail) as one cuDNN call on CUDA
-    (``torch.cudnn_convolution_add_relu``) when ``z`` is a tensor of the conv output's exact shape and
-    dtype; plain PyTorch otherwise (a broadcast ``z``, CPU)."""
-    if (
-        x.is_cuda
-        and isinstance(z, torch.Tensor)
-        and z.dtype == x.dtype
-        and tuple(z.shape) == _conv2d_out_shape(x, weight, stride, padding, dilation)
-    ):
-        return torch.cudnn_convolution_add_relu(x, weight, z, 1.0, bias, stride, padding, dilation, groups)
-    return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups) + z)
-
-
-def fuse_conv_relu(gm: torch.fx.GraphModule) -> int:
-    """Rewrite ``conv -> relu`` and ``conv -> add(.., z) -> relu`` in a traced model (after
-    :func:`fold_batchnorm`) into :func:`conv_relu` / :func:`conv_add_relu`, in place.
-
-    Only plain ``nn.Conv2d`` modules (zero padding given as integers, no hooks, no
-    parametrizations) called with a positional input, whose output feeds nothing else, are fused; and
-    only when nothing between the convolution and the ReLU may change a tensor in place (the fused
-    call runs where the ReLU was). Returns the number of rewrites (0: nothing matched).
-    """
-    import operator
-
-    from torch.nn.utils import parametrize
-
-    mods = dict(gm.named_modules())
-    g = gm.graph
-    inplace_ops = {
-        "iadd",
-        "isub",
-        "imul",
-        "itruediv",
-        "ifloordiv",
-        "imod",
-        "ipow",
-        "iand",
-        "ior",
-        "ixor",
-        "ilshift",
-        "irshift",
-        "imatmul",
-        "setitem",
-    }
-
-    def conv_of(n):
-        if (
-            n.op == "call_module"
-            and type(mods.get(n.target)) is nn.Conv2d
-            and len(n.users) == 1
-            and len(n.args) == 1
-            and not n.kwargs
-        ):
-            c = mods[n.target]
-            if (
-                c.padding_mode == "zeros"
-                and not isinstance(c.padding, str)
-                and not parametrize.is_parametrized(c)
-                and not (c._forward_hooks or c._forward_pre_hooks)
-            ):
-                return c
-        return None
-
-    def is_relu(n):
-        return (
-            len(n.args) == 1
-            and not n.kwargs.get("input")
-            and (
-                (n.op == "call_module" and isinstance(mods.get(n.target), nn.ReLU))
-                or (n.op == "call_function" and n.target in (F.relu, torch.relu))
-            )
-        )
-
-    def may_mutate(n):
-        if n.op == "call_module":
-            return bool(getattr(mods.get(n.target), "inplace", False)) or not isinstance(
-                mods.get(n.target),
-                (
-                    nn.Conv2d,
-                    nn.ReLU,
-                    nn.MaxPool2d,
-                    nn.AvgPool2d,
-                    nn.AdaptiveAvgPool2d,
-                    nn.BatchNorm2d,
-                    nn.Identity,
-                    nn.Linear,
-                    nn.Flatten,
-                ),
-            )
-        if n.op in ("call_function", "call_method"):
-            name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-            return name.endswith("_") or bool(n.kwargs.get("inplace")) or name in inplace_ops
-        return False
-
-    count = 0
-    for relu in list(g.nodes):
-        if not is_relu(relu):
-            continue
-        src = relu.args[0]
-        z = None
-        if not isinstance(src, torch.fx.Node):
-            continue
-        if (
-            src.op == "call_function"
-            and src.target in (operator.add, torch.add)
-            and len(src.users) == 1
-            and len(src.args) == 2
-            and not src.kwargs
-        ):
-            for a, b in (src.args, src.args[::-1]):  # the conv on either side; z another node
-                if (
-                    isinstance(a, torch.fx.Node)
-                    and isinstance(b, torch.fx.Node)
-                    and a is not b
-                    and conv_of(a) is not None
-                ):
-                    add, src, z = src, a, b
-                    break
-            else:
-                continue
-        conv = conv_of(src)
-        if conv is None:
-            continue
-        between, seen = [], False
-        for n in g.nodes:  # the nodes run between the conv and the ReLU
-            if n is relu:
-                break
-            if seen:
-                between.append(n)
-            seen = seen or n is src
-        if any(may_mutate(n) for n in between):
-            continue
-        with g.inserting_before(relu):
-            w = g.get_attr(f"{src.target}.weight")
-            b = g.get_attr(f"{src.target}.bias") if conv.bias is not None else None
-            geo = (list(conv.stride), list(conv.padding), list(conv.dilation), conv.groups)
-            if z is None:
-                new = g.call_function(conv_relu, (src.args[0], w, b, *geo))
-            else:
-                new = g.call_function(conv_add_relu, (src.args[0], w, z, b, *geo))
-        relu.replace_all_uses_with(new)
-        g.erase_node(relu)
-        if z is not None:
-            g.erase_node(add)
-        g.erase_node(src)
-        count += 1
-    if count:
-        g.lint()
-        gm.delete_all_unused_submodules()
-        gm.recompile()
-    return count
-
-
-def row_spans(rows, max_gap: int = 16) -> list[tuple[int, int]]:
-    """Half-open ``[lo, hi)`` spans covering ``rows`` (ints), merging spans less than ``max_gap`` apart,
-    so a batch's crop rows go H2D in a few large copies instead of one per image.
-
-    >>> row_spans([7, 3, 4, 5, 40, 41])
-    [(3, 8), (40, 42)]
-    """
-    out: list[tuple[int, int]] = []
-    for r in sorted(rows):
-        if out and r < out[-1][1] + max_gap:
-            out[-1] = (out[-1][0], max(out[-1][1], r + 1))
-        else:
-            out.append((r, r + 1))
-    return out
-
-
-#: environment variable: ``mapped`` has the compute thread read the crop pool in place
-#: (:func:`mapped_on_device`: one gather kernel per batch); otherwise (the default) the rows go H2D by
-#: copy-engine copies into a device mirror, then a gather. The in-place gather lowers the compute
-#: stage's busy time but not the end-to-end rate, so it is not the default (see docs/performance.md).
-POOL_GATHER_ENV = env.POOL_GATHER
-
-_TYPESTR = {torch.uint8: "|u1", torch.int32: "<i4", torch.int64: "<i8"}
-
-
-class _CudaArray:
-    """Just a ``__cuda_array_interface__`` (version 2: no stream to synchronise with)."""
-
-    def __init__(self, ptr: int, shape: tuple, dtype: torch.dtype):
-        self.__cuda_array_interface__ = {
-            "data": (ptr, False),
-            "shape": shape,
-            "typestr": _TYPESTR[dtype],
-            "strides": None,
-            "version": 2,
-        }
-
-
-def mapped_on_device(host: torch.Tensor, device: torch.device, wide: bool = True) -> torch.Tensor | None:
-    """A CUDA tensor over the same bytes as ``host``, page-locked host memory (``cudaHostAlloc`` /
-    ``cudaHostRegister``): with unified addressing its host pointer is valid in kernels, which then
-    read it over PCIe themselves (zero-copy; CUDA C Programming Guide, "Unified Virtual Address
-    Space" and "Mapped Memory").
-
-    Why: the compute thread gathers a batch's crop-pool rows with one kernel reading host memory
-    instead of one H2D copy per run of rows, a mirror on the device and a gather there: one PyTorch
-    call instead of ~15, each of which gives up the GIL and must wait to take it back.
-
-    Args:
-        host: contiguous, uint8/int32/int64, pinned or registered. 2-D ``(rows, bytes)`` uint8 with
-            ``wide`` is viewed as int64 (or int32) columns when the row length allows (8-byte loads).
-        device: the CUDA device that reads it.
-    Returns:
-        the view (same shape, or ``(rows, bytes / 8)`` int64 when widened), checked against a copy
-        of the first and last rows; ``None`` where that fails (no unified addressing, not pinned),
-        and the caller keeps its copies.
-    """
-    if not host.is_contiguous() or host.dtype not in _TYPESTR or host.numel() == 0:
-        return None
-    shape, dtype = tuple(host.shape), host.dtype
-    if wide and host.dim() == 2 and dtype == torch.uint8:
-        for d in (torch.int64, torch.int32):
-            if shape[1] % d.itemsize == 0 and host.data_ptr() % d.itemsize == 0:
-                shape, dtype = (shape[0], shape[1] // d.itemsize), d
-                break
-    try:
-        view = torch.as_tensor(_CudaArray(host.data_ptr(), shape, dtype), device=device)
-        if view.data_ptr() != host.data_ptr():  # a copy (the memory belongs to another device), no alias
-            return None
-        ref = host.view(dtype).view(shape)
-        idx = torch.tensor([0, shape[0] - 1], device=device)
-        if not torch.equal(view.index_select(0, idx).cpu(), ref[[0, shape[0] - 1]]):
-            return None
-        return view
-    except (RuntimeError, TypeError, ValueError):
-        return None
-
-
-def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i], non_blocking=True)`` for every ``i``, in one call into PyTorch
-    (``torch._foreach_copy_``, a loop over ``copy_`` where it is missing).
-
-    Every PyTorch op releases the GIL and must take it back, and the compute thread, taking it back
-    while the decoder-feeding threads run Python, can wait up to the interpreter's switch interval
-    (5 ms) each time, and a batch's crop-pool rows take about a dozen H2D copies
-    (``compute_pool_copies_per_batch``). One call takes the GIL back once. Shapes and dtypes pair up
-    as for ``copy_``; pinned sources copy asynchronously.
-
-    Raises:
-        ValueError: the lists differ in length; RuntimeError (PyTorch's): a pair that ``copy_`` refuses.
-    """
-    if len(dst) != len(src):
-        raise ValueError(f"copy_all: {len(dst)} destinations for {len(src)} sources")
-    if not dst:
-        return
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is None:
-        for d, s in zip(dst, src):
-            d.copy_(s, non_blocking=True)
-    else:
-        foreach(dst, src, non_blocking=True)
 
 
 @dataclass
@@ -570,7 +274,7 @@ class Engine:
         return len(self.slots) - len(self._free)
 
     def attach_crops(self, crops) -> None:
-        """Read CPU-decoded crops from ``crops`` (a :class:`~fullthrottle.preprocess_procs.CropPool`):
+        """Read CPU-decoded crops from ``crops`` (a :class:`~fullthrottle.crop_pool.CropPool`):
         pins it (``cudaHostRegister``) and allocates its device mirror, ``crops.rows * S * S * 3`` bytes."""
         self.crops = crops
         if self.cuda:

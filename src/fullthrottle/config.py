@@ -109,7 +109,7 @@ class Config:
         fold_bn: on CUDA, fold each eval-mode BatchNorm into the convolution before it (the standard
             inference rewrite TensorRT and ONNX Runtime also do; ``torch.fx.experimental.optimization.fuse``):
             then run each conv -> ReLU and conv -> residual add -> ReLU as one cuDNN call
-            (``cudnn_convolution_relu`` / ``_add_relu``; :func:`~fullthrottle.compute.fuse_conv_relu`):
+            (``cudnn_convolution_relu`` / ``_add_relu``; :func:`~fullthrottle.fuse.fuse_conv_relu`):
             the bias, the add and the clamp happen in the convolution's epilogue instead of separate
             passes over the activations, which makes large batches markedly faster (see
             docs/performance.md). Changes fp32 logits by ~1e-6 relative. A model that ``torch.fx``

@@ -13,7 +13,7 @@ decode far more (see docs/performance.md). So each :class:`GpuDecoderProcess` ow
   batch too large for a slot follows its request on the socket instead, with nothing behind it);
 - it decodes the batch on the GPU (:func:`~fullthrottle.gpu_decode.make_gpu_decoder`), resizes and crops there
   (:func:`~fullthrottle.gpu_decode.decode_crops`: the same transform as the GPU decode thread), copies
-  each crop D2H into its row of the shared :class:`~fullthrottle.preprocess_procs.CropPool` (which
+  each crop D2H into its row of the shared :class:`~fullthrottle.crop_pool.CropPool` (which
   it registers as pinned memory in its own CUDA context), decodes what nvJPEG refuses on its CPU
   instead, synchronises, and answers with one status per image;
 - the main process then treats the rows exactly like the CPU decoder processes' crops (H2D from the
