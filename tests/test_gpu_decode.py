@@ -14,7 +14,8 @@ import torch
 from test_pipeline import LABELS, Tiny
 
 from fullthrottle import Config, Pipeline
-from fullthrottle.gpu_decode import RateSplitter, gpu_eligible, jpeg_info, resize_crop_batch, resize_crop_interpolate
+from fullthrottle.gpu_decode import RateSplitter, gpu_eligible, jpeg_info
+from fullthrottle.gpu_resize import resize_crop_batch, resize_crop_interpolate
 from fullthrottle.preprocess import decode, preprocess, resize_crop
 
 ROUTE = {
@@ -514,7 +515,7 @@ def test_gpu_decoder_against_cpu_path(samples, bad_dir, kind):
 def test_triton_resize_on_gpu_matches_the_products(samples, bad_dir):
     """The Triton resize + crop (what resize_crop_batch runs on CUDA) against the float32 matrix
     products on the CPU (the same filter) and the CPU path: 1/255 at most, and MAD <= 0.5/255."""
-    from fullthrottle.gpu_decode import resize_crop_matmul
+    from fullthrottle.gpu_resize import resize_crop_matmul
     from fullthrottle.kernels import use_triton
 
     rgbs = [decode(p.read_bytes()) for p in samples[:40]]

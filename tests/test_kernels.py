@@ -247,7 +247,7 @@ def test_normalize_matches_addcmul_on_gpu():
 RESIZE_CHECK = textwrap.dedent("""
     import torch
     from fullthrottle import kernels as K
-    from fullthrottle.gpu_decode import resize_crop_interpolate, resize_crop_matmul
+    from fullthrottle.gpu_resize import resize_crop_interpolate, resize_crop_matmul
 
     g = torch.Generator().manual_seed(0)
     # wide, tall, square, upscaled (9x7, 1x1), odd sizes; CHW and views of HWC, as the decoders give

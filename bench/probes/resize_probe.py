@@ -61,13 +61,8 @@ def main():
     ap.add_argument("--burners", type=int, default=15)
     ap.add_argument("--out", default="resize_probe.json")
     args = ap.parse_args()
-    from fullthrottle.gpu_decode import (
-        gpu_eligible,
-        make_gpu_decoder,
-        resize_crop_batch,
-        resize_crop_interpolate,
-        resize_crop_matmul,
-    )
+    from fullthrottle.gpu_decode import gpu_eligible, make_gpu_decoder
+    from fullthrottle.gpu_resize import resize_crop_batch, resize_crop_interpolate, resize_crop_matmul
     from fullthrottle.kernels import resize_crop_u8
     from fullthrottle.preprocess import preprocess
 

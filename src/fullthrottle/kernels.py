@@ -16,7 +16,7 @@ input in one pass; and :func:`resize_crop_u8`: the GPU decode stage's resize + c
 of decoded images of any sizes, in two launches.
 
 Each has a reference in plain PyTorch (the ``*_ref`` functions, the same math as Hugging Face's
-Llama; for the resize, :func:`fullthrottle.gpu_decode.resize_crop_matmul`), used on the CPU, without
+Llama; for the resize, :func:`fullthrottle.gpu_resize.resize_crop_matmul`), used on the CPU, without
 Triton, or with ``FULLTHROTTLE_TRITON=0``. The Triton kernels compute
 in float32 and round once, so they agree with the references (which round bf16 intermediates) to
 bf16 rounding, not bit for bit. With ``TRITON_INTERPRET=1`` Triton's interpreter runs them on CPU
@@ -1008,7 +1008,7 @@ def resize_crop_u8(images, out: torch.Tensor, resize: int = 256, crop: int = 224
     place through a table of pointers and strides (CHW from nvJPEG or HWC from the hardware decoder),
     and nothing is padded: the cost follows each image's own size (the matrix-product path pads a
     mixed batch to its largest image). The reference is
-    :func:`fullthrottle.gpu_decode.resize_crop_matmul`, which runs without Triton.
+    :func:`fullthrottle.gpu_resize.resize_crop_matmul`, which runs without Triton.
 
     Args:
         images: ``(3, H, W)`` uint8 tensors on one device, any sizes and strides (each a dense block:
@@ -1055,7 +1055,7 @@ def resize_crop_u8(images, out: torch.Tensor, resize: int = 256, crop: int = 224
     meta[:, 1:4] = stride
     meta[:, 4], meta[:, 5] = H, W
     H, W = H.astype(np.float64), W.astype(np.float64)
-    # gpu_decode._resize_and_crop_at for the whole batch at once (the tests hold the two equal)
+    # gpu_resize._resize_and_crop_at for the whole batch at once (the tests hold the two equal)
     tall = H > W  # torchvision Resize(int): shorter side
     nh = np.where(tall, (resize * H / W).astype(np.int64), resize)
     nw = np.where(tall, resize, (resize * W / H).astype(np.int64))
