@@ -69,3 +69,23 @@ def test_every_relative_import_names_what_exists():
                     except ImportError:
                         missing.append(f"{p.relative_to(SRC)}:{node.lineno}: {target}.{a.name}")
     assert not missing, missing
+
+
+def test_every_import_of_the_package_in_tests_and_bench_names_what_exists():
+    """``from fullthrottle.x import y`` in the tests and benchmarks (the GPU tests and probes do not run
+    in CI) names a module and attributes that exist."""
+    import importlib
+
+    root = SRC.parent.parent
+    missing = []
+    for p in sorted([*(root / "tests").glob("*.py"), *(root / "bench").rglob("*.py")]):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("fullthrottle"):
+                mod = importlib.import_module(node.module)
+                for a in node.names:
+                    if not hasattr(mod, a.name):
+                        try:
+                            importlib.import_module(f"{node.module}.{a.name}")
+                        except ImportError:
+                            missing.append(f"{p.relative_to(root)}:{node.lineno}: {node.module}.{a.name}")
+    assert not missing, missing
