@@ -272,3 +272,89 @@ def test_odd_file_names_stay_on_one_line_and_empty_out_is_refused(samples, tmp_p
     assert rc == 0 and len(out) == 1 and out[0].startswith(str(tmp_path) + "/new\\nline.jpg: "), out
     assert main(["classify", str(odd), "--device", "cpu", "--out", ""]) == 2
     assert "--out and --report-json need a file name" in capsys.readouterr().err
+
+
+def test_flag_defaults_are_the_dataclasses_defaults():
+    """Every default is stated once: classify's and serve's flags read theirs from Config and ServeOptions."""
+    from fullthrottle.cli.parser import build_parser
+    from fullthrottle.config import Config
+    from fullthrottle.serve_options import MAX_CONNECTIONS, ServeOptions
+
+    p = build_parser()
+    c = p.parse_args(["classify"])
+    v = p.parse_args(["serve"])
+    for a in (c, v):
+        assert (a.max_wait_ms, a.preprocess, a.device, a.graphs, a.top_k) == (
+            Config.max_wait_ms,
+            Config.preprocess,
+            Config.device,
+            Config.graphs,
+            Config.top_k,
+        )
+    assert c.batch_size == v.max_batch_size == Config.max_batch_size
+    o = ServeOptions()
+    assert (v.max_queue, v.timeout_s, v.body_timeout_s, v.header_timeout_s, v.max_images) == (
+        o.max_queue,
+        o.timeout_s,
+        o.body_timeout_s,
+        o.header_timeout_s,
+        o.max_images,
+    )
+    assert int(v.max_body_mb * 2**20) == o.max_body_bytes and v.max_request_megapixels * 1e6 == o.max_request_pixels
+    assert v.max_connections_per_client == o.max_connections_per_client and v.max_connections == MAX_CONNECTIONS
+
+
+def test_ctrl_c_mid_run_with_decoder_processes_leaves_no_process_and_no_shared_memory(samples, tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the foreground process group) in the middle of a run with
+    decoder processes: exit 130, every decoder process gone, no shared-memory file left behind."""
+    import os
+    import signal
+    import time
+
+    def kids(pid):
+        out = set()
+        for d in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.add(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+        return out
+
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(3000):
+        (folder / f"{i:05d}.jpg").symlink_to(samples[i % len(samples)])
+    shm0 = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "fullthrottle.cli", "classify", str(folder), "--device", "cpu", "--model", "resnet18"]
+    p = subprocess.Popen(
+        [*cmd, "--preprocess", "processes", "--threads", "2", "--no-progress", "--out", str(tmp_path / "o.jsonl")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # its own process group, as a terminal's foreground job has
+    )
+    out = tmp_path / "o.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out.exists() and out.stat().st_size > 0):
+        time.sleep(0.1)  # until results flow: the decoder processes are working
+    workers = kids(p.pid)
+    assert len(workers) >= 2, workers
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err[-2000:]
+
+    def alive(pid):  # (a zombie awaiting its reaper is not alive)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    time.sleep(0.5)
+    assert not [w for w in workers if alive(w)]
+    shm1 = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert shm1 <= shm0, shm1 - shm0

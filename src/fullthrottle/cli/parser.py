@@ -4,71 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import DTYPES, GPU_DECODERS, Config, usable_cores
+from ..config import DTYPES, usable_cores
 from ..env import describe as describe_env
-from ..models import DEFAULT_MODEL, MODELS
+from ..serve_options import MAX_CONNECTIONS, ServeOptions
+from .options import add_runtime_args, positive_int
 
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
-    """--gpu-decode, --gpu-decoder and --gpu-decode-processes (classify and serve)."""
-    p.add_argument(
-        "--gpu-decode",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="also decode JPEGs on the GPU (default on CUDA: on): with decoder processes, a JPEG "
-        "goes to the GPU whenever no CPU worker is idle; with threads, split by measured "
-        "rates. --no-gpu-decode: decode on the CPU only",
-    )
-    p.add_argument(
-        "--mps",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="with GPU decoding on CUDA: run this command's GPU work as clients of a private CUDA "
-        "MPS server, started for the command and stopped after it, so that the GPU decoder "
-        "processes' kernels and the model's run at once instead of time-slicing the GPU "
-        "(default: off; nothing is started when an MPS server is already running, or "
-        "without an NVIDIA driver, and the run says why)",
-    )
-    p.add_argument(
-        "--gpu-decoder",
-        default=None,
-        choices=GPU_DECODERS,
-        help="with --gpu-decode: 'hardware' = the GPU's JPEG engines via nvImageCodec (pip install "
-        "nvidia-nvimgcodec-cu13; A100/H100/H200); 'nvjpeg' = torchvision's nvJPEG, which on those GPUs "
-        "also sends baseline JPEGs to the engines (its hardware backend) and decodes the rest "
-        "with Huffman decoding on the CPU; 'auto' = hardware when available, else nvjpeg. "
-        f"Default: {Config.gpu_decoder}",
-    )
-    p.add_argument(
-        "--gpu-decode-processes",
-        type=int,
-        default=None,
-        metavar="N",
-        help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "
-        "decoder, 0..16 (0: one GPU decode thread in this process; default: 8 when a CUDA MPS "
-        "server is running, else 6)",
-    )
-
-
-_MODEL_HELP = (
-    "; ".join(f"{name}: {m.about}" for name, m in MODELS.items())
-    + ". Each model brings its own resize, crop and normalisation (default: %(default)s)"
-)
-
-
-_WEIGHTS_HELP = (
-    "state dict file: .safetensors, or .pth loaded with weights_only=True (no code is "
-    "unpickled), e.g. torchvision's own checkpoint resnet50-11ad3fa6.pth from torch's hub cache "
-    "(~/.cache/torch/hub/checkpoints/); default: the model's bundled weights, or none "
-    "(random weights, fixed seed: labels are then meaningless)"
-)
+_SO = ServeOptions  # (its fields' defaults are serve's flags' defaults)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,51 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "inputs", nargs="*", metavar="INPUT", help="image file, folder (recursive), glob pattern or http(s) URL"
     )
-    c.add_argument("--model", default=DEFAULT_MODEL, choices=tuple(MODELS), metavar="MODEL", help=_MODEL_HELP)
-    c.add_argument("--weights", metavar="FILE", help=_WEIGHTS_HELP)
-    c.add_argument(
-        "--batch-size", type=_positive_int, default=Config.max_batch_size, help="max batch size (default: %(default)s)"
-    )
-    c.add_argument(
-        "--max-wait-ms",
-        type=float,
-        default=Config.max_wait_ms,
-        help="how long a batch may wait to fill, ms (default: %(default)s)",
-    )
-    c.add_argument(
-        "--threads",
-        type=_positive_int,
-        default=None,
-        help="preprocess threads, or decoder processes with --preprocess processes (default: one "
-        "per CPU core; with processes, one per core but one, left to this process's threads)",
-    )
-    c.add_argument(
-        "--preprocess",
-        default=Config.preprocess,
-        choices=("auto", "threads", "processes"),
-        help="decode in threads of this process, or in --threads worker processes fed by one "
-        "dispatcher thread, outside this process's GIL (auto: processes on CUDA, threads on CPU)",
-    )
-    c.add_argument("--device", default=Config.device, help="auto | cpu | cuda | cuda:N (default: %(default)s)")
-    c.add_argument(
-        "--dtype",
-        default=None,
-        choices=DTYPES,
-        help="compute dtype on CUDA (default: bfloat16 on CUDA; CPU always float32)",
-    )
-    c.add_argument(
-        "--graphs",
-        action=argparse.BooleanOptionalAction,
-        default=Config.graphs,
-        help="replay the model as CUDA graphs, one per batch bucket (CUDA only; default: on)",
-    )
-    _add_gpu_decode_args(c)
+    add_runtime_args(c, "--batch-size", "max batch size")
     c.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile the model (kernel fusion) before graph capture; slow start",
     )
-    c.add_argument("--top-k", type=_positive_int, default=Config.top_k, help="classes per image (default: %(default)s)")
     c.add_argument("--out", help="write one JSON line per item to this file ('-' for stdout)")
     c.add_argument("--unordered", action="store_true", help="emit results in completion order")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -152,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run as a Ray Data job (a local Ray cluster, or the one at ADDRESS); "
         "needs pip install 'fullthrottle[ray]'",
     )
-    c.add_argument("--ray-actors", type=_positive_int, default=2, help="Ray actors (one per GPU)")
+    c.add_argument("--ray-actors", type=positive_int, default=2, help="Ray actors (one per GPU)")
     v = sub.add_parser(
         "serve",
         help="HTTP API with cross-request dynamic batching, Prometheus metrics, overload control",
@@ -161,34 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
         "with Retry-After; past the deadline: 504; body too large: 413; undecodable image: 422. "
         "SIGTERM finishes in-flight requests, then exits 0.",
     )
-    v.add_argument("--model", default=DEFAULT_MODEL, choices=tuple(MODELS), metavar="MODEL", help=_MODEL_HELP)
-    v.add_argument("--weights", metavar="FILE", help=_WEIGHTS_HELP)
     v.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, local only)")
     v.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
     v.add_argument(
-        "--max-batch-size",
-        type=_positive_int,
-        default=Config.max_batch_size,
-        help="largest batch the batcher forms across requests (default: %(default)s)",
-    )
-    v.add_argument(
-        "--max-wait-ms",
-        type=float,
-        default=Config.max_wait_ms,
-        help="longest a partial batch waits for more images (default: %(default)s)",
-    )
-    v.add_argument(
         "--max-queue",
-        type=_positive_int,
-        default=256,
+        type=positive_int,
+        default=_SO.max_queue,
         help="images waiting before 503; a request with more images than this can never fit (413) "
         "(default: %(default)s; --max-images is the usual per-request limit)",
     )
     v.add_argument(
-        "--timeout-s", type=float, default=30.0, help="per-request deadline before 504 (default: %(default)s)"
+        "--timeout-s", type=float, default=_SO.timeout_s, help="per-request deadline before 504 (default: %(default)s)"
     )
     v.add_argument(
-        "--max-body-mb", type=float, default=32.0, help="request body limit before 413, MiB (default: %(default)s)"
+        "--max-body-mb",
+        type=float,
+        default=_SO.max_body_bytes / 2**20,
+        help="request body limit before 413, MiB (default: %(default)s)",
     )
     v.add_argument(
         "--allow-fetch",
@@ -213,79 +104,52 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--body-timeout-s",
         type=float,
-        default=10.0,
+        default=_SO.body_timeout_s,
         help="a request body must arrive within this time, else 408 (default: %(default)s)",
     )
     v.add_argument(
         "--header-timeout-s",
         type=float,
-        default=10.0,
+        default=_SO.header_timeout_s,
         help="a request's line and headers must arrive within this time, else the connection "
         "is closed (default: %(default)s)",
     )
     v.add_argument(
         "--max-images",
-        type=_positive_int,
-        default=64,
+        type=positive_int,
+        default=_SO.max_images,
         help="most images (files or URLs) per classify request, else 413 (default: %(default)s)",
     )
     v.add_argument(
         "--max-request-megapixels",
         type=float,
-        default=1000.0,
+        default=_SO.max_request_pixels / 1e6,
         help="most pixels the images of one request hold together, else 413 (default: %(default)s)",
     )
     v.add_argument(
         "--max-connections",
-        type=_positive_int,
-        default=1024,
+        type=positive_int,
+        default=MAX_CONNECTIONS,
         help="open connections beyond this get 503 at once (default: %(default)s)",
     )
     v.add_argument(
         "--max-connections-per-client",
-        type=_positive_int,
-        default=64,
+        type=positive_int,
+        default=_SO.max_connections_per_client,
         help="connections one client address may hold open; more are closed as they open "
         "(behind a proxy every client has its address: raise this) (default: %(default)s)",
     )
-    v.add_argument(
-        "--threads",
-        type=_positive_int,
-        default=None,
-        help="preprocess threads (default: one per core; with worker processes, one per core but one)",
-    )
-    v.add_argument(
-        "--preprocess",
-        default=Config.preprocess,
-        choices=("auto", "threads", "processes"),
-        help="decode in threads of this process, or in --threads worker processes fed by one "
-        "dispatcher thread (auto: processes on CUDA)",
-    )
-    v.add_argument("--device", default=Config.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    add_runtime_args(v, "--max-batch-size", "largest batch the batcher forms across requests")
     v.add_argument(
         "--gpus", default=None, help="'all' or N: one model replica per GPU (default with --device auto: every GPU)"
     )
-    v.add_argument(
-        "--dtype",
-        default=None,
-        choices=DTYPES,
-        help="compute dtype on CUDA (default: bfloat16; the CPU always computes in float32)",
-    )
-    v.add_argument(
-        "--graphs",
-        action=argparse.BooleanOptionalAction,
-        default=Config.graphs,
-        help="replay the model as CUDA graphs per batch bucket (CUDA only; default: on)",
-    )
-    v.add_argument("--top-k", type=_positive_int, default=Config.top_k, help="classes per image (default: %(default)s)")
-    _add_gpu_decode_args(v)
     v.add_argument(
         "--ray",
         action="store_true",
         help="deploy on Ray Serve (one replica per GPU; --replicas); needs fullthrottle[ray]",
     )
     v.add_argument(
-        "--replicas", type=_positive_int, default=1, help="Ray Serve replicas (with --ray; default: %(default)s)"
+        "--replicas", type=positive_int, default=1, help="Ray Serve replicas (with --ray; default: %(default)s)"
     )
     v.add_argument(
         "--llm-model-dir",
@@ -294,11 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also serve POST /v1/completions with this Hugging Face Llama folder",
     )
     v.add_argument(
-        "--llm-max-batch", type=_positive_int, default=8, help="LLM rows per decode batch (default: %(default)s)"
+        "--llm-max-batch", type=positive_int, default=8, help="LLM rows per decode batch (default: %(default)s)"
     )
     v.add_argument(
         "--llm-max-seq-len",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="LLM context (KV cache) length (default: the model's, at most 4096)",
     )
@@ -321,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", help="text (needs tokenizer.json in --model-dir)")
     g.add_argument("--tokens", help="comma-separated prompt token ids (instead of --prompt)")
     g.add_argument(
-        "--max-new-tokens", type=_positive_int, default=64, help="tokens to generate per prompt (default: %(default)s)"
+        "--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default: %(default)s)"
     )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -335,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: bfloat16 on CUDA, float32 on CPU",
     )
     g.add_argument(
-        "--max-seq-len", type=_positive_int, default=None, help="KV cache length (default: prompt + max new tokens)"
+        "--max-seq-len", type=positive_int, default=None, help="KV cache length (default: prompt + max new tokens)"
     )
     g.add_argument(
         "--graphs",
@@ -403,16 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "batch":
             e.add_argument("--compile", action="store_true", help="also torch.compile + graphs (slow start)")
         if name == "e2e":
-            e.add_argument("--n", type=_positive_int, default=20000, help="images per method (default: %(default)s)")
+            e.add_argument("--n", type=positive_int, default=20000, help="images per method (default: %(default)s)")
             e.add_argument(
                 "--workers",
-                type=_positive_int,
+                type=positive_int,
                 default=usable_cores(),
                 help="DataLoader workers and fullthrottle threads (default: cores)",
             )
             e.add_argument(
                 "--batch",
-                type=_positive_int,
+                type=positive_int,
                 default=128,
                 help="batch size, the same for every method (default: %(default)s)",
             )

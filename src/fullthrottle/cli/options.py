@@ -1,0 +1,117 @@
+"""Option groups that more than one ``fullthrottle`` command takes, each default read from the
+dataclass that owns it (:class:`~fullthrottle.config.Config`), so it is stated once."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import DTYPES, GPU_DECODERS, Config
+from ..models import DEFAULT_MODEL, MODELS
+
+
+def positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
+    """--gpu-decode, --gpu-decoder and --gpu-decode-processes (classify and serve)."""
+    p.add_argument(
+        "--gpu-decode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also decode JPEGs on the GPU (default on CUDA: on): with decoder processes, a JPEG "
+        "goes to the GPU whenever no CPU worker is idle; with threads, split by measured "
+        "rates. --no-gpu-decode: decode on the CPU only",
+    )
+    p.add_argument(
+        "--mps",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with GPU decoding on CUDA: run this command's GPU work as clients of a private CUDA "
+        "MPS server, started for the command and stopped after it, so that the GPU decoder "
+        "processes' kernels and the model's run at once instead of time-slicing the GPU "
+        "(default: off; nothing is started when an MPS server is already running, or "
+        "without an NVIDIA driver, and the run says why)",
+    )
+    p.add_argument(
+        "--gpu-decoder",
+        default=None,
+        choices=GPU_DECODERS,
+        help="with --gpu-decode: 'hardware' = the GPU's JPEG engines via nvImageCodec (pip install "
+        "nvidia-nvimgcodec-cu13; A100/H100/H200); 'nvjpeg' = torchvision's nvJPEG, which on those GPUs "
+        "also sends baseline JPEGs to the engines (its hardware backend) and decodes the rest "
+        "with Huffman decoding on the CPU; 'auto' = hardware when available, else nvjpeg. "
+        f"Default: {Config.gpu_decoder}",
+    )
+    p.add_argument(
+        "--gpu-decode-processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "
+        "decoder, 0..16 (0: one GPU decode thread in this process; default: 8 when a CUDA MPS "
+        "server is running, else 6)",
+    )
+
+
+MODEL_HELP = (
+    "; ".join(f"{name}: {m.about}" for name, m in MODELS.items())
+    + ". Each model brings its own resize, crop and normalisation (default: %(default)s)"
+)
+
+
+WEIGHTS_HELP = (
+    "state dict file: .safetensors, or .pth loaded with weights_only=True (no code is "
+    "unpickled), e.g. torchvision's own checkpoint resnet50-11ad3fa6.pth from torch's hub cache "
+    "(~/.cache/torch/hub/checkpoints/); default: the model's bundled weights, or none "
+    "(random weights, fixed seed: labels are then meaningless)"
+)
+
+
+def add_runtime_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str) -> None:
+    """The options classify and serve share, their defaults from :class:`~fullthrottle.config.Config`:
+    the model and its weights, the batcher (``batch_flag``: the largest batch; --max-wait-ms), the
+    decoders (--threads, --preprocess, GPU decoding), the device, dtype, graphs and top-k."""
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=tuple(MODELS), metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("--weights", metavar="FILE", help=WEIGHTS_HELP)
+    p.add_argument(
+        batch_flag, type=positive_int, default=Config.max_batch_size, help=batch_help + " (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=Config.max_wait_ms,
+        help="how long a partial batch waits for more images, ms (default: %(default)s)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="preprocess threads, or decoder processes with --preprocess processes (default: one "
+        "per CPU core; with processes, one per core but one, left to this process's threads)",
+    )
+    p.add_argument(
+        "--preprocess",
+        default=Config.preprocess,
+        choices=("auto", "threads", "processes"),
+        help="decode in threads of this process, or in --threads worker processes fed by one "
+        "dispatcher thread, outside this process's GIL (auto: processes on CUDA, threads on CPU)",
+    )
+    p.add_argument("--device", default=Config.device, help="auto | cpu | cuda | cuda:N (default: %(default)s)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPES,
+        help="compute dtype on CUDA (default: bfloat16 on CUDA; the CPU always computes in float32)",
+    )
+    p.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=Config.graphs,
+        help="replay the model as CUDA graphs, one per batch bucket (CUDA only; default: on)",
+    )
+    p.add_argument("--top-k", type=positive_int, default=Config.top_k, help="classes per image (default: %(default)s)")
+    add_gpu_decode_args(p)
