@@ -6,8 +6,9 @@ handed out in order (internal: :meth:`fullthrottle.pipeline.Pipeline.run` makes 
     Loader (asyncio thread) -q1-> preprocess -q2-> Batcher thread -q3-> compute thread
         -q4-> decode thread -> reorder buffer -> the caller's iterator
 
-Preprocess is threads of this process, or one dispatcher thread feeding the decoder processes
-(:mod:`fullthrottle.cpu_feed`) and feeders for the GPU decoder processes (:mod:`fullthrottle.gpu_feed`).
+Preprocess is threads of this process (:mod:`fullthrottle.stage_threads`, with the compute and decode
+threads), or one dispatcher thread feeding the decoder processes (:mod:`fullthrottle.cpu_feed`) and
+feeders for the GPU decoder processes (:mod:`fullthrottle.gpu_feed`).
 Every queue is bounded, and a window of ``max_in_flight`` permits (taken when an item starts
 loading, given back when its result is consumed) bounds everything in between.
 """
@@ -23,17 +24,18 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .batch import Batch, Batcher
+from .batch import Batcher
 from .compute import Engine
 from .config import Config
 from .cpu_feed import feed_cpu_decoders
 from .decode import Result
 from .gpu_decode import gpu_eligible
 from .gpu_feed import GPU_CHUNK, feed_gpu_process, gpu_decode_thread
-from .gpumon import GpuMonitor, nvtx_range
+from .gpumon import GpuMonitor
 from .load import Item, Loader
-from .preprocess import ImageError, preprocess
+from .preprocess import ImageError
 from .report import Report, StageStats
+from .stage_threads import compute_thread, decode_thread, preprocess_thread
 
 _END = object()
 
@@ -155,7 +157,11 @@ class Run:
             ]
         else:
             self.threads = [
-                threading.Thread(target=self._guard(self._preprocess_worker), name=f"ft-preprocess-{i}", daemon=True)
+                threading.Thread(
+                    target=self._guard(functools.partial(preprocess_thread, self)),
+                    name=f"ft-preprocess-{i}",
+                    daemon=True,
+                )
                 for i in range(nthreads)
             ]
         if self.gpu_procs:
@@ -175,8 +181,10 @@ class Run:
             )
         self.threads += [
             threading.Thread(target=self._guard(self.batcher.run), name="ft-batch", daemon=True),
-            threading.Thread(target=self._guard(self._compute_worker), name="ft-compute", daemon=True),
-            threading.Thread(target=self._guard(self._decode_worker), name="ft-decode", daemon=True),
+            threading.Thread(
+                target=self._guard(functools.partial(compute_thread, self)), name="ft-compute", daemon=True
+            ),
+            threading.Thread(target=self._guard(functools.partial(decode_thread, self)), name="ft-decode", daemon=True),
         ]
         self.latencies: list[float] = []
         self.gpumon = GpuMonitor((engine.device.index or 0) if engine.cuda else None)
@@ -300,130 +308,6 @@ class Run:
             )
         except Exception as e:  # noqa: BLE001 - a failed batch fails its items, not the run
             return [ImageError(f"GPU decode failed: {type(e).__name__}: {e}")] * len(items)
-
-    def _preprocess_worker(self) -> None:
-        cfg, st = self.config, self.stats["preprocess"]
-        gpu, splitter = self.engine.gpu_decoder, self.engine.splitter
-        inbox = self._inbox  # the rest of a list from the loader, for any preprocess thread to take
-        while not self.stop_event.is_set():
-            try:
-                it = inbox.popleft()
-            except IndexError:
-                c = self._get(self.q1)
-                if c is None:
-                    continue
-                if c is _END:  # (its list's other items are in the inbox: whoever took one drains it)
-                    self._end_of_stream()
-                    return
-                c = self.loader.take(c)
-                it = c[0]
-                inbox.extend(c[1:])
-            if self._route_to_gpu(it):
-                continue
-            st.begin()
-            st.waited(time.perf_counter() - it.t_queued)
-            if it.error is None:
-                t0 = time.perf_counter()
-                try:
-                    with nvtx_range("preprocess"):
-                        it.array = preprocess(it.data, cfg.resize_size, cfg.crop_size, cfg.max_image_pixels)
-                except ImageError as e:
-                    it.error = f"{it.id}: {e}"
-                except Exception as e:  # noqa: BLE001 - a decoder crash belongs to this item
-                    it.error = f"{it.id}: cannot decode image: {type(e).__name__}: {e}"
-                if gpu is not None:
-                    splitter.record_cpu(1, time.perf_counter() - t0)
-            it.data = None
-            st.end(1)
-            it.t_queued = time.perf_counter()
-            self._put(self.q2, it)
-
-    def _compute_worker(self) -> None:
-        st, eng = self.stats["compute"], self.engine
-        while not self.stop_event.is_set():
-            obj = self._get(self.q3)
-            if obj is None:
-                continue
-            if obj is _END:
-                self._put(self.q4, _END)
-                return
-            if isinstance(obj, Item):  # an item that failed earlier: pass it on
-                self._put(self.q4, obj)
-                continue
-            st.waited(time.perf_counter() - obj.t_queued, len(obj))
-            slot = eng.acquire(self.stop_event.is_set)
-            if slot is None:
-                return
-            st.begin()
-            arrays = [it for it in obj.items if it.array is not None]
-            pooled = [it for it in obj.items if it.pool_row >= 0]
-            on_gpu = [it for it in obj.items if it.gpu_crop is not None]
-            obj.items = arrays + pooled + on_gpu  # rows: crops from threads, from processes, then the GPU's
-            with nvtx_range(f"compute batch {len(obj)}"):
-                eng.submit(
-                    slot,
-                    [it.array for it in arrays],
-                    gpu_crops=[it.gpu_crop for it in on_gpu],
-                    pool_rows=[it.pool_row for it in pooled],
-                )
-            for it in obj.items:
-                it.array = it.data = it.gpu_crop = None
-            st.end(len(obj))
-            self._put(self.q4, (obj, slot, time.perf_counter()))
-
-    def _decode_worker(self) -> None:
-        st, eng = self.stats["decode"], self.engine
-        pending: dict[int, Result] = {}
-        next_index = 0
-        ordered = self.config.ordered
-        while not self.stop_event.is_set():
-            obj = self._get(self.q4)
-            if obj is None:
-                continue
-            if obj is _END:
-                break
-            out: list[Result] = []
-            if isinstance(obj, Item):
-                st.begin()
-                out.append(Result(obj.index, obj.id, error=obj.error or "unknown error"))
-                st.end(1)
-            else:
-                batch, slot, t_q = obj
-                assert isinstance(batch, Batch)
-                if slot.error is None:
-                    with nvtx_range("decode: wait for device"):
-                        probs, idx = eng.collect(slot)  # waits for the device
-                st.begin()
-                st.waited(time.perf_counter() - t_q, len(batch))
-                now = time.perf_counter()
-                if slot.error is not None:
-                    out = [
-                        Result(it.index, it.id, error=f"{it.id}: {slot.error}", latency_ms=1e3 * (now - it.t_start))
-                        for it in batch.items
-                    ]
-                else:  # positional: the per-image cost here is paid under the GIL
-                    out = [
-                        Result(it.index, it.id, lab, ids, p, None, 1e3 * (now - it.t_start))
-                        for it, lab, ids, p in zip(batch.items, eng.label_lists(idx), idx.tolist(), probs.tolist())
-                    ]
-                eng.release(slot)
-                st.end(len(batch))
-            if isinstance(obj, Item):
-                out[0].latency_ms = 1e3 * (time.perf_counter() - obj.t_start)
-            if not ordered:
-                self.out.put(out)  # a batch's results in one hand-off
-                continue
-            for r in out:
-                pending[r.index] = r
-            ready = []
-            while next_index in pending:
-                ready.append(pending.pop(next_index))
-                next_index += 1
-            if ready:
-                self.out.put(ready)
-        if pending:  # only reached when the stream ended: nothing is missing
-            self.out.put([pending.pop(i) for i in sorted(pending)])
-        self.out.put(_END)
 
     # -- consumer side --------------------------------------------------------------------------
     def get_many(self, timeout: float = 0.1) -> list[Result] | None:
