@@ -274,11 +274,11 @@ def test_worker_crash_with_answers_owed_costs_only_its_image(samples, monkeypatc
         pp,
         "_WORKER_CMD",
         (
-            "import sys, os; import fullthrottle.preprocess_procs as pp; orig = pp._work_one\n"
+            "import sys, os; import fullthrottle.decoder_worker as dw; orig = dw._work_one\n"
             "def w(msg, *a):\n"
             "    if b'CRASHME' in msg[:40]: os._exit(3)\n"
             "    return orig(msg, *a)\n"
-            "pp._work_one = w; pp._worker_main(sys.argv[1:])"
+            "dw._work_one = w; dw.worker_main(sys.argv[1:])"
         ),
     )
     receive = pp.DecoderProcess.receive
