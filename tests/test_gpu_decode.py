@@ -339,7 +339,7 @@ class FakeGpuProcess:
         self.sent.clear()
 
     def receive(self, timeout):
-        from fullthrottle.gpu_decode_procs import _read_paths
+        from fullthrottle.gpu_decoder_worker import _read_paths
         from fullthrottle.worker_procs import WorkerDied
 
         time.sleep(self.delay_s)  # decoding takes a while: the next batch can queue behind this one
