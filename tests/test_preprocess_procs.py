@@ -76,7 +76,7 @@ def test_extreme_aspect_ratio_is_refused_before_resizing(size):
 def test_a_hung_worker_costs_its_image_only(samples, no_thread_leak):
     inputs = [str(p) for p in samples[:30]]
     with tiny_pipe(preprocess="processes", threads=2, decode_timeout_s=1.5) as pipe:
-        assert pipe.decoders[0].wait_ready(30)  # past its imports: from now on a slow answer is a hang
+        assert all(w.wait_ready(30) for w in pipe.decoders.workers)  # past their imports: a slow answer is a hang
         stuck = pipe.decoders[0].proc
         os.kill(stuck.pid, signal.SIGSTOP)  # a decoder hang, as far as the pipeline can tell
         t0 = time.perf_counter()
@@ -374,3 +374,17 @@ def test_a_folder_with_broken_files_read_by_the_decoder_processes(samples, bad_d
     diff = [(g, r) for g, r in zip(got, ref) if g != r]
     assert [g[0] for g in got] == [r[0] for r in ref]  # nothing lost, order kept
     assert len(diff) <= 1 and all("decoder process died on this item" in g[2] for g, _ in diff), diff[:3]
+
+
+def test_a_workers_decode_clock_starts_once_it_is_ready():
+    """Until a new worker has imported its libraries its images wait for that, not for a decoder:
+    the hang clock starts STARTUP_S after its start, and once it is ready, when it was seen ready."""
+    from fullthrottle.worker_procs import STARTUP_S
+
+    w = DecoderProcess()
+    try:
+        assert not w.is_ready() and w.grace_until() == w.spawned + STARTUP_S  # (importing torch: seconds)
+        assert w.wait_ready(60)
+        assert w.spawned < w.ready_at == w.grace_until() <= time.perf_counter()
+    finally:
+        w.close()

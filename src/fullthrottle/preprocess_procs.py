@@ -172,9 +172,11 @@ class DecoderProcess:
         return self.is_ready()
 
     def grace_until(self) -> float:
-        """Until when (``time.perf_counter()``) a slow answer is not yet a hang: while the worker is
-        still importing its libraries, :data:`STARTUP_S` after its start; 0 once it is ready."""
-        return 0.0 if self.is_ready() else self.spawned + STARTUP_S
+        """From when (``time.perf_counter()``) the worker's time on an image counts towards
+        ``decode_timeout_s``: while it is still importing its libraries, :data:`STARTUP_S` after its
+        start; once it is ready, the moment it was seen ready (an image sent before then waited for
+        the imports, not for its decoder)."""
+        return self.ready_at if self.is_ready() else self.spawned + STARTUP_S
 
     def _restart(self) -> None:
         self._finalizer()
