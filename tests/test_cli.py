@@ -311,16 +311,7 @@ def test_ctrl_c_mid_run_with_decoder_processes_leaves_no_process_and_no_shared_m
     import signal
     import time
 
-    def kids(pid):
-        out = set()
-        for d in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.add(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-        return out
+    from procs import alive, children
 
     folder = tmp_path / "many"
     folder.mkdir()
@@ -341,18 +332,11 @@ def test_ctrl_c_mid_run_with_decoder_processes_leaves_no_process_and_no_shared_m
     deadline = time.time() + 120
     while time.time() < deadline and not (out.exists() and out.stat().st_size > 0):
         time.sleep(0.1)  # until results flow: the decoder processes are working
-    workers = kids(p.pid)
+    workers = children(p.pid)
     assert len(workers) >= 2, workers
     os.killpg(p.pid, signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err[-2000:]
-
-    def alive(pid):  # (a zombie awaiting its reaper is not alive)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
 
     time.sleep(0.5)
     assert not [w for w in workers if alive(w)]

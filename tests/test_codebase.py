@@ -48,44 +48,84 @@ def test_no_import_circles():
     assert not circles, circles[:5]
 
 
-def test_every_relative_import_names_what_exists():
-    """Every ``from .x import y`` in the package, at a module's top or inside a function (the GPU-only
-    paths import lazily, and CI has no GPU to run them), names a module and attributes that exist."""
+def _missing_names(files, module_of) -> list[str]:
+    """``path:line: module.name`` for each ``from module import name`` in ``files`` that names no
+    attribute or submodule; ``module_of(path, node)`` gives the absolute module of an ImportFrom
+    node, or None to skip it."""
     import importlib
 
     missing = []
-    for p in sorted(SRC.rglob("*.py")):
-        pkg = "fullthrottle" + "".join("." + part for part in p.parent.relative_to(SRC).parts)
+    for p in files:
         for node in ast.walk(ast.parse(p.read_text())):
-            if not (isinstance(node, ast.ImportFrom) and node.level):
+            target = module_of(p, node) if isinstance(node, ast.ImportFrom) else None
+            if target is None:
                 continue
-            base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
-            target = f"{base}.{node.module}" if node.module else base
             mod = importlib.import_module(target)
             for a in node.names:
                 if not hasattr(mod, a.name):
                     try:
                         importlib.import_module(f"{target}.{a.name}")
                     except ImportError:
-                        missing.append(f"{p.relative_to(SRC)}:{node.lineno}: {target}.{a.name}")
+                        missing.append(f"{p}:{node.lineno}: {target}.{a.name}")
+    return missing
+
+
+def test_every_relative_import_names_what_exists():
+    """Every ``from .x import y`` in the package, at a module's top or inside a function (the GPU-only
+    paths import lazily, and CI has no GPU to run them), names a module and attributes that exist."""
+
+    def module_of(p, node):
+        if not node.level:
+            return None
+        pkg = "fullthrottle" + "".join("." + part for part in p.parent.relative_to(SRC).parts)
+        base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
+        return f"{base}.{node.module}" if node.module else base
+
+    missing = _missing_names(sorted(SRC.rglob("*.py")), module_of)
     assert not missing, missing
 
 
 def test_every_import_of_the_package_in_tests_and_bench_names_what_exists():
     """``from fullthrottle.x import y`` in the tests and benchmarks (the GPU tests and probes do not run
     in CI) names a module and attributes that exist."""
+    root = SRC.parent.parent
+    files = sorted([*(root / "tests").glob("*.py"), *(root / "bench").rglob("*.py")])
+    missing = _missing_names(
+        files, lambda p, n: n.module if not n.level and (n.module or "").startswith("fullthrottle") else None
+    )
+    assert not missing, missing
+
+
+def test_every_attribute_of_a_package_module_the_tests_and_bench_name_exists():
+    """``import fullthrottle.x as m`` then ``m.name`` (a monkeypatch target, say) in the tests and
+    benchmarks: each name exists in that module (a function moved to another module would otherwise
+    leave the patch, or the probe, pointing at nothing)."""
     import importlib
 
     root = SRC.parent.parent
     missing = []
     for p in sorted([*(root / "tests").glob("*.py"), *(root / "bench").rglob("*.py")]):
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("fullthrottle"):
-                mod = importlib.import_module(node.module)
-                for a in node.names:
-                    if not hasattr(mod, a.name):
-                        try:
-                            importlib.import_module(f"{node.module}.{a.name}")
-                        except ImportError:
-                            missing.append(f"{p.relative_to(root)}:{node.lineno}: {node.module}.{a.name}")
+        tree = ast.parse(p.read_text())
+        aliases = {
+            a.asname: a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Import)
+            for a in n.names
+            if a.asname and a.name.startswith("fullthrottle.")
+        }
+        for n in ast.walk(tree):
+            named = None  # (alias, attribute): m.name, or setattr(m, "name", ...) as monkeypatch does
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
+                named = n.value.id, n.attr
+            elif (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "setattr"
+                and len(n.args) >= 2
+                and isinstance(n.args[0], ast.Name)
+                and isinstance(n.args[1], ast.Constant)
+            ):
+                named = n.args[0].id, n.args[1].value
+            if named and named[0] in aliases and not hasattr(importlib.import_module(aliases[named[0]]), named[1]):
+                missing.append(f"{p.relative_to(root)}:{n.lineno}: {aliases[named[0]]}.{named[1]}")
     assert not missing, missing

@@ -32,15 +32,15 @@ def test_slow_model_is_compute_bound(samples):
 
 
 def test_slow_decoder_is_preprocess_bound(samples, monkeypatch):
-    import fullthrottle.run as run_mod
+    import fullthrottle.stage_threads as stage_threads
 
-    real = run_mod.preprocess
+    real = stage_threads.preprocess
 
     def slow(data, *a, **k):
         time.sleep(0.05)  # 50 ms per image on each of 2 threads: 40 img/s at most
         return real(data, *a, **k)
 
-    monkeypatch.setattr(run_mod, "preprocess", slow)
+    monkeypatch.setattr(stage_threads, "preprocess", slow)  # (what the preprocess threads call)
     pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=8, threads=2), model=Tiny())
     pipe.classify(samples[:40])
     rep = pipe.last_report

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from procs import alive, children
 from test_serve import Server, Tiny, post_image
 
 from fullthrottle.fetch import FetchPolicy, FetchRefused, is_public, parse_ip
@@ -335,22 +336,6 @@ def test_a_client_trickling_its_request_head_is_disconnected(samples):
         assert post_image(srv.url, samples[0].read_bytes()).status_code == 200  # others are served
 
 
-def _children(pid: int) -> set[int]:
-    """PIDs of ``pid``'s child processes (from /proc)."""
-    import os
-
-    out = set()
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.add(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
 def test_faults_under_load_lose_no_accepted_request(samples):
     """Under load from 6 clients: a decoder process is killed, clients hang up mid-body and before
     their answer, then SIGTERM. Every request the server accepted is answered (200, or an error that
@@ -392,7 +377,7 @@ def test_faults_under_load_lose_no_accepted_request(samples):
         assert url, "server did not start"
         threading.Thread(target=proc.stderr.read, daemon=True).start()  # (its access log must not block it)
         host, port = url.removeprefix("http://").split(":")
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         assert len(workers) == 2, workers
         stop, pause, outcomes, lock, t_term = threading.Event(), threading.Event(), [], threading.Lock(), [float("inf")]
 
@@ -431,7 +416,7 @@ def test_faults_under_load_lose_no_accepted_request(samples):
         for t in threads:
             t.start()
         time.sleep(2)
-        rss0 = _rss_mib([proc.pid, *_children(proc.pid)])  # warm, under load
+        rss0 = _rss_mib([proc.pid, *children(proc.pid)])  # warm, under load
         os.kill(sorted(workers)[0], signal.SIGKILL)  # a decoder process dies under load
         for _ in range(5):  # clients that hang up mid-body, and before reading their answer
             s = socket.create_connection((host, int(port)))
@@ -449,7 +434,7 @@ def test_faults_under_load_lose_no_accepted_request(samples):
         time.sleep(2)
         pause.set()  # the load stops a moment: memory is back near where it was
         time.sleep(1.5)
-        grown = _rss_mib([proc.pid, *_children(proc.pid)]) - rss0
+        grown = _rss_mib([proc.pid, *children(proc.pid)]) - rss0
         pause.clear()
         time.sleep(0.5)
         t_term[0] = time.time()
@@ -471,7 +456,7 @@ def test_faults_under_load_lose_no_accepted_request(samples):
     assert statuses.count(200) >= 20 and statuses.count("raced") <= 3
     assert all(o[1] for o in outcomes if o[0] not in (200, "refused")), outcomes  # errors say why
     time.sleep(1)
-    assert not [w for w in workers if _alive(w)], "decoder processes left behind"
+    assert not [w for w in workers if alive(w)], "decoder processes left behind"
     assert grown < 150, f"the server and its decoder processes grew {grown:.0f} MiB"
 
 
@@ -485,15 +470,6 @@ def _rss_mib(pids) -> float:
         except (OSError, StopIteration):
             pass
     return total / 1024
-
-
-def _alive(pid: int) -> bool:
-    """A process that exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_an_unterminated_multipart_body_is_malformed(samples):
