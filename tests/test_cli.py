@@ -342,3 +342,9 @@ def test_ctrl_c_mid_run_with_decoder_processes_leaves_no_process_and_no_shared_m
     assert not [w for w in workers if alive(w)]
     shm1 = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert shm1 <= shm0, shm1 - shm0
+
+
+def test_a_port_out_of_range_is_a_usage_error_before_anything_loads(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--port", "70000"])
+    assert e.value.code == 2 and "must be a port number 0..65535, got 70000" in capsys.readouterr().err

@@ -9,6 +9,14 @@ from ..config import DTYPES, GPU_DECODERS, Config
 from ..models import DEFAULT_MODEL, MODELS
 
 
+def port_number(s: str) -> int:
+    """A TCP port, 0..65535 (0: the system picks a free one)."""
+    v = int(s)
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 0..65535, got {v}")
+    return v
+
+
 def positive_int(s: str) -> int:
     v = int(s)
     if v < 1:

@@ -7,7 +7,7 @@ import argparse
 from ..config import DTYPES, usable_cores
 from ..env import describe as describe_env
 from ..serve_options import MAX_CONNECTIONS, ServeOptions
-from .options import add_runtime_args, positive_int
+from .options import add_runtime_args, port_number, positive_int
 
 _SO = ServeOptions  # (its fields' defaults are serve's flags' defaults)
 
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "SIGTERM finishes in-flight requests, then exits 0.",
     )
     v.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, local only)")
-    v.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
+    v.add_argument("--port", type=port_number, default=8000, help="port (default: %(default)s; 0 picks a free one)")
     v.add_argument(
         "--max-queue",
         type=positive_int,
