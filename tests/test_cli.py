@@ -348,3 +348,18 @@ def test_a_port_out_of_range_is_a_usage_error_before_anything_loads(capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--port", "70000"])
     assert e.value.code == 2 and "must be a port number 0..65535, got 70000" in capsys.readouterr().err
+
+
+def test_serve_numbers_must_be_finite_and_an_output_may_not_overwrite_an_input(samples, tmp_path, capsys):
+    for flag in ("--timeout-s", "--max-body-mb", "--body-timeout-s", "--header-timeout-s", "--max-request-megapixels"):
+        for bad in ("nan", "inf", "0"):
+            with pytest.raises(SystemExit) as e:
+                main(["serve", flag, bad])
+            assert e.value.code == 2 and f"argument {flag}: must be a finite number > 0" in capsys.readouterr().err
+    photo = tmp_path / "a.jpg"
+    photo.write_bytes(samples[0].read_bytes())
+    size = photo.stat().st_size
+    assert main(["classify", str(photo), "--device", "cpu", "--out", str(photo)]) == 2
+    assert "is one of the inputs" in capsys.readouterr().err and photo.stat().st_size == size
+    assert main(["classify", str(tmp_path), "--device", "cpu", "--report-json", str(tmp_path / "r.png")]) == 2
+    assert "inside the input folder" in capsys.readouterr().err

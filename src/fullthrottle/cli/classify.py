@@ -89,6 +89,26 @@ def _classify_ray(args) -> int:
     return 1 if failed else 0
 
 
+def _output_among_inputs(inputs, *outputs) -> str | None:
+    """Why an output file would destroy an input (it is one of the input files, or an image file in an
+    input folder, which the run would read), or None."""
+    from ..load import IMAGE_SUFFIXES
+
+    for out in outputs:
+        if not out or out == "-":
+            continue
+        target = os.path.realpath(out)
+        for inp in inputs or ():
+            if not isinstance(inp, str) or "://" in inp:
+                continue
+            src = os.path.realpath(inp)
+            if os.path.isfile(src) and src == target:
+                return f"the output {out} is one of the inputs: writing it would destroy it"
+            if os.path.isdir(src) and target.startswith(src + os.sep) and target.lower().endswith(IMAGE_SUFFIXES):
+                return f"the output {out} is an image file inside the input folder {inp}: choose another name"
+    return None
+
+
 def cmd_classify(args) -> int:
     import torch
     from tqdm import tqdm
@@ -103,6 +123,10 @@ def cmd_classify(args) -> int:
         return _classify_ray(args)
     if args.out == "" or args.report_json == "":
         print("fullthrottle: error: --out and --report-json need a file name ('-' for stdout)", file=sys.stderr)
+        return 2
+    clash = _output_among_inputs(inputs, args.out, args.report_json)
+    if clash:
+        print(f"fullthrottle: error: {clash}", file=sys.stderr)
         return 2
     for path in (args.out, args.report_json):
         if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):

@@ -4,6 +4,7 @@ dataclass that owns it (:class:`~fullthrottle.config.Config`), so it is stated o
 from __future__ import annotations
 
 import argparse
+import math
 
 from ..config import DTYPES, GPU_DECODERS, Config
 from ..models import DEFAULT_MODEL, MODELS
@@ -14,6 +15,17 @@ def port_number(s: str) -> int:
     v = int(s)
     if not 0 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number 0..65535, got {v}")
+    return v
+
+
+def positive_float(s: str) -> float:
+    """A finite number > 0 (``nan`` and ``inf`` refused)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {s!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
     return v
 
 

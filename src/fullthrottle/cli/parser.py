@@ -7,7 +7,7 @@ import argparse
 from ..config import DTYPES, usable_cores
 from ..env import describe as describe_env
 from ..serve_options import MAX_CONNECTIONS, ServeOptions
-from .options import add_runtime_args, port_number, positive_int
+from .options import add_runtime_args, port_number, positive_float, positive_int
 
 _SO = ServeOptions  # (its fields' defaults are serve's flags' defaults)
 
@@ -73,11 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s; --max-images is the usual per-request limit)",
     )
     v.add_argument(
-        "--timeout-s", type=float, default=_SO.timeout_s, help="per-request deadline before 504 (default: %(default)s)"
+        "--timeout-s",
+        type=positive_float,
+        default=_SO.timeout_s,
+        help="per-request deadline before 504 (default: %(default)s)",
     )
     v.add_argument(
         "--max-body-mb",
-        type=float,
+        type=positive_float,
         default=_SO.max_body_bytes / 2**20,
         help="request body limit before 413, MiB (default: %(default)s)",
     )
@@ -103,13 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--api-key-file", default=None, metavar="FILE", help="API keys, one per line")
     v.add_argument(
         "--body-timeout-s",
-        type=float,
+        type=positive_float,
         default=_SO.body_timeout_s,
         help="a request body must arrive within this time, else 408 (default: %(default)s)",
     )
     v.add_argument(
         "--header-timeout-s",
-        type=float,
+        type=positive_float,
         default=_SO.header_timeout_s,
         help="a request's line and headers must arrive within this time, else the connection "
         "is closed (default: %(default)s)",
@@ -122,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument(
         "--max-request-megapixels",
-        type=float,
+        type=positive_float,
         default=_SO.max_request_pixels / 1e6,
         help="most pixels the images of one request hold together, else 413 (default: %(default)s)",
     )
