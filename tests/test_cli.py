@@ -363,3 +363,14 @@ def test_serve_numbers_must_be_finite_and_an_output_may_not_overwrite_an_input(s
     assert "is one of the inputs" in capsys.readouterr().err and photo.stat().st_size == size
     assert main(["classify", str(tmp_path), "--device", "cpu", "--report-json", str(tmp_path / "r.png")]) == 2
     assert "inside the input folder" in capsys.readouterr().err
+
+
+def test_a_non_integer_count_is_named_plainly(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["classify", "--batch-size", "abc"])
+    err = capsys.readouterr().err
+    assert (
+        e.value.code == 2
+        and "argument --batch-size: must be an integer, got 'abc'" in err
+        and "positive_int" not in err
+    )

@@ -10,9 +10,16 @@ from ..config import DTYPES, GPU_DECODERS, Config
 from ..models import DEFAULT_MODEL, MODELS
 
 
+def _integer(s: str) -> int:
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {s!r}") from None
+
+
 def port_number(s: str) -> int:
     """A TCP port, 0..65535 (0: the system picks a free one)."""
-    v = int(s)
+    v = _integer(s)
     if not 0 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number 0..65535, got {v}")
     return v
@@ -30,7 +37,8 @@ def positive_float(s: str) -> float:
 
 
 def positive_int(s: str) -> int:
-    v = int(s)
+    """An integer >= 1."""
+    v = _integer(s)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
