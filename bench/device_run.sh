@@ -9,8 +9,9 @@ parts=${1:-tests,classify,e2e}
 TO="timeout ${PART_TIMEOUT_S:-300}"   # no single part may eat the whole call
 # CPU-bound comparisons run on 16 cores (the machine of ../shared/DESIGN.md) also on larger hosts
 PIN=""; [[ $(nproc) -gt 16 ]] && PIN="taskset -c 0-15"
-if compgen -G ".whl/*.whl" >/dev/null; then   # carried wheels (fastapi, uvicorn, pydantic, ...)
+if compgen -G ".whl/*.whl" >/dev/null; then   # carried wheels (fastapi, uvicorn, pydantic, ...; .effnet: the weights)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    $(compgen -G ".effnet/*.whl") \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH PATH=/tmp/site/bin:$PATH
 fi
 if compgen -G ".nvimg/*.whl" >/dev/null; then  # nvImageCodec (issue 04: the GPU's hardware JPEG decoders)
@@ -48,6 +49,10 @@ fi
 if [[ ,$parts, == *,files,* ]]; then      # issues 09/10: the CLI on folders of JPEG files vs a DataLoader loop
   tries=(); IFS=';' read -ra tl <<< "${FILES_TRIES:-}"; for t in "${tl[@]}"; do tries+=("--try=$t"); done  # ';'-separated
   $PIN $TO python3 bench/files_e2e.py --n ${FILES_N:-60000} ${FILES_ARGS:-} "${tries[@]}" --out "$OUT/files_e2e.json" 2>&1 | tee "$OUT/files_e2e.log" | tail -8
+fi
+if [[ ,$parts, == *,wprof,* ]]; then     # issue 10: one GPU decoder process's steps, and P of them at once
+  python3 -c "import sys; sys.path.insert(0, 'bench'); from files_e2e import make_folder; from pathlib import Path; make_folder(Path('/tmp/ft-files/640x480'), ${WPROF_N:-8000}, '640x480')"
+  $TO python3 bench/probes/gpu_worker_profile.py --folder /tmp/ft-files/640x480 ${WPROF_ARGS:-} --out "$OUT/gpu_worker_profile.json" 2>&1 | tee "$OUT/gpu_worker_profile.log" | tail -30
 fi
 if [[ ,$parts, == *,faults,* ]]; then     # issue 11: faults under load with GPU decoding, nothing lost
   $TO python3 bench/serve_faults.py --duration ${FAULT_S:-300} --out "$OUT/serve_faults.json" -- --device cuda ${FAULT_ARGS:-} 2>&1 | tee "$OUT/serve_faults.log" | tail -3
