@@ -141,7 +141,9 @@ def main():
                     v = f"{type(e).__name__}: {e}"
                 rows.append({"part": "procs", "kind": kind, "check": check, "procs": p, "img_per_s": v})
                 print(rows[-1], flush=True)
-    write_json(args.out, {"benchmark": "gpu_worker_profile", "machine": machine_info(), "files": len(paths), "rows": rows})
+    write_json(
+        args.out, {"benchmark": "gpu_worker_profile", "machine": machine_info(), "files": len(paths), "rows": rows}
+    )
 
 
 if __name__ == "__main__":
