@@ -4,7 +4,7 @@ Starts ``fullthrottle serve --port 0`` with the given arguments (``--gpu-decode`
 loads it from ``--clients`` threads posting the 200 ImageNet samples (half on new connections, half
 on kept-alive ones), and meanwhile, every ``--every`` seconds: kills one CPU decoder process and one GPU
 decoder process (SIGKILL), and opens 5 connections that hang up mid-body and 5 that hang up before
-reading their answer. It pauses the load at the start and at the end to take the resident memory of
+reading their answer. It pauses the load at the start and at the end to take the memory (PSS) of
 the server and its decoder processes, then sends SIGTERM. Counted per request: 200, an error status
 with the reason (its ``detail``), "refused" (the server had stopped listening), "raced" (a keep-alive
 connection closed at SIGTERM as the request went out: clients retry those) and "lost" (no answer:
@@ -50,12 +50,14 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def rss_mib(pids) -> float:
+def pss_mib(pids) -> float:
+    """Proportional set size of these processes together (MiB): a page they share (the crop pool,
+    the libraries) counts once, split between them, where resident sizes would count it per process."""
     total = 0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
         except (OSError, StopIteration):
             pass
     return total / 1024
@@ -144,7 +146,7 @@ def main() -> None:
     def snapshot() -> float:
         pause.set()
         time.sleep(3)
-        v = rss_mib([proc.pid, *children(proc.pid)])
+        v = pss_mib([proc.pid, *children(proc.pid)])
         pause.clear()
         return v
 
@@ -159,8 +161,8 @@ def main() -> None:
     rounds = 0
     while time.time() - t0 < args.duration:
         kids = sorted(children(proc.pid))
-        gpu = [p for p in kids if "gpu_decode_procs" in cmdline(p)]
-        cpu = [p for p in kids if "preprocess_procs" in cmdline(p)]
+        gpu = [p for p in kids if "fullthrottle.gpu_decoder_worker" in cmdline(p)]
+        cpu = [p for p in kids if "fullthrottle.decoder_worker" in cmdline(p)]
         for name, pool in (("cpu decoder", cpu), ("gpu decoder", gpu)):
             if pool:
                 os.kill(pool[rounds % len(pool)], signal.SIGKILL)
@@ -208,8 +210,9 @@ def main() -> None:
         "requests_before_sigterm": n_before_end,
         "outcomes": counts,
         "reasons": reasons,
-        "rss_mib_start": rss0,
-        "rss_mib_end": rss1,
+        "pss_mib_start": rss0,
+        "pss_mib_end": rss1,
+        "server_tracebacks": sum(line.startswith("Traceback") for line in log),
         "exit_code": code,
         "processes_left": left,
         "server_log_tail": "".join(log[-30:])[-4000:],
@@ -218,7 +221,16 @@ def main() -> None:
     print(
         {
             k: payload[k]
-            for k in ("requests", "outcomes", "kills", "rss_mib_start", "rss_mib_end", "exit_code", "processes_left")
+            for k in (
+                "requests",
+                "outcomes",
+                "kills",
+                "pss_mib_start",
+                "pss_mib_end",
+                "server_tracebacks",
+                "exit_code",
+                "processes_left",
+            )
         },
         flush=True,
     )

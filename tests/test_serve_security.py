@@ -375,7 +375,8 @@ def test_faults_under_load_lose_no_accepted_request(samples):
             m = re.search(r"running on (http://127\.0\.0\.1:\d+)", proc.stderr.readline())
             url = m.group(1) if m else None
         assert url, "server did not start"
-        threading.Thread(target=proc.stderr.read, daemon=True).start()  # (its access log must not block it)
+        log: list[str] = []  # (read as it comes: its access log must not block it)
+        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
         host, port = url.removeprefix("http://").split(":")
         workers = children(proc.pid)
         assert len(workers) == 2, workers
@@ -457,6 +458,8 @@ def test_faults_under_load_lose_no_accepted_request(samples):
     assert all(o[1] for o in outcomes if o[0] not in (200, "refused")), outcomes  # errors say why
     time.sleep(1)
     assert not [w for w in workers if alive(w)], "decoder processes left behind"
+    # a client that hangs up is no server error: no traceback in its log
+    assert not [x for x in log if x.startswith("Traceback")], "".join(log)[-3000:]
     assert grown < 150, f"the server and its decoder processes grew {grown:.0f} MiB"
 
 
