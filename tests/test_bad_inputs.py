@@ -132,3 +132,26 @@ def test_every_item_error_has_its_stage_and_kind(bad_dir, tmp_path):
         assert (r.to_dict()["error_stage"], r.to_dict()["error_kind"]) == (stage, kind)
     assert {k for k, _, _ in KINDS} >= {k for _, k in want.values()}
     assert got[str(bad_dir / "truncated.jpg")].to_dict().keys() == {"index", "id", "error", "error_stage", "error_kind"}
+
+
+def test_read_local_reads_whole_files_up_to_the_limit_and_names_each_refusal(tmp_path):
+    """A file of exactly the limit is read whole; one byte more, a folder, a FIFO (opened without
+    waiting for a writer), a missing file and a symlink loop each get their own error."""
+    import os
+
+    from fullthrottle.load import LoadError, read_local
+
+    data = os.urandom(70_000)
+    (tmp_path / "a.jpg").write_bytes(data)
+    assert read_local(str(tmp_path / "a.jpg"), len(data)) == data
+    os.mkfifo(tmp_path / "fifo.jpg")
+    os.symlink(tmp_path / "loop.jpg", tmp_path / "loop.jpg")
+    for name, limit, want in [
+        ("a.jpg", len(data) - 1, f"file too large: {len(data)} bytes exceeds max_file_bytes={len(data) - 1}"),
+        ("fifo.jpg", 1 << 20, "not a regular file"),
+        (".", 1 << 20, "not a regular file"),
+        ("missing.jpg", 1 << 20, "file not found"),
+        ("loop.jpg", 1 << 20, "Too many levels of symbolic links"),
+    ]:
+        with pytest.raises(LoadError, match=want):
+            read_local(str(tmp_path / name), limit)

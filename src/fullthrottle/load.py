@@ -11,6 +11,7 @@ import asyncio
 import glob
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -130,24 +131,39 @@ def read_local(path: str, max_bytes: int) -> bytes:
     """
     try:
         with nvtx_range("load"):
-            return _read_file_inner(Path(path), max_bytes)
+            return _read_file_inner(path, max_bytes)
     except LoadError:
         raise
     except OSError as e:
         raise LoadError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def _read_file_inner(path: Path, max_bytes: int) -> bytes:
+def _read_file_inner(path: str | os.PathLike, max_bytes: int) -> bytes:
+    # One open, one fstat, one read of the file's size (+1, to see a file that grew past the limit):
+    # ``f.read(max_bytes + 1)`` would allocate ``max_bytes`` for every file (~10x the time of this).
+    # O_NONBLOCK: a FIFO opens at once (and is refused below) instead of waiting for a writer.
     try:
-        size = path.stat().st_size
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise LoadError(f"file not found: {path}") from None
-    if not path.is_file():
-        raise LoadError(f"not a regular file: {path}")
-    if size > max_bytes:
-        raise LoadError(f"file too large: {size} bytes exceeds max_file_bytes={max_bytes}")
-    with open(path, "rb") as f:
-        return f.read(max_bytes + 1)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LoadError(f"not a regular file: {path}")
+        if st.st_size > max_bytes:
+            raise LoadError(f"file too large: {st.st_size} bytes exceeds max_file_bytes={max_bytes}")
+        parts, n = [], 0
+        while n <= max_bytes:  # (one read but for a file that grows while it is read)
+            b = os.read(fd, min(max(st.st_size - n, 0) + 1, max_bytes + 1 - n))
+            if not b:
+                break
+            parts.append(b)
+            n += len(b)
+        if n > max_bytes:
+            raise LoadError(f"file too large: more than max_file_bytes={max_bytes} bytes")
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+    finally:
+        os.close(fd)
 
 
 class LoadError(IOError):
