@@ -164,6 +164,21 @@ def test_policy_refuses_internal_addresses_before_connecting(host):
         asyncio.run(pol.resolve(f"http://{host}:8080/x.jpg"))
 
 
+def test_a_name_not_listed_is_refused_without_a_dns_lookup(monkeypatch):
+    import asyncio
+
+    looked_up = []
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: looked_up.append(a) or [])
+    pol = FetchPolicy(("images.example.com", "10.0.0.0/8"))
+    for host in ("unlisted.example.org", "images.example.com.evil.org", "internal"):
+        with pytest.raises(FetchRefused, match="a name not listed"):
+            asyncio.run(pol.resolve(f"http://{host}/x.jpg"))
+    assert looked_up == []
+    with pytest.raises(FetchRefused, match="not admitted"):  # a listed name is looked up (here: no answer)
+        asyncio.run(pol.resolve("http://Images.Example.com./x.jpg"))
+    assert [a[0] for a in looked_up] == ["images.example.com."]
+
+
 def test_fetching_is_off_by_default(listeners):
     a, b = listeners
     with Server(Tiny()) as s:

@@ -6,8 +6,10 @@ Sheet). :class:`FetchPolicy` admits a URL only when every address its host resol
 
 - a host listed by name (``images.example.com``) admits its addresses only when they are public
   (:func:`is_public`: never loopback, link-local, private, shared, reserved, multicast or
-  unspecified); a listed network (``10.0.0.0/8``, ``192.168.1.7``) admits the addresses inside it,
-  whatever they are: naming a private network is how an operator allows one;
+  unspecified), or inside a listed network; a listed network (``10.0.0.0/8``, ``192.168.1.7``)
+  admits the numeric hosts inside it, whatever they are: naming a private network is how an
+  operator allows one; a name not listed is refused before any DNS lookup (a client cannot make
+  the server resolve names for it);
 - numeric hosts are read the way the C library reads them (``socket.inet_aton``: ``2130706433``,
   ``0x7f.1``, ``0177.0.0.1`` and ``127.1`` are all 127.0.0.1), and IPv4-mapped IPv6 addresses
   (``::ffff:127.0.0.1``) are checked as the IPv4 address they carry;
@@ -119,8 +121,8 @@ class FetchPolicy:
         """``(scheme, host, the checked address, port)`` for ``url``.
 
         Raises:
-            FetchRefused: not http(s), no host, a name that does not resolve, or an address the
-                policy does not admit (any of the name's addresses, so that none is left to chance).
+            FetchRefused: not http(s), no host, a name not listed (not resolved) or that does not
+                resolve, or an address the policy does not admit (any of the name's addresses, so that none is left to chance).
         """
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -139,6 +141,8 @@ class FetchPolicy:
         ip = parse_ip(host)
         if ip is not None:
             addrs = [ip]
+        elif host.lower().rstrip(".") not in self.hosts:  # no DNS lookup on a client's behalf for it
+            raise FetchRefused(f"{host}: a name not listed, not admitted by --allow-fetch (not resolved)")
         else:
             try:
                 infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)

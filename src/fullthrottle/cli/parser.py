@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST|CIDR",
         help="let JSON requests name image URLs on these hosts (their public addresses) or "
         "networks (10.0.0.0/8, 192.168.1.7: private ones only when named so); default: the "
-        "server fetches nothing. Every address a name resolves to is checked and the "
+        "server fetches nothing. Names not listed are not even resolved; every address a listed name resolves to is checked and the "
         "connection made to it; redirects (at most 3) are checked the same way",
     )
     v.add_argument(
