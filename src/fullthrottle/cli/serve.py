@@ -64,6 +64,11 @@ def cmd_serve(args) -> int:
                 "--timeout-s, --max-body-mb, --body-timeout-s, --header-timeout-s and "
                 "--max-request-megapixels must be > 0"
             )
+        if args.max_wait_ms >= 1000 * args.timeout_s:  # every request would wait past its deadline
+            raise ValueError(
+                f"--max-wait-ms {args.max_wait_ms:g} must be below the request deadline "
+                f"--timeout-s {args.timeout_s:g} (in ms: {1000 * args.timeout_s:g})"
+            )
         from ..fetch import FetchPolicy
         from ..serve_guard import load_keys
 
