@@ -223,7 +223,9 @@ def test_two_replicas_share_the_load(samples):
         with cf.ThreadPoolExecutor(8) as ex:
             codes = list(ex.map(lambda p: post_image(s.url, p.read_bytes()).status_code, samples[:16]))
         assert codes == [200] * 16
-        assert httpx.get(s.url + "/readyz").json()["devices"] == ["cpu", "cpu"]
+        ready = httpx.get(s.url + "/readyz").json()
+        assert ready["devices"] == ["cpu", "cpu"] and ready["graphs"] == ["off (cpu: eager)"] * 2
+        assert ready["random_weights"] is False  # (a model of the caller's own)
         metrics = httpx.get(s.url + "/metrics").text
         busy = re.findall(r'fullthrottle_stage_busy_percent\{replica="(\d)",stage="compute"\} (\S+)', metrics)
         assert {r for r, v in busy if float(v) > 0} == {"0", "1"}  # both replicas computed

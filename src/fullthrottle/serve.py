@@ -110,6 +110,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             return services
 
         state["services"] = await asyncio.to_thread(build)
+        if state["services"][0].pipeline.engine.random_weights:
+            log.warning("the model has random weights (no --weights given): its labels are meaningless")
         if opts.llm is not None:
             state["llm"] = CompletionService(*opts.llm, max_queue=opts.max_queue)
         if opts.embed_model is not None:
@@ -173,7 +175,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 "status": "ready",
                 "devices": [str(e.device) for e in engines],
                 "model": engines[0].model_name,
-                "graphs": [e.runner.info.format() if e.runner else None for e in engines],
+                "random_weights": engines[0].random_weights,  # (labels meaningless: no --weights given)
+                "graphs": [e.runner.info.format() if e.runner else f"off ({e.device.type}: eager)" for e in engines],
             },
         )
 
