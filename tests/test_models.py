@@ -253,3 +253,9 @@ def test_weights_errors_say_what_is_wrong(tmp_path):
     torch.save(torch.nn.Linear(2, 2), tmp_path / "module.pth")  # a whole module pickled, not a state dict
     with pytest.raises(WeightsError, match=r"holds pickled Python objects .*: save model.state_dict\(\)"):
         load_model("resnet18", tmp_path / "module.pth")
+    (tmp_path / "garbage.pth").write_bytes(b"garbage" * 100)  # neither a zip archive nor a pickle
+    whole = (tmp_path / "b.pth").read_bytes()
+    (tmp_path / "cut.pth").write_bytes(whole[: len(whole) // 2])  # a download cut short
+    for name in ("garbage.pth", "cut.pth"):
+        with pytest.raises(WeightsError, match=r"not a safe state dict file \(corrupt or truncated"):
+            load_model("resnet18", tmp_path / name)

@@ -247,8 +247,11 @@ def load_state_dict(path: str | Path) -> dict:
         raise
     except Exception as e:  # pickle refusal, corrupt file, header errors
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # (torch colours its message)
-        if "weights_only" in text.lower() or "weights only" in text.lower():  # a pickle of code or objects
+        low = text.lower()
+        if ("weights_only" in low or "weights only" in low) and "unsupported global" in low:  # code or objects
             why = "it holds pickled Python objects (a whole module, or code), not only tensors: save model.state_dict()"
+        elif "weights_only" in low or "weights only" in low or "zip archive" in low:
+            why = "corrupt or truncated: neither a PyTorch zip archive nor a pickle of tensors"
         else:
             why = f"{type(e).__name__}: {(text.splitlines() or [''])[0][:200]}"
         raise WeightsError(f"cannot read weights from {p}: not a safe state dict file ({why})") from None
