@@ -107,7 +107,7 @@ def test_bad_input_types(emb):
         Embedder(device="cpu", dtype="int8")
 
 
-def test_cli_embed_npy_and_jsonl(tmp_path, emb):
+def test_cli_embed_npy_and_jsonl(tmp_path, emb, capsys):
     texts = ["first text", "", "third 🙂", "long " * 400]
     (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
     assert (
@@ -126,6 +126,13 @@ def test_cli_embed_npy_and_jsonl(tmp_path, emb):
     assert [r["truncated"] for r in rows] == [False, False, False, True]
     assert main(["embed", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x.npy")]) == 2
     assert main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "x.csv")]) == 2
+    # a line that is not UTF-8 costs only itself: still one vector per line, the line named
+    (tmp_path / "latin1.txt").write_bytes(b"first text\ncaf\xe9 au lait\r\nthird\n")
+    assert main(["embed", str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "l.npy"), "--device", "cpu"]) == 0
+    assert "1 line not valid UTF-8 (line 2): embedded with each invalid byte read as U+FFFD" in capsys.readouterr().err
+    np.testing.assert_allclose(
+        np.load(tmp_path / "l.npy"), emb.embed(["first text", "caf\ufffd au lait", "third"]).vectors, atol=1e-6
+    )
     (tmp_path / "d.npy").mkdir()  # an output path that is a folder: refused before any compute
     assert main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "d.npy"), "--device", "cpu"]) == 2
 

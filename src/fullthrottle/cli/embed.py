@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import sys
 import time
 
 
-def _read_texts(path: str):
+def _read_texts(path: str, not_utf8: list[int] | None = None):
     """One text per line of ``path`` ('-': stdin), UTF-8. Lines end at ``\n`` (or ``\r\n``) only: a
     lone ``\r`` inside a line is part of its text. ``.jsonl``: each line a JSON string or an object
-    with a string field ``text``.
+    with a string field ``text``. A line that is not valid UTF-8 is still one text (each invalid byte
+    read as U+FFFD, so the vectors stay one per line); its number is appended to ``not_utf8``.
 
     Raises:
         ValueError: a ``.jsonl`` line that is not valid JSON or lacks ``text``, naming the line.
-        UnicodeDecodeError: the input is not UTF-8.
     """
-    if path == "-":  # re-read stdin's bytes with the same line rule as files
-        f = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", newline="\n")
-    else:
-        f = open(path, encoding="utf-8", newline="\n")
+    f = sys.stdin.buffer if path == "-" else open(path, "rb")
     try:
-        for no, line in enumerate(f, 1):
+        for no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                line = raw.decode("utf-8", errors="replace")
+                if not_utf8 is not None:
+                    not_utf8.append(no)
             line = line[:-1] if line.endswith("\n") else line
             line = line[:-1] if line.endswith("\r") else line
             if path.endswith(".jsonl") and line.strip():
@@ -37,9 +39,7 @@ def _read_texts(path: str):
             else:
                 yield line
     finally:
-        if path == "-":
-            f.detach()  # leave sys.stdin's buffer open
-        else:
+        if path != "-":  # (stdin stays open)
             f.close()
 
 
@@ -81,11 +81,11 @@ def cmd_embed(args) -> int:
         )
         return 2
     t0 = time.perf_counter()
-    vectors, n, n_trunc = [], 0, 0
+    vectors, n, n_trunc, not_utf8 = [], 0, 0, []
     bar = tqdm(unit="text", desc="embed", disable=args.no_progress or None, file=sys.stderr)
     jsonl = open(args.out, "w", encoding="utf-8") if args.out.endswith(".jsonl") else None
     try:
-        for block in emb.embed_stream(_read_texts(args.file)):
+        for block in emb.embed_stream(_read_texts(args.file, not_utf8)):
             if jsonl is not None:
                 for k in range(len(block.vectors)):
                     jsonl.write(
@@ -103,7 +103,7 @@ def cmd_embed(args) -> int:
             n += len(block.vectors)
             n_trunc += int(block.truncated.sum())
             bar.update(len(block.vectors))
-    except (UnicodeDecodeError, ValueError) as e:
+    except ValueError as e:
         print(f"fullthrottle: error: cannot read texts from {args.file}: {e}", file=sys.stderr)
         return 2
     except OSError as e:
@@ -120,6 +120,14 @@ def cmd_embed(args) -> int:
             print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
             return 2
     dt = time.perf_counter() - t0
+    if not_utf8:
+        lines = ", ".join(map(str, not_utf8[:10])) + (f" and {len(not_utf8) - 10} more" if len(not_utf8) > 10 else "")
+        print(
+            f"WARNING: {len(not_utf8)} line{'s' * (len(not_utf8) > 1)} not valid UTF-8 (line {lines}): embedded "
+            "with each invalid "
+            "byte read as U+FFFD",
+            file=sys.stderr,
+        )
     print(
         f"{n} texts in {dt:.2f} s = {n / dt if dt else 0:.1f} texts/s on {emb.device} ({emb.dtype}); "
         f"{n_trunc} truncated to {emb.max_seq_length} tokens; wrote {args.out}",
