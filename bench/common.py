@@ -16,7 +16,7 @@ SAMPLES = ROOT / "tests" / "data" / "imagenet-sample"
 
 
 def machine_info() -> dict:
-    from fullthrottle.benchmarks import machine_info as info
+    from fullthrottle.cli.benchmarks import machine_info as info
 
     return info()
 
@@ -73,7 +73,7 @@ def events_time(fn, iters):
 
 def engine_ring_loop(eng, bs: int, iters: int) -> None:
     """Run ``iters`` batches of ``bs`` rows (already in the slots' pinned inputs) through a
-    :class:`fullthrottle.compute.Engine`, every staging slot in flight: submit, and collect + release
+    :class:`fullthrottle.workloads.classify.compute.Engine`, every staging slot in flight: submit, and collect + release
     the oldest batch whenever the ring is full; then drain."""
     inflight = []
     for _ in range(iters):
@@ -106,7 +106,7 @@ def mps_servers(mps: dict) -> str:
 
 def mps_pipe_listing() -> dict:
     """What the MPS pipe folder ($CUDA_MPS_PIPE_DIRECTORY) holds: name -> file type, to check how
-    :func:`fullthrottle.gpu_decode_procs.mps_server_running` should find the daemon."""
+    :func:`fullthrottle.data.gpu_decode_procs.mps_server_running` should find the daemon."""
     import stat
 
     d = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
@@ -129,10 +129,10 @@ def mps_pipe_listing() -> dict:
 @contextlib.contextmanager
 def mps_clients(enabled: bool):
     """``with mps_clients(True) as mps:`` everything CUDA in the block (this process and its children)
-    runs as clients of a private CUDA MPS server (the product's :func:`fullthrottle.mps.private_mps`),
+    runs as clients of a private CUDA MPS server (the product's :func:`fullthrottle.core.mps.private_mps`),
     asked to quit at the end; ``mps`` (``{"exe", "root"}``) is None when not ``enabled``. Enter it
     before the first CUDA call. Exits if the server cannot be started."""
-    from fullthrottle.mps import control_binary, private_mps
+    from fullthrottle.core.mps import control_binary, private_mps
 
     with private_mps(enabled) as how:
         if not enabled:

@@ -4,7 +4,7 @@ fullthrottle's product API, side by side in one run; and its accuracy on the 200
 Peer: ``efficientnet_lite_pytorch.EfficientNet.from_pretrained("efficientnet-lite0", weights_path=...)``
 (the package the weights were converted for): fp32 eager and one hand-captured CUDA graph at batch 1;
 bf16 channels_last eager and one hand-captured graph at the large batch. Ours: the
-:class:`~fullthrottle.compute.Engine` (``Config()``'s default model, bf16, channels_last, BN folded,
+:class:`~fullthrottle.workloads.classify.compute.Engine` (``Config()``'s default model, bf16, channels_last, BN folded,
 graphs per bucket), fed from pinned uint8 ``(B, 224, 224, 3)`` host buffers: H2D on the copy stream,
 normalise + model + softmax + top-5 replayed as one graph per bucket, top-5 D2H, ``staging_slots``
 batches in flight; its inference form (BN folded, Triton depthwise convolutions with the activations
@@ -72,7 +72,7 @@ def product(batches: list[int], **cfg) -> dict:
     """Our Engine: capture time and img/s per batch size (3000 batches at batch 1, >= 300 and >= 20k
     images otherwise, three times; the median)."""
     from fullthrottle import Config
-    from fullthrottle.compute import Engine
+    from fullthrottle.workloads.classify.compute import Engine
 
     t0 = time.perf_counter()
     eng = Engine(Config(device="cuda", dtype="bfloat16", max_batch_size=max(batches), staging_slots=3, **cfg))
@@ -140,7 +140,7 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
-    from fullthrottle.models import load_model
+    from fullthrottle.workloads.classify.models import load_model
 
     batches = [int(b) for b in args.batches.split(",")]
     _, path = load_model("efficientnet_lite0")

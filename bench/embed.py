@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info, write_json  # noqa: E402
 
-from fullthrottle.embed import Embedder, cosine, default_model_dir  # noqa: E402
+from fullthrottle.workloads.embed import Embedder, cosine, default_model_dir  # noqa: E402
 
 
 def stdlib_docstrings(limit: int | None = None) -> list[str]:

@@ -143,7 +143,7 @@ class Files(torch.utils.data.Dataset):
 
 
 def dataloader_loop(paths: list[Path], model_name: str, workers: int, batch: int = 128) -> dict:
-    from fullthrottle.models import load_model, transform_of
+    from fullthrottle.workloads.classify.models import load_model, transform_of
 
     model, _ = load_model(model_name)
     t = transform_of(model_name)

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import jpegs_640x480, machine_info, mps_clients, write_json  # noqa: E402
 
-from fullthrottle.config import GPU_DECODERS  # noqa: E402
+from fullthrottle.core.config import GPU_DECODERS  # noqa: E402
 
 
 def memory() -> dict:

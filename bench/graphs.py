@@ -57,7 +57,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
     from fullthrottle import Config
-    from fullthrottle.compute import Engine
+    from fullthrottle.workloads.classify.compute import Engine
 
     batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)

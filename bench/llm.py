@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info, write_json  # noqa: E402
 
-from fullthrottle.generate import GenerateStats, Generator  # noqa: E402
-from fullthrottle.llama import Llama, LlamaConfig  # noqa: E402
+from fullthrottle.workloads.llm.generate import GenerateStats, Generator  # noqa: E402
+from fullthrottle.workloads.llm.llama import Llama, LlamaConfig  # noqa: E402
 
 
 def main():

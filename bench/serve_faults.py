@@ -161,8 +161,8 @@ def main() -> None:
     rounds = 0
     while time.time() - t0 < args.duration:
         kids = sorted(children(proc.pid))
-        gpu = [p for p in kids if "fullthrottle.gpu_decoder_worker" in cmdline(p)]
-        cpu = [p for p in kids if "fullthrottle.decoder_worker" in cmdline(p)]
+        gpu = [p for p in kids if "fullthrottle.data.gpu_decoder_worker" in cmdline(p)]
+        cpu = [p for p in kids if "fullthrottle.data.decoder_worker" in cmdline(p)]
         for name, pool in (("cpu decoder", cpu), ("gpu decoder", gpu)):
             if pool:
                 os.kill(pool[rounds % len(pool)], signal.SIGKILL)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fullthrottle.models import TORCHVISION_IMAGENET
+from fullthrottle.workloads.classify.models import TORCHVISION_IMAGENET
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import jpegs_640x480, machine_info, write_json  # noqa: E402

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fullthrottle.preprocess import ImageError, decode, preprocess
+from fullthrottle.data.preprocess import ImageError, decode, preprocess
 
 ERRORS = {
     "truncated.jpg": r"truncated or corrupt",
@@ -99,11 +99,11 @@ def test_large_jpeg_uses_reduced_decode(bad_dir):
 
 def test_every_item_error_has_its_stage_and_kind(bad_dir, tmp_path):
     """Each failing bad input, and each way a file or input cannot be loaded, comes out of the pipeline
-    with its stage and kind (fullthrottle.errors), in the Result and in its JSON, never as 'other'."""
+    with its stage and kind (fullthrottle.core.errors), in the Result and in its JSON, never as 'other'."""
     import os
 
     from fullthrottle import Config, Pipeline
-    from fullthrottle.errors import KINDS
+    from fullthrottle.core.errors import KINDS
 
     (tmp_path / "loop.jpg").symlink_to(tmp_path / "loop.jpg")
     os.mkfifo(tmp_path / "fifo.jpg")
@@ -139,7 +139,7 @@ def test_read_local_reads_whole_files_up_to_the_limit_and_names_each_refusal(tmp
     waiting for a writer), a missing file and a symlink loop each get their own error."""
     import os
 
-    from fullthrottle.load import LoadError, read_local
+    from fullthrottle.data.load import LoadError, read_local
 
     data = os.urandom(70_000)
     (tmp_path / "a.jpg").write_bytes(data)

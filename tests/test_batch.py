@@ -5,10 +5,10 @@ import time
 import numpy as np
 import pytest
 
-from fullthrottle.batch import Batch, Batcher, RequestBatcher, bucket_for, split_into_buckets
-from fullthrottle.config import Config, default_buckets
-from fullthrottle.load import Item
-from fullthrottle.report import StageStats
+from fullthrottle.core.batch import Batch, Batcher, RequestBatcher, bucket_for, split_into_buckets
+from fullthrottle.core.config import Config, default_buckets
+from fullthrottle.core.report import StageStats
+from fullthrottle.data.load import Item
 
 END = object()
 

@@ -180,7 +180,7 @@ def test_gpu_decoder_options_without_gpu_decode_are_named_not_ignored(samples, c
 
 def test_unwritable_report_json_fails_before_the_run(samples, tmp_path, capsys, monkeypatch):
     """--report-json naming a folder is refused up front (exit 2), before any image is classified."""
-    import fullthrottle.pipeline as pl
+    import fullthrottle.workloads.classify.pipeline as pl
 
     monkeypatch.setattr(pl.Pipeline, "__init__", lambda *a, **k: pytest.fail("the pipeline was built"))
     rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--report-json", str(tmp_path)])
@@ -204,7 +204,7 @@ def test_random_7b_that_cannot_fit_is_refused_before_it_is_built():
     import torch
 
     from fullthrottle.cli import _check_memory_for, _llama_bytes
-    from fullthrottle.llama import LlamaConfig
+    from fullthrottle.workloads.llm.llama import LlamaConfig
 
     cfg = LlamaConfig.llama2_7b()
     assert _llama_bytes(cfg, torch.bfloat16) == 13_476_831_232
@@ -277,8 +277,8 @@ def test_odd_file_names_stay_on_one_line_and_empty_out_is_refused(samples, tmp_p
 def test_flag_defaults_are_the_dataclasses_defaults():
     """Every default is stated once: classify's and serve's flags read theirs from Config and ServeOptions."""
     from fullthrottle.cli.parser import build_parser
-    from fullthrottle.config import Config
-    from fullthrottle.serve_options import MAX_CONNECTIONS, ServeOptions
+    from fullthrottle.core.config import Config
+    from fullthrottle.server.options import MAX_CONNECTIONS, ServeOptions
 
     p = build_parser()
     c = p.parse_args(["classify"])

@@ -5,16 +5,17 @@ from pathlib import Path
 
 import pytest
 
-from fullthrottle import env
+import fullthrottle
+from fullthrottle.core import env
 
-SRC = Path(env.__file__).parent
+SRC = Path(fullthrottle.__file__).parent
 
 
 def test_every_environment_variable_is_declared_once(monkeypatch):
-    """fullthrottle.env declares every FULLTHROTTLE_* variable the package names; get() refuses others."""
+    """fullthrottle.core.env declares every FULLTHROTTLE_* variable the package names; get() refuses others."""
     import re
 
-    named = {m for p in SRC.glob("*.py") for m in re.findall(r"FULLTHROTTLE_[A-Z_]+", p.read_text())}
+    named = {m for p in SRC.rglob("*.py") for m in re.findall(r"FULLTHROTTLE_[A-Z_]+", p.read_text())}
     assert named == set(env.VARS), named ^ set(env.VARS)
     monkeypatch.delenv(env.TRITON, raising=False)
     assert env.get(env.TRITON) == "1"  # its default
@@ -27,13 +28,23 @@ def test_every_environment_variable_is_declared_once(monkeypatch):
 
 def test_no_import_circles():
     """No module of the package imports, at its top or inside a function, one that leads back to it."""
+
+    def module_of(p):
+        parts = p.relative_to(SRC).with_suffix("").parts
+        return ".".join(["fullthrottle", *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+    files = {module_of(p): p for p in SRC.rglob("*.py")}
     deps = {}
-    for p in SRC.glob("*.py"):
+    for name, p in files.items():
+        pkg = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]
         mods = set()
         for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                mods |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
-        deps[p.stem] = mods
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
+                targets = [f"{base}.{node.module}"] if node.module else []
+                targets += [f"{base}.{node.module}.{a.name}" if node.module else f"{base}.{a.name}" for a in node.names]
+                mods |= {t for t in targets if t in files and t != name and not name.startswith(t + ".")}
+        deps[name] = mods
     circles = []
 
     def walk(start, node, path):
@@ -46,6 +57,33 @@ def test_no_import_circles():
     for m in sorted(deps):
         walk(m, m, [m])
     assert not circles, circles[:5]
+
+
+def test_imports_go_down_the_layers():
+    """Front ends (cli, server, ray_jobs) -> workloads -> data plane -> core, never back up; the one
+    exception: Config asks the model registry for a model's input transform. Type-only imports
+    (under ``if TYPE_CHECKING:``) do not count."""
+    rank = {"core": 0, "data": 1, "workloads": 2, "server": 3, "cli": 3, "ray_jobs": 3}
+    allowed = {("core/config.py", "workloads.classify.models")}
+    upward = []
+    for p in SRC.rglob("*.py"):
+        rel = p.relative_to(SRC)
+        layer, pkg = rel.parts[0].removesuffix(".py"), list(rel.parts[:-1])
+        tree = ast.parse(p.read_text())
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+            for n in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level and id(node) not in typing_only:
+                base = pkg[: len(pkg) - (node.level - 1)]
+                target = ".".join(base + (node.module.split(".") if node.module else [node.names[0].name]))
+                top = target.split(".")[0]
+                if rank.get(top, -1) > rank.get(layer, 9) and (str(rel), target) not in allowed:
+                    upward.append(f"{rel}:{node.lineno} imports {target}")
+    assert not upward, upward
 
 
 def _missing_names(files, module_of) -> list[str]:

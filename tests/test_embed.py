@@ -9,7 +9,7 @@ import pytest
 st = pytest.importorskip("sentence_transformers")
 
 from fullthrottle.cli import main  # noqa: E402
-from fullthrottle.embed import Embedder, cosine, default_model_dir  # noqa: E402
+from fullthrottle.workloads.embed import Embedder, cosine, default_model_dir  # noqa: E402
 
 try:  # the MiniLM package (the test extra installs it) or a folder in $FULLTHROTTLE_EMBED_MODEL
     default_model_dir()
@@ -164,7 +164,7 @@ def test_a_huge_text_is_cut_before_tokenising_without_changing_its_vector(emb, m
     """Only the first MAX_TEXT_CHARS characters reach the tokenizer (bounded memory); the model reads
     the first 256 tokens either way, so the vector equals that of the text's first few thousand
     characters, and the text is reported truncated."""
-    import fullthrottle.embed as E
+    import fullthrottle.workloads.embed as E
 
     seen = []
     encode = emb.tokenizer.encode_batch
@@ -181,7 +181,7 @@ def test_a_huge_text_is_cut_before_tokenising_without_changing_its_vector(emb, m
 def test_embed_service_keeps_to_its_token_budget_and_fails_only_the_bad_request(emb, monkeypatch):
     import asyncio
 
-    from fullthrottle.serve_services import EmbedService
+    from fullthrottle.server.services import EmbedService
 
     calls = []
     real = emb.embed_encoded

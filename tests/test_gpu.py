@@ -8,7 +8,7 @@ import torch
 from conftest import sample_label
 
 from fullthrottle import Config, Pipeline
-from fullthrottle.preprocess import preprocess
+from fullthrottle.data.preprocess import preprocess
 
 pytestmark = pytest.mark.gpu
 
@@ -75,7 +75,7 @@ def test_fused_conv_relu_on_cuda_matches_unfused():
     """cuDNN's conv+bias+ReLU (and +add) calls equal the separate ops: fp32 with TF32 off, 1e-4 relative."""
     import torchvision
 
-    from fullthrottle.fuse import fold_batchnorm, fuse_conv_relu
+    from fullthrottle.workloads.classify.fuse import fold_batchnorm, fuse_conv_relu
 
     torch.manual_seed(0)
     folded, _ = fold_batchnorm(torchvision.models.resnet18().eval())
@@ -97,7 +97,7 @@ def test_fused_conv_relu_on_cuda_matches_unfused():
 def test_mapped_on_device_aliases_pinned_memory():
     """The device reads pinned host memory in place: a later host write shows in a device read;
     rows of bytes are widened to int64 columns; pageable memory is refused (None)."""
-    from fullthrottle.device_copy import mapped_on_device
+    from fullthrottle.data.device_copy import mapped_on_device
 
     host = torch.arange(64, dtype=torch.uint8).view(4, 16).pin_memory()
     view = mapped_on_device(host, torch.device("cuda"))
@@ -183,7 +183,7 @@ def test_efficientnet_lite0_gpu_decode_agrees_with_cpu_decode(samples, no_thread
 def test_efficientnet_lite0_fused_form_on_cuda_equals_the_module():
     """The inference form (BN folded, Triton depthwise convolutions with their activations) equals the
     plain module on CUDA in fp32 (TF32 off) to 1e-4 relative, and is what the Engine runs."""
-    from fullthrottle.models import load_model
+    from fullthrottle.workloads.classify.models import load_model
 
     model, _ = load_model("efficientnet_lite0")
     model = model.cuda()

@@ -14,9 +14,9 @@ import torch
 from test_pipeline import LABELS, Tiny
 
 from fullthrottle import Config, Pipeline
-from fullthrottle.gpu_decode import RateSplitter, gpu_eligible, jpeg_info
-from fullthrottle.gpu_resize import resize_crop_batch, resize_crop_interpolate
-from fullthrottle.preprocess import decode, preprocess, resize_crop
+from fullthrottle.data.gpu_decode import RateSplitter, gpu_eligible, jpeg_info
+from fullthrottle.data.gpu_resize import resize_crop_batch, resize_crop_interpolate
+from fullthrottle.data.preprocess import decode, preprocess, resize_crop
 
 ROUTE = {
     "truncated.jpg": (False, "truncated"),
@@ -133,7 +133,7 @@ class FakeNvImageCodec:
 
 
 def _hw_decoder(fake, fallback=None):
-    from fullthrottle.gpu_decode import HwJpegDecoder
+    from fullthrottle.data.gpu_decode import HwJpegDecoder
 
     d = HwJpegDecoder.__new__(HwJpegDecoder)  # skips the import of nvImageCodec and the device probe
     d.device, d._dec, d._params, d._code_stream, d.fallback = torch.device("cpu"), fake, None, lambda a: a, fallback
@@ -170,7 +170,7 @@ def test_hardware_decoder_per_item_results(bad_dir, samples, drop_refused):
 def test_nvimgcodec_backend_spec():
     """FULLTHROTTLE_NVIMGCODEC_BACKENDS: the engines alone by default, or shares of each batch between the
     engines and nvImageCodec's nvJPEG backends; a bad name or load hint is refused with the rule."""
-    from fullthrottle.gpu_decode import parse_nvimgcodec_backends as parse
+    from fullthrottle.data.gpu_decode import parse_nvimgcodec_backends as parse
 
     assert parse("") == parse("hw") == [("HW_GPU_ONLY", 1.0)]
     assert parse("hw:0.7+hybrid") == [("HW_GPU_ONLY", 0.7), ("HYBRID_CPU_GPU", 1.0)]
@@ -188,7 +188,7 @@ def test_nvimgcodec_backend_spec():
 def test_gpu_decoder_choice_and_errors(monkeypatch):
     import builtins
 
-    from fullthrottle.gpu_decode import GpuJpegDecoder, make_gpu_decoder
+    from fullthrottle.data.gpu_decode import GpuJpegDecoder, make_gpu_decoder
 
     with pytest.raises(ValueError, match="gpu_decoder must be one of"):
         make_gpu_decoder(torch.device("cpu"), "nvimgcodec")
@@ -249,7 +249,7 @@ def test_mixed_cpu_gpu_batches_equal_cpu_only(samples, bad_dir, preprocess):
 
 
 def test_gpu_process_protocol_round_trip():
-    from fullthrottle.gpu_decode_procs import _decode_reply, _decode_request, _encode_reply, _encode_request
+    from fullthrottle.data.gpu_decode_procs import _decode_reply, _decode_request, _encode_reply, _encode_request
 
     items = [(b"\xff\xd8abc", 7), (b"", 0), (bytes(range(256)) * 3, 41)]
     back = _decode_request(bytearray(_encode_request(items)))
@@ -273,7 +273,7 @@ def test_gpu_process_request_written_with_pwritev(monkeypatch, short):
     same bytes either way."""
     import mmap
 
-    import fullthrottle.gpu_decode_procs as gp
+    import fullthrottle.data.gpu_decode_procs as gp
 
     items = [(b"\xff\xd8abc", 7), (b"", 0), (bytes(range(256)) * 3, 41), (b"xyz" * 50, 3)]
     fd = os.memfd_create("t", 0)
@@ -318,12 +318,12 @@ class FakeGpuProcess:
     slot_bytes = 150_000  # small arena slots: batches are split, the largest images go inline
 
     def fitting(self, items):
-        from fullthrottle.gpu_decode_procs import count_fitting
+        from fullthrottle.data.gpu_decode_procs import count_fitting
 
         return count_fitting(items, self.slot_bytes)
 
     def send(self, items, slot=None):
-        from fullthrottle.worker_procs import PATH_BIT
+        from fullthrottle.data.worker_procs import PATH_BIT
 
         self.paths += sum(1 for _, row in items if row & PATH_BIT)
         in_arena = slot is not None and sum(len(d) for d, _ in items) <= self.slot_bytes
@@ -339,8 +339,8 @@ class FakeGpuProcess:
         self.sent.clear()
 
     def receive(self, timeout):
-        from fullthrottle.gpu_decoder_worker import _read_paths
-        from fullthrottle.worker_procs import WorkerDied
+        from fullthrottle.data.gpu_decoder_worker import _read_paths
+        from fullthrottle.data.worker_procs import WorkerDied
 
         time.sleep(self.delay_s)  # decoding takes a while: the next batch can queue behind this one
         batch, read_errors = _read_paths(self.sent.popleft(), 256 << 20)  # (files sent as paths: read here)
@@ -413,7 +413,7 @@ def test_gpu_process_discards_replies_owed_when_a_run_stops():
     import socket
     from multiprocessing.connection import Connection
 
-    from fullthrottle.gpu_decode_procs import GpuDecoderProcess, _encode_reply
+    from fullthrottle.data.gpu_decode_procs import GpuDecoderProcess, _encode_reply
 
     a, b = socket.socketpair()
     p = GpuDecoderProcess.__new__(GpuDecoderProcess)  # the parent's side only: no CUDA process here
@@ -456,7 +456,7 @@ def test_stopping_a_run_leaves_no_gpu_answer_owed(samples):
 def test_gpu_decoder_against_cpu_path(samples, bad_dir, kind):
     """Mean absolute difference per pixel <= 2/255 against the CPU path; top-1 agreement >= 99%;
     every bad input gives the CPU path's result (for nvJPEG and for the hardware JPEG engines)."""
-    from fullthrottle.gpu_decode import make_gpu_decoder
+    from fullthrottle.data.gpu_decode import make_gpu_decoder
 
     if kind == "hardware":
         pytest.importorskip("nvidia.nvimgcodec", reason="needs nvImageCodec (pip install nvidia-nvimgcodec-cu13)")
@@ -515,8 +515,8 @@ def test_gpu_decoder_against_cpu_path(samples, bad_dir, kind):
 def test_triton_resize_on_gpu_matches_the_products(samples, bad_dir):
     """The Triton resize + crop (what resize_crop_batch runs on CUDA) against the float32 matrix
     products on the CPU (the same filter) and the CPU path: 1/255 at most, and MAD <= 0.5/255."""
-    from fullthrottle.gpu_resize import resize_crop_matmul
-    from fullthrottle.kernels import use_triton
+    from fullthrottle.core.kernels import use_triton
+    from fullthrottle.data.gpu_resize import resize_crop_matmul
 
     rgbs = [decode(p.read_bytes()) for p in samples[:40]]
     rgbs.append(decode((bad_dir / "large-6000x4000.jpg").read_bytes()))  # 15x downscale: ~34 taps
@@ -540,7 +540,7 @@ def test_triton_resize_on_gpu_matches_the_products(samples, bad_dir):
 
 def assert_cpu_path_result(blob: bytes, got) -> None:
     """``got`` is what the CPU path gives ``blob``: the same crop, or an ImageError with the same message."""
-    from fullthrottle.preprocess import ImageError
+    from fullthrottle.data.preprocess import ImageError
 
     try:
         want = preprocess(blob)
@@ -554,7 +554,7 @@ def test_decode_crops_checks_eligibility_itself_when_asked(samples, bad_dir):
     """GPU decoder processes get every JPEG-looking image unchecked (decode_crops(check=True)): what
     gpu_eligible refuses never reaches the GPU decoder and gets the CPU path's crop or error instead,
     byte for byte; the rest are decoded by the GPU decoder."""
-    from fullthrottle.gpu_decode import decode_crops
+    from fullthrottle.data.gpu_decode import decode_crops
 
     blobs = [p.read_bytes() for p in samples[:6]] + [
         (bad_dir / n).read_bytes() for n in ("cmyk.jpg", "exif-rotated.jpg", "truncated.jpg", "progressive.jpg")
@@ -583,7 +583,7 @@ def test_gpu_process_send_reports_a_failed_copy_and_bounds(monkeypatch):
     import socket
     from multiprocessing.connection import Connection
 
-    import fullthrottle.gpu_decode_procs as gp
+    import fullthrottle.data.gpu_decode_procs as gp
 
     arena_fd = os.memfd_create("t", 0)
     os.ftruncate(arena_fd, 4096)
@@ -623,7 +623,7 @@ def test_gpu_process_send_reports_a_failed_copy_and_bounds(monkeypatch):
 def test_decode_crops_falls_back_to_the_cpu_when_the_gpu_batch_fails(samples, bad_dir, monkeypatch):
     """A failure of the batch's GPU resize (out of memory, say) is no image's: each image gets the CPU
     path's crop or error, and the images already on the CPU path keep theirs."""
-    import fullthrottle.gpu_decode as gd
+    import fullthrottle.data.gpu_decode as gd
 
     def boom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
@@ -641,8 +641,8 @@ def test_decode_crops_falls_back_to_the_cpu_when_the_gpu_batch_fails(samples, ba
 def test_gpu_decoder_pool_takes_one_kind_per_process():
     """A mix of decoder kinds names one kind per process; a list of another length is refused before
     any process starts."""
-    from fullthrottle.crop_pool import CropPool
-    from fullthrottle.gpu_decode_procs import GpuDecoderPool
+    from fullthrottle.data.crop_pool import CropPool
+    from fullthrottle.data.gpu_decode_procs import GpuDecoderPool
 
     pool = CropPool(4, 8)
     try:
@@ -659,7 +659,7 @@ def test_mps_server_running_looks_for_the_control_socket(tmp_path, monkeypatch):
     (nobody accepts) or its pid file naming a dead process mean no."""
     import socket
 
-    from fullthrottle.mps import mps_server_running
+    from fullthrottle.core.mps import mps_server_running
 
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     assert not mps_server_running()
@@ -698,7 +698,7 @@ def test_gpu_decode_processes_default_follows_the_mps_server(tmp_path, monkeypat
     import dataclasses
 
     from fullthrottle.cli import _gpu_decode_settings, build_parser
-    from fullthrottle.gpu_decode_procs import DEPTH
+    from fullthrottle.data.gpu_decode_procs import DEPTH
 
     def made(*args, **kw):  # the number a Pipeline settles on (CPU: no process is started, and the
         with Pipeline(*args, model=Tiny(), **kw) as pipe:  # run decodes on the CPU only)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torchvision
 
-from fullthrottle.graphs import GraphRunner, graph_module
+from fullthrottle.core.graphs import GraphRunner, graph_module
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 
@@ -123,8 +123,8 @@ def test_engine_slots_in_flight_keep_their_results(samples):
     import numpy as np
 
     from fullthrottle import Config
-    from fullthrottle.compute import Engine
-    from fullthrottle.preprocess import preprocess
+    from fullthrottle.data.preprocess import preprocess
+    from fullthrottle.workloads.classify.compute import Engine
 
     torch.manual_seed(0)
     eng = Engine(Config(model="resnet18", device="cuda", dtype="float32", max_batch_size=8, graphs=True))
@@ -178,7 +178,7 @@ def test_capture_while_another_thread_copies_pinned(resnet):
 
 
 def test_fold_batchnorm_matches_eager_and_leaves_untraceable_models_alone():
-    from fullthrottle.fuse import fold_batchnorm
+    from fullthrottle.workloads.classify.fuse import fold_batchnorm
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18().eval()
@@ -211,7 +211,7 @@ def test_fold_batchnorm_matches_eager_and_leaves_untraceable_models_alone():
 
 @pytest.mark.parametrize("name, pairs", [("resnet18", 17), ("resnet50", 49)])
 def test_fuse_conv_relu_rewrites_every_conv_relu_pair_and_computes_the_same(name, pairs):
-    from fullthrottle.fuse import conv_add_relu, conv_relu, fold_batchnorm, fuse_conv_relu
+    from fullthrottle.workloads.classify.fuse import conv_add_relu, conv_relu, fold_batchnorm, fuse_conv_relu
 
     torch.manual_seed(0)
     folded, ok = fold_batchnorm(getattr(torchvision.models, name)().eval())
@@ -229,7 +229,7 @@ def test_fuse_conv_relu_rewrites_every_conv_relu_pair_and_computes_the_same(name
 
 
 def test_fuse_conv_relu_leaves_scalar_adds_and_computes_broadcast_adds_the_same():
-    from fullthrottle.fuse import _conv2d_out_shape, fuse_conv_relu
+    from fullthrottle.workloads.classify.fuse import _conv2d_out_shape, fuse_conv_relu
 
     class M(torch.nn.Module):
         def __init__(self):
@@ -294,7 +294,7 @@ class _ConvWeightNorm(torch.nn.Module):  # a parametrized weight
 
 @pytest.mark.parametrize("cls", [_ConvThenInplace, _ConvTwice, _ConvKeywords, _ConvWeightNorm])
 def test_fuse_conv_relu_leaves_graphs_it_cannot_rewrite_safely_alone(cls):
-    from fullthrottle.fuse import fuse_conv_relu
+    from fullthrottle.workloads.classify.fuse import fuse_conv_relu
 
     torch.manual_seed(0)
     gm = torch.fx.symbolic_trace(cls().eval())

@@ -1,4 +1,4 @@
-"""The fused LLM kernels (src/fullthrottle/kernels.py) against their plain-PyTorch references.
+"""The fused LLM kernels (src/fullthrottle/core/kernels.py) against their plain-PyTorch references.
 
 On CPU, Triton's interpreter (``TRITON_INTERPRET=1``, set in a child process before Triton is
 imported) runs the very kernels that run on the GPU, so their indexing is checked in CI; the
@@ -13,11 +13,11 @@ import textwrap
 import pytest
 import torch
 
-from fullthrottle.models import TORCHVISION_IMAGENET
+from fullthrottle.workloads.classify.models import TORCHVISION_IMAGENET
 
 CHECK = textwrap.dedent("""
     import torch
-    from fullthrottle import kernels as K
+    from fullthrottle.core import kernels as K
 
     def check(dtype, device, tol):
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -131,7 +131,7 @@ def test_triton_kernels_in_the_interpreter_match_the_references():
 
 
 def test_references_run_without_triton(monkeypatch):
-    from fullthrottle import kernels as K
+    from fullthrottle.core import kernels as K
 
     monkeypatch.setenv("FULLTHROTTLE_TRITON", "0")
     x = torch.randn(2, 8)
@@ -165,7 +165,7 @@ def test_triton_kernels_on_gpu_bf16():
 
 
 def test_bad_shapes_and_dtypes_are_clear_errors():
-    from fullthrottle import kernels as K
+    from fullthrottle.core import kernels as K
 
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="weight must be"):
@@ -231,7 +231,7 @@ def test_normalize_matches_addcmul_on_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("triton")
-    from fullthrottle import kernels as K
+    from fullthrottle.core import kernels as K
 
     x8 = torch.randint(0, 256, (8, 224, 224, 3), dtype=torch.uint8, device="cuda")
     std, mean = (torch.tensor(v, device="cuda") for v in (TORCHVISION_IMAGENET.std, TORCHVISION_IMAGENET.mean))
@@ -246,8 +246,8 @@ def test_normalize_matches_addcmul_on_gpu():
 
 RESIZE_CHECK = textwrap.dedent("""
     import torch
-    from fullthrottle import kernels as K
-    from fullthrottle.gpu_resize import resize_crop_interpolate, resize_crop_matmul
+    from fullthrottle.core import kernels as K
+    from fullthrottle.data.gpu_resize import resize_crop_interpolate, resize_crop_matmul
 
     g = torch.Generator().manual_seed(0)
     # wide, tall, square, upscaled (9x7, 1x1), odd sizes; CHW and views of HWC, as the decoders give
@@ -289,7 +289,7 @@ def test_triton_resize_crop_in_the_interpreter_matches_the_products_and_interpol
 
 
 def test_resize_crop_u8_rejects_bad_arguments():
-    from fullthrottle import kernels as K
+    from fullthrottle.core import kernels as K
 
     img = torch.zeros((3, 8, 8), dtype=torch.uint8)
     out = torch.empty((1, 4, 4, 3), dtype=torch.uint8)

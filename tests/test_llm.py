@@ -5,8 +5,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fullthrottle.generate import Generator, sample  # noqa: E402
-from fullthrottle.llama import LlamaConfig, load_hf  # noqa: E402
+from fullthrottle.workloads.llm.generate import Generator, sample  # noqa: E402
+from fullthrottle.workloads.llm.llama import LlamaConfig, load_hf  # noqa: E402
 
 ROPE3 = {
     "rope_type": "llama3",
@@ -181,7 +181,7 @@ def test_cli_generate_streams_the_library_tokens(pair, tmp_path, capsys):
 
 
 def test_unsupported_rope_scaling_is_refused():
-    from fullthrottle.llama import rope_inv_freq
+    from fullthrottle.workloads.llm.llama import rope_inv_freq
 
     cfg = LlamaConfig(
         vocab_size=16,

@@ -11,8 +11,9 @@ from torch import nn
 
 from fullthrottle import Config, Pipeline
 from fullthrottle.cli import main
-from fullthrottle.efficientnet import EfficientNetLite0, reference_to_ours
-from fullthrottle.models import (
+from fullthrottle.data.preprocess import preprocess
+from fullthrottle.workloads.classify.efficientnet import EfficientNetLite0, reference_to_ours
+from fullthrottle.workloads.classify.models import (
     EFFICIENTNET_LITE,
     MODELS,
     TORCHVISION_IMAGENET,
@@ -21,7 +22,6 @@ from fullthrottle.models import (
     load_model,
     transform_of,
 )
-from fullthrottle.preprocess import preprocess
 
 
 def normalise(arrays, t: Transform) -> torch.Tensor:
@@ -99,7 +99,7 @@ def test_each_model_declares_its_transform():
     m.input_transform = Transform(160, 128, (0.5,) * 3, (0.25,) * 3)
     assert Config().for_model(m).transform == m.input_transform
     m.input_transform = {"resize": 160}
-    with pytest.raises(TypeError, match="input_transform must be a fullthrottle.models.Transform"):
+    with pytest.raises(TypeError, match="input_transform must be a fullthrottle.workloads.classify.models.Transform"):
         Config().for_model(m)
     with pytest.raises(ValueError, match="interpolation"):
         Transform(256, 224, (0.5,) * 3, (0.5,) * 3, "bicubic")
@@ -190,7 +190,7 @@ def test_bundled_weights_missing_is_a_clear_error(monkeypatch):
 
 FUSED_CHECK = """
 import torch
-from fullthrottle.dwconv import dw_conv, dw_conv_ref
+from fullthrottle.workloads.classify.dwconv import dw_conv, dw_conv_ref
 torch.manual_seed(0)
 for B, C, H, W, k, s, act in [(2, 24, 9, 10, 3, 2, True), (1, 40, 8, 8, 5, 2, False), (2, 96, 7, 7, 5, 1, True),
                               (1, 70, 6, 5, 3, 1, True), (1, 200, 4, 3, 5, 2, True)]:
@@ -228,7 +228,7 @@ def test_depthwise_triton_kernel_on_cpu():
 def test_weights_errors_say_what_is_wrong(tmp_path):
     from safetensors.torch import save_file
 
-    from fullthrottle.models import WeightsError
+    from fullthrottle.workloads.classify.models import WeightsError
 
     (tmp_path / "empty.pth").write_bytes(b"")
     (tmp_path / "adir.pth").mkdir()

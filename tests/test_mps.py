@@ -1,9 +1,9 @@
-"""The private CUDA MPS server of ``--mps`` (fullthrottle.mps), with a stand-in for nvidia-cuda-mps-control."""
+"""The private CUDA MPS server of ``--mps`` (fullthrottle.core.mps), with a stand-in for nvidia-cuda-mps-control."""
 
 import os
 import time
 
-from fullthrottle import mps
+from fullthrottle.core import mps
 
 
 def _fake_control(tmp_path, monkeypatch, rc=0):

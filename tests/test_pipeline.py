@@ -8,8 +8,8 @@ from torch import nn
 from torchvision.transforms import v2
 
 from fullthrottle import Config, Pipeline, PipelineError
-from fullthrottle.models import TORCHVISION_IMAGENET, WeightsError
-from fullthrottle.preprocess import preprocess
+from fullthrottle.data.preprocess import preprocess
+from fullthrottle.workloads.classify.models import TORCHVISION_IMAGENET, WeightsError
 
 LABELS = [f"class{i}" for i in range(10)]
 

@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from fullthrottle.preprocess import ImageError, decode, jpeg_is_complete, preprocess, sniff
+from fullthrottle.data.preprocess import ImageError, decode, jpeg_is_complete, preprocess, sniff
 
 REF = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224)])
 

@@ -11,9 +11,9 @@ import torch
 from test_pipeline import tiny_pipe
 
 from fullthrottle import Config
-from fullthrottle.config import GPU_PROCESS_DEPTH
-from fullthrottle.preprocess import ImageError, preprocess
-from fullthrottle.preprocess_procs import DecoderPool, DecoderProcess
+from fullthrottle.core.config import GPU_PROCESS_DEPTH
+from fullthrottle.data.preprocess import ImageError, preprocess
+from fullthrottle.data.preprocess_procs import DecoderPool, DecoderProcess
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_config_checks():
 
 
 def test_row_spans_cover_exactly_the_rows_asked_for():
-    from fullthrottle.device_copy import row_spans
+    from fullthrottle.data.device_copy import row_spans
 
     assert row_spans([7, 3, 4, 5, 40, 41]) == [(3, 8), (40, 42)]
     assert row_spans([5, 1], max_gap=1) == [(1, 2), (5, 6)]
@@ -128,7 +128,7 @@ def test_crop_pool_is_released_when_collected():
     """A pool dropped without close() still releases its file (and, on CUDA, its registration)."""
     import gc
 
-    from fullthrottle.crop_pool import CropPool
+    from fullthrottle.data.crop_pool import CropPool
 
     pool = CropPool(3, crop_size=8, scratch=1)
     assert pool.array.shape == (4, 8, 8, 3) and pool.free_rows() == 3
@@ -168,7 +168,7 @@ def test_images_queue_at_a_worker_only_within_its_socket_buffer(samples, monkeyp
     bytes fit in the worker's socket buffer (so a send never blocks on a hung worker): with a budget
     smaller than any JPEG no worker is sent a second image before it answered the first; with the
     real buffer images do queue; every result arrives either way."""
-    import fullthrottle.preprocess_procs as pp
+    import fullthrottle.data.preprocess_procs as pp
 
     out, peak, kinds = {}, {}, set()
     send0, receive0 = pp.DecoderProcess.send, pp.DecoderProcess.receive
@@ -207,7 +207,7 @@ def test_decoder_processes_default_to_one_per_core_but_one(monkeypatch):
     """The main process's threads (dispatcher, batcher, compute, decode) need about a core: by default
     one is left to them; an explicit thread count is taken as given (capped at the cores); the
     pipeline starts what the config says."""
-    import fullthrottle.config as fc
+    import fullthrottle.core.config as fc
 
     monkeypatch.setattr(fc, "usable_cores", lambda: 3)
     assert Config(threads=None).decoder_processes() == 2
@@ -222,7 +222,7 @@ def test_decoder_processes_default_to_one_per_core_but_one(monkeypatch):
 def test_worker_gets_malloc_settings_and_reports_its_time_split(samples, tmp_path, monkeypatch):
     import json
 
-    import fullthrottle.preprocess_procs as pp
+    import fullthrottle.data.preprocess_procs as pp
 
     monkeypatch.setenv(pp.STATS_ENV, str(tmp_path / "w"))
     w = DecoderProcess()
@@ -245,7 +245,7 @@ def test_worker_gets_malloc_settings_and_reports_its_time_split(samples, tmp_pat
 def test_copy_all_copies_every_pair_like_copy_(monkeypatch, foreach):
     """The compute thread's H2D copies in one call: slices of a pool and a row index list (two dtypes)
     land exactly where a copy_ each would put them, with torch._foreach_copy_ or without it."""
-    import fullthrottle.compute as c
+    import fullthrottle.workloads.classify.compute as c
 
     if not foreach:
         monkeypatch.delattr(torch, "_foreach_copy_", raising=False)
@@ -268,13 +268,13 @@ def test_worker_crash_with_answers_owed_costs_only_its_image(samples, monkeypatc
     """A worker that dies on an image while the dispatcher is slow to come back (GIL contention) must
     not be replaced by the next send: the new worker's answer would be taken for the crashed image,
     whose crop was never written. The crashed image gets the error; every other image its own result."""
-    import fullthrottle.preprocess_procs as pp
+    import fullthrottle.data.preprocess_procs as pp
 
     monkeypatch.setattr(
         pp,
         "_WORKER_CMD",
         (
-            "import sys, os; import fullthrottle.decoder_worker as dw; orig = dw._work_one\n"
+            "import sys, os; import fullthrottle.data.decoder_worker as dw; orig = dw._work_one\n"
             "def w(msg, *a):\n"
             "    if b'CRASHME' in msg[:40]: os._exit(3)\n"
             "    return orig(msg, *a)\n"
@@ -379,7 +379,7 @@ def test_a_folder_with_broken_files_read_by_the_decoder_processes(samples, bad_d
 def test_a_workers_decode_clock_starts_once_it_is_ready():
     """Until a new worker has imported its libraries its images wait for that, not for a decoder:
     the hang clock starts STARTUP_S after its start, and once it is ready, when it was seen ready."""
-    from fullthrottle.worker_procs import STARTUP_S
+    from fullthrottle.data.worker_procs import STARTUP_S
 
     w = DecoderProcess()
     try:

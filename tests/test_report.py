@@ -6,8 +6,8 @@ import torch
 from test_pipeline import LABELS, Tiny
 
 from fullthrottle import Config, Pipeline
-from fullthrottle.gpumon import GpuMonitor
-from fullthrottle.report import verdict
+from fullthrottle.core.gpumon import GpuMonitor
+from fullthrottle.core.report import verdict
 
 
 class SlowModel(Tiny):
@@ -32,7 +32,7 @@ def test_slow_model_is_compute_bound(samples):
 
 
 def test_slow_decoder_is_preprocess_bound(samples, monkeypatch):
-    import fullthrottle.stage_threads as stage_threads
+    import fullthrottle.workloads.classify.stage_threads as stage_threads
 
     real = stage_threads.preprocess
 

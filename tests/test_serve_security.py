@@ -15,8 +15,8 @@ import pytest
 from procs import alive, children
 from test_serve import Server, Tiny, post_image
 
-from fullthrottle.fetch import FetchPolicy, FetchRefused, is_public, parse_ip
-from fullthrottle.serve import ServeOptions
+from fullthrottle.server.app import ServeOptions
+from fullthrottle.server.fetch import FetchPolicy, FetchRefused, is_public, parse_ip
 
 
 class Listener:
@@ -262,7 +262,7 @@ def test_api_keys(samples):
         assert httpx.get(s.url + "/metrics").status_code == 401
         good = httpx.post(s.url + "/v1/classify", content=photo, headers={"Authorization": f"Bearer {key}"})
         assert good.status_code == 200
-    from fullthrottle.serve_guard import load_keys
+    from fullthrottle.server.guard import load_keys
 
     with pytest.raises(ValueError, match="shorter than 16"):
         load_keys(["short"], environ={})
@@ -326,7 +326,7 @@ def test_serve_on_a_port_in_use_exits_2_before_loading_the_model():
 def test_a_client_trickling_its_request_head_is_disconnected(samples):
     """uvicorn times out only idle keep-alive connections; the head deadline closes a connection
     whose request line and headers do not arrive whole in time, also after a first request."""
-    from fullthrottle.serve_guard import head_deadline_protocol
+    from fullthrottle.server.guard import head_deadline_protocol
 
     with Server(Tiny(), uvicorn_kw={"http": head_deadline_protocol(1.0)}) as srv:
         port = srv.port
@@ -515,7 +515,7 @@ def test_embed_that_cannot_start_leaves_no_file(tmp_path, capsys):
 def test_one_client_address_cannot_take_every_connection(samples):
     """Past its per-address limit a client's new connections are closed as they open; a client at
     another address is served meanwhile."""
-    from fullthrottle.serve_guard import head_deadline_protocol
+    from fullthrottle.server.guard import head_deadline_protocol
 
     socks = []
     kw = {"limit_concurrency": 20, "http": head_deadline_protocol(30.0, per_client=5)}

@@ -4,7 +4,7 @@ No GPU, no pipeline, no queues: N forked processes, each in a loop over the same
 for a fixed time, counting finished images; the sum over processes is the ceiling any CPU-decoding
 pipeline on this machine can reach with that per-image work. Two kinds of per-image work:
 
-  fullthrottle   fullthrottle.preprocess.preprocess (OpenCV decode + torch antialias resize + crop)
+  fullthrottle   fullthrottle.data.preprocess.preprocess (OpenCV decode + torch antialias resize + crop)
   dataloader     what the DataLoader baseline's workers do: PIL open/convert + torchvision v2
                  Resize(256, antialias=True) + CenterCrop(224) on the PIL image + PILToTensor
 
@@ -36,7 +36,7 @@ def _work(kind: str):
     torch.set_num_threads(1)
     cv2.setNumThreads(1)
     if kind == "fullthrottle":
-        from fullthrottle.preprocess import preprocess
+        from fullthrottle.data.preprocess import preprocess
 
         return preprocess
     from PIL import Image

@@ -1,5 +1,5 @@
 """Images/s of fullthrottle's decoder processes alone (no GPU, no pipeline), with and without the
-glibc malloc settings they get (``fullthrottle.preprocess_procs.MALLOC_ENV``), side by side (issue 01).
+glibc malloc settings they get (``fullthrottle.data.preprocess_procs.MALLOC_ENV``), side by side (issue 01).
 
 P decoder processes, each fed by its own thread one 640x480 JPEG at a time from memory for a fixed
 time; images/s summed over them. Also reports each variant's page faults per image (the processes'
@@ -24,7 +24,7 @@ from e2e_cpu_decode import _worker_stats  # noqa: E402
 
 
 def measure(procs: int, seconds: float, blobs: list[bytes], malloc_env: bool) -> dict:
-    import fullthrottle.preprocess_procs as pp
+    import fullthrottle.data.preprocess_procs as pp
 
     saved = pp.MALLOC_ENV
     pp.MALLOC_ENV = saved if malloc_env else {}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fullthrottle.models import TORCHVISION_IMAGENET
+from fullthrottle.workloads.classify.models import TORCHVISION_IMAGENET
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import jpegs_640x480, machine_info, mps_clients, mps_pipe_listing, mps_servers, sample_jpegs, write_json  # noqa: E402
@@ -139,7 +139,7 @@ def run_fullthrottle(
 ):
     import tempfile
 
-    import fullthrottle.preprocess_procs as pp
+    import fullthrottle.data.preprocess_procs as pp
     from fullthrottle import Config, Pipeline
 
     stats_dir = tempfile.mkdtemp(prefix="ft-worker-stats-") if worker_stats else None
@@ -166,7 +166,7 @@ def run_fullthrottle(
         )
     )
     if mix is not None and pipe.gpu_decoders is not None:  # the same number of processes, mix of two kinds
-        from fullthrottle.gpu_decode_procs import GpuDecoderPool
+        from fullthrottle.data.gpu_decode_procs import GpuDecoderPool
 
         cfg = pipe.config
         pipe.gpu_decoders.close()
@@ -404,7 +404,7 @@ def main():
 
 
 def run(args, mps) -> None:
-    from fullthrottle.mps import mps_server_running
+    from fullthrottle.core.mps import mps_server_running
 
     global PY_SPY_S
     PY_SPY_S = args.py_spy_s
@@ -439,7 +439,7 @@ def run(args, mps) -> None:
         print("fullthrottle, decoding in threads ...", flush=True)
         extra.append(run_fullthrottle(blobs, args.n, args.threads, args.batch, preprocess="threads"))
         print({k: v for k, v in extra[-1].items() if k != "stages"}, flush=True)
-    from fullthrottle.device_copy import POOL_GATHER_ENV
+    from fullthrottle.data.device_copy import POOL_GATHER_ENV
 
     variants = (
         [

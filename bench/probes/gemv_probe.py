@@ -6,7 +6,7 @@ At batch 1 a decode step is bound by reading the weights once: the 7B model's 13
 W (N, K) bf16 with CUDA graphs of 20 calls (weights of 8 layers cycled, so nothing sits in L2),
 for cuBLAS and for a grid of Triton GEMV configurations, and writes the best per shape.
 
-Also times the decode-step attention kernel (fullthrottle.kernels.decode_attention) against cuDNN's
+Also times the decode-step attention kernel (fullthrottle.core.kernels.decode_attention) against cuDNN's
 through F.scaled_dot_product_attention at batch 1, 8, 32 and 64.
 
 Usage: python bench/probes/gemv_probe.py --out gemv_probe.json
@@ -75,7 +75,7 @@ def graph_time_us(fn_i, n_w, calls=20, reps=10):
 
 def fused_probe(args):
     """Fused kernels against the two kernels they replace, Llama-2-7B shapes at batch 1, in one run."""
-    from fullthrottle import kernels as K
+    from fullthrottle.core import kernels as K
 
     torch.manual_seed(0)
     out = {"benchmark": "gemv_probe_fused", "machine": machine_info(), "rows": []}
@@ -226,9 +226,9 @@ def main():
         rows.append(row)
         del ws
         torch.cuda.empty_cache()
-    # decode-step attention: fullthrottle.kernels.decode_attention against cuDNN through SDPA (the
+    # decode-step attention: fullthrottle.core.kernels.decode_attention against cuDNN through SDPA (the
     # model's other path), Llama-2-7B heads, every row at position 300 of a 328-slot cache
-    from fullthrottle import kernels as K
+    from fullthrottle.core import kernels as K
 
     attn = []
     for B in (1, 8, 32, 64):

@@ -2,7 +2,7 @@
 
 Phases, each timed with the device synchronised: wrap the JPEG bytes as tensors; nvJPEG batched
 decode (``torchvision.io.decode_jpeg(list, device="cuda")``); batched resize + crop
-(:func:`fullthrottle.gpu_resize.resize_crop_batch`). Measured three ways on the same images: idle host;
+(:func:`fullthrottle.data.gpu_resize.resize_crop_batch`). Measured three ways on the same images: idle host;
 with 16 busy processes at nice 5 (the decoder workers' load); with a Python thread spinning under
 the GIL (the pipeline's other threads).
 
@@ -28,8 +28,8 @@ from common import jpegs_640x480, machine_info, sample_jpegs, write_json  # noqa
 def phases(blobs, device):
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from fullthrottle.gpu_decode import gpu_eligible
-    from fullthrottle.gpu_resize import resize_crop_batch
+    from fullthrottle.data.gpu_decode import gpu_eligible
+    from fullthrottle.data.gpu_resize import resize_crop_batch
 
     blobs = [b for b in blobs if gpu_eligible(b)[0]]
     t0 = time.perf_counter()

@@ -1,12 +1,12 @@
 """Where a GPU decoder process's time goes, on JPEG files (issue 10: a probe, not the product benchmark).
 
 Part 1, one process, the worker's steps one at a time on batches of ``--batch`` files, each step
-synchronised and timed: file read (:func:`~fullthrottle.load.read_local`), the header check
-(:func:`~fullthrottle.gpu_decode.gpu_eligible`), the decoder's call, the resize + crop
-(:func:`~fullthrottle.gpu_resize.resize_crop_batch`) and the D2H copy into pinned memory; ms per batch.
+synchronised and timed: file read (:func:`~fullthrottle.data.load.read_local`), the header check
+(:func:`~fullthrottle.data.gpu_decode.gpu_eligible`), the decoder's call, the resize + crop
+(:func:`~fullthrottle.data.gpu_resize.resize_crop_batch`) and the D2H copy into pinned memory; ms per batch.
 
 Part 2, P processes at once (each the worker's loop body, unsynchronised until the end of a batch,
-as :func:`~fullthrottle.gpu_decoder_worker.gpu_worker_main` runs it) for ``--seconds``: aggregate img/s
+as :func:`~fullthrottle.data.gpu_decoder_worker.gpu_worker_main` runs it) for ``--seconds``: aggregate img/s
 for P in ``--procs``, with and without the header check, for each decoder kind in ``--kinds``.
 
 Usage: python bench/probes/gpu_worker_profile.py --folder /tmp/ft-files/640x480 --out OUT.json
@@ -27,7 +27,7 @@ from common import machine_info, write_json  # noqa: E402
 def _setup(kind: str, bs: int):
     import torch
 
-    from fullthrottle.gpu_decode import make_gpu_decoder
+    from fullthrottle.data.gpu_decode import make_gpu_decoder
 
     torch.set_num_threads(1)
     dev = torch.device("cuda")
@@ -39,9 +39,9 @@ def _setup(kind: str, bs: int):
 def profile_steps(paths: list[str], kind: str, bs: int, batches: int) -> dict:
     """Part 1: ms per batch of each step, each synchronised."""
     torch, dev, dec, host = _setup(kind, bs)
-    from fullthrottle.gpu_decode import gpu_eligible
-    from fullthrottle.gpu_resize import resize_crop_batch
-    from fullthrottle.load import read_local
+    from fullthrottle.data.gpu_decode import gpu_eligible
+    from fullthrottle.data.gpu_resize import resize_crop_batch
+    from fullthrottle.data.load import read_local
 
     steps = {"read": 0.0, "check": 0.0, "decode": 0.0, "resize": 0.0, "d2h": 0.0}
     stream = torch.cuda.Stream()
@@ -75,8 +75,8 @@ def profile_steps(paths: list[str], kind: str, bs: int, batches: int) -> dict:
 
 def _loop(paths, kind, bs, seconds, check, barrier, q):
     torch, dev, dec, host = _setup(kind, bs)
-    from fullthrottle.gpu_decode import decode_crops
-    from fullthrottle.load import read_local
+    from fullthrottle.data.gpu_decode import decode_crops
+    from fullthrottle.data.load import read_local
 
     stream = torch.cuda.Stream()
 

@@ -37,7 +37,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     from fullthrottle import Config
-    from fullthrottle.compute import Engine
+    from fullthrottle.workloads.classify.compute import Engine
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18().eval().cuda().to(torch.bfloat16).to(memory_format=torch.channels_last)

@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import machine_info, write_json  # noqa: E402
 
-from fullthrottle.generate import Generator  # noqa: E402
-from fullthrottle.llama import Llama, LlamaConfig  # noqa: E402
+from fullthrottle.workloads.llm.generate import Generator  # noqa: E402
+from fullthrottle.workloads.llm.llama import Llama, LlamaConfig  # noqa: E402
 
 
 def main():

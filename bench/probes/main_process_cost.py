@@ -40,8 +40,8 @@ def main():
     import torch
     from torch import nn
 
-    import fullthrottle.load as ld
-    import fullthrottle.run as pl
+    import fullthrottle.data.load as ld
+    import fullthrottle.workloads.classify.run as pl
     from fullthrottle import Pipeline
 
     cpu = collections.Counter()
@@ -120,8 +120,8 @@ def main():
             import mmap
             import os
 
-            import fullthrottle.gpu_decode_procs as gp
-            from fullthrottle.gpu_decode import GpuJpegDecoder
+            import fullthrottle.data.gpu_decode_procs as gp
+            from fullthrottle.data.gpu_decode import GpuJpegDecoder
 
             pipe.engine.gpu_decoder = GpuJpegDecoder(torch.device("cpu"))  # never called: routing only
             pipe.gpu_decoders = SimpleNamespace(

@@ -4,7 +4,7 @@ torchvision's ``decode_jpeg(list, device="cuda")`` serialises every call in a pr
 decoder behind a mutex (``decode_jpegs_cuda.cpp``), so threads cannot add GPU decode throughput.
 Each process has its own decoder. This runs P = 1, 2, 3, 4 processes at once, each decoding batches
 of the same JPEGs for a fixed time, and reports the aggregate img/s: decode only, and decode +
-resize/crop (:func:`fullthrottle.gpu_decode.decode_crops`) + D2H of the crops into pinned memory
+resize/crop (:func:`fullthrottle.data.gpu_decode.decode_crops`) + D2H of the crops into pinned memory
 (what a GPU decoder process would hand the pipeline). The last pass adds ``--busy`` CPU-bound
 processes beside them (the CPU decoders of the pipeline).
 
@@ -34,7 +34,7 @@ def _spin(stop):
 def _worker(blobs, bs, seconds, mode, barrier, q):
     import torch
 
-    from fullthrottle.gpu_decode import GpuJpegDecoder, decode_crops
+    from fullthrottle.data.gpu_decode import GpuJpegDecoder, decode_crops
 
     dev = torch.device("cuda")
     dec = GpuJpegDecoder(dev)
@@ -87,7 +87,7 @@ def main():
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--busy", type=int, default=12, help="CPU-bound processes beside, in the second pass")
     args = ap.parse_args()
-    from fullthrottle.gpu_decode import gpu_eligible
+    from fullthrottle.data.gpu_decode import gpu_eligible
 
     sets = {"640x480": jpegs_640x480(), "mixed": [b for b in sample_jpegs() if gpu_eligible(b)[0]]}
     rows = []

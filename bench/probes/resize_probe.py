@@ -8,7 +8,7 @@ This probe times, on the same in-memory JPEGs, in batches of ``--batch``:
 - ``resize``: resize + center crop of already-decoded images, CUDA events, three ways:
   PyTorch's antialiased ``F.interpolate`` (float32, :func:`resize_crop_interpolate`), the
   channels-last float16 matrix products (:func:`resize_crop_matmul`) and the two Triton kernels
-  (:func:`~fullthrottle.kernels.resize_crop_u8`, what :func:`resize_crop_batch` runs on CUDA); with
+  (:func:`~fullthrottle.core.kernels.resize_crop_u8`, what :func:`resize_crop_batch` runs on CUDA); with
   the mean absolute difference of each against the CPU path (/255 per pixel);
 - ``decode+resize``: the two together, as the GPU decode stage runs them (Triton, and the products);
 - the same ``decode`` with ``--burners`` processes spinning on the CPU (the 15 CPU decoder processes
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import jpegs_640x480, machine_info, sample_jpegs, write_json  # noqa: E402
 
-from fullthrottle.config import GPU_DECODERS  # noqa: E402
+from fullthrottle.core.config import GPU_DECODERS  # noqa: E402
 
 
 def _burn(stop):
@@ -61,10 +61,10 @@ def main():
     ap.add_argument("--burners", type=int, default=15)
     ap.add_argument("--out", default="resize_probe.json")
     args = ap.parse_args()
-    from fullthrottle.gpu_decode import gpu_eligible, make_gpu_decoder
-    from fullthrottle.gpu_resize import resize_crop_batch, resize_crop_interpolate, resize_crop_matmul
-    from fullthrottle.kernels import resize_crop_u8
-    from fullthrottle.preprocess import preprocess
+    from fullthrottle.core.kernels import resize_crop_u8
+    from fullthrottle.data.gpu_decode import gpu_eligible, make_gpu_decoder
+    from fullthrottle.data.gpu_resize import resize_crop_batch, resize_crop_interpolate, resize_crop_matmul
+    from fullthrottle.data.preprocess import preprocess
 
     dec = make_gpu_decoder(torch.device("cuda"), args.decoder)
     out = {"benchmark": "resize_probe", "machine": machine_info(), "decoder": dec.kind, "batch": args.batch, "rows": []}

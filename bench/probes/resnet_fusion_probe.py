@@ -4,7 +4,7 @@ bf16, channels_last, a device-resident input, one graph per variant and batch si
 events round by round (interleaved, median of rounds):
 
   unfolded        torchvision's model as is (eval BatchNorm kernels)
-  folded          BatchNorm folded into the convolutions (fullthrottle.fuse.fold_batchnorm)
+  folded          BatchNorm folded into the convolutions (fullthrottle.workloads.classify.fuse.fold_batchnorm)
   folded_fused    + conv->relu and conv->add->relu as single cuDNN calls (fuse.fuse_conv_relu)
   inductor        torch.compile (default mode) of the folded model, captured by hand
   inductor_autotune  (--autotune) torch.compile(mode="max-autotune-no-cudagraphs"), captured by hand
@@ -36,7 +36,7 @@ def main():
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--out", default="resnet_fusion_probe.json")
     args = ap.parse_args()
-    from fullthrottle.fuse import fold_batchnorm, fuse_conv_relu
+    from fullthrottle.workloads.classify.fuse import fold_batchnorm, fuse_conv_relu
 
     torch.manual_seed(0)
     base = torchvision.models.resnet18().eval()

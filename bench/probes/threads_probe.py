@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.p
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from common import jpegs_640x480, machine_info, write_json  # noqa: E402
 
-from fullthrottle.benchmarks import _rate  # noqa: E402
-from fullthrottle.preprocess import preprocess  # noqa: E402
+from fullthrottle.cli.benchmarks import _rate  # noqa: E402
+from fullthrottle.data.preprocess import preprocess  # noqa: E402
 
 
 def decode_only(d):

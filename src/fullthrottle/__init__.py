@@ -14,18 +14,18 @@ The names below are imported on first use (PEP 562), so ``import fullthrottle`` 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (for type checkers and IDEs; at run time the names come from __getattr__)
-    from .config import Config
-    from .decode import Result
-    from .pipeline import Pipeline, PipelineError, classify
-    from .preprocess import ImageError
+    from .core.config import Config
+    from .data.preprocess import ImageError
+    from .workloads.classify.decode import Result
+    from .workloads.classify.pipeline import Pipeline, PipelineError, classify
 
 _WHERE = {
-    "Config": ".config",
-    "Result": ".decode",
-    "Pipeline": ".pipeline",
-    "PipelineError": ".pipeline",
-    "classify": ".pipeline",
-    "ImageError": ".preprocess",
+    "Config": ".core.config",
+    "Result": ".workloads.classify.decode",
+    "Pipeline": ".workloads.classify.pipeline",
+    "PipelineError": ".workloads.classify.pipeline",
+    "classify": ".workloads.classify.pipeline",
+    "ImageError": ".data.preprocess",
 }
 
 __all__ = ["Config", "ImageError", "Pipeline", "PipelineError", "Result", "classify"]

@@ -1,7 +1,7 @@
 """Past one machine: the same pipeline inside Ray Data actors (offline batch inference).
 
 Ray is an optional extra (``pip install 'fullthrottle[ray]'``); the core never imports this module.
-Each actor builds one :class:`~fullthrottle.pipeline.Pipeline` (model load, graph capture) when it
+Each actor builds one :class:`~fullthrottle.workloads.classify.pipeline.Pipeline` (model load, graph capture) when it
 starts and then classifies the batches Ray hands it: decoding, batching and graph replay happen inside
 the actor, exactly as in a single process.
 
@@ -26,7 +26,7 @@ class RayClassifier:
     """A callable class for ``Dataset.map_batches`` (stateful actor).
 
     Args:
-        config: keyword arguments of :class:`~fullthrottle.config.Config` (a model *name*; the
+        config: keyword arguments of :class:`~fullthrottle.core.config.Config` (a model *name*; the
             weights file must be readable on every node).
 
     A batch (pandas DataFrame) holds a ``path`` column (str), or ``bytes`` (with ``path`` or ``id``
@@ -36,8 +36,8 @@ class RayClassifier:
     """
 
     def __init__(self, config: dict | None = None):
-        from .config import Config
-        from .pipeline import Pipeline
+        from .core.config import Config
+        from .workloads.classify.pipeline import Pipeline
 
         self.pipe = Pipeline(Config(**(config or {})))
         try:
@@ -89,7 +89,7 @@ def classify_on_ray(
     """
     import ray
 
-    from .load import BadSource, expand
+    from .data.load import BadSource, expand
 
     if not ray.is_initialized():
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
@@ -147,9 +147,9 @@ def serve_on_ray(
     the same routes and response shapes, each replica feeding its own dynamic batcher.
 
     Args:
-        config: the pipeline's :class:`~fullthrottle.config.Config` (a model name; weights readable
+        config: the pipeline's :class:`~fullthrottle.core.config.Config` (a model name; weights readable
             on every node).
-        options: :class:`~fullthrottle.serve.ServeOptions`.
+        options: :class:`~fullthrottle.server.app.ServeOptions`.
         blocking: wait until interrupted (the CLI); False returns after the deployment is running.
 
     Raises:
@@ -158,7 +158,7 @@ def serve_on_ray(
     import ray
     from ray import serve
 
-    from .serve import create_app
+    from .server.app import create_app
 
     if num_gpus is None:
         import torch

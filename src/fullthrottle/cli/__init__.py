@@ -14,7 +14,7 @@ import contextlib
 import os
 import sys
 
-from ..config import Config
+from ..core.config import Config
 from .bench import cmd_bench
 from .classify import cmd_classify
 from .common import _close_out, _gpu_decode_settings, _silence_stdout, sample_photos
@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _private_mps(args):
-    """classify and serve: a private CUDA MPS server (:mod:`fullthrottle.mps`) while the command runs,
+    """classify and serve: a private CUDA MPS server (:mod:`fullthrottle.core.mps`) while the command runs,
     with ``--mps`` when it may decode on the GPU; started before any CUDA call."""
-    from ..mps import private_mps
+    from ..core.mps import private_mps
 
     gpu_decode = Config.gpu_decode if args.gpu_decode is None else args.gpu_decode
     wanted = gpu_decode and args.mps is True and args.device != "cpu" and not getattr(args, "ray", None)

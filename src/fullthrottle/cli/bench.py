@@ -1,4 +1,4 @@
-"""``fullthrottle bench``: the four experiments of :mod:`fullthrottle.benchmarks`."""
+"""``fullthrottle bench``: the four experiments of :mod:`fullthrottle.cli.benchmarks`."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import json
 import os
 import sys
 
-from ..config import usable_cores
+from ..core.config import usable_cores
 from .common import sample_photos
 
 
 def _blobs(paths: list[str] | None) -> list[bytes]:
-    from ..load import BadSource, expand
-    from ..preprocess import ImageError, preprocess
+    from ..data.load import BadSource, expand
+    from ..data.preprocess import ImageError, preprocess
 
     paths = paths or sample_photos()
     out = []
@@ -42,7 +42,7 @@ def _ints(s: str | None, default: list[int]) -> list[int]:
 
 
 def cmd_bench(args) -> int:
-    from .. import benchmarks as B
+    from . import benchmarks as B
 
     exp = args.experiment
     prefix = args.out or f"fullthrottle-bench-{exp}"

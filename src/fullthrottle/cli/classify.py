@@ -92,7 +92,7 @@ def _classify_ray(args) -> int:
 def _output_among_inputs(inputs, *outputs) -> str | None:
     """Why an output file would destroy an input (it is one of the input files, or an image file in an
     input folder, which the run would read), or None."""
-    from ..load import IMAGE_SUFFIXES
+    from ..data.load import IMAGE_SUFFIXES
 
     for out in outputs:
         if not out or out == "-":
@@ -113,10 +113,10 @@ def cmd_classify(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from ..compute import resolve_device
-    from ..config import Config
-    from ..models import WeightsError
-    from ..pipeline import Pipeline
+    from ..core.config import Config
+    from ..workloads.classify.compute import resolve_device
+    from ..workloads.classify.models import WeightsError
+    from ..workloads.classify.pipeline import Pipeline
 
     inputs = args.inputs
     if args.ray is not None:

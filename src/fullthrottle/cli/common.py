@@ -6,7 +6,7 @@ import importlib.util
 import os
 import sys
 
-from ..config import Config
+from ..core.config import Config
 
 SAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg", "motorcycle_left.png")
 

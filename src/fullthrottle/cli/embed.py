@@ -47,7 +47,7 @@ def cmd_embed(args) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from ..embed import Embedder
+    from ..workloads.embed import Embedder
 
     if not (args.out.endswith(".npy") or args.out.endswith(".jsonl")):
         print("fullthrottle: error: --out must end in .npy or .jsonl", file=sys.stderr)

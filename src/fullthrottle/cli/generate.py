@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from ..config import torch_dtype
+from ..core.config import torch_dtype
 
 
 def _llama_bytes(cfg, dtype) -> int:
@@ -49,9 +49,9 @@ def _check_memory_for(cfg, device, dtype, free: int | None = None) -> None:
 def cmd_generate(args) -> int:
     import torch
 
-    from ..compute import resolve_device
-    from ..generate import GenerateStats, Generator
-    from ..llama import Llama, LlamaConfig, load_hf
+    from ..workloads.classify.compute import resolve_device
+    from ..workloads.llm.generate import GenerateStats, Generator
+    from ..workloads.llm.llama import Llama, LlamaConfig, load_hf
 
     try:
         device = resolve_device(args.device)

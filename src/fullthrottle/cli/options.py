@@ -1,13 +1,13 @@
 """Option groups that more than one ``fullthrottle`` command takes, each default read from the
-dataclass that owns it (:class:`~fullthrottle.config.Config`), so it is stated once."""
+dataclass that owns it (:class:`~fullthrottle.core.config.Config`), so it is stated once."""
 
 from __future__ import annotations
 
 import argparse
 import math
 
-from ..config import DTYPES, GPU_DECODERS, Config
-from ..models import DEFAULT_MODEL, MODELS
+from ..core.config import DTYPES, GPU_DECODERS, Config
+from ..workloads.classify.models import DEFAULT_MODEL, MODELS
 
 
 def _integer(s: str) -> int:
@@ -100,7 +100,7 @@ WEIGHTS_HELP = (
 
 
 def add_runtime_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str) -> None:
-    """The options classify and serve share, their defaults from :class:`~fullthrottle.config.Config`:
+    """The options classify and serve share, their defaults from :class:`~fullthrottle.core.config.Config`:
     the model and its weights, the batcher (``batch_flag``: the largest batch; --max-wait-ms), the
     decoders (--threads, --preprocess, GPU decoding), the device, dtype, graphs and top-k."""
     p.add_argument("--model", default=DEFAULT_MODEL, choices=tuple(MODELS), metavar="MODEL", help=MODEL_HELP)

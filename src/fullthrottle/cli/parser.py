@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import DTYPES, usable_cores
-from ..env import describe as describe_env
-from ..serve_options import MAX_CONNECTIONS, ServeOptions
+from ..core.config import DTYPES, usable_cores
+from ..core.env import describe as describe_env
+from ..server.options import MAX_CONNECTIONS, ServeOptions
 from .options import add_runtime_args, port_number, positive_float, positive_int
 
 _SO = ServeOptions  # (its fields' defaults are serve's flags' defaults)

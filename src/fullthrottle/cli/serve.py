@@ -1,4 +1,4 @@
-"""``fullthrottle serve``: the HTTP server's options checked, then :func:`fullthrottle.serve.run_server`."""
+"""``fullthrottle serve``: the HTTP server's options checked, then :func:`fullthrottle.server.app.run_server`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib.util
 import os
 import sys
 
-from ..models import MODELS
+from ..workloads.classify.models import MODELS
 from .common import _gpu_decode_settings
 
 
@@ -28,9 +28,9 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
-    from ..compute import resolve_device
-    from ..config import Config
-    from ..serve import ServeOptions, run_server
+    from ..core.config import Config
+    from ..server.app import ServeOptions, run_server
+    from ..workloads.classify.compute import resolve_device
 
     try:
         device = resolve_device(args.device)
@@ -69,8 +69,8 @@ def cmd_serve(args) -> int:
                 f"--max-wait-ms {args.max_wait_ms:g} must be below the request deadline "
                 f"--timeout-s {args.timeout_s:g} (in ms: {1000 * args.timeout_s:g})"
             )
-        from ..fetch import FetchPolicy
-        from ..serve_guard import load_keys
+        from ..server.fetch import FetchPolicy
+        from ..server.guard import load_keys
 
         FetchPolicy(tuple(args.allow_fetch))  # (checks every entry now)
         keys = load_keys(args.api_key, args.api_key_file)
@@ -107,8 +107,8 @@ def cmd_serve(args) -> int:
     if args.llm_model_dir:
         import torch
 
-        from ..generate import Generator
-        from ..llama import load_hf
+        from ..workloads.llm.generate import Generator
+        from ..workloads.llm.llama import load_hf
 
         try:
             model = load_hf(args.llm_model_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)

@@ -1,0 +1,337 @@
+"""The one knob set that drives the library, the CLI and the server."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from ..workloads.classify.models import DEFAULT_MODEL, INTERPOLATIONS, Transform, check_channels, transform_of
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def torch_dtype(name: str):
+    """The ``torch.dtype`` of one of :data:`DTYPES` (torch is imported here, not with this module).
+
+    Raises:
+        ValueError: not one of :data:`DTYPES`.
+    """
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
+#: values of ``Config.gpu_decoder`` (:func:`fullthrottle.data.gpu_decode.make_gpu_decoder`)
+GPU_DECODERS = ("auto", "hardware", "nvjpeg")
+#: batches a GPU decoder process holds at once: one decoding, the next waiting in its shared-memory slot
+GPU_PROCESS_DEPTH = 2
+
+
+#: Config field -> Transform field, for the input transform
+_TRANSFORM = {
+    "resize_size": "resize",
+    "crop_size": "crop",
+    "interpolation": "interpolation",
+    "mean": "mean",
+    "std": "std",
+}
+
+
+def default_buckets(max_batch_size: int, start: int = 1) -> tuple[int, ...]:
+    """The bucket ladder of every workload: powers of two from ``start`` below ``max_batch_size``,
+    plus ``max_batch_size`` itself (image batches; LLM batches; embedding batches and, from 16,
+    sequence lengths).
+
+    >>> default_buckets(48)
+    (1, 2, 4, 8, 16, 32, 48)
+    >>> default_buckets(256, start=16)
+    (16, 32, 64, 128, 256)
+    """
+    out, b = [], start
+    while b < max_batch_size:
+        out.append(b)
+        b *= 2
+    out.append(max_batch_size)
+    return tuple(out)
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: taskset, cgroups), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+@dataclass
+class Config:
+    """Everything a run can be tuned with.
+
+    Attributes:
+        model: a name of :data:`~fullthrottle.workloads.classify.models.MODELS` (``"efficientnet_lite0"``, the default, with
+            its bundled ImageNet weights; ``"resnet18"`` ... ``"resnet152"``) or any ``nn.Module`` taking
+            float ``(B, 3, crop, crop)`` and returning logits ``(B, C)``.
+        weights: ``.safetensors`` or ``.pth`` state dict (loaded with ``weights_only=True``; torchvision's
+            own checkpoint files are such); ``None``: the model's bundled weights, or for a model with
+            none (the ResNets) random initialisation with a fixed seed (labels are then meaningless).
+        labels: class names for a custom module; ImageNet's 1000 names by default.
+        device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype: compute dtype on CUDA: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (CPU always runs fp32).
+        channels_last: run the model in NHWC memory format on CUDA.
+        graphs: replay normalise + model + top-k as CUDA graphs, one per batch bucket, captured when
+            the pipeline is built (CUDA only; CPU runs eager).
+        gpu_decode: decode JPEGs on the GPU as well as on the CPU (default on; CUDA only, ignored on
+            the CPU). With decoder
+            processes a JPEG goes to the GPU whenever no CPU decoder is idle; with threads the split
+            follows the two decoders' measured rates. Only JPEGs the GPU decodes like the CPU path are
+            decoded there; the rest (truncated, CMYK, EXIF-rotated) by the CPU path's decoder.
+        gpu_decoder: which GPU JPEG decoder ``gpu_decode`` uses: ``"nvjpeg"`` (default),
+            torchvision's nvJPEG (on GPUs with JPEG engines it opens nvJPEG's hardware backend and
+            decodes baseline JPEGs there in batches, the rest one by one with Huffman decoding on the
+            CPU: torchvision's ``decode_jpegs_cuda.cpp``); ``"hardware"``, the GPU's JPEG engines
+            (NVJPG) through nvImageCodec (``pip install nvidia-nvimgcodec-cu13``; A100, H100, H200,
+            B200); ``"auto"``: the engines when nvImageCodec is installed
+            and the GPU has them, nvJPEG otherwise. nvJPEG is the default: end to end the engines
+            through nvImageCodec are slower than torchvision's path, which uses the same engines for
+            these JPEGs with less overhead around them (see docs/performance.md).
+        gpu_decode_processes: with ``gpu_decode`` and decoder processes, how many processes decode on
+            the GPU (each its own decoder and CUDA context, writing crops into the shared pool);
+            torchvision serialises GPU decodes within one process. 0: one GPU decode thread in this
+            process instead. Default (None): 8 when a CUDA MPS server is running (the processes'
+            kernels then run at once), 6 otherwise (time-sliced contexts), decided where and when the
+            :class:`~fullthrottle.Pipeline` is made (:func:`~fullthrottle.core.mps.default_processes`;
+            its ``config`` then holds the number). 8 under MPS: more processes decode faster; 6 when
+            time-sliced: more contexts slow the GPU down (see docs/performance.md).
+        fold_bn: on CUDA, fold each eval-mode BatchNorm into the convolution before it (the standard
+            inference rewrite TensorRT and ONNX Runtime also do; ``torch.fx.experimental.optimization.fuse``):
+            then run each conv -> ReLU and conv -> residual add -> ReLU as one cuDNN call
+            (``cudnn_convolution_relu`` / ``_add_relu``; :func:`~fullthrottle.workloads.classify.fuse.fuse_conv_relu`):
+            the bias, the add and the clamp happen in the convolution's epilogue instead of separate
+            passes over the activations, which makes large batches markedly faster (see
+            docs/performance.md). Changes fp32 logits by ~1e-6 relative. A model that ``torch.fx``
+            cannot trace runs unfolded.
+        compile: ``torch.compile(mode="max-autotune-no-cudagraphs")`` the model before capture (kernel
+            fusion only; the graphs stay ours). Slow first build.
+        max_batch_size: largest batch the batcher forms (images).
+        max_wait_ms: how long (ms) the batcher waits for a batch to fill once its first item arrived.
+        buckets: batch sizes the compute stage runs; partial batches are padded up to the next one.
+            Default: powers of two up to ``max_batch_size``.
+        threads: preprocess (decode + resize) threads; default one per CPU core (with decoder
+            processes, one per core but one: the main process's own threads need about a core).
+        preprocess: where images are decoded: ``"threads"`` (in this process), ``"processes"``
+            (``threads`` worker processes, fed by one dispatcher thread, outside this process's GIL, like a
+            ``DataLoader``'s workers; bit-identical results), or ``"auto"``: processes on CUDA, where
+            the compute thread must not wait for the GIL, threads on CPU. At most one process per
+            core (each imports torch: ~0.5 GB resident).
+        decode_timeout_s: with worker processes, an image still decoding after this many seconds
+            gets an error and its worker is killed and replaced (a decoder hang costs one item).
+        torch_threads: torch's intra-op CPU threads, set process-wide when the pipeline is built.
+            Default: 1 on CUDA (the model runs on the GPU, and a wide intra-op pool would fight the
+            preprocess threads for the cores), unchanged on CPU.
+        top_k: how many classes come back per image.
+        ordered: yield results in input order (default) or in completion order.
+        queue_size: capacity of each inter-stage queue (items or batches).
+        max_in_flight: most items between load and the consumer at once (bounds memory, also
+            for the reorder buffer); default ``(4 + g) * max_batch_size + 2 * threads``, ``g`` twice the
+            batches out at the GPU decoder processes (``4 * gpu_decode_processes``) when ``gpu_decode``
+            is on: their batches are in flight, and as many wait to be sent to them next. A larger
+            window trades latency for throughput while a stage waits on it.
+        load_concurrency: concurrent file reads / HTTP requests in the load stage.
+        http_timeout_s: timeout (s) for one HTTP(S) request.
+        max_file_bytes: largest input accepted (bytes); larger files fail with an error.
+        max_image_pixels: largest width*height accepted; checked on the header, before decoding.
+        resize_size / crop_size / interpolation / mean / std: the input transform (shorter side to
+            ``resize_size`` with the antialiased ``interpolation`` filter, center crop ``crop_size``,
+            then ``(x / 255 - mean) / std`` per RGB channel on the device).
+            ``None`` (the default): the model's own declaration
+            (:func:`~fullthrottle.workloads.classify.models.transform_of`), filled in by :meth:`for_model` when the
+            :class:`~fullthrottle.Pipeline` is made; a value given here overrides it.
+        staging_slots: pinned host staging buffers (and device input buffers) in the ring, >= 2.
+    """
+
+    model: Any = DEFAULT_MODEL
+    weights: str | None = None
+    labels: list[str] | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+    channels_last: bool = True
+    graphs: bool = True
+    fold_bn: bool = True
+    compile: bool = False
+    gpu_decode: bool = True
+    gpu_decoder: str = "nvjpeg"
+    gpu_decode_processes: int | None = None  # (None: 8 under a CUDA MPS server, else 6)
+    max_batch_size: int = 64
+    max_wait_ms: float = 5.0
+    buckets: tuple[int, ...] | None = None
+    threads: int | None = None
+    preprocess: str = "auto"
+    decode_timeout_s: float = 30.0
+    torch_threads: int | None = None
+    top_k: int = 5
+    ordered: bool = True
+    queue_size: int = 256
+    max_in_flight: int | None = None
+    load_concurrency: int = 32
+    http_timeout_s: float = 10.0
+    max_file_bytes: int = 256 * 1024 * 1024
+    max_image_pixels: int = 89_478_485  # Pillow's own decompression-bomb threshold
+    resize_size: int | None = None  # (None, and for the three below: the model's declaration)
+    crop_size: int | None = None
+    interpolation: str | None = None
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
+    staging_slots: int = 3
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in (
+            "max_batch_size",
+            "top_k",
+            "staging_slots",
+            "queue_size",
+            "load_concurrency",
+            "max_file_bytes",
+            "max_image_pixels",
+        ):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("max_in_flight", "torch_threads"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 1):
+                raise ValueError(f"{name} must be None (the default) or an integer >= 1, got {v!r}")
+        for name in ("max_wait_ms", "http_timeout_s"):
+            v = getattr(self, name)
+            if (
+                not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < 0
+                or (name == "http_timeout_s" and v == 0)
+            ):
+                rule = "> 0" if name == "http_timeout_s" else ">= 0"
+                raise ValueError(f"{name} must be a finite number {rule}, got {v!r}")
+        if self.labels is not None and (
+            not isinstance(self.labels, (list, tuple)) or not all(isinstance(x, str) for x in self.labels)
+        ):
+            raise ValueError(f"labels must be a list of class names (str), got {self.labels!r:.80}")
+        for name in ("mean", "std"):
+            if getattr(self, name) is not None:
+                check_channels(name, getattr(self, name))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.staging_slots < 2:
+            raise ValueError(f"staging_slots must be >= 2, got {self.staging_slots}")
+        if self.preprocess not in ("auto", "threads", "processes"):
+            raise ValueError(f"preprocess must be 'auto', 'threads' or 'processes', got {self.preprocess!r}")
+        if self.threads is not None and (
+            not isinstance(self.threads, int) or isinstance(self.threads, bool) or not 1 <= self.threads <= 512
+        ):
+            raise ValueError(f"threads must be an integer in 1..512, got {self.threads!r}")
+        for name in ("resize_size", "crop_size"):
+            v = getattr(self, name)
+            if v is not None and not (is_int(v) and v >= 1):
+                raise ValueError(f"{name} must be None (the model's) or an integer >= 1, got {v!r}")
+        if self.resize_size is not None and self.crop_size is not None and self.crop_size > self.resize_size:
+            raise ValueError(
+                f"need crop_size <= resize_size, got crop_size={self.crop_size!r}, "
+                f"resize_size={self.resize_size!r} (set resize_size too)"
+            )
+        if self.interpolation is not None and self.interpolation not in INTERPOLATIONS:
+            raise ValueError(
+                f"interpolation must be None (the model's) or one of {INTERPOLATIONS}, got {self.interpolation!r}"
+            )
+        if self.gpu_decoder not in GPU_DECODERS:
+            names = ", ".join(map(repr, GPU_DECODERS[:-1])) + f" or {GPU_DECODERS[-1]!r}"
+            raise ValueError(f"gpu_decoder must be {names}, got {self.gpu_decoder!r}")
+        if self.gpu_decode_processes is not None and not (
+            is_int(self.gpu_decode_processes) and 0 <= self.gpu_decode_processes <= 16
+        ):
+            raise ValueError(
+                f"gpu_decode_processes must be None (the default) or an integer in 0..16, "
+                f"got {self.gpu_decode_processes!r}"
+            )
+        v = self.decode_timeout_s
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):  # (inf: no limit)
+            raise ValueError(f"decode_timeout_s must be a number > 0 (seconds; inf for no limit), got {v!r}")
+        for f in fields(self):
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
+        if self.buckets is None:
+            self.buckets = default_buckets(self.max_batch_size)
+        else:
+            try:
+                b = tuple(sorted(set(self.buckets)))
+            except TypeError:
+                b = ()
+            if not b or not all(is_int(x) for x in b) or b[0] < 1:
+                raise ValueError(f"buckets must be positive integer batch sizes, got {self.buckets!r}")
+            self.buckets = b
+            # the batcher never forms more than the largest bucket holds
+            self.max_batch_size = min(self.max_batch_size, b[-1]) if self.max_batch_size else b[-1]
+
+    def for_model(self, model: Any = None) -> Config:
+        """This config with the input transform filled in from ``model``'s declaration (``model``:
+        the module a :class:`~fullthrottle.Pipeline` was given, else :attr:`model`) where a field is
+        ``None``; fields already set stay. The result's :attr:`transform` is then complete.
+
+        Raises:
+            ValueError: an unknown model name, or a transform that does not hold together.
+        """
+        decl = transform_of(self.model if model is None else model)
+        filled = {f: getattr(decl, d) for f, d in _TRANSFORM.items() if getattr(self, f) is None}
+        out = replace(self, **filled) if filled else self
+        out.transform  # noqa: B018 - checks crop <= resize and the rest now, not in a stage
+        return out
+
+    @property
+    def transform(self) -> Transform:
+        """The input transform as a :class:`~fullthrottle.workloads.classify.models.Transform` (after :meth:`for_model`).
+
+        Raises:
+            ValueError: a field still ``None`` (call :meth:`for_model` first) or a bad combination.
+        """
+        missing = [f for f in _TRANSFORM if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} not resolved: call Config.for_model() first")
+        return Transform(self.resize_size, self.crop_size, tuple(self.mean), tuple(self.std), self.interpolation)
+
+    @property
+    def num_threads(self) -> int:
+        return self.threads or usable_cores()
+
+    @property
+    def in_flight_limit(self) -> int:
+
+        # batches out at the GPU decoder processes, and as many again queued for their next sends: with
+        # one batch less, a process waits on the window, not on work (see docs/performance.md)
+        n = self.gpu_decode_processes
+        if n is None and self.gpu_decode:  # (what a Pipeline made now would start)
+            from .mps import default_processes
+
+            n = default_processes()
+        gpu = 2 * n * GPU_PROCESS_DEPTH if self.gpu_decode else 0
+        return self.max_in_flight or ((4 + gpu) * self.max_batch_size + 2 * self.num_threads)
+
+    def decoder_processes(self) -> int:
+        """How many CPU decoder processes a pipeline with decoder processes starts: ``threads``, capped
+        at the usable cores; by default one per usable core but one, left to the main process's
+        dispatcher, batcher, compute and decode threads, which use about one (one decoder process per
+        core slows the pipeline: see docs/performance.md)."""
+        cores = usable_cores()
+        return min(self.threads, cores) if self.threads else max(1, cores - 1)
+
+    def crop_rows(self, decoders: int, gpu_processes: int) -> int:
+        """Rows of the shared crop pool for ``decoders`` CPU and ``gpu_processes`` GPU decoder processes:
+        one per item the window (:attr:`in_flight_limit`) lets in, capped at twice what every batch in
+        flight, forming, and out at the GPU decoder processes needs (a larger ``max_in_flight`` keeps
+        more items queued ahead of the decoders, not more pinned memory than that)."""
+        need = (self.staging_slots + 3 + gpu_processes * GPU_PROCESS_DEPTH) * self.max_batch_size + 2 * decoders
+        return min(self.in_flight_limit, 2 * need)

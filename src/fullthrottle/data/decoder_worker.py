@@ -1,0 +1,162 @@
+"""The CPU decoder process's side (its parent's side is :mod:`~fullthrottle.data.preprocess_procs`): it
+reads requests from its socket (a crop-pool row, then encoded bytes or a file's path), runs
+:func:`~fullthrottle.data.preprocess.preprocess`, writes the crop into its row of the shared pool and
+answers with one status byte, or the status and the item's error.
+
+The protocol: a request is ``_ROW`` (the row, with :data:`~fullthrottle.data.worker_procs.PATH_BIT` set for
+a path) and the bytes; a reply is ``_OK``, or ``_IMAGE_ERROR`` / ``_OTHER_ERROR`` / ``_LOAD_ERROR``
+followed by the error's text.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import struct
+import sys
+import time
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from ..core import env
+from .load import LoadError, read_local
+from .preprocess import ImageError, preprocess
+from .worker_procs import PATH_BIT
+
+_OK, _IMAGE_ERROR, _OTHER_ERROR = 0, 1, 2
+_ROW = struct.Struct("<I")  # the pool row a request's crop goes to, ahead of the encoded bytes
+_LOAD_ERROR = 3  # reply: the file could not be read (the message is the item's whole error)
+
+
+def worker_main(argv: list[str]) -> None:
+    """A CPU decoder process's main (``argv``: the socket, pool and readiness fds, then the transform
+    and limits, as :class:`~fullthrottle.data.preprocess_procs.DecoderProcess` starts it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; we end on EOF
+    fd, pool_fd, ready_fd, resize_size, crop_size, max_pixels, nice, pool_rows, max_file_bytes = (int(a) for a in argv)
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
+    import torch
+
+    torch.set_num_threads(1)
+    from .preprocess import allow_pillow_pixels  # (importing .preprocess set OpenCV to one thread)
+
+    allow_pillow_pixels(max_pixels)
+    try:  # an image's error goes back as its reply; OpenCV's own log lines would only be noise
+        import cv2
+
+        cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
+    except AttributeError:
+        pass
+
+    crops = np.frombuffer(mmap.mmap(pool_fd, pool_rows * crop_size * crop_size * 3), np.uint8).reshape(
+        pool_rows, crop_size, crop_size, 3
+    )
+    conn = Connection(fd)
+    os.write(ready_fd, b"R")  # imports done: from now on a slow answer is a hang (DecoderProcess.grace_until)
+    os.close(ready_fd)
+    stats_path = env.get(env.WORKER_STATS)
+    if stats_path:
+        return _worker_loop_timed(
+            conn, crops, resize_size, crop_size, max_pixels, max_file_bytes, f"{stats_path}.{os.getpid()}.json"
+        )
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        out = _work_one(msg, crops, resize_size, crop_size, max_pixels, max_file_bytes)
+        try:
+            conn.send_bytes(out)
+        except (EOFError, OSError):
+            return
+
+
+def _request(msg: bytes, max_file_bytes: int) -> tuple[int, bytes]:
+    """``(pool row, encoded bytes)`` of a request; a path request's file is read here.
+
+    Raises:
+        LoadError: the file of a path request cannot be read.
+    """
+    (row,) = _ROW.unpack_from(msg)
+    data = msg[_ROW.size :]
+    if row & PATH_BIT:
+        return row & ~PATH_BIT, read_local(os.fsdecode(data), max_file_bytes)
+    return row, data
+
+
+def _work_one(
+    msg: bytes, crops: np.ndarray, resize_size: int, crop_size: int, max_pixels: int, max_file_bytes: int
+) -> bytes:
+    """One request (pool row + encoded bytes or a path) -> its reply (status byte, or status and error text)."""
+    try:
+        row, data = _request(msg, max_file_bytes)
+        arr = preprocess(data, resize_size, crop_size, max_pixels)
+        crops[row] = arr  # straight into the shared (pinned) pool: the only copy of the pixels
+        return bytes([_OK])
+    except Exception as e:  # noqa: BLE001 - a decoder error belongs to this item
+        return _error_reply(e)
+
+
+def _error_reply(e: Exception) -> bytes:
+    if isinstance(e, LoadError):  # the item's whole error, naming its file
+        return bytes([_LOAD_ERROR]) + str(e).encode("utf-8", "replace")[:60000]
+    if isinstance(e, ImageError):  # already worded as the thread path words it
+        return bytes([_IMAGE_ERROR]) + str(e).encode()[:60000]
+    return bytes([_OTHER_ERROR]) + f"cannot decode image: {type(e).__name__}: {e}".encode()[:60000]
+
+
+def _worker_loop_timed(conn, crops, resize_size, crop_size, max_pixels, max_file_bytes, path: str) -> None:
+    """The worker loop with a time split per phase, written as JSON to ``path`` at exit (benchmarks)."""
+    import json
+    import resource
+
+    t = dict(images=0, recv_wait_s=0.0, preprocess_s=0.0, preprocess_cpu_s=0.0, pool_write_s=0.0, send_s=0.0)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    clock, cpu = time.perf_counter, time.thread_time
+    try:
+        while True:
+            a = clock()
+            try:
+                msg = conn.recv_bytes()
+            except (EOFError, OSError):
+                return
+            b, c0 = clock(), cpu()
+            try:
+                row, data = _request(msg, max_file_bytes)
+                arr = preprocess(data, resize_size, crop_size, max_pixels)
+                c, c1 = clock(), cpu()
+                crops[row] = arr
+                out = bytes([_OK])
+            except Exception as e:  # noqa: BLE001
+                c, c1 = clock(), cpu()
+                out = _error_reply(e)
+            d = clock()
+            try:
+                conn.send_bytes(out)
+            except (EOFError, OSError):
+                return
+            e_ = clock()
+            t["images"] += 1
+            t["recv_wait_s"] += b - a
+            t["preprocess_s"] += c - b
+            t["preprocess_cpu_s"] += c1 - c0
+            t["pool_write_s"] += d - c
+            t["send_s"] += e_ - d
+    finally:
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        t.update(
+            cpu_s=r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime,
+            minor_faults=r1.ru_minflt - r0.ru_minflt,
+            voluntary_switches=r1.ru_nvcsw - r0.ru_nvcsw,
+            involuntary_switches=r1.ru_nivcsw - r0.ru_nivcsw,
+        )
+        try:
+            with open(path, "w") as f:
+                json.dump(t, f)
+        except OSError as e:  # a bad stats path costs the stats, never an image (the loop is over)
+            print(f"fullthrottle decoder process: cannot write {path}: {e}", file=sys.stderr)

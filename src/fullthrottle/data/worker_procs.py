@@ -1,0 +1,69 @@
+"""What the CPU and the GPU decoder processes share: how a worker process is started (its ``python -c``
+line and process group), the grace a new one gets for its imports, the request flag for file paths,
+the error of an item whose worker died, and how a worker's end is read and brought about.
+
+The parent side of each kind lives in :mod:`~fullthrottle.data.preprocess_procs` (CPU decoders) and
+:mod:`~fullthrottle.data.gpu_decode_procs` (GPU decoders); the shared crop rows in :mod:`~fullthrottle.data.crop_pool`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from multiprocessing.connection import Connection
+
+#: seconds a freshly started worker is allowed for its imports before decode_timeout_s applies
+STARTUP_S = 15.0
+#: set in a request's row: what follows is a file's path (``os.fsencode``), which the worker reads itself
+PATH_BIT = 1 << 31
+
+
+#: worker processes start in a process group of their own (``Popen(process_group=0)``): a terminal's
+#: Ctrl-C goes to the foreground group, so it reaches the parent only, also while a worker is still
+#: starting (a SIGINT then, before its first line ran, killed it with a traceback)
+WORKER_PROCESS_GROUP = 0
+
+
+def worker_command(module: str, main: str) -> str:
+    """The ``python -c`` line that runs ``fullthrottle.<module>.<main>(sys.argv[1:])`` in a worker
+    process. Ctrl-C is the parent's to handle (the worker ends on EOF): a SIGINT sent to the worker
+    itself is ignored from its first line, before the imports."""
+    return (
+        f"import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        f"from fullthrottle.{module} import {main}; {main}(sys.argv[1:])"
+    )
+
+
+class WorkerDied(RuntimeError):
+    """The decoder process exited while working on an item (that item's error)."""
+
+
+def exit_reason(proc: subprocess.Popen) -> str:
+    """How a worker that closed its socket ended: ``"exit code N"`` or ``"killed by signal SIGSEGV"``
+    (its exit status follows the close at once; waits at most 1 s for it)."""
+    try:
+        code = proc.wait(1.0)
+    except subprocess.TimeoutExpired:
+        code = None
+    if code is not None and code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def shutdown_worker(conn: Connection, proc: subprocess.Popen, ready_fd: int = -1) -> None:
+    """Close a worker's socket (and its readiness pipe, if any): its loop ends on EOF; killed if it
+    has not exited 2 s later."""
+    for close in (conn.close, lambda: os.close(ready_fd) if ready_fd >= 0 else None):
+        try:
+            close()
+        except OSError:
+            pass
+    try:
+        proc.wait(2.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,1 @@
+"""The HTTP front end: FastAPI app, request guards, options, services and the text routes."""

@@ -1,0 +1,371 @@
+"""Respond over HTTP: ``fullthrottle serve``. FastAPI + uvicorn in front of one long-running pipeline.
+
+Every request's images join the same stream, so concurrent requests share batches (and graphs):
+
+    HTTP handlers (asyncio) --bounded submission queue--> Pipeline (preprocess threads, batcher,
+        compute, decode) --dispatcher thread--> the waiting request's future
+
+Overload and faults: a full submission queue answers 503 with Retry-After; a request past its
+deadline answers 504; a body over the limit 413; an image that cannot be decoded 422 with the reason.
+SIGTERM (uvicorn's graceful shutdown) stops accepting, lets in-flight requests finish, exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+
+from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
+
+from ..core.config import Config, usable_cores
+from ..workloads.classify.decode import Result
+from ..workloads.classify.pipeline import Pipeline
+from .fetch import FetchPolicy
+from .guard import HTTPError as _HTTPError
+from .guard import authorised, check_pixels, head_deadline_protocol, read_body
+from .options import MAX_CONNECTIONS, ServeOptions
+from .services import BatchingService, CompletionService, EmbedService, Overloaded
+from .text import add_text_routes
+
+log = logging.getLogger("fullthrottle.server.app")
+_ROUTES = ("/v1/classify", "/v1/embeddings", "/v1/completions", "/readyz", "/metrics")  # metric labels
+
+
+def _default_devices(device: str) -> list[str]:
+    import torch
+
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return [device]
+
+
+def create_app(config: Config, options: ServeOptions | None = None, model=None):
+    """The FastAPI app: ``POST /v1/classify``, ``GET /healthz``, ``GET /readyz``, ``GET /metrics``, and
+    the text routes ``POST /v1/embeddings`` and ``POST /v1/completions`` (:mod:`~fullthrottle.server.text`).
+
+    The pipeline (model load, graph capture) is built in the app's lifespan, so ``/healthz`` answers
+    while ``/readyz`` says 503 until the model is ready.
+    """
+    import contextlib
+
+    import httpx
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    opts = options or ServeOptions()
+    policy = (
+        FetchPolicy(opts.allow_fetch, max_bytes=opts.max_body_bytes, timeout_s=opts.url_timeout_s)
+        if opts.allow_fetch
+        else None
+    )
+    reg = CollectorRegistry()
+    m_requests = Counter("fullthrottle_requests", "HTTP requests", ["route", "status"], registry=reg)
+    m_latency = Histogram(
+        "fullthrottle_request_latency_seconds",
+        "request latency (s)",
+        ["route"],
+        registry=reg,
+        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    )
+    m_queue_wait = Histogram(
+        "fullthrottle_item_latency_seconds",
+        "per-image latency in the pipeline (s)",
+        registry=reg,
+        buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+    )
+    m_batch = Histogram(
+        "fullthrottle_batch_size",
+        "batch sizes formed by the batcher",
+        registry=reg,
+        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+    )
+    m_queued = Gauge("fullthrottle_queue_images", "images waiting to enter the pipeline", ["replica"], registry=reg)
+    m_pending = Gauge("fullthrottle_pending_images", "images submitted and not yet answered", ["replica"], registry=reg)
+    m_busy = Gauge("fullthrottle_stage_busy_percent", "stage busy % since start", ["replica", "stage"], registry=reg)
+    m_gpu = Gauge("fullthrottle_gpu_utilization_percent", "GPU utilisation (NVML)", ["replica"], registry=reg)
+    m_gpu_mem = Gauge("fullthrottle_gpu_memory_used_bytes", "GPU memory used (NVML)", ["replica"], registry=reg)
+    state: dict = {"services": [], "ready": False, "t0": time.perf_counter()}
+    cfg = config if not config.ordered else Config(**{**config.__dict__, "ordered": False})
+    devices = list(opts.devices or _default_devices(cfg.device))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        def build():
+            import copy
+
+            services = []
+            # the cores are shared: by default each replica gets its share of preprocess threads
+            threads = cfg.threads or max(1, usable_cores() // len(devices))
+            for dev in devices:
+                pipe = Pipeline(
+                    Config(**{**cfg.__dict__, "device": dev, "threads": threads}),
+                    model=copy.deepcopy(model) if model is not None else None,
+                )
+                pipe.on_batch = m_batch.observe
+                services.append(BatchingService(pipe, opts.max_queue))
+            return services
+
+        state["services"] = await asyncio.to_thread(build)
+        if state["services"][0].pipeline.engine.random_weights:
+            log.warning("the model has random weights (no --weights given): its labels are meaningless")
+        if opts.llm is not None:
+            state["llm"] = CompletionService(*opts.llm, max_queue=opts.max_queue)
+        if opts.embed_model is not None:
+            from ..workloads.embed import Embedder
+
+            path = None if opts.embed_model == "default" else opts.embed_model
+            state["embed_name"] = "all-MiniLM-L6-v2" if path is None else os.path.basename(os.path.normpath(path))
+            state["embed"] = EmbedService(await asyncio.to_thread(Embedder, path, devices[0]), max_queue=opts.max_queue)
+        state["ready"] = True
+        # redirects are followed by the FetchPolicy, each checked; no proxy from the environment
+        state["http"] = httpx.AsyncClient(timeout=opts.url_timeout_s, follow_redirects=False, trust_env=False)
+        try:
+            yield
+        finally:
+            state["ready"] = False
+            await state["http"].aclose()
+            for svc in state["services"]:
+                await asyncio.to_thread(svc.close)
+            if state.get("embed") is not None:
+                await asyncio.to_thread(state["embed"].close)
+            if state.get("llm") is not None:
+                await asyncio.to_thread(state["llm"].close)
+
+    app = FastAPI(
+        title="fullthrottle",
+        lifespan=lifespan,
+        description="Image classification with cross-request dynamic batching on the GPU.",
+    )
+
+    def reply(route: str, status: int, body: dict, headers: dict | None = None):
+        m_requests.labels(route, str(status)).inc()
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    if opts.api_keys:
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if request.url.path != "/healthz" and not authorised(request.headers.get("authorization"), opts.api_keys):
+                # (answered before the body is read: the connection closes, the body is never taken in)
+                return reply(
+                    request.url.path if request.url.path in _ROUTES else "other",
+                    401,
+                    {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
+                    {"WWW-Authenticate": "Bearer", "Connection": "close"},
+                )
+            return await call_next(request)
+
+    @app.get("/healthz")
+    async def healthz():
+        return reply("/healthz", 200, {"status": "alive"})
+
+    @app.get("/readyz")
+    async def readyz():
+        if not state["ready"]:
+            return reply("/readyz", 503, {"status": "loading"})
+        engines = [svc.pipeline.engine for svc in state["services"]]
+        return reply(
+            "/readyz",
+            200,
+            {
+                "status": "ready",
+                "devices": [str(e.device) for e in engines],
+                "model": engines[0].model_name,
+                "random_weights": engines[0].random_weights,  # (labels meaningless: no --weights given)
+                "graphs": [e.runner.info.format() if e.runner else f"off ({e.device.type}: eager)" for e in engines],
+            },
+        )
+
+    @app.get("/metrics")
+    async def metrics():
+        for i, svc in enumerate(state["services"]):
+            rep = str(i)
+            m_queued.labels(rep).set(svc.queued())
+            m_pending.labels(rep).set(svc.pending())
+            run = svc.pipeline.current_run
+            if run is not None:
+                wall = time.perf_counter() - run.t0
+                for st in run.stats.values():
+                    snap = st.snapshot(wall)
+                    m_busy.labels(rep, snap["stage"]).set(
+                        snap["worker_busy_pct"] if snap["stage"] == "preprocess" else snap["busy_pct"]
+                    )
+                mon = run.gpumon
+                if mon.utils:
+                    m_gpu.labels(rep).set(mon.utils[-1])
+                    m_gpu_mem.labels(rep).set(mon.mems[-1])
+        return PlainTextResponse(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
+
+    async def read_images(request: Request) -> list[tuple[str, bytes]]:
+        """(id, bytes) for every image in the request. Raises _HTTPError."""
+        body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype == "multipart/form-data":
+            try:
+                form = await _parse_form(request, body, opts.max_images)
+            except Exception as e:  # noqa: BLE001 - starlette's MultiPartException and parser errors
+                raise _HTTPError(400, f"malformed multipart body: {e}") from None
+            images = [(f.filename or f"file{i}", await f.read()) for i, f in enumerate(form)]
+            boundary = request.headers.get("content-type", "").partition("boundary=")[2].split(";")[0].strip('"')
+            if not images and boundary and f"--{boundary}--".encode() not in body:
+                raise _HTTPError(400, "malformed multipart body: it ends before its closing boundary")
+        elif ctype == "application/json":
+            try:
+                payload = json.loads(body)
+                urls = payload.get("urls") if isinstance(payload, dict) else None
+                if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+                    raise ValueError
+            except (ValueError, RecursionError) as e:  # (RecursionError: JSON nested thousands deep)
+                what = "wrong shape" if type(e) is ValueError else "malformed JSON"
+                raise _HTTPError(400, f'{what}: the body must be {{"urls": ["http(s)://...", ...]}}') from None
+            if policy is None:
+                raise _HTTPError(
+                    400,
+                    "this server fetches no URLs: send the images in the body, or start it "
+                    "with --allow-fetch HOST|CIDR ... to let clients name URLs on those hosts",
+                )
+            if len(urls) > opts.max_images:
+                raise _HTTPError(413, f"{len(urls)} images in one request; at most {opts.max_images}")
+            for u in urls:
+                if not u.startswith(("http://", "https://")):
+                    raise _HTTPError(400, f"not an http(s) URL: {u[:200]}")
+            budget = [opts.max_request_fetch_bytes or 4 * opts.max_body_bytes]  # all of its URLs together
+
+            async def fetch(i, u):
+                try:
+                    return u, await policy.fetch(state["http"], u, budget)
+                except Exception as e:  # noqa: BLE001 - refused or failed: the detail is for the operator only
+                    log.warning("classify: URL %d (%s) not fetched: %s", i, u[:200], str(e))  # (not e: its frames)
+                    return u, _FetchError(f"cannot fetch URL {i}")
+
+            images = list(await asyncio.gather(*(fetch(i, u) for i, u in enumerate(urls))))
+        else:
+            images = [("body", bytes(body))]
+        if not images:
+            raise _HTTPError(400, "no image in the request")
+        if len(images) > opts.max_images:
+            raise _HTTPError(413, f"{len(images)} images in one request; at most {opts.max_images}")
+        check_pixels(images, opts.max_request_pixels, cfg.max_image_pixels)
+        return images
+
+    add_text_routes(app, state, opts, reply, m_requests, m_latency)
+
+    @app.post("/v1/classify")
+    async def classify(request: Request):
+        route, t0 = "/v1/classify", time.perf_counter()
+        try:
+            if not state["ready"]:
+                raise _HTTPError(503, "model is loading", {"Retry-After": str(opts.retry_after_s)})
+            images = await read_images(request)
+            n_new = sum(not isinstance(data, _FetchError) for _, data in images)
+            if n_new > opts.max_queue:  # (a 503 would ask for a retry that can never succeed)
+                raise _HTTPError(
+                    413,
+                    f"{n_new} images in one request; this server queues at most "
+                    f"{opts.max_queue} (--max-queue): send them in smaller requests",
+                )
+            svc = min(state["services"], key=lambda v: v.queued() + v.pending())
+            futs = []
+            try:
+                for item_id, data in images:
+                    if isinstance(data, _FetchError):  # that URL's own error; the others go on
+                        f = asyncio.get_running_loop().create_future()
+                        f.set_result(Result(-1, item_id, error=f"{item_id}: {data}"))
+                        futs.append(f)
+                    else:
+                        futs.append(svc.submit(item_id, data))
+            except Overloaded as e:
+                for f in futs:
+                    f.cancel()
+                raise _HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
+            except RuntimeError as e:
+                raise _HTTPError(503, str(e)) from None
+            remaining = opts.timeout_s - (time.perf_counter() - t0)
+            try:
+                results = await asyncio.wait_for(asyncio.gather(*futs), max(remaining, 0.001))
+            except TimeoutError:
+                raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
+            for r in results:
+                m_queue_wait.observe(r.latency_ms / 1e3)
+            body = {
+                "results": [
+                    r.to_dict() | {"index": i, "id": iid} for i, (r, (iid, _)) in enumerate(zip(results, images))
+                ]
+            }
+            status = 422 if all(not r.ok for r in results) else 200
+            if status == 422:
+                body["detail"] = "; ".join(r.error.removeprefix(f"{iid}: ") for r, (iid, _) in zip(results, images))
+            return reply(route, status, body)
+        except _HTTPError as e:
+            return reply(route, e.status, {"detail": e.detail}, e.headers)
+        finally:
+            m_latency.labels(route).observe(time.perf_counter() - t0)
+
+    return app
+
+
+class _FetchError(str):
+    """A URL of a JSON request that could not be fetched (that image's error)."""
+
+
+async def _parse_form(request, body: bytes, max_files: int):
+    """The uploaded files of a multipart body (already read and size-checked)."""
+    from starlette.datastructures import UploadFile
+    from starlette.formparsers import MultiPartParser
+
+    async def stream():
+        yield body
+        yield b""
+
+    parser = MultiPartParser(request.headers, stream(), max_files=max_files + 1, max_part_size=len(body) + 1)
+    form = await parser.parse()
+    return [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
+
+
+def run_server(
+    config: Config,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    options: ServeOptions | None = None,
+    max_connections: int = MAX_CONNECTIONS,
+) -> None:
+    """Serve until SIGINT/SIGTERM (graceful: in-flight requests finish), then return (exit status 0).
+
+    ``max_connections``: open connections and requests beyond it get 503 at once (uvicorn's
+    ``limit_concurrency``); idle keep-alive connections close after 5 s; a request head must arrive
+    whole within ``options.header_timeout_s`` and is limited to 16 KiB (h11's default)."""
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        # uvicorn re-raises the captured signal after its graceful shutdown, so the process would die
+        # of SIGTERM (status -15) after draining; we drain the same way and then return normally.
+        @contextlib.contextmanager
+        def capture_signals(self):
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    opts = options or ServeOptions()
+    _Server(
+        uvicorn.Config(
+            create_app(config, opts),
+            host=host,
+            port=port,
+            log_level="info",
+            timeout_graceful_shutdown=opts.timeout_s,
+            limit_concurrency=max_connections,
+            timeout_keep_alive=5,
+            http=head_deadline_protocol(opts.header_timeout_s, opts.max_connections_per_client),
+        )
+    ).run()

@@ -1,0 +1,205 @@
+"""What the server does before a request reaches a model: API keys, bounded body reads, and the
+total-pixels limit of a classify request.
+
+- Keys: with any key configured, every route but ``/healthz`` needs ``Authorization: Bearer KEY``;
+  keys are compared in constant time (``hmac.compare_digest``) so that timing tells nothing about them.
+- Bodies: read in full within ``body_timeout_s`` (a client trickling bytes is cut off with 408) and
+  at most ``max_body_bytes`` (413), whatever ``Content-Length`` claims.
+- Pixels: the images of one request may hold at most ``max_request_pixels`` together (each image's
+  own limit is the pipeline's ``max_image_pixels``), read from their headers before any decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+
+from ..core.env import API_KEY
+
+#: environment variable with API keys for ``fullthrottle serve`` (comma-separated), besides --api-key
+API_KEY_ENV = API_KEY  #: (declared in fullthrottle.core.env)
+
+
+class HTTPError(Exception):
+    """An HTTP error answer: status, detail (the JSON body's ``detail``) and extra headers."""
+
+    def __init__(self, status: int, detail: str, headers: dict | None = None):
+        super().__init__(detail)
+        self.status, self.detail, self.headers = status, detail, headers
+
+
+def load_keys(keys=(), key_file: str | None = None, environ=os.environ) -> tuple[str, ...]:
+    """Every API key from ``keys``, ``key_file`` (one per line; blank lines and ``#`` comments
+    skipped) and :data:`API_KEY_ENV`.
+
+    Raises:
+        ValueError: an unreadable key file, or a key shorter than 16 characters.
+    """
+    out = [k.strip() for k in keys]
+    if key_file is not None:
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                out += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        except OSError as e:
+            raise ValueError(f"cannot read the API key file {key_file}: {e.strerror or e}") from None
+    out += [k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    short = [k for k in out if len(k) < 16]
+    if short:
+        raise ValueError(
+            f"{len(short)} API key(s) shorter than 16 characters: use long random keys "
+            "(python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    return tuple(dict.fromkeys(out))
+
+
+def authorised(header: str | None, keys: tuple[str, ...]) -> bool:
+    """Whether an ``Authorization`` header carries one of ``keys`` as a Bearer token (every key is
+    compared, in constant time, whether or not an earlier one matched)."""
+    if not header or not header.lower().startswith("bearer "):
+        return False
+    token = header[7:].strip().encode()
+    ok = False
+    for k in keys:
+        ok |= hmac.compare_digest(token, k.encode())
+    return ok
+
+
+async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
+    """The whole request body, within ``timeout_s`` and ``max_bytes``.
+
+    Raises:
+        HTTPError: 413 over the limit (declared or read), 408 not received in time, 400 the client
+            hung up before the end of its body (nobody reads that answer; it keeps the log quiet).
+    """
+    from starlette.requests import ClientDisconnect
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise HTTPError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes}")
+    body = bytearray()
+
+    async def read():
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > max_bytes:
+                raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes")
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except TimeoutError:
+        raise HTTPError(408, f"request body not received within {timeout_s:g} s", {"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise HTTPError(400, "the client disconnected before the end of its request body") from None
+    return bytes(body)
+
+
+def check_pixels(images: list[tuple[str, object]], max_pixels: int, max_image_pixels: int) -> None:
+    """HTTPError 413 when the images (``(id, bytes)``; other entries skipped) hold more than
+    ``max_pixels`` together, by their headers. An image that will fail alone (an unreadable header,
+    over ``max_image_pixels`` by itself) counts 0: it gets its own error."""
+    from ..data.preprocess import ImageError, header_size, sniff
+
+    total = 0
+    for _, data in images:
+        if isinstance(data, bytes) and data:
+            try:
+                w, h, _ = header_size(data, sniff(data))
+            except ImageError:
+                continue
+            if 0 < w * h <= max_image_pixels:
+                total += w * h
+    if total > max_pixels:
+        raise HTTPError(
+            413,
+            f"the request's images hold {total / 1e6:.1f} megapixels together, over the "
+            f"limit of {max_pixels / 1e6:.1f} (--max-request-megapixels): send fewer per request",
+        )
+
+
+#: at a graceful shutdown, how long an idle keep-alive connection stays open for a request that
+#: may already be on its way (it is answered, with ``Connection: close``), seconds
+SHUTDOWN_LINGER_S = 0.5
+
+
+def head_deadline_protocol(seconds: float, per_client: int | None = None):
+    """uvicorn's h11 protocol with a deadline on every request head: a connection whose request line
+    and headers are not complete ``seconds`` after it opened (or after its previous response) is
+    closed. uvicorn itself times out only idle keep-alive connections, and any byte received
+    cancels that timer, so a client trickling a head could hold a connection for ever.
+
+    ``per_client``: most connections open at once from one client address; one more is closed as
+    it opens, so that one client cannot take every connection the server allows (behind a proxy,
+    every client has the proxy's address: raise it, or let the proxy limit).
+
+    At a graceful shutdown an idle keep-alive connection is closed :data:`SHUTDOWN_LINGER_S` later,
+    not at once: a request the client sent just before is then answered (uvicorn would drop it
+    unread, and the client sees a connection closed without an answer)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    open_from: dict = {}  # client address -> its connections open now (one event loop: no lock)
+
+    class HeadDeadlineH11(H11Protocol):
+        _head_timer = None
+        _peer = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _expired(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            peer = transport.get_extra_info("peername")
+            self._peer = peer[0] if isinstance(peer, tuple) and peer else None
+            n = open_from[self._peer] = open_from.get(self._peer, 0) + 1
+            if per_client is not None and n > per_client:
+                transport.close()
+                return
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            n = open_from.get(self._peer, 0) - 1
+            if n > 0:
+                open_from[self._peer] = n
+            else:
+                open_from.pop(self._peer, None)
+            super().connection_lost(exc)
+
+        _closing = False
+
+        def handle_events(self) -> None:
+            before = self.cycle
+            super().handle_events()
+            if self.cycle is not before:  # a request head arrived whole
+                self._disarm()
+                if self._closing and self.cycle is not None:
+                    self.cycle.keep_alive = False  # answered, then closed
+
+        def shutdown(self) -> None:
+            if self.cycle is None or self.cycle.response_complete:
+                self._closing = True
+                self.loop.call_later(SHUTDOWN_LINGER_S, self._shutdown_now)
+            else:
+                super().shutdown()
+
+        def _shutdown_now(self) -> None:
+            if not self.transport.is_closing():
+                super().shutdown()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+    return HeadDeadlineH11

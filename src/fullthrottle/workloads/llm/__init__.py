@@ -1,0 +1,1 @@
+"""LLM generation: a Llama-architecture decoder and its CUDA-graph decode loop."""

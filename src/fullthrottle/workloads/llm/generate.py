@@ -1,0 +1,310 @@
+"""LLM decoding: prefill, then a decode step replayed as CUDA graphs per batch bucket, sampling on the GPU.
+
+Per ``generate`` call: each prompt is prefilled eagerly into its row of the static KV cache; then every
+decode step runs all rows at once, padded to a batch bucket (1, 2, 4, ..., 64), as one graph replay:
+model step + sampling (greedy / temperature / top-k / top-p, per row, branch-free) + the stop mask.
+Nothing in a step waits for the host; the host looks at the stop mask every ``check_every`` steps.
+
+Graphs are captured largest bucket first into one pool; positions, sampling parameters and the
+stop mask are static device tensors the host fills before replaying.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ...core.config import default_buckets
+from .llama import Llama
+
+DEFAULT_BUCKETS = default_buckets(64)
+
+
+def kv_buckets(max_seq_len: int) -> tuple[int, ...]:
+    """Attention lengths to capture decode graphs for: 256, 1024, 4096, ... below ``max_seq_len``, and it.
+
+    A step whose longest row is at position ``p`` replays the graph of the smallest length > ``p``, so
+    attention reads that much of the static KV cache, not all of it (at large batches, reading the
+    whole cache makes attention a large share of the step: see docs/performance.md).
+
+    >>> kv_buckets(328), kv_buckets(4096)
+    ((256, 328), (256, 1024, 4096))
+    """
+    return tuple(sorted({min(max_seq_len, 256 * 4**k) for k in range(8)}))
+
+
+def sample(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor
+) -> torch.Tensor:
+    """Next token per row, without host synchronisation.
+
+    Args:
+        logits: ``(B, V)`` float32.
+        temperature: ``(B, 1)``; 0 means greedy (argmax).
+        top_k: ``(B, 1)`` int64; 0 means no top-k cut.
+        top_p: ``(B, 1)``; 1.0 means no nucleus cut (Holtzman et al., 2020, "The Curious Case of
+            Neural Text Degeneration").
+        noise: ``(B, V)`` Exponential(1) samples: ``argmax(p / noise)`` draws from ``p`` (the
+            exponential race / Gumbel-max trick), so drawing stays one fixed-shape kernel sequence.
+    Returns:
+        ``(B,)`` int64.
+    """
+    V = logits.shape[-1]
+    greedy = logits.argmax(-1)
+    x = logits / temperature.clamp_min(1e-5)
+    srt, order = x.sort(-1, descending=True)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(1, V)
+    kth = srt.gather(-1, k - 1)  # (B, 1) k-th largest
+    probs_sorted = srt.softmax(-1)
+    cum = probs_sorted.cumsum(-1) - probs_sorted  # mass before each token
+    keep_sorted = cum < top_p  # the first token always stays
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted) & (x >= kth)
+    x = x.masked_fill(~keep, float("-inf"))
+    drawn = (x.softmax(-1) / noise).argmax(-1)
+    return torch.where(temperature[:, 0] == 0, greedy, drawn)
+
+
+@dataclass
+class GenerateStats:
+    """Timing of one call: prefill and decode seconds, new tokens, tokens/s over all rows."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    new_tokens: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class Generator:
+    """Batched generation with a static KV cache.
+
+    Args:
+        model: a :class:`~fullthrottle.workloads.llm.llama.Llama` on its device and dtype.
+        max_batch: most prompts per call (rounded up to a bucket).
+        max_seq_len: prompt + new tokens, per row; the KV cache is allocated for it.
+        graphs: capture the decode step (CUDA only; CPU runs eager).
+        buckets: decode batch sizes to capture.
+        attn_buckets: attention lengths (cache slots read) to capture per batch bucket; default
+            :func:`kv_buckets` of ``max_seq_len``. The largest is always ``max_seq_len``.
+
+    Raises:
+        ValueError: on :meth:`generate`, a prompt + max_new_tokens longer than ``max_seq_len``.
+    """
+
+    def __init__(
+        self,
+        model: Llama,
+        max_batch: int = 8,
+        max_seq_len: int = 512,
+        graphs: bool = True,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        check_every: int = 8,
+        attn_buckets: Sequence[int] | None = None,
+    ):
+        self.model = model
+        p = next(model.parameters())
+        self.device = p.device
+        bs = sorted(set(buckets))
+        top = next((x for x in bs if x >= max_batch), max_batch)  # smallest bucket holding max_batch
+        self.buckets = tuple(x for x in bs if x < top) + (top,)
+        self.max_batch = self.buckets[-1]
+        self.max_seq_len = max_seq_len
+        self.check_every = check_every
+        if max_seq_len > model.cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len {max_seq_len} exceeds the model's context "
+                f"(max_position_embeddings {model.cfg.max_position_embeddings})"
+            )
+        model.setup_cache(self.max_batch, max_seq_len)
+        B, V = self.max_batch, model.cfg.vocab_size
+        dev = self.device
+        # static inputs of the decode step (views [:b] serve every bucket)
+        self.tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.temp = torch.zeros(B, 1, device=dev)
+        self.topk = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.topp = torch.ones(B, 1, device=dev)
+        self.done = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.eos = torch.full((1,), -1, dtype=torch.long, device=dev)
+        self.noise = torch.empty(B, V, device=dev)
+        self.kv_buckets = (
+            tuple(sorted({min(int(x), max_seq_len) for x in attn_buckets} | {max_seq_len}))
+            if attn_buckets
+            else kv_buckets(max_seq_len)
+        )
+        # (batch bucket, greedy, kv length) -> graph and its output; greedy graphs skip the sampler
+        self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_s = 0.0
+        if graphs and dev.type == "cuda":
+            self._capture()
+
+    @torch.inference_mode()
+    def _step(self, b: int, greedy: bool = False, kv: int | None = None) -> torch.Tensor:
+        """One decode step for rows ``[:b]``: next tokens ``(b,)``; advances pos, updates done.
+
+        ``greedy``: every row has temperature 0, so the token is the argmax (no sort, no noise drawn).
+        ``kv``: attention reads cache slots ``[0, kv)`` (every row's position must be below it).
+        """
+        self.model.kv_len = kv or self.model.max_seq_len
+        logits = self.model(self.tok[:b], self.pos[:b])[:, -1]  # (b, V)
+        if greedy:
+            nxt = logits.argmax(-1)
+        else:
+            self.noise[:b].exponential_()
+            nxt = sample(logits, self.temp[:b], self.topk[:b], self.topp[:b], self.noise[:b])
+        nxt = torch.where(self.done[:b], self.eos.clamp_min(0).expand(b), nxt)  # finished rows repeat EOS
+        self.done[:b] |= nxt == self.eos
+        self.tok[:b, 0] = nxt
+        self.pos[:b] += 1
+        return nxt
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        s = torch.cuda.Stream(self.device)
+        # every (batch bucket, sampler, attention length), largest first, all in one pool
+        keys = [(b, g, kv) for b in reversed(self.buckets) for kv in reversed(self.kv_buckets) for g in (False, True)]
+        for b, greedy, kv in keys:
+            s.wait_stream(torch.cuda.current_stream(self.device))
+            saved = (self.tok.clone(), self.pos.clone(), self.done.clone())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    self._step(b, greedy, kv)
+            s.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=s, capture_error_mode="thread_local"):
+                out = self._step(b, greedy, kv)
+            self.graphs[(b, greedy, kv)] = (g, out)
+            self.tok.copy_(saved[0])
+            self.pos.copy_(saved[1])
+            self.done.copy_(saved[2])
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+
+    @staticmethod
+    def check_sampling(temperature, top_k, top_p) -> None:
+        """Raises ValueError for a temperature < 0 or not finite, top_k < 0, top_p outside (0, 1]."""
+        import math
+
+        for t in temperature if isinstance(temperature, (list, tuple)) else [temperature]:
+            if not math.isfinite(t) or t < 0:
+                raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
+        for k in top_k if isinstance(top_k, (list, tuple)) else [top_k]:
+            if k < 0:
+                raise ValueError(f"top_k must be >= 0 (0 = off), got {k}")
+        for p in top_p if isinstance(top_p, (list, tuple)) else [top_p]:
+            if not (0 < p <= 1):
+                raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos_id: int | None = None,
+        stats: GenerateStats | None = None,
+        on_tokens=None,
+    ) -> list[list[int]]:
+        """Token ids in, new token ids out (one list per prompt, stopped after EOS, which is kept).
+
+        ``temperature``, ``top_k`` and ``top_p`` may be one value or a list with one per prompt.
+        ``on_tokens(chunks)``, if given, is called every ``check_every`` steps with each row's new
+        tokens since the last call (streaming; rows past their EOS keep repeating it). If it returns
+        True, generation stops there (every caller has gone): the rows end with what they have.
+
+        Raises:
+            ValueError: empty prompt, too many prompts, or prompt + max_new_tokens > max_seq_len.
+        """
+        self.check_sampling(temperature, top_k, top_p)
+        n = len(prompts)
+        if n == 0 or n > self.max_batch:
+            raise ValueError(f"between 1 and {self.max_batch} prompts per call, got {n}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) + max_new_tokens > self.max_seq_len:
+                raise ValueError(
+                    f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceeds "
+                    f"max_seq_len {self.max_seq_len} (the static KV cache's length)"
+                )
+        if seed is not None:
+            torch.manual_seed(seed)
+        b = next(x for x in self.buckets if x >= n)
+        greedy = all(t == 0 for t in (temperature if isinstance(temperature, (list, tuple)) else [temperature]))
+        dev = self.device
+        st = stats or GenerateStats()
+        t0 = time.perf_counter()
+        for buf, val in ((self.temp, temperature), (self.topk, top_k), (self.topp, top_p)):
+            if isinstance(val, (list, tuple)):  # one value per prompt
+                if len(val) != n:
+                    raise ValueError(f"{len(val)} sampling values for {n} prompts")
+                buf[:n, 0] = torch.tensor(val, dtype=buf.dtype)
+            else:
+                buf.fill_(val)
+        self.eos.fill_(-1 if eos_id is None else eos_id)
+        self.done.zero_()
+        self.done[n:] = True  # padding rows
+        self.tok.zero_()
+        self.pos.zero_()
+        first = []
+        self.model.kv_len = self.max_seq_len
+        for i, p in enumerate(prompts):  # prefill each prompt into its cache row
+            ids = torch.tensor([list(p)], dtype=torch.long, device=dev)
+            logits = self.model(ids, torch.arange(len(p), device=dev)[None], row0=i)[:, -1]
+            self.noise[i : i + 1].exponential_()
+            first.append(
+                sample(logits, self.temp[i : i + 1], self.topk[i : i + 1], self.topp[i : i + 1], self.noise[i : i + 1])
+            )
+            self.pos[i, 0] = len(p)
+        nxt = torch.cat(first)
+        self.tok[:n, 0] = nxt
+        self.done[:n] = nxt == self.eos
+        out = torch.empty(b, max_new_tokens, dtype=torch.long, device=dev)
+        out[:n, 0] = nxt
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t1 = time.perf_counter()
+        st.prefill_s += t1 - t0
+        steps, sent = 1, 0
+        longest = max(len(p) for p in prompts)
+        for t in range(1, max_new_tokens):
+            # this step feeds positions up to longest + t - 1: attend to the smallest length above
+            kv = next(x for x in self.kv_buckets if x >= longest + t)
+            if (b, greedy, kv) in self.graphs:
+                g, res = self.graphs[(b, greedy, kv)]
+                g.replay()
+                out[:, t] = res
+            else:
+                out[:, t] = self._step(b, greedy, kv)
+            steps += 1
+            if t % self.check_every == 0:
+                if on_tokens is not None:  # streaming: hand over what is new (one host read per chunk)
+                    stop = on_tokens(out[:n, sent:steps].tolist())
+                    sent = steps
+                    if stop is True:
+                        break
+                if bool(self.done[:n].all()):
+                    break
+        rows = out[:n, :steps].tolist()
+        if on_tokens is not None and sent < steps:
+            on_tokens([r[sent:] for r in rows])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        st.decode_s += time.perf_counter() - t1
+        result = []
+        for r in rows:
+            if eos_id is not None and eos_id in r:
+                r = r[: r.index(eos_id) + 1]
+            result.append(r)
+        st.new_tokens += sum(len(r) for r in result)
+        return result
