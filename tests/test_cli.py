@@ -356,6 +356,10 @@ def test_serve_numbers_must_be_finite_and_an_output_may_not_overwrite_an_input(s
             with pytest.raises(SystemExit) as e:
                 main(["serve", flag, bad])
             assert e.value.code == 2 and f"argument {flag}: must be a finite number > 0" in capsys.readouterr().err
+    for bad in ("nan", "-1"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--max-wait-ms", bad])
+        assert e.value.code == 2 and "argument --max-wait-ms: must be a finite number >= 0" in capsys.readouterr().err
     assert main(["serve", "--max-wait-ms", "1e9", "--timeout-s", "30"]) == 2  # (every request would 504)
     assert "--max-wait-ms 1e+09 must be below the request deadline --timeout-s 30" in capsys.readouterr().err
     photo = tmp_path / "a.jpg"

@@ -167,3 +167,16 @@ def test_every_attribute_of_a_package_module_the_tests_and_bench_name_exists():
             if named and named[0] in aliases and not hasattr(importlib.import_module(aliases[named[0]]), named[1]):
                 missing.append(f"{p.relative_to(root)}:{n.lineno}: {aliases[named[0]]}.{named[1]}")
     assert not missing, missing
+
+
+def test_every_worker_command_names_a_function_that_exists():
+    """The decoder processes start from a ``python -c`` line naming a module and its main (the GPU
+    decoder process's never runs in CI): both exist."""
+    import importlib
+    import re
+
+    from fullthrottle.data import gpu_decode_procs, preprocess_procs
+
+    for line in (preprocess_procs._WORKER_CMD, gpu_decode_procs._CMD):
+        module, main = re.search(r"from (fullthrottle\.[\w.]+) import (\w+)", line).groups()
+        assert callable(getattr(importlib.import_module(module), main)), line

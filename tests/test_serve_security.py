@@ -4,6 +4,7 @@ Every attempt runs against listeners of the test's own on loopback addresses; a 
 never reach them."""
 
 import http.server
+import logging
 import socket
 import subprocess
 import sys
@@ -135,8 +136,9 @@ def test_numeric_hosts_are_read_like_the_c_library():
     ]:
         assert not is_public(parse_ip(h)), h
     assert is_public(parse_ip("93.184.216.34"))
-    with pytest.raises(ValueError, match="neither a host name"):
-        FetchPolicy(("http://x/",))
+    for bad in ("http://x/", "999.1.1.1", "images.example.123"):  # (an all-digit last label: no name)
+        with pytest.raises(ValueError, match="neither a host name"):
+            FetchPolicy((bad,))
 
 
 @pytest.mark.parametrize(
@@ -193,7 +195,7 @@ def test_fetching_is_off_by_default(listeners):
     assert a.paths == [] and b.paths == []
 
 
-def test_ssrf_attempts_are_refused_and_never_reach_the_listener(listeners):
+def test_ssrf_attempts_are_refused_and_never_reach_the_listener(listeners, caplog):
     a, b = listeners
     p = b.port
     attempts = [
@@ -220,7 +222,9 @@ def test_ssrf_attempts_are_refused_and_never_reach_the_listener(listeners):
         f"{a.base}/a\x00.jpg",
         f"{a.base}/" + "a" * 100_000,  # what httpx itself refuses
         f"http://127.0.0.2%C3%A9:{a.port}/a.jpg",
+        'http://x.invalid/\nINFO:     6.6.6.6:1 - "GET /admin HTTP/1.1" 200 OK',  # a line forged for the log
     ]
+    caplog.set_level(logging.WARNING, logger="fullthrottle.server.app")
     with Server(Tiny(), ServeOptions(allow_fetch=("127.0.0.2",))) as s:
         r = classify_urls(s, attempts)
         seen = list(a.paths)
@@ -230,6 +234,8 @@ def test_ssrf_attempts_are_refused_and_never_reach_the_listener(listeners):
     assert errors == [f"{u}: cannot fetch URL {i}" for i, u in enumerate(attempts)]  # and nothing more
     assert r.json()["detail"] == "; ".join(f"cannot fetch URL {i}" for i in range(len(attempts)))
     assert b.paths == []  # the loopback listener saw no request at all
+    logged = [r.getMessage() for r in caplog.records if r.name == "fullthrottle.server.app"]
+    assert len(logged) == len(attempts) and not [m for m in logged if "\n" in m or "\r" in m]
     assert "/a.jpg" not in seen and seen.count("/chain/1") == 1  # the chain stopped before /a.jpg
     assert ok.status_code == 200 and all("top_k" in x for x in ok.json()["results"])
 

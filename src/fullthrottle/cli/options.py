@@ -36,6 +36,17 @@ def positive_float(s: str) -> float:
     return v
 
 
+def nonnegative_float(s: str) -> float:
+    """A finite number >= 0 (``nan`` and ``inf`` refused)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {s!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
+    return v
+
+
 def positive_int(s: str) -> int:
     """An integer >= 1."""
     v = _integer(s)
@@ -110,7 +121,7 @@ def add_runtime_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: st
     )
     p.add_argument(
         "--max-wait-ms",
-        type=float,
+        type=nonnegative_float,
         default=Config.max_wait_ms,
         help="how long a partial batch waits for more images, ms (default: %(default)s)",
     )

@@ -239,7 +239,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 try:
                     return u, await policy.fetch(state["http"], u, budget)
                 except Exception as e:  # noqa: BLE001 - refused or failed: the detail is for the operator only
-                    log.warning("classify: URL %d (%s) not fetched: %s", i, u[:200], str(e))  # (not e: its frames)
+                    # (repr: a client's URL must not write lines of its own into the log; str(e), not e: its frames)
+                    log.warning("classify: URL %d %r not fetched: %r", i, u[:200], str(e))
                     return u, _FetchError(f"cannot fetch URL {i}")
 
             images = list(await asyncio.gather(*(fetch(i, u) for i, u in enumerate(urls))))

@@ -106,7 +106,11 @@ class FetchPolicy:
             ip = parse_ip(e)
             if ip is not None:
                 self.networks.append(ipaddress.ip_network(ip))
-            elif e and all(part and all(c.isalnum() or c == "-" for c in part) for part in e.rstrip(".").split(".")):
+            elif (
+                e
+                and all(part and all(c.isalnum() or c == "-" for c in part) for part in e.rstrip(".").split("."))
+                and not e.rstrip(".").rsplit(".", 1)[-1].isdigit()  # (999.1.1.1: no name, and no address)
+            ):
                 self.hosts.add(e.rstrip("."))
             else:
                 raise ValueError(f"--allow-fetch {entry!r}: neither a host name nor an address or network")
