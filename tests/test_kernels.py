@@ -1,4 +1,4 @@
-"""The fused LLM kernels (src/fullthrottle/core/kernels.py) against their plain-PyTorch references.
+"""The fused kernels (src/fullthrottle/core/kernels/) against their plain-PyTorch references.
 
 On CPU, Triton's interpreter (``TRITON_INTERPRET=1``, set in a child process before Triton is
 imported) runs the very kernels that run on the GPU, so their indexing is checked in CI; the
@@ -101,6 +101,8 @@ CHECK = textwrap.dedent("""
                 assert o.shape == (B, H, 1, D) and o.dtype == dtype
                 assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (o.float() - ref).abs().max()
                 assert not counters.any()              # left zero for the next call
+            o = K.decode_attention(q, kc, vc, pos, 1, kv_len, counters, block_t=32, warps=4)  # other splits
+            assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (o.float() - ref).abs().max()
         # image normalisation from uint8 NHWC, a size not a multiple of the block, every byte value
         x8 = torch.arange(5 * 7 * 11 * 3, device=device).remainder(256).to(torch.uint8).view(5, 7, 11, 3)
         scale = torch.tensor([0.0171, 0.0175, 0.0174], device=device).to(dtype)
@@ -198,6 +200,8 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
         K.decode_attention(q, kv, kv, p.float(), 0, 16)
     with pytest.raises(ValueError, match="must be ints"):
         K.decode_attention(q, kv, kv, p, 0, 4.5)
+    with pytest.raises(ValueError, match="block_t must be a power of two >= 16"):
+        K.decode_attention(q, kv, kv, p, 0, 16, block_t=48)
     with pytest.raises(ValueError, match="different devices"):
         K.normalize_u8(
             torch.zeros(2, 4, 4, 3, dtype=torch.uint8), torch.ones(3, device="meta"), torch.zeros(3), torch.bfloat16

@@ -151,17 +151,23 @@ def fused_probe(args):
         "max_abs_diff": (a.float() - b.float()).abs().max().item(),
     }
     grid_attn = []
-    default = (K.ATTN_BLOCK_T, K.ATTN_WARPS)
     for bt, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8)):
-        K.ATTN_BLOCK_T, K.ATTN_WARPS = bt, warps
         try:
-            err = (K.decode_attention(q, kc2, vc2, pos, 0, 328, cnt).float() - a.float()).abs().max().item()
-            us = graph_time_us(lambda i: K.decode_attention(q, kc2, vc2, pos, 0, 328, cnt), 1)
+            err = (
+                (K.decode_attention(q, kc2, vc2, pos, 0, 328, cnt, block_t=bt, warps=warps).float() - a.float())
+                .abs()
+                .max()
+                .item()
+            )
+            us = graph_time_us(
+                lambda i, bt=bt, warps=warps: K.decode_attention(
+                    q, kc2, vc2, pos, 0, 328, cnt, block_t=bt, warps=warps
+                ),
+                1,
+            )
             grid_attn.append({"block_t": bt, "warps": warps, "us": us, "max_abs_diff": err})
         except Exception as e:  # noqa: BLE001
             print("attention", bt, warps, type(e).__name__, str(e)[:80])
-        finally:
-            K.ATTN_BLOCK_T, K.ATTN_WARPS = default
     out["attention"]["grid"] = sorted(grid_attn, key=lambda r: r["us"])
     print(
         "attention",

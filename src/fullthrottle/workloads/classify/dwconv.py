@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...core.kernels import triton, use_triton
+from ...core.kernels.common import triton, use_triton
 
 if triton is not None:
     import triton.language as tl

@@ -1,0 +1,206 @@
+"""Decode attention over the static KV cache, split along the cache (Flash-Decoding), with its
+plain-PyTorch reference."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import _FLOATS, _check, _is_int, _same_device, tl, triton, use_triton
+
+
+def decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len):
+    B, H, S, D = q.shape
+    hkv = k_cache.shape[1]
+    kc, vc = k_cache[row0 : row0 + B, :, :kv_len], v_cache[row0 : row0 + B, :, :kv_len]  # (B, Hkv, T, D)
+    if H > hkv:
+        kc, vc = kc.repeat_interleave(H // hkv, dim=1), vc.repeat_interleave(H // hkv, dim=1)
+    t = torch.arange(kv_len, device=q.device)
+    mask = t[None, None, None, :] <= pos[:, None, :, None]  # (B, 1, S, T): slots 0..pos
+    return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    row0: int,
+    kv_len: int,
+    counters: torch.Tensor | None = None,
+    block_t: int = 64,
+    warps: int = 2,
+) -> torch.Tensor:
+    """Attention of one new token per row over its cached keys and values (decode step).
+
+    Row ``b``'s query attends to cache slots ``0..pos[b]`` of cache row ``row0 + b`` (causal: its
+    own slot included, written before this call), never past ``kv_len``. The Triton kernel reads only
+    those valid slots, split along the cache in blocks of 64 slots run side by side, whose partial
+    softmaxes are then merged (split-KV, "Flash-Decoding", Dao et al., 2023): with ``counters``, by
+    the last split of each (row, head) to finish, counted with an atomic (one kernel); without, by a
+    second kernel. Grouped-query
+    attention maps query head ``h`` to key/value head ``h // (H / Hkv)``, as ``repeat_interleave``
+    does. Without Triton (or for more than one query per row) it is
+    ``F.scaled_dot_product_attention`` with the causal mask.
+
+    Args:
+        q: ``(B, H, S, D)``; the kernel runs for ``S == 1``.
+        k_cache, v_cache: ``(maxB, Hkv, T, D)``, same dtype as ``q``.
+        pos: ``(B, S)`` int64 positions of the queries (device tensor: no host sync).
+        row0: first cache row. kv_len: slots that may be read (``<= T``).
+        counters: optional ``(>= B*H,)`` int32 zeros on ``q``'s device, owned by the caller (the
+            kernel leaves them zero again); calls that use one buffer must not run concurrently.
+        block_t, warps: cache slots per split (a power of two) and warps per program of the Triton
+            kernel (64 and 2: the fastest for Llama-2-7B's heads on an H200, docs/performance.md).
+
+    Returns:
+        ``(B, H, S, D)`` in ``q``'s dtype.
+
+    Raises:
+        ValueError: shapes that do not fit, head counts that do not divide, rows past the cache.
+    """
+    _check(
+        q.dim() == 4 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
+        f"decode_attention: q must be (B, H, S, D) and the caches (maxB, Hkv, T, D), got "
+        f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}",
+    )
+    B, H, S, D = q.shape
+    hkv = k_cache.shape[1]
+    _check(
+        k_cache.shape[-1] == D and hkv > 0 and H % hkv == 0 and pos.shape == (B, S),
+        f"decode_attention: head dim / head counts / positions do not fit: q {tuple(q.shape)}, "
+        f"cache {tuple(k_cache.shape)}, pos {tuple(pos.shape)}",
+    )
+    _check(
+        q.dtype in _FLOATS and k_cache.dtype == q.dtype == v_cache.dtype,
+        f"decode_attention: q and the caches must share a float dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}",
+    )
+    _check(
+        not pos.dtype.is_floating_point and pos.dtype != torch.bool,
+        f"decode_attention: pos must be an integer tensor, got {pos.dtype}",
+    )
+    _check(
+        _is_int(row0) and _is_int(kv_len),
+        f"decode_attention: row0 and kv_len must be ints, got {row0!r} and {kv_len!r}",
+    )
+    _check(
+        0 <= row0 and row0 + B <= k_cache.shape[0] and 0 < kv_len <= k_cache.shape[2],
+        f"decode_attention: rows {row0}..{row0 + B} or kv_len {kv_len} past the cache {tuple(k_cache.shape)}",
+    )
+    _check(
+        counters is None or (counters.dtype == torch.int32 and counters.dim() == 1 and counters.numel() >= B * H),
+        f"decode_attention: counters must be int32 with at least B*H = {B * H} entries",
+    )
+    _check(
+        _is_int(block_t) and block_t >= 16 and not block_t & (block_t - 1) and warps in (1, 2, 4, 8),
+        f"decode_attention: block_t must be a power of two >= 16 and warps 1, 2, 4 or 8, got {block_t!r}, {warps!r}",
+    )
+    _same_device("decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, pos=pos, counters=counters)
+    if S != 1 or not use_triton(q) or D & (D - 1) or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
+        return decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    BLOCK_T = block_t
+    splits = triton.cdiv(kv_len, BLOCK_T)  # static per captured graph (kv_len is)
+    part = torch.empty((B * H, splits, D + 2), dtype=torch.float32, device=q.device)
+    merge = counters is not None
+    BLOCK_S = triton.next_power_of_2(splits)
+    _attention_part_kernel[(B * H, splits)](
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        pos.contiguous(),
+        part,
+        o,
+        counters if merge else part,
+        row0,
+        kv_len,
+        H,
+        H // hkv,
+        splits,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        D**-0.5,
+        D=D,
+        BLOCK_T=BLOCK_T,
+        MERGE=merge,
+        BLOCK_S=BLOCK_S,
+        num_warps=warps,
+    )
+    if not merge:
+        _attention_merge_kernel[(B * H,)](part, o, splits, D=D, BLOCK_S=BLOCK_S, num_warps=4)
+    return o
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attention_part_kernel(
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        pos_ptr,
+        part_ptr,
+        o_ptr,
+        cnt_ptr,
+        row0,
+        T,
+        H,
+        REP,
+        SPLITS,
+        c_b,
+        c_h,
+        c_t,
+        sm_scale,
+        D: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        MERGE: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+    ):
+        # split-KV decode attention, part 1: program (row*head, split) takes cache slots
+        # [split*BLOCK_T, (split+1)*BLOCK_T) of the valid 0..pos and leaves (acc[D], max, sum)
+        bh = tl.program_id(0)
+        sp = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + bh * D + d).to(tl.float32) * sm_scale
+        n = tl.minimum(tl.load(pos_ptr + b) + 1, T)  # valid slots: 0..pos
+        t = sp * BLOCK_T + tl.arange(0, BLOCK_T)
+        mt = t < n
+        off = (row0 + b).to(tl.int64) * c_b + (h // REP) * c_h + t[:, None].to(tl.int64) * c_t + d[None, :]
+        k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)  # (BLOCK_T, D)
+        sc = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        m = tl.max(sc, axis=0)
+        p = tl.exp(sc - tl.where(m == float("-inf"), 0.0, m))  # 0 where masked
+        v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)
+        out = part_ptr + (bh * SPLITS + sp) * (D + 2)
+        tl.store(out + d, tl.sum(p[:, None] * v, axis=0))
+        tl.store(out + D, m)
+        tl.store(out + D + 1, tl.sum(p, axis=0))
+        if MERGE:  # the last split of this (row, head) to finish merges them all: no second kernel
+            tl.debug_barrier()  # every thread's partial is stored
+            done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")  # release ours, acquire the others'
+            if done == SPLITS - 1:
+                _merge_splits(part_ptr, o_ptr, bh, SPLITS, D, BLOCK_S)
+                tl.store(cnt_ptr + bh, 0)  # ready for the next call / replay
+
+    @triton.jit
+    def _merge_splits(part_ptr, o_ptr, bh, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
+        # merge the splits' partial softmaxes (Dao et al., 2023, "Flash-Decoding"); .cg: read the
+        # other programs' partials from L2, never a stale L1 line
+        sidx = tl.arange(0, BLOCK_S)
+        ms = sidx < SPLITS
+        base = part_ptr + (bh * SPLITS + sidx) * (D + 2)
+        m = tl.load(base + D, mask=ms, other=float("-inf"), cache_modifier=".cg")
+        l_ = tl.load(base + D + 1, mask=ms, other=0.0, cache_modifier=".cg")
+        w = tl.exp(m - tl.max(m, axis=0))  # split 0 is never empty
+        d = tl.arange(0, D)
+        acc = tl.load(base[:, None] + d[None, :], mask=ms[:, None], other=0.0, cache_modifier=".cg")
+        o = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_, axis=0)
+        tl.store(o_ptr + bh * D + d, o.to(o_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _attention_merge_kernel(part_ptr, o_ptr, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
+        # part 2 (when no counters are given): one program per (row, head)
+        _merge_splits(part_ptr, o_ptr, tl.program_id(0), SPLITS, D, BLOCK_S)

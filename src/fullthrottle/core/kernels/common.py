@@ -1,0 +1,44 @@
+"""What the kernels share: whether Triton runs (:func:`use_triton`), and the argument checks."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import env
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references run
+    triton = tl = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the Triton kernels run for tensors like ``t``: Triton importable, ``t`` on CUDA (or
+    Triton's interpreter on), and ``FULLTHROTTLE_TRITON`` not ``0``."""
+    return triton is not None and (t.is_cuda or _INTERPRET) and env.get(env.TRITON) != "0"
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _same_device(fn: str, **tensors) -> None:
+    """ValueError naming the tensors when they are not all on one device."""
+    devs = {name: t.device for name, t in tensors.items() if t is not None}
+    _check(
+        len(set(devs.values())) <= 1,
+        f"{fn}: tensors on different devices: " + ", ".join(f"{k} on {v}" for k, v in devs.items()),
+    )
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
