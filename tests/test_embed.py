@@ -124,6 +124,14 @@ def test_cli_embed_npy_and_jsonl(tmp_path, emb, capsys):
     )
     rows = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert [r["truncated"] for r in rows] == [False, False, False, True]
+    # the run report every workload ends with: the same stage table and JSON as classify's
+    args = ["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "r.npy"), "--device", "cpu", "--no-progress"]
+    assert main([*args, "--report-json", str(tmp_path / "r.json")]) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["unit"] == "text" and rep["items"] == rep["ok"] == 4 and rep["items_per_s"] > 0
+    assert [(s["stage"], s["items"]) for s in rep["stages"]] == [("tokenize", 4), ("compute", 4), ("respond", 4)]
+    assert rep["verdict"] and "text/s on cpu" in capsys.readouterr().err
+    assert main([*args, "--report-json", str(tmp_path / "nowhere" / "r.json")]) == 2
     assert main(["embed", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x.npy")]) == 2
     assert main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "x.csv")]) == 2
     # a line that is not UTF-8 costs only itself: still one vector per line, the line named

@@ -47,6 +47,8 @@ def cmd_embed(args) -> int:
     import numpy as np
     from tqdm import tqdm
 
+    from ..core.gpumon import GpuMonitor
+    from ..core.report import Report, StageStats
     from ..workloads.embed import Embedder
 
     if not (args.out.endswith(".npy") or args.out.endswith(".jsonl")):
@@ -65,6 +67,13 @@ def cmd_embed(args) -> int:
         why = "it is a directory" if os.path.isdir(args.out) else "permission denied"
         print(f"fullthrottle: error: cannot write {args.out}: {why}", file=sys.stderr)
         return 2
+    if args.report_json is not None and (
+        os.path.isdir(args.report_json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.report_json)))
+    ):
+        print(
+            f"fullthrottle: error: cannot write {args.report_json}: not a file in a folder that exists", file=sys.stderr
+        )
+        return 2
     if args.model_dir and not os.path.isdir(args.model_dir):
         print(f"fullthrottle: error: model folder not found: {args.model_dir}", file=sys.stderr)
         return 2
@@ -82,10 +91,14 @@ def cmd_embed(args) -> int:
         return 2
     t0 = time.perf_counter()
     vectors, n, n_trunc, not_utf8 = [], 0, 0, []
+    respond = StageStats("respond")  # the vectors written out (the tokenize and compute stages: emb.stats)
     bar = tqdm(unit="text", desc="embed", disable=args.no_progress or None, file=sys.stderr)
     jsonl = open(args.out, "w", encoding="utf-8") if args.out.endswith(".jsonl") else None
+    mon = GpuMonitor((emb.device.index or 0) if emb.device.type == "cuda" else None)
     try:
+        mon.__enter__()
         for block in emb.embed_stream(_read_texts(args.file, not_utf8)):
+            respond.begin()
             if jsonl is not None:
                 for k in range(len(block.vectors)):
                     jsonl.write(
@@ -102,6 +115,7 @@ def cmd_embed(args) -> int:
                 vectors.append(block.vectors)
             n += len(block.vectors)
             n_trunc += int(block.truncated.sum())
+            respond.end(len(block.vectors))
             bar.update(len(block.vectors))
     except ValueError as e:
         print(f"fullthrottle: error: cannot read texts from {args.file}: {e}", file=sys.stderr)
@@ -110,6 +124,7 @@ def cmd_embed(args) -> int:
         print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     finally:
+        mon.__exit__(None, None, None)
         bar.close()
         if jsonl is not None:
             jsonl.close()
@@ -120,6 +135,29 @@ def cmd_embed(args) -> int:
             print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
             return 2
     dt = time.perf_counter() - t0
+    rep = Report(
+        items=n,
+        ok=n,
+        wall_s=dt,
+        stages=[st.snapshot(dt) for st in (*emb.stats.values(), respond)],
+        batches=emb.batches,
+        mean_batch_size=n / emb.batches if emb.batches else 0.0,
+        device=str(emb.device),
+        model=os.path.basename(os.path.normpath(args.model_dir)) if args.model_dir else "all-MiniLM-L6-v2",
+        dtype=str(emb.dtype).removeprefix("torch."),
+        graphs=f"CUDA graphs: {len(emb.runners)} sequence buckets captured" if emb.runners else "",
+        gpu_util_pct=mon.mean_util_pct,
+        gpu_mem_max_bytes=mon.max_mem_bytes,
+        unit="text",
+    )
+    print(rep.format(), file=sys.stderr)
+    if args.report_json is not None:
+        try:
+            with open(args.report_json, "w", encoding="utf-8") as f:
+                json.dump(rep.to_dict(), f, indent=2)
+        except OSError as e:
+            print(f"fullthrottle: error: cannot write {args.report_json}: {e.strerror or e}", file=sys.stderr)
+            return 2
     if not_utf8:
         lines = ", ".join(map(str, not_utf8[:10])) + (f" and {len(not_utf8) - 10} more" if len(not_utf8) > 10 else "")
         print(
@@ -128,9 +166,5 @@ def cmd_embed(args) -> int:
             "byte read as U+FFFD",
             file=sys.stderr,
         )
-    print(
-        f"{n} texts in {dt:.2f} s = {n / dt if dt else 0:.1f} texts/s on {emb.device} ({emb.dtype}); "
-        f"{n_trunc} truncated to {emb.max_seq_length} tokens; wrote {args.out}",
-        file=sys.stderr,
-    )
+    print(f"{n_trunc} texts truncated to {emb.max_seq_length} tokens; wrote {args.out}", file=sys.stderr)
     return 0

@@ -49,6 +49,7 @@ def _check_memory_for(cfg, device, dtype, free: int | None = None) -> None:
 def cmd_generate(args) -> int:
     import torch
 
+    from ..core.report import Report
     from ..workloads.classify.compute import resolve_device
     from ..workloads.llm.generate import GenerateStats, Generator
     from ..workloads.llm.llama import Llama, LlamaConfig, load_hf
@@ -126,6 +127,7 @@ def cmd_generate(args) -> int:
             sys.stdout.write(text)
             sys.stdout.flush()
 
+        t_gen = time.perf_counter()
         gen.generate(
             [ids],
             args.max_new_tokens,
@@ -140,7 +142,19 @@ def cmd_generate(args) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
         return 2
+    wall = time.perf_counter() - t_gen
     print(file=sys.stdout)
+    rep = Report(
+        items=st.new_tokens,
+        ok=st.new_tokens,
+        wall_s=wall,
+        stages=[s.snapshot(wall) for s in gen.stats.values()],
+        device=str(device),
+        model=os.path.basename(os.path.normpath(args.model_dir)) if args.model_dir else f"random {args.random}",
+        dtype=str(dtype).removeprefix("torch."),
+        unit="token",
+    )
+    print(rep.format(), file=sys.stderr)
     print(
         f"{st.new_tokens} tokens in {st.decode_s:.2f} s = {st.tokens_per_s:.1f} tok/s (decode), prefill "
         f"{1e3 * st.prefill_s:.1f} ms; ready in {ready_s:.2f} s (graphs: {sorted(gen.graphs) or 'off'}) "

@@ -116,7 +116,8 @@ def verdict(stages: list[dict], gpu_util_pct: float | None, on_gpu: bool) -> str
 
 @dataclass
 class Report:
-    """What one run did: counts, rates (img/s), latency percentiles (ms), per-stage figures."""
+    """What one run did: counts, rates (:attr:`unit` per second), latency percentiles (ms), per-stage
+    figures; the same for every workload (classify, embed, generate)."""
 
     items: int = 0
     ok: int = 0
@@ -137,6 +138,8 @@ class Report:
     #: CPU time of the process running the pipeline (all its threads; not its decoder processes) per
     #: second of the run: how close its one interpreter is to being the limit
     main_process_cores: float | None = None
+    #: what an item is, for the rate: "img" (classify), "text" (embed), "token" (generate)
+    unit: str = "img"
 
     @property
     def verdict(self) -> str:
@@ -146,6 +149,11 @@ class Report:
     def images_per_s(self) -> float:
         """Images classified successfully per second (failed items excluded)."""
         return self.ok / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def items_per_s(self) -> float:
+        """Items done successfully per second (images, texts or generated tokens: :attr:`unit`)."""
+        return self.images_per_s
 
     def latency_ms(self, q: float) -> float:
         """The ``q``-th percentile (0..100) of per-item latency (ms) from load start to result."""
@@ -158,6 +166,8 @@ class Report:
             "failed": self.failed,
             "wall_s": self.wall_s,
             "images_per_s": self.images_per_s,
+            "items_per_s": self.items_per_s,
+            "unit": self.unit,
             "latency_p50_ms": self.latency_ms(50),
             "latency_p99_ms": self.latency_ms(99),
             "batches": self.batches,
@@ -179,11 +189,16 @@ class Report:
         """A human summary, a few lines."""
         lines = [
             f"{self.items} items: {self.ok} ok, {self.failed} failed in {self.wall_s:.2f} s "
-            f"= {self.images_per_s:.1f} img/s on {self.device} ({self.model}, {self.dtype})",
-            f"latency per item: p50 {self.latency_ms(50):.1f} ms, p99 {self.latency_ms(99):.1f} ms; "
-            f"{self.batches} batch{'' if self.batches == 1 else 'es'}, mean size {self.mean_batch_size:.1f}",
-            f"{'stage':<11}{'workers':>8}{'busy %':>8}{'items/s':>10}{'queue wait ms':>15}",
+            f"= {self.items_per_s:.1f} {self.unit}/s on {self.device} ({self.model}, {self.dtype})"
         ]
+        batches = f"{self.batches} batch{'' if self.batches == 1 else 'es'}, mean size {self.mean_batch_size:.1f}"
+        if self.latencies_ms:
+            lines.append(
+                f"latency per item: p50 {self.latency_ms(50):.1f} ms, p99 {self.latency_ms(99):.1f} ms; {batches}"
+            )
+        elif self.batches:
+            lines.append(batches)
+        lines.append(f"{'stage':<11}{'workers':>8}{'busy %':>8}{'items/s':>10}{'queue wait ms':>15}")
         for s in self.stages:
             lines.append(
                 f"{s['stage']:<11}{s['workers']:>8}{s['busy_pct']:>8.1f}"

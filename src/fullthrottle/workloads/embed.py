@@ -28,6 +28,7 @@ from torch import nn
 from ..core.config import default_buckets, torch_dtype
 from ..core.env import EMBED_MODEL
 from ..core.env import get as getenv
+from ..core.report import StageStats
 
 #: characters of a text that reach the tokenizer. The model reads at most ``max_seq_length`` tokens
 #: (256 for MiniLM), which real text covers in a few thousand characters (a WordPiece token spans at
@@ -208,6 +209,10 @@ class Embedder:
         self.graphs_enabled = graphs and cuda
         self.runners: dict[int, object] = {}  # seq bucket -> GraphRunner over batch buckets
         self.chunk = 1024  # texts tokenised at a time by embed() / embed_stream() while the last chunk computes
+        #: the stage counters (:class:`~fullthrottle.core.report.StageStats`) of everything embedded so
+        #: far: "tokenize" (on the tokenizer's threads) and "compute" (H2D, the encoder, pooling, D2H)
+        self.stats = {name: StageStats(name) for name in ("tokenize", "compute")}
+        self.batches = 0  # forward passes run (one per (sequence bucket, batch) group)
 
     @torch.inference_mode()
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,8 +241,12 @@ class Embedder:
                 e.g. undecodable bytes read with ``errors="surrogateescape"``), with its index.
         """
         texts = [t[:MAX_TEXT_CHARS] if isinstance(t, str) and len(t) > MAX_TEXT_CHARS else t for t in texts]
+        st, done = self.stats["tokenize"], 0
+        st.begin()
         try:
-            return self.tokenizer.encode_batch(texts)
+            out = self.tokenizer.encode_batch(texts)
+            done = len(texts)
+            return out
         except TypeError:
             for i, t in enumerate(texts):
                 if not isinstance(t, str):
@@ -249,6 +258,8 @@ class Embedder:
                         f"text {i} is not valid Unicode ({e.reason} at character {e.start}): is the input UTF-8?"
                     ) from None
             raise
+        finally:
+            st.end(done)
 
     def embed_stream(self, texts, chunk: int | None = None):
         """Embed an iterable of texts chunk by chunk, tokenising the next chunk in a thread (the
@@ -305,6 +316,14 @@ class Embedder:
         truncated = np.zeros(n, dtype=bool)
         if n == 0:
             return Embeddings(out, truncated, np.zeros(0, dtype=np.int64))
+        st = self.stats["compute"]
+        st.begin()
+        try:
+            return self._embed_encoded(encs, n, out, truncated)
+        finally:
+            st.end(n)
+
+    def _embed_encoded(self, encs: list, n: int, out: np.ndarray, truncated: np.ndarray) -> Embeddings:
         ids = [e.ids for e in encs]
         counts = np.fromiter(map(len, ids), dtype=np.int64, count=n)
         for k in np.flatnonzero(counts >= self.max_seq_length):  # only these can have been cut
@@ -327,6 +346,7 @@ class Embedder:
             xa[:, 0][valid] = flat[(starts[idx][:, None] + np.arange(L)[None, :])[valid]]
             xa[:, 1] = valid
             res[i:j].copy_(self._run(x), non_blocking=True)
+            self.batches += 1
             i = j
         if cuda:
             torch.cuda.current_stream(self.device).synchronize()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ...core.config import default_buckets
+from ...core.report import StageStats
 from .llama import Llama
 
 DEFAULT_BUCKETS = default_buckets(64)
@@ -115,6 +116,9 @@ class Generator:
         self.max_batch = self.buckets[-1]
         self.max_seq_len = max_seq_len
         self.check_every = check_every
+        #: the stage counters (:class:`~fullthrottle.core.report.StageStats`) of every call so far:
+        #: "prefill" (items: prompt tokens) and "decode" (items: generated tokens)
+        self.stats = {name: StageStats(name) for name in ("prefill", "decode")}
         if max_seq_len > model.cfg.max_position_embeddings:
             raise ValueError(
                 f"max_seq_len {max_seq_len} exceeds the model's context "
@@ -275,6 +279,7 @@ class Generator:
             torch.cuda.synchronize(dev)
         t1 = time.perf_counter()
         st.prefill_s += t1 - t0
+        self.stats["prefill"].record(sum(len(p) for p in prompts), t1 - t0, t1 - t0)
         steps, sent = 1, 0
         longest = max(len(p) for p in prompts)
         for t in range(1, max_new_tokens):
@@ -300,11 +305,13 @@ class Generator:
             on_tokens([r[sent:] for r in rows])
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        st.decode_s += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        st.decode_s += t2 - t1
         result = []
         for r in rows:
             if eos_id is not None and eos_id in r:
                 r = r[: r.index(eos_id) + 1]
             result.append(r)
         st.new_tokens += sum(len(r) for r in result)
+        self.stats["decode"].record(sum(len(r) for r in result), t2 - t1, t2 - t1)
         return result
