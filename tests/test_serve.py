@@ -227,7 +227,9 @@ def test_two_replicas_share_the_load(samples):
         assert ready["devices"] == ["cpu", "cpu"] and ready["graphs"] == ["off (cpu: eager)"] * 2
         assert ready["random_weights"] is False  # (a model of the caller's own)
         metrics = httpx.get(s.url + "/metrics").text
-        busy = re.findall(r'fullthrottle_stage_busy_percent\{replica="(\d)",stage="compute"\} (\S+)', metrics)
+        busy = re.findall(
+            r'fullthrottle_stage_busy_percent\{replica="(\d)",stage="compute",workload="classify"\} (\S+)', metrics
+        )
         assert {r for r, v in busy if float(v) > 0} == {"0", "1"}  # both replicas computed
 
 
@@ -250,6 +252,9 @@ def test_embeddings_route_matches_library():
         assert r["model"] == "all-MiniLM-L6-v2"  # the model that answered, not what the client wrote
         assert httpx.post(s.url + "/v1/embeddings", json={"input": [1, 2]}).status_code == 400
         assert httpx.post(s.url + "/v1/embeddings", json={"input": ["a"] * 2049}).status_code == 413
+        metrics = httpx.get(s.url + "/metrics").text  # the same stage metric as classify's, its own stages
+        busy = dict(re.findall(r'stage_busy_percent\{replica="0",stage="(\w+)",workload="embed"\} (\S+)', metrics))
+        assert set(busy) == {"tokenize", "compute"} and float(busy["compute"]) > 0
     with Server(Tiny()) as s:
         assert httpx.post(s.url + "/v1/embeddings", json={"input": "x"}).status_code == 404
 
@@ -305,6 +310,9 @@ def test_completions_route_batches_and_streams():
         assert httpx.post(s.url + "/v1/completions", json={"prompt": [True, False]}).status_code == 400
         r = httpx.post(s.url + "/v1/completions", json={"prompt": [1], "top_p": 0})
         assert r.status_code == 400 and "top_p" in r.json()["detail"]
+        metrics = httpx.get(s.url + "/metrics").text
+        busy = dict(re.findall(r'stage_busy_percent\{replica="0",stage="(\w+)",workload="generate"\} (\S+)', metrics))
+        assert set(busy) == {"prefill", "decode"} and float(busy["decode"]) > 0
 
 
 def test_completion_stops_generating_when_its_client_goes_away():

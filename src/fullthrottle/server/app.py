@@ -85,7 +85,12 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     )
     m_queued = Gauge("fullthrottle_queue_images", "images waiting to enter the pipeline", ["replica"], registry=reg)
     m_pending = Gauge("fullthrottle_pending_images", "images submitted and not yet answered", ["replica"], registry=reg)
-    m_busy = Gauge("fullthrottle_stage_busy_percent", "stage busy % since start", ["replica", "stage"], registry=reg)
+    m_busy = Gauge(
+        "fullthrottle_stage_busy_percent",
+        "stage busy % since start, per workload (classify, embed, generate), replica and stage",
+        ["workload", "replica", "stage"],
+        registry=reg,
+    )
     m_gpu = Gauge("fullthrottle_gpu_utilization_percent", "GPU utilisation (NVML)", ["replica"], registry=reg)
     m_gpu_mem = Gauge("fullthrottle_gpu_memory_used_bytes", "GPU memory used (NVML)", ["replica"], registry=reg)
     state: dict = {"services": [], "ready": False, "t0": time.perf_counter()}
@@ -120,7 +125,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             path = None if opts.embed_model == "default" else opts.embed_model
             state["embed_name"] = "all-MiniLM-L6-v2" if path is None else os.path.basename(os.path.normpath(path))
             state["embed"] = EmbedService(await asyncio.to_thread(Embedder, path, devices[0]), max_queue=opts.max_queue)
-        state["ready"] = True
+        state["ready"], state["t_ready"] = True, time.perf_counter()
         # redirects are followed by the FetchPolicy, each checked; no proxy from the environment
         state["http"] = httpx.AsyncClient(timeout=opts.url_timeout_s, follow_redirects=False, trust_env=False)
         try:
@@ -191,13 +196,20 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 wall = time.perf_counter() - run.t0
                 for st in run.stats.values():
                     snap = st.snapshot(wall)
-                    m_busy.labels(rep, snap["stage"]).set(
+                    m_busy.labels("classify", rep, snap["stage"]).set(
                         snap["worker_busy_pct"] if snap["stage"] == "preprocess" else snap["busy_pct"]
                     )
                 mon = run.gpumon
                 if mon.utils:
                     m_gpu.labels(rep).set(mon.utils[-1])
                     m_gpu_mem.labels(rep).set(mon.mems[-1])
+        # the text workloads keep the same StageStats: the same metric, their own stages
+        for workload, key, stats in (("embed", "embed", "embedder"), ("generate", "llm", "gen")):
+            svc = state.get(key)
+            if svc is not None:
+                wall = time.perf_counter() - state["t_ready"]
+                for st in getattr(svc, stats).stats.values():
+                    m_busy.labels(workload, "0", st.name).set(st.snapshot(wall)["busy_pct"])
         return PlainTextResponse(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
 
     async def read_images(request: Request) -> list[tuple[str, bytes]]:
