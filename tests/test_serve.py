@@ -375,3 +375,44 @@ def test_completion_stops_generating_when_its_client_goes_away():
         while not lengths and time.time() < deadline:
             time.sleep(0.05)
     assert lengths and lengths[0] < 2900, lengths
+
+
+def test_a_workload_of_ones_own_is_served_batched_across_requests():
+    """A fullthrottle.Workload subclass at POST /v1/<name>: the requests of 12 concurrent clients share
+    predict() calls; an item that fails costs only itself; malformed requests get 400/413; the
+    workload's stage shows in /metrics; a class that breaks the contract is refused at start."""
+    from toy_workload import Summer
+
+    from fullthrottle.server.workload_routes import load_workload
+
+    w = Summer()
+    with Server(Tiny(), ServeOptions(workloads=(w,))) as s:
+
+        def ask(k):
+            return httpx.post(s.url + "/v1/sum", json={"inputs": [[k, 1, 2, 3], [k, 0, 0, 0]]}, timeout=30)
+
+        with cf.ThreadPoolExecutor(12) as ex:
+            resps = list(ex.map(ask, range(12)))
+        assert [r.json()["results"] for r in resps] == [[{"output": k + 6.0}, {"output": float(k)}] for k in range(12)]
+        assert sum(w.calls) == 24 and len(w.calls) < 12  # batched across requests
+        r = httpx.post(s.url + "/v1/sum", json={"inputs": [[1, 2, 3, 4], "x"]})
+        assert r.status_code == 200 and r.json()["results"] == [{"output": 10.0}, {"error": "item 1: not 4 numbers"}]
+        assert httpx.post(s.url + "/v1/sum", json={"inputs": ["x"]}).status_code == 422  # every item failed
+        r = httpx.post(s.url + "/v1/sum", json={"inputs": 3})
+        assert r.status_code == 400 and "'inputs' must be a list" in r.json()["detail"]
+        assert httpx.post(s.url + "/v1/sum", content=b"{nope").status_code == 400
+        assert httpx.post(s.url + "/v1/sum", json={"inputs": [[1, 1, 1, 1]] * 9}).status_code == 413
+        metrics = httpx.get(s.url + "/metrics").text
+        assert re.search(r'stage_busy_percent\{replica="0",stage="predict",workload="sum"\} [0-9.]+', metrics)
+    assert isinstance(load_workload("toy_workload:Summer"), Summer)
+    from fullthrottle.cli import main
+
+    assert main(["serve", "--workload", "toy_workload:Broken", "--device", "cpu"]) == 2  # before any model loads
+    for spec, msg in [
+        ("toy_workload", "must be MODULE:CLASS"),
+        ("no_such_module_x:Y", "cannot import no_such_module_x"),
+        ("toy_workload:Nope", "toy_workload has no Nope"),
+        ("toy_workload:Broken", "Broken.name must be"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            load_workload(spec)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (for type checkers and IDEs; at run time the names come from __getattr__)
     from .core.config import Config
+    from .core.workload import ItemError, Workload
     from .data.preprocess import ImageError
     from .workloads.classify.decode import Result
     from .workloads.classify.pipeline import Pipeline, PipelineError, classify
@@ -26,9 +27,11 @@ _WHERE = {
     "PipelineError": ".workloads.classify.pipeline",
     "classify": ".workloads.classify.pipeline",
     "ImageError": ".data.preprocess",
+    "Workload": ".core.workload",
+    "ItemError": ".core.workload",
 }
 
-__all__ = ["Config", "ImageError", "Pipeline", "PipelineError", "Result", "classify"]
+__all__ = ["Config", "ImageError", "ItemError", "Pipeline", "PipelineError", "Result", "Workload", "classify"]
 __version__ = "0.1.0"
 
 

@@ -175,6 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR|default",
         help="also serve POST /v1/embeddings with this sentence-transformers folder ('default': all-MiniLM-L6-v2)",
     )
+    v.add_argument(
+        "--workload",
+        action="append",
+        default=[],
+        metavar="MODULE:CLASS",
+        help="also serve a workload of your own (a fullthrottle.Workload subclass: setup, decode_request, "
+        "predict, encode_response) at POST /v1/<its name>, batched across requests; repeatable; "
+        "MODULE is imported from the current folder or the Python path",
+    )
     g = sub.add_parser(
         "generate",
         help="LLM text generation (Llama family) with a static KV cache and CUDA graphs",

@@ -73,6 +73,13 @@ def cmd_serve(args) -> int:
         from ..server.guard import load_keys
 
         FetchPolicy(tuple(args.allow_fetch))  # (checks every entry now)
+        from ..server.workload_routes import load_workload
+
+        workloads = tuple(load_workload(spec) for spec in args.workload)  # (imported before the model loads)
+        if len({w.name for w in workloads}) < len(workloads):
+            raise ValueError(f"--workload: two workloads named alike ({', '.join(w.name for w in workloads)})")
+        if workloads and getattr(args, "ray", None):
+            raise ValueError("--workload is not served through --ray (run the server without it)")
         keys = load_keys(args.api_key, args.api_key_file)
         _check_port_free(args.host, args.port)  # before the model loads, not after
         devices = None
@@ -157,6 +164,7 @@ def cmd_serve(args) -> int:
             devices=devices,
             embed_model=args.embed_model,
             llm=llm,
+            workloads=workloads,
             **guard,
         ),
         max_connections=args.max_connections,

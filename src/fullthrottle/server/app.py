@@ -29,6 +29,7 @@ from .guard import authorised, check_pixels, head_deadline_protocol, read_body
 from .options import MAX_CONNECTIONS, ServeOptions
 from .services import BatchingService, CompletionService, EmbedService, Overloaded
 from .text import add_text_routes
+from .workload_routes import WorkloadService, add_workload_routes
 
 log = logging.getLogger("fullthrottle.server.app")
 _ROUTES = ("/v1/classify", "/v1/embeddings", "/v1/completions", "/readyz", "/metrics")  # metric labels
@@ -125,6 +126,10 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             path = None if opts.embed_model == "default" else opts.embed_model
             state["embed_name"] = "all-MiniLM-L6-v2" if path is None else os.path.basename(os.path.normpath(path))
             state["embed"] = EmbedService(await asyncio.to_thread(Embedder, path, devices[0]), max_queue=opts.max_queue)
+        state["workloads"] = {}
+        for w in opts.workloads:  # the user's own: set up here, served at /v1/<name>
+            await asyncio.to_thread(w.setup, devices[0])
+            state["workloads"][w.name] = WorkloadService(w, opts.max_queue)
         state["ready"], state["t_ready"] = True, time.perf_counter()
         # redirects are followed by the FetchPolicy, each checked; no proxy from the environment
         state["http"] = httpx.AsyncClient(timeout=opts.url_timeout_s, follow_redirects=False, trust_env=False)
@@ -139,6 +144,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 await asyncio.to_thread(state["embed"].close)
             if state.get("llm") is not None:
                 await asyncio.to_thread(state["llm"].close)
+            for svc in state.get("workloads", {}).values():
+                await asyncio.to_thread(svc.close)
 
     app = FastAPI(
         title="fullthrottle",
@@ -210,6 +217,10 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 wall = time.perf_counter() - state["t_ready"]
                 for st in getattr(svc, stats).stats.values():
                     m_busy.labels(workload, "0", st.name).set(st.snapshot(wall)["busy_pct"])
+        for name, svc in state.get("workloads", {}).items():
+            wall = time.perf_counter() - state["t_ready"]
+            for st in svc.stats.values():
+                m_busy.labels(name, "0", st.name).set(st.snapshot(wall)["busy_pct"])
         return PlainTextResponse(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
 
     async def read_images(request: Request) -> list[tuple[str, bytes]]:
@@ -266,6 +277,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         return images
 
     add_text_routes(app, state, opts, reply, m_requests, m_latency)
+    add_workload_routes(app, opts.workloads, state, opts, reply, m_latency)
 
     @app.post("/v1/classify")
     async def classify(request: Request):

@@ -37,6 +37,8 @@ class ServeOptions:
         max_request_pixels: most pixels the images of one classify request hold together (413).
         embed_model: serve ``POST /v1/embeddings`` with this sentence-transformers folder ("default":
             all-MiniLM-L6-v2); None leaves the route off.
+        workloads: :class:`~fullthrottle.core.workload.Workload` objects of the user's own, each served
+            at ``POST /v1/<name>`` with cross-request batching (set up in the server's start).
         devices: one model replica (its own pipeline) per device; default: every visible GPU when the
             config's device is "auto"/"cuda" and CUDA exists, else the config's device. Each request
             goes to the replica with the fewest images waiting.
@@ -58,3 +60,4 @@ class ServeOptions:
     devices: tuple[str, ...] | None = None
     embed_model: str | None = None
     llm: object | None = None  # a (Generator, tokenizer or None) pair: serves POST /v1/completions
+    workloads: tuple = ()

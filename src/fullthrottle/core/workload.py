@@ -1,0 +1,107 @@
+"""The contract a workload implements to be served with cross-request batching, in the spirit of
+LitServe's ``LitAPI``: set up once, decode a request into items, run a batch of items from any
+requests, encode one request's answer, report stage counters.
+
+``fullthrottle serve --workload MODULE:CLASS`` serves any class that follows it at
+``POST /v1/<name>`` (:class:`~fullthrottle.server.workload_routes.WorkloadService`), beside the built-in
+routes: batches are formed across requests by count, by a cost budget and by deadline
+(:class:`~fullthrottle.core.batch.RequestBatcher`), a full queue answers 503, a request past the
+deadline 504, and the stage counters appear in ``/metrics`` under the workload's name.
+
+Example (a model of your own, with its own preprocessing)::
+
+    class Doubler(Workload):
+        name = "double"
+        max_batch = 64
+
+        def setup(self, device):
+            self.device = torch.device(device)
+
+        def decode_request(self, body):
+            xs = body.get("inputs")
+            if not isinstance(xs, list):
+                raise ValueError("'inputs' must be a list of numbers")
+            return xs
+
+        def predict(self, items):
+            return (2 * torch.tensor(items, dtype=torch.float32, device=self.device)).tolist()
+"""
+
+from __future__ import annotations
+
+from .report import StageStats
+
+
+class ItemError(Exception):
+    """One item's failure, returned (not raised) in :meth:`Workload.predict`'s outputs: that item's
+    answer is this error; the rest of its request and of the batch are answered as usual."""
+
+
+class Workload:
+    """Subclass it and set :attr:`name`; override :meth:`decode_request` and :meth:`predict` (and, as
+    needed, :meth:`setup`, :meth:`cost`, :meth:`encode_response`).
+
+    Attributes:
+        name: the route (``POST /v1/<name>``) and the ``workload`` label of its metrics: lowercase
+            letters, digits, ``-`` and ``_``.
+        max_batch: most items in one :meth:`predict` call.
+        max_batch_cost: most total :meth:`cost` in one call (``None``: no budget), as
+            text-embeddings-inference's ``--max-batch-tokens``.
+        max_wait_ms: how long a batch waits for more requests once its first has arrived.
+        max_items_per_request: a request with more items gets 413.
+        stats: stage counters (:class:`~fullthrottle.core.report.StageStats`) the workload keeps, by
+            name; the service adds its own ``"predict"`` stage.
+    """
+
+    name: str = ""
+    max_batch: int = 64
+    max_batch_cost: int | None = None
+    max_wait_ms: float = 2.0
+    max_items_per_request: int = 1024
+    stats: dict[str, StageStats] = {}
+
+    def setup(self, device: str) -> None:
+        """Load the model on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``), once, before the server
+        says it is ready. Raise to stop the server from starting (the message is shown)."""
+
+    def decode_request(self, body: dict) -> list:
+        """The items of one request's JSON body (a dict). Raise ``ValueError`` for a malformed
+        request: the client gets 400 with the message."""
+        raise NotImplementedError
+
+    def cost(self, item) -> int:
+        """What ``item`` adds to a batch's :attr:`max_batch_cost` (tokens, pixels); default 1."""
+        return 1
+
+    def predict(self, items: list) -> list:
+        """One output per item, in order, for items of one or more requests. An output that is an
+        :class:`ItemError` fails its item only; an exception raised fails every request of the batch
+        (each gets 500 with the message)."""
+        raise NotImplementedError
+
+    def encode_response(self, outputs: list) -> dict:
+        """The JSON answer of one request from its items' outputs (each a JSON-able value or an
+        :class:`ItemError`). Default: ``{"results": [{"output": ...} | {"error": "..."}, ...]}``."""
+        return {"results": [{"error": str(o)} if isinstance(o, ItemError) else {"output": o} for o in outputs]}
+
+
+def check_workload(w) -> None:
+    """ValueError naming what is wrong with a workload object before it is served."""
+    import re
+
+    name = getattr(w, "name", "")
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,63}", name):
+        raise ValueError(f"{type(w).__name__}.name must be 1-64 of a-z, 0-9, '-', '_', got {name!r}")
+    for attr in ("decode_request", "predict", "encode_response", "setup", "cost"):
+        if not callable(getattr(w, attr, None)):
+            raise ValueError(f"{type(w).__name__} has no method {attr}() (subclass fullthrottle.Workload)")
+    for attr in ("max_batch", "max_items_per_request"):
+        v = getattr(w, attr, None)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{type(w).__name__}.{attr} must be an integer >= 1, got {v!r}")
+    c = getattr(w, "max_batch_cost", None)
+    if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
+        raise ValueError(f"{type(w).__name__}.max_batch_cost must be None or an integer >= 1, got {c!r}")
+    m = getattr(w, "max_wait_ms", None)
+    if not isinstance(m, (int, float)) or isinstance(m, bool) or not 0 <= m < 60_000:
+        raise ValueError(f"{type(w).__name__}.max_wait_ms must be a number in [0, 60000), got {m!r}")

@@ -1,0 +1,200 @@
+"""Workloads of the user's own in the server: any :class:`~fullthrottle.core.workload.Workload`
+served at ``POST /v1/<name>`` with cross-request batching.
+
+- :class:`WorkloadService`: a thread takes waiting requests as batches
+  (:class:`~fullthrottle.core.batch.RequestBatcher`: the workload's ``max_batch`` items, its
+  ``max_batch_cost`` budget, its ``max_wait_ms``), runs the workload's ``predict`` once on all their
+  items, and hands each request its own outputs;
+- :func:`add_workload_routes`: the route of each, with the server's limits (body size and time,
+  deadline -> 504, full queue -> 503 with Retry-After, 400 for what ``decode_request`` refuses, 413
+  for too many items).
+- :func:`load_workload`: ``MODULE:CLASS`` (``fullthrottle serve --workload``) to an instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
+
+from ..core.batch import RequestBatcher
+from ..core.report import StageStats
+from ..core.workload import ItemError, Workload, check_workload
+from .guard import HTTPError, read_body
+from .services import Overloaded
+
+
+def load_workload(spec: str) -> Workload:
+    """An instance of the class ``spec`` names (``package.module:Class``), checked.
+
+    Raises:
+        ValueError: not ``MODULE:CLASS``, the module or class not found, or the class breaks the
+            contract (:func:`~fullthrottle.core.workload.check_workload`).
+    """
+    import os
+    import sys
+
+    module, sep, cls = spec.partition(":")
+    if not sep or not module or not cls.isidentifier():
+        raise ValueError(f"--workload must be MODULE:CLASS (my_package.my_module:MyWorkload), got {spec!r}")
+    if os.getcwd() not in sys.path:  # (as uvicorn does: a module in the current folder is found)
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = getattr(importlib.import_module(module), cls)
+    except ImportError as e:
+        raise ValueError(f"--workload {spec}: cannot import {module}: {e}") from None
+    except AttributeError:
+        raise ValueError(f"--workload {spec}: {module} has no {cls}") from None
+    w = obj() if isinstance(obj, type) else obj
+    check_workload(w)
+    if w.name in RESERVED:
+        raise ValueError(f"--workload {spec}: the name {w.name!r} is one of the server's own routes")
+    return w
+
+
+@dataclass
+class _Request:
+    items: list
+    loop: asyncio.AbstractEventLoop
+    fut: asyncio.Future
+
+
+class WorkloadService:
+    """Cross-request batching for one :class:`~fullthrottle.core.workload.Workload` (already set up).
+
+    Args:
+        workload: the workload; its ``max_batch``, ``max_batch_cost`` and ``max_wait_ms`` form the
+            batches.
+        max_queue: requests waiting before :meth:`submit` raises :class:`~fullthrottle.server.services.Overloaded`.
+    """
+
+    def __init__(self, workload: Workload, max_queue: int = 256):
+        self.workload = workload
+        self.q: queue.Queue = queue.Queue(max_queue)
+        self.batcher = RequestBatcher(
+            self.q,
+            workload.max_batch,
+            workload.max_batch_cost,
+            workload.max_wait_ms / 1e3,
+            size=lambda r: len(r.items),
+            tokens=lambda r: sum(workload.cost(x) for x in r.items) if workload.max_batch_cost else 0,
+        )
+        #: the workload's own stage counters, and this service's "predict" (its predict calls)
+        self.stats = {**(getattr(workload, "stats", None) or {}), "predict": StageStats("predict")}
+        self.batches = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"ft-{workload.name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, items: list) -> asyncio.Future:
+        """The future of the outputs of ``items`` (one request's). Raises Overloaded on a full queue."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        try:
+            self.q.put_nowait(_Request(items, loop, fut))
+        except queue.Full:
+            raise Overloaded(f"queue full ({self.q.maxsize} requests waiting)") from None
+        return fut
+
+    def _loop(self) -> None:
+        st = self.stats["predict"]
+        while not self._stop.is_set():
+            reqs = [r for r in self.batcher.next() if not r.fut.done()]  # (skip callers that gave up)
+            if not reqs:
+                continue
+            items = [x for r in reqs for x in r.items]
+            st.begin()
+            try:
+                outs = list(self.workload.predict(items))
+                if len(outs) != len(items):
+                    raise RuntimeError(f"predict() returned {len(outs)} outputs for {len(items)} items")
+            except Exception as e:  # noqa: BLE001 - every request of the batch is answered
+                for r in reqs:
+                    r.loop.call_soon_threadsafe(_set, r.fut, None, e)
+                continue
+            finally:
+                st.end(len(items))
+            self.batches += 1
+            k = 0
+            for r in reqs:
+                r.loop.call_soon_threadsafe(_set, r.fut, outs[k : k + len(r.items)], None)
+                k += len(r.items)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def _set(fut: asyncio.Future, value, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
+#: routes of the server's own: a workload may not take their names
+RESERVED = ("classify", "embeddings", "completions", "chat", "models")
+
+
+def add_workload_routes(app, workloads, state: dict, opts, reply, m_latency) -> None:
+    """Add ``POST /v1/<name>`` for each workload to ``app``; its service is ``state["workloads"][name]``
+    once the app's lifespan has set the workload up (503 before).
+
+    Args:
+        opts: the :class:`~fullthrottle.server.options.ServeOptions` (body limit and time, deadline,
+            Retry-After).
+        reply: ``reply(route, status, body, headers=None)``: the JSON response, counted in the metrics.
+        m_latency: the app's latency histogram (prometheus-client).
+    """
+    for w in workloads:
+        route = f"/v1/{w.name}"
+
+        async def handle(request: Request, name=w.name, route=route):
+            t0 = time.perf_counter()
+            try:
+                svc = state.get("workloads", {}).get(name)
+                if svc is None:
+                    raise HTTPError(503, "loading", {"Retry-After": str(opts.retry_after_s)})
+                w = svc.workload
+                body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
+                try:
+                    payload = json.loads(body)
+                except ValueError:
+                    raise HTTPError(400, "malformed JSON body") from None
+                if not isinstance(payload, dict):
+                    raise HTTPError(400, "the body must be a JSON object")
+                try:
+                    items = list(w.decode_request(payload))
+                except ValueError as e:
+                    raise HTTPError(400, str(e) or "bad request") from None
+                if not items:
+                    raise HTTPError(400, "no items in the request")
+                if len(items) > w.max_items_per_request:
+                    raise HTTPError(413, f"{len(items)} items in one request; at most {w.max_items_per_request}")
+                try:
+                    fut = svc.submit(items)
+                except Overloaded as e:
+                    raise HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
+                try:
+                    outs = await asyncio.wait_for(fut, opts.timeout_s)
+                except TimeoutError:
+                    raise HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
+                except Exception as e:  # noqa: BLE001 - predict() failed for the whole batch
+                    raise HTTPError(500, f"{name} failed: {type(e).__name__}: {e}") from None
+                answer = w.encode_response(outs)
+                status = 422 if all(isinstance(o, ItemError) for o in outs) else 200
+                return reply(route, status, answer)
+            except HTTPError as e:
+                return reply(route, e.status, {"detail": e.detail}, e.headers)
+            finally:
+                m_latency.labels(route).observe(time.perf_counter() - t0)
+
+        app.add_api_route(route, handle, methods=["POST"], name=w.name)

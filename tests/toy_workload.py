@@ -1,0 +1,42 @@
+"""A workload of a user's own for the server tests: sums of number lists, by a torch model."""
+
+import torch
+
+from fullthrottle import ItemError, Workload
+
+
+class Summer(Workload):
+    name = "sum"
+    max_batch = 64
+    max_wait_ms = 20.0
+    max_items_per_request = 8
+
+    def __init__(self):
+        self.calls: list[int] = []  # items per predict() call
+
+    def setup(self, device):
+        self.device = torch.device(device)
+        self.model = torch.nn.Linear(4, 1, bias=False).to(self.device)
+        with torch.no_grad():
+            self.model.weight.fill_(1.0)
+
+    def decode_request(self, body):
+        xs = body.get("inputs")
+        if not isinstance(xs, list):
+            raise ValueError("'inputs' must be a list of 4-number lists")
+        return xs
+
+    def predict(self, items):
+        self.calls.append(len(items))
+        good = [i for i, x in enumerate(items) if isinstance(x, list) and len(x) == 4]
+        out = [ItemError(f"item {i}: not 4 numbers") for i in range(len(items))]
+        if good:
+            x = torch.tensor([items[i] for i in good], dtype=torch.float32, device=self.device)
+            with torch.inference_mode():
+                for i, v in zip(good, self.model(x)[:, 0].tolist()):
+                    out[i] = v
+        return out
+
+
+class Broken:
+    name = "Bad Name"
