@@ -186,10 +186,13 @@ def test_a_huge_text_is_cut_before_tokenising_without_changing_its_vector(emb, m
     np.testing.assert_allclose(got.vectors[0], got.vectors[1], rtol=0, atol=1e-6)
 
 
-def test_embed_service_keeps_to_its_token_budget_and_fails_only_the_bad_request(emb, monkeypatch):
+def test_embeddings_workload_keeps_to_its_token_budget_and_fails_only_the_bad_request(emb, monkeypatch):
+    """/v1/embeddings' workload on the generic batching service: batches stay within the token budget
+    (a lone request over it still runs), a text that cannot be tokenised fails its request only."""
     import asyncio
 
-    from fullthrottle.server.services import EmbedService
+    from fullthrottle.server.workload_routes import WorkloadService
+    from fullthrottle.workloads.embed_api import EmbeddingsAPI
 
     calls = []
     real = emb.embed_encoded
@@ -199,12 +202,15 @@ def test_embed_service_keeps_to_its_token_budget_and_fails_only_the_bad_request(
         return real(encs)
 
     monkeypatch.setattr(emb, "embed_encoded", spy)
+    api = EmbeddingsAPI(max_batch=64, max_batch_tokens=40)
+    api.embedder, api.stats = emb, emb.stats  # (set up: the fixture's model)
     requests = [["hello world"] * 3, ["bad \udc80 text"], ["a longer sentence, with more tokens " * 3], ["x"] * 5] * 3
 
     async def main():
-        svc = EmbedService(emb, max_texts=64, max_batch_tokens=40)
+        svc = WorkloadService(api)
         try:
-            return await asyncio.gather(*(svc.submit(r) for r in requests), return_exceptions=True)
+            futs = [svc.submit(api.decode_request({"input": r})) for r in requests]
+            return await asyncio.gather(*futs, return_exceptions=True)
         finally:
             svc.close()
 
@@ -213,6 +219,9 @@ def test_embed_service_keeps_to_its_token_budget_and_fails_only_the_bad_request(
     assert calls and max(calls) <= max(40, one_request)  # a batch passes the budget only as a lone request
     for r, g in zip(requests, got):
         if "\udc80" in r[0]:
-            assert isinstance(g, Exception) and "text 0 is not valid Unicode" in str(g)
+            with pytest.raises(ValueError, match="text 0 is not valid Unicode"):
+                api.encode_response(g)
         else:
-            np.testing.assert_allclose(g[0], emb.embed(r).vectors, atol=1e-5)
+            vecs = np.stack([v for v, _, _ in g])
+            np.testing.assert_allclose(vecs, emb.embed(r).vectors, atol=1e-5)
+            assert api.encode_response(g)["usage"]["prompt_tokens"] == sum(len(e.ids) for e in emb.tokenize(r))

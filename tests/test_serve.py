@@ -253,8 +253,11 @@ def test_embeddings_route_matches_library():
         assert httpx.post(s.url + "/v1/embeddings", json={"input": [1, 2]}).status_code == 400
         assert httpx.post(s.url + "/v1/embeddings", json={"input": ["a"] * 2049}).status_code == 413
         metrics = httpx.get(s.url + "/metrics").text  # the same stage metric as classify's, its own stages
-        busy = dict(re.findall(r'stage_busy_percent\{replica="0",stage="(\w+)",workload="embed"\} (\S+)', metrics))
-        assert set(busy) == {"tokenize", "compute"} and float(busy["compute"]) > 0
+        busy = dict(re.findall(r'stage_busy_percent\{replica="0",stage="(\w+)",workload="embeddings"\} (\S+)', metrics))
+        assert set(busy) == {"tokenize", "compute", "predict"} and float(busy["compute"]) > 0
+        body = b'{"input": ["fine", "bad \\udc80"]}'  # (a lone surrogate, as JSON escapes allow)
+        bad = httpx.post(s.url + "/v1/embeddings", content=body, headers={"content-type": "application/json"})
+        assert bad.status_code == 422 and "text 1 is not valid Unicode" in bad.json()["detail"]
     with Server(Tiny()) as s:
         assert httpx.post(s.url + "/v1/embeddings", json={"input": "x"}).status_code == 404
 

@@ -81,7 +81,8 @@ class Workload:
 
     def encode_response(self, outputs: list) -> dict:
         """The JSON answer of one request from its items' outputs (each a JSON-able value or an
-        :class:`ItemError`). Default: ``{"results": [{"output": ...} | {"error": "..."}, ...]}``."""
+        :class:`ItemError`). Default: ``{"results": [{"output": ...} | {"error": "..."}, ...]}``.
+        Raise ``ValueError`` to fail the request instead: the client gets 422 with the message."""
         return {"results": [{"error": str(o)} if isinstance(o, ItemError) else {"output": o} for o in outputs]}
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
@@ -23,11 +22,12 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 from ..core.config import Config, usable_cores
 from ..workloads.classify.decode import Result
 from ..workloads.classify.pipeline import Pipeline
+from ..workloads.embed_api import EmbeddingsAPI
 from .fetch import FetchPolicy
 from .guard import HTTPError as _HTTPError
 from .guard import authorised, check_pixels, head_deadline_protocol, read_body
 from .options import MAX_CONNECTIONS, ServeOptions
-from .services import BatchingService, CompletionService, EmbedService, Overloaded
+from .services import BatchingService, CompletionService, Overloaded
 from .text import add_text_routes
 from .workload_routes import WorkloadService, add_workload_routes
 
@@ -97,6 +97,9 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     state: dict = {"services": [], "ready": False, "t0": time.perf_counter()}
     cfg = config if not config.ordered else Config(**{**config.__dict__, "ordered": False})
     devices = list(opts.devices or _default_devices(cfg.device))
+    # the workloads served through the contract (core/workload.py): embeddings, then the user's own
+    workloads = [EmbeddingsAPI(None if opts.embed_model == "default" else opts.embed_model)] if opts.embed_model else []
+    workloads += list(opts.workloads)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -120,14 +123,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             log.warning("the model has random weights (no --weights given): its labels are meaningless")
         if opts.llm is not None:
             state["llm"] = CompletionService(*opts.llm, max_queue=opts.max_queue)
-        if opts.embed_model is not None:
-            from ..workloads.embed import Embedder
-
-            path = None if opts.embed_model == "default" else opts.embed_model
-            state["embed_name"] = "all-MiniLM-L6-v2" if path is None else os.path.basename(os.path.normpath(path))
-            state["embed"] = EmbedService(await asyncio.to_thread(Embedder, path, devices[0]), max_queue=opts.max_queue)
         state["workloads"] = {}
-        for w in opts.workloads:  # the user's own: set up here, served at /v1/<name>
+        for w in workloads:  # (embeddings, and the user's own): set up here, served at /v1/<name>
             await asyncio.to_thread(w.setup, devices[0])
             state["workloads"][w.name] = WorkloadService(w, opts.max_queue)
         state["ready"], state["t_ready"] = True, time.perf_counter()
@@ -140,8 +137,6 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             await state["http"].aclose()
             for svc in state["services"]:
                 await asyncio.to_thread(svc.close)
-            if state.get("embed") is not None:
-                await asyncio.to_thread(state["embed"].close)
             if state.get("llm") is not None:
                 await asyncio.to_thread(state["llm"].close)
             for svc in state.get("workloads", {}).values():
@@ -210,13 +205,11 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 if mon.utils:
                     m_gpu.labels(rep).set(mon.utils[-1])
                     m_gpu_mem.labels(rep).set(mon.mems[-1])
-        # the text workloads keep the same StageStats: the same metric, their own stages
-        for workload, key, stats in (("embed", "embed", "embedder"), ("generate", "llm", "gen")):
-            svc = state.get(key)
-            if svc is not None:
-                wall = time.perf_counter() - state["t_ready"]
-                for st in getattr(svc, stats).stats.values():
-                    m_busy.labels(workload, "0", st.name).set(st.snapshot(wall)["busy_pct"])
+        # the other workloads keep the same StageStats: the same metric, their own stages
+        if state.get("llm") is not None:
+            wall = time.perf_counter() - state["t_ready"]
+            for st in state["llm"].gen.stats.values():
+                m_busy.labels("generate", "0", st.name).set(st.snapshot(wall)["busy_pct"])
         for name, svc in state.get("workloads", {}).items():
             wall = time.perf_counter() - state["t_ready"]
             for st in svc.stats.values():
@@ -277,7 +270,14 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         return images
 
     add_text_routes(app, state, opts, reply, m_requests, m_latency)
-    add_workload_routes(app, opts.workloads, state, opts, reply, m_latency)
+    add_workload_routes(app, workloads, state, opts, reply, m_latency)
+    if opts.embed_model is None:
+
+        @app.post("/v1/embeddings")
+        async def embeddings_off():
+            return reply(
+                "/v1/embeddings", 404, {"detail": "embeddings are not enabled (start the server with --embed-model)"}
+            )
 
     @app.post("/v1/classify")
     async def classify(request: Request):

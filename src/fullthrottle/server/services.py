@@ -3,7 +3,6 @@ answer them from engine threads.
 
 - :class:`BatchingService`: image requests join one :class:`~fullthrottle.workloads.classify.pipeline.Pipeline` stream
   (a bounded submission queue, a dispatcher thread resolving each request's future);
-- :class:`EmbedService`: texts from many requests embedded together (:class:`~fullthrottle.workloads.embed.Embedder`);
 - :class:`CompletionService`: LLM completions, batched per decode loop, streamed token by token.
 
 A full queue raises :class:`Overloaded` (the server answers 503).
@@ -15,7 +14,6 @@ import asyncio
 import itertools
 import queue
 import threading
-from dataclasses import dataclass, field
 
 from ..core.batch import RequestBatcher
 from ..workloads.classify.decode import Result
@@ -106,81 +104,6 @@ class BatchingService:
         self._thread.join(timeout)
         self._results.close()
         self.pipeline.close()
-
-
-class EmbedService:
-    """Cross-request batching for text embeddings: one thread tokenises each waiting request as it
-    takes it and runs as many as fit ``max_texts`` texts and ``max_batch_tokens`` tokens
-    (:class:`~fullthrottle.core.batch.RequestBatcher`, the token budget as text-embeddings-inference's
-    ``--max-batch-tokens``) as one :meth:`~fullthrottle.workloads.embed.Embedder.embed_encoded` call. A request
-    whose texts cannot be tokenised gets its own error; the others in its batch are not affected."""
-
-    def __init__(self, embedder, max_texts: int = 1024, max_batch_tokens: int = 32768, max_queue: int = 256):
-        self.embedder = embedder
-        self.q: queue.Queue = queue.Queue(max_queue)
-        self.batcher = RequestBatcher(
-            self.q, max_texts, max_batch_tokens, size=lambda r: len(r.texts), tokens=self._tokenize
-        )
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="ft-embed", daemon=True)
-        self._thread.start()
-
-    def submit(self, texts: list[str]) -> asyncio.Future:
-        """Raises Overloaded when ``max_queue`` requests are already waiting."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        try:
-            self.q.put_nowait(_EmbedRequest(texts, loop, fut))
-        except queue.Full:
-            raise Overloaded(f"queue full ({self.q.maxsize} requests waiting)") from None
-        return fut
-
-    def _tokenize(self, r: _EmbedRequest) -> int:
-        """The request's token count (its encodings kept on it); 0 with its error kept instead."""
-        if r.fut.done():  # its caller gave up (504): no work for it
-            return 0
-        try:
-            r.encs = self.embedder.tokenize(r.texts)
-        except Exception as e:  # noqa: BLE001 - this request's error, not its batch's
-            r.error = e
-            return 0
-        return sum(len(e.ids) for e in r.encs)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            reqs = []
-            for r in self.batcher.next():
-                if r.error is not None:
-                    r.loop.call_soon_threadsafe(_fail, r.fut, r.error)
-                elif not r.fut.done():  # (skip requests whose caller gave up)
-                    reqs.append(r)
-            if not reqs:
-                continue
-            try:
-                res = self.embedder.embed_encoded([e for r in reqs for e in r.encs])
-            except Exception as e:  # noqa: BLE001 - answer every waiting request
-                for r in reqs:
-                    r.loop.call_soon_threadsafe(_fail, r.fut, e)
-                continue
-            k = 0
-            for r in reqs:
-                n = len(r.texts)
-                part = (res.vectors[k : k + n], res.truncated[k : k + n], res.tokens[k : k + n])
-                k += n
-                r.loop.call_soon_threadsafe(_resolve, r.fut, part)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(60)  # a batch in progress finishes (bounded by MAX_TEXTS_PER_REQUEST)
-
-
-@dataclass
-class _EmbedRequest:
-    texts: list
-    loop: asyncio.AbstractEventLoop
-    fut: asyncio.Future
-    encs: list = field(default_factory=list)  # its tokenizer encodings, once the service took it
-    error: BaseException | None = None  # why it could not be tokenised
 
 
 class CompletionService:

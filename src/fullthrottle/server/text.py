@@ -1,7 +1,8 @@
-"""The text routes of the server: ``POST /v1/embeddings`` (OpenAI's embeddings shape) and
-``POST /v1/completions`` (a subset of OpenAI's completions, streaming as server-sent events), on the
-services of :mod:`~fullthrottle.server.services`. :func:`add_text_routes` adds them to the app that
-:func:`~fullthrottle.server.app.create_app` makes; a route whose service is not enabled answers 404.
+"""The LLM route of the server: ``POST /v1/completions`` (a subset of OpenAI's completions, streaming
+as server-sent events), on :class:`~fullthrottle.server.services.CompletionService`.
+:func:`add_text_routes` adds it to the app that :func:`~fullthrottle.server.app.create_app` makes;
+without a model it answers 404. (``POST /v1/embeddings`` is a workload on the contract:
+:class:`~fullthrottle.workloads.embed_api.EmbeddingsAPI`.)
 """
 
 from __future__ import annotations
@@ -15,70 +16,17 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 from .guard import HTTPError as _HTTPError
 from .services import Overloaded
 
-#: texts one embeddings request may carry (413 beyond)
-MAX_TEXTS_PER_REQUEST = 2048
-
 
 def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> None:
-    """Add the embeddings and completions routes to ``app``.
+    """Add the completions route to ``app``.
 
     Args:
-        state: the app's state (``"embed"``: the :class:`~fullthrottle.server.services.EmbedService`,
-            ``"embed_name"``, ``"llm"``: the :class:`~fullthrottle.server.services.CompletionService`;
+        state: the app's state (``"llm"``: the :class:`~fullthrottle.server.services.CompletionService`,
             set in the app's lifespan).
         opts: the :class:`~fullthrottle.server.app.ServeOptions` (body limit, deadline, Retry-After).
         reply: ``reply(route, status, body, headers=None)``: the JSON response, counted in the metrics.
         m_requests, m_latency: the app's request counter and latency histogram (prometheus-client).
     """
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request):
-        """OpenAI embeddings shape: ``{"input": str | [str], "model": ...}`` -> ``{"data": [...]}``."""
-        route, t0 = "/v1/embeddings", time.perf_counter()
-        try:
-            svc = state.get("embed")
-            if svc is None:
-                raise _HTTPError(404, "embeddings are not enabled (start the server with --embed-model)")
-            body = await request.body()
-            if len(body) > opts.max_body_bytes:
-                raise _HTTPError(413, f"request body exceeds the limit of {opts.max_body_bytes} bytes")
-            try:
-                payload = json.loads(body)
-                texts = payload.get("input") if isinstance(payload, dict) else None
-            except ValueError:
-                texts = None
-            texts = [texts] if isinstance(texts, str) else texts
-            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-                raise _HTTPError(400, 'JSON body must be {"input": "text" | ["text", ...]}')
-            if len(texts) > MAX_TEXTS_PER_REQUEST:
-                raise _HTTPError(413, f"{len(texts)} texts in one request; at most {MAX_TEXTS_PER_REQUEST}")
-            try:
-                fut = svc.submit(texts)
-            except Overloaded as e:
-                raise _HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
-            try:
-                vecs, trunc, toks = await asyncio.wait_for(fut, opts.timeout_s)
-            except TimeoutError:
-                raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
-            data = [
-                {"object": "embedding", "index": i, "embedding": v.tolist(), "truncated": bool(t)}
-                for i, (v, t) in enumerate(zip(vecs, trunc))
-            ]
-            n_tok = int(toks.sum())
-            return reply(
-                route,
-                200,
-                {
-                    "object": "list",
-                    "data": data,
-                    "model": state["embed_name"],
-                    "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok},
-                },
-            )
-        except _HTTPError as e:
-            return reply(route, e.status, {"detail": e.detail}, e.headers)
-        finally:
-            m_latency.labels(route).observe(time.perf_counter() - t0)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

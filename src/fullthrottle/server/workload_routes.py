@@ -189,7 +189,10 @@ def add_workload_routes(app, workloads, state: dict, opts, reply, m_latency) -> 
                     raise HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
                 except Exception as e:  # noqa: BLE001 - predict() failed for the whole batch
                     raise HTTPError(500, f"{name} failed: {type(e).__name__}: {e}") from None
-                answer = w.encode_response(outs)
+                try:
+                    answer = w.encode_response(outs)
+                except ValueError as e:
+                    raise HTTPError(422, str(e)) from None
                 status = 422 if all(isinstance(o, ItemError) for o in outs) else 200
                 return reply(route, status, answer)
             except HTTPError as e:
