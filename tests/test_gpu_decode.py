@@ -133,7 +133,7 @@ class FakeNvImageCodec:
 
 
 def _hw_decoder(fake, fallback=None):
-    from fullthrottle.data.gpu_decode import HwJpegDecoder
+    from fullthrottle.data.gpu_decoders import HwJpegDecoder
 
     d = HwJpegDecoder.__new__(HwJpegDecoder)  # skips the import of nvImageCodec and the device probe
     d.device, d._dec, d._params, d._code_stream, d.fallback = torch.device("cpu"), fake, None, lambda a: a, fallback
@@ -170,7 +170,7 @@ def test_hardware_decoder_per_item_results(bad_dir, samples, drop_refused):
 def test_nvimgcodec_backend_spec():
     """FULLTHROTTLE_NVIMGCODEC_BACKENDS: the engines alone by default, or shares of each batch between the
     engines and nvImageCodec's nvJPEG backends; a bad name or load hint is refused with the rule."""
-    from fullthrottle.data.gpu_decode import parse_nvimgcodec_backends as parse
+    from fullthrottle.data.gpu_decoders import parse_nvimgcodec_backends as parse
 
     assert parse("") == parse("hw") == [("HW_GPU_ONLY", 1.0)]
     assert parse("hw:0.7+hybrid") == [("HW_GPU_ONLY", 0.7), ("HYBRID_CPU_GPU", 1.0)]
@@ -188,7 +188,7 @@ def test_nvimgcodec_backend_spec():
 def test_gpu_decoder_choice_and_errors(monkeypatch):
     import builtins
 
-    from fullthrottle.data.gpu_decode import GpuJpegDecoder, make_gpu_decoder
+    from fullthrottle.data.gpu_decoders import GpuJpegDecoder, make_gpu_decoder
 
     with pytest.raises(ValueError, match="gpu_decoder must be one of"):
         make_gpu_decoder(torch.device("cpu"), "nvimgcodec")
@@ -249,20 +249,20 @@ def test_mixed_cpu_gpu_batches_equal_cpu_only(samples, bad_dir, preprocess):
 
 
 def test_gpu_process_protocol_round_trip():
-    from fullthrottle.data.gpu_decode_procs import _decode_reply, _decode_request, _encode_reply, _encode_request
+    from fullthrottle.data.gpu_wire import decode_reply, decode_request, encode_reply, encode_request
 
     items = [(b"\xff\xd8abc", 7), (b"", 0), (bytes(range(256)) * 3, 41)]
-    back = _decode_request(bytearray(_encode_request(items)))
+    back = decode_request(bytearray(encode_request(items)))
     assert [(bytes(d), r) for d, r in back] == items
-    assert _decode_request(_encode_request([])) == []
+    assert decode_request(encode_request([])) == []
     arena = bytearray(2000)  # the bytes in shared memory from offset 900; the request carries lengths only
-    msg = _encode_request(items, arena, 900)
+    msg = encode_request(items, arena, 900)
     assert len(msg) < 64 and bytes(arena[900:905]) == b"\xff\xd8abc"
-    back = _decode_request(bytearray(msg), arena)
+    back = decode_request(bytearray(msg), arena)
     assert [(bytes(d), r) for d, r in back] == items
     statuses = [None, "truncated or corrupt JPEG", None, "é ünïcode"]
-    assert _decode_reply(_encode_reply(statuses, 0.25, 1.5, 3)) == (statuses, 0.25, 1.5, 3)
-    assert _decode_reply(_encode_reply([])) == ([], 0.0, 0.0, 0)
+    assert decode_reply(encode_reply(statuses, 0.25, 1.5, 3)) == (statuses, 0.25, 1.5, 3)
+    assert decode_reply(encode_reply([])) == ([], 0.0, 0.0, 0)
 
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create (Linux)")
@@ -273,7 +273,7 @@ def test_gpu_process_request_written_with_pwritev(monkeypatch, short):
     same bytes either way."""
     import mmap
 
-    import fullthrottle.data.gpu_decode_procs as gp
+    import fullthrottle.data.gpu_wire as gw
 
     items = [(b"\xff\xd8abc", 7), (b"", 0), (bytes(range(256)) * 3, 41), (b"xyz" * 50, 3)]
     fd = os.memfd_create("t", 0)
@@ -289,10 +289,10 @@ def test_gpu_process_request_written_with_pwritev(monkeypatch, short):
                 data = b"".join(bytes(b) for b in bufs)[:short]
                 return real(f, [data], off) if data else 0
 
-            monkeypatch.setattr(gp.os, "pwritev", pwritev)
-        monkeypatch.setattr(gp, "_IOV_MAX", 3)  # two system calls for 4 images
-        msg = gp._encode_request(items, arena, 1000, fd)
-        back = gp._decode_request(bytearray(msg), arena)
+            monkeypatch.setattr(gw.os, "pwritev", pwritev)
+        monkeypatch.setattr(gw, "_IOV_MAX", 3)  # two system calls for 4 images
+        msg = gw.encode_request(items, arena, 1000, fd)
+        back = gw.decode_request(bytearray(msg), arena)
         assert [(bytes(d), r) for d, r in back] == items
         if short is not None:
             assert calls == [3]  # stopped at the short write, the rest by hand
@@ -413,7 +413,8 @@ def test_gpu_process_discards_replies_owed_when_a_run_stops():
     import socket
     from multiprocessing.connection import Connection
 
-    from fullthrottle.data.gpu_decode_procs import GpuDecoderProcess, _encode_reply
+    from fullthrottle.data.gpu_decode_procs import GpuDecoderProcess
+    from fullthrottle.data.gpu_wire import encode_reply
 
     a, b = socket.socketpair()
     p = GpuDecoderProcess.__new__(GpuDecoderProcess)  # the parent's side only: no CUDA process here
@@ -421,11 +422,11 @@ def test_gpu_process_discards_replies_owed_when_a_run_stops():
     p.times = {"round_trip_s": 0.0, "launch_s": 0.0, "total_s": 0.0, "batches": 0, "cpu_decoded": 0}
     p._sent = collections.deque([time.perf_counter()] * 2)
     worker = Connection(b.detach())
-    worker.send_bytes(_encode_reply([None, None], cpu_decoded=1))
-    worker.send_bytes(_encode_reply(["truncated or corrupt JPEG"]))
+    worker.send_bytes(encode_reply([None, None], cpu_decoded=1))
+    worker.send_bytes(encode_reply(["truncated or corrupt JPEG"]))
     p.discard_replies(1.0)
     assert not p._sent and p.times["batches"] == 2 and p.times["cpu_decoded"] == 1 and not p.conn.poll(0)
-    worker.send_bytes(_encode_reply([None]))  # the next batch's answer is its own
+    worker.send_bytes(encode_reply([None]))  # the next batch's answer is its own
     p._sent.append(time.perf_counter())
     assert p.receive(1.0) == [None]
 
@@ -456,7 +457,7 @@ def test_stopping_a_run_leaves_no_gpu_answer_owed(samples):
 def test_gpu_decoder_against_cpu_path(samples, bad_dir, kind):
     """Mean absolute difference per pixel <= 2/255 against the CPU path; top-1 agreement >= 99%;
     every bad input gives the CPU path's result (for nvJPEG and for the hardware JPEG engines)."""
-    from fullthrottle.data.gpu_decode import make_gpu_decoder
+    from fullthrottle.data.gpu_decoders import make_gpu_decoder
 
     if kind == "hardware":
         pytest.importorskip("nvidia.nvimgcodec", reason="needs nvImageCodec (pip install nvidia-nvimgcodec-cu13)")
@@ -584,14 +585,15 @@ def test_gpu_process_send_reports_a_failed_copy_and_bounds(monkeypatch):
     from multiprocessing.connection import Connection
 
     import fullthrottle.data.gpu_decode_procs as gp
+    import fullthrottle.data.gpu_wire as gw
 
     arena_fd = os.memfd_create("t", 0)
     os.ftruncate(arena_fd, 4096)
     arena = mmap.mmap(arena_fd, 4096)
     with pytest.raises(ValueError, match="do not fit"):
-        gp._encode_request([(b"x" * 100, 0)], arena, 4046, arena_fd)
+        gw.encode_request([(b"x" * 100, 0)], arena, 4046, arena_fd)
     with pytest.raises(ValueError, match="do not fit"):
-        gp._encode_request([(b"x" * 100, 0)], arena, 4046)  # the same without pwritev
+        gw.encode_request([(b"x" * 100, 0)], arena, 4046)  # the same without pwritev
     assert os.fstat(arena_fd).st_size == 4096  # nothing written past the mapping
 
     a, b = socket.socketpair()
@@ -611,10 +613,10 @@ def test_gpu_process_send_reports_a_failed_copy_and_bounds(monkeypatch):
     assert not p._sent and not worker.poll(0.1)  # nothing owed, nothing sent
     monkeypatch.undo()
     assert p.send([(b"\xff\xd8\xff" + b"y" * 10, 5)], slot=0) is True
-    back = gp._decode_request(bytearray(worker.recv_bytes()), arena)
+    back = gw.decode_request(bytearray(worker.recv_bytes()), arena)
     assert [(bytes(d), r) for d, r in back] == [(b"\xff\xd8\xff" + b"y" * 10, 5)]
     del back
-    worker.send_bytes(gp._encode_reply([None]))
+    worker.send_bytes(gw.encode_reply([None]))
     assert p.receive(float("inf")) == [None]  # decode_timeout_s=inf: no limit (poll takes no inf)
     arena.close()
     os.close(arena_fd)

@@ -27,7 +27,7 @@ from common import machine_info, write_json  # noqa: E402
 def _setup(kind: str, bs: int):
     import torch
 
-    from fullthrottle.data.gpu_decode import make_gpu_decoder
+    from fullthrottle.data.gpu_decoders import make_gpu_decoder
 
     torch.set_num_threads(1)
     dev = torch.device("cuda")

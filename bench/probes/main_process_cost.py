@@ -107,7 +107,7 @@ def main():
                     return gp.count_fitting(items, gp.SLOT_BYTES)
 
                 def send(self, items, slot=None):
-                    gp._encode_request(items, self.arena, (slot or 0) * gp.SLOT_BYTES, self.fd)
+                    gp.encode_request(items, self.arena, (slot or 0) * gp.SLOT_BYTES, self.fd)
                     self.sent.append(len(items))
                     return True
 
@@ -121,7 +121,7 @@ def main():
             import os
 
             import fullthrottle.data.gpu_decode_procs as gp
-            from fullthrottle.data.gpu_decode import GpuJpegDecoder
+            from fullthrottle.data.gpu_decoders import GpuJpegDecoder
 
             pipe.engine.gpu_decoder = GpuJpegDecoder(torch.device("cpu"))  # never called: routing only
             pipe.gpu_decoders = SimpleNamespace(

@@ -34,7 +34,8 @@ def _spin(stop):
 def _worker(blobs, bs, seconds, mode, barrier, q):
     import torch
 
-    from fullthrottle.data.gpu_decode import GpuJpegDecoder, decode_crops
+    from fullthrottle.data.gpu_decode import decode_crops
+    from fullthrottle.data.gpu_decoders import GpuJpegDecoder
 
     dev = torch.device("cuda")
     dec = GpuJpegDecoder(dev)

@@ -62,7 +62,8 @@ def main():
     ap.add_argument("--out", default="resize_probe.json")
     args = ap.parse_args()
     from fullthrottle.core.kernels import resize_crop_u8
-    from fullthrottle.data.gpu_decode import gpu_eligible, make_gpu_decoder
+    from fullthrottle.data.gpu_decode import gpu_eligible
+    from fullthrottle.data.gpu_decoders import make_gpu_decoder
     from fullthrottle.data.gpu_resize import resize_crop_batch, resize_crop_interpolate, resize_crop_matmul
     from fullthrottle.data.preprocess import preprocess
 

@@ -316,7 +316,7 @@ def bench_e2e(
 ) -> dict:
     """Images (bytes in memory) to top-5, fullthrottle vs naive loop vs DataLoader (PIL, OpenCV)."""
     from ..core.config import Config
-    from ..workloads.classify.compute import resolve_device
+    from ..core.device import resolve_device
     from ..workloads.classify.pipeline import Pipeline
 
     dev = resolve_device(device)

@@ -114,7 +114,7 @@ def cmd_classify(args) -> int:
     from tqdm import tqdm
 
     from ..core.config import Config
-    from ..workloads.classify.compute import resolve_device
+    from ..core.device import resolve_device
     from ..workloads.classify.models import WeightsError
     from ..workloads.classify.pipeline import Pipeline
 

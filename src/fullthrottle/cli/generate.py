@@ -49,8 +49,8 @@ def _check_memory_for(cfg, device, dtype, free: int | None = None) -> None:
 def cmd_generate(args) -> int:
     import torch
 
+    from ..core.device import resolve_device
     from ..core.report import Report
-    from ..workloads.classify.compute import resolve_device
     from ..workloads.llm.generate import GenerateStats, Generator
     from ..workloads.llm.llama import Llama, LlamaConfig, load_hf
 

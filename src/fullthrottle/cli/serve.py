@@ -29,8 +29,8 @@ def _check_port_free(host: str, port: int) -> None:
 
 def cmd_serve(args) -> int:
     from ..core.config import Config
+    from ..core.device import resolve_device
     from ..server.app import ServeOptions, run_server
-    from ..workloads.classify.compute import resolve_device
 
     try:
         device = resolve_device(args.device)

@@ -25,7 +25,7 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
-#: values of ``Config.gpu_decoder`` (:func:`fullthrottle.data.gpu_decode.make_gpu_decoder`)
+#: values of ``Config.gpu_decoder`` (:func:`fullthrottle.data.gpu_decoders.make_gpu_decoder`)
 GPU_DECODERS = ("auto", "hardware", "nvjpeg")
 #: batches a GPU decoder process holds at once: one decoding, the next waiting in its shared-memory slot
 GPU_PROCESS_DEPTH = 2

@@ -11,7 +11,7 @@ decode far more (see docs/performance.md). So each :class:`GpuDecoderProcess` ow
   bytes lie in one of the process's :data:`DEPTH` slots of shared memory (its input arena), so a
   request is a few hundred bytes and the next batch waits there while the process decodes one (a
   batch too large for a slot follows its request on the socket instead, with nothing behind it);
-- it decodes the batch on the GPU (:func:`~fullthrottle.data.gpu_decode.make_gpu_decoder`), resizes and crops there
+- it decodes the batch on the GPU (:func:`~fullthrottle.data.gpu_decoders.make_gpu_decoder`), resizes and crops there
   (:func:`~fullthrottle.data.gpu_decode.decode_crops`: the same transform as the GPU decode thread), copies
   each crop D2H into its row of the shared :class:`~fullthrottle.data.crop_pool.CropPool` (which
   it registers as pinned memory in its own CUDA context), decodes what nvJPEG refuses on its CPU
@@ -29,7 +29,6 @@ import collections
 import mmap
 import os
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -41,7 +40,7 @@ from multiprocessing.connection import Connection
 from ..core.config import GPU_PROCESS_DEPTH
 from ..core.mps import mps_server_running
 from .crop_pool import CropPool
-from .load import LoadError
+from .gpu_wire import decode_reply, encode_request
 from .worker_procs import (
     STARTUP_S,
     WORKER_PROCESS_GROUP,
@@ -51,11 +50,6 @@ from .worker_procs import (
     worker_command,
 )
 
-_N = struct.Struct("<I")  # items in a request or reply
-_WHERE = struct.Struct("<BQ")  # request: 0 bytes follow inline / 1 bytes in the arena, from this offset
-_ITEM = struct.Struct("<II")  # request: pool row, byte length
-_STATUS = struct.Struct("<BI")  # reply: 0 ok / 1 the item's error / 2 its file's read error, message length
-_TIMES = struct.Struct("<ddI")  # reply: seconds the process spent launching the batch, and in all; images it
 # gave its CPU decoder (not for the GPU decoder, or refused by it)
 _CMD = worker_command("data.gpu_decoder_worker", "gpu_worker_main")
 
@@ -64,96 +58,6 @@ _CMD = worker_command("data.gpu_decoder_worker", "gpu_worker_main")
 DEPTH = GPU_PROCESS_DEPTH
 #: bytes of each arena slot (a batch of encoded JPEGs larger than this goes inline on the socket)
 SLOT_BYTES = 32 << 20
-
-
-#: buffers per ``os.pwritev`` call (the system's IOV_MAX)
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
-
-
-def _encode_request(items: Sequence[tuple[bytes, int]], arena=None, base: int = 0, fd: int | None = None) -> bytes:
-    """A batch request. With ``arena`` (a writable buffer) the bytes are copied there from ``base``,
-    back to back, and only their lengths travel; without, they follow the request.
-
-    With ``fd`` (the file behind ``arena``: a memfd) the copy is ``os.pwritev``: one system call for
-    the batch, made without the GIL, where a slice assignment per image holds it for a memcpy of the
-    image (~100 kB), time taken from every other thread of the pipeline. ``items``' data: bytes-like
-    with one-byte items (``bytes``, ``bytearray``).
-
-    Raises:
-        ValueError: the bytes do not fit in ``arena`` from ``base``.
-        OSError: the write failed (``pwritev``: no memory for the memfd's pages, say).
-    """
-    heads = [_ITEM.pack(row, len(d)) for d, row in items]
-    if arena is None:
-        return b"".join([_N.pack(len(items)), _WHERE.pack(0, 0)] + heads + [bytes(d) for d, _ in items])
-    total = sum(len(d) for d, _ in items)
-    if base < 0 or base + total > len(arena):  # (pwritev would grow the file past the mapping, silently)
-        raise ValueError(f"{total} bytes from offset {base} do not fit in the {len(arena)}-byte arena")
-    off, k = base, 0
-    if fd is not None and hasattr(os, "pwritev"):
-        while k < len(items):
-            chunk = [d for d, _ in items[k : k + _IOV_MAX]]
-            want = sum(len(d) for d in chunk)
-            done = os.pwritev(fd, chunk, off)
-            if done != want:  # a short write: the rest by hand, from the first image it cut
-                for d in chunk:
-                    if done >= len(d):
-                        done -= len(d)
-                        off += len(d)
-                        k += 1
-                        continue
-                    break
-                break
-            off += want
-            k += len(chunk)
-    for d, _ in items[k:]:  # (no pwritev, or after a short write: from the first image not fully written)
-        arena[off : off + len(d)] = d
-        off += len(d)
-    return b"".join([_N.pack(len(items)), _WHERE.pack(1, base)] + heads)
-
-
-def _decode_request(msg, arena=None) -> list[tuple[memoryview, int]]:
-    """``[(bytes view, pool row), ...]`` of a request: slices of the request or of ``arena`` (no copy)."""
-    (n,) = _N.unpack_from(msg)
-    inline, base = _WHERE.unpack_from(msg, _N.size)
-    off, heads = _N.size + _WHERE.size, []
-    for _ in range(n):
-        heads.append(_ITEM.unpack_from(msg, off))
-        off += _ITEM.size
-    view = memoryview(msg) if inline == 0 else memoryview(arena)
-    if inline == 1:
-        off = base
-    out = []
-    for row, length in heads:
-        out.append((view[off : off + length], row))
-        off += length
-    return out
-
-
-def _encode_reply(
-    statuses: Sequence[str | None], launch_s: float = 0.0, total_s: float = 0.0, cpu_decoded: int = 0
-) -> bytes:
-    parts = [_N.pack(len(statuses)), _TIMES.pack(launch_s, total_s, cpu_decoded)]
-    for s in statuses:
-        m = b"" if s is None else str(s).encode("utf-8", "replace")[:60000]
-        parts += [_STATUS.pack(0 if s is None else 2 if isinstance(s, LoadError) else 1, len(m)), m]
-    return b"".join(parts)
-
-
-def _decode_reply(msg: bytes) -> tuple[list, float, float, int]:
-    """``(statuses, launch_s, total_s, cpu_decoded)``: per image None, its error (``str``: to be
-    prefixed with its id) or its file's :class:`~fullthrottle.data.load.LoadError` (the whole error); the
-    process's time on the batch; how many of its images went to its CPU decoder (crops and errors alike)."""
-    (n,) = _N.unpack_from(msg)
-    launch_s, total_s, cpu_decoded = _TIMES.unpack_from(msg, _N.size)
-    off, out = _N.size + _TIMES.size, []
-    for _ in range(n):
-        code, length = _STATUS.unpack_from(msg, off)
-        off += _STATUS.size
-        text = msg[off : off + length].decode("utf-8", "replace")
-        out.append(None if code == 0 else LoadError(text) if code == 2 else text)
-        off += length
-    return out, launch_s, total_s, cpu_decoded
 
 
 def count_fitting(items, limit: int) -> int:
@@ -179,7 +83,7 @@ class GpuDecoderProcess:
         device_index: the CUDA device it decodes on.
         resize_size / crop_size / max_pixels: the transform (as in :class:`~fullthrottle.core.config.Config`).
         decoder: ``"hardware"`` (the GPU's JPEG engines via nvImageCodec) or ``"nvjpeg"`` (torchvision);
-            see :func:`~fullthrottle.data.gpu_decode.make_gpu_decoder`.
+            see :func:`~fullthrottle.data.gpu_decoders.make_gpu_decoder`.
         max_file_bytes: largest file the process reads for an item sent as a path (its row with
             :data:`~fullthrottle.data.preprocess_procs.PATH_BIT` set).
 
@@ -287,9 +191,9 @@ class GpuDecoderProcess:
         in_arena = slot is not None and self.arena is not None and sum(len(d) for d, _ in items) <= SLOT_BYTES
         try:  # the copy into shared memory first: its failure is this process's, not the worker's
             msg = (
-                _encode_request(items, self.arena, slot * SLOT_BYTES, self.arena_fd)
+                encode_request(items, self.arena, slot * SLOT_BYTES, self.arena_fd)
                 if in_arena
-                else _encode_request(items)
+                else encode_request(items)
             )
         except OSError as e:
             raise RuntimeError(f"cannot copy a batch into the GPU decoder process's shared memory: {e}") from e
@@ -317,7 +221,7 @@ class GpuDecoderProcess:
                 f"GPU decoding took longer than {timeout:g} s (decode_timeout_s): its process was replaced"
             )
         try:
-            statuses, launch_s, total_s, cpu_decoded = _decode_reply(self.conn.recv_bytes())
+            statuses, launch_s, total_s, cpu_decoded = decode_reply(self.conn.recv_bytes())
         except (EOFError, OSError) as e:
             how = exit_reason(self.proc)
             self._restart()

@@ -13,7 +13,7 @@ import time
 from multiprocessing import BufferTooShort
 from multiprocessing.connection import Connection
 
-from .gpu_decode_procs import _decode_request, _encode_reply
+from .gpu_wire import decode_request, encode_reply
 from .load import LoadError, read_local
 from .worker_procs import PATH_BIT
 
@@ -30,7 +30,8 @@ def gpu_worker_main(argv: list[str]) -> None:
 
     torch.set_num_threads(1)
     from .crop_pool import clear_cuda_error
-    from .gpu_decode import _test_jpeg, decode_crops, make_gpu_decoder
+    from .gpu_decode import decode_crops
+    from .gpu_decoders import _test_jpeg, make_gpu_decoder
     from .preprocess import ImageError, allow_pillow_pixels
 
     allow_pillow_pixels(max_pixels)
@@ -67,7 +68,7 @@ def gpu_worker_main(argv: list[str]) -> None:
         except (EOFError, OSError):
             return
         t0 = time.perf_counter()
-        items, statuses = _read_paths(_decode_request(memoryview(buf)[:n], arena), max_file_bytes)
+        items, statuses = _read_paths(decode_request(memoryview(buf)[:n], arena), max_file_bytes)
         t1, cpu_decoded = t0, 0
         todo = [j for j, s in enumerate(statuses) if s is None]  # (not the files that could not be read)
         try:
@@ -108,7 +109,7 @@ def gpu_worker_main(argv: list[str]) -> None:
             for j in todo:
                 statuses[j] = f"GPU decode failed: {type(e).__name__}: {e}"
         try:
-            conn.send_bytes(_encode_reply(statuses, t1 - t0, time.perf_counter() - t0, cpu_decoded))
+            conn.send_bytes(encode_reply(statuses, t1 - t0, time.perf_counter() - t0, cpu_decoded))
         except (EOFError, OSError):
             return
 

@@ -176,7 +176,7 @@ class Embedder:
         from safetensors.torch import load_file
         from tokenizers import Tokenizer
 
-        from .classify.compute import resolve_device
+        from ..core.device import resolve_device
 
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")

@@ -30,34 +30,15 @@ from torch import nn
 
 from ...core import env
 from ...core.config import Config, torch_dtype
+from ...core.device import resolve_device
 from ...core.graphs import GraphRunner
 from ...core.kernels import normalize_u8, use_triton
 from ...data.device_copy import copy_all, mapped_on_device, row_spans
-from ...data.gpu_decode import RateSplitter, crop_runs, make_gpu_decoder
+from ...data.gpu_decode import RateSplitter, crop_runs
+from ...data.gpu_decoders import make_gpu_decoder
 from .decode import topk_probs
 from .fuse import fold_batchnorm, fuse_conv_relu
 from .models import imagenet_labels, load_model, load_weights
-
-
-def resolve_device(spec: str) -> torch.device:
-    """``"auto"`` -> CUDA if available else CPU; otherwise ``torch.device(spec)``.
-
-    Raises:
-        RuntimeError: CUDA asked for but not available.
-    """
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(spec)
-    except RuntimeError:
-        raise ValueError(f"unsupported device {spec!r}: use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"device {spec!r} requested but CUDA is not available on this machine (use --device cpu or auto)"
-        )
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device {spec!r}: use auto, cpu, cuda or cuda:N")
-    return dev
 
 
 @dataclass
