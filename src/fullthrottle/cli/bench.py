@@ -43,6 +43,7 @@ def _ints(s: str | None, default: list[int]) -> list[int]:
 
 def cmd_bench(args) -> int:
     from . import benchmarks as B
+    from .bench_e2e import bench_e2e
 
     exp = args.experiment
     prefix = args.out or f"fullthrottle-bench-{exp}"
@@ -69,7 +70,7 @@ def cmd_bench(args) -> int:
             res = B.bench_transfer(_ints(args.batches, [1, 8] if args.quick else [1, 8, 32, 128, 512]), args.model)
         else:
             n, workers, batch = (24, 2, 8) if args.quick else (args.n, args.workers, args.batch)
-            res = B.bench_e2e(_blobs(args.images), n, workers, batch, args.device, args.model)
+            res = bench_e2e(_blobs(args.images), n, workers, batch, args.device, args.model)
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"fullthrottle bench {exp}: {e}", file=sys.stderr)
         return 2

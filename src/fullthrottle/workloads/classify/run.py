@@ -35,6 +35,7 @@ from ...data.load import Item, Loader
 from ...data.preprocess import ImageError
 from .compute import Engine
 from .decode import Result
+from .run_report import run_report
 from .stage_threads import compute_thread, decode_thread, preprocess_thread
 
 _END = object()
@@ -380,55 +381,5 @@ class Run:
             ) from e
 
     def report(self) -> Report:
-        wall = (self.t_end or time.perf_counter()) - self.t0
-        eng = self.engine
-        batches = self.batcher.batches
-        return Report(
-            items=self.ok + self.failed,
-            ok=self.ok,
-            failed=self.failed,
-            wall_s=wall,
-            latencies_ms=list(self.latencies),
-            stages=[s.snapshot(wall) for s in self.stats.values()],
-            batches=batches,
-            mean_batch_size=self.batcher.batched_items / batches if batches else 0.0,
-            device=str(eng.device),
-            model=eng.model_name,
-            dtype=str(eng.dtype).removeprefix("torch."),
-            random_weights=eng.random_weights,
-            gpu_util_pct=self.gpumon.mean_util_pct,
-            gpu_mem_max_bytes=self.gpumon.max_mem_bytes,
-            main_process_cores=((self.cpu_end or time.process_time()) - self.cpu0) / wall if wall > 0 else None,
-            graphs=eng.runner.info.format() if eng.runner is not None and eng.runner.info else "",
-            gpu_decode=self._gpu_decode_summary(),
-        )
-
-    def _gpu_decode_summary(self) -> str:
-        """One line: which GPU JPEG decoder ran where, and the share of eligible JPEGs it decoded."""
-        eng = self.engine
-        if eng.gpu_decoder is None:
-            return ""
-        name = {"hardware": "the GPU's JPEG engines (nvImageCodec)", "nvjpeg": "nvJPEG (torchvision)"}.get(
-            getattr(eng.gpu_decoder, "kind", None), type(eng.gpu_decoder).__name__
-        )
-        where = f"{len(self.gpu_procs)} GPU decoder processes" if self.gpu_procs else "a thread of this process"
-        gpu, cpu = (eng.splitter.routed[k] - self._routed0[k] for k in ("gpu", "cpu"))
-        share = f" ({gpu / (gpu + cpu):.0%})" if gpu + cpu else ""
-        if not self.gpu_procs:
-            return (
-                f"GPU decode: {name} in {where}; {gpu} of {gpu + cpu} eligible JPEGs{share} sent there, "
-                "the rest decoded on the CPU"
-            )
-        on_cpu = sum(p.times["cpu_decoded"] for p in self.gpu_procs) - self._gpu_cpu0
-        from ...core.mps import started_here
-
-        mps = (
-            "as clients of a CUDA MPS server" + (" started for this run" if started_here() else "")
-            if self.gpu_mps
-            else "time-slicing the GPU (no CUDA MPS server found: see the README's GPU JPEG decoding section)"
-        )
-        return (
-            f"GPU decode: {name} in {where}, {mps}; {gpu} of {gpu + cpu} JPEGs{share} sent there ({on_cpu} "
-            "of them to those processes' CPU decoder: not for the GPU decoder or refused by it), the rest "
-            "decoded by the CPU decoder processes"
-        )
+        """What the run did so far (:func:`~fullthrottle.workloads.classify.run_report.run_report`)."""
+        return run_report(self)
