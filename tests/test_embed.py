@@ -129,6 +129,7 @@ def test_cli_embed_npy_and_jsonl(tmp_path, emb, capsys):
     assert main([*args, "--report-json", str(tmp_path / "r.json")]) == 0
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["unit"] == "text" and rep["items"] == rep["ok"] == 4 and rep["items_per_s"] > 0
+    assert "images_per_s" not in rep and rep["notes"] == ["1 text truncated to 256 tokens"]
     assert [(s["stage"], s["items"]) for s in rep["stages"]] == [("tokenize", 4), ("compute", 4), ("respond", 4)]
     assert rep["verdict"] and "text/s on cpu" in capsys.readouterr().err
     assert main([*args, "--report-json", str(tmp_path / "nowhere" / "r.json")]) == 2

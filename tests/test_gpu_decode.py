@@ -290,8 +290,7 @@ def test_gpu_process_request_written_with_pwritev(monkeypatch, short):
                 return real(f, [data], off) if data else 0
 
             monkeypatch.setattr(gw.os, "pwritev", pwritev)
-        monkeypatch.setattr(gw, "_IOV_MAX", 3)  # two system calls for 4 images
-        msg = gw.encode_request(items, arena, 1000, fd)
+        msg = gw.encode_request(items, arena, 1000, fd, iov_max=3)  # two system calls for 4 images
         back = gw.decode_request(bytearray(msg), arena)
         assert [(bytes(d), r) for d, r in back] == items
         if short is not None:

@@ -384,7 +384,7 @@ def test_a_workload_of_ones_own_is_served_batched_across_requests():
     """A fullthrottle.Workload subclass at POST /v1/<name>: the requests of 12 concurrent clients share
     predict() calls; an item that fails costs only itself; malformed requests get 400/413; the
     workload's stage shows in /metrics; a class that breaks the contract is refused at start."""
-    from toy_workload import Summer
+    from toy_workload import Fragile, Summer
 
     from fullthrottle.server.workload_routes import load_workload
 
@@ -407,6 +407,19 @@ def test_a_workload_of_ones_own_is_served_batched_across_requests():
         assert httpx.post(s.url + "/v1/sum", json={"inputs": [[1, 1, 1, 1]] * 9}).status_code == 413
         metrics = httpx.get(s.url + "/metrics").text
         assert re.search(r'stage_busy_percent\{replica="0",stage="predict",workload="sum"\} [0-9.]+', metrics)
+    f = Fragile()
+    with Server(Tiny(), ServeOptions(workloads=(f,))) as s:
+        ask = lambda body: httpx.post(s.url + "/v1/fragile", json=body, timeout=30)  # noqa: E731
+        r = ask({"inputs": [[1, 1, 1, 1]] * 10})  # one request over max_batch: run 4 + 4 + 2
+        assert r.status_code == 200 and [x["output"] for x in r.json()["results"]] == [4.0] * 10
+        assert f.calls == [4, 4, 2]
+        r = ask({"inputs": ["boom"]})  # cost() raised: this request's 500, the route lives on
+        assert r.status_code == 500 and "cost() failed: KeyError" in r.json()["detail"]
+        r = ask({"inputs": ["tensor"]})
+        assert r.status_code == 500 and "the response is not JSON" in r.json()["detail"]
+        r = httpx.post(s.url + "/v1/fragile", content=b'{"inputs": [[NaN, 1, 2, 3]]}')
+        assert r.status_code == 400 and "NaN" in r.json()["detail"]
+        assert ask({"inputs": [[1, 2, 3, 4]]}).json()["results"] == [{"output": 10.0}]
     assert isinstance(load_workload("toy_workload:Summer"), Summer)
     from fullthrottle.cli import main
 
@@ -416,6 +429,7 @@ def test_a_workload_of_ones_own_is_served_batched_across_requests():
         ("no_such_module_x:Y", "cannot import no_such_module_x"),
         ("toy_workload:Nope", "toy_workload has no Nope"),
         ("toy_workload:Broken", "Broken.name must be"),
+        ("toy_workload:NoPredict", "NoPredict does not define predict"),
     ]:
         with pytest.raises(ValueError, match=msg):
             load_workload(spec)

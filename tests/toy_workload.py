@@ -40,3 +40,31 @@ class Summer(Workload):
 
 class Broken:
     name = "Bad Name"
+
+
+class Fragile(Summer):
+    """Batches of at most 4 items, a cost budget; 'boom' breaks cost(), 'tensor' makes predict()
+    return what JSON cannot hold."""
+
+    name = "fragile"
+    max_batch = 4
+    max_batch_cost = 100
+    max_items_per_request = 16
+
+    def cost(self, item):
+        if item == "boom":
+            raise KeyError("boom")
+        return 1
+
+    def predict(self, items):
+        if "tensor" in items:
+            self.calls.append(len(items))
+            return [torch.zeros(1)] * len(items)
+        return super().predict(items)
+
+
+class NoPredict(Workload):
+    name = "nopredict"
+
+    def decode_request(self, body):
+        return [body]

@@ -26,14 +26,11 @@ from e2e_cpu_decode import _worker_stats  # noqa: E402
 def measure(procs: int, seconds: float, blobs: list[bytes], malloc_env: bool) -> dict:
     import fullthrottle.data.preprocess_procs as pp
 
-    saved = pp.MALLOC_ENV
-    pp.MALLOC_ENV = saved if malloc_env else {}
     stats = tempfile.mkdtemp(prefix="ft-rate-")
     os.environ[pp.STATS_ENV] = os.path.join(stats, "w")
     try:
-        pool = pp.DecoderPool(procs, rows=procs)
+        pool = pp.DecoderPool(procs, rows=procs, malloc_env=None if malloc_env else {})
     finally:
-        pp.MALLOC_ENV = saved
         os.environ.pop(pp.STATS_ENV)
     counts = [0] * procs
     start = threading.Barrier(procs + 1)

@@ -150,6 +150,14 @@ def cmd_embed(args) -> int:
         gpu_mem_max_bytes=mon.max_mem_bytes,
         unit="text",
     )
+    if not_utf8:
+        lines = ", ".join(map(str, not_utf8[:10])) + (f" and {len(not_utf8) - 10} more" if len(not_utf8) > 10 else "")
+        rep.notes.append(
+            f"{len(not_utf8)} line{'s' * (len(not_utf8) > 1)} not valid UTF-8 (line {lines}): embedded "
+            "with each invalid byte read as U+FFFD"
+        )
+    if n_trunc:
+        rep.notes.append(f"{n_trunc} text{'s' * (n_trunc > 1)} truncated to {emb.max_seq_length} tokens")
     print(rep.format(), file=sys.stderr)
     if args.report_json is not None:
         try:
@@ -158,13 +166,5 @@ def cmd_embed(args) -> int:
         except OSError as e:
             print(f"fullthrottle: error: cannot write {args.report_json}: {e.strerror or e}", file=sys.stderr)
             return 2
-    if not_utf8:
-        lines = ", ".join(map(str, not_utf8[:10])) + (f" and {len(not_utf8) - 10} more" if len(not_utf8) > 10 else "")
-        print(
-            f"WARNING: {len(not_utf8)} line{'s' * (len(not_utf8) > 1)} not valid UTF-8 (line {lines}): embedded "
-            "with each invalid "
-            "byte read as U+FFFD",
-            file=sys.stderr,
-        )
-    print(f"{n_trunc} texts truncated to {emb.max_seq_length} tokens; wrote {args.out}", file=sys.stderr)
+    print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -143,7 +143,7 @@ def cmd_generate(args) -> int:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
         return 2
     wall = time.perf_counter() - t_gen
-    print(file=sys.stdout)
+    print(file=sys.stdout, flush=True)  # (the tokens' line ends before the summary on stderr)
     rep = Report(
         items=st.new_tokens,
         ok=st.new_tokens,
@@ -156,7 +156,7 @@ def cmd_generate(args) -> int:
     )
     print(rep.format(), file=sys.stderr)
     print(
-        f"{st.new_tokens} tokens in {st.decode_s:.2f} s = {st.tokens_per_s:.1f} tok/s (decode), prefill "
+        f"decode alone: {st.new_tokens} tokens in {st.decode_s:.2f} s = {st.tokens_per_s:.1f} token/s; prefill "
         f"{1e3 * st.prefill_s:.1f} ms; ready in {ready_s:.2f} s (graphs: {sorted(gen.graphs) or 'off'}) "
         f"on {device}",
         file=sys.stderr,

@@ -140,6 +140,8 @@ class Report:
     main_process_cores: float | None = None
     #: what an item is, for the rate: "img" (classify), "text" (embed), "token" (generate)
     unit: str = "img"
+    #: warnings about the run's input (lines not UTF-8, texts truncated), one line each
+    notes: list[str] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -160,6 +162,17 @@ class Report:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else 0.0
 
     def to_dict(self) -> dict:
+        d = self._dict()
+        if self.unit != "img":  # (image-only figures left out of the text workloads' reports)
+            for k in (
+                "images_per_s",
+                "gpu_decode",
+                *(() if self.latencies_ms else ("latency_p50_ms", "latency_p99_ms")),
+            ):
+                d.pop(k)
+        return d
+
+    def _dict(self) -> dict:
         return {
             "items": self.items,
             "ok": self.ok,
@@ -183,6 +196,7 @@ class Report:
             "gpu_mem_max_bytes": self.gpu_mem_max_bytes,
             "main_process_cores": self.main_process_cores,
             "verdict": self.verdict,
+            "notes": self.notes,
         }
 
     def format(self) -> str:
@@ -218,4 +232,5 @@ class Report:
             lines.append(self.gpu_decode)
         if self.random_weights:
             lines.append("NOTE: the model has random weights (no --weights given): labels are meaningless.")
+        lines += [f"NOTE: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -44,9 +44,10 @@ class Workload:
     Attributes:
         name: the route (``POST /v1/<name>``) and the ``workload`` label of its metrics: lowercase
             letters, digits, ``-`` and ``_``.
-        max_batch: most items in one :meth:`predict` call.
-        max_batch_cost: most total :meth:`cost` in one call (``None``: no budget), as
-            text-embeddings-inference's ``--max-batch-tokens``.
+        max_batch: most items in one :meth:`predict` call (a request with more is run in several).
+        max_batch_cost: most total :meth:`cost` of the requests batched together (``None``: no
+            budget), as text-embeddings-inference's ``--max-batch-tokens``; a request over it alone
+            runs by itself (bound it with :attr:`max_items_per_request`).
         max_wait_ms: how long a batch waits for more requests once its first has arrived.
         max_items_per_request: a request with more items gets 413.
         stats: stage counters (:class:`~fullthrottle.core.report.StageStats`) the workload keeps, by
@@ -65,18 +66,19 @@ class Workload:
         says it is ready. Raise to stop the server from starting (the message is shown)."""
 
     def decode_request(self, body: dict) -> list:
-        """The items of one request's JSON body (a dict). Raise ``ValueError`` for a malformed
-        request: the client gets 400 with the message."""
+        """The items of one request's JSON body (a dict), as a list. Raise ``ValueError`` for a
+        malformed request: the client gets 400 with the message (any other exception: 500)."""
         raise NotImplementedError
 
     def cost(self, item) -> int:
-        """What ``item`` adds to a batch's :attr:`max_batch_cost` (tokens, pixels); default 1."""
+        """What ``item`` adds to a batch's :attr:`max_batch_cost` (tokens, pixels); default 1. Asked
+        once per item, on the batching thread; an exception fails the item's request (500)."""
         return 1
 
     def predict(self, items: list) -> list:
-        """One output per item, in order, for items of one or more requests. An output that is an
-        :class:`ItemError` fails its item only; an exception raised fails every request of the batch
-        (each gets 500 with the message)."""
+        """One output per item, in order, for items of one or more requests; each output JSON-able
+        (convert tensors: ``.tolist()``). An output that is an :class:`ItemError` fails its item only;
+        an exception raised fails every request of the batch (each gets 500 with the message)."""
         raise NotImplementedError
 
     def encode_response(self, outputs: list) -> dict:
@@ -96,6 +98,9 @@ def check_workload(w) -> None:
     for attr in ("decode_request", "predict", "encode_response", "setup", "cost"):
         if not callable(getattr(w, attr, None)):
             raise ValueError(f"{type(w).__name__} has no method {attr}() (subclass fullthrottle.Workload)")
+    for attr in ("decode_request", "predict"):  # (the two a workload must write itself)
+        if getattr(type(w), attr, None) is getattr(Workload, attr):
+            raise ValueError(f"{type(w).__name__} does not define {attr}()")
     for attr in ("max_batch", "max_items_per_request"):
         v = getattr(w, attr, None)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:

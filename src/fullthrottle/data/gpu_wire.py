@@ -30,14 +30,17 @@ _TIMES = struct.Struct("<ddI")  # reply: seconds the process spent launching the
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
-def encode_request(items: Sequence[tuple[bytes, int]], arena=None, base: int = 0, fd: int | None = None) -> bytes:
+def encode_request(
+    items: Sequence[tuple[bytes, int]], arena=None, base: int = 0, fd: int | None = None, iov_max: int = _IOV_MAX
+) -> bytes:
     """A batch request. With ``arena`` (a writable buffer) the bytes are copied there from ``base``,
     back to back, and only their lengths travel; without, they follow the request.
 
     With ``fd`` (the file behind ``arena``: a memfd) the copy is ``os.pwritev``: one system call for
     the batch, made without the GIL, where a slice assignment per image holds it for a memcpy of the
-    image (~100 kB), time taken from every other thread of the pipeline. ``items``' data: bytes-like
-    with one-byte items (``bytes``, ``bytearray``).
+    image (~100 kB), time taken from every other thread of the pipeline (``iov_max`` buffers per
+    call at most: the system's IOV_MAX). ``items``' data: bytes-like with one-byte items (``bytes``,
+    ``bytearray``).
 
     Raises:
         ValueError: the bytes do not fit in ``arena`` from ``base``.
@@ -52,7 +55,7 @@ def encode_request(items: Sequence[tuple[bytes, int]], arena=None, base: int = 0
     off, k = base, 0
     if fd is not None and hasattr(os, "pwritev"):
         while k < len(items):
-            chunk = [d for d, _ in items[k : k + _IOV_MAX]]
+            chunk = [d for d, _ in items[k : k + iov_max]]
             want = sum(len(d) for d in chunk)
             done = os.pwritev(fd, chunk, off)
             if done != want:  # a short write: the rest by hand, from the first image it cut

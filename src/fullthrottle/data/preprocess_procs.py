@@ -83,6 +83,8 @@ class DecoderProcess:
         pool: the shared crop rows the worker writes into; ``None``: a private pool of one row.
         scratch_row: the pool row that :meth:`__call__` uses (this worker's own).
         max_file_bytes: largest file the worker reads for a path request (``send(..., is_path=True)``).
+        malloc_env: glibc malloc settings for the worker (default :data:`MALLOC_ENV`; ``{}``: glibc's
+            own); settings already in the environment win.
 
     Not thread-safe: one caller thread per process.
     """
@@ -96,7 +98,9 @@ class DecoderProcess:
         pool: CropPool | None = None,
         scratch_row: int | None = None,
         max_file_bytes: int = 256 << 20,
+        malloc_env: dict | None = None,
     ):
+        self.malloc_env = MALLOC_ENV if malloc_env is None else malloc_env
         self._own_pool = pool is None
         if pool is None:
             pool, scratch_row = CropPool(0, crop_size, scratch=1), 0
@@ -128,7 +132,7 @@ class DecoderProcess:
         # granted (it reports twice the payload it accepts; the rest is bookkeeping)
         self.queue_bytes = parent.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        env.update({k: v for k, v in MALLOC_ENV.items() if k not in os.environ})  # the user's settings win
+        env.update({k: v for k, v in self.malloc_env.items() if k not in os.environ})  # the user's settings win
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -277,6 +281,7 @@ class DecoderPool:
         n: worker processes.
         rows: crop rows shared by all workers (:attr:`crops`), handed out per item; bounds how many
             decoded crops can wait for the GPU (each row is ``S * S * 3`` bytes: 147 KiB at 224).
+        malloc_env: the workers' glibc malloc settings (:class:`DecoderProcess`).
 
     Raises:
         RuntimeError: a worker could not start (its import failed), with its exit code.
@@ -290,6 +295,7 @@ class DecoderPool:
         max_pixels: int = 89_478_485,
         rows: int = 256,
         max_file_bytes: int = 256 << 20,
+        malloc_env: dict | None = None,
     ):
         self.workers: list[DecoderProcess] = []
         self.crops = CropPool(rows, crop_size, scratch=n)
@@ -306,6 +312,7 @@ class DecoderPool:
                     pool=self.crops,
                     scratch_row=rows + i,
                     max_file_bytes=max_file_bytes,
+                    malloc_env=malloc_env,
                 )
                 with lock:
                     if self._closing:  # start-up was abandoned (Ctrl-C): don't leave this one behind

@@ -149,8 +149,9 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     )
 
     def reply(route: str, status: int, body: dict, headers: dict | None = None):
+        r = JSONResponse(body, status_code=status, headers=headers)  # (raises for what is not JSON: uncounted)
         m_requests.labels(route, str(status)).inc()
-        return JSONResponse(body, status_code=status, headers=headers)
+        return r
 
     if opts.api_keys:
 

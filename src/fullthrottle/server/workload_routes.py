@@ -63,6 +63,7 @@ class _Request:
     items: list
     loop: asyncio.AbstractEventLoop
     fut: asyncio.Future
+    error: BaseException | None = None  # cost() failed for it
 
 
 class WorkloadService:
@@ -83,7 +84,7 @@ class WorkloadService:
             workload.max_batch_cost,
             workload.max_wait_ms / 1e3,
             size=lambda r: len(r.items),
-            tokens=lambda r: sum(workload.cost(x) for x in r.items) if workload.max_batch_cost else 0,
+            tokens=self._cost,
         )
         #: the workload's own stage counters, and this service's "predict" (its predict calls)
         self.stats = {**(getattr(workload, "stats", None) or {}), "predict": StageStats("predict")}
@@ -102,25 +103,50 @@ class WorkloadService:
             raise Overloaded(f"queue full ({self.q.maxsize} requests waiting)") from None
         return fut
 
+    def _cost(self, r: _Request) -> int:
+        """The request's cost in the batch budget; 0 with its error kept when ``cost()`` raised."""
+        if not self.workload.max_batch_cost or r.fut.done():
+            return 0
+        try:
+            return sum(int(self.workload.cost(x)) for x in r.items)
+        except Exception as e:  # noqa: BLE001 - the workload's bug costs this request, not the service
+            r.error = RuntimeError(f"cost() failed: {type(e).__name__}: {e}")
+            return 0
+
+    def _predict(self, items: list) -> list:
+        """``predict`` on ``items``, in calls of at most ``max_batch`` (one request may hold more)."""
+        w, outs = self.workload, []
+        for i in range(0, len(items), w.max_batch):
+            part = items[i : i + w.max_batch]
+            got = list(w.predict(part))
+            if len(got) != len(part):
+                raise RuntimeError(f"predict() returned {len(got)} outputs for {len(part)} items")
+            outs += got
+            self.batches += 1
+        return outs
+
     def _loop(self) -> None:
         st = self.stats["predict"]
         while not self._stop.is_set():
-            reqs = [r for r in self.batcher.next() if not r.fut.done()]  # (skip callers that gave up)
+            reqs = []
+            for r in self.batcher.next():
+                if r.error is not None:
+                    r.loop.call_soon_threadsafe(_set, r.fut, None, r.error)
+                elif not r.fut.done():  # (skip callers that gave up)
+                    reqs.append(r)
             if not reqs:
                 continue
             items = [x for r in reqs for x in r.items]
             st.begin()
             try:
-                outs = list(self.workload.predict(items))
-                if len(outs) != len(items):
-                    raise RuntimeError(f"predict() returned {len(outs)} outputs for {len(items)} items")
+                outs = self._predict(items)
             except Exception as e:  # noqa: BLE001 - every request of the batch is answered
+                err = RuntimeError(f"predict() failed: {type(e).__name__}: {e}")
                 for r in reqs:
-                    r.loop.call_soon_threadsafe(_set, r.fut, None, e)
+                    r.loop.call_soon_threadsafe(_set, r.fut, None, err)
                 continue
             finally:
                 st.end(len(items))
-            self.batches += 1
             k = 0
             for r in reqs:
                 r.loop.call_soon_threadsafe(_set, r.fut, outs[k : k + len(r.items)], None)
@@ -129,6 +155,10 @@ class WorkloadService:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(60)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 def _set(fut: asyncio.Future, value, error: BaseException | None) -> None:
@@ -166,15 +196,19 @@ def add_workload_routes(app, workloads, state: dict, opts, reply, m_latency) -> 
                 w = svc.workload
                 body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
                 try:
-                    payload = json.loads(body)
+                    payload = json.loads(body, parse_constant=_no_constant)
                 except ValueError:
-                    raise HTTPError(400, "malformed JSON body") from None
+                    raise HTTPError(400, "malformed JSON body (NaN and Infinity are not JSON)") from None
                 if not isinstance(payload, dict):
                     raise HTTPError(400, "the body must be a JSON object")
                 try:
-                    items = list(w.decode_request(payload))
+                    items = w.decode_request(payload)
                 except ValueError as e:
                     raise HTTPError(400, str(e) or "bad request") from None
+                except Exception as e:  # noqa: BLE001 - the workload's bug: say so, as JSON
+                    raise HTTPError(500, f"decode_request() failed: {type(e).__name__}: {e}") from None
+                if not isinstance(items, (list, tuple)):
+                    raise HTTPError(500, f"decode_request() must return a list, got {type(items).__name__}")
                 if not items:
                     raise HTTPError(400, "no items in the request")
                 if len(items) > w.max_items_per_request:
@@ -187,14 +221,19 @@ def add_workload_routes(app, workloads, state: dict, opts, reply, m_latency) -> 
                     outs = await asyncio.wait_for(fut, opts.timeout_s)
                 except TimeoutError:
                     raise HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
-                except Exception as e:  # noqa: BLE001 - predict() failed for the whole batch
-                    raise HTTPError(500, f"{name} failed: {type(e).__name__}: {e}") from None
+                except Exception as e:  # noqa: BLE001 - cost() or predict() failed for the whole batch
+                    raise HTTPError(500, f"{name}: {e}") from None
                 try:
                     answer = w.encode_response(outs)
                 except ValueError as e:
                     raise HTTPError(422, str(e)) from None
+                except Exception as e:  # noqa: BLE001
+                    raise HTTPError(500, f"encode_response() failed: {type(e).__name__}: {e}") from None
                 status = 422 if all(isinstance(o, ItemError) for o in outs) else 200
-                return reply(route, status, answer)
+                try:
+                    return reply(route, status, answer)
+                except (TypeError, ValueError) as e:  # not JSON (a tensor, NaN): the workload must convert it
+                    raise HTTPError(500, f"the response is not JSON: {type(e).__name__}: {e}") from None
             except HTTPError as e:
                 return reply(route, e.status, {"detail": e.detail}, e.headers)
             finally:
