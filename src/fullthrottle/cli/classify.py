@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .common import _close_out, _gpu_decode_settings, _silence_stdout, sample_photos
+from .common import _close_out, _gpu_decode_settings, _silence_stdout, sample_photos, write_report_json
 
 
 def _shown(s: str) -> str:
@@ -250,11 +250,6 @@ def cmd_classify(args) -> int:
     print(rep.format(), file=sys.stderr)
     if device.type == "cuda":
         print(f"GPU: {torch.cuda.get_device_name(device)}", file=sys.stderr)
-    if args.report_json:
-        try:
-            with open(args.report_json, "w", encoding="utf-8") as f:
-                json.dump(rep.to_dict(), f, indent=2)
-        except OSError as e:
-            print(f"fullthrottle: error: cannot write {args.report_json}: {e.strerror or e}", file=sys.stderr)
-            return 2
+    if not write_report_json(rep, args.report_json):
+        return 2
     return 1 if failed else 0

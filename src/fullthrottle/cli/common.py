@@ -69,3 +69,19 @@ def _close_out(out) -> str | None:
     except OSError as e:
         return e.strerror or str(e)
     return None
+
+
+def write_report_json(rep, path: str | None) -> bool:
+    """Write a run's :class:`~fullthrottle.core.report.Report` as JSON to ``path`` (None: nothing);
+    False (the reason printed) when it cannot be written."""
+    import json
+
+    if path is None or path == "":
+        return True
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(rep.to_dict(), f, indent=2)
+    except OSError as e:
+        print(f"fullthrottle: error: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        return False
+    return True

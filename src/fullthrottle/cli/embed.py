@@ -50,6 +50,7 @@ def cmd_embed(args) -> int:
     from ..core.gpumon import GpuMonitor
     from ..core.report import Report, StageStats
     from ..workloads.embed import Embedder
+    from .common import write_report_json
 
     if not (args.out.endswith(".npy") or args.out.endswith(".jsonl")):
         print("fullthrottle: error: --out must end in .npy or .jsonl", file=sys.stderr)
@@ -159,12 +160,7 @@ def cmd_embed(args) -> int:
     if n_trunc:
         rep.notes.append(f"{n_trunc} text{'s' * (n_trunc > 1)} truncated to {emb.max_seq_length} tokens")
     print(rep.format(), file=sys.stderr)
-    if args.report_json is not None:
-        try:
-            with open(args.report_json, "w", encoding="utf-8") as f:
-                json.dump(rep.to_dict(), f, indent=2)
-        except OSError as e:
-            print(f"fullthrottle: error: cannot write {args.report_json}: {e.strerror or e}", file=sys.stderr)
-            return 2
+    if not write_report_json(rep, args.report_json):
+        return 2
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
