@@ -420,10 +420,17 @@ def test_a_workload_of_ones_own_is_served_batched_across_requests():
         r = httpx.post(s.url + "/v1/fragile", content=b'{"inputs": [[NaN, 1, 2, 3]]}')
         assert r.status_code == 400 and "NaN" in r.json()["detail"]
         assert ask({"inputs": [[1, 2, 3, 4]]}).json()["results"] == [{"output": 10.0}]
+    with Server(Tiny(), ServeOptions(workloads=(Summer(),), classify=False)) as s:  # only one's own
+        ready = httpx.get(s.url + "/readyz").json()
+        assert ready == {"status": "ready", "workloads": ["sum"]}
+        r = post_image(s.url, b"\xff\xd8")
+        assert r.status_code == 404 and "--no-classify" in r.json()["detail"]
+        assert httpx.post(s.url + "/v1/sum", json={"inputs": [[1, 2, 3, 4]]}).json()["results"] == [{"output": 10.0}]
     assert isinstance(load_workload("toy_workload:Summer"), Summer)
     from fullthrottle.cli import main
 
     assert main(["serve", "--workload", "toy_workload:Broken", "--device", "cpu"]) == 2  # before any model loads
+    assert main(["serve", "--no-classify", "--device", "cpu"]) == 2  # nothing to serve
     for spec, msg in [
         ("toy_workload", "must be MODULE:CLASS"),
         ("no_such_module_x:Y", "cannot import no_such_module_x"),

@@ -176,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also serve POST /v1/embeddings with this sentence-transformers folder ('default': all-MiniLM-L6-v2)",
     )
     v.add_argument(
+        "--classify",
+        action=argparse.BooleanOptionalAction,
+        default=_SO.classify,
+        help="serve POST /v1/classify (the image model loads at start); --no-classify serves only the "
+        "other routes, such as --workload or --embed-model (default: on)",
+    )
+    v.add_argument(
         "--workload",
         action="append",
         default=[],

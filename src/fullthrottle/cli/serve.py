@@ -78,6 +78,8 @@ def cmd_serve(args) -> int:
         workloads = tuple(load_workload(spec) for spec in args.workload)  # (imported before the model loads)
         if len({w.name for w in workloads}) < len(workloads):
             raise ValueError(f"--workload: two workloads named alike ({', '.join(w.name for w in workloads)})")
+        if not args.classify and not (workloads or args.embed_model or args.llm_model_dir):
+            raise ValueError("--no-classify leaves nothing to serve: add --workload, --embed-model or --llm-model-dir")
         if workloads and getattr(args, "ray", None):
             raise ValueError("--workload is not served through --ray (run the server without it)")
         keys = load_keys(args.api_key, args.api_key_file)
@@ -165,6 +167,7 @@ def cmd_serve(args) -> int:
             embed_model=args.embed_model,
             llm=llm,
             workloads=workloads,
+            classify=args.classify,
             **guard,
         ),
         max_connections=args.max_connections,

@@ -118,8 +118,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 services.append(BatchingService(pipe, opts.max_queue))
             return services
 
-        state["services"] = await asyncio.to_thread(build)
-        if state["services"][0].pipeline.engine.random_weights:
+        state["services"] = await asyncio.to_thread(build) if opts.classify else []
+        if state["services"] and state["services"][0].pipeline.engine.random_weights:
             log.warning("the model has random weights (no --weights given): its labels are meaningless")
         if opts.llm is not None:
             state["llm"] = CompletionService(*opts.llm, max_queue=opts.max_queue)
@@ -176,17 +176,15 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         if not state["ready"]:
             return reply("/readyz", 503, {"status": "loading"})
         engines = [svc.pipeline.engine for svc in state["services"]]
-        return reply(
-            "/readyz",
-            200,
-            {
-                "status": "ready",
+        body = {"status": "ready", "workloads": sorted(state.get("workloads", {}))}
+        if engines:  # (classification served)
+            body |= {
                 "devices": [str(e.device) for e in engines],
                 "model": engines[0].model_name,
                 "random_weights": engines[0].random_weights,  # (labels meaningless: no --weights given)
                 "graphs": [e.runner.info.format() if e.runner else f"off ({e.device.type}: eager)" for e in engines],
-            },
-        )
+            }
+        return reply("/readyz", 200, body)
 
     @app.get("/metrics")
     async def metrics():
@@ -286,6 +284,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         try:
             if not state["ready"]:
                 raise _HTTPError(503, "model is loading", {"Retry-After": str(opts.retry_after_s)})
+            if not opts.classify:
+                raise _HTTPError(404, "image classification is not served (the server was started with --no-classify)")
             images = await read_images(request)
             n_new = sum(not isinstance(data, _FetchError) for _, data in images)
             if n_new > opts.max_queue:  # (a 503 would ask for a retry that can never succeed)

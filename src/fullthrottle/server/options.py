@@ -37,6 +37,8 @@ class ServeOptions:
         max_request_pixels: most pixels the images of one classify request hold together (413).
         embed_model: serve ``POST /v1/embeddings`` with this sentence-transformers folder ("default":
             all-MiniLM-L6-v2); None leaves the route off.
+        classify: serve ``POST /v1/classify`` (the image model loads at start); False: only the
+            other routes (embeddings, completions, workloads).
         workloads: :class:`~fullthrottle.core.workload.Workload` objects of the user's own, each served
             at ``POST /v1/<name>`` with cross-request batching (set up in the server's start).
         devices: one model replica (its own pipeline) per device; default: every visible GPU when the
@@ -61,3 +63,4 @@ class ServeOptions:
     embed_model: str | None = None
     llm: object | None = None  # a (Generator, tokenizer or None) pair: serves POST /v1/completions
     workloads: tuple = ()
+    classify: bool = True
