@@ -25,26 +25,24 @@ def port_number(s: str) -> int:
     return v
 
 
-def positive_float(s: str) -> float:
-    """A finite number > 0 (``nan`` and ``inf`` refused)."""
+def _finite(s: str, zero_ok: bool) -> float:
     try:
         v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {s!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if zero_ok else '>'} 0, got {s}")
     return v
+
+
+def positive_float(s: str) -> float:
+    """A finite number > 0 (``nan`` and ``inf`` refused)."""
+    return _finite(s, zero_ok=False)
 
 
 def nonnegative_float(s: str) -> float:
     """A finite number >= 0 (``nan`` and ``inf`` refused)."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {s!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
-    return v
+    return _finite(s, zero_ok=True)
 
 
 def positive_int(s: str) -> int:
