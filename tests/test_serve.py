@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -71,9 +72,11 @@ def test_concurrent_clients_get_library_results_and_share_batches(samples):
             assert [t["class_id"] for t in top] == ref[name].class_ids
             assert [t["prob"] for t in top] == pytest.approx(ref[name].probs, abs=1e-5)
         metrics = httpx.get(s.url + "/metrics").text
-        count = float(re.search(r"fullthrottle_batch_size_count (\S+)", metrics).group(1))
-        ones = float(re.search(r'fullthrottle_batch_size_bucket\{le="1.0"\} (\S+)', metrics).group(1))
-        total = float(re.search(r"fullthrottle_batch_size_sum (\S+)", metrics).group(1))
+        count = float(re.search(r'fullthrottle_batch_size_count\{workload="classify"\} (\S+)', metrics).group(1))
+        ones = float(
+            re.search(r'fullthrottle_batch_size_bucket\{le="1.0",workload="classify"\} (\S+)', metrics).group(1)
+        )
+        total = float(re.search(r'fullthrottle_batch_size_sum\{workload="classify"\} (\S+)', metrics).group(1))
         assert total == 40 and count < 40 and ones < count  # some batches held more than one request
         assert 'fullthrottle_requests_total{route="/v1/classify",status="200"} 40.0' in metrics
 
@@ -407,6 +410,8 @@ def test_a_workload_of_ones_own_is_served_batched_across_requests():
         assert httpx.post(s.url + "/v1/sum", json={"inputs": [[1, 1, 1, 1]] * 9}).status_code == 413
         metrics = httpx.get(s.url + "/metrics").text
         assert re.search(r'stage_busy_percent\{replica="0",stage="predict",workload="sum"\} [0-9.]+', metrics)
+        got = re.search(r'fullthrottle_batch_size_sum\{workload="sum"\} (\S+)', metrics)  # the batches formed
+        assert got and float(got.group(1)) == sum(w.calls)
     f = Fragile()
     with Server(Tiny(), ServeOptions(workloads=(f,))) as s:
         ask = lambda body: httpx.post(s.url + "/v1/fragile", json=body, timeout=30)  # noqa: E731
@@ -440,3 +445,50 @@ def test_a_workload_of_ones_own_is_served_batched_across_requests():
     ]:
         with pytest.raises(ValueError, match=msg):
             load_workload(spec)
+
+
+def test_a_workload_whose_setup_fails_ends_the_server_with_its_own_traceback():
+    """setup() raising: the server exits with status 3 and says which workload failed, with the
+    frames of the user's code and not the web framework's."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run(
+        [sys.executable, "-m", "fullthrottle.cli", "serve", "--no-classify", "--port", "0"]
+        + ["--workload", "toy_workload:BadSetup", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert p.returncode == 3, p.stderr
+    assert "workload 'badsetup': setup() failed:" in p.stderr, p.stderr
+    assert "toy_workload.py" in p.stderr and "FileNotFoundError: /nonexistent/weights.pt" in p.stderr
+    assert "starlette" not in p.stderr and "asyncio" not in p.stderr
+
+
+def test_a_hanging_predict_does_not_hold_up_shutdown(caplog):
+    """close() waits a bounded time for a predict() call that never returns, and says so."""
+    from toy_workload import Hanging
+
+    from fullthrottle.server.workload_routes import WorkloadService
+
+    w = Hanging()
+    w.setup("cpu")
+    svc = WorkloadService(w)
+
+    async def submit():
+        return svc.submit([1])
+
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(submit())
+        assert w.entered.wait(10)
+        t0 = time.perf_counter()
+        svc.close(timeout_s=0.5)
+        assert time.perf_counter() - t0 < 2
+        assert "predict() still running" in caplog.text
+    finally:
+        w.release.set()
+        svc._thread.join(10)  # (its answer goes to the loop before the loop closes)
+        loop.close()

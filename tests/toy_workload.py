@@ -38,6 +38,30 @@ class Summer(Workload):
         return out
 
 
+class BadSetup(Summer):
+    name = "badsetup"
+
+    def setup(self, device):
+        raise FileNotFoundError("/nonexistent/weights.pt")
+
+
+class Hanging(Summer):
+    """predict() blocks until ``release`` is set."""
+
+    name = "hanging"
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def predict(self, items):
+        self.entered.set()
+        self.release.wait(60)
+        return super().predict(items)
+
+
 class Broken:
     name = "Bad Name"
 

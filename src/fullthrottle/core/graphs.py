@@ -1,4 +1,6 @@
-"""Where CUDA graphs are captured and replayed: one graph per batch bucket, one shared memory pool.
+"""Where CUDA graphs are captured and replayed, for every workload: :class:`GraphSet` (graphs keyed by
+shape in one shared memory pool: the LLM's decode steps use it directly) and :class:`GraphRunner` (a
+function of a batch run through batch buckets, one graph per bucket: images, embeddings).
 
 At batch 1 an eager ResNet18 forward costs the host a few milliseconds of kernel launches while the
 GPU needs far less, so replayed it runs several times faster (see docs/performance.md). A replay
@@ -61,6 +63,80 @@ class GraphInfo:
         return out
 
 
+class GraphSet:
+    """CUDA graphs keyed by shape (any hashable key: a batch bucket, or (bucket, sampler, KV length)),
+    written once for every workload: warm-up on one persistent side stream, capture with
+    ``capture_error_mode="thread_local"`` into one shared memory pool, replay on that stream's order.
+
+    Capture the largest shape first (the caller's order): later, smaller graphs reuse its memory.
+    Graphs of one pool must never replay at the same time; a replay overwrites the outputs of the
+    graph replayed (consume them, in stream order, before its next replay).
+
+    Args:
+        device: a CUDA device.
+        warmup: eager calls before each capture (cuDNN/cuBLAS pick their kernels, workspaces are allocated).
+    """
+
+    def __init__(self, device: torch.device | str, warmup: int = 2):
+        self.device = torch.device(device)
+        self.warmup = warmup
+        with torch.cuda.device(self.device):
+            self.stream = torch.cuda.Stream(self.device)
+            self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict = {}  # key -> (CUDAGraph, outputs)
+
+    def __contains__(self, key) -> bool:
+        return key in self.graphs
+
+    def capture(self, key, fn: Callable[[], object], keep: bool = True) -> tuple[torch.cuda.CUDAGraph, object]:
+        """Warm ``fn()`` up on the side stream, then capture it; kept under ``key`` unless ``keep`` is
+        False (a candidate the caller times first: drop it to give its memory back to the pool).
+
+        Returns ``(graph, outputs)``: ``fn``'s outputs are the graph's static tensors.
+
+        Raises:
+            RuntimeError: capture failed (a host sync or a CPU tensor inside ``fn``), naming ``key``.
+        """
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for _ in range(self.warmup):
+                fn()
+        self.stream.synchronize()
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                out = fn()
+        except Exception as e:
+            raise RuntimeError(
+                f"CUDA graph capture failed for {key}: {type(e).__name__}: {e}. "
+                "The captured function must not synchronise with the host "
+                "(.item(), .cpu(), printing) or use CPU tensors."
+            ) from e
+        if keep:
+            self.graphs[key] = (g, out)
+        return g, out
+
+    def replay(self, key):
+        """Replay the graph of ``key`` on the current stream; returns its (static) outputs."""
+        g, out = self.graphs[key]
+        g.replay()
+        return out
+
+    def replay_ms(self, g: torch.cuda.CUDAGraph, reps: int = 5) -> float:
+        """Median replay time (ms) of ``g`` on the side stream, timed with CUDA events, after one warm replay."""
+        times = []
+        with torch.cuda.stream(self.stream):
+            g.replay()
+            for _ in range(reps):
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record(self.stream)
+                g.replay()
+                t1.record(self.stream)
+                t1.synchronize()
+                times.append(t0.elapsed_time(t1))
+        return sorted(times)[len(times) // 2]
+
+
 class GraphRunner:
     """Run ``fn`` on any batch size through batch buckets: CUDA graph replays on CUDA, eager elsewhere.
 
@@ -108,33 +184,34 @@ class GraphRunner:
     def _capture(self) -> None:
         dev = self.device
         with torch.cuda.device(dev):
-            self.stream = torch.cuda.Stream(dev)  # one persistent side stream: warm-up and capture
             big = self.buckets[-1]
             # finite, non-trivial data so that warm-up and padding never see NaNs
             self.static_in = torch.zeros((big, *self.item_shape), dtype=self.dtype, device=dev)
             torch.cuda.synchronize(dev)
             reserved0 = torch.cuda.memory_reserved(dev)
-            self.pool = torch.cuda.graph_pool_handle()
+            self.set = GraphSet(dev, self.warmup)
+            self.stream = self.set.stream
             capture_ms: dict[int, float] = {}
             t_all = time.perf_counter()
             variant: dict[int, str] = {}
             replay_ms: dict[int, dict[str, float]] = {}
             for b in reversed(self.buckets):  # largest first: smaller graphs fit in its memory
                 t0 = time.perf_counter()
+                x = self.static_in[:b]
                 best = None
                 for name, fn in self.candidates.items():
-                    g, out = self._capture_one(fn, b)
+                    g, out = self.set.capture(f"bucket {b}", lambda fn=fn: _as_tuple(fn(x)), keep=False)
                     if len(self.candidates) == 1:
                         best = (0.0, name, g, out)
                         break
-                    ms = self._time_replay(g)
+                    ms = self.set.replay_ms(g)
                     replay_ms.setdefault(b, {})[name] = ms
                     if best is None or ms < best[0]:
                         best = (ms, name, g, out)
                     else:
                         del g, out  # its memory goes back to the pool for the next capture
                 _, name, g, out = best
-                self.graphs[b] = (g, out)
+                self.graphs[b] = self.set.graphs[b] = (g, out)
                 if len(self.candidates) > 1:
                     variant[b] = name
                 capture_ms[b] = 1e3 * (time.perf_counter() - t0)
@@ -142,41 +219,6 @@ class GraphRunner:
             self.info = GraphInfo(
                 capture_ms, time.perf_counter() - t_all, torch.cuda.memory_reserved(dev) - reserved0, variant, replay_ms
             )
-
-    def _capture_one(self, fn: Callable, b: int) -> tuple[torch.cuda.CUDAGraph, Outputs]:
-        """Warm ``fn`` up on the side stream, then capture it for bucket ``b`` into the shared pool."""
-        dev = self.device
-        x = self.static_in[:b]
-        self.stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(self.stream):
-            for _ in range(self.warmup):
-                fn(x)
-        self.stream.synchronize()
-        g = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                out = _as_tuple(fn(x))
-        except Exception as e:
-            raise RuntimeError(
-                f"CUDA graph capture failed for bucket {b}: {type(e).__name__}: {e}. "
-                "The captured function must not synchronise with the host "
-                "(.item(), .cpu(), printing) or use CPU tensors."
-            ) from e
-        return g, out
-
-    def _time_replay(self, g: torch.cuda.CUDAGraph, reps: int = 5) -> float:
-        """Median replay time (ms) of ``g`` on the side stream, timed with CUDA events, after one warm replay."""
-        times = []
-        with torch.cuda.stream(self.stream):
-            g.replay()
-            for _ in range(reps):
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record(self.stream)
-                g.replay()
-                t1.record(self.stream)
-                t1.synchronize()
-                times.append(t0.elapsed_time(t1))
-        return sorted(times)[len(times) // 2]
 
     @torch.inference_mode()
     def replay(self, x: torch.Tensor) -> tuple[int, Outputs]:

@@ -26,8 +26,10 @@ from ..workloads.embed_api import EmbeddingsAPI
 from .fetch import FetchPolicy
 from .guard import HTTPError as _HTTPError
 from .guard import authorised, check_pixels, head_deadline_protocol, read_body
+from .metrics import ServerMetrics
 from .options import MAX_CONNECTIONS, ServeOptions
 from .services import BatchingService, CompletionService, Overloaded
+from .startup import StartupError, startup_error_only, user_traceback
 from .text import add_text_routes
 from .workload_routes import WorkloadService, add_workload_routes
 
@@ -55,7 +57,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     import httpx
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client import CONTENT_TYPE_LATEST
 
     opts = options or ServeOptions()
     policy = (
@@ -63,37 +65,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         if opts.allow_fetch
         else None
     )
-    reg = CollectorRegistry()
-    m_requests = Counter("fullthrottle_requests", "HTTP requests", ["route", "status"], registry=reg)
-    m_latency = Histogram(
-        "fullthrottle_request_latency_seconds",
-        "request latency (s)",
-        ["route"],
-        registry=reg,
-        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-    )
-    m_queue_wait = Histogram(
-        "fullthrottle_item_latency_seconds",
-        "per-image latency in the pipeline (s)",
-        registry=reg,
-        buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
-    )
-    m_batch = Histogram(
-        "fullthrottle_batch_size",
-        "batch sizes formed by the batcher",
-        registry=reg,
-        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-    )
-    m_queued = Gauge("fullthrottle_queue_images", "images waiting to enter the pipeline", ["replica"], registry=reg)
-    m_pending = Gauge("fullthrottle_pending_images", "images submitted and not yet answered", ["replica"], registry=reg)
-    m_busy = Gauge(
-        "fullthrottle_stage_busy_percent",
-        "stage busy % since start, per workload (classify, embed, generate), replica and stage",
-        ["workload", "replica", "stage"],
-        registry=reg,
-    )
-    m_gpu = Gauge("fullthrottle_gpu_utilization_percent", "GPU utilisation (NVML)", ["replica"], registry=reg)
-    m_gpu_mem = Gauge("fullthrottle_gpu_memory_used_bytes", "GPU memory used (NVML)", ["replica"], registry=reg)
+    m = ServerMetrics()
     state: dict = {"services": [], "ready": False, "t0": time.perf_counter()}
     cfg = config if not config.ordered else Config(**{**config.__dict__, "ordered": False})
     devices = list(opts.devices or _default_devices(cfg.device))
@@ -114,19 +86,25 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                     Config(**{**cfg.__dict__, "device": dev, "threads": threads}),
                     model=copy.deepcopy(model) if model is not None else None,
                 )
-                pipe.on_batch = m_batch.observe
+                pipe.on_batch = m.batch.labels("classify").observe
                 services.append(BatchingService(pipe, opts.max_queue))
             return services
 
-        state["services"] = await asyncio.to_thread(build) if opts.classify else []
+        try:
+            state["services"] = await asyncio.to_thread(build) if opts.classify else []
+        except Exception as e:  # noqa: BLE001 - one clear line (uvicorn then exits, status 3)
+            raise StartupError(f"the classification model could not start: {type(e).__name__}: {e}") from None
         if state["services"] and state["services"][0].pipeline.engine.random_weights:
             log.warning("the model has random weights (no --weights given): its labels are meaningless")
         if opts.llm is not None:
             state["llm"] = CompletionService(*opts.llm, max_queue=opts.max_queue)
         state["workloads"] = {}
         for w in workloads:  # (embeddings, and the user's own): set up here, served at /v1/<name>
-            await asyncio.to_thread(w.setup, devices[0])
-            state["workloads"][w.name] = WorkloadService(w, opts.max_queue)
+            try:
+                await asyncio.to_thread(w.setup, devices[0])
+            except Exception as e:  # noqa: BLE001 - the user's code: its own frames, then one clear line
+                raise StartupError(f"workload {w.name!r}: setup() failed:\n{user_traceback(e)}") from None
+            state["workloads"][w.name] = WorkloadService(w, opts.max_queue, m.batch.labels(w.name).observe)
         state["ready"], state["t_ready"] = True, time.perf_counter()
         # redirects are followed by the FetchPolicy, each checked; no proxy from the environment
         state["http"] = httpx.AsyncClient(timeout=opts.url_timeout_s, follow_redirects=False, trust_env=False)
@@ -150,7 +128,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
 
     def reply(route: str, status: int, body: dict, headers: dict | None = None):
         r = JSONResponse(body, status_code=status, headers=headers)  # (raises for what is not JSON: uncounted)
-        m_requests.labels(route, str(status)).inc()
+        m.requests.labels(route, str(status)).inc()
         return r
 
     if opts.api_keys:
@@ -188,32 +166,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
 
     @app.get("/metrics")
     async def metrics():
-        for i, svc in enumerate(state["services"]):
-            rep = str(i)
-            m_queued.labels(rep).set(svc.queued())
-            m_pending.labels(rep).set(svc.pending())
-            run = svc.pipeline.current_run
-            if run is not None:
-                wall = time.perf_counter() - run.t0
-                for st in run.stats.values():
-                    snap = st.snapshot(wall)
-                    m_busy.labels("classify", rep, snap["stage"]).set(
-                        snap["worker_busy_pct"] if snap["stage"] == "preprocess" else snap["busy_pct"]
-                    )
-                mon = run.gpumon
-                if mon.utils:
-                    m_gpu.labels(rep).set(mon.utils[-1])
-                    m_gpu_mem.labels(rep).set(mon.mems[-1])
-        # the other workloads keep the same StageStats: the same metric, their own stages
-        if state.get("llm") is not None:
-            wall = time.perf_counter() - state["t_ready"]
-            for st in state["llm"].gen.stats.values():
-                m_busy.labels("generate", "0", st.name).set(st.snapshot(wall)["busy_pct"])
-        for name, svc in state.get("workloads", {}).items():
-            wall = time.perf_counter() - state["t_ready"]
-            for st in svc.stats.values():
-                m_busy.labels(name, "0", st.name).set(st.snapshot(wall)["busy_pct"])
-        return PlainTextResponse(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(m.render(state), media_type=CONTENT_TYPE_LATEST)
 
     async def read_images(request: Request) -> list[tuple[str, bytes]]:
         """(id, bytes) for every image in the request. Raises _HTTPError."""
@@ -268,8 +221,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         check_pixels(images, opts.max_request_pixels, cfg.max_image_pixels)
         return images
 
-    add_text_routes(app, state, opts, reply, m_requests, m_latency)
-    add_workload_routes(app, workloads, state, opts, reply, m_latency)
+    add_text_routes(app, state, opts, reply, m.requests, m.latency)
+    add_workload_routes(app, workloads, state, opts, reply, m.latency)
     if opts.embed_model is None:
 
         @app.post("/v1/embeddings")
@@ -316,7 +269,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             except TimeoutError:
                 raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
             for r in results:
-                m_queue_wait.observe(r.latency_ms / 1e3)
+                m.item_latency.observe(r.latency_ms / 1e3)
             body = {
                 "results": [
                     r.to_dict() | {"index": i, "id": iid} for i, (r, (iid, _)) in enumerate(zip(results, images))
@@ -329,7 +282,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         except _HTTPError as e:
             return reply(route, e.status, {"detail": e.detail}, e.headers)
         finally:
-            m_latency.labels(route).observe(time.perf_counter() - t0)
+            m.latency.labels(route).observe(time.perf_counter() - t0)
 
     return app
 
@@ -383,6 +336,7 @@ def run_server(
                     signal.signal(s, h)
 
     opts = options or ServeOptions()
+    logging.getLogger("uvicorn.error").addFilter(startup_error_only)
     _Server(
         uvicorn.Config(
             create_app(config, opts),

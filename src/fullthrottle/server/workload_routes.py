@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import logging
 import queue
 import threading
 import time
@@ -28,6 +29,8 @@ from ..core.report import StageStats
 from ..core.workload import ItemError, Workload, check_workload
 from .guard import HTTPError, read_body
 from .services import Overloaded
+
+log = logging.getLogger(__name__)
 
 
 def load_workload(spec: str) -> Workload:
@@ -73,10 +76,12 @@ class WorkloadService:
         workload: the workload; its ``max_batch``, ``max_batch_cost`` and ``max_wait_ms`` form the
             batches.
         max_queue: requests waiting before :meth:`submit` raises :class:`~fullthrottle.server.services.Overloaded`.
+        on_batch: called with the size of each batch formed (a metrics histogram's ``observe``).
     """
 
-    def __init__(self, workload: Workload, max_queue: int = 256):
+    def __init__(self, workload: Workload, max_queue: int = 256, on_batch=None):
         self.workload = workload
+        self.on_batch = on_batch
         self.q: queue.Queue = queue.Queue(max_queue)
         self.batcher = RequestBatcher(
             self.q,
@@ -137,6 +142,8 @@ class WorkloadService:
             if not reqs:
                 continue
             items = [x for r in reqs for x in r.items]
+            if self.on_batch is not None:
+                self.on_batch(len(items))
             st.begin()
             try:
                 outs = self._predict(items)
@@ -152,9 +159,15 @@ class WorkloadService:
                 r.loop.call_soon_threadsafe(_set, r.fut, outs[k : k + len(r.items)], None)
                 k += len(r.items)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop taking batches; wait at most ``timeout_s`` for a ``predict()`` call in progress (a call
+        that hangs is left behind, logged: its thread does not keep the process alive)."""
         self._stop.set()
-        self._thread.join(60)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning(
+                "workload %r: predict() still running after %.0f s: not waited for", self.workload.name, timeout_s
+            )
 
 
 def _no_constant(name: str):

@@ -18,10 +18,8 @@ code runs with plain tensors, no streams and no events.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +35,7 @@ from ...data.device_copy import copy_all, mapped_on_device, row_spans
 from ...data.gpu_decode import RateSplitter, crop_runs
 from ...data.gpu_decoders import make_gpu_decoder
 from .decode import topk_probs
-from .fuse import fold_batchnorm, fuse_conv_relu
+from .model_forms import inference_forms
 from .models import imagenet_labels, load_model, load_weights
 
 
@@ -95,54 +93,9 @@ class Engine:
             load_weights(model, config.weights)
         #: a named model without weights: randomly initialised (seeded), its labels meaningless
         self.random_weights = by_name and self.weights_path is None
-        model = model.eval()
-        folded, self.bn_folded = fold_batchnorm(model) if config.fold_bn and self.cuda else (model, False)
-        # and conv -> (add ->) relu as one cuDNN call each: fewer kernels and fewer passes over the
-        # activations than folding alone (see docs/performance.md)
-        self.conv_relu_fused = 0
-        if self.bn_folded:
-            try:  # on a copy: a graph the rewrite cannot take leaves the folded model as it was
-                fused = copy.deepcopy(folded)
-                self.conv_relu_fused = fuse_conv_relu(fused)
-                folded = fused
-            except Exception:  # noqa: BLE001 - an unusual graph simply runs unfused
-                self.conv_relu_fused = 0
-
-        def place(m: nn.Module) -> nn.Module:
-            m = m.to(self.device, self.dtype)
-            if self.channels_last:
-                m = m.to(memory_format=torch.channels_last)
-            if config.compile and self.cuda:
-                m = torch.compile(m, mode="max-autotune-no-cudagraphs")  # fuse; we own the graphs
-            return m
-
-        self.model = place(folded)
-        # with graphs, each bucket keeps whichever replays faster, folded or not: neither wins at
-        # every batch size (see docs/performance.md)
-        self.model_unfolded = place(model) if self.bn_folded and config.graphs else None
-        # a model with an inference form of its own (EfficientNet-Lite0: BN folded, Triton depthwise
-        # convolutions with their activations fused) is one more graph candidate, kept per bucket
-        # only where it replays fastest; one that fails its first call is left out, with a warning
-        self.model_fused = None
-        own = getattr(model, "fused_for_inference", None)
-        triton_here = self.cuda and use_triton(torch.empty(0, device=self.device))
-        if own is not None and config.fold_bn and config.graphs and triton_here:
-            try:
-                fused = place(own().eval())
-                with torch.inference_mode():
-                    fused(
-                        torch.zeros(
-                            (1, 3, config.crop_size, config.crop_size), device=self.device, dtype=self.dtype
-                        ).contiguous(memory_format=torch.channels_last)
-                    )
-                self.model_fused = fused
-            except Exception as e:  # noqa: BLE001 - the folded forms still run
-                warnings.warn(
-                    f"{self.model_name}'s fused inference form failed ({type(e).__name__}: {e}); "
-                    "running it BN-folded instead",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        forms = inference_forms(model.eval(), config, self.device, self.dtype, self.channels_last)
+        self.model, self.model_unfolded, self.model_fused = forms.model, forms.unfolded, forms.fused
+        self.bn_folded, self.conv_relu_fused = forms.bn_folded, forms.conv_relu_fused
         self.labels = list(config.labels) if config.labels is not None else imagenet_labels()
         self._label_arr: np.ndarray | None = None  # labels as an object array, for label_lists
         self._label_src, self._label_n = None, 0  # the list it was built from, and its length then
@@ -196,15 +149,9 @@ class Engine:
         self.pool_copies = 0
         if config.graphs and self.cuda:
             k = config.top_k
-            # normalise + model + softmax + top-k, all inside one graph per bucket
-            name = (
-                ("BN folded, conv+ReLU fused" if self.conv_relu_fused else "BN folded") if self.bn_folded else "model"
-            )
-            fns = {name: lambda x: topk_probs(self.model(self.normalize(x)), k)}
-            if self.model_fused is not None:
-                fns["fused inference form"] = lambda x: topk_probs(self.model_fused(self.normalize(x)), k)
-            if self.model_unfolded is not None:
-                fns["BN unfolded"] = lambda x: topk_probs(self.model_unfolded(self.normalize(x)), k)
+            # normalise + model + softmax + top-k, all inside one graph per bucket; each bucket keeps
+            # the form that replays fastest
+            fns = {name: (lambda x, m=m: topk_probs(m(self.normalize(x)), k)) for name, m in forms.candidates()}
             self.runner = GraphRunner(fns, (s, s, 3), torch.uint8, config.buckets, self.device)
         self.reset()
 

@@ -169,25 +169,19 @@ class Generator:
 
     @torch.inference_mode()
     def _capture(self) -> None:
+        from ...core.graphs import GraphSet
+
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        s = torch.cuda.Stream(self.device)
+        self.graph_set = GraphSet(self.device)
         # every (batch bucket, sampler, attention length), largest first, all in one pool
         keys = [(b, g, kv) for b in reversed(self.buckets) for kv in reversed(self.kv_buckets) for g in (False, True)]
-        for b, greedy, kv in keys:
-            s.wait_stream(torch.cuda.current_stream(self.device))
-            saved = (self.tok.clone(), self.pos.clone(), self.done.clone())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    self._step(b, greedy, kv)
-            s.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=s, capture_error_mode="thread_local"):
-                out = self._step(b, greedy, kv)
-            self.graphs[(b, greedy, kv)] = (g, out)
+        for key in keys:
+            saved = (self.tok.clone(), self.pos.clone(), self.done.clone())  # warm-up steps advance them
+            self.graph_set.capture(key, lambda key=key: self._step(*key))
             self.tok.copy_(saved[0])
             self.pos.copy_(saved[1])
             self.done.copy_(saved[2])
+        self.graphs = self.graph_set.graphs
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
 
@@ -286,9 +280,7 @@ class Generator:
             # this step feeds positions up to longest + t - 1: attend to the smallest length above
             kv = next(x for x in self.kv_buckets if x >= longest + t)
             if (b, greedy, kv) in self.graphs:
-                g, res = self.graphs[(b, greedy, kv)]
-                g.replay()
-                out[:, t] = res
+                out[:, t] = self.graph_set.replay((b, greedy, kv))
             else:
                 out[:, t] = self._step(b, greedy, kv)
             steps += 1

@@ -1,0 +1,201 @@
+"""Decoding JPEG files on the GPU inside the compute process (issue 10): how fast one thread of the
+process that runs the model decodes, resizes and crops files with nvImageCodec (the hardware JPEG
+engines), alone and while the model's CUDA graph replays on another stream of the same process (one
+CUDA context, no decoder processes). Optionally the main process of ``fullthrottle classify DIR``
+sampled with py-spy (``--gil``: which Python code holds the GIL).
+
+Variants of the file read: ``python``: ``read_local`` per file in the thread (one ``os.read``), the
+bytes wrapped as ``CodeStream``; ``nvimgcodec``: ``CodeStream(path)``, nvImageCodec reads the file.
+
+Usage: python bench/probes/inproc_decode_probe.py --folder /tmp/ft-files/640x480 --out probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
+from common import machine_info, write_json  # noqa: E402
+
+
+def decode_loop(paths, batch, variant, seconds, dev, stream, stats):
+    from nvidia import nvimgcodec
+
+    from fullthrottle.data.gpu_resize import resize_crop_batch
+    from fullthrottle.data.load import read_local
+
+    dec = nvimgcodec.Decoder(
+        device_id=dev.index or 0, backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)]
+    )
+    rgb = getattr(nvimgcodec.ColorSpec, "RGB", None) or nvimgcodec.ColorSpec.SRGB
+    params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=rgb, allow_any_depth=False)
+    rows = torch.empty((batch, 224, 224, 3), dtype=torch.uint8, device=dev)
+    t_read = t_dec = t_rs = 0.0
+    n, i, t0 = 0, 0, time.perf_counter()
+    with torch.cuda.stream(stream):
+        while time.perf_counter() - t0 < seconds:
+            chunk = [paths[(i + k) % len(paths)] for k in range(batch)]
+            i += batch
+            a = time.perf_counter()
+            if variant == "python":
+                srcs = [nvimgcodec.CodeStream(np.frombuffer(read_local(p, 1 << 26), np.uint8)) for p in chunk]
+            else:
+                srcs = [nvimgcodec.CodeStream(p) for p in chunk]
+            b = time.perf_counter()
+            imgs = dec.decode(srcs, params=params, cuda_stream=stream.cuda_stream)
+            ts = [torch.as_tensor(im, device=dev).permute(2, 0, 1) for im in imgs]
+            c = time.perf_counter()
+            resize_crop_batch(ts, rows[: len(ts)])
+            stream.synchronize()
+            d = time.perf_counter()
+            t_read += b - a
+            t_dec += c - b
+            t_rs += d - c
+            n += len(ts)
+    wall = time.perf_counter() - t0
+    stats.update(
+        img_per_s=n / wall,
+        ms_per_batch={
+            "read": 1e3 * t_read * batch / n,
+            "decode": 1e3 * t_dec * batch / n,
+            "resize": 1e3 * t_rs * batch / n,
+        },
+    )
+
+
+def model_loop(dev, batch, stop, stats):
+    import torchvision
+
+    m = torchvision.models.resnet18().to(dev, torch.bfloat16).to(memory_format=torch.channels_last).eval()
+    x = torch.randn(batch, 3, 224, 224, device=dev, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    s = torch.cuda.Stream(dev)
+    with torch.cuda.stream(s), torch.inference_mode():
+        for _ in range(3):
+            m(x)
+        s.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            y = m(x)
+        n, t0 = 0, time.perf_counter()
+        while not stop.is_set():
+            g.replay()
+            y[:, :5].float().cpu()  # a batch's answer to the host, as the pipeline does
+            n += batch
+        stats.update(img_per_s=n / (time.perf_counter() - t0))
+
+
+def py_spy_cli(folder, seconds, exe, out_raw):
+    """The CLI on ``folder``; py-spy --gil on its main process for ``seconds`` once it runs."""
+    import json
+
+    rep = out_raw + ".report.json"
+    cmd = [sys.executable, "-m", "fullthrottle.cli", "classify", folder, "--device", "cuda", "--model", "resnet18"]
+    cmd += ["--no-progress", "--out", "/tmp/probe_out.jsonl", "--report-json", rep]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(12)  # model load, graph capture, decoder processes up
+    spy = subprocess.run(
+        [
+            exe,
+            "record",
+            "--gil",
+            "--nonblocking",
+            "-r",
+            "200",
+            "-d",
+            str(seconds),
+            "-f",
+            "raw",
+            "-p",
+            str(p.pid),
+            "-o",
+            out_raw,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    _, err = p.communicate()
+    out = {
+        "cli_exit": p.returncode,
+        "py_spy_exit": spy.returncode,
+        "py_spy_stderr": spy.stderr[-800:],
+        "cli_stderr": err[-1500:],
+    }
+    if os.path.exists(rep):
+        r = json.loads(open(rep).read())
+        out["cli_img_per_s"] = r.get("images_per_s")
+        out["cli_report_keys"] = list(r)[:40]
+    leaf, own = collections.Counter(), collections.Counter()
+    total = 0
+    if os.path.exists(out_raw):
+        for line in open(out_raw):
+            stack, _, cnt = line.rstrip().rpartition(" ")
+            if not cnt.isdigit():
+                continue
+            c = int(cnt)
+            total += c
+            frames = stack.split(";")
+            leaf[frames[-1]] += c
+            for f in set(frames):
+                own[f] += c
+    out["samples"] = total
+    out["top_leaf"] = [(f, round(c / max(total, 1), 4)) for f, c in leaf.most_common(40)]
+    out["top_inclusive"] = [(f, round(c / max(total, 1), 4)) for f, c in own.most_common(60)]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--folder", required=True)
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--py-spy", default="", help="py-spy executable: also profile the CLI's main process")
+    ap.add_argument("--out", default="inproc_decode_probe.json")
+    args = ap.parse_args()
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    paths = sorted(str(p) for p in Path(args.folder).glob("*.jpg"))
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for variant in ("python", "nvimgcodec"):
+            for with_model in (False, True):
+                st, ms = {}, {}
+                stop = threading.Event()
+                mt = threading.Thread(target=model_loop, args=(dev, 256, stop, ms)) if with_model else None
+                if mt:
+                    mt.start()
+                    time.sleep(3)
+                try:
+                    decode_loop(paths, batch, variant, args.seconds, dev, torch.cuda.Stream(dev), st)
+                except Exception as e:  # noqa: BLE001
+                    st["error"] = f"{type(e).__name__}: {e}"
+                stop.set()
+                if mt:
+                    mt.join()
+                row = {
+                    "batch": batch,
+                    "read": variant,
+                    "with_model": with_model,
+                    **st,
+                    "model_img_per_s": ms.get("img_per_s"),
+                }
+                print(row, flush=True)
+                rows.append(row)
+    out = {"benchmark": "inproc_decode_probe", "machine": machine_info(), "files": len(paths), "rows": rows}
+    if args.py_spy:
+        out["cli_gil_profile"] = py_spy_cli(args.folder, 10, args.py_spy, os.path.splitext(args.out)[0] + "_spy.txt")
+        print({k: v for k, v in out["cli_gil_profile"].items() if k.startswith("top_leaf") or "img" in k}, flush=True)
+    write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    main()

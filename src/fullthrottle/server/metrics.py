@@ -1,0 +1,83 @@
+"""The server's Prometheus metrics (prometheus-client, one registry per app): requests by route and
+status, latency histograms, batch sizes per workload, queue depth, stage busy % per workload, replica
+and stage (the same :class:`~fullthrottle.core.report.StageStats` the CLI's reports print), GPU
+utilisation and memory (NVML)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class ServerMetrics:
+    """The metrics of one app; :meth:`render` refreshes the gauges from the app's state and returns
+    the text exposition format."""
+
+    def __init__(self):
+        reg = self.registry = CollectorRegistry()
+        self.requests = Counter("fullthrottle_requests", "HTTP requests", ["route", "status"], registry=reg)
+        self.latency = Histogram(
+            "fullthrottle_request_latency_seconds",
+            "request latency (s)",
+            ["route"],
+            registry=reg,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.item_latency = Histogram(
+            "fullthrottle_item_latency_seconds",
+            "per-image latency in the pipeline (s)",
+            registry=reg,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+        )
+        self.batch = Histogram(
+            "fullthrottle_batch_size",
+            "batch sizes formed by the batcher, per workload (classify, embeddings, a workload's name)",
+            ["workload"],
+            registry=reg,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+        )
+        self.queued = Gauge(
+            "fullthrottle_queue_images", "images waiting to enter the pipeline", ["replica"], registry=reg
+        )
+        self.pending = Gauge(
+            "fullthrottle_pending_images", "images submitted and not yet answered", ["replica"], registry=reg
+        )
+        self.busy = Gauge(
+            "fullthrottle_stage_busy_percent",
+            "stage busy % since start, per workload (classify, embed, generate), replica and stage",
+            ["workload", "replica", "stage"],
+            registry=reg,
+        )
+        self.gpu = Gauge("fullthrottle_gpu_utilization_percent", "GPU utilisation (NVML)", ["replica"], registry=reg)
+        self.gpu_mem = Gauge("fullthrottle_gpu_memory_used_bytes", "GPU memory used (NVML)", ["replica"], registry=reg)
+
+    def render(self, state: dict) -> bytes:
+        """The gauges set from ``state`` (the app's: classification services, the LLM service, the
+        workloads' services), then every metric in Prometheus' text format."""
+        for i, svc in enumerate(state["services"]):
+            rep = str(i)
+            self.queued.labels(rep).set(svc.queued())
+            self.pending.labels(rep).set(svc.pending())
+            run = svc.pipeline.current_run
+            if run is not None:
+                wall = time.perf_counter() - run.t0
+                for st in run.stats.values():
+                    snap = st.snapshot(wall)
+                    self.busy.labels("classify", rep, snap["stage"]).set(
+                        snap["worker_busy_pct"] if snap["stage"] == "preprocess" else snap["busy_pct"]
+                    )
+                mon = run.gpumon
+                if mon.utils:
+                    self.gpu.labels(rep).set(mon.utils[-1])
+                    self.gpu_mem.labels(rep).set(mon.mems[-1])
+        # the other workloads keep the same StageStats: the same metric, their own stages
+        if state.get("llm") is not None:
+            wall = time.perf_counter() - state["t_ready"]
+            for st in state["llm"].gen.stats.values():
+                self.busy.labels("generate", "0", st.name).set(st.snapshot(wall)["busy_pct"])
+        for name, svc in state.get("workloads", {}).items():
+            wall = time.perf_counter() - state["t_ready"]
+            for st in svc.stats.values():
+                self.busy.labels(name, "0", st.name).set(st.snapshot(wall)["busy_pct"])
+        return generate_latest(self.registry)
