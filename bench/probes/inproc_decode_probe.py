@@ -73,19 +73,20 @@ def decode_loop(paths, batch, variant, seconds, dev, stream, stats):
     )
 
 
-def model_loop(dev, batch, stop, stats):
+def model_loop(dev, batch, stop, stats, ready):
     import torchvision
 
     m = torchvision.models.resnet18().to(dev, torch.bfloat16).to(memory_format=torch.channels_last).eval()
-    x = torch.randn(batch, 3, 224, 224, device=dev, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    x = torch.ones(batch, 3, 224, 224, device=dev, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
     s = torch.cuda.Stream(dev)
     with torch.cuda.stream(s), torch.inference_mode():
         for _ in range(3):
             m(x)
         s.synchronize()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
+        with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
             y = m(x)
+        ready.set()  # captured: the decode loop may start
         n, t0 = 0, time.perf_counter()
         while not stop.is_set():
             g.replay()
@@ -102,7 +103,7 @@ def py_spy_cli(folder, seconds, exe, out_raw):
     cmd = [sys.executable, "-m", "fullthrottle.cli", "classify", folder, "--device", "cuda", "--model", "resnet18"]
     cmd += ["--no-progress", "--out", "/tmp/probe_out.jsonl", "--report-json", rep]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(12)  # model load, graph capture, decoder processes up
+    time.sleep(15)  # model load, graph capture, decoder processes up (use a folder that takes longer)
     spy = subprocess.run(
         [
             exe,
@@ -170,10 +171,11 @@ def main():
             for with_model in (False, True):
                 st, ms = {}, {}
                 stop = threading.Event()
-                mt = threading.Thread(target=model_loop, args=(dev, 256, stop, ms)) if with_model else None
+                ready = threading.Event()
+                mt = threading.Thread(target=model_loop, args=(dev, 256, stop, ms, ready)) if with_model else None
                 if mt:
                     mt.start()
-                    time.sleep(3)
+                    ready.wait(120)
                 try:
                     decode_loop(paths, batch, variant, args.seconds, dev, torch.cuda.Stream(dev), st)
                 except Exception as e:  # noqa: BLE001
