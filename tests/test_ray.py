@@ -54,6 +54,27 @@ def test_offline_job_one_result_per_item_across_two_nodes(cluster, tmp_path, sam
     assert len({r["node"] for r in rows if r["node"]}) == 2  # both worker nodes did work
 
 
+def test_any_workload_offline_on_ray_answers_as_in_one_process(cluster):
+    """The embeddings workload (its contract: decode, token-budget batches, predict, encode) in two Ray
+    actors gives the vectors the Embedder gives here; a bad request gets its own error."""
+    import numpy as np
+
+    from fullthrottle.ray_jobs import workload_on_ray
+    from fullthrottle.workloads.embed import Embedder
+
+    texts = [f"sentence number {i} about {w}" for i, w in enumerate(["cats", "GPUs", "rain", "tea"] * 6)]
+    reqs = [{"input": texts[i : i + 3]} for i in range(0, len(texts), 3)] + [{"input": 5}]
+    rows = list(workload_on_ray("fullthrottle.workloads.embed_api:EmbeddingsAPI", reqs, batch_size=3, device="cpu"))
+    assert len(rows) == len(reqs)
+    assert rows[-1]["response"] is None and "bad request" in rows[-1]["error"]
+    got = np.array([d["embedding"] for r in rows[:-1] for d in r["response"]["data"]])
+    ref = Embedder(device="cpu").embed(texts).vectors
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+    assert len({r["node"] for r in rows}) == 2  # both worker nodes did work
+    with pytest.raises(ValueError, match="cannot import"):
+        list(workload_on_ray("no_such_module_x:Y", reqs))
+
+
 def test_ray_serve_same_answers_and_survives_a_killed_replica(cluster, tmp_path, samples):
     import concurrent.futures as cf
     import socket
@@ -74,7 +95,11 @@ def test_ray_serve_same_answers_and_survives_a_killed_replica(cluster, tmp_path,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve_on_ray(cfg, replicas=2, port=port, blocking=False)
+    from toy_workload import Summer
+
+    from fullthrottle.server.options import ServeOptions
+
+    serve_on_ray(cfg, ServeOptions(workloads=(Summer(),)), replicas=2, port=port, blocking=False)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -103,6 +128,8 @@ def test_ray_serve_same_answers_and_survives_a_killed_replica(cluster, tmp_path,
             first = list(ex.map(ask, samples[:12]))
         assert all(r.status_code == 200 for _, r in first)
         check(first)
+        r = httpx.post(url + "/v1/sum", json={"inputs": [[1, 2, 3, 4]]}, timeout=60)  # a workload of one's own
+        assert r.status_code == 200 and r.json()["results"] == [{"output": 10.0}]
         from ray.util.state import list_actors
 
         replicas = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "ServeReplica" in a.class_name]

@@ -1,4 +1,6 @@
-"""Past one machine: the same pipeline inside Ray Data actors (offline batch inference).
+"""Past one machine: the same pipeline inside Ray Data actors (offline batch inference), any
+:class:`~fullthrottle.core.workload.Workload` in Ray Data actors (:func:`workload_on_ray`), and the
+server's app on Ray Serve (:func:`serve_on_ray`, the workloads included).
 
 Ray is an optional extra (``pip install 'fullthrottle[ray]'``); the core never imports this module.
 Each actor builds one :class:`~fullthrottle.workloads.classify.pipeline.Pipeline` (model load, graph capture) when it
@@ -40,12 +42,7 @@ class RayClassifier:
         from .workloads.classify.pipeline import Pipeline
 
         self.pipe = Pipeline(Config(**(config or {})))
-        try:
-            import ray
-
-            self.node = ray.get_runtime_context().get_node_id()
-        except Exception:  # noqa: BLE001 - outside Ray
-            self.node = ""
+        self.node = _node_id()
 
     def __call__(self, batch):
         import pandas as pd
@@ -134,6 +131,111 @@ def classify_on_ray(
         yield out[k]
 
 
+class RayWorkload:
+    """A callable class for ``Dataset.map_batches`` that answers requests of any workload through its
+    contract (:func:`~fullthrottle.core.workload.run_offline`: decode, batches by count and cost,
+    predict, encode), as ``POST /v1/<name>`` would.
+
+    Args:
+        workload: ``"MODULE:CLASS"`` (importable on every node), constructed with no arguments.
+        device: where its ``setup()`` loads the model ("auto": CUDA when there is one).
+
+    A batch (pandas DataFrame) holds a ``request`` column: each a JSON string of one request body.
+    The output has one row per input row: ``response`` (the answer as a JSON string, or None),
+    ``error`` (None when ok) and ``node``.
+    """
+
+    def __init__(self, workload: str, device: str = "auto"):
+        from .core.device import resolve_device
+        from .core.workload import load_workload
+
+        self.workload = load_workload(workload)
+        self.workload.setup(str(resolve_device(device)))
+        self.node = _node_id()
+
+    def __call__(self, batch):
+        import json
+
+        import pandas as pd
+
+        from .core.workload import run_offline
+
+        bodies, bad = [], {}
+        for j, text in enumerate(batch["request"]):
+            try:
+                bodies.append(json.loads(text))
+            except (TypeError, ValueError) as e:
+                bodies.append(None)
+                bad[j] = f"malformed JSON: {e}"
+        out = run_offline(self.workload, bodies)
+        return pd.DataFrame(
+            {
+                "response": [None if a is None else json.dumps(a) for a, _ in out],
+                "error": [bad.get(j, e) for j, (_, e) in enumerate(out)],
+                "node": [self.node] * len(out),
+            }
+        )
+
+
+def workload_on_ray(
+    workload: str,
+    requests,
+    address: str | None = None,
+    concurrency: int = 2,
+    batch_size: int = 64,
+    num_gpus: float = 0,
+    device: str = "auto",
+) -> Iterator[dict]:
+    """Answer ``requests`` (request bodies: dicts, or JSON strings) with ``workload``
+    (``"MODULE:CLASS"``) in ``concurrency`` Ray actors; yields ``{"response": dict | None, "error":
+    str | None, "node": str}`` per request, in order. The driver's ``sys.path`` is given to the actors
+    (``runtime_env``), so a module importable here is importable there on a shared filesystem.
+
+    Raises:
+        ImportError: Ray is not installed. ValueError: a bad ``workload`` spec (checked here first).
+    """
+    import json
+    import os
+    import sys
+
+    import ray
+
+    from .core.workload import load_workload
+
+    load_workload(workload)  # (a bad spec fails here, not in every actor)
+    if not ray.is_initialized():
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    rows = [{"request": r if isinstance(r, str) else json.dumps(r)} for r in requests]
+    if not rows:
+        return
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    ds = ray.data.from_items(rows).map_batches(
+        RayWorkload,
+        fn_constructor_kwargs={"workload": workload, "device": device},
+        concurrency=concurrency,
+        batch_size=batch_size,
+        num_gpus=num_gpus,
+        batch_format="pandas",
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
+    for row in ds.iter_rows():
+        yield {
+            "response": json.loads(row["response"]) if row["response"] else None,
+            "error": row["error"],
+            "node": row["node"],
+        }
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside Ray
+        return ""
+
+
 def serve_on_ray(
     config,
     options=None,
@@ -149,7 +251,8 @@ def serve_on_ray(
     Args:
         config: the pipeline's :class:`~fullthrottle.core.config.Config` (a model name; weights readable
             on every node).
-        options: :class:`~fullthrottle.server.app.ServeOptions`.
+        options: :class:`~fullthrottle.server.app.ServeOptions`; its workloads are served in every
+            replica (each sets its own up; their classes must be importable on every node).
         blocking: wait until interrupted (the CLI); False returns after the deployment is running.
 
     Raises:
@@ -167,7 +270,15 @@ def serve_on_ray(
     if not ray.is_initialized():
         ray.init(ignore_reinit_error=True, log_to_driver=False)
 
-    @serve.deployment(num_replicas=replicas, ray_actor_options={"num_gpus": num_gpus, "num_cpus": 0.5})
+    actor = {"num_gpus": num_gpus, "num_cpus": 0.5}
+    if options is not None and options.workloads:  # their classes must import in every replica
+        import os
+        import sys
+
+        path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        actor["runtime_env"] = {"env_vars": {"PYTHONPATH": path}}
+
+    @serve.deployment(num_replicas=replicas, ray_actor_options=actor)
     @serve.ingress(lambda: create_app(config, options))
     class Fullthrottle:
         """One replica: the whole fullthrottle app (pipeline built in the app's lifespan)."""

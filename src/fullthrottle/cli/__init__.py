@@ -4,7 +4,7 @@ Exit status of ``fullthrottle classify``: 0 every item classified; 1 at least on
 (its error is in the output); 2 bad usage or configuration (unknown model, weights that do not fit,
 CUDA asked for but absent) or an output file that cannot be written; 130 interrupted (Ctrl-C).
 
-One module per command (``classify``, ``serve``, ``generate``, ``embed``, ``bench``), the parser in
+One module per command (``classify``, ``serve``, ``run``, ``generate``, ``embed``, ``bench``), the parser in
 :mod:`~fullthrottle.cli.parser`, what they share in :mod:`~fullthrottle.cli.common`.
 """
 
@@ -21,6 +21,7 @@ from .common import _close_out, _gpu_decode_settings, _silence_stdout, sample_ph
 from .embed import _read_texts, cmd_embed
 from .generate import _check_memory_for, _llama_bytes, cmd_generate
 from .parser import build_parser
+from .run import cmd_run
 from .serve import cmd_serve
 
 __all__ = [
@@ -62,6 +63,8 @@ def _private_mps(args):
 def _run_command(args, argv: list[str] | None) -> int:
     if args.command == "bench":
         return cmd_bench(args)
+    if args.command == "run":
+        return cmd_run(args)
     if args.command == "serve":
         with _private_mps(args):
             return cmd_serve(args)

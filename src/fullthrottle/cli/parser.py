@@ -252,6 +252,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="CUDA graphs per batch bucket (CUDA only; default: on)",
     )
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
+    w = sub.add_parser(
+        "run",
+        help="answer requests offline with a workload of your own (fullthrottle.Workload): JSON lines in and out",
+        description="Answer one JSON request body per line of FILE (or '-' for stdin) with a workload "
+        "(MODULE:CLASS, a fullthrottle.Workload subclass, as serve --workload takes): the same "
+        "decode_request, batches by count and cost, predict and encode_response as POST /v1/<name>. "
+        'Writes one JSON line per request, in order: {"line": N, "response": {...}} or {"line": N, '
+        '"error": "..."}.',
+        epilog="Exit status: 0 every request answered; 1 some request failed (see its error); 2 usage "
+        "error (a bad --workload, a file that cannot be read, setup() failed).",
+    )
+    w.add_argument("file", metavar="FILE|-", help="one JSON object (a request body) per line")
+    w.add_argument("--workload", required=True, metavar="MODULE:CLASS", help="the workload to run")
+    w.add_argument("--out", default="-", help="output JSON lines file (default: stdout)")
+    w.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N: where setup() loads the model")
+    w.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="run in Ray Data actors (a local Ray cluster, or the one at ADDRESS); needs fullthrottle[ray]",
+    )
+    w.add_argument("--ray-actors", type=positive_int, default=2, help="Ray actors (with --ray)")
     b = sub.add_parser(
         "bench",
         help="reproduce the field's experiments (threads, batch, transfer, e2e): JSON + PNG",

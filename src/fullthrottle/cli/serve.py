@@ -80,8 +80,8 @@ def cmd_serve(args) -> int:
             raise ValueError(f"--workload: two workloads named alike ({', '.join(w.name for w in workloads)})")
         if not args.classify and not (workloads or args.embed_model or args.llm_model_dir):
             raise ValueError("--no-classify leaves nothing to serve: add --workload, --embed-model or --llm-model-dir")
-        if workloads and getattr(args, "ray", None):
-            raise ValueError("--workload is not served through --ray (run the server without it)")
+        if getattr(args, "ray", None) and (args.llm_model_dir or args.gpus is not None):
+            raise ValueError("--llm-model-dir and --gpus are not served through --ray (Ray Serve: --replicas)")
         keys = load_keys(args.api_key, args.api_key_file)
         _check_port_free(args.host, args.port)  # before the model loads, not after
         devices = None
@@ -148,6 +148,9 @@ def cmd_serve(args) -> int:
                 max_queue=args.max_queue,
                 timeout_s=args.timeout_s,
                 max_body_bytes=int(args.max_body_mb * 2**20),
+                embed_model=args.embed_model,
+                workloads=workloads,
+                classify=args.classify,
                 **guard,
             ),
             replicas=args.replicas,

@@ -29,6 +29,8 @@ Example (a model of your own, with its own preprocessing)::
 
 from __future__ import annotations
 
+import json
+
 from .report import StageStats
 
 
@@ -111,3 +113,102 @@ def check_workload(w) -> None:
     m = getattr(w, "max_wait_ms", None)
     if not isinstance(m, (int, float)) or isinstance(m, bool) or not 0 <= m < 60_000:
         raise ValueError(f"{type(w).__name__}.max_wait_ms must be a number in [0, 60000), got {m!r}")
+
+
+def load_workload(spec: str) -> Workload:
+    """An instance of the class ``spec`` names (``package.module:Class``, constructed with no
+    arguments), checked (:func:`check_workload`). A module in the current folder is found.
+
+    Raises:
+        ValueError: not ``MODULE:CLASS``, the module or class not found, or the class breaks the contract.
+    """
+    import importlib
+    import os
+    import sys
+
+    module, sep, cls = spec.partition(":")
+    if not sep or not module or not cls.isidentifier():
+        raise ValueError(f"--workload must be MODULE:CLASS (my_package.my_module:MyWorkload), got {spec!r}")
+    if os.getcwd() not in sys.path:  # (as uvicorn does)
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = getattr(importlib.import_module(module), cls)
+    except ImportError as e:
+        raise ValueError(f"--workload {spec}: cannot import {module}: {e}") from None
+    except AttributeError:
+        raise ValueError(f"--workload {spec}: {module} has no {cls}") from None
+    w = obj() if isinstance(obj, type) else obj
+    check_workload(w)
+    return w
+
+
+def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
+    """Requests answered without a server, through the same contract: each body (a dict) decoded into
+    items, the items of all requests run in batches of at most ``max_batch`` items and
+    ``max_batch_cost`` cost (a request larger than either runs in several calls), each request's
+    answer encoded. ``workload`` is set up already.
+
+    Returns one ``(answer, None)`` or ``(None, error)`` per body, in order. An error is that request's
+    alone: a body that is not a JSON object, ``decode_request`` or ``encode_response`` raising, an
+    exception of ``cost()``, or of the ``predict()`` call that held one of its items (which fails every
+    request with items in that call, as in the server).
+    """
+    n = len(bodies)
+    answers: list = [None] * n
+    errors: list = [None] * n
+    items, owner = [], []  # every item of the requests that decoded, and its request's index
+    for j, body in enumerate(bodies):
+        try:
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            got = workload.decode_request(body)
+            if not isinstance(got, (list, tuple)) or not got:
+                raise ValueError("decode_request() gave no items")
+        except Exception as e:  # noqa: BLE001 - this request's error (ValueError: a bad request)
+            errors[j] = f"bad request: {e}" if isinstance(e, ValueError) else f"decode_request() failed: {e!r}"
+            continue
+        items += got
+        owner += [j] * len(got)
+    costs = []
+    for x, j in zip(items, owner):
+        try:
+            costs.append(int(workload.cost(x)) if workload.max_batch_cost else 1)
+        except Exception as e:  # noqa: BLE001
+            errors[j] = errors[j] or f"cost() failed: {type(e).__name__}: {e}"
+            costs.append(0)
+    outs: list = [None] * len(items)
+    start = 0
+    while start < len(items):  # batches by count and cost budget; the first item always fits
+        end, total = start, 0
+        while end < len(items) and end - start < workload.max_batch:
+            if end > start and workload.max_batch_cost and total + costs[end] > workload.max_batch_cost:
+                break
+            total += costs[end]
+            end += 1
+        part = [k for k in range(start, end) if errors[owner[k]] is None]
+        if part:
+            try:
+                got = list(workload.predict([items[k] for k in part]))
+                if len(got) != len(part):
+                    raise RuntimeError(f"predict() returned {len(got)} outputs for {len(part)} items")
+                for k, o in zip(part, got):
+                    outs[k] = o
+            except Exception as e:  # noqa: BLE001 - every request with an item in this call
+                for k in part:
+                    errors[owner[k]] = errors[owner[k]] or f"predict() failed: {type(e).__name__}: {e}"
+        start = end
+    by_request: dict[int, list] = {}
+    for k, j in enumerate(owner):
+        by_request.setdefault(j, []).append(outs[k])
+    for j, o in by_request.items():
+        if errors[j] is None:
+            try:
+                answers[j] = workload.encode_response(o)
+            except Exception as e:  # noqa: BLE001
+                errors[j] = f"encode_response() failed: {type(e).__name__}: {e}"
+                continue
+            try:  # (what the server could not send either: a tensor, NaN)
+                json.dumps(answers[j], allow_nan=False)
+            except (TypeError, ValueError) as e:
+                answers[j], errors[j] = None, f"the response is not JSON: {type(e).__name__}: {e}"
+    return list(zip(answers, errors))

@@ -14,7 +14,6 @@ served at ``POST /v1/<name>`` with cross-request batching.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
 import queue
@@ -26,7 +25,8 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 
 from ..core.batch import RequestBatcher
 from ..core.report import StageStats
-from ..core.workload import ItemError, Workload, check_workload
+from ..core.workload import ItemError, Workload
+from ..core.workload import load_workload as load_any_workload
 from .guard import HTTPError, read_body
 from .services import Overloaded
 
@@ -34,28 +34,13 @@ log = logging.getLogger(__name__)
 
 
 def load_workload(spec: str) -> Workload:
-    """An instance of the class ``spec`` names (``package.module:Class``), checked.
+    """The workload ``spec`` names, to be served (:func:`~fullthrottle.core.workload.load_workload`);
+    a name of the server's own routes is refused.
 
     Raises:
-        ValueError: not ``MODULE:CLASS``, the module or class not found, or the class breaks the
-            contract (:func:`~fullthrottle.core.workload.check_workload`).
+        ValueError: as :func:`~fullthrottle.core.workload.load_workload`, or a reserved name.
     """
-    import os
-    import sys
-
-    module, sep, cls = spec.partition(":")
-    if not sep or not module or not cls.isidentifier():
-        raise ValueError(f"--workload must be MODULE:CLASS (my_package.my_module:MyWorkload), got {spec!r}")
-    if os.getcwd() not in sys.path:  # (as uvicorn does: a module in the current folder is found)
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj = getattr(importlib.import_module(module), cls)
-    except ImportError as e:
-        raise ValueError(f"--workload {spec}: cannot import {module}: {e}") from None
-    except AttributeError:
-        raise ValueError(f"--workload {spec}: {module} has no {cls}") from None
-    w = obj() if isinstance(obj, type) else obj
-    check_workload(w)
+    w = load_any_workload(spec)
     if w.name in RESERVED:
         raise ValueError(f"--workload {spec}: the name {w.name!r} is one of the server's own routes")
     return w

@@ -1,0 +1,53 @@
+"""The workload contract offline: run_offline and ``fullthrottle run`` answer requests as the server
+does (batches by count and cost, per-request and per-item errors, JSON checked)."""
+
+import json
+
+import pytest
+from toy_workload import Fragile, Summer
+
+from fullthrottle.core.workload import run_offline
+
+
+def test_run_offline_batches_across_requests_and_keeps_errors_per_request():
+    w = Summer()
+    w.setup("cpu")
+    got = run_offline(w, [{"inputs": [[1, 2, 3, 4], [1, 1, 1, 1]]}, {"inputs": 3}, "x", {"inputs": [[0, 0, 0, 5]]}])
+    assert got == [
+        ({"results": [{"output": 10.0}, {"output": 4.0}]}, None),
+        (None, "bad request: 'inputs' must be a list of 4-number lists"),
+        (None, "bad request: the body must be a JSON object"),
+        ({"results": [{"output": 5.0}]}, None),
+    ]
+    assert w.calls == [3]  # one predict() call for the items of both good requests
+
+
+def test_run_offline_splits_by_max_batch_and_fails_only_whom_a_call_held():
+    f = Fragile()  # max_batch 4; 'boom' breaks cost(); 'tensor' makes predict() return tensors
+    f.setup("cpu")
+    got = run_offline(f, [{"inputs": [[1, 1, 1, 1]] * 10}, {"inputs": ["boom"]}, {"inputs": [[0, 0, 0, 1]]}])
+    assert got[0] == ({"results": [{"output": 4.0}] * 10}, None) and f.calls == [4, 4, 3]
+    assert got[1] == (None, "cost() failed: KeyError: 'boom'")
+    assert got[2] == ({"results": [{"output": 1.0}]}, None)
+    got = run_offline(f, [{"inputs": ["tensor"]}])
+    assert got[0][0] is None and got[0][1].startswith("the response is not JSON: TypeError")
+
+
+def test_cli_run_answers_a_jsonl_file_in_order(tmp_path, capsys):
+    from fullthrottle.cli import main
+
+    src = tmp_path / "req.jsonl"
+    src.write_text('{"inputs": [[1,2,3,4]]}\n\n{"inputs": 3}\nnot json\n{"inputs": [[1,1,1,1],"x"]}\n')
+    out = tmp_path / "out.jsonl"
+    assert main(["run", str(src), "--workload", "toy_workload:Summer", "--device", "cpu", "--out", str(out)]) == 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["line"] for r in rows] == [1, 3, 4, 5]
+    assert rows[0] == {"line": 1, "response": {"results": [{"output": 10.0}]}}
+    assert "must be a list" in rows[1]["error"] and rows[2]["error"].startswith("malformed JSON")
+    assert rows[3]["response"]["results"][0] == {"output": 4.0} and "error" in rows[3]["response"]["results"][1]
+    assert "4 requests: 2 ok, 2 failed (sum)" in capsys.readouterr().err
+    assert main(["run", str(src), "--workload", "toy_workload:BadSetup", "--device", "cpu"]) == 2
+    assert "setup() failed: FileNotFoundError" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "nope.jsonl"), "--workload", "toy_workload:Summer"]) == 2
+    with pytest.raises(SystemExit):
+        main(["run", str(src)])  # --workload is required
