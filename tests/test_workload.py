@@ -51,3 +51,25 @@ def test_cli_run_answers_a_jsonl_file_in_order(tmp_path, capsys):
     assert main(["run", str(tmp_path / "nope.jsonl"), "--workload", "toy_workload:Summer"]) == 2
     with pytest.raises(SystemExit):
         main(["run", str(src)])  # --workload is required
+
+
+def test_classification_through_the_contract_equals_the_library(samples, bad_dir):
+    """ClassifyImages (base64 images in JSON) answers as Pipeline.classify on the same bytes; a string
+    that is not base64 and a corrupt image fail alone."""
+    import base64
+
+    from fullthrottle import Config, Pipeline
+    from fullthrottle.workloads.classify.api import ClassifyImages
+
+    photos = [p.read_bytes() for p in samples[:6]]
+    corrupt = next(p for p in sorted(bad_dir.iterdir()) if "truncated" in p.name or "corrupt" in p.name).read_bytes()
+    w = ClassifyImages(threads=1)
+    w.setup("cpu")
+    b64 = [base64.b64encode(b).decode() for b in photos]
+    got = run_offline(w, [{"images": b64[:4]}, {"images": b64[4:] + ["%%%", base64.b64encode(corrupt).decode()]}])
+    ref = Pipeline(Config(device="cpu", threads=1)).classify([(f"image {i}", b) for i, b in enumerate(photos)])
+    res = got[0][0]["results"] + got[1][0]["results"][:2]
+    assert [[t["class_id"] for t in r["top_k"]] for r in res] == [r.class_ids for r in ref]
+    assert [r["index"] for r in got[1][0]["results"]] == [0, 1, 2, 3]
+    bad = got[1][0]["results"][2:]
+    assert "not base64" in bad[0]["error"] and bad[1]["error_stage"] == "preprocess", bad

@@ -1,0 +1,76 @@
+"""Image classification as a :class:`~fullthrottle.core.workload.Workload`, so that what takes any
+workload (``fullthrottle run``, :func:`~fullthrottle.ray_jobs.workload_on_ray`, ``serve --workload``)
+takes classification too: a JSON body of base64-encoded images in, each image's top-k (or its own
+error) out. (The server's built-in ``POST /v1/classify`` takes raw bytes and multipart bodies and
+streams them through the pipeline's stages instead.)
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+from ...core.workload import ItemError, Workload
+
+#: images one request may carry (413 beyond, as POST /v1/classify)
+MAX_IMAGES = 64
+
+
+class ClassifyImages(Workload):
+    """``{"images": ["<base64 JPEG/PNG/...>", ...]}`` -> ``{"results": [{"index", "id", "top_k": [{"label",
+    "class_id", "prob"}, ...]} | {"index", "id", "error", "error_stage", "error_kind"}, ...]}``, the
+    shape of ``POST /v1/classify``'s results.
+
+    Args:
+        config: keyword arguments of :class:`~fullthrottle.core.config.Config` (``model``, ``weights``,
+            ``top_k``...); the device comes from :meth:`setup`. Default: EfficientNet-Lite0 with its
+            ImageNet weights.
+
+    A string that is not base64, or an image that does not decode, fails that image alone.
+    """
+
+    name = "images"
+    max_batch = 256
+    max_wait_ms = 5.0
+    max_items_per_request = MAX_IMAGES
+
+    def __init__(self, **config):
+        self.config = config
+        self.pipe = None
+
+    def setup(self, device: str) -> None:
+        from ...core.config import Config
+        from .pipeline import Pipeline
+
+        self.pipe = Pipeline(Config(**{**self.config, "device": device}))
+
+    def decode_request(self, body: dict) -> list:
+        images = body.get("images")
+        if not isinstance(images, list) or not images or not all(isinstance(x, str) for x in images):
+            raise ValueError('JSON body must be {"images": ["<base64>", ...]}')
+        out = []
+        for i, x in enumerate(images):
+            try:
+                out.append((f"image {i}", base64.b64decode(x, validate=True)))
+            except (binascii.Error, ValueError) as e:
+                out.append((f"image {i}", ItemError(f"image {i}: not base64: {e}")))
+        return out
+
+    def predict(self, items: list) -> list:
+        todo = [k for k, (_, data) in enumerate(items) if not isinstance(data, ItemError)]
+        out: list = [data for _, data in items]
+        for k, r in zip(todo, self.pipe.classify([items[k] for k in todo]) if todo else ()):
+            out[k] = r.to_dict() if r.ok else ItemError(r.error)  # (encode_response sets the index)
+        return out
+
+    def encode_response(self, outputs: list) -> dict:
+        from ...core.errors import error_info
+
+        res = []
+        for i, o in enumerate(outputs):
+            if isinstance(o, ItemError):
+                stage, kind = error_info(str(o))
+                res.append({"index": i, "id": f"image {i}", "error": str(o), "error_stage": stage, "error_kind": kind})
+            else:
+                res.append({**o, "index": i})
+        return {"results": res}
