@@ -166,9 +166,9 @@ def test_efficientnet_lite0_bf16_graphs_agree_with_fp32_eager(samples, no_thread
 def test_efficientnet_lite0_gpu_decode_agrees_with_cpu_decode(samples, no_thread_leak):
     """GPU-decoded and CPU-decoded inputs through the default model: top-1 agreement >= 99%,
     accuracy within 1 point of each other."""
-    with Pipeline(Config(device="cuda", gpu_decode=False, max_batch_size=64)) as pipe:
+    with Pipeline(Config(device="cuda", dtype="float32", gpu_decode=False, max_batch_size=64)) as pipe:
         cpu = _top1(pipe.classify(samples))
-    with Pipeline(Config(device="cuda", max_batch_size=64, gpu_decode=True)) as pipe:
+    with Pipeline(Config(device="cuda", dtype="float32", max_batch_size=64, gpu_decode=True)) as pipe:
         gpu = _top1(pipe.classify(samples))
         share = pipe.engine.splitter.routed_gpu_share
     agree = float(np.mean([a == b for a, b in zip(cpu, gpu)]))

@@ -283,6 +283,21 @@ def test_weights_that_do_not_fit(tmp_path):
         Pipeline(Config(model="resnet18", weights=str(tmp_path / "bad.safetensors"), device="cpu"))
 
 
+def test_one_dtype_default_for_every_front_end():
+    """dtype None means bfloat16 on CUDA and float32 on the CPU, for the library, the CLI (also its Ray
+    path, which passes no dtype) and the server alike; the Embedder's own CUDA default is float16."""
+    from fullthrottle.cli import build_parser
+    from fullthrottle.core.config import CUDA_DTYPE, resolve_dtype
+
+    assert Config().dtype is None and CUDA_DTYPE == "bfloat16"
+    assert [resolve_dtype(None, d) for d in ("cuda", "cuda:1", "cpu")] == ["bfloat16", "bfloat16", "float32"]
+    assert resolve_dtype("float16", "cpu") == "float16" and resolve_dtype(None, "cuda", "float16") == "float16"
+    for cmd in (["classify"], ["serve"], ["generate", "--random", "tiny"], ["embed", "f", "--out", "o.npy"]):
+        args = build_parser().parse_args(cmd)
+        assert args.dtype is None and args.device == Config.device, cmd
+    assert Pipeline(Config(labels=LABELS, device="cpu", threads=1), model=Tiny()).engine.dtype == torch.float32
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="unknown model"):
         Pipeline(Config(model="resnet19", device="cpu"))

@@ -57,12 +57,12 @@ def bench_e2e(
     warm_frac: float = 0.25,
 ) -> dict:
     """Images (bytes in memory) to top-5, fullthrottle vs naive loop vs DataLoader (PIL, OpenCV)."""
-    from ..core.config import Config
+    from ..core.config import Config, resolve_dtype, torch_dtype
     from ..core.device import resolve_device
     from ..workloads.classify.pipeline import Pipeline
 
     dev = resolve_device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = torch_dtype(resolve_dtype(None, dev))
     m = _model(model, dev, dtype, dev.type == "cuda")
     mean = torch.tensor(MEAN, device=dev).view(1, 3, 1, 1) * 255
     std = torch.tensor(STD, device=dev).view(1, 3, 1, 1) * 255
@@ -107,7 +107,7 @@ def bench_e2e(
         Config(
             model=model,
             device=str(dev),
-            dtype="bfloat16" if dev.type == "cuda" else "float32",
+            dtype=resolve_dtype(None, dev),
             max_batch_size=batch,
             threads=workers,
         )

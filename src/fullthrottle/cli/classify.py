@@ -46,10 +46,9 @@ def _classify_ray(args) -> int:
         "graphs": args.graphs,
         "compile": args.compile,
         "preprocess": args.preprocess,
+        "dtype": args.dtype,  # (None: the default of the device each actor runs on)
         **gpu,
     }
-    if args.dtype:
-        cfg["dtype"] = args.dtype
     inputs = args.inputs or sample_photos()
     out = open(args.out, "w", encoding="utf-8") if args.out and args.out != "-" else None
     t0, ok, failed = time.perf_counter(), 0, 0
@@ -113,7 +112,7 @@ def cmd_classify(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from ..core.config import Config
+    from ..core.config import Config, resolve_dtype
     from ..core.device import resolve_device
     from ..workloads.classify.models import WeightsError
     from ..workloads.classify.pipeline import Pipeline
@@ -152,7 +151,7 @@ def cmd_classify(args) -> int:
             inputs = sample_photos()
             print(f"no inputs given: classifying {len(inputs)} sample photos from scikit-image", file=sys.stderr)
         device = resolve_device(args.device)
-        dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+        dtype = resolve_dtype(args.dtype, device)
         cfg = Config(
             model=args.model,
             weights=args.weights,

@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from ..core.config import torch_dtype
+from ..core.config import resolve_dtype, torch_dtype
 
 
 def _llama_bytes(cfg, dtype) -> int:
@@ -56,7 +56,7 @@ def cmd_generate(args) -> int:
 
     try:
         device = resolve_device(args.device)
-        dtype = torch_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        dtype = torch_dtype(resolve_dtype(args.dtype, device))
         tok = None
         if args.model_dir:
             if not os.path.isdir(args.model_dir):

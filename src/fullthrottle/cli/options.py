@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..core.config import DTYPES, GPU_DECODERS, Config
+from ..core.config import CUDA_DTYPE, DTYPES, GPU_DECODERS, Config
 from ..workloads.classify.models import DEFAULT_MODEL, MODELS
 
 
@@ -142,7 +142,7 @@ def add_runtime_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: st
         "--dtype",
         default=None,
         choices=DTYPES,
-        help="compute dtype on CUDA (default: bfloat16 on CUDA; the CPU always computes in float32)",
+        help=f"compute dtype on CUDA (default: {CUDA_DTYPE}; the CPU always computes in float32)",
     )
     p.add_argument(
         "--graphs",

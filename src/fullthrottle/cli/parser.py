@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.config import DTYPES, usable_cores
+from ..core.config import CUDA_DTYPE, DTYPES, Config, usable_cores
 from ..core.env import describe as describe_env
 from ..server.options import MAX_CONNECTIONS, ServeOptions
 from .options import add_runtime_args, port_number, positive_float, positive_int
@@ -210,12 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same tokens)")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    g.add_argument("--device", default=Config.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument(
         "--dtype",
         default=None,
         choices=DTYPES,
-        help="default: bfloat16 on CUDA, float32 on CPU",
+        help=f"default: {CUDA_DTYPE} on CUDA, float32 on CPU",
     )
     g.add_argument(
         "--max-seq-len", type=positive_int, default=None, help="KV cache length (default: prompt + max new tokens)"
@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model-dir", default=None, help="sentence-transformers folder (default: all-MiniLM-L6-v2)")
     m.add_argument("--out", required=True, help="output: .npy or .jsonl")
     m.add_argument("--report-json", help="write the run summary (rates, stages, GPU use) as JSON here")
-    m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    m.add_argument("--device", default=Config.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     m.add_argument(
         "--dtype",
         default=None,
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("file", metavar="FILE|-", help="one JSON object (a request body) per line")
     w.add_argument("--workload", required=True, metavar="MODULE:CLASS", help="the workload to run")
     w.add_argument("--out", default="-", help="output JSON lines file (default: stdout)")
-    w.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N: where setup() loads the model")
+    w.add_argument("--device", default=Config.device, help="auto, cpu, cuda or cuda:N: where setup() loads the model")
     w.add_argument(
         "--ray",
         nargs="?",
@@ -324,6 +324,6 @@ def build_parser() -> argparse.ArgumentParser:
                 default=128,
                 help="batch size, the same for every method (default: %(default)s)",
             )
-            e.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+            e.add_argument("--device", default=Config.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
             e.add_argument("--model", default="resnet18", help="torchvision model (default: %(default)s)")
     return p

@@ -28,7 +28,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
-    from ..core.config import Config
+    from ..core.config import Config, resolve_dtype
     from ..core.device import resolve_device
     from ..server.app import ServeOptions, run_server
 
@@ -38,7 +38,7 @@ def cmd_serve(args) -> int:
             model=args.model,
             weights=args.weights,
             device=str(device),
-            dtype=args.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
+            dtype=resolve_dtype(args.dtype, device),
             max_batch_size=args.max_batch_size,
             max_wait_ms=args.max_wait_ms,
             threads=args.threads,

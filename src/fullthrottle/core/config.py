@@ -10,6 +10,16 @@ from typing import Any
 from ..workloads.classify.models import DEFAULT_MODEL, INTERPOLATIONS, Transform, check_channels, transform_of
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: the compute dtype on CUDA when none is given (image models, LLMs; the CPU computes in float32)
+CUDA_DTYPE = "bfloat16"
+
+
+def resolve_dtype(name: str | None, device, cuda_default: str = CUDA_DTYPE) -> str:
+    """``name``, or when it is ``None`` the default for ``device`` (a ``torch.device`` or its string):
+    ``cuda_default`` on CUDA, ``"float32"`` elsewhere."""
+    if name is not None:
+        return name
+    return cuda_default if str(device).startswith("cuda") else "float32"
 
 
 def torch_dtype(name: str):
@@ -80,7 +90,8 @@ class Config:
             none (the ResNets) random initialisation with a fixed seed (labels are then meaningless).
         labels: class names for a custom module; ImageNet's 1000 names by default.
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: compute dtype on CUDA: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (CPU always runs fp32).
+        dtype: compute dtype on CUDA: ``"float32"``, ``"bfloat16"`` or ``"float16"``; ``None`` (the
+            default): :data:`CUDA_DTYPE` (bfloat16). The CPU always computes in float32.
         channels_last: run the model in NHWC memory format on CUDA.
         graphs: replay normalise + model + top-k as CUDA graphs, one per batch bucket, captured when
             the pipeline is built (CUDA only; CPU runs eager).
@@ -157,7 +168,7 @@ class Config:
     weights: str | None = None
     labels: list[str] | None = None
     device: str = "auto"
-    dtype: str = "float32"
+    dtype: str | None = None  # (None: CUDA_DTYPE on CUDA)
     channels_last: bool = True
     graphs: bool = True
     fold_bn: bool = True
@@ -225,7 +236,7 @@ class Config:
         for name in ("mean", "std"):
             if getattr(self, name) is not None:
                 check_channels(name, getattr(self, name))
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.staging_slots < 2:
             raise ValueError(f"staging_slots must be >= 2, got {self.staging_slots}")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.config import default_buckets, torch_dtype
+from ..core.config import default_buckets, resolve_dtype, torch_dtype
 from ..core.env import EMBED_MODEL
 from ..core.env import get as getenv
 from ..core.report import StageStats
@@ -185,7 +185,7 @@ class Embedder:
         path = Path(path) if path is not None else default_model_dir()
         self.device = resolve_device(device)
         cuda = self.device.type == "cuda"
-        self.dtype = torch_dtype(dtype or ("float16" if cuda else "float32"))
+        self.dtype = torch_dtype(resolve_dtype(dtype, self.device, cuda_default="float16"))
         cfg = json.loads((path / "config.json").read_text())
         st_cfg = path / "sentence_bert_config.json"
         self.max_seq_length = int(json.loads(st_cfg.read_text())["max_seq_length"]) if st_cfg.exists() else 512

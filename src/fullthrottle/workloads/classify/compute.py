@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ...core import env
-from ...core.config import Config, torch_dtype
+from ...core.config import Config, resolve_dtype, torch_dtype
 from ...core.device import resolve_device
 from ...core.graphs import GraphRunner
 from ...core.kernels import normalize_u8, use_triton
@@ -81,7 +81,7 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.cuda = self.device.type == "cuda"
-        self.dtype = torch_dtype(config.dtype) if self.cuda else torch.float32
+        self.dtype = torch_dtype(resolve_dtype(config.dtype, self.device)) if self.cuda else torch.float32
         self.channels_last = config.channels_last and self.cuda
         self.model_name = config.model if isinstance(config.model, str) else type(model).__name__
         #: the weights file the model was loaded from (``None``: random, seeded; or a module as given)
