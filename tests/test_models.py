@@ -15,6 +15,7 @@ from fullthrottle.data.preprocess import preprocess
 from fullthrottle.workloads.classify.efficientnet import EfficientNetLite0, reference_to_ours
 from fullthrottle.workloads.classify.models import (
     EFFICIENTNET_LITE,
+    MOBILENET_V3,
     MODELS,
     TORCHVISION_IMAGENET,
     Transform,
@@ -102,7 +103,7 @@ def test_each_model_declares_its_transform():
     with pytest.raises(TypeError, match="input_transform must be a fullthrottle.workloads.classify.models.Transform"):
         Config().for_model(m)
     with pytest.raises(ValueError, match="interpolation"):
-        Transform(256, 224, (0.5,) * 3, (0.5,) * 3, "bicubic")
+        Transform(256, 224, (0.5,) * 3, (0.5,) * 3, "lanczos")
     with pytest.raises(ValueError, match="interpolation"):
         Config(interpolation="nearest")
     with pytest.raises(ValueError, match="crop_size <= resize_size"):
@@ -141,6 +142,38 @@ def test_every_decode_path_uses_the_models_declaration(samples, pre):
     want = normalise([preprocess(p.read_bytes(), 112, 96) for p in samples[:3]], Probe.input_transform)
     for w in want:  # each image reached the model exactly as declared
         assert (seen - w).abs().flatten(1).max(1).values.min() < 1e-5
+
+
+@pytest.mark.parametrize("pre", ["threads", "processes"])
+def test_mobilenet_v3_small_gets_its_own_bicubic_transform(samples, pre):
+    """mobilenet_v3_small by name: resize 232 (bicubic) + crop 224 and ImageNet mean/std reach the
+    model, equal to torchvision's own v2 transform of the same photos, on both CPU decode paths."""
+    from PIL import Image
+    from torchvision.transforms import v2
+
+    with Pipeline(
+        Config(model="mobilenet_v3_small", device="cpu", threads=2, preprocess=pre, max_batch_size=4)
+    ) as pipe:
+        assert pipe.config.transform == MOBILENET_V3 and MOBILENET_V3.interpolation == "bicubic"
+        assert pipe.engine.random_weights and not pipe.config.gpu_decode  # (the GPU paths are bilinear only)
+        seen = []
+        pipe.engine.model.register_forward_pre_hook(lambda m, args: seen.append(args[0].clone()))
+        res = pipe.classify(samples[:3])
+    assert all(r.ok for r in res) and all(len(r.labels) == 5 for r in res)
+    seen = torch.cat(seen)
+    assert seen.shape[1:] == (3, 224, 224)
+    tv = v2.Compose(
+        [
+            v2.PILToTensor(),
+            v2.Resize(232, interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
+            v2.CenterCrop(224),
+        ]
+    )
+    want = normalise([tv(Image.open(p).convert("RGB")).permute(1, 2, 0).numpy() for p in samples[:3]], MOBILENET_V3)
+    bilinear = normalise([preprocess(p.read_bytes(), 232, 224) for p in samples[:3]], MOBILENET_V3)
+    for w, b in zip(want, bilinear):  # each image reached the model as torchvision makes it, not bilinear
+        assert (seen - w).abs().flatten(1).max(1).values.min() < 1e-5
+        assert (seen - b).abs().flatten(1).max(1).values.min() > 1e-2
 
 
 def test_random_weights_are_seeded(samples):

@@ -34,7 +34,10 @@ def worker_main(argv: list[str]) -> None:
     """A CPU decoder process's main (``argv``: the socket, pool and readiness fds, then the transform
     and limits, as :class:`~fullthrottle.data.preprocess_procs.DecoderProcess` starts it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; we end on EOF
-    fd, pool_fd, ready_fd, resize_size, crop_size, max_pixels, nice, pool_rows, max_file_bytes = (int(a) for a in argv)
+    fd, pool_fd, ready_fd, resize_size, crop_size, max_pixels, nice, pool_rows, max_file_bytes = (
+        int(a) for a in argv[:9]
+    )
+    interpolation = argv[9] if len(argv) > 9 else "bilinear"
     if nice:
         try:
             os.nice(nice)
@@ -62,14 +65,21 @@ def worker_main(argv: list[str]) -> None:
     stats_path = env.get(env.WORKER_STATS)
     if stats_path:
         return _worker_loop_timed(
-            conn, crops, resize_size, crop_size, max_pixels, max_file_bytes, f"{stats_path}.{os.getpid()}.json"
+            conn,
+            crops,
+            resize_size,
+            crop_size,
+            max_pixels,
+            max_file_bytes,
+            f"{stats_path}.{os.getpid()}.json",
+            interpolation,
         )
     while True:
         try:
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        out = _work_one(msg, crops, resize_size, crop_size, max_pixels, max_file_bytes)
+        out = _work_one(msg, crops, resize_size, crop_size, max_pixels, max_file_bytes, interpolation)
         try:
             conn.send_bytes(out)
         except (EOFError, OSError):
@@ -90,12 +100,18 @@ def _request(msg: bytes, max_file_bytes: int) -> tuple[int, bytes]:
 
 
 def _work_one(
-    msg: bytes, crops: np.ndarray, resize_size: int, crop_size: int, max_pixels: int, max_file_bytes: int
+    msg: bytes,
+    crops: np.ndarray,
+    resize_size: int,
+    crop_size: int,
+    max_pixels: int,
+    max_file_bytes: int,
+    interpolation: str = "bilinear",
 ) -> bytes:
     """One request (pool row + encoded bytes or a path) -> its reply (status byte, or status and error text)."""
     try:
         row, data = _request(msg, max_file_bytes)
-        arr = preprocess(data, resize_size, crop_size, max_pixels)
+        arr = preprocess(data, resize_size, crop_size, max_pixels, interpolation)
         crops[row] = arr  # straight into the shared (pinned) pool: the only copy of the pixels
         return bytes([_OK])
     except Exception as e:  # noqa: BLE001 - a decoder error belongs to this item
@@ -110,7 +126,9 @@ def _error_reply(e: Exception) -> bytes:
     return bytes([_OTHER_ERROR]) + f"cannot decode image: {type(e).__name__}: {e}".encode()[:60000]
 
 
-def _worker_loop_timed(conn, crops, resize_size, crop_size, max_pixels, max_file_bytes, path: str) -> None:
+def _worker_loop_timed(
+    conn, crops, resize_size, crop_size, max_pixels, max_file_bytes, path: str, interpolation: str = "bilinear"
+) -> None:
     """The worker loop with a time split per phase, written as JSON to ``path`` at exit (benchmarks)."""
     import json
     import resource
@@ -128,7 +146,7 @@ def _worker_loop_timed(conn, crops, resize_size, crop_size, max_pixels, max_file
             b, c0 = clock(), cpu()
             try:
                 row, data = _request(msg, max_file_bytes)
-                arr = preprocess(data, resize_size, crop_size, max_pixels)
+                arr = preprocess(data, resize_size, crop_size, max_pixels, interpolation)
                 c, c1 = clock(), cpu()
                 crops[row] = arr
                 out = bytes([_OK])

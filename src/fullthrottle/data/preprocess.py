@@ -241,7 +241,9 @@ def _decode_pil(data: bytes, fmt: str) -> np.ndarray:
         raise ImageError(f"corrupt or unsupported {fmt} image: {e}") from None
 
 
-def resize_crop(rgb: np.ndarray, resize_size: int = 256, crop_size: int = 224) -> np.ndarray:
+def resize_crop(
+    rgb: np.ndarray, resize_size: int = 256, crop_size: int = 224, interpolation: str = "bilinear"
+) -> np.ndarray:
     """torchvision's ResNet eval transform on uint8: shorter side to ``resize_size``, center crop.
 
     Uses the very kernel ``torchvision.transforms.v2.Resize(resize_size, antialias=True)`` runs on a
@@ -254,6 +256,8 @@ def resize_crop(rgb: np.ndarray, resize_size: int = 256, crop_size: int = 224) -
 
     Args:
         rgb: ``(H, W, 3)`` uint8.
+        interpolation: ``"bilinear"`` or ``"bicubic"`` (both antialiased, on uint8, equal to
+            torchvision v2's ``Resize(..., interpolation=..., antialias=True)``).
     Returns:
         ``(crop_size, crop_size, 3)`` uint8, C-contiguous.
     """
@@ -264,7 +268,7 @@ def resize_crop(rgb: np.ndarray, resize_size: int = 256, crop_size: int = 224) -
         nh, nw = int(resize_size * h / w), resize_size
     t = torch.from_numpy(rgb).permute(2, 0, 1)[None]  # (1, 3, H, W) view of NHWC memory
     if (nh, nw) != (h, w):
-        t = F.interpolate(t, size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
+        t = F.interpolate(t, size=(nh, nw), mode=interpolation, antialias=True, align_corners=False)
     top = int(round((nh - crop_size) / 2.0))
     left = int(round((nw - crop_size) / 2.0))
     # C-contiguous on purpose: the compute stage stacks crops into pinned memory, and a strided
@@ -272,11 +276,18 @@ def resize_crop(rgb: np.ndarray, resize_size: int = 256, crop_size: int = 224) -
     return np.ascontiguousarray(t[0].permute(1, 2, 0).numpy()[top : top + crop_size, left : left + crop_size])
 
 
-def preprocess(data: bytes, resize_size: int = 256, crop_size: int = 224, max_pixels: int = 89_478_485) -> np.ndarray:
-    """Encoded image bytes -> ``(crop_size, crop_size, 3)`` uint8 RGB, ready for the device.
+def preprocess(
+    data: bytes,
+    resize_size: int = 256,
+    crop_size: int = 224,
+    max_pixels: int = 89_478_485,
+    interpolation: str = "bilinear",
+) -> np.ndarray:
+    """Encoded image bytes -> ``(crop_size, crop_size, 3)`` uint8 RGB, ready for the device
+    (``interpolation``: :func:`resize_crop`'s).
 
     Raises:
         ImageError: see :func:`decode`.
     """
     rgb = decode(data, min_side=resize_size, max_pixels=max_pixels)
-    return resize_crop(rgb, resize_size, crop_size)
+    return resize_crop(rgb, resize_size, crop_size, interpolation)

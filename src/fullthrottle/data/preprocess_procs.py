@@ -77,7 +77,8 @@ class DecoderProcess:
     """One worker process running :func:`~fullthrottle.data.preprocess.preprocess` into a :class:`CropPool`.
 
     Args:
-        resize_size / crop_size / max_pixels: the transform (as in :class:`~fullthrottle.core.config.Config`).
+        resize_size / crop_size / max_pixels / interpolation: the transform (as in
+            :class:`~fullthrottle.core.config.Config`).
         nice: added to the worker's scheduling niceness (0 leaves it as the parent's; default
             :data:`WORKER_NICE`).
         pool: the shared crop rows the worker writes into; ``None``: a private pool of one row.
@@ -99,6 +100,7 @@ class DecoderProcess:
         scratch_row: int | None = None,
         max_file_bytes: int = 256 << 20,
         malloc_env: dict | None = None,
+        interpolation: str = "bilinear",
     ):
         self.malloc_env = MALLOC_ENV if malloc_env is None else malloc_env
         self._own_pool = pool is None
@@ -109,7 +111,7 @@ class DecoderProcess:
         self.pool = pool
         self.scratch_row = scratch_row
         nice = WORKER_NICE if nice is None else nice
-        self.args = (resize_size, crop_size, max_pixels, nice, pool.rows + pool.scratch, max_file_bytes)
+        self.args = (resize_size, crop_size, max_pixels, nice, pool.rows + pool.scratch, max_file_bytes, interpolation)
         self.crop_size = crop_size
         self.closed = False
         # held from send to reply: a thread that is still waiting when its run is stopped reads its own
@@ -296,6 +298,7 @@ class DecoderPool:
         rows: int = 256,
         max_file_bytes: int = 256 << 20,
         malloc_env: dict | None = None,
+        interpolation: str = "bilinear",
     ):
         self.workers: list[DecoderProcess] = []
         self.crops = CropPool(rows, crop_size, scratch=n)
@@ -313,6 +316,7 @@ class DecoderPool:
                     scratch_row=rows + i,
                     max_file_bytes=max_file_bytes,
                     malloc_env=malloc_env,
+                    interpolation=interpolation,
                 )
                 with lock:
                     if self._closing:  # start-up was abandoned (Ctrl-C): don't leave this one behind

@@ -18,8 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: interpolations every decode path implements (antialiased, as ``torchvision.transforms.v2.Resize``)
-INTERPOLATIONS = ("bilinear",)
+#: interpolations the CPU decode paths (threads, decoder processes) implement (antialiased, as
+#: ``torchvision.transforms.v2.Resize``)
+INTERPOLATIONS = ("bilinear", "bicubic")
+#: interpolations the GPU decode paths also implement; a model declaring another one is decoded on the
+#: CPU only (the pipeline turns ``gpu_decode`` off for it)
+GPU_INTERPOLATIONS = ("bilinear",)
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,8 @@ class Transform:
         crop: then a ``crop`` x ``crop`` center crop (``crop <= resize``).
         mean / std: per RGB channel, in units of the pixel range ``[0, 1]``: the model sees
             ``(x / 255 - mean) / std``, applied on the device.
-        interpolation: the resize filter, antialiased; ``"bilinear"`` (the one every decode path has).
+        interpolation: the resize filter, antialiased: one of :data:`INTERPOLATIONS` (``"bilinear"``,
+            which every decode path has, or ``"bicubic"``: CPU decode paths only).
 
     Raises:
         ValueError: sizes that are not integers with ``1 <= crop <= resize``, an unknown
@@ -50,8 +55,8 @@ class Transform:
             raise ValueError(f"need integers 1 <= crop <= resize, got crop={self.crop!r}, resize={self.resize!r}")
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(
-                f"interpolation must be one of {INTERPOLATIONS} (what every decode path "
-                f"implements), got {self.interpolation!r}"
+                f"interpolation must be one of {INTERPOLATIONS} (what the decode paths "
+                f"implement), got {self.interpolation!r}"
             )
         for name in ("mean", "std"):
             check_channels(name, getattr(self, name))
@@ -75,6 +80,10 @@ TORCHVISION_IMAGENET = Transform(resize=256, crop=224, mean=(0.485, 0.456, 0.406
 #: EfficientNet-Lite's: ``(x - 127) / 128`` (tensorflow/tpu ``efficientnet_lite_builder.py``,
 #: ``MEAN_RGB`` / ``STDDEV_RGB``), resize 256 + center crop 224
 EFFICIENTNET_LITE = Transform(resize=256, crop=224, mean=(127 / 255,) * 3, std=(128 / 255,) * 3)
+#: MobileNetV3-Small's: resize 232 (bicubic), center crop 224, ImageNet's channel mean and std
+MOBILENET_V3 = Transform(
+    resize=232, crop=224, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), interpolation="bicubic"
+)
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,7 @@ class ModelSpec:
     about: str
 
 
-def _resnet(name: str) -> Callable[[], Any]:
+def _torchvision(name: str) -> Callable[[], Any]:
     def build():
         import torchvision.models as tvm
 
@@ -129,10 +138,16 @@ MODELS: dict[str, ModelSpec] = {
     ),
     **{
         name: ModelSpec(
-            _resnet(name), TORCHVISION_IMAGENET, None, f"torchvision {name} (random weights unless --weights)"
+            _torchvision(name), TORCHVISION_IMAGENET, None, f"torchvision {name} (random weights unless --weights)"
         )
         for name in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
     },
+    "mobilenet_v3_small": ModelSpec(
+        _torchvision("mobilenet_v3_small"),
+        MOBILENET_V3,
+        None,
+        "torchvision mobilenet_v3_small (random weights unless --weights; bicubic resize, CPU decoding only)",
+    ),
 }
 #: the model of ``fullthrottle classify`` and :class:`~fullthrottle.core.config.Config` when none is named
 DEFAULT_MODEL = "efficientnet_lite0"

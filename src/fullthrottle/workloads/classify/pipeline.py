@@ -33,6 +33,7 @@ from ...data.preprocess import allow_pillow_pixels
 from ...data.preprocess_procs import DecoderPool
 from .compute import Engine
 from .decode import Result
+from .models import GPU_INTERPOLATIONS
 from .run import PipelineError, Run, limit_heap_fragmentation  # noqa: F401 - (PipelineError: the public name lives here)
 
 
@@ -69,6 +70,8 @@ class Pipeline:
 
             config = replace(config, gpu_decode_processes=default_processes())
         config = config.for_model(model)  # the model's own resize, crop and normalisation
+        if config.gpu_decode and config.interpolation not in GPU_INTERPOLATIONS:  # (the GPU paths are bilinear)
+            config = replace(config, gpu_decode=False)
         limit_heap_fragmentation()
         self.engine = Engine(config, model)
         if config.gpu_decode and not self.engine.cuda:  # (CUDA only: nothing of it on the CPU)
@@ -93,6 +96,7 @@ class Pipeline:
                 config.max_image_pixels,
                 rows=rows,
                 max_file_bytes=config.max_file_bytes,
+                interpolation=config.interpolation,
             )
             try:
                 self.engine.attach_crops(self.decoders.crops)

@@ -37,7 +37,11 @@ def run_report(run) -> Report:
 
 def gpu_decode_summary(run) -> str:
     """One line: which GPU JPEG decoder ran where, and the share of eligible JPEGs it decoded."""
+    from .models import GPU_INTERPOLATIONS
+
     eng = run.engine
+    if eng.cuda and eng.config.interpolation not in GPU_INTERPOLATIONS:
+        return f"GPU decode: off (the model's {eng.config.interpolation} resize has no GPU path: decoded on the CPU)"
     if eng.gpu_decoder is None:
         return ""
     name = {"hardware": "the GPU's JPEG engines (nvImageCodec)", "nvjpeg": "nvJPEG (torchvision)"}.get(

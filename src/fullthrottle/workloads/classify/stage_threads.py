@@ -41,7 +41,9 @@ def preprocess_thread(run) -> None:
             t0 = time.perf_counter()
             try:
                 with nvtx_range("preprocess"):
-                    it.array = preprocess(it.data, cfg.resize_size, cfg.crop_size, cfg.max_image_pixels)
+                    it.array = preprocess(
+                        it.data, cfg.resize_size, cfg.crop_size, cfg.max_image_pixels, cfg.interpolation
+                    )
             except ImageError as e:
                 it.error = f"{it.id}: {e}"
             except Exception as e:  # noqa: BLE001 - a decoder crash belongs to this item
