@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (for type checkers and IDEs; at run time the names come from __getattr__)
     from .core.config import Config
+    from .core.report import StageStats
     from .core.workload import ItemError, Workload
     from .data.preprocess import ImageError
     from .workloads.classify.decode import Result
@@ -29,9 +30,20 @@ _WHERE = {
     "ImageError": ".data.preprocess",
     "Workload": ".core.workload",
     "ItemError": ".core.workload",
+    "StageStats": ".core.report",
 }
 
-__all__ = ["Config", "ImageError", "ItemError", "Pipeline", "PipelineError", "Result", "Workload", "classify"]
+__all__ = [
+    "Config",
+    "ImageError",
+    "ItemError",
+    "Pipeline",
+    "PipelineError",
+    "Result",
+    "StageStats",
+    "Workload",
+    "classify",
+]
 __version__ = "0.1.0"
 
 

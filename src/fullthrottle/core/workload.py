@@ -30,6 +30,8 @@ Example (a model of your own, with its own preprocessing)::
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from .report import StageStats
 
@@ -52,8 +54,9 @@ class Workload:
             runs by itself (bound it with :attr:`max_items_per_request`).
         max_wait_ms: how long a batch waits for more requests once its first has arrived.
         max_items_per_request: a request with more items gets 413.
-        stats: stage counters (:class:`~fullthrottle.core.report.StageStats`) the workload keeps, by
-            name; the service adds its own ``"predict"`` stage.
+        stats: stage counters (``fullthrottle.StageStats``) the workload keeps, by name, shown in
+            ``/metrics`` and reports; assign your own dict (in ``__init__`` or :meth:`setup`: the class
+            default is an empty read-only mapping, shared). The service adds its own ``"predict"`` stage.
     """
 
     name: str = ""
@@ -61,7 +64,7 @@ class Workload:
     max_batch_cost: int | None = None
     max_wait_ms: float = 2.0
     max_items_per_request: int = 1024
-    stats: dict[str, StageStats] = {}
+    stats: Mapping[str, StageStats] = MappingProxyType({})
 
     def setup(self, device: str) -> None:
         """Load the model on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``), once, before the server
