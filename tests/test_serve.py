@@ -387,7 +387,7 @@ def test_a_workload_of_ones_own_is_served_batched_across_requests():
     """A fullthrottle.Workload subclass at POST /v1/<name>: the requests of 12 concurrent clients share
     predict() calls; an item that fails costs only itself; malformed requests get 400/413; the
     workload's stage shows in /metrics; a class that breaks the contract is refused at start."""
-    from toy_workload import Fragile, Summer
+    from toy_workload import Exiter, Fragile, Summer
 
     from fullthrottle.server.workload_routes import load_workload
 
@@ -425,6 +425,12 @@ def test_a_workload_of_ones_own_is_served_batched_across_requests():
         r = httpx.post(s.url + "/v1/fragile", content=b'{"inputs": [[NaN, 1, 2, 3]]}')
         assert r.status_code == 400 and "NaN" in r.json()["detail"]
         assert ask({"inputs": [[1, 2, 3, 4]]}).json()["results"] == [{"output": 10.0}]
+    with Server(Tiny(), ServeOptions(workloads=(Exiter(),), classify=False)) as s:  # SystemExit in predict()
+        r = httpx.post(s.url + "/v1/exiter", json={"inputs": ["exit"]}, timeout=30)
+        assert r.status_code == 500 and "predict() failed: SystemExit" in r.json()["detail"]
+        r = httpx.post(s.url + "/v1/exiter", json={"inputs": [[1, 2, 3, 4]]}, timeout=30)
+        assert r.json()["results"] == [{"output": 10.0}]  # the service lives on
+        assert httpx.get(s.url + "/readyz").status_code == 200
     with Server(Tiny(), ServeOptions(workloads=(Summer(),), classify=False)) as s:  # only one's own
         ready = httpx.get(s.url + "/readyz").json()
         assert ready == {"status": "ready", "workloads": ["sum"]}

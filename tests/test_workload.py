@@ -46,11 +46,67 @@ def test_cli_run_answers_a_jsonl_file_in_order(tmp_path, capsys):
     assert "must be a list" in rows[1]["error"] and rows[2]["error"].startswith("malformed JSON")
     assert rows[3]["response"]["results"][0] == {"output": 4.0} and "error" in rows[3]["response"]["results"][1]
     assert "4 requests: 2 ok, 2 failed (sum)" in capsys.readouterr().err
-    assert main(["run", str(src), "--workload", "toy_workload:BadSetup", "--device", "cpu"]) == 2
-    assert "setup() failed: FileNotFoundError" in capsys.readouterr().err
+    out.write_text("kept")  # a failed start leaves an existing --out as it was
+    assert main(["run", str(src), "--workload", "toy_workload:BadSetup", "--device", "cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "workload 'badsetup': setup() failed:" in err and "toy_workload.py" in err and out.read_text() == "kept"
+    assert main(["run", str(src), "--workload", "toy_workload:Summer", "--out", str(src)]) == 2  # not the input
+    assert "is the input file" in capsys.readouterr().err and src.read_text().startswith('{"inputs"')
     assert main(["run", str(tmp_path / "nope.jsonl"), "--workload", "toy_workload:Summer"]) == 2
     with pytest.raises(SystemExit):
         main(["run", str(src)])  # --workload is required
+
+
+def test_cli_run_gives_each_bad_line_its_own_error(tmp_path):
+    """Not UTF-8, NaN, nesting 100,000 deep: that line's error; a byte order mark is skipped; the
+    lines around them are answered."""
+    from fullthrottle.cli import main
+
+    src = tmp_path / "req.jsonl"
+    lines = [b'\xef\xbb\xbf{"inputs": [[1,2,3,4]]}', b'{"inputs": "\xff"}', b'{"inputs": [[NaN,1,2,3]]}']
+    src.write_bytes(b"\n".join(lines + [b"[" * 100_000 + b"]" * 100_000, b'{"inputs": [[0,0,0,2]]}']) + b"\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["run", str(src), "--workload", "toy_workload:Summer", "--device", "cpu", "--out", str(out)]) == 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["response"] == {"results": [{"output": 10.0}]} and rows[4]["response"] == {
+        "results": [{"output": 2.0}]
+    }
+    assert "not UTF-8" in rows[1]["error"] and "NaN is not JSON" in rows[2]["error"]
+    assert rows[3]["error"] == "malformed JSON body: nested too deep"
+
+
+def test_run_offline_holds_workloads_to_the_contract_as_the_server_does():
+    """Too many items, decode_request not giving a list, a negative cost, encode_response not giving a
+    dict: each request's own error, worded as the server's."""
+    from fullthrottle.core.workload import ContractError, TooManyItems, cost_of, items_of
+
+    class Odd(Summer):
+        name = "odd"
+        max_batch_cost = 100
+
+        def decode_request(self, body):
+            return None if body.get("none") else super().decode_request(body)
+
+        def cost(self, item):
+            return -5 if item == [9, 9, 9, 9] else 1
+
+        def encode_response(self, outputs):
+            return outputs if outputs == [4.0] else super().encode_response(outputs)
+
+    w = Odd()
+    w.setup("cpu")
+    got = run_offline(
+        w,
+        [{"inputs": [[1, 1, 1, 1]] * 9}, {"none": 1}, {"inputs": [[9, 9, 9, 9]]}, {"inputs": [[1, 1, 1, 1]]}],
+    )
+    assert got[0] == (None, "bad request: 9 items in one request; at most 8")
+    assert got[1] == (None, "decode_request() must return a list, got NoneType")
+    assert got[2] == (None, "cost() must return an integer >= 0, got -5")
+    assert got[3] == (None, "encode_response() must return a dict, got list")
+    with pytest.raises(TooManyItems):
+        items_of(w, {"inputs": [[1, 1, 1, 1]] * 9})
+    with pytest.raises(ContractError):
+        cost_of(w, [9, 9, 9, 9])
 
 
 def test_classification_through_the_contract_equals_the_library(samples, bad_dir):

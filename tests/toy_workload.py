@@ -62,6 +62,17 @@ class Hanging(Summer):
         return super().predict(items)
 
 
+class Exiter(Summer):
+    """predict() raises SystemExit for the item "exit"."""
+
+    name = "exiter"
+
+    def predict(self, items):
+        if "exit" in items:
+            raise SystemExit(3)
+        return super().predict(items)
+
+
 class Broken:
     name = "Bad Name"
 

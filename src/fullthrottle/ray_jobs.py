@@ -158,15 +158,15 @@ class RayWorkload:
 
         import pandas as pd
 
-        from .core.workload import run_offline
+        from .core.workload import parse_body, run_offline
 
         bodies, bad = [], {}
         for j, text in enumerate(batch["request"]):
             try:
-                bodies.append(json.loads(text))
+                bodies.append(parse_body(text))
             except (TypeError, ValueError) as e:
                 bodies.append(None)
-                bad[j] = f"malformed JSON: {e}"
+                bad[j] = str(e)
         out = run_offline(self.workload, bodies)
         return pd.DataFrame(
             {
@@ -186,7 +186,7 @@ def workload_on_ray(
     num_gpus: float = 0,
     device: str = "auto",
 ) -> Iterator[dict]:
-    """Answer ``requests`` (request bodies: dicts, or JSON strings) with ``workload``
+    """Answer ``requests`` (request bodies, parsed: JSON objects as dicts) with ``workload``
     (``"MODULE:CLASS"``) in ``concurrency`` Ray actors; yields ``{"response": dict | None, "error":
     str | None, "node": str}`` per request, in order. The driver's ``sys.path`` is given to the actors
     (``runtime_env``), so a module importable here is importable there on a shared filesystem.
@@ -205,7 +205,7 @@ def workload_on_ray(
     load_workload(workload)  # (a bad spec fails here, not in every actor)
     if not ray.is_initialized():
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    rows = [{"request": r if isinstance(r, str) else json.dumps(r)} for r in requests]
+    rows = [{"request": json.dumps(r)} for r in requests]
     if not rows:
         return
     ray.data.DataContext.get_current().execution_options.preserve_order = True

@@ -61,7 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         description='Serve POST /v1/classify (raw image body, multipart files, or JSON {"urls": [...]}), '
         "GET /healthz, /readyz, /metrics. Concurrent requests share batches. Full queue: 503 "
         "with Retry-After; past the deadline: 504; body too large: 413; undecodable image: 422. "
-        "SIGTERM finishes in-flight requests, then exits 0.",
+        "Also POST /v1/embeddings (--embed-model), /v1/completions (--llm-model-dir) and a route per "
+        "--workload (batched by the workload's own limits; the image flags below are classify's). "
+        "SIGTERM finishes in-flight requests (each within --timeout-s), then exits 0; a second "
+        "SIGTERM stops waiting.",
+        epilog="Exit status: 0 after SIGTERM/SIGINT; 2 usage or configuration error (a port in use, a bad "
+        "--workload); 3 the start failed (the model could not load, a workload's setup() raised).",
     )
     v.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, local only)")
     v.add_argument("--port", type=port_number, default=8000, help="port (default: %(default)s; 0 picks a free one)")
@@ -69,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue",
         type=positive_int,
         default=_SO.max_queue,
-        help="images waiting before 503; a request with more images than this can never fit (413) "
+        help="images (or a workload's requests) waiting before 503; a request with more images than this "
+        "can never fit (413) "
         "(default: %(default)s; --max-images is the usual per-request limit)",
     )
     v.add_argument(
@@ -265,17 +271,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument("file", metavar="FILE|-", help="one JSON object (a request body) per line")
     w.add_argument("--workload", required=True, metavar="MODULE:CLASS", help="the workload to run")
-    w.add_argument("--out", default="-", help="output JSON lines file (default: stdout)")
+    w.add_argument(
+        "--out",
+        default="-",
+        metavar="FILE",
+        help="JSON lines out (default: stdout; written once the workload is set up)",
+    )
     w.add_argument("--device", default=Config.device, help="auto, cpu, cuda or cuda:N: where setup() loads the model")
     w.add_argument(
-        "--ray",
-        nargs="?",
-        const="local",
-        default=None,
-        metavar="ADDRESS",
-        help="run in Ray Data actors (a local Ray cluster, or the one at ADDRESS); needs fullthrottle[ray]",
+        "--ray", action="store_true", help="run in Ray Data actors (a local Ray cluster unless --ray-address)"
     )
-    w.add_argument("--ray-actors", type=positive_int, default=2, help="Ray actors (with --ray)")
+    w.add_argument("--ray-address", default=None, metavar="ADDRESS", help="with --ray: the cluster to join")
+    w.add_argument(
+        "--ray-actors", type=positive_int, default=2, metavar="N", help="with --ray: actors, each with its own setup()"
+    )
     b = sub.add_parser(
         "bench",
         help="reproduce the field's experiments (threads, batch, transfer, e2e): JSON + PNG",

@@ -4,95 +4,103 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
+import os
 import sys
+
+from .common import _silence_stdout
 
 #: requests read and answered at a time (bounds memory on large files; batches form within a chunk)
 CHUNK = 4096
 
 
 def _bodies(f):
-    """``(line number, body or None, error or None)`` per non-empty line of ``f``."""
-    for n, line in enumerate(f, 1):
-        if not line.strip():
+    """``(line number, body or None, error or None)`` per non-empty line of the binary file ``f``."""
+    from ..core.workload import parse_body
+
+    for n, raw in enumerate(f, 1):
+        if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+            raw = raw[3:]
+        if not raw.strip():
             continue
         try:
-            yield n, json.loads(line), None
+            yield n, parse_body(raw), None
         except ValueError as e:
-            yield n, None, f"malformed JSON: {e}"
+            yield n, None, str(e)
+
+
+def _fail(msg: str) -> int:
+    print(f"fullthrottle: error: {msg}", file=sys.stderr)
+    return 2
 
 
 def cmd_run(args) -> int:
-    from ..core.workload import load_workload
+    from ..core.device import resolve_device
+    from ..core.workload import load_workload, user_traceback
 
     try:
         workload = load_workload(args.workload)
-        src = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
-    except (ValueError, OSError) as e:
-        print(f"fullthrottle: error: {e}", file=sys.stderr)
-        return 2
-    try:
+        device = args.device if args.ray else str(resolve_device(args.device))  # (Ray: the actors' own)
+        src = sys.stdin.buffer if args.file == "-" else open(args.file, "rb")
+    except (ValueError, RuntimeError, OSError) as e:
+        return _fail(str(e))
+    if args.out != "-" and args.file != "-" and os.path.exists(args.out) and os.path.samefile(args.file, args.out):
+        return _fail(f"--out {args.out} is the input file")
+    if not args.ray:
+        try:
+            workload.setup(device)
+        except Exception as e:  # noqa: BLE001 - the user's code: its own frames, then one clear line
+            return _fail(f"workload {workload.name!r}: setup() failed:\n{user_traceback(e)}")
+    try:  # (opened once the workload is ready: a failed start leaves an existing file as it was)
         out = sys.stdout if args.out == "-" else open(args.out, "w", encoding="utf-8")
     except OSError as e:
-        print(f"fullthrottle: error: --out: {e}", file=sys.stderr)
-        return 2
+        return _fail(f"--out: {e}")
     failed = total = 0
-    with src, out if out is not sys.stdout else contextlib.nullcontext():
-        lines = list(_bodies(src)) if args.ray else None
-        if args.ray:
-            import importlib.util
-
-            if importlib.util.find_spec("ray") is None:
-                print("fullthrottle: error: --ray needs Ray: pip install 'fullthrottle[ray]'", file=sys.stderr)
-                return 2
-            from ..ray_jobs import workload_on_ray
-
-            address = None if args.ray == "local" else args.ray
-            good = [(n, b) for n, b, e in lines if e is None]
-            answers = dict(
-                zip(
-                    [n for n, _ in good],
-                    workload_on_ray(args.workload, [b for _, b in good], address, args.ray_actors, device=args.device),
-                )
-            )
-            for n, _, e in lines:
-                a = answers.get(n, {"response": None, "error": e})
-                failed += a["error"] is not None
-                total += 1
-                out.write(json.dumps({"line": n, **_answer(a["response"], a["error"])}) + "\n")
-        else:
-            from ..core.device import resolve_device
-            from ..core.workload import run_offline
-
-            try:
-                workload.setup(str(resolve_device(args.device)))
-            except Exception as e:  # noqa: BLE001 - the user's code: say what failed
-                print(f"fullthrottle: error: workload {workload.name!r}: setup() failed: {e!r}", file=sys.stderr)
-                return 2
-            chunk: list = []
-            for row in _bodies(src):
-                chunk.append(row)
-                if len(chunk) >= CHUNK:
-                    f, t = _answer_chunk(workload, chunk, out, run_offline)
-                    failed, total, chunk = failed + f, total + t, []
-            if chunk:
-                f, t = _answer_chunk(workload, chunk, out, run_offline)
-                failed, total = failed + f, total + t
+    try:
+        with src:
+            for chunk in _chunks(_bodies(src), CHUNK if not args.ray else None):
+                for n, resp, err in _answer(workload, chunk, args, device):
+                    failed += err is not None
+                    total += 1
+                    out.write(json.dumps({"line": n, **({"error": err} if err is not None else {"response": resp})}))
+                    out.write("\n")
+            out.flush()
+        if out is not sys.stdout:
+            out.close()
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+        _silence_stdout()
+        return 1
+    except OSError as e:  # (disk full)
+        return _fail(f"--out: {e}")
     print(f"{total} requests: {total - failed} ok, {failed} failed ({workload.name})", file=sys.stderr)
     return 1 if failed else 0
 
 
-def _answer(response, error) -> dict:
-    return {"error": error} if error is not None else {"response": response}
+def _chunks(rows, size: int | None):
+    chunk: list = []
+    for row in rows:
+        chunk.append(row)
+        if size and len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
-def _answer_chunk(workload, chunk, out, run_offline) -> tuple[int, int]:
-    bodies = [b for _, b, e in chunk if e is None]
-    got = iter(run_offline(workload, bodies))
-    failed = 0
+def _answer(workload, chunk: list, args, device: str):
+    """``(line, response, error)`` for each line of ``chunk``, in order."""
+    good = [b for _, b, e in chunk if e is None]
+    if args.ray:
+        from ..ray_jobs import workload_on_ray
+
+        got = iter(
+            (r["response"], r["error"])
+            for r in workload_on_ray(args.workload, good, args.ray_address, args.ray_actors, device=device)
+        )
+    else:
+        from ..core.workload import run_offline
+
+        got = iter(run_offline(workload, good))
     for n, _, e in chunk:
         resp, err = (None, e) if e is not None else next(got)
-        failed += err is not None
-        out.write(json.dumps({"line": n, **_answer(resp, err)}) + "\n")
-    return failed, len(chunk)
+        yield n, resp, err

@@ -30,6 +30,7 @@ Example (a model of your own, with its own preprocessing)::
 from __future__ import annotations
 
 import json
+import traceback
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -145,16 +146,109 @@ def load_workload(spec: str) -> Workload:
     return w
 
 
+class ContractError(RuntimeError):
+    """The workload broke its contract (a bug of the workload's, not the client's): the server answers
+    500 with the message."""
+
+
+class TooManyItems(ValueError):
+    """A request with more items than the workload's ``max_items_per_request`` (the server: 413)."""
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_body(body: bytes | str):
+    """A request body as JSON (NaN and Infinity refused, as JSON has neither).
+
+    Raises:
+        ValueError: not UTF-8, not JSON, NaN/Infinity, or nested too deep, the reason named.
+    """
+    try:
+        return json.loads(body, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("malformed JSON body: nested too deep") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"malformed JSON body: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except ValueError as e:
+        raise ValueError(f"malformed JSON body: {e}") from None
+
+
+def items_of(workload, body) -> list:
+    """``decode_request(body)`` checked: the request's items.
+
+    Raises:
+        ValueError: the client's fault (not a JSON object, the workload's own ValueError, no items);
+            TooManyItems: over ``max_items_per_request``; ContractError: decode_request raised
+            something else or did not return a list.
+    """
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    try:
+        items = workload.decode_request(body)
+    except ValueError as e:
+        raise ValueError(str(e) or "bad request") from None
+    except Exception as e:  # noqa: BLE001 - the workload's bug
+        raise ContractError(f"decode_request() failed: {type(e).__name__}: {e}") from None
+    if not isinstance(items, (list, tuple)):
+        raise ContractError(f"decode_request() must return a list, got {type(items).__name__}")
+    if not items:
+        raise ValueError("no items in the request")
+    if len(items) > workload.max_items_per_request:
+        raise TooManyItems(f"{len(items)} items in one request; at most {workload.max_items_per_request}")
+    return list(items)
+
+
+def cost_of(workload, item) -> int:
+    """``cost(item)`` checked (1 when the workload has no ``max_batch_cost``).
+
+    Raises:
+        ContractError: cost() raised, or gave no integer >= 0.
+    """
+    if not workload.max_batch_cost:
+        return 1
+    try:
+        c = workload.cost(item)
+    except Exception as e:  # noqa: BLE001
+        raise ContractError(f"cost() failed: {type(e).__name__}: {e}") from None
+    if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+        raise ContractError(f"cost() must return an integer >= 0, got {c!r}")
+    return c
+
+
+def response_of(workload, outputs: list, check_json: bool = True) -> dict:
+    """``encode_response(outputs)`` checked.
+
+    Raises:
+        ValueError: the workload's own (the server: 422); ContractError: anything else raised, no
+            dict returned, or (``check_json``) an answer JSON cannot hold (a tensor, NaN).
+    """
+    try:
+        answer = workload.encode_response(outputs)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise ContractError(f"encode_response() failed: {type(e).__name__}: {e}") from None
+    if not isinstance(answer, dict):
+        raise ContractError(f"encode_response() must return a dict, got {type(answer).__name__}")
+    if check_json:
+        try:
+            json.dumps(answer, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ContractError(f"the response is not JSON: {type(e).__name__}: {e}") from None
+    return answer
+
+
 def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
-    """Requests answered without a server, through the same contract: each body (a dict) decoded into
-    items, the items of all requests run in batches of at most ``max_batch`` items and
-    ``max_batch_cost`` cost (a request larger than either runs in several calls), each request's
-    answer encoded. ``workload`` is set up already.
+    """Requests answered without a server, through the same contract and checks as ``POST /v1/<name>``
+    (:func:`items_of`, :func:`cost_of`, :func:`response_of`): the items of all requests run in batches
+    of at most ``max_batch`` items and ``max_batch_cost`` cost (a request larger than either runs in
+    several calls). ``workload`` is set up already; ``bodies`` are parsed JSON values.
 
     Returns one ``(answer, None)`` or ``(None, error)`` per body, in order. An error is that request's
-    alone: a body that is not a JSON object, ``decode_request`` or ``encode_response`` raising, an
-    exception of ``cost()``, or of the ``predict()`` call that held one of its items (which fails every
-    request with items in that call, as in the server).
+    alone: what the server answers 4xx or 500 for, or an exception of the ``predict()`` call that held
+    one of its items (which fails every request with items in that call, as in the server).
     """
     n = len(bodies)
     answers: list = [None] * n
@@ -162,22 +256,21 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
     items, owner = [], []  # every item of the requests that decoded, and its request's index
     for j, body in enumerate(bodies):
         try:
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-            got = workload.decode_request(body)
-            if not isinstance(got, (list, tuple)) or not got:
-                raise ValueError("decode_request() gave no items")
-        except Exception as e:  # noqa: BLE001 - this request's error (ValueError: a bad request)
-            errors[j] = f"bad request: {e}" if isinstance(e, ValueError) else f"decode_request() failed: {e!r}"
+            got = items_of(workload, body)
+        except ContractError as e:
+            errors[j] = str(e)
+            continue
+        except ValueError as e:  # (the client's: the server's 400 and 413)
+            errors[j] = f"bad request: {e}"
             continue
         items += got
         owner += [j] * len(got)
     costs = []
     for x, j in zip(items, owner):
         try:
-            costs.append(int(workload.cost(x)) if workload.max_batch_cost else 1)
-        except Exception as e:  # noqa: BLE001
-            errors[j] = errors[j] or f"cost() failed: {type(e).__name__}: {e}"
+            costs.append(cost_of(workload, x) if errors[j] is None else 0)
+        except ContractError as e:
+            errors[j] = str(e)
             costs.append(0)
     outs: list = [None] * len(items)
     start = 0
@@ -206,12 +299,20 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
     for j, o in by_request.items():
         if errors[j] is None:
             try:
-                answers[j] = workload.encode_response(o)
-            except Exception as e:  # noqa: BLE001
-                errors[j] = f"encode_response() failed: {type(e).__name__}: {e}"
-                continue
-            try:  # (what the server could not send either: a tensor, NaN)
-                json.dumps(answers[j], allow_nan=False)
-            except (TypeError, ValueError) as e:
-                answers[j], errors[j] = None, f"the response is not JSON: {type(e).__name__}: {e}"
+                answers[j] = response_of(workload, o)
+            except ContractError as e:
+                errors[j] = str(e)
+            except ValueError as e:  # (the server's 422)
+                errors[j] = f"unprocessable: {e}"
     return list(zip(answers, errors))
+
+
+def user_traceback(e: BaseException) -> str:
+    """``e`` as a traceback of the frames outside this package, asyncio and the thread pool (the
+    user's own code, where it raised), ending in ``Type: message``."""
+    keep = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if not any(part in f.filename for part in ("/fullthrottle/", "/asyncio/", "/concurrent/futures/"))
+    ]
+    return "".join(traceback.format_list(keep)) + "".join(traceback.format_exception_only(type(e), e)).rstrip()

@@ -20,6 +20,7 @@ import time
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
 from ..core.config import Config, usable_cores
+from ..core.workload import user_traceback
 from ..workloads.classify.decode import Result
 from ..workloads.classify.pipeline import Pipeline
 from ..workloads.embed_api import EmbeddingsAPI
@@ -29,7 +30,7 @@ from .guard import authorised, check_pixels, head_deadline_protocol, read_body
 from .metrics import ServerMetrics
 from .options import MAX_CONNECTIONS, ServeOptions
 from .services import BatchingService, CompletionService, Overloaded
-from .startup import StartupError, startup_error_only, user_traceback
+from .startup import StartupError, startup_error_only
 from .text import add_text_routes
 from .workload_routes import WorkloadService, add_workload_routes
 
@@ -153,6 +154,9 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     async def readyz():
         if not state["ready"]:
             return reply("/readyz", 503, {"status": "loading"})
+        dead = sorted(n for n, svc in state.get("workloads", {}).items() if not svc.alive)
+        if dead:  # (its batching thread ended: no request of it can be answered)
+            return reply("/readyz", 503, {"status": "failed", "workloads_down": dead})
         engines = [svc.pipeline.engine for svc in state["services"]]
         body = {"status": "ready", "workloads": sorted(state.get("workloads", {}))}
         if engines:  # (classification served)
@@ -312,7 +316,8 @@ def run_server(
     options: ServeOptions | None = None,
     max_connections: int = MAX_CONNECTIONS,
 ) -> None:
-    """Serve until SIGINT/SIGTERM (graceful: in-flight requests finish), then return (exit status 0).
+    """Serve until SIGINT/SIGTERM (graceful: in-flight requests finish, each within its deadline; a
+    second signal stops waiting for them), then return (exit status 0).
 
     ``max_connections``: open connections and requests beyond it get 503 at once (uvicorn's
     ``limit_concurrency``); idle keep-alive connections close after 5 s; a request head must arrive
@@ -325,6 +330,11 @@ def run_server(
     class _Server(uvicorn.Server):
         # uvicorn re-raises the captured signal after its graceful shutdown, so the process would die
         # of SIGTERM (status -15) after draining; we drain the same way and then return normally.
+        def handle_exit(self, sig, frame):
+            if self.should_exit:  # a second SIGTERM or SIGINT: stop waiting for in-flight requests
+                self.force_exit = True
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self):
             sigs = (signal.SIGINT, signal.SIGTERM)

@@ -7,24 +7,12 @@ status 3."""
 from __future__ import annotations
 
 import logging
-import traceback
 
 _MARK = "StartupError: "
 
 
 class StartupError(RuntimeError):
     """Why the server could not start (the message is all that is logged)."""
-
-
-def user_traceback(e: BaseException) -> str:
-    """``e`` as a traceback of the frames outside this package, asyncio and the thread pool (the
-    user's own code, where it raised), ending in ``Type: message``."""
-    keep = [
-        f
-        for f in traceback.extract_tb(e.__traceback__)
-        if not any(part in f.filename for part in ("/fullthrottle/", "/asyncio/", "/concurrent/futures/"))
-    ]
-    return "".join(traceback.format_list(keep)) + "".join(traceback.format_exception_only(type(e), e)).rstrip()
 
 
 def startup_error_only(record: logging.LogRecord) -> bool:

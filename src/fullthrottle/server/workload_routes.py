@@ -14,7 +14,6 @@ served at ``POST /v1/<name>`` with cross-request batching.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import queue
 import threading
@@ -25,7 +24,7 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 
 from ..core.batch import RequestBatcher
 from ..core.report import StageStats
-from ..core.workload import ItemError, Workload
+from ..core.workload import ContractError, ItemError, TooManyItems, Workload, cost_of, items_of, parse_body, response_of
 from ..core.workload import load_workload as load_any_workload
 from .guard import HTTPError, read_body
 from .services import Overloaded
@@ -94,13 +93,13 @@ class WorkloadService:
         return fut
 
     def _cost(self, r: _Request) -> int:
-        """The request's cost in the batch budget; 0 with its error kept when ``cost()`` raised."""
+        """The request's cost in the batch budget; 0 with its error kept when ``cost()`` failed."""
         if not self.workload.max_batch_cost or r.fut.done():
             return 0
         try:
-            return sum(int(self.workload.cost(x)) for x in r.items)
-        except Exception as e:  # noqa: BLE001 - the workload's bug costs this request, not the service
-            r.error = RuntimeError(f"cost() failed: {type(e).__name__}: {e}")
+            return sum(cost_of(self.workload, x) for x in r.items)
+        except ContractError as e:  # the workload's bug costs this request, not the service
+            r.error = e
             return 0
 
     def _predict(self, items: list) -> list:
@@ -132,7 +131,8 @@ class WorkloadService:
             st.begin()
             try:
                 outs = self._predict(items)
-            except Exception as e:  # noqa: BLE001 - every request of the batch is answered
+            except BaseException as e:  # noqa: BLE001 - every request of the batch is answered, and the
+                # service lives on (a SystemExit or KeyboardInterrupt raised in predict() included)
                 err = RuntimeError(f"predict() failed: {type(e).__name__}: {e}")
                 for r in reqs:
                     r.loop.call_soon_threadsafe(_set, r.fut, None, err)
@@ -144,6 +144,11 @@ class WorkloadService:
                 r.loop.call_soon_threadsafe(_set, r.fut, outs[k : k + len(r.items)], None)
                 k += len(r.items)
 
+    @property
+    def alive(self) -> bool:
+        """Whether its batching thread runs (``/readyz`` is 503 when one does not)."""
+        return self._thread.is_alive()
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop taking batches; wait at most ``timeout_s`` for a ``predict()`` call in progress (a call
         that hangs is left behind, logged: its thread does not keep the process alive)."""
@@ -153,10 +158,6 @@ class WorkloadService:
             log.warning(
                 "workload %r: predict() still running after %.0f s: not waited for", self.workload.name, timeout_s
             )
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
 
 
 def _set(fut: asyncio.Future, value, error: BaseException | None) -> None:
@@ -194,23 +195,13 @@ def add_workload_routes(app, workloads, state: dict, opts, reply, m_latency) -> 
                 w = svc.workload
                 body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
                 try:
-                    payload = json.loads(body, parse_constant=_no_constant)
-                except ValueError:
-                    raise HTTPError(400, "malformed JSON body (NaN and Infinity are not JSON)") from None
-                if not isinstance(payload, dict):
-                    raise HTTPError(400, "the body must be a JSON object")
-                try:
-                    items = w.decode_request(payload)
+                    items = items_of(w, parse_body(body))
+                except ContractError as e:  # the workload's bug: say so, as JSON
+                    raise HTTPError(500, str(e)) from None
+                except TooManyItems as e:
+                    raise HTTPError(413, str(e)) from None
                 except ValueError as e:
-                    raise HTTPError(400, str(e) or "bad request") from None
-                except Exception as e:  # noqa: BLE001 - the workload's bug: say so, as JSON
-                    raise HTTPError(500, f"decode_request() failed: {type(e).__name__}: {e}") from None
-                if not isinstance(items, (list, tuple)):
-                    raise HTTPError(500, f"decode_request() must return a list, got {type(items).__name__}")
-                if not items:
-                    raise HTTPError(400, "no items in the request")
-                if len(items) > w.max_items_per_request:
-                    raise HTTPError(413, f"{len(items)} items in one request; at most {w.max_items_per_request}")
+                    raise HTTPError(400, str(e)) from None
                 try:
                     fut = svc.submit(items)
                 except Overloaded as e:
@@ -222,11 +213,11 @@ def add_workload_routes(app, workloads, state: dict, opts, reply, m_latency) -> 
                 except Exception as e:  # noqa: BLE001 - cost() or predict() failed for the whole batch
                     raise HTTPError(500, f"{name}: {e}") from None
                 try:
-                    answer = w.encode_response(outs)
+                    answer = response_of(w, outs, check_json=False)  # (JSON: checked as it is sent)
+                except ContractError as e:
+                    raise HTTPError(500, str(e)) from None
                 except ValueError as e:
                     raise HTTPError(422, str(e)) from None
-                except Exception as e:  # noqa: BLE001
-                    raise HTTPError(500, f"encode_response() failed: {type(e).__name__}: {e}") from None
                 status = 422 if all(isinstance(o, ItemError) for o in outs) else 200
                 try:
                     return reply(route, status, answer)
