@@ -292,9 +292,13 @@ def test_one_dtype_default_for_every_front_end():
     assert Config().dtype is None and CUDA_DTYPE == "bfloat16"
     assert [resolve_dtype(None, d) for d in ("cuda", "cuda:1", "cpu")] == ["bfloat16", "bfloat16", "float32"]
     assert resolve_dtype("float16", "cpu") == "float16" and resolve_dtype(None, "cuda", "float16") == "float16"
+    from fullthrottle.core.config import Runtime
+
     for cmd in (["classify"], ["serve"], ["generate", "--random", "tiny"], ["embed", "f", "--out", "o.npy"]):
-        args = build_parser().parse_args(cmd)
-        assert args.dtype is None and args.device == Config.device, cmd
+        args = build_parser().parse_args(cmd)  # (the flags are generated from Runtime's fields)
+        assert (args.device, args.dtype, args.graphs) == (Runtime.device, Runtime.dtype, Runtime.graphs), cmd
+    assert build_parser().parse_args(["run", "f", "--workload", "m:C"]).device == Runtime.device
+    assert Config().runtime == Runtime() and Config(device="cpu").runtime.device == "cpu"
     assert Pipeline(Config(labels=LABELS, device="cpu", threads=1), model=Tiny()).engine.dtype == torch.float32
 
 

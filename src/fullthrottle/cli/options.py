@@ -4,9 +4,10 @@ dataclass that owns it (:class:`~fullthrottle.core.config.Config`), so it is sta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
-from ..core.config import CUDA_DTYPE, DTYPES, GPU_DECODERS, Config
+from ..core.config import DTYPES, GPU_DECODERS, Config, Runtime
 from ..workloads.classify.models import DEFAULT_MODEL, MODELS
 
 
@@ -94,6 +95,23 @@ def add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_runtime_flags(p: argparse.ArgumentParser, *names: str, help: dict | None = None) -> None:
+    """``--device``, ``--dtype``, ``--graphs`` (as ``names`` asks), generated from the fields of
+    :class:`~fullthrottle.core.config.Runtime`: the default and the help are the field's (``help``
+    overrides a flag's help text for a command, e.g. its own dtype default)."""
+    meta = {f.name: f for f in dataclasses.fields(Runtime)}
+    for name in names:
+        f, text = meta[name], (help or {}).get(name) or meta[name].metadata["help"]
+        if name == "device":
+            p.add_argument("--device", default=f.default, help=text + " (default: %(default)s)")
+        elif name == "dtype":
+            p.add_argument("--dtype", default=f.default, choices=DTYPES, help=text)
+        elif name == "graphs":
+            p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=f.default, help=text)
+        else:
+            raise ValueError(f"no flag for Runtime.{name}")
+
+
 MODEL_HELP = (
     "; ".join(f"{name}: {m.about}" for name, m in MODELS.items())
     + ". Each model brings its own resize, crop and normalisation (default: %(default)s)"
@@ -137,18 +155,12 @@ def add_runtime_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: st
         help="decode in threads of this process, or in --threads worker processes fed by one "
         "dispatcher thread, outside this process's GIL (auto: processes on CUDA, threads on CPU)",
     )
-    p.add_argument("--device", default=Config.device, help="auto | cpu | cuda | cuda:N (default: %(default)s)")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=DTYPES,
-        help=f"compute dtype on CUDA (default: {CUDA_DTYPE}; the CPU always computes in float32)",
-    )
-    p.add_argument(
-        "--graphs",
-        action=argparse.BooleanOptionalAction,
-        default=Config.graphs,
-        help="replay the model as CUDA graphs, one per batch bucket (CUDA only; default: on)",
+    add_runtime_flags(
+        p,
+        "device",
+        "dtype",
+        "graphs",
+        help={"graphs": "replay the model as CUDA graphs, one per batch bucket (CUDA only; default: on)"},
     )
     p.add_argument("--top-k", type=positive_int, default=Config.top_k, help="classes per image (default: %(default)s)")
     add_gpu_decode_args(p)

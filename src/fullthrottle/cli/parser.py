@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.config import CUDA_DTYPE, DTYPES, Config, usable_cores
+from ..core.config import usable_cores
 from ..core.env import describe as describe_env
 from ..server.options import MAX_CONNECTIONS, ServeOptions
-from .options import add_runtime_args, port_number, positive_float, positive_int
+from .options import add_runtime_args, add_runtime_flags, port_number, positive_float, positive_int
 
 _SO = ServeOptions  # (its fields' defaults are serve's flags' defaults)
 
@@ -216,21 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same tokens)")
-    g.add_argument("--device", default=Config.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
-    g.add_argument(
-        "--dtype",
-        default=None,
-        choices=DTYPES,
-        help=f"default: {CUDA_DTYPE} on CUDA, float32 on CPU",
-    )
+    add_runtime_flags(g, "device", "dtype")
     g.add_argument(
         "--max-seq-len", type=positive_int, default=None, help="KV cache length (default: prompt + max new tokens)"
     )
-    g.add_argument(
-        "--graphs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="CUDA graphs for the decode step (one replay per token; CUDA only; default: on)",
+    add_runtime_flags(
+        g, "graphs", help={"graphs": "CUDA graphs for the decode step (one replay per token; CUDA only; default: on)"}
     )
     m = sub.add_parser(
         "embed",
@@ -244,18 +235,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model-dir", default=None, help="sentence-transformers folder (default: all-MiniLM-L6-v2)")
     m.add_argument("--out", required=True, help="output: .npy or .jsonl")
     m.add_argument("--report-json", help="write the run summary (rates, stages, GPU use) as JSON here")
-    m.add_argument("--device", default=Config.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
-    m.add_argument(
-        "--dtype",
-        default=None,
-        choices=DTYPES,
-        help="default: float16 on CUDA, float32 on CPU",
-    )
-    m.add_argument(
-        "--graphs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="CUDA graphs per batch bucket (CUDA only; default: on)",
+    add_runtime_flags(
+        m,
+        "device",
+        "dtype",
+        "graphs",
+        help={
+            "dtype": "compute dtype on CUDA (default: float16 on CUDA, float32 on CPU)",
+            "graphs": "CUDA graphs per batch bucket (CUDA only; default: on)",
+        },
     )
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
     w = sub.add_parser(
@@ -277,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="JSON lines out (default: stdout; written once the workload is set up)",
     )
-    w.add_argument("--device", default=Config.device, help="auto, cpu, cuda or cuda:N: where setup() loads the model")
+    add_runtime_flags(w, "device", help={"device": "where setup() loads the model: auto | cpu | cuda | cuda:N"})
     w.add_argument(
         "--ray", action="store_true", help="run in Ray Data actors (a local Ray cluster unless --ray-address)"
     )
@@ -333,6 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
                 default=128,
                 help="batch size, the same for every method (default: %(default)s)",
             )
-            e.add_argument("--device", default=Config.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+            add_runtime_flags(e, "device")
             e.add_argument("--model", default="resnet18", help="torchvision model (default: %(default)s)")
     return p

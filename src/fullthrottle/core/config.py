@@ -77,6 +77,24 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """The settings every workload's engine shares (classification, embeddings, generation), each
+    default stated here once: :class:`Config` takes its fields' defaults from these, the Embedder and
+    the Generator theirs, and the CLI generates its ``--device``, ``--dtype`` and ``--graphs`` flags
+    from them (:func:`fullthrottle.cli.options.add_runtime_flags`). Each field's ``help`` metadata is
+    its flag's help."""
+
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
+    dtype: str | None = field(
+        default=None,
+        metadata={"help": f"compute dtype on CUDA (default: {CUDA_DTYPE}; the CPU always computes in float32)"},
+    )
+    graphs: bool = field(default=True, metadata={"help": "replay the model as CUDA graphs (CUDA only; default: on)"})
+    max_batch_size: int = field(default=64, metadata={"help": "largest batch"})
+    max_wait_ms: float = field(default=5.0, metadata={"help": "how long a partial batch waits for more, ms"})
+
+
 @dataclass
 class Config:
     """Everything a run can be tuned with.
@@ -167,17 +185,17 @@ class Config:
     model: Any = DEFAULT_MODEL
     weights: str | None = None
     labels: list[str] | None = None
-    device: str = "auto"
-    dtype: str | None = None  # (None: CUDA_DTYPE on CUDA)
+    device: str = Runtime.device
+    dtype: str | None = Runtime.dtype  # (None: CUDA_DTYPE on CUDA)
     channels_last: bool = True
-    graphs: bool = True
+    graphs: bool = Runtime.graphs
     fold_bn: bool = True
     compile: bool = False
     gpu_decode: bool = True
     gpu_decoder: str = "nvjpeg"
     gpu_decode_processes: int | None = None  # (None: 8 under a CUDA MPS server, else 6)
-    max_batch_size: int = 64
-    max_wait_ms: float = 5.0
+    max_batch_size: int = Runtime.max_batch_size
+    max_wait_ms: float = Runtime.max_wait_ms
     buckets: tuple[int, ...] | None = None
     threads: int | None = None
     preprocess: str = "auto"
@@ -313,6 +331,11 @@ class Config:
         if missing:
             raise ValueError(f"{', '.join(missing)} not resolved: call Config.for_model() first")
         return Transform(self.resize_size, self.crop_size, tuple(self.mean), tuple(self.std), self.interpolation)
+
+    @property
+    def runtime(self) -> Runtime:
+        """The :class:`Runtime` part of this config."""
+        return Runtime(self.device, self.dtype, self.graphs, self.max_batch_size, self.max_wait_ms)
 
     @property
     def num_threads(self) -> int:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.config import default_buckets, resolve_dtype, torch_dtype
+from ..core.config import Runtime, default_buckets, resolve_dtype, torch_dtype
 from ..core.env import EMBED_MODEL
 from ..core.env import get as getenv
 from ..core.report import StageStats
@@ -168,9 +168,9 @@ class Embedder:
     def __init__(
         self,
         path: str | Path | None = None,
-        device: str = "auto",
-        dtype: str | None = None,
-        graphs: bool = True,
+        device: str = Runtime.device,
+        dtype: str | None = Runtime.dtype,
+        graphs: bool = Runtime.graphs,
         max_batch: int = 256,
     ):
         from safetensors.torch import load_file

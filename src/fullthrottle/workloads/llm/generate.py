@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...core.config import default_buckets
+from ...core.config import Runtime, default_buckets
 from ...core.report import StageStats
 from .llama import Llama
 
@@ -102,7 +102,7 @@ class Generator:
         model: Llama,
         max_batch: int = 8,
         max_seq_len: int = 512,
-        graphs: bool = True,
+        graphs: bool = Runtime.graphs,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         check_every: int = 8,
         attn_buckets: Sequence[int] | None = None,
