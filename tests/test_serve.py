@@ -287,7 +287,7 @@ def test_completions_route_batches_and_streams():
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     refs = [ref_gen.generate([p], max_new_tokens=12)[0] for p in prompts]
     gen = Generator(model, max_batch=4, max_seq_len=64, graphs=False)
-    with Server(Tiny(), ServeOptions(llm=(gen, None))) as s:
+    with Server(Tiny(), ServeOptions(llm=(gen, None), max_body_bytes=1 << 20)) as s:
         with cf.ThreadPoolExecutor(3) as ex:
             resps = list(
                 ex.map(
@@ -316,6 +316,8 @@ def test_completions_route_batches_and_streams():
         assert httpx.post(s.url + "/v1/completions", json={"prompt": [True, False]}).status_code == 400
         r = httpx.post(s.url + "/v1/completions", json={"prompt": [1], "top_p": 0})
         assert r.status_code == 400 and "top_p" in r.json()["detail"]
+        r = httpx.post(s.url + "/v1/completions", content=b'{"prompt": [1], "x": "' + b"a" * (2 << 20) + b'"}')
+        assert r.status_code == 413  # the body limit holds here as on every route (--max-body-mb 1 below)
         metrics = httpx.get(s.url + "/metrics").text
         busy = dict(re.findall(r'stage_busy_percent\{replica="0",stage="(\w+)",workload="generate"\} (\S+)', metrics))
         assert set(busy) == {"prefill", "decode"} and float(busy["decode"]) > 0

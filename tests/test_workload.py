@@ -129,3 +129,38 @@ def test_classification_through_the_contract_equals_the_library(samples, bad_dir
     assert [r["index"] for r in got[1][0]["results"]] == [0, 1, 2, 3]
     bad = got[1][0]["results"][2:]
     assert "not base64" in bad[0]["error"] and bad[1]["error_stage"] == "preprocess", bad
+
+
+def test_completions_through_the_contract_equal_each_prompt_alone():
+    """The completions workload offline: requests batched together give, greedy, the tokens each
+    prompt gets alone from the Generator; a prompt past the context is its request's own error."""
+    import torch
+
+    from fullthrottle.workloads.llm.api import Completions
+    from fullthrottle.workloads.llm.generate import Generator
+    from fullthrottle.workloads.llm.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=None,
+    )
+    model = Llama(cfg).eval()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    alone = Generator(model, max_batch=1, max_seq_len=64, graphs=False)
+    refs = [alone.generate([p], max_new_tokens=n)[0] for p, n in zip(prompts, (5, 9, 7))]
+    w = Completions(model=model, max_batch=4, max_seq_len=64)
+    w.setup("cpu")
+    bodies = [{"prompt": p, "max_tokens": n, "temperature": 0} for p, n in zip(prompts, (5, 9, 7))]
+    got = run_offline(w, bodies + [{"prompt": [1], "max_tokens": 100}, {"prompt": "text"}])
+    for (answer, err), ref in zip(got, refs):
+        assert err is None and answer["choices"][0]["token_ids"] == ref
+        assert answer["usage"]["completion_tokens"] == len(ref) and answer["choices"][0]["finish_reason"] == "length"
+    assert "exceeds the context of 64" in got[3][1] and "no tokenizer" in got[4][1]
+    with pytest.raises(ValueError, match="FULLTHROTTLE_LLM_MODEL"):
+        Completions().setup("cpu")

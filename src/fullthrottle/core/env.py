@@ -20,6 +20,7 @@ class Var:
 
 API_KEY = "FULLTHROTTLE_API_KEY"
 EMBED_MODEL = "FULLTHROTTLE_EMBED_MODEL"
+LLM_MODEL = "FULLTHROTTLE_LLM_MODEL"
 TRITON = "FULLTHROTTLE_TRITON"
 POOL_GATHER = "FULLTHROTTLE_POOL_GATHER"
 NVIMGCODEC_THREADS = "FULLTHROTTLE_NVIMGCODEC_THREADS"
@@ -40,6 +41,12 @@ VARS: dict[str, Var] = {
             "",
             "the sentence-transformers folder fullthrottle embed and serve --embed-model "
             "default load (empty: the bundled all-MiniLM-L6-v2)",
+        ),
+        Var(
+            LLM_MODEL,
+            "",
+            "the Llama folder the completions workload (fullthrottle.workloads.llm.api:Completions) loads "
+            "when none is given",
         ),
         Var(TRITON, "1", "0: no Triton kernels (the plain-PyTorch references run instead), for comparisons"),
         Var(

@@ -13,7 +13,10 @@ import time
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
+from ..core.workload import parse_body
+from ..workloads.llm.api import completion_request
 from .guard import HTTPError as _HTTPError
+from .guard import read_body
 from .services import Overloaded
 
 
@@ -39,55 +42,15 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
             svc = state.get("llm")
             if svc is None:
                 raise _HTTPError(404, "completions are not enabled (start the server with --llm-model-dir)")
+            body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
             try:
-                p = json.loads(await request.body())
+                p = parse_body(body)
                 if not isinstance(p, dict):
-                    raise ValueError
-            except ValueError:
-                raise _HTTPError(400, "JSON object body required") from None
-            prompt = p.get("prompt")
-            if isinstance(prompt, str):
-                if svc.tok is None:
-                    raise _HTTPError(400, "this model has no tokenizer: send prompt as a list of token ids")
-                ids = svc.tok.encode(prompt).ids
-            elif (
-                isinstance(prompt, list)
-                and prompt
-                and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)
-            ):
-                ids = prompt
-            else:
-                raise _HTTPError(400, "prompt must be a string or a non-empty list of token ids")
-            vocab = svc.gen.model.cfg.vocab_size
-            max_tokens = p.get("max_tokens", 16)
-            if not isinstance(max_tokens, int) or max_tokens < 1:
-                raise _HTTPError(400, "max_tokens must be a positive integer")
-            if any(i < 0 or i >= vocab for i in ids):
-                raise _HTTPError(400, f"token ids must be in [0, {vocab})")
-            if len(ids) + max_tokens > svc.gen.max_seq_len:
-                raise _HTTPError(
-                    400,
-                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                    f"context of {svc.gen.max_seq_len}",
-                )
-            if not isinstance(p.get("stream", False), bool):
-                raise _HTTPError(400, "stream must be true or false")
-            try:
-                svc.gen.check_sampling(
-                    float(p.get("temperature", 1.0)), int(p.get("top_k", 0)), float(p.get("top_p", 1.0))
-                )
-            except (TypeError, ValueError) as e:
+                    raise ValueError("JSON object body required")
+                req = completion_request(p, svc.gen, svc.tok)
+            except ValueError as e:
                 raise _HTTPError(400, str(e)) from None
-            eos = svc.gen.model.cfg.eos_token_id
-            req = {
-                "ids": ids,
-                "max_tokens": max_tokens,
-                "temperature": float(p.get("temperature", 1.0)),
-                "top_p": float(p.get("top_p", 1.0)),
-                "top_k": int(p.get("top_k", 0)),
-                "seed": p.get("seed"),
-                "eos": eos[0] if isinstance(eos, list) else eos,
-            }
+            ids = req["ids"]
             try:
                 out = svc.submit(req)
             except Overloaded as e:
