@@ -164,3 +164,32 @@ def test_completions_through_the_contract_equal_each_prompt_alone():
     assert "exceeds the context of 64" in got[3][1] and "no tokenizer" in got[4][1]
     with pytest.raises(ValueError, match="FULLTHROTTLE_LLM_MODEL"):
         Completions().setup("cpu")
+
+
+def test_run_offline_keeps_a_workloads_system_exit_and_deep_answers_to_their_request():
+    """predict() raising SystemExit, or an answer nested deeper than JSON can be written: that
+    request's error; the others are answered."""
+
+    class Echo(Summer):
+        name = "echo"
+        max_batch = 1
+
+        def decode_request(self, body):
+            return [body["x"]]
+
+        def predict(self, items):
+            if items == ["exit"]:
+                raise SystemExit(3)
+            return [["deep"] if x == "deep" else x for x in items] if items != ["deep"] else [_nest(5000)]
+
+    got = run_offline(Echo(), [{"x": 1}, {"x": "exit"}, {"x": "deep"}, {"x": 2}])
+    assert got[0] == ({"results": [{"output": 1}]}, None) and got[3] == ({"results": [{"output": 2}]}, None)
+    assert got[1] == (None, "predict() failed: SystemExit: 3")
+    assert got[2][0] is None and got[2][1].startswith("the response is not JSON: RecursionError")
+
+
+def _nest(depth: int):
+    x: list = []
+    for _ in range(depth):
+        x = [x]
+    return x

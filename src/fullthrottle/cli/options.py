@@ -126,7 +126,9 @@ WEIGHTS_HELP = (
 )
 
 
-def add_runtime_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: str) -> None:
+def add_runtime_args(
+    p: argparse.ArgumentParser, batch_flag: str, batch_help: str, device_help: str | None = None
+) -> None:
     """The options classify and serve share, their defaults from :class:`~fullthrottle.core.config.Config`:
     the model and its weights, the batcher (``batch_flag``: the largest batch; --max-wait-ms), the
     decoders (--threads, --preprocess, GPU decoding), the device, dtype, graphs and top-k."""
@@ -139,7 +141,7 @@ def add_runtime_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: st
         "--max-wait-ms",
         type=nonnegative_float,
         default=Config.max_wait_ms,
-        help="how long a partial batch waits for more images, ms (default: %(default)s)",
+        help="how long a partial batch waits for more images, ms (classify; default: %(default)s)",
     )
     p.add_argument(
         "--threads",
@@ -160,7 +162,10 @@ def add_runtime_args(p: argparse.ArgumentParser, batch_flag: str, batch_help: st
         "device",
         "dtype",
         "graphs",
-        help={"graphs": "replay the model as CUDA graphs, one per batch bucket (CUDA only; default: on)"},
+        help={
+            "device": device_help,
+            "graphs": "replay the model as CUDA graphs, one per batch bucket (CUDA only; default: on)",
+        },
     )
     p.add_argument("--top-k", type=positive_int, default=Config.top_k, help="classes per image (default: %(default)s)")
     add_gpu_decode_args(p)

@@ -148,7 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="connections one client address may hold open; more are closed as they open "
         "(behind a proxy every client has its address: raise this) (default: %(default)s)",
     )
-    add_runtime_args(v, "--max-batch-size", "largest batch the batcher forms across requests")
+    add_runtime_args(
+        v,
+        "--max-batch-size",
+        "classify: largest batch the batcher forms across requests (a workload batches by its own limits)",
+        device_help="auto | cpu | cuda | cuda:N: the models', and where workloads' setup() loads theirs",
+    )
     v.add_argument(
         "--gpus", default=None, help="'all' or N: one model replica per GPU (default with --device auto: every GPU)"
     )

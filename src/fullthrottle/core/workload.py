@@ -166,6 +166,8 @@ def parse_body(body: bytes | str):
         ValueError: not UTF-8, not JSON, NaN/Infinity, or nested too deep, the reason named.
     """
     try:
+        if isinstance(body, (bytes, bytearray, memoryview)):
+            body = bytes(body).decode("utf-8")  # (json.loads would take UTF-16 and UTF-32 bytes too)
         return json.loads(body, parse_constant=_no_constant)
     except RecursionError:
         raise ValueError("malformed JSON body: nested too deep") from None
@@ -189,7 +191,7 @@ def items_of(workload, body) -> list:
         items = workload.decode_request(body)
     except ValueError as e:
         raise ValueError(str(e) or "bad request") from None
-    except Exception as e:  # noqa: BLE001 - the workload's bug
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the workload's bug
         raise ContractError(f"decode_request() failed: {type(e).__name__}: {e}") from None
     if not isinstance(items, (list, tuple)):
         raise ContractError(f"decode_request() must return a list, got {type(items).__name__}")
@@ -210,7 +212,7 @@ def cost_of(workload, item) -> int:
         return 1
     try:
         c = workload.cost(item)
-    except Exception as e:  # noqa: BLE001
+    except (Exception, SystemExit) as e:  # noqa: BLE001
         raise ContractError(f"cost() failed: {type(e).__name__}: {e}") from None
     if not isinstance(c, int) or isinstance(c, bool) or c < 0:
         raise ContractError(f"cost() must return an integer >= 0, got {c!r}")
@@ -228,14 +230,14 @@ def response_of(workload, outputs: list, check_json: bool = True) -> dict:
         answer = workload.encode_response(outputs)
     except ValueError:
         raise
-    except Exception as e:  # noqa: BLE001
+    except (Exception, SystemExit) as e:  # noqa: BLE001
         raise ContractError(f"encode_response() failed: {type(e).__name__}: {e}") from None
     if not isinstance(answer, dict):
         raise ContractError(f"encode_response() must return a dict, got {type(answer).__name__}")
     if check_json:
         try:
             json.dumps(answer, allow_nan=False)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise ContractError(f"the response is not JSON: {type(e).__name__}: {e}") from None
     return answer
 
@@ -289,7 +291,7 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
                     raise RuntimeError(f"predict() returned {len(got)} outputs for {len(part)} items")
                 for k, o in zip(part, got):
                     outs[k] = o
-            except Exception as e:  # noqa: BLE001 - every request with an item in this call
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - every request with an item in this call
                 for k in part:
                     errors[owner[k]] = errors[owner[k]] or f"predict() failed: {type(e).__name__}: {e}"
         start = end

@@ -221,7 +221,7 @@ def add_workload_routes(app, workloads, state: dict, opts, reply, m_latency) -> 
                 status = 422 if all(isinstance(o, ItemError) for o in outs) else 200
                 try:
                     return reply(route, status, answer)
-                except (TypeError, ValueError) as e:  # not JSON (a tensor, NaN): the workload must convert it
+                except (TypeError, ValueError, RecursionError) as e:  # not JSON (a tensor, NaN, too deep)
                     raise HTTPError(500, f"the response is not JSON: {type(e).__name__}: {e}") from None
             except HTTPError as e:
                 return reply(route, e.status, {"detail": e.detail}, e.headers)
