@@ -265,24 +265,12 @@ def test_embeddings_route_matches_library():
         assert httpx.post(s.url + "/v1/embeddings", json={"input": "x"}).status_code == 404
 
 
-def test_completions_route_batches_and_streams():
+def test_completions_route_batches_and_streams(tiny_llama):
     import json
 
     from fullthrottle.workloads.llm.generate import Generator
-    from fullthrottle.workloads.llm.llama import Llama, LlamaConfig
 
-    torch_ = pytest.importorskip("torch")
-    torch_.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        eos_token_id=None,
-    )
-    model = Llama(cfg).eval()
+    model = tiny_llama
     ref_gen = Generator(model, max_batch=1, max_seq_len=64, graphs=False)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     refs = [ref_gen.generate([p], max_new_tokens=12)[0] for p in prompts]

@@ -131,26 +131,13 @@ def test_classification_through_the_contract_equals_the_library(samples, bad_dir
     assert "not base64" in bad[0]["error"] and bad[1]["error_stage"] == "preprocess", bad
 
 
-def test_completions_through_the_contract_equal_each_prompt_alone():
+def test_completions_through_the_contract_equal_each_prompt_alone(tiny_llama):
     """The completions workload offline: requests batched together give, greedy, the tokens each
     prompt gets alone from the Generator; a prompt past the context is its request's own error."""
-    import torch
-
     from fullthrottle.workloads.llm.api import Completions
     from fullthrottle.workloads.llm.generate import Generator
-    from fullthrottle.workloads.llm.llama import Llama, LlamaConfig
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        eos_token_id=None,
-    )
-    model = Llama(cfg).eval()
+    model = tiny_llama
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     alone = Generator(model, max_batch=1, max_seq_len=64, graphs=False)
     refs = [alone.generate([p], max_new_tokens=n)[0] for p, n in zip(prompts, (5, 9, 7))]
