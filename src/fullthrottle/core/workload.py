@@ -219,6 +219,18 @@ def cost_of(workload, item) -> int:
     return c
 
 
+def outputs_of(workload, items: list) -> list:
+    """``predict(items)`` checked: one output per item.
+
+    Raises:
+        RuntimeError: predict() returned another number of outputs; whatever predict() raised.
+    """
+    got = list(workload.predict(items))
+    if len(got) != len(items):
+        raise RuntimeError(f"predict() returned {len(got)} outputs for {len(items)} items")
+    return got
+
+
 def response_of(workload, outputs: list, check_json: bool = True) -> dict:
     """``encode_response(outputs)`` checked.
 
@@ -286,10 +298,7 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
         part = [k for k in range(start, end) if errors[owner[k]] is None]
         if part:
             try:
-                got = list(workload.predict([items[k] for k in part]))
-                if len(got) != len(part):
-                    raise RuntimeError(f"predict() returned {len(got)} outputs for {len(part)} items")
-                for k, o in zip(part, got):
+                for k, o in zip(part, outputs_of(workload, [items[k] for k in part])):
                     outs[k] = o
             except (Exception, SystemExit) as e:  # noqa: BLE001 - every request with an item in this call
                 for k in part:

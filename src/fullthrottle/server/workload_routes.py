@@ -24,7 +24,17 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 
 from ..core.batch import RequestBatcher
 from ..core.report import StageStats
-from ..core.workload import ContractError, ItemError, TooManyItems, Workload, cost_of, items_of, parse_body, response_of
+from ..core.workload import (
+    ContractError,
+    ItemError,
+    TooManyItems,
+    Workload,
+    cost_of,
+    items_of,
+    outputs_of,
+    parse_body,
+    response_of,
+)
 from ..core.workload import load_workload as load_any_workload
 from .guard import HTTPError, read_body
 from .services import Overloaded
@@ -107,10 +117,7 @@ class WorkloadService:
         w, outs = self.workload, []
         for i in range(0, len(items), w.max_batch):
             part = items[i : i + w.max_batch]
-            got = list(w.predict(part))
-            if len(got) != len(part):
-                raise RuntimeError(f"predict() returned {len(got)} outputs for {len(part)} items")
-            outs += got
+            outs += outputs_of(w, part)
             self.batches += 1
         return outs
 
