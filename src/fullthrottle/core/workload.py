@@ -7,6 +7,11 @@ requests, encode one request's answer, report stage counters.
 routes: batches are formed across requests by count, by a cost budget and by deadline
 (:class:`~fullthrottle.core.batch.RequestBatcher`), a full queue answers 503, a request past the
 deadline 504, and the stage counters appear in ``/metrics`` under the workload's name.
+``fullthrottle run FILE.jsonl --workload MODULE:CLASS`` answers one request body per line offline
+(:func:`run_offline`), and ``--ray`` in Ray Data actors. Wherever it runs, the same checks
+(:func:`items_of`, :func:`cost_of`, :func:`outputs_of`, :func:`response_of`) hold a workload to the
+contract: the client's mistakes are 4xx (or that line's error), the workload's bugs 500, and neither
+costs any other request.
 
 Example (a model of your own, with its own preprocessing)::
 
