@@ -185,6 +185,20 @@ class Generator:
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
 
+    @torch.inference_mode()
+    def _prefill_row(self, i: int, prompt: Sequence[int]) -> torch.Tensor:
+        """Prefill ``prompt`` into KV-cache row ``i`` (its sampling values already in row ``i``):
+        the first new token ``(1,)``; the row's position becomes ``len(prompt)``. Attention reads the
+        whole cache (``model.kv_len`` is set to it)."""
+        dev = self.device
+        self.model.kv_len = self.max_seq_len
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=dev)
+        logits = self.model(ids, torch.arange(len(prompt), device=dev)[None], row0=i)[:, -1]
+        self.noise[i : i + 1].exponential_()
+        nxt = sample(logits, self.temp[i : i + 1], self.topk[i : i + 1], self.topp[i : i + 1], self.noise[i : i + 1])
+        self.pos[i, 0] = len(prompt)
+        return nxt
+
     @staticmethod
     def check_sampling(temperature, top_k, top_p) -> None:
         """Raises ValueError for a temperature < 0 or not finite, top_k < 0, top_p outside (0, 1]."""
@@ -257,13 +271,7 @@ class Generator:
         first = []
         self.model.kv_len = self.max_seq_len
         for i, p in enumerate(prompts):  # prefill each prompt into its cache row
-            ids = torch.tensor([list(p)], dtype=torch.long, device=dev)
-            logits = self.model(ids, torch.arange(len(p), device=dev)[None], row0=i)[:, -1]
-            self.noise[i : i + 1].exponential_()
-            first.append(
-                sample(logits, self.temp[i : i + 1], self.topk[i : i + 1], self.topp[i : i + 1], self.noise[i : i + 1])
-            )
-            self.pos[i, 0] = len(p)
+            first.append(self._prefill_row(i, p))
         nxt = torch.cat(first)
         self.tok[:n, 0] = nxt
         self.done[:n] = nxt == self.eos
