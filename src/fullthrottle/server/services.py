@@ -15,7 +15,8 @@ import itertools
 import queue
 import threading
 
-from ..core.batch import RequestBatcher
+import torch
+
 from ..workloads.classify.decode import Result
 from ..workloads.classify.pipeline import Pipeline
 
@@ -107,23 +108,25 @@ class BatchingService:
 
 
 class CompletionService:
-    """LLM requests batched across callers: a thread takes up to ``max_batch`` waiting requests and
-    runs them as one :meth:`~fullthrottle.workloads.llm.generate.Generator.generate` call (per-row sampling values),
-    streaming each request's tokens to its asyncio queue as chunks arrive."""
+    """LLM requests with continuous batching (:class:`~fullthrottle.workloads.llm.scheduler.Scheduler`):
+    a thread runs the step loop; a request joins at the next step with a free KV-cache row and leaves
+    at its end, and its tokens stream to its asyncio queue every ``generator.check_every`` tokens.
+    Requests beyond the free rows wait in the scheduler (up to one batch) and then in the queue
+    (``max_queue``: past it, :meth:`submit` raises Overloaded)."""
 
     def __init__(self, generator, tokenizer=None, max_queue: int = 256):
         self.gen, self.tok = generator, tokenizer
         self.q: queue.Queue = queue.Queue(max_queue)
-        self.batcher = RequestBatcher(self.q, generator.max_batch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ft-llm", daemon=True)
         self._thread.start()
 
     def submit(self, req: dict) -> asyncio.Queue:
-        """Queue ``req`` (ids, max_tokens, temperature, top_k, top_p, eos); returns the queue that
-        receives lists of new token ids, then None at the end (or an Exception). Setting
-        ``req["cancelled"] = True`` (the client disconnected) stops its tokens, and the whole batch
-        once no request in it is still wanted."""
+        """Queue ``req`` (ids, max_tokens, temperature, top_k, top_p, eos, seed); returns the queue
+        that receives lists of new token ids, then None at the end (or an Exception). Setting
+        ``req["cancelled"] = True`` (the client disconnected) frees its row at the next step.
+        A ``seed`` reseeds the sampler when the request joins an idle engine (its tokens are then
+        reproducible when it runs alone; a seed per request is issue 14's)."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         try:
@@ -133,46 +136,49 @@ class CompletionService:
         return out
 
     def _loop(self) -> None:
+        from ..workloads.llm.scheduler import Scheduler
+
+        sched, live = None, {}  # live: scheduler record -> [req, loop, out, tokens sent]
+        every = max(1, self.gen.check_every)
         while not self._stop.is_set():
-            batch = self.batcher.next()
-            if not batch:
-                continue
-            reqs = [b[0] for b in batch]
-            eos = reqs[0]["eos"]
-            done = [False] * len(batch)
-
-            def on_tokens(chunks):
-                for i, ((_, loop, out), toks) in enumerate(zip(batch, chunks)):
-                    if reqs[i].get("cancelled"):  # its client went away
-                        done[i] = True
-                    if done[i]:
-                        continue
-                    toks = toks[: reqs[i]["max_tokens"] - reqs[i].setdefault("sent", 0)]
-                    if eos is not None and eos in toks:
-                        toks, done[i] = toks[: toks.index(eos) + 1], True
-                    reqs[i]["sent"] += len(toks)
-                    if reqs[i]["sent"] >= reqs[i]["max_tokens"]:
-                        done[i] = True
-                    if toks:
-                        loop.call_soon_threadsafe(out.put_nowait, toks)
-                return all(done)  # nobody is waiting for more: stop the batch
-
-            try:
-                self.gen.generate(
-                    [r["ids"] for r in reqs],
-                    max(r["max_tokens"] for r in reqs),
-                    [r["temperature"] for r in reqs],
-                    [r["top_k"] for r in reqs],
-                    [r["top_p"] for r in reqs],
-                    seed=reqs[0].get("seed"),
-                    eos_id=eos,
-                    on_tokens=on_tokens,
-                )
-                for _, loop, out in batch:
-                    loop.call_soon_threadsafe(out.put_nowait, None)
-            except Exception as e:  # noqa: BLE001 - every request in the batch gets the error
-                for _, loop, out in batch:
+            idle = sched is None or not (sched.running or sched.waiting)
+            while sched is None or len(sched.waiting) < self.gen.max_batch:  # take what has arrived
+                try:
+                    req, loop, out = self.q.get(timeout=0.05) if idle else self.q.get_nowait()
+                except queue.Empty:
+                    break
+                idle = False
+                if sched is None:
+                    sched = Scheduler(self.gen, eos_id=req["eos"])
+                if req.get("seed") is not None and not (sched.running or sched.waiting):
+                    torch.manual_seed(req["seed"])
+                try:
+                    rec = sched.submit(req["ids"], req["max_tokens"], req["temperature"], req["top_k"], req["top_p"])
+                except ValueError as e:  # (the route checks first: this is a caller of submit's own)
                     loop.call_soon_threadsafe(out.put_nowait, e)
+                    continue
+                live[rec] = [req, loop, out, 0]
+            if sched is None or not (sched.running or sched.waiting):
+                continue
+            try:
+                for rec, (req, _, _, _) in live.items():
+                    if req.get("cancelled"):
+                        sched.cancel(rec)
+                sched.step()
+            except Exception as e:  # noqa: BLE001 - every request running gets the error; a fresh engine state
+                for _, loop, out, _ in live.values():
+                    loop.call_soon_threadsafe(out.put_nowait, e)
+                live, sched = {}, None
+                continue
+            for rec in list(live):
+                req, loop, out, sent = live[rec]
+                new = rec.tokens[sent:]
+                if new and not req.get("cancelled") and (rec.done or len(new) >= every):
+                    loop.call_soon_threadsafe(out.put_nowait, new)
+                    live[rec][3] = len(rec.tokens)
+                if rec.done:
+                    loop.call_soon_threadsafe(out.put_nowait, None)
+                    del live[rec]
 
     def close(self) -> None:
         self._stop.set()

@@ -27,7 +27,7 @@ import torch
 from ...core.batch import bucket_for
 
 
-@dataclass
+@dataclass(eq=False)  # (compared and hashed by identity: a request is its own key)
 class Request:
     """One request in the scheduler: its prompt, limits and sampling values, and the tokens so far."""
 
@@ -94,9 +94,25 @@ class Scheduler:
             self.gen.done[s.row] = True
         return s.done
 
+    def cancel(self, s: Request) -> None:
+        """End ``s`` now (its client went away): out of the queue, or its row freed at once."""
+        if s.done:
+            return
+        s.done = True
+        if s.row in self.running and self.running[s.row] is s:
+            del self.running[s.row]
+            self.free.append(s.row)
+            self.gen.done[s.row] = True
+        else:
+            try:
+                self.waiting.remove(s)
+            except ValueError:
+                pass
+
     @torch.inference_mode()
     def _admit(self) -> list[Request]:
         g, finished = self.gen, []
+        t0, n_tok = time.perf_counter(), 0
         while self.waiting and self.free:
             s = self.waiting.popleft()
             self.free.sort()
@@ -106,8 +122,12 @@ class Scheduler:
             s.t_first = time.perf_counter()
             g.tok[row, 0], g.done[row] = first, False
             self.running[row] = s
+            n_tok += len(s.prompt)
             if self._finish(s, first):
                 finished.append(s)
+        if n_tok:  # (the Generator's stage counters: what reports and /metrics show)
+            dt = time.perf_counter() - t0
+            g.stats["prefill"].record(n_tok, dt, dt)
         return finished
 
     @torch.inference_mode()
@@ -117,7 +137,7 @@ class Scheduler:
         finished = self._admit()
         if not self.running:
             return finished
-        g = self.gen
+        g, t0 = self.gen, time.perf_counter()
         top = max(self.running) + 1
         b = bucket_for(top, g.buckets)
         idle = [r for r in range(b) if r not in self.running]
@@ -132,6 +152,8 @@ class Scheduler:
             nxt = g._step(b, greedy, kv)
         toks = nxt.tolist()  # one read back per step
         self.steps += 1
+        dt = time.perf_counter() - t0
+        g.stats["decode"].record(len(self.running), dt, dt)
         for row, s in list(self.running.items()):
             if self._finish(s, toks[row]):
                 finished.append(s)
