@@ -53,23 +53,33 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def tiny_llama():
-    """A random 2-layer Llama (vocab 97, no EOS), seeded: the same weights in every test."""
+def make_tiny_llama():
+    """``make(**config overrides)``: a random 2-layer Llama (vocab 97, no EOS), seeded: the same
+    weights in every test."""
     import torch
 
     from fullthrottle.workloads.llm.llama import Llama, LlamaConfig
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        eos_token_id=None,
-    )
-    return Llama(cfg).eval()
+    def make(**overrides):
+        torch.manual_seed(0)
+        kw = dict(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            eos_token_id=None,
+        )
+        return Llama(LlamaConfig(**{**kw, **overrides})).eval()
+
+    return make
+
+
+@pytest.fixture
+def tiny_llama(make_tiny_llama):
+    """:func:`make_tiny_llama` with its defaults."""
+    return make_tiny_llama()
 
 
 @pytest.fixture

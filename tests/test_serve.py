@@ -311,28 +311,16 @@ def test_completions_route_batches_and_streams(tiny_llama):
         assert set(busy) == {"prefill", "decode"} and float(busy["decode"]) > 0
 
 
-def test_completion_stops_generating_when_its_client_goes_away():
+def test_completion_stops_generating_when_its_client_goes_away(make_tiny_llama):
     """A streaming client that disconnects (or a caller that cancels) ends the generation for it."""
     import asyncio
     import json
 
     from fullthrottle.server.services import CompletionService
     from fullthrottle.workloads.llm.generate import Generator
-    from fullthrottle.workloads.llm.llama import Llama, LlamaConfig
 
-    torch_ = pytest.importorskip("torch")
-    torch_.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        eos_token_id=None,
-        max_position_embeddings=4096,
-    )
-    gen = Generator(Llama(cfg).eval(), max_batch=2, max_seq_len=3000, graphs=False, check_every=4)
+    model = make_tiny_llama(max_position_embeddings=4096)
+    gen = Generator(model, max_batch=2, max_seq_len=3000, graphs=False, check_every=4)
     decoded = gen.stats["decode"]  # tokens decoded so far (the scheduler's steps count them)
     svc = CompletionService(gen)
 
