@@ -57,7 +57,7 @@ fi
 if [[ ,$parts, == *,inproc,* ]]; then   # issue 10: nvImageCodec from files inside the compute process
   python3 -c "import sys; sys.path.insert(0, 'bench'); from files_e2e import make_folder; from pathlib import Path; make_folder(Path('/tmp/ft-files/640x480'), ${INPROC_N:-30000}, '640x480')"
   spy=""; compgen -G ".tools/py_spy*.whl" >/dev/null && python3 -m pip install -q --no-index --no-deps --target /tmp/spy .tools/py_spy*.whl && spy=/tmp/spy/bin/py-spy
-  $TO python3 bench/probes/inproc_decode_probe.py --folder /tmp/ft-files/640x480 ${spy:+--py-spy $spy} --out "$OUT/inproc_decode_probe.json" 2>&1 | tee "$OUT/inproc.log" | tail -30
+  $TO python3 bench/probes/inproc_decode_probe.py --folder /tmp/ft-files/640x480 ${spy:+--py-spy $spy} ${INPROC_ARGS:-} --out "$OUT/inproc_decode_probe.json" 2>&1 | tee "$OUT/inproc.log" | tail -30
 fi
 if [[ ,$parts, == *,faults,* ]]; then     # issue 11: faults under load with GPU decoding, nothing lost
   $TO python3 bench/serve_faults.py --duration ${FAULT_S:-300} --out "$OUT/serve_faults.json" -- --device cuda ${FAULT_ARGS:-} 2>&1 | tee "$OUT/serve_faults.log" | tail -3
@@ -113,6 +113,9 @@ if [[ ,$parts, == *,resizeprobe,* ]]; then  # issue 04: GPU decode stage piece b
 fi
 if [[ $parts == *gdprobe* ]]; then     # issue 04: where the GPU decode thread's time goes
   $TO python3 bench/probes/gpu_decode_probe.py --out "$OUT/gpu_decode_probe.json" 2>&1 | tail -20
+fi
+if [[ ,$parts, == *,sched,* ]]; then      # issue 14: continuous batching against static batches
+  $TO python3 bench/probes/scheduler_probe.py ${SCHED_ARGS:-} --out "$OUT/scheduler_probe.json" 2>&1 | tail -4
 fi
 if [[ $parts == *llmprof* ]]; then     # issue 06: kernels of one decode step
   $TO python3 bench/probes/llm_profile.py --out "$OUT/llm_profile.json" 2>&1 | tail -34

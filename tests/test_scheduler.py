@@ -51,3 +51,19 @@ def test_eos_ends_a_request_and_frees_its_row(tiny_llama):
         sched.submit([], 3)
     with pytest.raises(ValueError, match="temperature"):
         sched.submit([1], 3, temperature=-1)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_steps_equal_each_request_alone(tiny_llama):
+    model = tiny_llama.cuda()
+    rng = random.Random(1)
+    reqs = [
+        {"prompt": [rng.randrange(97) for _ in range(rng.randint(1, 30))], "max_new_tokens": rng.randint(1, 40)}
+        for _ in range(13)
+    ]
+    alone = Generator(model, max_batch=1, max_seq_len=96, graphs=False)
+    refs = [alone.generate([r["prompt"]], max_new_tokens=r["max_new_tokens"])[0] for r in reqs]
+    gen = Generator(model, max_batch=8, max_seq_len=96, graphs=True, attn_buckets=(32, 64))
+    sched = Scheduler(gen)
+    assert sched.run(reqs) == refs  # replays switch batch bucket and KV bucket as rows join, grow, leave
+    assert sorted(sched.free) == list(range(8)) and not sched.running

@@ -1,7 +1,8 @@
 """Decoding JPEG files on the GPU inside the compute process (issue 10): how fast one thread of the
 process that runs the model decodes, resizes and crops files with nvImageCodec (the hardware JPEG
 engines), alone and while the model's CUDA graph replays on another stream of the same process (one
-CUDA context, no decoder processes). Optionally the main process of ``fullthrottle classify DIR``
+CUDA context, no decoder processes), by ``--threads`` decode threads at once (each its own decoder
+and stream; img/s summed over them). Optionally the main process of ``fullthrottle classify DIR``
 sampled with py-spy (``--gil``: which Python code holds the GIL).
 
 Variants of the file read: ``python``: ``read_local`` per file in the thread (one ``os.read``), the
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.p
 from common import machine_info, write_json  # noqa: E402
 
 
-def decode_loop(paths, batch, variant, seconds, dev, stream, stats):
+def decode_loop(paths, batch, variant, seconds, dev, stream, stats, start=0):
     from nvidia import nvimgcodec
 
     from fullthrottle.data.gpu_resize import resize_crop_batch
@@ -41,7 +42,7 @@ def decode_loop(paths, batch, variant, seconds, dev, stream, stats):
     params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=rgb, allow_any_depth=False)
     rows = torch.empty((batch, 224, 224, 3), dtype=torch.uint8, device=dev)
     t_read = t_dec = t_rs = 0.0
-    n, i, t0 = 0, 0, time.perf_counter()
+    n, i, t0 = 0, start, time.perf_counter()
     with torch.cuda.stream(stream):
         while time.perf_counter() - t0 < seconds:
             chunk = [paths[(i + k) % len(paths)] for k in range(batch)]
@@ -65,6 +66,7 @@ def decode_loop(paths, batch, variant, seconds, dev, stream, stats):
     wall = time.perf_counter() - t0
     stats.update(
         img_per_s=n / wall,
+        images=n,
         ms_per_batch={
             "read": 1e3 * t_read * batch / n,
             "decode": 1e3 * t_dec * batch / n,
@@ -73,7 +75,9 @@ def decode_loop(paths, batch, variant, seconds, dev, stream, stats):
     )
 
 
-def model_loop(dev, batch, stop, stats, ready):
+def model_loop(dev, batch, stop, stats, ready, rate=20000.0):
+    """ResNet18 bf16 graph replays at batch ``batch``, paced to ``rate`` img/s at most (the load the
+    model puts on the GPU at that end-to-end rate)."""
     import torchvision
 
     m = torchvision.models.resnet18().to(dev, torch.bfloat16).to(memory_format=torch.channels_last).eval()
@@ -92,6 +96,9 @@ def model_loop(dev, batch, stop, stats, ready):
             g.replay()
             y[:, :5].float().cpu()  # a batch's answer to the host, as the pipeline does
             n += batch
+            ahead = n / rate - (time.perf_counter() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
         stats.update(img_per_s=n / (time.perf_counter() - t0))
 
 
@@ -154,11 +161,50 @@ def py_spy_cli(folder, seconds, exe, out_raw):
     return out
 
 
+def one_row(paths, batch, variant, threads, with_model, seconds, dev):
+    """``threads`` decode loops at once (and the model beside them when ``with_model``): one result row."""
+    ms, stop, ready = {}, threading.Event(), threading.Event()
+    mt = threading.Thread(target=model_loop, args=(dev, 256, stop, ms, ready)) if with_model else None
+    if mt:
+        mt.start()
+        ready.wait(120)
+    sts = [{} for _ in range(threads)]
+    step = len(paths) // threads
+
+    def loop(k):
+        try:
+            decode_loop(paths, batch, variant, seconds, dev, torch.cuda.Stream(dev), sts[k], start=k * step)
+        except Exception as e:  # noqa: BLE001
+            sts[k]["error"] = f"{type(e).__name__}: {e}"
+
+    ts = [threading.Thread(target=loop, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    stop.set()
+    if mt:
+        mt.join()
+    errors = [st["error"] for st in sts if "error" in st]
+    return {
+        "batch": batch,
+        "read": variant,
+        "threads": threads,
+        "with_model": with_model,
+        "img_per_s": None if errors else sum(st["img_per_s"] for st in sts),
+        "ms_per_batch_thread0": sts[0].get("ms_per_batch"),
+        "errors": errors,
+        "model_img_per_s": ms.get("img_per_s"),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--folder", required=True)
     ap.add_argument("--seconds", type=float, default=6.0)
-    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--batches", default="64,128")
+    ap.add_argument("--threads", default="1,2,4", help="decode threads at once (comma list)")
+    ap.add_argument("--reads", default="python", help="python, nvimgcodec (comma list)")
     ap.add_argument("--py-spy", default="", help="py-spy executable: also profile the CLI's main process")
     ap.add_argument("--out", default="inproc_decode_probe.json")
     args = ap.parse_args()
@@ -167,31 +213,11 @@ def main():
     paths = sorted(str(p) for p in Path(args.folder).glob("*.jpg"))
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        for variant in ("python", "nvimgcodec"):
-            for with_model in (False, True):
-                st, ms = {}, {}
-                stop = threading.Event()
-                ready = threading.Event()
-                mt = threading.Thread(target=model_loop, args=(dev, 256, stop, ms, ready)) if with_model else None
-                if mt:
-                    mt.start()
-                    ready.wait(120)
-                try:
-                    decode_loop(paths, batch, variant, args.seconds, dev, torch.cuda.Stream(dev), st)
-                except Exception as e:  # noqa: BLE001
-                    st["error"] = f"{type(e).__name__}: {e}"
-                stop.set()
-                if mt:
-                    mt.join()
-                row = {
-                    "batch": batch,
-                    "read": variant,
-                    "with_model": with_model,
-                    **st,
-                    "model_img_per_s": ms.get("img_per_s"),
-                }
-                print(row, flush=True)
-                rows.append(row)
+        for variant in args.reads.split(","):
+            for threads in [int(t) for t in args.threads.split(",")]:
+                for with_model in (False, True):
+                    rows.append(one_row(paths, batch, variant, threads, with_model, args.seconds, dev))
+                    print(rows[-1], flush=True)
     out = {"benchmark": "inproc_decode_probe", "machine": machine_info(), "files": len(paths), "rows": rows}
     if args.py_spy:
         out["cli_gil_profile"] = py_spy_cli(args.folder, 10, args.py_spy, os.path.splitext(args.out)[0] + "_spy.txt")
