@@ -233,3 +233,49 @@ def test_request_batcher_waits_for_more_only_when_asked():
     assert time.perf_counter() - t0 >= 0.45  # waited out its deadline for more
     with pytest.raises(ValueError):
         RequestBatcher(q, max_items=0)
+
+
+def test_open_batch_closes_by_count_token_budget_and_deadline():
+    from fullthrottle.core.batch import OpenBatch
+
+    b = OpenBatch(3, max_tokens=10, max_wait_s=0.5)
+    assert not b and b.fits(size=99, tokens=99)  # the first item is always taken, even over a limit
+    b.add("a", tokens=4, now=100.0)
+    assert b.deadline == 100.5 and b.wait_s(now=100.2) == pytest.approx(0.3) and b.wait_s(now=101) == 0
+    assert b.fits(tokens=6) and not b.fits(tokens=7) and not b.fits(size=3)
+    b.add("b", tokens=6, now=100.1)
+    assert b.full and b.deadline == 100.5  # the budget is spent; the deadline is the first item's
+    assert b.take() == ["a", "b"] and not b and b.n == b.tokens == 0
+    c = OpenBatch(4, max_wait_s=0.0)
+    assert c.extend([1, 2], now=5.0) == [] and c.extend([3, 4, 5, 6]) == [5, 6] and c.full
+    assert c.take() == [1, 2, 3, 4] and c.deadline == 5.0
+    with pytest.raises(ValueError, match="max_items"):
+        OpenBatch(0)
+    with pytest.raises(ValueError, match="max_wait_s"):
+        OpenBatch(1, max_wait_s=float("nan"))
+
+
+def test_gpu_batches_take_lists_up_to_the_limit_and_keep_the_rest():
+    import queue as q_
+
+    from fullthrottle.data.gpu_feed import take_gpu_batch
+
+    class FakeRun:
+        END = object()
+        gq = q_.Queue()
+
+        def _get(self, q, timeout=0.05):
+            try:
+                return q.get(timeout=timeout) if timeout else q.get_nowait()
+            except q_.Empty:
+                return None
+
+    run = FakeRun()
+    for chunk in ([1, 2, 3], [4, 5, 6], run.END, [7]):
+        run.gq.put(chunk)
+    carry = []
+    assert take_gpu_batch(run, carry, 4, 1.0, ends_wanted=1) == ([1, 2, 3, 4], 0) and carry == [5, 6]
+    assert take_gpu_batch(run, carry, 4, 0.0, ends_wanted=1) == ([5, 6], 1) and carry == []  # the end
+    assert take_gpu_batch(run, carry, 4, 0.0, ends_wanted=1) == ([7], 0)
+    carry = list(range(10))  # more carried than a batch holds: no queue read at all
+    assert take_gpu_batch(run, carry, 4, 0.0, ends_wanted=1) == ([0, 1, 2, 3], 0) and carry == list(range(4, 10))

@@ -1,5 +1,7 @@
-"""Stage 3, batch: where batches are formed. Dynamic batching with a size cap and a wait deadline,
-and the batch-bucket arithmetic (pad up to a bucket, split what exceeds the largest)."""
+"""Stage 3, batch: where batches are formed. One rule closes every batch (:class:`OpenBatch`: a count
+cap, a token budget, a wait deadline); the pipeline's :class:`Batcher`, the GPU decoders' feed and the
+servers' :class:`RequestBatcher` differ only in where their items come from. Also the batch-bucket
+arithmetic (pad up to a bucket, split what exceeds the largest)."""
 
 from __future__ import annotations
 
@@ -59,6 +61,67 @@ class Batch:
         return len(self.items)
 
 
+class OpenBatch:
+    """The batch being formed and the rule that closes it, written once for every batcher: at most
+    ``max_items`` items (each of ``size`` items: 1, or a request's texts), at most ``max_tokens``
+    tokens (None: no budget), and no later than ``max_wait_s`` after its first item arrived. The
+    first item is always taken, even alone over a limit. Not thread-safe (one batching thread).
+
+    Raises:
+        ValueError: ``max_items`` or ``max_tokens`` below 1, ``max_wait_s`` below 0.
+    """
+
+    __slots__ = ("max_items", "max_tokens", "max_wait_s", "items", "n", "tokens", "deadline")
+
+    def __init__(self, max_items: int, max_tokens: int | None = None, max_wait_s: float = 0.0):
+        if max_items < 1 or (max_tokens is not None and max_tokens < 1) or not max_wait_s >= 0:
+            raise ValueError("max_items and max_tokens must be >= 1, max_wait_s >= 0")
+        self.max_items, self.max_tokens, self.max_wait_s = max_items, max_tokens, max_wait_s
+        self.items: list = []
+        self.n = self.tokens = 0
+        self.deadline = 0.0  # (perf_counter s) when the open batch must go
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def fits(self, size: int = 1, tokens: int = 0) -> bool:
+        """Whether one more item of ``size`` items and ``tokens`` tokens fits (always, when empty)."""
+        return not self.items or (
+            self.n + size <= self.max_items and (self.max_tokens is None or self.tokens + tokens <= self.max_tokens)
+        )
+
+    def add(self, item, size: int = 1, tokens: int = 0, now: float | None = None) -> None:
+        """Add ``item``; the first one starts the deadline (``now``: the caller's clock reading)."""
+        if not self.items:
+            self.deadline = (time.perf_counter() if now is None else now) + self.max_wait_s
+        self.items.append(item)
+        self.n += size
+        self.tokens += tokens
+
+    def extend(self, items: list, now: float | None = None) -> list:
+        """Add items of size 1 until the batch is full; returns those that did not fit."""
+        k = max(self.max_items - self.n, 1 if not self.items else 0)
+        if items[:k]:
+            if not self.items:
+                self.deadline = (time.perf_counter() if now is None else now) + self.max_wait_s
+            self.items.extend(items[:k])
+            self.n += len(items[:k])
+        return items[k:]
+
+    @property
+    def full(self) -> bool:
+        return self.n >= self.max_items or (self.max_tokens is not None and self.tokens >= self.max_tokens)
+
+    def wait_s(self, now: float | None = None) -> float:
+        """Seconds left before the open batch must go (0 when due)."""
+        return max(self.deadline - (time.perf_counter() if now is None else now), 0.0)
+
+    def take(self) -> list:
+        """The batch's items, oldest first; the batch is empty again."""
+        items, self.items, self.n, self.tokens = self.items, [], 0, 0
+        return items
+
+
 class Batcher:
     """The batch stage: collects preprocessed items into batches.
 
@@ -112,20 +175,19 @@ class Batcher:
 
     def run(self) -> None:
         ends = 0
-        pending: list[Item] = []
-        deadline = 0.0
+        open_ = OpenBatch(self.max_batch_size, None, self.max_wait_s)
         while ends < self.n_end and not self.stopped():
             now = time.perf_counter()
-            if pending and now >= deadline:
+            if open_ and now >= open_.deadline:
                 # Deadline passed: send the partial batch if compute can take it now and the device
                 # is not already working on two batches; otherwise keep filling it (bigger batches
                 # exactly when they pay off: per-batch host costs are amortised under load).
-                if not self.device_busy() and self._flush(pending, block=False):
-                    pending = []
+                if not self.device_busy() and self._flush(open_.items, block=False):
+                    open_.take()
                     continue
                 timeout = 0.001
             else:
-                timeout = max(deadline - now, 0.0) if pending else 0.05
+                timeout = open_.wait_s(now) if open_ else 0.05
             it = self.get(timeout)
             if it is None:
                 continue
@@ -133,7 +195,7 @@ class Batcher:
                 ends += 1
                 continue
             if isinstance(it, list):
-                pending, deadline = self._take_list(it, pending, deadline)
+                self._take_list(it, open_)
                 continue
             self.stats.begin()
             now = time.perf_counter()
@@ -142,22 +204,18 @@ class Batcher:
                 self.stats.end(1)
                 self.put(it)
                 continue
-            if not pending:
-                deadline = now + self.max_wait_s
-            pending.append(it)
+            open_.add(it, now=now)
             self.stats.end(1)
-            if len(pending) >= self.max_batch_size:
-                self._flush(pending)
-                pending = []
+            if open_.full:
+                self._flush(open_.take())
         if not self.stopped():
-            self._flush(pending)
+            self._flush(open_.take())
             self.put(self.end)
 
-    def _take_list(self, items: list[Item], pending: list[Item], deadline: float) -> tuple[list[Item], float]:
-        """Add a list of items to the open batch (full batches go at once); returns the open batch
-        and its deadline."""
+    def _take_list(self, items: list[Item], open_: OpenBatch) -> None:
+        """Add a list of items to the open batch (full batches go at once)."""
         if not items:
-            return pending, deadline
+            return
         self.stats.begin()
         now = time.perf_counter()
         self.stats.waited(sum(now - it.t_queued for it in items) / len(items), len(items))
@@ -166,18 +224,14 @@ class Batcher:
             if it.error is not None:
                 failed.append(it)
                 continue
-            if not pending:
-                deadline = now + self.max_wait_s
-            pending.append(it)
-            if len(pending) >= self.max_batch_size:
-                full.append(pending)
-                pending = []
+            open_.add(it, now=now)
+            if open_.full:
+                full.append(open_.take())
         self.stats.end(len(items))  # (waiting for the compute stage below is backpressure, not work)
         for it in failed:
             self.put(it)
         for b in full:
             self._flush(b)
-        return pending, deadline
 
 
 class RequestBatcher:
@@ -203,8 +257,7 @@ class RequestBatcher:
         size: Callable = lambda r: 1,
         tokens: Callable = lambda r: 0,
     ):
-        if max_items < 1 or (max_tokens is not None and max_tokens < 1) or max_wait_s < 0:
-            raise ValueError("max_items and max_tokens must be >= 1, max_wait_s >= 0")
+        OpenBatch(max_items, max_tokens, max_wait_s)  # (checks the limits)
         self.q, self.max_items, self.max_tokens, self.max_wait_s = q, max_items, max_tokens, max_wait_s
         self.size, self.tokens = size, tokens
         self._carry = None  # (request, its tokens): the one that opened no room in the last batch
@@ -227,16 +280,14 @@ class RequestBatcher:
         first, self._carry = self._carry or self._take(timeout), None
         if first is None:
             return []
-        batch, n, tok = [first[0]], self.size(first[0]), first[1]
-        deadline = time.perf_counter() + self.max_wait_s
-        while n < self.max_items:
-            nxt = self._take(deadline - time.perf_counter())
+        b = OpenBatch(self.max_items, self.max_tokens, self.max_wait_s)
+        b.add(first[0], self.size(first[0]), first[1])
+        while not b.full:
+            nxt = self._take(b.wait_s())
             if nxt is None:
                 break
-            k = self.size(nxt[0])
-            if n + k > self.max_items or (self.max_tokens is not None and tok + nxt[1] > self.max_tokens):
+            if not b.fits(self.size(nxt[0]), nxt[1]):
                 self._carry = nxt
                 break
-            batch.append(nxt[0])
-            n, tok = n + k, tok + nxt[1]
-        return batch
+            b.add(nxt[0], self.size(nxt[0]), nxt[1])
+        return b.take()

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ..core.batch import OpenBatch
 from ..core.gpumon import nvtx_range
 from .load import LoadError
 from .preprocess import ImageError
@@ -34,27 +35,22 @@ def take_gpu_batch(
     then lists from the GPU queue, waiting at most ``wait_s`` after the first item (for the first,
     briefly, or not at all without ``block``). Items beyond ``limit`` stay in ``carry``. Returns
     ``(items, end markers seen)``; stops at ``ends_wanted`` ends."""
-    items = carry[:limit]
-    del carry[:limit]
+    b = OpenBatch(limit, None, wait_s)
+    carry[:] = b.extend(carry)
     ends = 0
-    deadline = time.perf_counter() + wait_s if items else None
-    while len(items) < limit and ends < ends_wanted:
+    while not b.full and ends < ends_wanted:
         # nothing yet: wait briefly (the caller checks the stop event and asks again)
-        if deadline is None:
+        if not b:
             c = run._get(run.gq) if block else run._get(run.gq, None)
         else:
-            c = run._get(run.gq, max(deadline - time.perf_counter(), 0.0))
+            c = run._get(run.gq, b.wait_s())
         if c is None:
             break
         if c is run.END:
             ends += 1
             continue
-        items.extend(c)
-        if deadline is None:
-            deadline = time.perf_counter() + wait_s
-    if len(items) > limit:
-        carry[:0] = items[limit:]
-        del items[limit:]
+        carry[:0] = b.extend(c)
+    items = b.take()
     return items, ends
 
 
