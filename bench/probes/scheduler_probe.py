@@ -2,8 +2,10 @@
 same Generator, Llama-2-7B shape bf16, random weights, all requests given at once.
 
 Rows: ``static``: ``Generator.generate`` on consecutive batches of ``--max-batch`` (what a static server
-does); ``scheduler``: ``Scheduler.run`` on all of them through ``--max-batch`` KV-cache rows. Output
-tokens per second over the whole workload, and the prefill/decode seconds from the Generator's stages.
+does); ``scheduler``: ``Scheduler.run`` on all of them through ``--max-batch`` KV-cache rows (a comma
+list: one Generator each, in turn). Output tokens per second over the whole workload, and the
+prefill/decode seconds from the Generator's stages. Then one prompt's prefill alone (``--prefill-lens``),
+timed with CUDA events.
 
 Usage: python bench/probes/scheduler_probe.py --requests 256 --prompt 128 --new 128 --out probe.json
 """
@@ -34,7 +36,8 @@ def main():
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--max-batch", default="64,256")
+    ap.add_argument("--prefill-lens", default="128,1024")
     ap.add_argument("--out", default="scheduler_probe.json")
     args = ap.parse_args()
     cfg = LlamaConfig.llama2_7b()
@@ -44,35 +47,59 @@ def main():
         model = Llama(cfg).eval()
     torch.set_default_dtype(torch.float32)
     model.inv_freq = model.inv_freq.float()
-    gen = Generator(model, max_batch=args.max_batch, max_seq_len=args.prompt + args.new, graphs=True)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(args.requests)]
-    gen.generate(prompts[:2], max_new_tokens=4)  # warm-up
     rows = []
-    for kind in ("static", "scheduler"):
-        before = stage_s(gen)
-        torch.cuda.synchronize()
+    for mb in [int(x) for x in args.max_batch.split(",")]:
         t0 = time.perf_counter()
-        if kind == "static":
-            out = []
-            for i in range(0, len(prompts), args.max_batch):
-                out += gen.generate(prompts[i : i + args.max_batch], max_new_tokens=args.new)
-        else:
-            out = Scheduler(gen).run([{"prompt": p, "max_new_tokens": args.new} for p in prompts])
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        after = stage_s(gen)
-        n = sum(len(o) for o in out)
-        rows.append(
-            {
-                "kind": kind,
-                "output_tokens": n,
-                "wall_s": wall,
-                "output_tok_per_s": n / wall,
-                **{f"{k}_s": after[k] - before[k] for k in after},
-            }
-        )
-        print(rows[-1], flush=True)
+        gen = Generator(model, max_batch=mb, max_seq_len=args.prompt + args.new, graphs=True)
+        capture_s = time.perf_counter() - t0
+        gen.generate(prompts[:2], max_new_tokens=4)  # warm-up
+        for kind in ("static", "scheduler"):
+            before = stage_s(gen)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if kind == "static":
+                out = []
+                for i in range(0, len(prompts), mb):
+                    out += gen.generate(prompts[i : i + mb], max_new_tokens=args.new)
+            else:
+                out = Scheduler(gen).run([{"prompt": p, "max_new_tokens": args.new} for p in prompts])
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            after = stage_s(gen)
+            n = sum(len(o) for o in out)
+            rows.append(
+                {
+                    "kind": kind,
+                    "max_batch": mb,
+                    "capture_s": capture_s,
+                    "output_tokens": n,
+                    "wall_s": wall,
+                    "output_tok_per_s": n / wall,
+                    **{f"{k}_s": after[k] - before[k] for k in after},
+                }
+            )
+            print(rows[-1], flush=True)
+        del gen
+        torch.cuda.empty_cache()
+    prefill = []
+    lens = [int(x) for x in args.prefill_lens.split(",")]
+    model.setup_cache(1, max(lens))
+    with torch.inference_mode():
+        for n in lens:
+            ids = torch.randint(0, cfg.vocab_size, (1, n), device="cuda")
+            ln, r = torch.tensor([n], device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
+            for _ in range(3):
+                model.prefill(ids, ln, r)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(10):
+                model.prefill(ids, ln, r)
+            b.record()
+            torch.cuda.synchronize()
+            prefill.append({"prompt_tokens": n, "ms": a.elapsed_time(b) / 10})
+            print(prefill[-1], flush=True)
     write_json(
         args.out,
         {
@@ -81,6 +108,7 @@ def main():
             "model": "Llama-2-7B shape, bf16, random weights",
             "args": vars(args),
             "rows": rows,
+            "prefill_alone": prefill,
         },
     )
 

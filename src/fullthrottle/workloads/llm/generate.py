@@ -21,7 +21,7 @@ from ...core.config import Runtime, default_buckets
 from ...core.report import StageStats
 from .llama import Llama
 
-DEFAULT_BUCKETS = default_buckets(64)
+DEFAULT_BUCKETS = default_buckets(256)
 
 
 def kv_buckets(max_seq_len: int) -> tuple[int, ...]:
@@ -82,7 +82,9 @@ class GenerateStats:
 
 
 class Generator:
-    """Batched generation with a static KV cache.
+    """Batched generation with a static KV cache: prompts prefilled many per forward
+    (:meth:`~fullthrottle.workloads.llm.llama.Llama.prefill`), then one decode step per token for
+    every row, replayed as the CUDA graph of its batch bucket and attention length.
 
     Args:
         model: a :class:`~fullthrottle.workloads.llm.llama.Llama` on its device and dtype.
@@ -92,6 +94,8 @@ class Generator:
         buckets: decode batch sizes to capture.
         attn_buckets: attention lengths (cache slots read) to capture per batch bucket; default
             :func:`kv_buckets` of ``max_seq_len``. The largest is always ``max_seq_len``.
+        max_prefill_tokens: tokens one prefill forward takes at most, padding to the group's longest
+            prompt included (a longer prompt goes alone): bounds the activations' memory.
 
     Raises:
         ValueError: on :meth:`generate`, a prompt + max_new_tokens longer than ``max_seq_len``.
@@ -106,8 +110,11 @@ class Generator:
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         check_every: int = 8,
         attn_buckets: Sequence[int] | None = None,
+        max_prefill_tokens: int = 8192,
     ):
         self.model = model
+        #: tokens (padding included) one prefill forward takes at most; a longer prompt goes alone
+        self.max_prefill_tokens = max_prefill_tokens
         p = next(model.parameters())
         self.device = p.device
         bs = sorted(set(buckets))
@@ -186,18 +193,29 @@ class Generator:
         self.capture_s = time.perf_counter() - t0
 
     @torch.inference_mode()
-    def _prefill_row(self, i: int, prompt: Sequence[int]) -> torch.Tensor:
-        """Prefill ``prompt`` into KV-cache row ``i`` (its sampling values already in row ``i``):
-        the first new token ``(1,)``; the row's position becomes ``len(prompt)``. Attention reads the
-        whole cache (``model.kv_len`` is set to it)."""
-        dev = self.device
-        self.model.kv_len = self.max_seq_len
-        ids = torch.tensor([list(prompt)], dtype=torch.long, device=dev)
-        logits = self.model(ids, torch.arange(len(prompt), device=dev)[None], row0=i)[:, -1]
-        self.noise[i : i + 1].exponential_()
-        nxt = sample(logits, self.temp[i : i + 1], self.topk[i : i + 1], self.topp[i : i + 1], self.noise[i : i + 1])
-        self.pos[i, 0] = len(prompt)
-        return nxt
+    def _prefill_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Prefill ``prompts[j]`` into KV-cache row ``rows[j]`` (their sampling values already in those
+        rows), as few forwards as :attr:`max_prefill_tokens` allows (prompts in order, each forward
+        right-padded to its longest): the first new tokens ``(len(rows),)``; each row's position
+        becomes its prompt's length."""
+        dev, out, j = self.device, [], 0
+        while j < len(prompts):
+            k, longest = j + 1, len(prompts[j])  # a group: as many as fit the budget, padded
+            while k < len(prompts) and max(longest, len(prompts[k])) * (k + 1 - j) <= self.max_prefill_tokens:
+                longest = max(longest, len(prompts[k]))
+                k += 1
+            group = prompts[j:k]
+            ids = torch.zeros(len(group), longest, dtype=torch.long)
+            for i, p in enumerate(group):
+                ids[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+            r = torch.as_tensor(rows[j:k], dtype=torch.long, device=dev)
+            n = torch.as_tensor([len(p) for p in group], dtype=torch.long, device=dev)
+            logits = self.model.prefill(ids.to(dev, non_blocking=True), n, r)  # (b, V)
+            noise = self.noise[r].exponential_()
+            out.append(sample(logits, self.temp[r], self.topk[r], self.topp[r], noise))
+            self.pos[r, 0] = n
+            j = k
+        return torch.cat(out)
 
     @staticmethod
     def check_sampling(temperature, top_k, top_p) -> None:
@@ -268,11 +286,7 @@ class Generator:
         self.done[n:] = True  # padding rows
         self.tok.zero_()
         self.pos.zero_()
-        first = []
-        self.model.kv_len = self.max_seq_len
-        for i, p in enumerate(prompts):  # prefill each prompt into its cache row
-            first.append(self._prefill_row(i, p))
-        nxt = torch.cat(first)
+        nxt = self._prefill_rows(range(n), prompts)  # each prompt into its cache row
         self.tok[:n, 0] = nxt
         self.done[:n] = nxt == self.eos
         out = torch.empty(b, max_new_tokens, dtype=torch.long, device=dev)

@@ -126,6 +126,8 @@ class Attention(nn.Module):
         self.counters: torch.Tensor | None = None  # (maxB * H,) int32: decode attention's merge counts
 
     def forward(self, x, cos, sin, pos, row0, mask, kv_len):
+        if isinstance(row0, torch.Tensor):  # batched prefill into cache rows ``row0`` (B,)
+            return self.prefill(x, cos, sin, pos, row0)
         B, S, _ = x.shape  # x: (B, S, dim)
         h, hkv, d = self.h, self.hkv, self.d
         # the q/k/v projection (B, S, (H+2*Hkv)*D), RoPE on q and k, k and v written into the cache at
@@ -143,6 +145,24 @@ class Attention(nn.Module):
             if rep > 1:  # (a copy: with rep == 1, as in Llama-2-7B, the cache is read in place)
                 kc, vc = kc.repeat_interleave(rep, dim=1), vc.repeat_interleave(rep, dim=1)
             y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)  # mask: (B, 1, S, T) additive
+        return kernels.linear(y.transpose(1, 2).reshape(B, S, h * d), self.o_proj.weight)
+
+    def prefill(self, x, cos, sin, pos, rows):
+        # B whole prompts, right-padded to S, from position 0: attention is causal within each prompt
+        # (the cache's older contents are not read), so it runs on the prompts' own k and v, and they
+        # are copied into cache rows ``rows`` (B,) at slots [0, S)
+        B, S, _ = x.shape  # x: (B, S, dim); pos: (B, S) = 0..S-1
+        h, hkv, d = self.h, self.hkv, self.d
+        kt = torch.empty(B, hkv, S, d, dtype=self.k_cache.dtype, device=x.device)
+        vt = torch.empty_like(kt)
+        q = kernels.linear_rope_qkv_into_cache(
+            x, self.qkv_proj.weight, cos, sin, pos, kt, vt, 0, h, hkv
+        )  # (B, H, S, D)
+        self.k_cache[:, :, :S].index_copy_(0, rows, kt)
+        self.v_cache[:, :, :S].index_copy_(0, rows, vt)
+        if h // hkv > 1:  # grouped-query attention
+            kt, vt = kt.repeat_interleave(h // hkv, dim=1), vt.repeat_interleave(h // hkv, dim=1)
+        y = F.scaled_dot_product_attention(q, kt, vt, is_causal=True)  # (B, H, S, D)
         return kernels.linear(y.transpose(1, 2).reshape(B, S, h * d), self.o_proj.weight)
 
 
@@ -229,6 +249,26 @@ class Llama(nn.Module):
             x, r = blk(x, r, cos, sin, pos, row0, mask, self.kv_len)
         xn = self.norm(x) if r is None else self.norm(x, residual=r)[1]  # the last block's add, fused
         return kernels.linear(xn, self.lm_head.weight).float()  # (B, S, vocab)
+
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Whole prompts into the KV cache, many at once: ``tokens (B, S)`` int64, each row a prompt
+        right-padded to ``S`` (any padding id), ``lengths (B,)`` int64 (1..S), ``rows (B,)`` int64, the
+        distinct cache rows they go to. Returns the logits of each prompt's last token ``(B, vocab)``
+        float32. Attention is causal within each prompt, from position 0 (earlier cache contents are
+        neither read nor kept); the padding's keys land in slots ``[length, S)`` of its row, which a
+        decode step writes before any attention reads them."""
+        B, S = tokens.shape
+        pos = torch.arange(S, device=tokens.device).expand(B, S)
+        x = self.embed_tokens(tokens)  # (B, S, dim)
+        freqs = pos[..., None].float() * self.inv_freq  # (B, S, D/2) float32
+        cos, sin = freqs.cos(), freqs.sin()
+        r = None
+        for blk in self.layers:
+            x, r = blk(x, r, cos, sin, pos, rows, None, S)
+        last = (lengths - 1)[:, None, None].expand(B, 1, x.shape[-1])  # each prompt's last token
+        x, r = x.gather(1, last), r.gather(1, last)  # (B, 1, dim)
+        xn = self.norm(x, residual=r)[1]
+        return kernels.linear(xn, self.lm_head.weight).float()[:, 0]  # (B, vocab)
 
 
 def fuse_hf_projections(sd: dict, head_dim: int) -> dict:

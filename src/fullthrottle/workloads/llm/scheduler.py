@@ -3,14 +3,15 @@ a step loop, as vLLM's and SGLang's schedulers have, in which requests join at t
 leave when done, instead of a batch running until its longest request ends.
 
 Each running request holds one row of the cache from its prefill to its last token. A step
-(:meth:`Scheduler.step`) first admits waiting requests into free rows (each prompt prefilled into
-its row; one prompt at a time, not yet batched or chunked), then decodes one token for every running
+(:meth:`Scheduler.step`) first admits waiting requests into free rows, oldest first, up to the
+Generator's ``max_prefill_tokens`` (their prompts prefilled together, right-padded to the longest:
+:meth:`~fullthrottle.workloads.llm.llama.Llama.prefill`; not yet chunked), then decodes one token for every running
 request as one replay of the decode graph of the batch bucket holding the highest row in use and
 of the attention length holding the longest sequence (the Generator's graphs; eager without them).
 Rows between running ones that are free ride along masked (their position held at 0, their token
 discarded). Tokens are read back once per step.
 
-Not yet (issue 14): batched and chunked prefill, paged KV memory, a seed per request (sampling draws
+Not yet (issue 14): chunked prefill, variable-length attention (no padding), paged KV memory, a seed per request (sampling draws
 from the one generator of the process, so a sampled request's tokens depend on its batch mates; greedy
 ones do not).
 """
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...core.batch import bucket_for
+from ...core.batch import OpenBatch, bucket_for
 
 
 @dataclass(eq=False)  # (compared and hashed by identity: a request is its own key)
@@ -111,23 +112,33 @@ class Scheduler:
 
     @torch.inference_mode()
     def _admit(self) -> list[Request]:
+        """Waiting requests into free rows, oldest first, as many as the rows and the prefill token
+        budget allow (the oldest always), all prefilled together."""
         g, finished = self.gen, []
-        t0, n_tok = time.perf_counter(), 0
-        while self.waiting and self.free:
+        if not (self.waiting and self.free):
+            return finished
+        t0 = time.perf_counter()
+        batch = OpenBatch(len(self.free), g.max_prefill_tokens)
+        while self.waiting and batch.fits(tokens=len(self.waiting[0].prompt)):
             s = self.waiting.popleft()
-            self.free.sort()
-            s.row = row = self.free.pop(0)  # the lowest free row: the decode bucket stays small
+            batch.add(s, tokens=len(s.prompt))
+        admitted = batch.take()
+        self.free.sort()
+        for s in admitted:  # the lowest free rows: the decode bucket stays small
+            s.row = row = self.free.pop(0)
             g.temp[row, 0], g.topk[row, 0], g.topp[row, 0] = s.temperature, s.top_k, s.top_p
-            first = int(g._prefill_row(row, s.prompt))
-            s.t_first = time.perf_counter()
-            g.tok[row, 0], g.done[row] = first, False
-            self.running[row] = s
-            n_tok += len(s.prompt)
-            if self._finish(s, first):
+        rows = [s.row for s in admitted]
+        first = g._prefill_rows(rows, [s.prompt for s in admitted])
+        g.tok[rows, 0] = first
+        g.done[rows] = False
+        now = time.perf_counter()
+        for s, tok in zip(admitted, first.tolist()):
+            s.t_first = now
+            self.running[s.row] = s
+            if self._finish(s, tok):
                 finished.append(s)
-        if n_tok:  # (the Generator's stage counters: what reports and /metrics show)
-            dt = time.perf_counter() - t0
-            g.stats["prefill"].record(n_tok, dt, dt)
+        dt = time.perf_counter() - t0  # (the Generator's stage counters: what reports and /metrics show)
+        g.stats["prefill"].record(sum(len(s.prompt) for s in admitted), dt, dt)
         return finished
 
     @torch.inference_mode()
