@@ -31,6 +31,30 @@ def test_greedy_continuous_batching_equals_each_request_alone(tiny_llama):
     assert sorted(sched.free) == [0, 1, 2, 3] and not sched.running  # every row given back
 
 
+def test_seeded_sampled_requests_get_their_own_tokens_whatever_joins_or_leaves(tiny_llama):
+    rng = random.Random(2)
+    reqs = [
+        {
+            "prompt": [rng.randrange(97) for _ in range(rng.randint(1, 12))],
+            "max_new_tokens": rng.randint(1, 20),
+            "temperature": 0.9,
+            "top_k": rng.choice([0, 20]),
+            "top_p": rng.choice([1.0, 0.9]),
+            "seed": 1000 + i,
+        }
+        for i in range(9)
+    ]
+    gen = Generator(tiny_llama, max_batch=4, max_seq_len=64, graphs=False)
+    refs = [
+        gen.generate([r["prompt"]], r["max_new_tokens"], r["temperature"], r["top_k"], r["top_p"], [r["seed"]])[0]
+        for r in reqs
+    ]
+    assert Scheduler(gen).run(reqs) == refs
+    assert Scheduler(gen).run(reqs[::-1]) == refs[::-1]  # other batch mates, other rows
+    other = Scheduler(gen).run([{**reqs[0], "seed": 5}])[0]
+    assert other != refs[0] and len(set(map(tuple, refs))) == len(refs)
+
+
 def test_eos_ends_a_request_and_frees_its_row(tiny_llama):
     gen = Generator(tiny_llama, max_batch=2, max_seq_len=64, graphs=False)
     ref = gen.generate([[5, 6, 7]], max_new_tokens=10)[0]

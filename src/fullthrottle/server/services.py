@@ -15,8 +15,6 @@ import itertools
 import queue
 import threading
 
-import torch
-
 from ..workloads.classify.decode import Result
 from ..workloads.classify.pipeline import Pipeline
 
@@ -125,8 +123,7 @@ class CompletionService:
         """Queue ``req`` (ids, max_tokens, temperature, top_k, top_p, eos, seed); returns the queue
         that receives lists of new token ids, then None at the end (or an Exception). Setting
         ``req["cancelled"] = True`` (the client disconnected) frees its row at the next step.
-        A ``seed`` reseeds the sampler when the request joins an idle engine (its tokens are then
-        reproducible when it runs alone; a seed per request is issue 14's)."""
+        With a ``seed``, a sampled request's tokens are the same whatever runs beside it."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         try:
@@ -150,10 +147,10 @@ class CompletionService:
                 idle = False
                 if sched is None:
                     sched = Scheduler(self.gen, eos_id=req["eos"])
-                if req.get("seed") is not None and not (sched.running or sched.waiting):
-                    torch.manual_seed(req["seed"])
                 try:
-                    rec = sched.submit(req["ids"], req["max_tokens"], req["temperature"], req["top_k"], req["top_p"])
+                    rec = sched.submit(
+                        req["ids"], req["max_tokens"], req["temperature"], req["top_k"], req["top_p"], req.get("seed")
+                    )
                 except ValueError as e:  # (the route checks first: this is a caller of submit's own)
                     loop.call_soon_threadsafe(out.put_nowait, e)
                     continue

@@ -2,8 +2,7 @@
 ``serve --workload``), and the request checks it shares with the server's ``POST /v1/completions``
 (:func:`completion_request`). Non-streaming: one answer per request, in OpenAI's completions shape.
 Requests batched together run as one static batch of
-:meth:`~fullthrottle.workloads.llm.generate.Generator.generate` (per-row sampling values; the
-batch's seed is its first request's).
+:meth:`~fullthrottle.workloads.llm.generate.Generator.generate` (per-row sampling values and seeds).
 """
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ class Completions(Workload):
             [r["temperature"] for r in items],
             [r["top_k"] for r in items],
             [r["top_p"] for r in items],
-            seed=items[0]["seed"],
+            seed=[r["seed"] for r in items],
             eos_id=items[0]["eos"],
         )
         out = []

@@ -1,12 +1,13 @@
 """LLM decoding: prefill, then a decode step replayed as CUDA graphs per batch bucket, sampling on the GPU.
 
-Per ``generate`` call: each prompt is prefilled eagerly into its row of the static KV cache; then every
-decode step runs all rows at once, padded to a batch bucket (1, 2, 4, ..., 64), as one graph replay:
-model step + sampling (greedy / temperature / top-k / top-p, per row, branch-free) + the stop mask.
-Nothing in a step waits for the host; the host looks at the stop mask every ``check_every`` steps.
+Per ``generate`` call: the prompts are prefilled, many per forward, into their rows of the static KV
+cache; then every decode step runs all rows at once, padded to a batch bucket (1, 2, 4, ..., 256), as
+one graph replay: model step + sampling (greedy / temperature / top-k / top-p, per row, branch-free,
+with each row's own seed) + the stop mask. Nothing in a step waits for the host; the host looks at
+the stop mask every ``check_every`` steps.
 
-Graphs are captured largest bucket first into one pool; positions, sampling parameters and the
-stop mask are static device tensors the host fills before replaying.
+Graphs are captured largest bucket first into one pool; positions, sampling parameters, seeds and
+the stop mask are static device tensors the host fills before replaying.
 """
 
 from __future__ import annotations
@@ -37,6 +38,42 @@ def kv_buckets(max_seq_len: int) -> tuple[int, ...]:
     return tuple(sorted({min(max_seq_len, 256 * 4**k) for k in range(8)}))
 
 
+# murmur3's 32-bit finaliser and splitmix32's increment, as signed int32 (tensor arithmetic wraps)
+_M1, _M2, _GOLDEN = 0x85EBCA6B - (1 << 32), 0xC2B2AE35 - (1 << 32), 0x9E3779B9 - (1 << 32)
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's ``fmix32`` on an int32 tensor (right shifts made logical by masking)."""
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _M1
+    h = h ^ ((h >> 13) & 0x7FFFF)
+    h = h * _M2
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def seed32(seed: int) -> int:
+    """Any Python int as the signed 32-bit value :func:`seeded_noise` keys on (``seed`` mod 2**32)."""
+    return (int(seed) + (1 << 31)) % (1 << 32) - (1 << 31)
+
+
+def seeded_noise(seed: torch.Tensor, pos: torch.Tensor, vocab_mix: torch.Tensor) -> torch.Tensor:
+    """Exponential(1) noise for drawing the token at position ``pos`` of a sequence seeded ``seed``:
+    a function of (seed, position, token id) only, so a request's draws do not depend on the other
+    rows of its batch, and the same seed gives the same tokens. Counter-based (splitmix32's stream
+    keyed by murmur3's finaliser of seed and position), fixed-shape: it runs inside CUDA graphs.
+
+    Args:
+        seed: ``(B, 1)`` int32 (see :func:`seed32`). pos: ``(B, 1)`` int (the drawn token's position).
+        vocab_mix: ``(V,)`` int32, ``arange(V) * 0x9E3779B9`` (wrapping), made once per Generator.
+    Returns:
+        ``(B, V)`` float32, > 0.
+    """
+    key = _fmix32(seed ^ _fmix32(pos.to(torch.int32) * _GOLDEN))  # (B, 1)
+    h = _fmix32(key + vocab_mix)  # (B, V)
+    u = ((h >> 8) & 0xFFFFFF).float().add_(0.5).mul_(1.0 / (1 << 24))  # uniform in (0, 1), 24 bits
+    return u.log_().neg_()
+
+
 def sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor
 ) -> torch.Tensor:
@@ -48,8 +85,9 @@ def sample(
         top_k: ``(B, 1)`` int64; 0 means no top-k cut.
         top_p: ``(B, 1)``; 1.0 means no nucleus cut (Holtzman et al., 2020, "The Curious Case of
             Neural Text Degeneration").
-        noise: ``(B, V)`` Exponential(1) samples: ``argmax(p / noise)`` draws from ``p`` (the
-            exponential race / Gumbel-max trick), so drawing stays one fixed-shape kernel sequence.
+        noise: ``(B, V)`` Exponential(1) samples (:func:`seeded_noise`): ``argmax(p / noise)`` draws
+            from ``p`` (the exponential race / Gumbel-max trick), so drawing stays one fixed-shape
+            kernel sequence.
     Returns:
         ``(B,)`` int64.
     """
@@ -142,7 +180,8 @@ class Generator:
         self.topp = torch.ones(B, 1, device=dev)
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
         self.eos = torch.full((1,), -1, dtype=torch.long, device=dev)
-        self.noise = torch.empty(B, V, device=dev)
+        self.seed = torch.zeros(B, 1, dtype=torch.int32, device=dev)  # each row's sampling seed (seed32)
+        self.vocab_mix = torch.arange(V, dtype=torch.int32, device=dev) * _GOLDEN  # (see seeded_noise)
         self.kv_buckets = (
             tuple(sorted({min(int(x), max_seq_len) for x in attn_buckets} | {max_seq_len}))
             if attn_buckets
@@ -166,8 +205,8 @@ class Generator:
         if greedy:
             nxt = logits.argmax(-1)
         else:
-            self.noise[:b].exponential_()
-            nxt = sample(logits, self.temp[:b], self.topk[:b], self.topp[:b], self.noise[:b])
+            noise = seeded_noise(self.seed[:b], self.pos[:b] + 1, self.vocab_mix)  # (the new token's position)
+            nxt = sample(logits, self.temp[:b], self.topk[:b], self.topp[:b], noise)
         nxt = torch.where(self.done[:b], self.eos.clamp_min(0).expand(b), nxt)  # finished rows repeat EOS
         self.done[:b] |= nxt == self.eos
         self.tok[:b, 0] = nxt
@@ -211,11 +250,26 @@ class Generator:
             r = torch.as_tensor(rows[j:k], dtype=torch.long, device=dev)
             n = torch.as_tensor([len(p) for p in group], dtype=torch.long, device=dev)
             logits = self.model.prefill(ids.to(dev, non_blocking=True), n, r)  # (b, V)
-            noise = self.noise[r].exponential_()
+            noise = seeded_noise(self.seed[r], n[:, None], self.vocab_mix)  # the first new token's position
             out.append(sample(logits, self.temp[r], self.topk[r], self.topp[r], noise))
             self.pos[r, 0] = n
             j = k
         return torch.cat(out)
+
+    @staticmethod
+    def row_seeds(seed, n: int) -> list[int]:
+        """``n`` sampling seeds (:func:`seed32`) from ``seed`` as :meth:`generate` takes it.
+
+        Raises:
+            ValueError: a list whose length is not ``n``.
+        """
+        if isinstance(seed, (list, tuple)):
+            if len(seed) != n:
+                raise ValueError(f"{len(seed)} seeds for {n} prompts")
+            return [Generator.row_seeds(s, 1)[0] for s in seed]
+        if seed is None:
+            return torch.randint(-(1 << 31), 1 << 31, (n,)).tolist()
+        return [seed32(seed + i) for i in range(n)]
 
     @staticmethod
     def check_sampling(temperature, top_k, top_p) -> None:
@@ -240,7 +294,7 @@ class Generator:
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
-        seed: int | None = None,
+        seed: int | Sequence[int | None] | None = None,
         eos_id: int | None = None,
         stats: GenerateStats | None = None,
         on_tokens=None,
@@ -248,6 +302,9 @@ class Generator:
         """Token ids in, new token ids out (one list per prompt, stopped after EOS, which is kept).
 
         ``temperature``, ``top_k`` and ``top_p`` may be one value or a list with one per prompt.
+        ``seed``: the sampling seed of each prompt (a list), or an int (prompt ``i`` gets ``seed + i``),
+        or None (drawn from torch's global generator: ``torch.manual_seed`` makes a call repeatable).
+        A prompt's sampled tokens depend on its own seed only, not on the other prompts of the call.
         ``on_tokens(chunks)``, if given, is called every ``check_every`` steps with each row's new
         tokens since the last call (streaming; rows past their EOS keep repeating it). If it returns
         True, generation stops there (every caller has gone): the rows end with what they have.
@@ -267,8 +324,7 @@ class Generator:
                     f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceeds "
                     f"max_seq_len {self.max_seq_len} (the static KV cache's length)"
                 )
-        if seed is not None:
-            torch.manual_seed(seed)
+        seeds = self.row_seeds(seed, n)
         b = next(x for x in self.buckets if x >= n)
         greedy = all(t == 0 for t in (temperature if isinstance(temperature, (list, tuple)) else [temperature]))
         dev = self.device
@@ -281,6 +337,7 @@ class Generator:
                 buf[:n, 0] = torch.tensor(val, dtype=buf.dtype)
             else:
                 buf.fill_(val)
+        self.seed[:n, 0] = torch.tensor(seeds, dtype=torch.int32)
         self.eos.fill_(-1 if eos_id is None else eos_id)
         self.done.zero_()
         self.done[n:] = True  # padding rows

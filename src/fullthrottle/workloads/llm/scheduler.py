@@ -11,9 +11,10 @@ of the attention length holding the longest sequence (the Generator's graphs; ea
 Rows between running ones that are free ride along masked (their position held at 0, their token
 discarded). Tokens are read back once per step.
 
-Not yet (issue 14): chunked prefill, variable-length attention (no padding), paged KV memory, a seed per request (sampling draws
-from the one generator of the process, so a sampled request's tokens depend on its batch mates; greedy
-ones do not).
+Each request samples with its own seed (:func:`~fullthrottle.workloads.llm.generate.seeded_noise`): its
+tokens depend on its prompt, sampling values and seed, not on which requests run beside it.
+
+Not yet (issue 14): chunked prefill, variable-length attention (no padding), paged KV memory.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Request:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    seed: int = 0  # its sampling seed (seed32)
     tokens: list[int] = field(default_factory=list)
     row: int = -1  # its KV-cache row while it runs
     done: bool = False
@@ -70,10 +72,17 @@ class Scheduler:
         gen.pos.zero_()
 
     def submit(
-        self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
     ) -> Request:
         """Queue one request; it joins at the next step with a free row. Returns its record, whose
-        ``tokens`` grow as it runs and whose ``done`` turns True at its end."""
+        ``tokens`` grow as it runs and whose ``done`` turns True at its end. ``seed``: its sampling
+        seed (None: one drawn from torch's global generator)."""
         self.gen.check_sampling(temperature, top_k, top_p)
         if not prompt:
             raise ValueError("empty prompt")
@@ -82,7 +91,8 @@ class Scheduler:
                 f"{len(prompt)} prompt tokens + max_new_tokens {max_new_tokens} must fit the KV cache's "
                 f"{self.gen.max_seq_len} (and max_new_tokens be >= 1)"
             )
-        s = Request(list(prompt), max_new_tokens, float(temperature), int(top_k), float(top_p))
+        (seed,) = self.gen.row_seeds(seed, 1)
+        s = Request(list(prompt), max_new_tokens, float(temperature), int(top_k), float(top_p), seed)
         self.waiting.append(s)
         return s
 
@@ -126,7 +136,7 @@ class Scheduler:
         self.free.sort()
         for s in admitted:  # the lowest free rows: the decode bucket stays small
             s.row = row = self.free.pop(0)
-            g.temp[row, 0], g.topk[row, 0], g.topp[row, 0] = s.temperature, s.top_k, s.top_p
+            g.temp[row, 0], g.topk[row, 0], g.topp[row, 0], g.seed[row, 0] = s.temperature, s.top_k, s.top_p, s.seed
         rows = [s.row for s in admitted]
         first = g._prefill_rows(rows, [s.prompt for s in admitted])
         g.tok[rows, 0] = first
@@ -171,7 +181,7 @@ class Scheduler:
         return finished
 
     def run(self, requests: Sequence[dict]) -> list[list[int]]:
-        """Every request (``{"prompt", "max_new_tokens", "temperature", "top_k", "top_p"}``) to its
+        """Every request (``{"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed"}``) to its
         end, joining as rows free up; each request's new tokens, in the order given."""
         seqs = [self.submit(**r) for r in requests]
         while self.waiting or self.running:
