@@ -111,3 +111,29 @@ def http_server(samples, tmp_path):
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
     srv.server_close()
+
+
+#: a chat template in the style of Zephyr's (tokenizer_config.json's chat_template)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_text():
+    """An :class:`~fullthrottle.workloads.llm.text.LlmText`: a byte-level BPE tokenizer (about 300
+    tokens, trained here on a few sentences, with non-ASCII text) and :data:`CHAT_TEMPLATE`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from fullthrottle.workloads.llm.text import LlmText
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["the quick brown fox jumps over the lazy dog", "naïve café, déjà vu: 😀 ünïcödé", "hello world"] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return LlmText(tok, CHAT_TEMPLATE, "<s>", "</s>")

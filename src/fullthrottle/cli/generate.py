@@ -53,6 +53,7 @@ def cmd_generate(args) -> int:
     from ..core.report import Report
     from ..workloads.llm.generate import GenerateStats, Generator
     from ..workloads.llm.llama import Llama, LlamaConfig, load_hf
+    from ..workloads.llm.text import LlmText, TextStream
 
     try:
         device = resolve_device(args.device)
@@ -63,11 +64,7 @@ def cmd_generate(args) -> int:
                 raise ValueError(f"model folder not found: {args.model_dir}")
             try:
                 model = load_hf(args.model_dir, device, dtype)
-                tj = os.path.join(args.model_dir, "tokenizer.json")
-                if os.path.isfile(tj):
-                    from tokenizers import Tokenizer
-
-                    tok = Tokenizer.from_file(tj)
+                tok = LlmText.from_folder(args.model_dir)
             except (ValueError, FileNotFoundError):
                 raise
             except Exception as e:  # noqa: BLE001 - a corrupt config, shard or tokenizer.json
@@ -100,7 +97,7 @@ def cmd_generate(args) -> int:
         elif args.prompt is not None:
             if tok is None:
                 raise ValueError("--prompt needs a tokenizer.json in --model-dir; give --tokens instead")
-            ids = tok.encode(args.prompt).ids
+            ids = tok.encode(args.prompt)
         else:
             raise ValueError("give --prompt TEXT or --tokens IDS")
         if any(i < 0 or i >= model.cfg.vocab_size for i in ids):
@@ -116,6 +113,7 @@ def cmd_generate(args) -> int:
 
         stop_id = eos if args.model_dir else None
         finished = [False]
+        stream = TextStream(tok) if tok is not None else None  # (words split over chunks come out whole)
 
         def show(chunks):
             if finished[0]:
@@ -123,7 +121,9 @@ def cmd_generate(args) -> int:
             toks = chunks[0]
             if stop_id is not None and stop_id in toks:
                 toks, finished[0] = toks[: toks.index(stop_id) + 1], True
-            text = tok.decode(toks) if tok is not None else " ".join(map(str, toks)) + " "
+            text = stream.push(toks) if stream is not None else " ".join(map(str, toks)) + " "
+            if finished[0] and stream is not None:
+                text += stream.flush()
             sys.stdout.write(text)
             sys.stdout.flush()
 
@@ -139,6 +139,8 @@ def cmd_generate(args) -> int:
             stats=st,
             on_tokens=show,
         )
+        if stream is not None and not finished[0]:
+            sys.stdout.write(stream.flush())
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
         return 2

@@ -124,13 +124,10 @@ def cmd_serve(args) -> int:
         except (FileNotFoundError, ValueError) as e:
             print(f"fullthrottle: error: {e}", file=sys.stderr)
             return 2
-        tok = None
-        tj = os.path.join(args.llm_model_dir, "tokenizer.json")
-        if os.path.isfile(tj):
-            from tokenizers import Tokenizer
+        from ..workloads.llm.text import LlmText
 
-            tok = Tokenizer.from_file(tj)
         try:
+            tok = LlmText.from_folder(args.llm_model_dir)
             seq = args.llm_max_seq_len or min(model.cfg.max_position_embeddings, 4096)
             llm = (Generator(model, args.llm_max_batch, seq, graphs=args.graphs), tok)
         except ValueError as e:
@@ -169,6 +166,7 @@ def cmd_serve(args) -> int:
             devices=devices,
             embed_model=args.embed_model,
             llm=llm,
+            llm_name=os.path.basename(os.path.normpath(args.llm_model_dir)) if args.llm_model_dir else "llm",
             workloads=workloads,
             classify=args.classify,
             **guard,

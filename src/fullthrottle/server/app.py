@@ -35,7 +35,15 @@ from .text import add_text_routes
 from .workload_routes import WorkloadService, add_workload_routes
 
 log = logging.getLogger("fullthrottle.server.app")
-_ROUTES = ("/v1/classify", "/v1/embeddings", "/v1/completions", "/readyz", "/metrics")  # metric labels
+_ROUTES = (
+    "/v1/classify",
+    "/v1/embeddings",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/readyz",
+    "/metrics",
+)  # metric labels
 
 
 def _default_devices(device: str) -> list[str]:
@@ -98,7 +106,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         if state["services"] and state["services"][0].pipeline.engine.random_weights:
             log.warning("the model has random weights (no --weights given): its labels are meaningless")
         if opts.llm is not None:
-            state["llm"] = CompletionService(*opts.llm, max_queue=opts.max_queue)
+            state["llm"] = CompletionService(*opts.llm, max_queue=opts.max_queue, name=opts.llm_name)
         state["workloads"] = {}
         for w in workloads:  # (embeddings, and the user's own): set up here, served at /v1/<name>
             try:

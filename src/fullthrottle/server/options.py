@@ -61,6 +61,7 @@ class ServeOptions:
     max_request_fetch_bytes: int | None = None
     devices: tuple[str, ...] | None = None
     embed_model: str | None = None
-    llm: object | None = None  # a (Generator, tokenizer or None) pair: serves POST /v1/completions
+    llm: object | None = None  # a (Generator, LlmText or None) pair: serves the /v1/completions routes
+    llm_name: str = "llm"  # the LLM's name in /v1/models and in its answers
     workloads: tuple = ()
     classify: bool = True

@@ -110,10 +110,12 @@ class CompletionService:
     a thread runs the step loop; a request joins at the next step with a free KV-cache row and leaves
     at its end, and its tokens stream to its asyncio queue every ``generator.check_every`` tokens.
     Requests beyond the free rows wait in the scheduler (up to one batch) and then in the queue
-    (``max_queue``: past it, :meth:`submit` raises Overloaded)."""
+    (``max_queue``: past it, :meth:`submit` raises Overloaded). ``tokenizer``: an
+    :class:`~fullthrottle.workloads.llm.text.LlmText` or None (token ids only); ``name``: the model's
+    name in the API's answers."""
 
-    def __init__(self, generator, tokenizer=None, max_queue: int = 256):
-        self.gen, self.tok = generator, tokenizer
+    def __init__(self, generator, tokenizer=None, max_queue: int = 256, name: str = "llm"):
+        self.gen, self.tok, self.name = generator, tokenizer, name
         self.q: queue.Queue = queue.Queue(max_queue)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ft-llm", daemon=True)

@@ -1,8 +1,17 @@
-"""The LLM route of the server: ``POST /v1/completions`` (a subset of OpenAI's completions, streaming
-as server-sent events), on :class:`~fullthrottle.server.services.CompletionService`.
-:func:`add_text_routes` adds it to the app that :func:`~fullthrottle.server.app.create_app` makes;
-without a model it answers 404. (``POST /v1/embeddings`` is a workload on the contract:
-:class:`~fullthrottle.workloads.embed_api.EmbeddingsAPI`.)
+"""The LLM routes of the server, in OpenAI's shapes, on
+:class:`~fullthrottle.server.services.CompletionService` (continuous batching):
+
+- ``POST /v1/completions``: ``prompt`` (text, or a list of token ids);
+- ``POST /v1/chat/completions``: ``messages``, made into a prompt by the model's chat template;
+- ``GET /v1/models``: the model served.
+
+Both generation routes take ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
+``top_p``, ``top_k``, ``seed`` (a request's own: its tokens do not depend on other requests),
+``stop`` (up to 4 strings: the text ends before the first, and generation stops there),
+``stream`` (server-sent events, one chunk per few tokens, ending in ``data: [DONE]``) and
+``stream_options.include_usage`` (a last chunk with the token counts). A client that disconnects
+frees its KV-cache row at the next step. Without a model both answer 404.
+:func:`add_text_routes` adds them to the app of :func:`~fullthrottle.server.app.create_app`.
 """
 
 from __future__ import annotations
@@ -10,18 +19,87 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
 from ..core.workload import parse_body
-from ..workloads.llm.api import completion_request
+from ..workloads.llm.api import chat_request, completion_request
+from ..workloads.llm.text import TextStream
 from .guard import HTTPError as _HTTPError
 from .guard import read_body
 from .services import Overloaded
 
 
+_ERROR_TYPES = {404: "not_found_error", 500: "server_error", 503: "overloaded_error", 504: "timeout_error"}
+
+
+class _Reply:
+    """One request's answer being built: its ids, the text so far and the OpenAI shapes of it."""
+
+    def __init__(self, chat: bool, req: dict, model: str, tok):
+        self.chat, self.req, self.model = chat, req, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.text = TextStream(tok, req["stop"]) if tok is not None else None
+        self.tokens: list[int] = []
+
+    def take(self, new: list[int]) -> tuple[list[int], str | None]:
+        """New token ids in: those that count (none after a stop string) and their final text."""
+        if self.text is not None and self.text.stopped:
+            return [], ""
+        self.tokens += new
+        return new, self.text.push(new) if self.text is not None else None
+
+    def rest(self) -> str | None:
+        return self.text.flush() if self.text is not None else None
+
+    @property
+    def stopped(self) -> bool:
+        return self.text is not None and self.text.stopped
+
+    def finish_reason(self) -> str:
+        eos = self.req["eos"]
+        return "stop" if self.stopped or (eos is not None and self.tokens and self.tokens[-1] == eos) else "length"
+
+    def usage(self) -> dict:
+        n, k = len(self.req["ids"]), len(self.tokens)
+        return {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, ids: list[int], text: str | None, finish: str | None = None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text or ""} if first else {"content": text} if text else {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}
+            out = {**self._head("text_completion"), "choices": [choice]}
+        if self.req["include_usage"]:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self) -> dict:
+        return {
+            **self._head("chat.completion.chunk" if self.chat else "text_completion"),
+            "choices": [],
+            "usage": self.usage(),
+        }
+
+    def whole(self, text: str | None) -> dict:
+        reason = self.finish_reason()
+        if self.chat:
+            msg = {"role": "assistant", "content": text}
+            choices = [{"index": 0, "message": msg, "logprobs": None, "finish_reason": reason}]
+            return {**self._head("chat.completion"), "choices": choices, "usage": self.usage()}
+        choice = {"index": 0, "text": text, "token_ids": self.tokens, "logprobs": None, "finish_reason": reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage()}
+
+
 def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> None:
-    """Add the completions route to ``app``.
+    """Add the LLM routes to ``app``.
 
     Args:
         state: the app's state (``"llm"``: the :class:`~fullthrottle.server.services.CompletionService`,
@@ -31,13 +109,27 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
         m_requests, m_latency: the app's request counter and latency histogram (prometheus-client).
     """
 
+    @app.get("/v1/models")
+    async def models():
+        svc = state.get("llm")
+        data = [] if svc is None else [{"id": svc.name, "object": "model", "created": 0, "owned_by": "fullthrottle"}]
+        return reply("/v1/models", 200, {"object": "list", "data": data})
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        """OpenAI completions subset: prompt (text, or a list of token ids), max_tokens, temperature,
-        top_p, top_k, seed, stream (server-sent events, one chunk per few tokens)."""
+        """OpenAI completions: prompt (text, or a list of token ids) and the options of this module."""
+        return await _generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        """OpenAI chat completions: messages, made a prompt by the model's chat template."""
+        return await _generate(request, chat=True)
+
+    async def _generate(request: Request, chat: bool):
         from fastapi.responses import StreamingResponse
 
-        route, t0 = "/v1/completions", time.perf_counter()
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        t0 = time.perf_counter()
         try:
             svc = state.get("llm")
             if svc is None:
@@ -47,55 +139,21 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
                 p = parse_body(body)
                 if not isinstance(p, dict):
                     raise ValueError("JSON object body required")
-                req = completion_request(p, svc.gen, svc.tok)
+                req = (chat_request if chat else completion_request)(p, svc.gen, svc.tok)
             except ValueError as e:
                 raise _HTTPError(400, str(e)) from None
-            ids = req["ids"]
             try:
                 out = svc.submit(req)
             except Overloaded as e:
                 raise _HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
-
-            def text(toks):
-                return svc.tok.decode(toks) if svc.tok is not None else None
-
+            r = _Reply(chat, req, svc.name, svc.tok)
             if p.get("stream"):
-
-                async def events():
-                    last = None
-                    try:
-                        while True:
-                            item = await out.get()
-                            if item is None or isinstance(item, Exception):
-                                break
-                            last = item[-1]
-                            chunk = {
-                                "object": "text_completion",
-                                "choices": [{"index": 0, "text": text(item), "token_ids": item, "finish_reason": None}],
-                            }
-                            yield f"data: {json.dumps(chunk)}\n\n"
-                    finally:  # also when the client disconnects mid-stream: stop generating for it
-                        req["cancelled"] = True
-                    finish = (
-                        "error"
-                        if isinstance(item, Exception)
-                        else "stop"
-                        if req["eos"] is not None and last == req["eos"]
-                        else "length"
-                    )
-                    end = {
-                        "object": "text_completion",
-                        "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": finish}],
-                    }
-                    yield f"data: {json.dumps(end)}\n\n"
-                    yield "data: [DONE]\n\n"
-
                 m_requests.labels(route, "200").inc()
-                return StreamingResponse(events(), media_type="text/event-stream")
-            toks: list[int] = []
+                return StreamingResponse(_events(r, out), media_type="text/event-stream")
+            texts: list[str] = []
             deadline = t0 + opts.timeout_s
             try:
-                while True:
+                while not r.stopped:
                     try:
                         item = await asyncio.wait_for(out.get(), max(deadline - time.perf_counter(), 0.001))
                     except TimeoutError:
@@ -104,24 +162,35 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
                         break
                     if isinstance(item, Exception):
                         raise _HTTPError(500, f"generation failed: {item}")
-                    toks += item
-            finally:  # answered, timed out (504) or cancelled: generate no more for it
+                    texts.append(r.take(item)[1] or "")
+            finally:  # answered, stopped, timed out (504) or cancelled: generate no more for it
                 req["cancelled"] = True
-            finish = "stop" if req["eos"] is not None and toks and toks[-1] == req["eos"] else "length"
-            return reply(
-                route,
-                200,
-                {
-                    "object": "text_completion",
-                    "choices": [{"index": 0, "text": text(toks), "token_ids": toks, "finish_reason": finish}],
-                    "usage": {
-                        "prompt_tokens": len(ids),
-                        "completion_tokens": len(toks),
-                        "total_tokens": len(ids) + len(toks),
-                    },
-                },
-            )
-        except _HTTPError as e:
-            return reply(route, e.status, {"detail": e.detail}, e.headers)
+            text = "".join(texts) + (r.rest() or "") if svc.tok is not None else None
+            return reply(route, 200, r.whole(text))
+        except _HTTPError as e:  # OpenAI's error shape (its client reads error.message), and the server's own
+            kind = _ERROR_TYPES.get(e.status, "invalid_request_error")
+            body = {"error": {"message": e.detail, "type": kind, "param": None, "code": e.status}, "detail": e.detail}
+            return reply(route, e.status, body, e.headers)
         finally:
             m_latency.labels(route).observe(time.perf_counter() - t0)
+
+
+async def _events(r: _Reply, out: asyncio.Queue):
+    """The server-sent events of one streaming request."""
+    item, first = None, True
+    try:
+        while not r.stopped:
+            item = await out.get()
+            if item is None or isinstance(item, Exception):
+                break
+            ids, text = r.take(item)
+            if ids and (text or not r.chat or first):
+                yield f"data: {json.dumps(r.chunk(ids, text, first=first))}\n\n"
+                first = False
+    finally:  # also when the client disconnects mid-stream: stop generating for it
+        r.req["cancelled"] = True
+    finish = "error" if isinstance(item, Exception) else r.finish_reason()
+    yield f"data: {json.dumps(r.chunk([], r.rest() if finish != 'error' else '', finish, first=first))}\n\n"
+    if r.req["include_usage"]:
+        yield f"data: {json.dumps(r.usage_chunk())}\n\n"
+    yield "data: [DONE]\n\n"

@@ -7,15 +7,15 @@ Requests batched together run as one static batch of
 
 from __future__ import annotations
 
-import os
-
 from ...core import env
 from ...core.workload import Workload
+from .text import MAX_STOPS, LlmText, TextStream
 
 
 def completion_request(p: dict, gen, tok) -> dict:
-    """A completions body checked against the generator ``gen`` and tokenizer ``tok`` (or None):
-    ``{"ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "eos"}``.
+    """A completions body checked against the generator ``gen`` and :class:`~.text.LlmText` ``tok``
+    (or None): ``{"ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "eos", "stop",
+    "include_usage"}``.
 
     Raises:
         ValueError: the reason, as the client should read it (the server: 400).
@@ -24,13 +24,31 @@ def completion_request(p: dict, gen, tok) -> dict:
     if isinstance(prompt, str):
         if tok is None:
             raise ValueError("this model has no tokenizer: send prompt as a list of token ids")
-        ids = tok.encode(prompt).ids
+        ids = tok.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         ids = prompt
     else:
         raise ValueError("prompt must be a string or a non-empty list of token ids")
+    return _request(p, gen, ids, p.get("max_tokens", 16))
+
+
+def chat_request(p: dict, gen, tok) -> dict:
+    """A chat completions body (``messages``): the prompt is the model's chat template applied to
+    them (:meth:`~.text.LlmText.chat_prompt`); otherwise as :func:`completion_request`.
+
+    Raises:
+        ValueError: the reason (no tokenizer or chat template, malformed messages, limits).
+    """
+    if tok is None:
+        raise ValueError("this model has no tokenizer.json: chat completions need one")
+    ids = tok.encode(tok.chat_prompt(p.get("messages")), special=False)  # (the template writes BOS)
+    if not ids:
+        raise ValueError("the chat template made an empty prompt")
+    return _request(p, gen, ids, p.get("max_completion_tokens", p.get("max_tokens", 16)))
+
+
+def _request(p: dict, gen, ids: list[int], max_tokens) -> dict:
     vocab = gen.model.cfg.vocab_size
-    max_tokens = p.get("max_tokens", 16)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError("max_tokens must be a positive integer")
     if any(i < 0 or i >= vocab for i in ids):
@@ -41,9 +59,20 @@ def completion_request(p: dict, gen, tok) -> dict:
         )
     if not isinstance(p.get("stream", False), bool):
         raise ValueError("stream must be true or false")
+    opts = p.get("stream_options") or {}
+    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+        raise ValueError("stream_options must be an object with a boolean include_usage")
     seed = p.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ValueError("seed must be an integer")
+    if p.get("n", 1) != 1:
+        raise ValueError("n must be 1 (one choice per request)")
+    if p.get("logprobs") not in (None, False, 0) or p.get("top_logprobs") not in (None, 0):
+        raise ValueError("logprobs are not supported by this server")
+    stop = p.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not (isinstance(stop, list) and len(stop) <= MAX_STOPS and all(isinstance(x, str) and x for x in stop)):
+        raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
     try:
         temperature, top_k, top_p = float(p.get("temperature", 1.0)), int(p.get("top_k", 0)), float(p.get("top_p", 1.0))
         gen.check_sampling(temperature, top_k, top_p)
@@ -58,6 +87,8 @@ def completion_request(p: dict, gen, tok) -> dict:
         "top_k": top_k,
         "seed": seed,
         "eos": eos[0] if isinstance(eos, list) else eos,
+        "stop": stop,
+        "include_usage": opts.get("include_usage", False),
     }
 
 
@@ -99,11 +130,7 @@ class Completions(Workload):
                 raise ValueError(f"no model: pass model_dir or set {env.LLM_MODEL} to a Llama folder")
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
             model = load_hf(self.model_dir, device, dtype)
-            tj = os.path.join(self.model_dir, "tokenizer.json")
-            if os.path.isfile(tj):
-                from tokenizers import Tokenizer
-
-                self.tok = Tokenizer.from_file(tj)
+            self.tok = LlmText.from_folder(self.model_dir)
         seq = self.max_seq_len or min(model.cfg.max_position_embeddings, 4096)
         self.gen = Generator(model, self.max_batch, seq)
         self.max_batch = self.gen.max_batch
@@ -126,15 +153,20 @@ class Completions(Workload):
         for r, t in zip(items, toks):
             t = t[: r["max_tokens"]]
             stop = r["eos"] is not None and bool(t) and t[-1] == r["eos"]
-            out.append({"prompt_tokens": len(r["ids"]), "token_ids": t, "finish_reason": "stop" if stop else "length"})
+            reason = "stop" if stop else "length"
+            out.append({"prompt_tokens": len(r["ids"]), "token_ids": t, "finish_reason": reason, "stop": r["stop"]})
         return out
 
     def encode_response(self, outputs: list) -> dict:
         (o,) = outputs
-        text = self.tok.decode(o["token_ids"]) if self.tok is not None else None
+        text, reason = None, o["finish_reason"]
+        if self.tok is not None:  # the text, cut before the first stop string
+            ts = TextStream(self.tok, o["stop"])
+            text = ts.push(o["token_ids"]) + ts.flush()
+            reason = "stop" if ts.stopped else reason
         n, k = o["prompt_tokens"], len(o["token_ids"])
         return {
             "object": "text_completion",
-            "choices": [{"index": 0, "text": text, "token_ids": o["token_ids"], "finish_reason": o["finish_reason"]}],
+            "choices": [{"index": 0, "text": text, "token_ids": o["token_ids"], "finish_reason": reason}],
             "usage": {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k},
         }

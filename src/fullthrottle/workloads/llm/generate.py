@@ -137,6 +137,7 @@ class Generator:
 
     Raises:
         ValueError: on :meth:`generate`, a prompt + max_new_tokens longer than ``max_seq_len``.
+        RuntimeError: on :meth:`generate`, a later Generator on the same model took its KV cache.
     """
 
     def __init__(
@@ -169,7 +170,7 @@ class Generator:
                 f"max_seq_len {max_seq_len} exceeds the model's context "
                 f"(max_position_embeddings {model.cfg.max_position_embeddings})"
             )
-        model.setup_cache(self.max_batch, max_seq_len)
+        model.setup_cache(self.max_batch, max_seq_len, owner=self)
         B, V = self.max_batch, model.cfg.vocab_size
         dev = self.device
         # static inputs of the decode step (views [:b] serve every bucket)
@@ -237,6 +238,7 @@ class Generator:
         rows), as few forwards as :attr:`max_prefill_tokens` allows (prompts in order, each forward
         right-padded to its longest): the first new tokens ``(len(rows),)``; each row's position
         becomes its prompt's length."""
+        self.check_cache()
         dev, out, j = self.device, [], 0
         while j < len(prompts):
             k, longest = j + 1, len(prompts[j])  # a group: as many as fit the budget, padded
@@ -255,6 +257,15 @@ class Generator:
             self.pos[r, 0] = n
             j = k
         return torch.cat(out)
+
+    def check_cache(self) -> None:
+        """Raises RuntimeError when a later Generator on the same model has replaced its KV cache
+        (one model, one Generator at a time: the cache and the graphs live on the model)."""
+        if self.model.cache_owner is not self:
+            raise RuntimeError(
+                "another Generator was built on this model since, and took its KV cache: "
+                "use that one (or build this one again)"
+            )
 
     @staticmethod
     def row_seeds(seed, n: int) -> list[int]:

@@ -219,8 +219,10 @@ class Llama(nn.Module):
         self.max_seq_len = 0
         self.kv_len = 0  # cache slots attention reads (a static length per captured graph)
 
-    def setup_cache(self, max_batch: int, max_seq_len: int) -> None:
-        """Preallocate the static KV cache: per layer ``(max_batch, Hkv, max_seq_len, D)``, zeros."""
+    def setup_cache(self, max_batch: int, max_seq_len: int, owner=None) -> None:
+        """Preallocate the static KV cache: per layer ``(max_batch, Hkv, max_seq_len, D)``, zeros.
+        ``owner`` (kept as :attr:`cache_owner`): who uses it (a Generator checks that it still does)."""
+        self.cache_owner = owner
         p = next(self.parameters())
         for blk in self.layers:
             a = blk.self_attn

@@ -1,0 +1,159 @@
+"""The text side of an LLM: token ids to and from text, chat prompts and stop strings.
+
+- :class:`LlmText`: a Hugging Face model folder's ``tokenizer.json`` (the ``tokenizers`` library) and
+  its chat template (``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``),
+  rendered with Jinja2 in a sandbox as ``transformers``' ``apply_chat_template`` does.
+- :class:`TextStream`: new tokens in, text out as it becomes final: decoded incrementally (a window
+  of tokens, so that a word split over tokens, or a character over byte tokens, comes out whole)
+  and cut before the first stop string, holding back any tail that could begin one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+#: most stop strings a request may give (as OpenAI's API allows)
+MAX_STOPS = 4
+
+
+def _token_text(v) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string or ``{"content": ...}``."""
+    return v.get("content") if isinstance(v, dict) else v
+
+
+class LlmText:
+    """Encode, decode and build chat prompts for one model.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer``.
+        chat_template: a Jinja2 template of ``messages`` (``[{"role", "content"}]``), or None.
+        bos_token, eos_token: the special tokens' text, as the template names them.
+    """
+
+    def __init__(self, tokenizer, chat_template: str | None = None, bos_token: str = "", eos_token: str = ""):
+        self.tokenizer, self.chat_template = tokenizer, chat_template
+        self.bos_token, self.eos_token = bos_token or "", eos_token or ""
+        self._template = None
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> LlmText | None:
+        """The folder's tokenizer and chat template; None when it has no ``tokenizer.json``.
+
+        Raises:
+            ValueError: a ``tokenizer.json`` or ``tokenizer_config.json`` that does not load.
+        """
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            return None
+        from tokenizers import Tokenizer
+
+        try:
+            tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+            conf = path / "tokenizer_config.json"
+            cfg = json.loads(conf.read_text(encoding="utf-8")) if conf.is_file() else {}
+        except (OSError, ValueError, Exception) as e:  # (tokenizers raises its own Exception type)
+            raise ValueError(f"the tokenizer in {path} does not load: {e}") from None
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        jinja = path / "chat_template.jinja"
+        if jinja.is_file():
+            template = jinja.read_text(encoding="utf-8")
+        return cls(tok, template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``special``: with the tokenizer's own added tokens (BOS)."""
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The prompt text of ``messages``, ending where the assistant's reply begins.
+
+        Raises:
+            ValueError: no chat template, malformed messages, or an error the template raises.
+        """
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template (tokenizer_config.json or chat_template.jinja)")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"messages[{i}] must be an object with string role and content")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if self._template is None:
+
+            def raise_exception(msg):
+                raise jinja2.exceptions.TemplateError(msg)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+        try:
+            return self._template.render(
+                messages=msgs, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"the chat template refused the messages: {e}") from None
+
+
+class TextStream:
+    """One request's text as its tokens arrive, cut at the first of ``stops``.
+
+    :meth:`push` returns the text that is now final; :attr:`stopped` turns True when a stop string
+    appears (the text ends before it, the stop string itself not included); :meth:`flush` returns
+    what was held back once no more tokens come.
+    """
+
+    def __init__(self, text: LlmText, stops: list[str] | tuple[str, ...] = ()):
+        self.text, self.stops = text, [s for s in stops if s]
+        self.tokens: list[int] = []
+        self._prefix = self._read = 0  # the decode window: tokens[prefix:read] are already text
+        self._pending = ""  # final text not yet handed out (it may begin a stop string)
+        self.stopped = False
+
+    def _new_text(self, final: bool = False) -> str:
+        prev = self.text.decode(self.tokens[self._prefix : self._read])
+        full = self.text.decode(self.tokens[self._prefix :])
+        if not final and (len(full) <= len(prev) or full.endswith("\ufffd")):  # an incomplete character
+            return ""
+        self._prefix, self._read = self._read, len(self.tokens)
+        return full[len(prev) :]
+
+    def _cut(self, final: bool) -> str:
+        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self._pending = self._pending[: min(hits)], ""
+            return out
+        hold = 0  # the longest tail that could be the start of a stop string (none at the end)
+        if not final:
+            for s in self.stops:
+                for k in range(min(len(s) - 1, len(self._pending)), hold, -1):
+                    if self._pending.endswith(s[:k]):
+                        hold = k
+                        break
+        cut = len(self._pending) - hold
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        return out
+
+    def push(self, tokens: list[int]) -> str:
+        """New token ids in; the text now final out ("" while held back, and after a stop)."""
+        if self.stopped:
+            return ""
+        self.tokens += tokens
+        self._pending += self._new_text()
+        return self._cut(final=False)
+
+    def flush(self) -> str:
+        """The rest, once the request has ended ("" after a stop)."""
+        if self.stopped:
+            return ""
+        if self._read < len(self.tokens):
+            self._pending += self._new_text(final=True)
+        return self._cut(final=True)

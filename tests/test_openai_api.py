@@ -1,0 +1,153 @@
+"""The LLM routes through the official ``openai`` client on 127.0.0.1 (a random small Llama with a
+byte-level BPE tokenizer and a chat template, CPU): completions and chat, streamed and not, stop
+strings, usage, seeds, /v1/models and the 400s; and TextStream's incremental decoding."""
+
+import concurrent.futures as cf
+
+import openai
+import pytest
+from test_pipeline import Tiny
+from test_serve import Server
+
+from fullthrottle.server.app import ServeOptions
+from fullthrottle.workloads.llm.generate import Generator
+from fullthrottle.workloads.llm.text import TextStream
+
+TEXT = "naïve café, déjà vu: 😀 the quick brown fox"
+
+
+def test_text_stream_gives_whole_characters_and_ends_before_the_first_stop(tiny_text):
+    ids = tiny_text.encode(TEXT, special=False)
+    assert tiny_text.decode(ids) == TEXT and len(ids) > 10
+    for step in (1, 2, 3):
+        ts = TextStream(tiny_text)
+        parts = [ts.push(ids[i : i + step]) for i in range(0, len(ids), step)] + [ts.flush()]
+        assert "".join(parts) == TEXT and not any("\ufffd" in p for p in parts)
+    for stop in ("café", "vu: 😀", "fox", "ï"):  # whatever the chunking
+        for step in (1, 4):
+            ts = TextStream(tiny_text, [stop, "zzz"])
+            out = "".join(ts.push(ids[i : i + step]) for i in range(0, len(ids), step)) + ts.flush()
+            assert out == TEXT[: TEXT.find(stop)] and ts.stopped
+    ts = TextStream(tiny_text, ["fox!"])  # a tail that could begin a stop string waits, then comes out
+    out = "".join(ts.push([i]) for i in ids)
+    assert out == TEXT[: -len("fox")] and out + ts.flush() == TEXT and not ts.stopped
+
+
+@pytest.fixture
+def llm(make_tiny_llama, tiny_text):
+    """(server, ``alone(ids, n)``: the greedy tokens of a prompt run alone, the LlmText)."""
+    model = make_tiny_llama(vocab_size=tiny_text.tokenizer.get_vocab_size(), max_position_embeddings=128)
+    ref = Generator(model, max_batch=1, max_seq_len=128, graphs=False)
+    refs = {}  # ref's answers, made before the server's Generator takes the model's KV cache
+
+    def alone(ids, n):
+        if (tuple(ids), n) not in refs:
+            raise KeyError("compute references before the server starts")
+        return refs[tuple(ids), n]
+
+    for prompt, n in (("the quick brown fox", 20), ("hello world", 60)):
+        ids = tiny_text.encode(prompt)
+        refs[tuple(ids), n] = ref.generate([ids], n)[0]
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    cids = tiny_text.encode(tiny_text.chat_prompt(msgs), special=False)
+    refs[tuple(cids), 16] = ref.generate([cids], 16)[0]
+    gen = Generator(model, max_batch=4, max_seq_len=128, graphs=False, check_every=4)
+    with pytest.raises(RuntimeError, match="took its KV cache"):
+        ref.generate([ids], 4)
+    with Server(Tiny(), ServeOptions(llm=(gen, tiny_text), llm_name="tiny")) as s:
+        yield s, alone, tiny_text
+
+
+def client(s) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_completions_and_chat_through_the_openai_client(llm):
+    s, ref, text = llm
+    c = client(s)
+    assert [m.id for m in c.models.list()] == ["tiny"]
+    prompt = "the quick brown fox"
+    ids = text.encode(prompt)
+    want = text.decode(ref(ids, 20))  # greedy, the request alone
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 20, len(ids) + 20)
+    chunks = list(
+        c.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(ch.choices[0].text or "" for ch in chunks if ch.choices) == want and len(chunks) > 3
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 20
+
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    rendered = text.chat_prompt(msgs)  # the template, applied
+    assert rendered == "<s><|system|>\nbe brief</s>\n<|user|>\nhello world</s>\n<|assistant|>\n"
+    cids = text.encode(rendered, special=False)
+    cwant = text.decode(ref(cids, 16))
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == cwant and r.usage.prompt_tokens == len(cids)
+    stream = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0, stream=True))
+    assert stream[0].choices[0].delta.role == "assistant" and stream[-1].choices[0].finish_reason == "length"
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == cwant
+
+
+def test_stop_strings_seeds_and_refusals(llm):
+    s, ref, text = llm
+    c = client(s)
+    prompt = "hello world"
+    full = c.completions.create(model="tiny", prompt=prompt, max_tokens=60, temperature=0).choices[0].text
+    assert full == text.decode(ref(text.encode(prompt), 60))
+    stop = full[12:15]
+    assert stop.strip() and len(full) > 30
+    cut = full[: full.find(stop)]
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=60, temperature=0, stop=[stop, "never here"])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 60
+    streamed = list(
+        c.completions.create(model="tiny", prompt=prompt, max_tokens=60, temperature=0, stop=stop, stream=True)
+    )
+    assert "".join(ch.choices[0].text for ch in streamed) == cut and streamed[-1].choices[0].finish_reason == "stop"
+
+    # a seeded, sampled request gets the same text alone and among others
+    kw = dict(model="tiny", max_tokens=24, temperature=1.0, top_p=0.9)
+    alone = c.completions.create(prompt=prompt, seed=7, **kw).choices[0].text
+    with cf.ThreadPoolExecutor(4) as ex:
+        futs = [
+            ex.submit(c.completions.create, prompt=p, seed=sd, **kw)
+            for p, sd in [(prompt, 7), ("the lazy dog", 1), ("café", 2), (prompt, 8)]
+        ]
+        got = [f.result().choices[0].text for f in futs]
+    assert got[0] == alone and got[3] != alone
+
+    with pytest.raises(openai.BadRequestError, match="exceeds the context of 128"):
+        c.completions.create(model="tiny", prompt=prompt, max_tokens=126)
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        c.completions.create(model="tiny", prompt=prompt, n=2)
+    with pytest.raises(openai.BadRequestError, match="at most 4"):
+        c.completions.create(model="tiny", prompt=prompt, stop=["a", "b", "c", "d", "e"])
+    with pytest.raises(openai.BadRequestError, match="logprobs are not supported"):
+        c.completions.create(model="tiny", prompt=prompt, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\] must be an object"):
+        c.chat.completions.create(model="tiny", messages=[{"role": "user"}])
+    with pytest.raises(openai.BadRequestError, match="non-empty list"):
+        c.chat.completions.create(model="tiny", messages=[])
+
+
+def test_chat_needs_a_template(make_tiny_llama, tiny_text):
+    from fullthrottle.workloads.llm.text import LlmText
+
+    model = make_tiny_llama(vocab_size=tiny_text.tokenizer.get_vocab_size())
+    gen = Generator(model, max_batch=1, max_seq_len=32, graphs=False)
+    with Server(Tiny(), ServeOptions(llm=(gen, LlmText(tiny_text.tokenizer)))) as s:
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            client(s).chat.completions.create(model="llm", messages=[{"role": "user", "content": "hi"}])
+    with Server(Tiny(), ServeOptions(llm=(gen, None))) as s:  # token ids only
+        with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+            client(s).chat.completions.create(model="llm", messages=[{"role": "user", "content": "hi"}])
