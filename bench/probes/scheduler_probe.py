@@ -98,8 +98,28 @@ def main():
                 model.prefill(ids, ln, r)
             b.record()
             torch.cuda.synchronize()
-            prefill.append({"prompt_tokens": n, "ms": a.elapsed_time(b) / 10})
-            print(prefill[-1], flush=True)
+            h0 = time.perf_counter()  # the host's time to issue one prefill (launch-bound if ~ the GPU's)
+            model.prefill(ids, ln, r)
+            host_ms = (time.perf_counter() - h0) * 1e3
+            torch.cuda.synchronize()
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            ) as prof:
+                model.prefill(ids, ln, r)
+                torch.cuda.synchronize()
+            top = [
+                {
+                    "op": e.key,
+                    "calls": e.count,
+                    "cpu_ms": e.cpu_time_total / 1e3,
+                    "cuda_ms": getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e3,
+                }
+                for e in sorted(prof.key_averages(), key=lambda e: -e.cpu_time_total)[:20]
+            ]
+            prefill.append({"prompt_tokens": n, "ms": a.elapsed_time(b) / 10, "host_issue_ms": host_ms, "ops": top})
+            print({k: v for k, v in prefill[-1].items() if k != "ops"}, flush=True)
+            for t in top[:12]:
+                print("   ", t, flush=True)
     write_json(
         args.out,
         {
