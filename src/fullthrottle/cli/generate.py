@@ -46,13 +46,37 @@ def _check_memory_for(cfg, device, dtype, free: int | None = None) -> None:
         )
 
 
-def cmd_generate(args) -> int:
+#: the shapes ``--random`` builds
+RANDOM_SHAPES = ("tiny", "llama2-7b")
+
+
+def random_llama(shape: str, device, dtype):
+    """A Llama of ``shape`` (one of :data:`RANDOM_SHAPES`) with random weights (seed 0) on ``device``.
+
+    Raises:
+        ValueError: its weights do not fit in the memory free there.
+    """
     import torch
+
+    from ..workloads.llm.llama import Llama, LlamaConfig
+
+    if shape == "llama2-7b":
+        cfg = LlamaConfig.llama2_7b()
+    else:
+        kw = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+        cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, **kw)
+    _check_memory_for(cfg, device, dtype)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Llama(cfg).to(dtype).eval()
+
+
+def cmd_generate(args) -> int:
 
     from ..core.device import resolve_device
     from ..core.report import Report
     from ..workloads.llm.generate import GenerateStats, Generator
-    from ..workloads.llm.llama import Llama, LlamaConfig, load_hf
+    from ..workloads.llm.llama import load_hf
     from ..workloads.llm.text import LlmText, TextStream
 
     try:
@@ -70,22 +94,7 @@ def cmd_generate(args) -> int:
             except Exception as e:  # noqa: BLE001 - a corrupt config, shard or tokenizer.json
                 raise ValueError(f"cannot load the model from {args.model_dir}: {type(e).__name__}: {e}") from None
         else:
-            cfg = (
-                LlamaConfig.llama2_7b()
-                if args.random == "llama2-7b"
-                else LlamaConfig(
-                    vocab_size=512,
-                    hidden_size=128,
-                    intermediate_size=344,
-                    num_hidden_layers=4,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                )
-            )
-            _check_memory_for(cfg, device, dtype)
-            torch.manual_seed(0)
-            with torch.device(device):
-                model = Llama(cfg).to(dtype).eval()
+            model = random_llama(args.random, device, dtype)
             print("WARNING: random weights: the tokens are meaningless", file=sys.stderr)
         if args.tokens and args.prompt is not None:
             raise ValueError("give either --prompt or --tokens, not both")

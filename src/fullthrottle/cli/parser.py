@@ -7,6 +7,7 @@ import argparse
 from ..core.config import usable_cores
 from ..core.env import describe as describe_env
 from ..server.options import MAX_CONNECTIONS, ServeOptions
+from .generate import RANDOM_SHAPES
 from .options import add_runtime_args, add_runtime_flags, port_number, positive_float, positive_int
 
 _SO = ServeOptions  # (its fields' defaults are serve's flags' defaults)
@@ -169,7 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--llm-model-dir",
         default=None,
         metavar="DIR",
-        help="also serve POST /v1/completions with this Hugging Face Llama folder",
+        help="also serve /v1/completions and /v1/chat/completions with this Hugging Face Llama folder",
+    )
+    v.add_argument(
+        "--llm-random",
+        choices=RANDOM_SHAPES,
+        default=None,
+        help="serve an LLM of this shape with random weights instead (token ids only: for benchmarks)",
     )
     v.add_argument(
         "--llm-max-batch", type=positive_int, default=8, help="LLM rows per decode batch (default: %(default)s)"
@@ -211,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--model-dir", help="Hugging Face Llama folder (config.json, *.safetensors)")
-    src.add_argument("--random", choices=("tiny", "llama2-7b"), help="random weights of this shape")
+    src.add_argument("--random", choices=RANDOM_SHAPES, help="random weights of this shape")
     g.add_argument("--prompt", help="text (needs tokenizer.json in --model-dir)")
     g.add_argument("--tokens", help="comma-separated prompt token ids (instead of --prompt)")
     g.add_argument(

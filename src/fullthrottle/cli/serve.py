@@ -78,10 +78,13 @@ def cmd_serve(args) -> int:
         workloads = tuple(load_workload(spec) for spec in args.workload)  # (imported before the model loads)
         if len({w.name for w in workloads}) < len(workloads):
             raise ValueError(f"--workload: two workloads named alike ({', '.join(w.name for w in workloads)})")
-        if not args.classify and not (workloads or args.embed_model or args.llm_model_dir):
+        if args.llm_model_dir and args.llm_random:
+            raise ValueError("give either --llm-model-dir or --llm-random, not both")
+        llm = args.llm_model_dir or args.llm_random
+        if not args.classify and not (workloads or args.embed_model or llm):
             raise ValueError("--no-classify leaves nothing to serve: add --workload, --embed-model or --llm-model-dir")
-        if getattr(args, "ray", None) and (args.llm_model_dir or args.gpus is not None):
-            raise ValueError("--llm-model-dir and --gpus are not served through --ray (Ray Serve: --replicas)")
+        if getattr(args, "ray", None) and (llm or args.gpus is not None):
+            raise ValueError("an LLM and --gpus are not served through --ray (Ray Serve: --replicas)")
         keys = load_keys(args.api_key, args.api_key_file)
         _check_port_free(args.host, args.port)  # before the model loads, not after
         devices = None
@@ -113,21 +116,26 @@ def cmd_serve(args) -> int:
             file=sys.stderr,
         )
     llm = None
-    if args.llm_model_dir:
+    if args.llm_model_dir or args.llm_random:
         import torch
 
         from ..workloads.llm.generate import Generator
         from ..workloads.llm.llama import load_hf
+        from ..workloads.llm.text import LlmText
+        from .generate import random_llama
 
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         try:
-            model = load_hf(args.llm_model_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+            if args.llm_random:
+                model, tok = random_llama(args.llm_random, device, dtype), None
+                print("WARNING: --llm-random: random weights, the tokens are meaningless", file=sys.stderr)
+            else:
+                model = load_hf(args.llm_model_dir, device, dtype)
+                tok = LlmText.from_folder(args.llm_model_dir)
         except (FileNotFoundError, ValueError) as e:
             print(f"fullthrottle: error: {e}", file=sys.stderr)
             return 2
-        from ..workloads.llm.text import LlmText
-
         try:
-            tok = LlmText.from_folder(args.llm_model_dir)
             seq = args.llm_max_seq_len or min(model.cfg.max_position_embeddings, 4096)
             llm = (Generator(model, args.llm_max_batch, seq, graphs=args.graphs), tok)
         except ValueError as e:
@@ -166,7 +174,9 @@ def cmd_serve(args) -> int:
             devices=devices,
             embed_model=args.embed_model,
             llm=llm,
-            llm_name=os.path.basename(os.path.normpath(args.llm_model_dir)) if args.llm_model_dir else "llm",
+            llm_name=os.path.basename(os.path.normpath(args.llm_model_dir))
+            if args.llm_model_dir
+            else f"random-{args.llm_random}",
             workloads=workloads,
             classify=args.classify,
             **guard,

@@ -30,7 +30,6 @@ from .guard import HTTPError as _HTTPError
 from .guard import read_body
 from .services import Overloaded
 
-
 _ERROR_TYPES = {404: "not_found_error", 500: "server_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
