@@ -121,6 +121,9 @@ fi
 if [[ ,$parts, == *,sched,* ]]; then      # issue 14: continuous batching against static batches
   $TO python3 bench/probes/scheduler_probe.py ${SCHED_ARGS:-} --out "$OUT/scheduler_probe.json" 2>&1 | tail -4
 fi
+if [[ ,$parts, == *,llmserve,* ]]; then   # issue 14: offline and over HTTP, against transformers
+  $TO python3 bench/llm_serve.py ${LLMSERVE_ARGS:-} --out "$OUT/llm_serve.json" 2>&1 | tee "$OUT/llm_serve.log" | grep -v "^ *$" | tail -20
+fi
 if [[ $parts == *llmprof* ]]; then     # issue 06: kernels of one decode step
   $TO python3 bench/probes/llm_profile.py --out "$OUT/llm_profile.json" 2>&1 | tail -34
 fi

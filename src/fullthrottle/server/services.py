@@ -108,7 +108,8 @@ class BatchingService:
 class CompletionService:
     """LLM requests with continuous batching (:class:`~fullthrottle.workloads.llm.scheduler.Scheduler`):
     a thread runs the step loop; a request joins at the next step with a free KV-cache row and leaves
-    at its end, and its tokens stream to its asyncio queue every ``generator.check_every`` tokens.
+    at its end; its first token goes to its asyncio queue as soon as it is made, then every
+    ``generator.check_every`` tokens.
     Requests beyond the free rows wait in the scheduler (up to one batch) and then in the queue
     (``max_queue``: past it, :meth:`submit` raises Overloaded). ``tokenizer``: an
     :class:`~fullthrottle.workloads.llm.text.LlmText` or None (token ids only); ``name``: the model's
@@ -172,7 +173,8 @@ class CompletionService:
             for rec in list(live):
                 req, loop, out, sent = live[rec]
                 new = rec.tokens[sent:]
-                if new and not req.get("cancelled") and (rec.done or len(new) >= every):
+                # the first token at once (time to first token), then every ``every`` tokens
+                if new and not req.get("cancelled") and (rec.done or sent == 0 or len(new) >= every):
                     loop.call_soon_threadsafe(out.put_nowait, new)
                     live[rec][3] = len(rec.tokens)
                 if rec.done:

@@ -1,0 +1,324 @@
+"""LLM serving as a user runs it (issue 14), Llama-2-7B shape, bf16, random weights, one JSON:
+
+- **offline**, all requests given at once, in this process: fullthrottle's ``Scheduler`` (continuous
+  batching on the static KV cache, ``--rows`` rows) against transformers' ``generate_batch``
+  (continuous batching, paged cache, ``sdpa_paged``) on the same requests (transformers on the first
+  ``--hf-requests`` of them: its rate at that load; greedy, no EOS);
+- **online**, over HTTP: ``fullthrottle serve --no-classify --llm-random llama2-7b`` in a subprocess;
+  a load generator in ``--client-procs`` processes (their own event loops, pinned to their own cores
+  where the machine has them), closed loop, ``--seconds`` per concurrency point, streaming
+  ``POST /v1/completions`` in OpenAI's request shape (prompts as token ids), on a fixed set (128 in,
+  128 out) and a mixed set (prompt lengths log-normal, median 256, clipped to 64..2048; outputs
+  log-normal, median 128, clipped to 32..512). Per point: output tok/s (tokens received / wall from
+  the first request to the last answer), time to first token p50/p99, inter-token latency p50/p99
+  (each streamed chunk's gap spread over its tokens), errors. The static cache holds ``rows`` x
+  ``max_seq_len`` tokens whatever the requests' lengths, so the mixed set runs with fewer rows.
+
+Usage: python bench/llm_serve.py --out bench/results/llm_serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_info, write_json  # noqa: E402
+
+VOCAB = {"llama2-7b": 32000, "tiny": 512}  # --shape's vocabulary
+
+
+def requests_of(kind: str, n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """``n`` (prompt ids, max_tokens) pairs of the fixed or mixed set."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if kind == "fixed":
+            p, m = 128, 128
+        else:
+            p = int(min(2048, max(64, rng.lognormvariate(np.log(256), 0.8))))
+            m = int(min(512, max(32, rng.lognormvariate(np.log(128), 0.7))))
+        out.append(([rng.randrange(3, vocab) for _ in range(p)], m))
+    return out
+
+
+def sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def offline(args) -> dict:
+    import torch
+
+    from fullthrottle.cli.generate import random_llama
+    from fullthrottle.workloads.llm.generate import Generator
+    from fullthrottle.workloads.llm.scheduler import Scheduler
+
+    res = {}
+    dev = torch.device(args.device)
+    model = random_llama(args.shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    vocab = VOCAB[args.shape]
+    for name, n, p, m in (("128/128", 512, 128, 128), ("512/256", 256, 512, 256)):
+        g = torch.Generator().manual_seed(1)
+        reqs = [(torch.randint(3, vocab, (p,), generator=g).tolist(), m) for _ in range(n // args.scale)]
+        t0 = time.perf_counter()
+        gen = Generator(model, max_batch=args.rows, max_seq_len=p + m, graphs=True)
+        ready = time.perf_counter() - t0
+        Scheduler(gen).run([{"prompt": r[0], "max_new_tokens": 4} for r in reqs[:8]])  # warm-up
+        sync(dev)
+        t0 = time.perf_counter()
+        out = Scheduler(gen).run([{"prompt": r[0], "max_new_tokens": r[1]} for r in reqs])
+        sync(dev)
+        wall = time.perf_counter() - t0
+        toks = sum(len(o) for o in out)
+        res[name] = {
+            "requests": len(reqs),
+            "rows": gen.max_batch,
+            "fullthrottle_tok_per_s": toks / wall,
+            "wall_s": wall,
+            "output_tokens": toks,
+            "capture_s": ready,
+        }
+        print(name, res[name], flush=True)
+        del gen
+        torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
+    if args.hf_requests and args.shape == "llama2-7b":
+        try:
+            res["transformers"] = hf_offline(args)
+        except Exception as e:  # noqa: BLE001 - the baseline's failure is recorded, ours stands
+            res["transformers"] = {"error": f"{type(e).__name__}: {e}"}
+        print("transformers", res["transformers"], flush=True)
+    return res
+
+
+def hf_offline(args) -> dict:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import LlamaConfig as HFConfig
+
+    torch.manual_seed(0)
+    cfg = HFConfig(
+        vocab_size=VOCAB,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+    )
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa_paged").eval()
+    out = {"version": transformers.__version__}
+    for name, p, m in (("128/128", 128, 128), ("512/256", 512, 256)):
+        n = args.hf_requests
+        g = torch.Generator().manual_seed(1)
+        reqs = [torch.randint(3, VOCAB["llama2-7b"], (p,), generator=g).tolist() for _ in range(n)]
+        gc = GenerationConfig(max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)
+        model.generate_batch(reqs[:4], generation_config=gc, progress_bar=False)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        res = model.generate_batch(reqs, generation_config=gc, progress_bar=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        toks = sum(len(r.generated_tokens) for r in res.values())
+        out[name] = {"requests": n, "tok_per_s": toks / wall, "wall_s": wall, "output_tokens": toks}
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+async def _client(url: str, reqs, conc: int, seconds: float) -> dict:
+    import httpx
+
+    ttft, itl, toks, errors = [], [], 0, 0
+    deadline = time.perf_counter() + seconds
+    t_first = time.perf_counter()
+    t_last = t_first
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=conc)) as c:
+
+        async def worker(w: int):
+            nonlocal toks, errors, t_last
+            i = w
+            while time.perf_counter() < deadline:
+                ids, m = reqs[i % len(reqs)]
+                i += conc
+                body = {"model": "llm", "prompt": ids, "max_tokens": m, "temperature": 0, "stream": True}
+                t0 = prev = time.perf_counter()
+                got = 0
+                try:
+                    async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                        if r.status_code != 200:
+                            errors += 1
+                            await r.aread()
+                            continue
+                        async for line in r.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            k = len(json.loads(line[6:])["choices"][0]["token_ids"])
+                            if not k:
+                                continue
+                            now = time.perf_counter()
+                            if got == 0:
+                                ttft.append(now - t0)
+                            else:
+                                itl.extend([(now - prev) / k] * k)
+                            got += k
+                            prev = now
+                except httpx.HTTPError:
+                    errors += 1
+                toks += got
+                t_last = max(t_last, time.perf_counter())
+
+        await asyncio.gather(*(worker(w) for w in range(conc)))
+    return {"ttft": ttft, "itl": itl, "tokens": toks, "errors": errors, "t0": t_first, "t1": t_last}
+
+
+def _client_proc(a):
+    url, reqs, conc, seconds, core = a
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    return asyncio.run(_client(url, reqs, conc, seconds))
+
+
+def load_point(url, reqs, conc, seconds, procs) -> dict:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    procs = max(1, min(procs, conc))
+    cores = sorted(os.sched_getaffinity(0))
+    per = [conc // procs + (i < conc % procs) for i in range(procs)]
+    parts_args = [
+        (url, reqs[i::procs], per[i], seconds, cores[-1 - i] if len(cores) > procs + 4 else None) for i in range(procs)
+    ]
+    with cf.ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn")) as ex:
+        parts = list(ex.map(_client_proc, parts_args))
+    wall = max(p["t1"] for p in parts) - min(p["t0"] for p in parts)
+    ttft = np.array([x for p in parts for x in p["ttft"]]) * 1e3
+    itl = np.array([x for p in parts for x in p["itl"]]) * 1e3
+
+    def pct(a, q):
+        return float(np.percentile(a, q)) if len(a) else None
+
+    return {
+        "clients": conc,
+        "output_tok_per_s": sum(p["tokens"] for p in parts) / wall,
+        "wall_s": wall,
+        "requests": len(ttft),
+        "errors": sum(p["errors"] for p in parts),
+        "ttft_ms_p50": pct(ttft, 50),
+        "ttft_ms_p99": pct(ttft, 99),
+        "itl_ms_p50": pct(itl, 50),
+        "itl_ms_p99": pct(itl, 99),
+    }
+
+
+def start_server(args, rows: int, seq: int, port: int):
+    import httpx
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "fullthrottle.cli",
+        "serve",
+        "--no-classify",
+        "--llm-random",
+        args.shape,
+        "--llm-max-batch",
+        str(rows),
+        "--llm-max-seq-len",
+        str(seq),
+        "--device",
+        args.device,
+        "--port",
+        str(port),
+        "--max-queue",
+        "1024",
+    ]
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while time.perf_counter() - t0 < 300:
+        if p.poll() is not None:
+            raise RuntimeError(f"server exited: {p.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                return p, time.perf_counter() - t0, cmd
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    p.kill()
+    raise RuntimeError("server did not become ready")
+
+
+def online(args) -> dict:
+    out = {}
+    for kind, rows, seq in (("fixed", args.rows, 256), ("mixed", args.mixed_rows, 2560)):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        p, ready_s, cmd = start_server(args, rows, seq, port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            reqs = requests_of(kind, 4096, VOCAB[args.shape])
+            load_point(url, reqs[:8], 4, 3, 1)  # warm-up
+            pts = []
+            for conc in [int(c) for c in args.concurrency.split(",")]:
+                pts.append(load_point(url, reqs, conc, args.seconds, args.client_procs))
+                print(kind, pts[-1], flush=True)
+            out[kind] = {
+                "server": " ".join(cmd[1:]),
+                "rows": rows,
+                "max_seq_len": seq,
+                "ready_s": ready_s,
+                "points": pts,
+            }
+        finally:
+            p.terminate()
+            p.wait(60)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/llm_serve.json")
+    ap.add_argument("--rows", type=int, default=256, help="KV-cache rows (fixed set, offline)")
+    ap.add_argument("--mixed-rows", type=int, default=64, help="KV-cache rows for the mixed set (2560 slots each)")
+    ap.add_argument("--hf-requests", type=int, default=64, help="requests given to transformers (0: skip it)")
+    ap.add_argument("--concurrency", default="1,16,64,256")
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--parts", default="offline,online")
+    ap.add_argument("--shape", default="llama2-7b", choices=sorted(VOCAB), help="tiny: a CPU smoke run")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--scale", type=int, default=1, help="offline requests divided by this (smoke runs)")
+    args = ap.parse_args()
+    res = {
+        "benchmark": "llm_serve",
+        "machine": machine_info(),
+        "model": f"{args.shape} shape, random weights",
+        "command": " ".join(sys.argv),
+        "args": vars(args),
+    }
+    if "offline" in args.parts:
+        res["offline"] = offline(args)
+    if "online" in args.parts:
+        res["online"] = online(args)
+    write_json(args.out, res)
+
+
+if __name__ == "__main__":
+    main()
