@@ -204,6 +204,9 @@ def test_graph_tokens_equal_eager_and_padding_rows_do_not_matter(pair):
     # attention lengths 32, 64, 96: replays switch graphs as the rows grow past 32 and 64
     graphed = Generator(model, max_batch=8, max_seq_len=96, graphs=True, attn_buckets=(32, 64))
     assert sorted(graphed.graphs) == [(b, g, kv) for b in (1, 2, 4, 8) for g in (False, True) for kv in (32, 64, 96)]
+    # prefill graphs: 3 prompts of up to 17 tokens replay the (4, 32) graph, its padding row the spare row
+    assert graphed._prefill_shape(3, 17) == (4, 32) and (4, 32) in graphed.prefill_set
+    assert model.layers[0].self_attn.k_cache.shape[0] == 8 + 1
     assert graphed.generate(prompts, max_new_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=7) == ref
     assert graphed.generate(prompts, max_new_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=8) != ref
     alone = [graphed.generate([p], max_new_tokens=30)[0] for p in prompts]

@@ -25,6 +25,18 @@ from .llama import Llama
 DEFAULT_BUCKETS = default_buckets(256)
 
 
+def prefill_shapes(buckets: Sequence[int], max_seq_len: int, tokens: int) -> list[tuple[int, int]]:
+    """The (batch bucket, length bucket) shapes to capture prefill graphs for: lengths 16, 32, 64, ...
+    up to ``max_seq_len``, every pair of at most ``tokens`` tokens, most tokens first (0: none).
+
+    >>> prefill_shapes((1, 2, 4), 64, 64)
+    [(1, 64), (2, 32), (4, 16), (1, 32), (2, 16), (1, 16)]
+    """
+    lengths = [16 * 2**i for i in range(16) if 16 * 2**i <= max_seq_len]
+    pairs = [(b, s) for b in buckets for s in lengths if b * s <= tokens]
+    return sorted(pairs, key=lambda p: (-p[0] * p[1], -p[1]))
+
+
 def kv_buckets(max_seq_len: int) -> tuple[int, ...]:
     """Attention lengths to capture decode graphs for: 256, 1024, 4096, ... below ``max_seq_len``, and it.
 
@@ -134,6 +146,10 @@ class Generator:
             :func:`kv_buckets` of ``max_seq_len``. The largest is always ``max_seq_len``.
         max_prefill_tokens: tokens one prefill forward takes at most, padding to the group's longest
             prompt included (a longer prompt goes alone): bounds the activations' memory.
+        prefill_graph_tokens: prefill forwards of up to this many (padded) tokens replay CUDA graphs,
+            one per (batch bucket, length bucket 16, 32, 64, ...): short prompts are bound by the
+            host's kernel launches, not by the GPU. Their padding rows write into one spare KV-cache
+            row. 0: prefill eager only (and on the CPU).
 
     Raises:
         ValueError: on :meth:`generate`, a prompt + max_new_tokens longer than ``max_seq_len``.
@@ -150,6 +166,7 @@ class Generator:
         check_every: int = 8,
         attn_buckets: Sequence[int] | None = None,
         max_prefill_tokens: int = 8192,
+        prefill_graph_tokens: int = 2048,
     ):
         self.model = model
         #: tokens (padding included) one prefill forward takes at most; a longer prompt goes alone
@@ -170,9 +187,14 @@ class Generator:
                 f"max_seq_len {max_seq_len} exceeds the model's context "
                 f"(max_position_embeddings {model.cfg.max_position_embeddings})"
             )
-        model.setup_cache(self.max_batch, max_seq_len, owner=self)
-        B, V = self.max_batch, model.cfg.vocab_size
         dev = self.device
+        use_graphs = graphs and dev.type == "cuda"
+        #: (batch bucket, length bucket) shapes of the prefill graphs, largest first
+        self.prefill_shapes = prefill_shapes(self.buckets, max_seq_len, prefill_graph_tokens if use_graphs else 0)
+        #: the spare cache row that a prefill graph's padding rows write into (when there are graphs)
+        self.spare_row = self.max_batch
+        model.setup_cache(self.max_batch + bool(self.prefill_shapes), max_seq_len, owner=self)
+        B, V = self.max_batch, model.cfg.vocab_size
         # static inputs of the decode step (views [:b] serve every bucket)
         self.tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(B, 1, dtype=torch.long, device=dev)
@@ -191,7 +213,8 @@ class Generator:
         # (batch bucket, greedy, kv length) -> graph and its output; greedy graphs skip the sampler
         self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = 0.0
-        if graphs and dev.type == "cuda":
+        self.prefill_set = None  # the prefill graphs' GraphSet, keyed (batch bucket, length bucket)
+        if use_graphs:
             self._capture()
 
     @torch.inference_mode()
@@ -229,6 +252,16 @@ class Generator:
             self.pos.copy_(saved[1])
             self.done.copy_(saved[2])
         self.graphs = self.graph_set.graphs
+        if self.prefill_shapes:  # static inputs; padding rows (and the warm-up) write the spare row
+            pb, ps = max(b for b, _ in self.prefill_shapes), max(s for _, s in self.prefill_shapes)
+            self.pf_ids = torch.zeros(pb, ps, dtype=torch.long, device=self.device)
+            self.pf_len = torch.ones(pb, dtype=torch.long, device=self.device)
+            self.pf_rows = torch.full((pb,), self.spare_row, dtype=torch.long, device=self.device)
+            self.prefill_set = GraphSet(self.device)
+            for b, s in self.prefill_shapes:
+                self.prefill_set.capture(
+                    (b, s), lambda b=b, s=s: self.model.prefill(self.pf_ids[:b, :s], self.pf_len[:b], self.pf_rows[:b])
+                )
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
 
@@ -251,12 +284,25 @@ class Generator:
                 ids[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
             r = torch.as_tensor(rows[j:k], dtype=torch.long, device=dev)
             n = torch.as_tensor([len(p) for p in group], dtype=torch.long, device=dev)
-            logits = self.model.prefill(ids.to(dev, non_blocking=True), n, r)  # (b, V)
+            b = len(group)
+            shape = self._prefill_shape(b, longest)
+            if shape is not None:  # a graph: real rows first, padding rows into the spare row
+                self.pf_ids[:b, :longest] = ids.to(dev, non_blocking=True)
+                self.pf_len[:b], self.pf_len[b : shape[0]] = n, 1
+                self.pf_rows[:b], self.pf_rows[b : shape[0]] = r, self.spare_row
+                logits = self.prefill_set.replay(shape)[:b]  # (b, V)
+            else:
+                logits = self.model.prefill(ids.to(dev, non_blocking=True), n, r)  # (b, V)
             noise = seeded_noise(self.seed[r], n[:, None], self.vocab_mix)  # the first new token's position
             out.append(sample(logits, self.temp[r], self.topk[r], self.topp[r], noise))
             self.pos[r, 0] = n
             j = k
         return torch.cat(out)
+
+    def _prefill_shape(self, b: int, longest: int) -> tuple[int, int] | None:
+        """The smallest captured prefill shape holding ``b`` prompts of up to ``longest`` tokens."""
+        fits = [(pb * ps, pb, ps) for pb, ps in self.prefill_shapes if pb >= b and ps >= longest]
+        return min(fits)[1:] if fits else None
 
     def check_cache(self) -> None:
         """Raises RuntimeError when a later Generator on the same model has replaced its KV cache
