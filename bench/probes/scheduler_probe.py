@@ -120,6 +120,31 @@ def main():
             print({k: v for k, v in prefill[-1].items() if k != "ops"}, flush=True)
             for t in top[:12]:
                 print("   ", t, flush=True)
+    # the Generator's own prefill (a CUDA graph per shape up to prefill_graph_tokens), first token sampled
+    one = Generator(model, max_batch=1, max_seq_len=max(lens) + 1, graphs=True)
+    for n in lens:
+        prompt = torch.randint(0, cfg.vocab_size, (n,)).tolist()
+        for _ in range(3):
+            one._prefill_rows([0], [prompt])
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        h0 = time.perf_counter()
+        a.record()
+        for _ in range(10):
+            one._prefill_rows([0], [prompt])
+        b.record()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - h0) * 100
+        graph = one._prefill_shape(1, n)
+        prefill.append(
+            {
+                "prompt_tokens": n,
+                "generator_ms": a.elapsed_time(b) / 10,
+                "wall_ms": wall_ms,
+                "graph": list(graph) if graph else None,
+            }
+        )
+        print(prefill[-1], flush=True)
     write_json(
         args.out,
         {
