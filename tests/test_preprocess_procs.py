@@ -388,3 +388,42 @@ def test_a_workers_decode_clock_starts_once_it_is_ready():
         assert w.spawned < w.ready_at == w.grace_until() <= time.perf_counter()
     finally:
         w.close()
+
+
+def test_decoder_processes_start_beside_the_model_and_a_failed_start_leaves_none(tmp_path, samples, monkeypatch):
+    """The pipeline starts its decoder processes before it loads the model (wait=False): a model
+    that fails to load stops them all, including those still starting; a good start classifies."""
+    from procs import alive, children
+
+    from fullthrottle import Pipeline
+    from fullthrottle.workloads.classify.models import WeightsError
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    cfg = Config(model="resnet18", device="cpu", preprocess="processes", threads=2, max_batch_size=4)
+    import fullthrottle.workloads.classify.pipeline as pl
+
+    before, seen = children(os.getpid()), []
+    real = pl.Engine
+
+    def engine(*a, **k):  # the model loads while the decoder processes come up
+        deadline = time.time() + 10
+        while not (children(os.getpid()) - before) and time.time() < deadline:
+            time.sleep(0.01)
+        seen.append(len(children(os.getpid()) - before))
+        return real(*a, **k)
+
+    monkeypatch.setattr(pl, "Engine", engine)
+    with pytest.raises(WeightsError):
+        Pipeline(cfg, weights=str(bad))
+    monkeypatch.undo()
+    assert seen and seen[0] >= 1
+    left = [p for p in children(os.getpid()) - before if alive(p)]
+    assert not left, left
+    pool = DecoderPool(2, wait=False)  # started in the background, waited for later
+    pool.wait_ready()
+    assert len(pool) == 2 and all(w.proc.poll() is None for w in pool.workers)
+    pool.close()
+    with Pipeline(cfg) as pipe:
+        got = pipe.classify(samples[:6])
+    assert [r.ok for r in got] == [True] * 6 and pipe.decoders is not None

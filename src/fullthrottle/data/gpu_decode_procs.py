@@ -258,9 +258,13 @@ class GpuDecoderPool:
     ``decoder``: one kind for all (``"nvjpeg"`` or ``"hardware"``), or one per process (a mix: the
     hardware engines and nvJPEG's CUDA and CPU stages are different resources).
 
+    ``wait``: wait here until every process has set up CUDA and its decoder; False: they do so in
+    the background and :meth:`wait_ready` waits.
+
     Raises:
         ValueError: a list of kinds that is not one per process.
-        RuntimeError: a process could not start (no CUDA there, an import failed), with the cause.
+        RuntimeError: a process could not start (no CUDA there, an import failed), with the cause
+            (here, or from :meth:`wait_ready`).
     """
 
     def __init__(
@@ -274,6 +278,7 @@ class GpuDecoderPool:
         start_timeout_s: float = 120.0,
         decoder: str | Sequence[str] = "nvjpeg",
         max_file_bytes: int = 256 << 20,
+        wait: bool = True,
     ):
         kinds = [decoder] * n if isinstance(decoder, str) else list(decoder)
         if len(kinds) != n:
@@ -288,19 +293,34 @@ class GpuDecoderPool:
                 )
             errs: list[BaseException] = []
 
-            def wait(w):
+            def ready(w):
                 try:
                     w.ready(start_timeout_s)
                 except BaseException as e:  # noqa: BLE001
                     errs.append(e)
 
-            ts = [threading.Thread(target=wait, args=(w,), daemon=True) for w in self.workers]
-            for t in ts:
+            self._starting = [threading.Thread(target=ready, args=(w,), daemon=True) for w in self.workers]
+            self._start_errors = errs
+            for t in self._starting:
                 t.start()
-            for t in ts:
+        except BaseException:
+            self.close()
+            raise
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until every process has answered that it is ready (at once when they have).
+
+        Raises:
+            RuntimeError: a process could not start (the pool is closed then).
+        """
+        try:
+            for t in self._starting:
                 t.join()
-            if errs:
-                raise errs[0]
+            self._starting = []
+            if self._start_errors:
+                raise self._start_errors[0]
         except BaseException:
             self.close()
             raise
@@ -308,7 +328,20 @@ class GpuDecoderPool:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 2.0) -> None:
+        """Stop every process: all sockets closed at once (each exits on EOF, tearing its CUDA
+        context down in parallel with the others), ``grace_s`` s in all to exit, then killed."""
         for w in self.workers:
-            w.close()
+            w.closed = True
+            try:
+                w.conn.close()
+            except OSError:
+                pass
+        deadline = time.perf_counter() + grace_s
+        for w in self.workers:
+            try:
+                w.proc.wait(max(0.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+            w.close()  # reaps it, gives its arena back
         self.workers = []

@@ -285,8 +285,12 @@ class DecoderPool:
             decoded crops can wait for the GPU (each row is ``S * S * 3`` bytes: 147 KiB at 224).
         malloc_env: the workers' glibc malloc settings (:class:`DecoderProcess`).
 
+        wait: wait here until every worker has started; False: they start in the background
+            (each imports its libraries: seconds) and :meth:`wait_ready` waits.
+
     Raises:
-        RuntimeError: a worker could not start (its import failed), with its exit code.
+        RuntimeError: a worker could not start (its import failed), with its exit code (here, or
+            from :meth:`wait_ready`).
     """
 
     def __init__(
@@ -299,6 +303,7 @@ class DecoderPool:
         max_file_bytes: int = 256 << 20,
         malloc_env: dict | None = None,
         interpolation: str = "bilinear",
+        wait: bool = True,
     ):
         self.workers: list[DecoderProcess] = []
         self.crops = CropPool(rows, crop_size, scratch=n)
@@ -330,20 +335,31 @@ class DecoderPool:
             except BaseException as e:  # noqa: BLE001
                 errs.append(e)
 
-        ts = [threading.Thread(target=start, args=(i,), daemon=True) for i in range(n)]
+        self._starting = [threading.Thread(target=start, args=(i,), daemon=True) for i in range(n)]
+        self._start_errors, self._start_lock = errs, lock
+        for t in self._starting:
+            t.start()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until every worker has started (see ``wait``); at once when they have.
+
+        Raises:
+            RuntimeError: a worker could not start (the pool is closed then).
+        """
         try:
-            for t in ts:
-                t.start()
-            for t in ts:
+            for t in self._starting:
                 t.join()
         except BaseException:  # Ctrl-C while the workers start: stop those already running
-            with lock:
+            with self._start_lock:
                 self._closing = True
             self.close()
             raise
-        if errs:
+        self._starting = []
+        if self._start_errors:
             self.close()
-            raise RuntimeError(f"could not start decoder processes: {errs[0]}") from errs[0]
+            raise RuntimeError(f"could not start decoder processes: {self._start_errors[0]}") from self._start_errors[0]
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -352,20 +368,27 @@ class DecoderPool:
         return self.workers[i]
 
     def close(self, grace_s: float = 1.0) -> None:
-        """Stop every worker: all sockets closed at once, then ``grace_s`` s in all to exit, then killed."""
-        for w in self.workers:
+        """Stop every worker: all sockets closed at once, then ``grace_s`` s in all to exit, then killed.
+        Workers still starting (``wait=False``) are stopped as they come up."""
+        with self._start_lock:
+            self._closing = True  # a worker that comes up from now on closes itself
+            workers = list(self.workers)
+        for w in workers:
             w.closed = True
             try:
                 w.conn.close()
             except OSError:
                 pass
         deadline = time.perf_counter() + grace_s
-        for w in self.workers:
+        for w in workers:
             try:
                 w.proc.wait(max(0.0, deadline - time.perf_counter()))
             except subprocess.TimeoutExpired:
                 w.proc.kill()
             w.close()  # reaps it
+        for t in self._starting:  # (their workers closed: each thread ends at once)
+            t.join()
+        self._starting = []
         self.workers = []
         self.crops.close()
 

@@ -70,11 +70,14 @@ class Engine:
             ``config.weights`` or the model's bundled weights. Fields of the input transform left
             ``None`` in ``config`` come from the model's declaration (:meth:`Config.for_model`).
 
+        capture: capture the CUDA graphs here; False: :meth:`capture` does (the caller starts
+            other work, e.g. decoder processes, first).
+
     Raises:
         ValueError: unknown model name, bad dtype; WeightsError: weights that do not fit.
     """
 
-    def __init__(self, config: Config, model: nn.Module | None = None):
+    def __init__(self, config: Config, model: nn.Module | None = None, capture: bool = True):
         if model is None and isinstance(config.model, nn.Module):
             model = config.model
         config = config.for_model(model)  # the model's own resize, crop and normalisation
@@ -147,13 +150,19 @@ class Engine:
         self.launch_s = 0.0  # host time issuing copies, model/graph replay, top-k (s)
         self.batches = 0  # batches submitted, and the H2D copies their crop-pool rows took
         self.pool_copies = 0
-        if config.graphs and self.cuda:
-            k = config.top_k
-            # normalise + model + softmax + top-k, all inside one graph per bucket; each bucket keeps
-            # the form that replays fastest
-            fns = {name: (lambda x, m=m: topk_probs(m(self.normalize(x)), k)) for name, m in forms.candidates()}
-            self.runner = GraphRunner(fns, (s, s, 3), torch.uint8, config.buckets, self.device)
+        self._forms = forms
+        if capture:
+            self.capture()
         self.reset()
+
+    def capture(self) -> None:
+        """Capture the CUDA graphs (with ``config.graphs`` on CUDA; once): normalise + model +
+        softmax + top-k, one graph per bucket, each bucket keeping the form that replays fastest."""
+        if self.runner is not None or not (self.config.graphs and self.cuda):
+            return
+        k, s = self.config.top_k, self.config.crop_size
+        fns = {name: (lambda x, m=m: topk_probs(m(self.normalize(x)), k)) for name, m in self._forms.candidates()}
+        self.runner = GraphRunner(fns, (s, s, 3), torch.uint8, self.config.buckets, self.device)
 
     def reset(self) -> None:
         """Wait for outstanding device work and mark every slot free (start of a run)."""

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ...core.config import Config
+from ...core.device import resolve_device
 from ...core.report import Report
 from ...data.preprocess import allow_pillow_pixels
 from ...data.preprocess_procs import DecoderPool
@@ -73,62 +74,79 @@ class Pipeline:
         if config.gpu_decode and config.interpolation not in GPU_INTERPOLATIONS:  # (the GPU paths are bilinear)
             config = replace(config, gpu_decode=False)
         limit_heap_fragmentation()
-        self.engine = Engine(config, model)
-        if config.gpu_decode and not self.engine.cuda:  # (CUDA only: nothing of it on the CPU)
-            config = replace(config, gpu_decode=False)
-        self.config = config
-        n = config.torch_threads or (1 if self.engine.cuda else None)
-        if n is not None:
-            torch.set_num_threads(n)
-        use_procs = config.preprocess == "processes" or (config.preprocess == "auto" and self.engine.cuda)
-        #: one decoder process per preprocess thread (config.preprocess), started once, reused by every run
-        # more processes than cores cannot decode faster, and each holds ~0.5 GB (it imports torch)
+        # start-up, overlapped: the decoder processes start first (each imports its libraries and
+        # sets up CUDA: seconds), while this thread loads the model and captures its graphs
+        cuda = resolve_device(config.device).type == "cuda"
+        use_procs = config.preprocess == "processes" or (config.preprocess == "auto" and cuda)
         allow_pillow_pixels(config.max_image_pixels)
         self.decoders = self.gpu_decoders = None
+        n = config.decoder_processes()
         if use_procs:
-            n = config.decoder_processes()
-            n_gpu = config.gpu_decode_processes if self.engine.gpu_decoder is not None else 0
-            rows = config.crop_rows(n, n_gpu)
+            planned_gpu = config.gpu_decode_processes if config.gpu_decode and cuda else 0
             self.decoders = DecoderPool(
                 n,
                 config.resize_size,
                 config.crop_size,
                 config.max_image_pixels,
-                rows=rows,
+                rows=config.crop_rows(n, planned_gpu),
                 max_file_bytes=config.max_file_bytes,
                 interpolation=config.interpolation,
+                wait=False,
             )
-            try:
+        try:
+            self.engine = Engine(config, model, capture=False)
+            if config.gpu_decode and not self.engine.cuda:  # (CUDA only: nothing of it on the CPU)
+                config = replace(config, gpu_decode=False)
+            self.config = config
+            threads = config.torch_threads or (1 if self.engine.cuda else None)
+            if threads is not None:
+                torch.set_num_threads(threads)
+            if self.decoders is not None:
                 self.engine.attach_crops(self.decoders.crops)
-                if n_gpu:
-                    from ...data.gpu_decode_procs import GpuDecoderPool
-
-                    try:
-                        self.gpu_decoders = GpuDecoderPool(
-                            n_gpu,
-                            self.decoders.crops,
-                            self.engine.device.index or 0,
-                            config.resize_size,
-                            config.crop_size,
-                            config.max_image_pixels,
-                            decoder=getattr(self.engine.gpu_decoder, "kind", "nvjpeg"),
-                            max_file_bytes=config.max_file_bytes,
-                        )
-                    except RuntimeError as e:  # e.g. nvJPEG unavailable there: decode in this process
-                        warnings.warn(
-                            f"GPU decoder processes did not start ({e}); decoding on the GPU "
-                            "from a thread of this process instead",
-                            RuntimeWarning,
-                            stacklevel=2,
-                        )
-            except BaseException:
-                self.decoders.close()
-                raise
+                if self.engine.gpu_decoder is not None and config.gpu_decode_processes:
+                    self._start_gpu_decoders(config)
+            self.engine.capture()
+            if self.decoders is not None:
+                self.decoders.wait_ready()
+            if self.gpu_decoders is not None:
+                try:
+                    self.gpu_decoders.wait_ready()
+                except RuntimeError as e:  # e.g. nvJPEG unavailable there: decode in this process
+                    self._gpu_decoders_failed(e)
+        except BaseException:
+            self.close()
+            raise
         self.last_report: Report | None = None
         self.current_run: Run | None = None
         #: called with each batch's size as the batcher forms it (from the batcher's thread)
         self.on_batch = None
         self._busy = threading.Lock()
+
+    def _start_gpu_decoders(self, config: Config) -> None:
+        from ...data.gpu_decode_procs import GpuDecoderPool
+
+        try:
+            self.gpu_decoders = GpuDecoderPool(
+                config.gpu_decode_processes,
+                self.decoders.crops,
+                self.engine.device.index or 0,
+                config.resize_size,
+                config.crop_size,
+                config.max_image_pixels,
+                decoder=getattr(self.engine.gpu_decoder, "kind", "nvjpeg"),
+                max_file_bytes=config.max_file_bytes,
+                wait=False,
+            )
+        except RuntimeError as e:
+            self._gpu_decoders_failed(e)
+
+    def _gpu_decoders_failed(self, e: RuntimeError) -> None:
+        self.gpu_decoders = None
+        warnings.warn(
+            f"GPU decoder processes did not start ({e}); decoding on the GPU from a thread of this process instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     @property
     def device(self):
@@ -143,11 +161,12 @@ class Pipeline:
     def close(self) -> None:
         """Stop the decoder processes and release the device buffers (the pipeline cannot be used
         afterwards)."""
-        if self.gpu_decoders is not None:
+        if getattr(self, "gpu_decoders", None) is not None:
             self.gpu_decoders.close()
-        if self.decoders is not None:
+        if getattr(self, "decoders", None) is not None:
             self.decoders.close()
-        self.engine.slots.clear()
+        if getattr(self, "engine", None) is not None:
+            self.engine.slots.clear()
 
     def _begin(self, inputs: Iterable) -> Run:
         if isinstance(inputs, (str, bytes)) or hasattr(inputs, "__fspath__"):
