@@ -1,8 +1,9 @@
 """Where the classify CLI's start-up goes (issue 10: on 40k files, 30-40 s of each CLI run came before
-the first image): ``import`` of the package in a fresh interpreter, then ``Pipeline(cfg)`` under
-cProfile (the main thread's cumulative wall time per function: model build, weights, graph capture,
-decoder processes; blocking waits included), the first result and the whole run on ``--n`` files,
-and ``close()``. Per ``--model`` (comma list), default CLI settings on CUDA.
+the first image): ``import`` of the package in a fresh interpreter, then ``Pipeline(cfg)`` with its
+phases timed (model load, graph capture, waiting for the CPU and the GPU decoder processes, which
+start in the background meanwhile) and under cProfile, the first result and the whole run on
+``--n`` files, and ``close()``. Per ``--models`` (comma list; a model named twice shows the second
+build, with Triton's kernels compiled), default CLI settings on CUDA.
 
 Usage: python bench/probes/startup_probe.py --folder /tmp/ft-files/640x480 --out probe.json
 """
@@ -40,7 +41,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--folder", required=True)
     ap.add_argument("--n", type=int, default=4000)
-    ap.add_argument("--models", default="efficientnet_lite0,resnet18")
+    ap.add_argument("--models", default="efficientnet_lite0,efficientnet_lite0,resnet18")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="startup_probe.json")
     args = ap.parse_args()
@@ -51,12 +52,34 @@ def main():
     }
     print(rows, flush=True)
 
+    import fullthrottle.data.gpu_decode_procs as gdp
+    import fullthrottle.data.preprocess_procs as pp
+    import fullthrottle.workloads.classify.compute as comp
     from fullthrottle.core.config import Config, resolve_dtype
     from fullthrottle.workloads.classify.pipeline import Pipeline
 
+    phases: dict[str, float] = {}
+
+    def timed(cls, name, label):  # the probe's own wrapper: how long each phase holds the main thread
+        real = getattr(cls, name)
+
+        def wrapper(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return real(self, *a, **k)
+            finally:
+                phases[label] = phases.get(label, 0.0) + time.perf_counter() - t0
+
+        setattr(cls, name, wrapper)
+
+    timed(comp.Engine, "__init__", "engine_build_s")
+    timed(comp.Engine, "capture", "graph_capture_s")
+    timed(pp.DecoderPool, "wait_ready", "wait_cpu_decoders_s")
+    timed(gdp.GpuDecoderPool, "wait_ready", "wait_gpu_decoders_s")
     paths = sorted(str(p) for p in Path(args.folder).glob("*.jpg"))[: args.n]
     runs = []
     for model in args.models.split(","):
+        phases.clear()
         cfg = Config(model=model, device=args.device, dtype=resolve_dtype(None, args.device))  # the CLI's defaults
         prof = cProfile.Profile()
         t0 = time.perf_counter()
@@ -77,6 +100,7 @@ def main():
         row = {
             "model": model,
             "pipeline_build_s": build,
+            **dict(phases),
             "first_result_s": first,
             "run_s": total,
             "images": n,
