@@ -151,3 +151,19 @@ def test_chat_needs_a_template(make_tiny_llama, tiny_text):
     with Server(Tiny(), ServeOptions(llm=(gen, None))) as s:  # token ids only
         with pytest.raises(openai.BadRequestError, match="no tokenizer"):
             client(s).chat.completions.create(model="llm", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_a_full_admission_queue_answers_503_with_retry_after(make_tiny_llama):
+    import httpx
+
+    model = make_tiny_llama(max_position_embeddings=1024)
+    gen = Generator(model, max_batch=1, max_seq_len=1024, graphs=False)
+    with Server(Tiny(), ServeOptions(llm=(gen, None), max_queue=2, retry_after_s=3)) as s:
+        body = {"prompt": [1, 2, 3], "max_tokens": 1000, "temperature": 0}  # 1 running, 1 waiting, 2 queued
+        with cf.ThreadPoolExecutor(10) as ex:
+            got = list(ex.map(lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=120), range(10)))
+        codes = sorted(r.status_code for r in got)
+        busy = [r for r in got if r.status_code == 503]
+        assert codes.count(200) >= 3 and busy and set(codes) == {200, 503}, codes
+        assert busy[0].headers["retry-after"] == "3" and "queue full" in busy[0].json()["error"]["message"]
+        assert all(len(r.json()["choices"][0]["token_ids"]) == 1000 for r in got if r.status_code == 200)
