@@ -55,6 +55,38 @@ def test_seeded_sampled_requests_get_their_own_tokens_whatever_joins_or_leaves(t
     assert other != refs[0] and len(set(map(tuple, refs))) == len(refs)
 
 
+def test_chunked_prefill_gives_each_request_its_tokens_alone_and_decoding_goes_on(tiny_llama):
+    """With a prefill budget of 8 tokens per step, prompts of up to 40 tokens are prefilled in chunks
+    in their own row while the others decode: every request (greedy and seeded sampled) still gets
+    exactly its tokens alone; a request cancelled mid-prefill gives its row back."""
+    rng = random.Random(3)
+    reqs = [
+        {
+            "prompt": [rng.randrange(97) for _ in range(rng.choice([3, 6, 19, 40]))],
+            "max_new_tokens": rng.randint(2, 12),
+            "temperature": rng.choice([0.0, 0.8]),
+            "seed": i,
+        }
+        for i in range(10)
+    ]
+    alone = Generator(tiny_llama, max_batch=1, max_seq_len=64, graphs=False)
+    refs = [alone.generate([r["prompt"]], r["max_new_tokens"], r["temperature"], seed=[r["seed"]])[0] for r in reqs]
+    gen = Generator(tiny_llama, max_batch=4, max_seq_len=64, graphs=False, max_prefill_tokens=8)
+    sched = Scheduler(gen)
+    seqs = [sched.submit(**r) for r in reqs]
+    chunked_while_decoding = 0
+    while sched.busy:
+        sched.step()
+        chunked_while_decoding += sched.prefilling is not None and bool(sched.running)
+    assert [s.tokens for s in seqs] == refs and chunked_while_decoding > 0
+    assert sorted(sched.free) == [0, 1, 2, 3] and sched.prefilling is None
+    s = sched.submit([5] * 30, 4)
+    sched.step()
+    assert sched.prefilling is s and s.prefilled == 8
+    sched.cancel(s)
+    assert sched.prefilling is None and sorted(sched.free) == [0, 1, 2, 3] and not sched.busy
+
+
 def test_eos_ends_a_request_and_frees_its_row(tiny_llama):
     gen = Generator(tiny_llama, max_batch=2, max_seq_len=64, graphs=False)
     ref = gen.generate([[5, 6, 7]], max_new_tokens=10)[0]

@@ -141,7 +141,7 @@ class CompletionService:
         sched, live = None, {}  # live: scheduler record -> [req, loop, out, tokens sent]
         every = max(1, self.gen.check_every)
         while not self._stop.is_set():
-            idle = sched is None or not (sched.running or sched.waiting)
+            idle = sched is None or not sched.busy
             while sched is None or len(sched.waiting) < self.gen.max_batch:  # take what has arrived
                 try:
                     req, loop, out = self.q.get(timeout=0.05) if idle else self.q.get_nowait()
@@ -158,7 +158,7 @@ class CompletionService:
                     loop.call_soon_threadsafe(out.put_nowait, e)
                     continue
                 live[rec] = [req, loop, out, 0]
-            if sched is None or not (sched.running or sched.waiting):
+            if sched is None or not sched.busy:
                 continue
             try:
                 for rec, (req, _, _, _) in live.items():

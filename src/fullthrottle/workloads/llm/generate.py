@@ -299,6 +299,26 @@ class Generator:
             j = k
         return torch.cat(out)
 
+    @torch.inference_mode()
+    def _prefill_chunk(self, row: int, prompt: Sequence[int], start: int, stop: int) -> torch.Tensor | None:
+        """Tokens ``prompt[start:stop]`` into cache row ``row`` at slots ``[start, stop)``, attending to
+        the row's slots before them (chunked prefill: a long prompt over several steps). At the
+        prompt's end (``stop == len(prompt)``) the first new token ``(1,)``, sampled with the row's
+        values, and the row's position set to the prompt's length; else None."""
+        self.check_cache()
+        dev = self.device
+        ids = torch.as_tensor(prompt[start:stop], dtype=torch.long).to(dev, non_blocking=True)[None]  # (1, C)
+        pos = torch.arange(start, stop, device=dev)[None]  # (1, C)
+        self.model.kv_len = stop  # attend to slots [0, stop): causal within the chunk
+        logits = self.model(ids, pos, row)[:, -1]  # (1, V)
+        if stop < len(prompt):
+            return None
+        r = torch.tensor([row], device=dev)
+        n = torch.tensor([[stop]], device=dev)
+        first = sample(logits, self.temp[r], self.topk[r], self.topp[r], seeded_noise(self.seed[r], n, self.vocab_mix))
+        self.pos[row, 0] = stop
+        return first
+
     def _prefill_shape(self, b: int, longest: int) -> tuple[int, int] | None:
         """The smallest captured prefill shape holding ``b`` prompts of up to ``longest`` tokens."""
         fits = [(pb * ps, pb, ps) for pb, ps in self.prefill_shapes if pb >= b and ps >= longest]

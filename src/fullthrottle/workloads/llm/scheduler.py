@@ -3,9 +3,11 @@ a step loop, as vLLM's and SGLang's schedulers have, in which requests join at t
 leave when done, instead of a batch running until its longest request ends.
 
 Each running request holds one row of the cache from its prefill to its last token. A step
-(:meth:`Scheduler.step`) first admits waiting requests into free rows, oldest first, up to the
-Generator's ``max_prefill_tokens`` (their prompts prefilled together, right-padded to the longest:
-:meth:`~fullthrottle.workloads.llm.llama.Llama.prefill`; not yet chunked), then decodes one token for every running
+(:meth:`Scheduler.step`) first does at most the Generator's ``max_prefill_tokens`` of prefill work:
+the next chunk of a prompt too long for one step (chunked prefill: it goes on over several steps,
+in its own row, while the others decode), then waiting requests into free rows, oldest first, their
+prompts prefilled together, right-padded to the longest
+(:meth:`~fullthrottle.workloads.llm.llama.Llama.prefill`); then it decodes one token for every running
 request as one replay of the decode graph of the batch bucket holding the highest row in use and
 of the attention length holding the longest sequence (the Generator's graphs; eager without them).
 Rows between running ones that are free ride along masked (their position held at 0, their token
@@ -14,7 +16,7 @@ discarded). Tokens are read back once per step.
 Each request samples with its own seed (:func:`~fullthrottle.workloads.llm.generate.seeded_noise`): its
 tokens depend on its prompt, sampling values and seed, not on which requests run beside it.
 
-Not yet (issue 14): chunked prefill, variable-length attention (no padding), paged KV memory.
+Not yet (issue 14): variable-length attention (no padding), paged KV memory.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Request:
     seed: int = 0  # its sampling seed (seed32)
     tokens: list[int] = field(default_factory=list)
     row: int = -1  # its KV-cache row while it runs
+    prefilled: int = 0  # prompt tokens in the cache so far
     done: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None  # when its first token was made (time to first token)
@@ -66,10 +69,16 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # row -> request
         self.free = list(range(gen.max_batch))
+        self.prefilling: Request | None = None  # the prompt being prefilled in chunks, in its row
         self.steps = 0
         gen.eos.fill_(-1 if eos_id is None else eos_id)
         gen.done.fill_(True)  # rows not running
         gen.pos.zero_()
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is waiting, being prefilled or running."""
+        return bool(self.waiting or self.running or self.prefilling)
 
     def submit(
         self,
@@ -110,7 +119,10 @@ class Scheduler:
         if s.done:
             return
         s.done = True
-        if s.row in self.running and self.running[s.row] is s:
+        if s is self.prefilling:
+            self.prefilling = None
+            self.free.append(s.row)
+        elif s.row in self.running and self.running[s.row] is s:
             del self.running[s.row]
             self.free.append(s.row)
             self.gen.done[s.row] = True
@@ -122,33 +134,69 @@ class Scheduler:
 
     @torch.inference_mode()
     def _admit(self) -> list[Request]:
-        """Waiting requests into free rows, oldest first, as many as the rows and the prefill token
-        budget allow (the oldest always), all prefilled together."""
+        """Prefill work of one step, at most the Generator's ``max_prefill_tokens``: the next chunk of
+        the prompt being prefilled in chunks, if any; then waiting requests into free rows, oldest
+        first, whole prompts prefilled together as the budget allows. A prompt longer than the whole
+        budget is prefilled in chunks, one per step, in a row of its own (decoding goes on meanwhile)."""
         g, finished = self.gen, []
-        if not (self.waiting and self.free):
-            return finished
-        t0 = time.perf_counter()
-        batch = OpenBatch(len(self.free), g.max_prefill_tokens)
-        while self.waiting and batch.fits(tokens=len(self.waiting[0].prompt)):
-            s = self.waiting.popleft()
-            batch.add(s, tokens=len(s.prompt))
-        admitted = batch.take()
-        self.free.sort()
-        for s in admitted:  # the lowest free rows: the decode bucket stays small
-            s.row = row = self.free.pop(0)
-            g.temp[row, 0], g.topk[row, 0], g.topp[row, 0], g.seed[row, 0] = s.temperature, s.top_k, s.top_p, s.seed
-        rows = [s.row for s in admitted]
-        first = g._prefill_rows(rows, [s.prompt for s in admitted])
-        g.tok[rows, 0] = first
-        g.done[rows] = False
-        now = time.perf_counter()
-        for s, tok in zip(admitted, first.tolist()):
+        budget = g.max_prefill_tokens
+        t0, tokens = time.perf_counter(), 0
+        if self.prefilling is None and self.waiting and self.free and len(self.waiting[0].prompt) > budget:
+            s = self.prefilling = self.waiting.popleft()  # too long for one step: chunks, in a row of its own
+            self.free.sort()
+            s.row = self.free.pop(0)
+            self._set_row(s)
+        if self.prefilling is not None:
+            s = self.prefilling
+            stop = min(len(s.prompt), s.prefilled + budget)
+            first = g._prefill_chunk(s.row, s.prompt, s.prefilled, stop)
+            tokens, budget, s.prefilled = stop - s.prefilled, budget - (stop - s.prefilled), stop
+            if first is not None:
+                self.prefilling = None
+                g.tok[s.row, 0] = first
+                g.done[s.row] = False
+                finished += self._start([s], first.tolist())
+        admitted = []
+        if self.free and budget > 0:
+            batch = OpenBatch(len(self.free), budget)
+            while (
+                self.waiting
+                and len(self.waiting[0].prompt) <= budget
+                and batch.fits(tokens=len(self.waiting[0].prompt))
+            ):
+                s = self.waiting.popleft()
+                batch.add(s, tokens=len(s.prompt))
+            admitted = batch.take()
+        if admitted:
+            self.free.sort()
+            for s in admitted:  # the lowest free rows: the decode bucket stays small
+                s.row = self.free.pop(0)
+                self._set_row(s)
+            rows = [s.row for s in admitted]
+            first = g._prefill_rows(rows, [s.prompt for s in admitted])
+            g.tok[rows, 0] = first
+            g.done[rows] = False
+            finished += self._start(admitted, first.tolist())
+            tokens += sum(len(s.prompt) for s in admitted)
+        if tokens:
+            dt = time.perf_counter() - t0  # (the Generator's stage counters: what reports and /metrics show)
+            g.stats["prefill"].record(tokens, dt, dt)
+        return finished
+
+    def _set_row(self, s: Request) -> None:
+        g, row = self.gen, s.row
+        g.temp[row, 0], g.topk[row, 0], g.topp[row, 0], g.seed[row, 0] = s.temperature, s.top_k, s.top_p, s.seed
+
+    def _start(self, started: list[Request], first: list[int]) -> list[Request]:
+        """``started`` requests, prefilled, begin decoding with their first tokens; those that end
+        with it are returned."""
+        now, finished = time.perf_counter(), []
+        for s, tok in zip(started, first):
             s.t_first = now
+            s.prefilled = len(s.prompt)
             self.running[s.row] = s
             if self._finish(s, tok):
                 finished.append(s)
-        dt = time.perf_counter() - t0  # (the Generator's stage counters: what reports and /metrics show)
-        g.stats["prefill"].record(sum(len(s.prompt) for s in admitted), dt, dt)
         return finished
 
     @torch.inference_mode()
@@ -161,9 +209,12 @@ class Scheduler:
         g, t0 = self.gen, time.perf_counter()
         top = max(self.running) + 1
         b = bucket_for(top, g.buckets)
-        idle = [r for r in range(b) if r not in self.running]
+        parked = self.prefilling.row if self.prefilling is not None else -1
+        idle = [r for r in range(b) if r not in self.running and r != parked]
         if idle:  # free rows in the bucket ride along at position 0 (their own row's slot 0)
             g.pos[idle] = 0
+        if 0 <= parked < b:  # a row mid-prefill rides along at the cache's last slot, written before any read
+            g.pos[parked] = g.max_seq_len - 1
         longest = max(len(s.prompt) + len(s.tokens) for s in self.running.values())
         kv = next(x for x in g.kv_buckets if x >= longest)
         greedy = all(s.temperature == 0 for s in self.running.values())
@@ -184,6 +235,6 @@ class Scheduler:
         """Every request (``{"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed"}``) to its
         end, joining as rows free up; each request's new tokens, in the order given."""
         seqs = [self.submit(**r) for r in requests]
-        while self.waiting or self.running:
+        while self.busy:
             self.step()
         return [s.tokens for s in seqs]
