@@ -113,7 +113,7 @@ def hf_offline(args) -> dict:
 
     torch.manual_seed(0)
     cfg = HFConfig(
-        vocab_size=VOCAB,
+        vocab_size=VOCAB["llama2-7b"],
         hidden_size=4096,
         intermediate_size=11008,
         num_hidden_layers=32,
@@ -248,6 +248,8 @@ def start_server(args, rows: int, seq: int, port: int):
         str(port),
         "--max-queue",
         "1024",
+        "--max-connections-per-client",  # every client process is 127.0.0.1: the default 64 would cap it
+        "4096",
     ]
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
