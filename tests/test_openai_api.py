@@ -3,6 +3,7 @@ byte-level BPE tokenizer and a chat template, CPU): completions and chat, stream
 strings, usage, seeds, /v1/models and the 400s; and TextStream's incremental decoding."""
 
 import concurrent.futures as cf
+import json
 
 import openai
 import pytest
@@ -134,8 +135,8 @@ def test_stop_strings_seeds_and_refusals(llm):
         c.completions.create(model="tiny", prompt=prompt, stop=["a", "b", "c", "d", "e"])
     with pytest.raises(openai.BadRequestError, match="logprobs are not supported"):
         c.completions.create(model="tiny", prompt=prompt, logprobs=2)
-    with pytest.raises(openai.BadRequestError, match=r"messages\[0\] must be an object"):
-        c.chat.completions.create(model="tiny", messages=[{"role": "user"}])
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\] must be an object with a string role"):
+        c.chat.completions.create(model="tiny", messages=[{"content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="non-empty list"):
         c.chat.completions.create(model="tiny", messages=[])
 
@@ -167,3 +168,80 @@ def test_a_full_admission_queue_answers_503_with_retry_after(make_tiny_llama):
         assert codes.count(200) >= 3 and busy and set(codes) == {200, 503}, codes
         assert busy[0].headers["retry-after"] == "3" and "queue full" in busy[0].json()["error"]["message"]
         assert all(len(r.json()["choices"][0]["token_ids"]) == 1000 for r in got if r.status_code == 200)
+
+
+def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests(llm):
+    import httpx
+
+    s, ref, text = llm
+    url = s.url + "/v1/completions"
+    ids = text.encode("hello world")
+    with httpx.Client(timeout=60) as h:
+        long = h.build_request("POST", url, json={"prompt": ids, "max_tokens": 100, "temperature": 0, "stream": True})
+        running = h.send(long, stream=True)  # a request generating while the bad ones come in
+        bad = [
+            ({"top_k": 1e300}, "top_k must be an integer"),
+            ({"top_k": 10**30}, "top_k must be an integer >= 0"),
+            ({"temperature": 1e300}, "temperature must be a finite number"),
+            ({"temperature": 10**400}, "temperature is out of range"),
+            ({"temperature": "0.5"}, "temperature must be a number"),
+            ({"top_k": True}, "top_k must be an integer"),
+            ({"n": True}, "n must be an integer"),
+            ({"echo": True}, "echo is not supported"),
+            ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
+            ({"prompt": ""}, "prompt is empty"),
+            ({"prompt": "a\ud800b"}, "not valid Unicode"),
+            ({"prompt": "x" * (64 * 128 + 1)}, "far more than the context"),
+        ]
+        for extra, why in bad:
+            body = json.dumps({"prompt": "hello", "max_tokens": 4, **extra})  # (ASCII: escapes lone surrogates)
+            r = h.post(url, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and why in r.json()["error"]["message"], (extra, r.text)
+        r = h.post(url, json={"prompt": ids, "max_tokens": None, "stream": None, "n": None, "temperature": 0})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 16  # null: the default
+        tiny_p = h.post(url, json={"prompt": ids, "max_tokens": 20, "temperature": 1.0, "top_p": 1e-300})
+        greedy = h.post(url, json={"prompt": ids, "max_tokens": 20, "temperature": 0})
+        assert tiny_p.json()["choices"][0]["token_ids"] == greedy.json()["choices"][0]["token_ids"]  # top token only
+        lines = [x for x in running.iter_lines() if x.startswith("data: ")]
+        running.close()
+    assert lines[-1] == "data: [DONE]" and '"finish_reason": "length"' in lines[-2]
+
+
+def test_a_non_streaming_client_that_hangs_up_frees_its_row(make_tiny_llama):
+    import socket
+    import time
+
+    model = make_tiny_llama(max_position_embeddings=4096)
+    gen = Generator(model, max_batch=1, max_seq_len=4096, graphs=False)
+    decoded = gen.stats["decode"]
+    with Server(Tiny(), ServeOptions(llm=(gen, None))) as s:
+        body = b'{"prompt": [1, 2, 3], "max_tokens": 4000, "temperature": 0}'
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        sock.sendall(head.encode() + body)
+        deadline = time.time() + 30
+        while decoded.items == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        sock.close()  # gone before its answer
+        t0 = time.time()
+        r = client(s).completions.create(model="llm", prompt=[5, 6], max_tokens=5)  # waits for the only row
+        assert len(r.choices[0].token_ids) == 5 and time.time() - t0 < 10
+    assert decoded.items < 3900  # the hung-up request stopped long before its 4000 tokens
+
+
+def test_chat_templates_that_do_not_compile_or_fail_give_clear_errors(tiny_text, tmp_path):
+    from fullthrottle.workloads.llm.text import LlmText
+
+    broken = LlmText(tiny_text.tokenizer, "{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(ValueError, match="does not compile: line 1"):
+        broken.chat_prompt([{"role": "user", "content": "hi"}])
+    tiny_text.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": broken.chat_template}))
+    with pytest.raises(ValueError, match="does not compile"):  # at load: the server does not start with it
+        LlmText.from_folder(tmp_path)
+    failing = LlmText(tiny_text.tokenizer, "{{ 1 // (messages | length - 1) }}")
+    with pytest.raises(ValueError, match="failed on these messages: ZeroDivisionError"):
+        failing.chat_prompt([{"role": "user", "content": "hi"}])
+    parts = [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]  # OpenAI's content parts, and null
+    msgs = [{"role": "user", "content": parts}, {"role": "assistant", "content": None}]
+    assert tiny_text.chat_prompt(msgs) == "<s><|user|>\nhello</s>\n<|assistant|>\n</s>\n<|assistant|>\n"

@@ -30,6 +30,8 @@ from .guard import HTTPError as _HTTPError
 from .guard import read_body
 from .services import Overloaded
 
+#: how often (s) a non-streaming request checks, between its tokens, whether its client went away
+DISCONNECT_CHECK_S = 0.5
 _ERROR_TYPES = {404: "not_found_error", 500: "server_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
@@ -47,8 +49,15 @@ class _Reply:
         """New token ids in: those that count (none after a stop string) and their final text."""
         if self.text is not None and self.text.stopped:
             return [], ""
+        if self.text is None:
+            self.tokens += new
+            return new, None
+        before = len(self.tokens)
         self.tokens += new
-        return new, self.text.push(new) if self.text is not None else None
+        text = self.text.push(new)
+        if self.text.stopped:  # the tokens after the one that completed the stop string do not count
+            self.tokens = self.tokens[: self.text.used]
+        return self.tokens[before:], text
 
     def rest(self) -> str | None:
         return self.text.flush() if self.text is not None else None
@@ -138,7 +147,8 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
                 p = parse_body(body)
                 if not isinstance(p, dict):
                     raise ValueError("JSON object body required")
-                req = (chat_request if chat else completion_request)(p, svc.gen, svc.tok)
+                # (tokenizing and templating in a thread: a long prompt does not hold the event loop)
+                req = await asyncio.to_thread(chat_request if chat else completion_request, p, svc.gen, svc.tok)
             except ValueError as e:
                 raise _HTTPError(400, str(e)) from None
             try:
@@ -152,11 +162,20 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
             texts: list[str] = []
             deadline = t0 + opts.timeout_s
             try:
+                check = time.perf_counter() + DISCONNECT_CHECK_S
                 while not r.stopped:
+                    now = time.perf_counter()
+                    if now >= check:
+                        check = now + DISCONNECT_CHECK_S
+                        if await request.is_disconnected():  # the client went away: free its row now
+                            return reply(route, 499, {"detail": "client closed the connection"})
+                    left = deadline - now
                     try:
-                        item = await asyncio.wait_for(out.get(), max(deadline - time.perf_counter(), 0.001))
+                        item = await asyncio.wait_for(out.get(), max(min(left, DISCONNECT_CHECK_S), 0.001))
                     except TimeoutError:
-                        raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
+                        if left <= DISCONNECT_CHECK_S:
+                            raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
+                        continue
                     if item is None:
                         break
                     if isinstance(item, Exception):
@@ -189,7 +208,10 @@ async def _events(r: _Reply, out: asyncio.Queue):
     finally:  # also when the client disconnects mid-stream: stop generating for it
         r.req["cancelled"] = True
     finish = "error" if isinstance(item, Exception) else r.finish_reason()
-    yield f"data: {json.dumps(r.chunk([], r.rest() if finish != 'error' else '', finish, first=first))}\n\n"
+    last = r.chunk([], r.rest() if finish != "error" else "", finish, first=first)
+    if finish == "error":  # (the stream has sent 200 already: the reason goes in its last chunk)
+        last["error"] = {"message": f"generation failed: {item}", "type": "server_error"}
+    yield f"data: {json.dumps(last)}\n\n"
     if r.req["include_usage"]:
         yield f"data: {json.dumps(r.usage_chunk())}\n\n"
     yield "data: [DONE]\n\n"

@@ -11,6 +11,52 @@ from ...core import env
 from ...core.workload import Workload
 from .text import MAX_STOPS, LlmText, TextStream
 
+#: OpenAI options this server does not implement: a request setting one to anything but its
+#: default (the value here) is refused with 400, rather than answered as if it had been applied
+UNSUPPORTED = {
+    "echo": False,
+    "best_of": 1,
+    "suffix": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": None,
+    "tools": None,
+    "tool_choice": None,
+    "response_format": None,
+}
+#: characters of text per token of context a text prompt may have before it is refused untokenized
+#: (tokenizing a huge text only to refuse it would hold the server up)
+MAX_CHARS_PER_TOKEN = 64
+
+
+def _get(p: dict, key: str, default):
+    """``p[key]``, or ``default`` when it is absent or null (as OpenAI's API reads null)."""
+    v = p.get(key)
+    return default if v is None else v
+
+
+def _number(p: dict, key: str, default: float) -> float:
+    v = _get(p, key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{key} must be a number")
+    try:
+        return float(v)
+    except OverflowError:
+        raise ValueError(f"{key} is out of range") from None
+
+
+def _integer(p: dict, key: str, default: int) -> int:
+    v = _get(p, key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{key} must be an integer")
+    return v
+
+
+def _text_ids(tok, text: str, gen, special: bool) -> list[int]:
+    if len(text) > MAX_CHARS_PER_TOKEN * gen.max_seq_len:
+        raise ValueError(f"prompt of {len(text)} characters: far more than the context of {gen.max_seq_len} tokens")
+    return tok.encode(text, special=special)
+
 
 def completion_request(p: dict, gen, tok) -> dict:
     """A completions body checked against the generator ``gen`` and :class:`~.text.LlmText` ``tok``
@@ -24,12 +70,14 @@ def completion_request(p: dict, gen, tok) -> dict:
     if isinstance(prompt, str):
         if tok is None:
             raise ValueError("this model has no tokenizer: send prompt as a list of token ids")
-        ids = tok.encode(prompt)
+        ids = _text_ids(tok, prompt, gen, special=True)
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
     elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         ids = prompt
     else:
         raise ValueError("prompt must be a string or a non-empty list of token ids")
-    return _request(p, gen, ids, p.get("max_tokens", 16))
+    return _request(p, gen, ids, _integer(p, "max_tokens", 16))
 
 
 def chat_request(p: dict, gen, tok) -> dict:
@@ -41,15 +89,16 @@ def chat_request(p: dict, gen, tok) -> dict:
     """
     if tok is None:
         raise ValueError("this model has no tokenizer.json: chat completions need one")
-    ids = tok.encode(tok.chat_prompt(p.get("messages")), special=False)  # (the template writes BOS)
+    ids = _text_ids(tok, tok.chat_prompt(p.get("messages")), gen, special=False)  # (the template writes BOS)
     if not ids:
         raise ValueError("the chat template made an empty prompt")
-    return _request(p, gen, ids, p.get("max_completion_tokens", p.get("max_tokens", 16)))
+    key = "max_completion_tokens" if p.get("max_completion_tokens") is not None else "max_tokens"
+    return _request(p, gen, ids, _integer(p, key, 16))
 
 
-def _request(p: dict, gen, ids: list[int], max_tokens) -> dict:
+def _request(p: dict, gen, ids: list[int], max_tokens: int) -> dict:
     vocab = gen.model.cfg.vocab_size
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+    if max_tokens < 1:
         raise ValueError("max_tokens must be a positive integer")
     if any(i < 0 or i >= vocab for i in ids):
         raise ValueError(f"token ids must be in [0, {vocab})")
@@ -57,27 +106,28 @@ def _request(p: dict, gen, ids: list[int], max_tokens) -> dict:
         raise ValueError(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {gen.max_seq_len}"
         )
-    if not isinstance(p.get("stream", False), bool):
+    if not isinstance(_get(p, "stream", False), bool):
         raise ValueError("stream must be true or false")
-    opts = p.get("stream_options") or {}
-    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+    opts = _get(p, "stream_options", {})
+    if not isinstance(opts, dict) or not isinstance(_get(opts, "include_usage", False), bool):
         raise ValueError("stream_options must be an object with a boolean include_usage")
     seed = p.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ValueError("seed must be an integer")
-    if p.get("n", 1) != 1:
+    if _integer(p, "n", 1) != 1:
         raise ValueError("n must be 1 (one choice per request)")
     if p.get("logprobs") not in (None, False, 0) or p.get("top_logprobs") not in (None, 0):
         raise ValueError("logprobs are not supported by this server")
-    stop = p.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    for key, default in UNSUPPORTED.items():
+        v = _get(p, key, default)
+        if v != default and v not in ([], {}):
+            raise ValueError(f"{key} is not supported by this server")
+    stop = _get(p, "stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and len(stop) <= MAX_STOPS and all(isinstance(x, str) and x for x in stop)):
         raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
-    try:
-        temperature, top_k, top_p = float(p.get("temperature", 1.0)), int(p.get("top_k", 0)), float(p.get("top_p", 1.0))
-        gen.check_sampling(temperature, top_k, top_p)
-    except (TypeError, ValueError) as e:
-        raise ValueError(str(e)) from None
+    temperature, top_p, top_k = _number(p, "temperature", 1.0), _number(p, "top_p", 1.0), _integer(p, "top_k", 0)
+    gen.check_sampling(temperature, top_k, top_p)
     eos = gen.model.cfg.eos_token_id
     return {
         "ids": ids,
@@ -88,7 +138,7 @@ def _request(p: dict, gen, ids: list[int], max_tokens) -> dict:
         "seed": seed,
         "eos": eos[0] if isinstance(eos, list) else eos,
         "stop": stop,
-        "include_usage": opts.get("include_usage", False),
+        "include_usage": _get(opts, "include_usage", False),
     }
 
 

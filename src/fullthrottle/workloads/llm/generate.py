@@ -111,7 +111,8 @@ def sample(
     kth = srt.gather(-1, k - 1)  # (B, 1) k-th largest
     probs_sorted = srt.softmax(-1)
     cum = probs_sorted.cumsum(-1) - probs_sorted  # mass before each token
-    keep_sorted = cum < top_p  # the first token always stays
+    keep_sorted = cum < top_p
+    keep_sorted[:, 0] = True  # the first token always stays (also for a top_p that is 0 in float32)
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted) & (x >= kth)
     x = x.masked_fill(~keep, float("-inf"))
     drawn = (x.softmax(-1) / noise).argmax(-1)
@@ -350,15 +351,16 @@ class Generator:
 
     @staticmethod
     def check_sampling(temperature, top_k, top_p) -> None:
-        """Raises ValueError for a temperature < 0 or not finite, top_k < 0, top_p outside (0, 1]."""
+        """Raises ValueError for a temperature that is not a finite float32 >= 0, a top_k < 0 or past
+        int64 (any top_k at or above the vocabulary is no cut), a top_p outside (0, 1]."""
         import math
 
         for t in temperature if isinstance(temperature, (list, tuple)) else [temperature]:
-            if not math.isfinite(t) or t < 0:
+            if not math.isfinite(t) or not 0 <= t <= 3e38:
                 raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
         for k in top_k if isinstance(top_k, (list, tuple)) else [top_k]:
-            if k < 0:
-                raise ValueError(f"top_k must be >= 0 (0 = off), got {k}")
+            if not 0 <= k < 2**63:
+                raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k}")
         for p in top_p if isinstance(top_p, (list, tuple)) else [top_p]:
             if not (0 < p <= 1):
                 raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")

@@ -22,6 +22,26 @@ def _token_text(v) -> str | None:
     return v.get("content") if isinstance(v, dict) else v
 
 
+def _role(i: int, m) -> str:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ValueError(f"messages[{i}] must be an object with a string role")
+    return m["role"]
+
+
+def _content(i: int, m: dict) -> str:
+    """A message's text: a string, null (an assistant turn with tool calls), or a list of text parts."""
+    c = m.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, list) and all(
+        isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c
+    ):
+        return "".join(x["text"] for x in c)
+    if not isinstance(c, str):
+        raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+    return c
+
+
 class LlmText:
     """Encode, decode and build chat prompts for one model.
 
@@ -41,7 +61,8 @@ class LlmText:
         """The folder's tokenizer and chat template; None when it has no ``tokenizer.json``.
 
         Raises:
-            ValueError: a ``tokenizer.json`` or ``tokenizer_config.json`` that does not load.
+            ValueError: a ``tokenizer.json`` or ``tokenizer_config.json`` that does not load, or a
+                chat template that does not compile.
         """
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
@@ -60,10 +81,21 @@ class LlmText:
         jinja = path / "chat_template.jinja"
         if jinja.is_file():
             template = jinja.read_text(encoding="utf-8")
-        return cls(tok, template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
+        text = cls(tok, template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
+        if template is not None:
+            text.template()  # a template that does not compile fails here, at load, not on every request
+        return text
 
     def encode(self, text: str, special: bool = True) -> list[int]:
-        """Token ids of ``text``; ``special``: with the tokenizer's own added tokens (BOS)."""
+        """Token ids of ``text``; ``special``: with the tokenizer's own added tokens (BOS).
+
+        Raises:
+            ValueError: ``text`` is not valid Unicode (a lone surrogate, as JSON escapes allow).
+        """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the text is not valid Unicode at character {e.start} (a lone surrogate)") from None
         return self.tokenizer.encode(text, add_special_tokens=special).ids
 
     def decode(self, ids: list[int]) -> str:
@@ -79,35 +111,49 @@ class LlmText:
             raise ValueError("this model has no chat template (tokenizer_config.json or chat_template.jinja)")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
-        for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise ValueError(f"messages[{i}] must be an object with string role and content")
+        msgs = [{"role": _role(i, m), "content": _content(i, m)} for i, m in enumerate(messages)]
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        try:
+            return self.template().render(
+                messages=msgs, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"the chat template refused the messages: {e}") from None
+        except Exception as e:  # noqa: BLE001 - the template's own fault, on these messages
+            raise ValueError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
+
+    def template(self):
+        """The compiled chat template (Jinja2, sandboxed, as ``transformers`` renders it).
+
+        Raises:
+            ValueError: no template, or one that does not compile.
+        """
         if self._template is None:
+            if self.chat_template is None:
+                raise ValueError("this model has no chat template (tokenizer_config.json or chat_template.jinja)")
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             def raise_exception(msg):
                 raise jinja2.exceptions.TemplateError(msg)
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(self.chat_template)
-        msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-        try:
-            return self._template.render(
-                messages=msgs, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
-            )
-        except jinja2.exceptions.TemplateError as e:
-            raise ValueError(f"the chat template refused the messages: {e}") from None
+            try:
+                self._template = env.from_string(self.chat_template)
+            except jinja2.exceptions.TemplateSyntaxError as e:
+                raise ValueError(f"the chat template does not compile: line {e.lineno}: {e.message}") from None
+        return self._template
 
 
 class TextStream:
     """One request's text as its tokens arrive, cut at the first of ``stops``.
 
     :meth:`push` returns the text that is now final; :attr:`stopped` turns True when a stop string
-    appears (the text ends before it, the stop string itself not included); :meth:`flush` returns
-    what was held back once no more tokens come.
+    appears (the text ends before it, the stop string itself not included; :attr:`used` then counts
+    the tokens up to the one that completed it); :meth:`flush` returns what was held back once no
+    more tokens come.
     """
 
     def __init__(self, text: LlmText, stops: list[str] | tuple[str, ...] = ()):
@@ -115,7 +161,11 @@ class TextStream:
         self.tokens: list[int] = []
         self._prefix = self._read = 0  # the decode window: tokens[prefix:read] are already text
         self._pending = ""  # final text not yet handed out (it may begin a stop string)
+        self._emitted = 0  # characters handed out so far
+        self._pushed_from = 0  # where the last push's tokens begin
         self.stopped = False
+        #: tokens that count: all of them, or after a stop, those up to the one that completed it
+        self.used = 0
 
     def _new_text(self, final: bool = False) -> str:
         prev = self.text.decode(self.tokens[self._prefix : self._read])
@@ -126,10 +176,13 @@ class TextStream:
         return full[len(prev) :]
 
     def _cut(self, final: bool) -> str:
-        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((self._pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
-            out, self._pending = self._pending[: min(hits)], ""
+            start, end = min(hits)
+            self._used_through(self._emitted + end)
+            out, self._pending = self._pending[:start], ""
+            self._emitted += len(out)
             return out
         hold = 0  # the longest tail that could be the start of a stop string (none at the end)
         if not final:
@@ -140,13 +193,24 @@ class TextStream:
                         break
         cut = len(self._pending) - hold
         out, self._pending = self._pending[:cut], self._pending[cut:]
+        self._emitted += len(out)
         return out
+
+    def _used_through(self, chars: int) -> None:
+        """:attr:`used`: the fewest tokens whose text reaches ``chars`` characters (the stop's end)."""
+        for n in range(max(1, self._pushed_from), len(self.tokens) + 1):
+            if len(self.text.decode(self.tokens[:n])) >= chars:
+                self.used = n
+                return
+        self.used = len(self.tokens)
 
     def push(self, tokens: list[int]) -> str:
         """New token ids in; the text now final out ("" while held back, and after a stop)."""
         if self.stopped:
             return ""
+        self._pushed_from = len(self.tokens)
         self.tokens += tokens
+        self.used = len(self.tokens)
         self._pending += self._new_text()
         return self._cut(final=False)
 
