@@ -47,6 +47,7 @@ from .worker_procs import (
     WorkerDied,
     exit_reason,
     shutdown_worker,
+    stop_workers,
     worker_command,
 )
 
@@ -331,17 +332,5 @@ class GpuDecoderPool:
     def close(self, grace_s: float = 2.0) -> None:
         """Stop every process: all sockets closed at once (each exits on EOF, tearing its CUDA
         context down in parallel with the others), ``grace_s`` s in all to exit, then killed."""
-        for w in self.workers:
-            w.closed = True
-            try:
-                w.conn.close()
-            except OSError:
-                pass
-        deadline = time.perf_counter() + grace_s
-        for w in self.workers:
-            try:
-                w.proc.wait(max(0.0, deadline - time.perf_counter()))
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
-            w.close()  # reaps it, gives its arena back
+        stop_workers(self.workers, grace_s)  # (each close() also gives its arena back)
         self.workers = []

@@ -49,6 +49,7 @@ from .worker_procs import (
     WorkerDied,
     exit_reason,
     shutdown_worker,
+    stop_workers,
     worker_command,
 )
 
@@ -373,19 +374,7 @@ class DecoderPool:
         with self._start_lock:
             self._closing = True  # a worker that comes up from now on closes itself
             workers = list(self.workers)
-        for w in workers:
-            w.closed = True
-            try:
-                w.conn.close()
-            except OSError:
-                pass
-        deadline = time.perf_counter() + grace_s
-        for w in workers:
-            try:
-                w.proc.wait(max(0.0, deadline - time.perf_counter()))
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
-            w.close()  # reaps it
+        stop_workers(workers, grace_s)
         for t in self._starting:  # (their workers closed: each thread ends at once)
             t.join()
         self._starting = []

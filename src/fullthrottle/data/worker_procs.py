@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from multiprocessing.connection import Connection
 
 #: seconds a freshly started worker is allowed for its imports before decode_timeout_s applies
@@ -67,3 +68,23 @@ def shutdown_worker(conn: Connection, proc: subprocess.Popen, ready_fd: int = -1
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def stop_workers(workers, grace_s: float) -> None:
+    """Stop worker processes together: every socket closed first (each loop ends on EOF and the
+    processes exit in parallel), then ``grace_s`` s in all for them to exit, then killed; each
+    worker's own ``close()`` then reaps it. ``workers``: objects with ``conn``, ``proc``, ``closed``
+    and ``close()``."""
+    for w in workers:
+        w.closed = True
+        try:
+            w.conn.close()
+        except OSError:
+            pass
+    deadline = time.perf_counter() + grace_s
+    for w in workers:
+        try:
+            w.proc.wait(max(0.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+        w.close()
