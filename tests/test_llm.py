@@ -7,8 +7,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fullthrottle.workloads.llm.generate import _GOLDEN, Generator, sample, seed32, seeded_noise  # noqa: E402
+from fullthrottle.workloads.llm.generate import Generator  # noqa: E402
 from fullthrottle.workloads.llm.llama import LlamaConfig, load_hf  # noqa: E402
+from fullthrottle.workloads.llm.sampling import GOLDEN, sample, seed32, seeded_noise  # noqa: E402
 
 ROPE3 = {
     "rope_type": "llama3",
@@ -155,7 +156,7 @@ def test_seeded_noise_draws_from_the_distribution_and_depends_on_seed_and_positi
     of each of 8 tokens is within 4 standard errors of its probability; the noise of a row is a
     function of (seed, position, token id) alone."""
     V = 8
-    vm = torch.arange(V, dtype=torch.int32) * _GOLDEN
+    vm = torch.arange(V, dtype=torch.int32) * GOLDEN
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 0.25]])
     n = 4000
     seeds = torch.arange(n, dtype=torch.int32)[:, None]

@@ -13,7 +13,7 @@ of the attention length holding the longest sequence (the Generator's graphs; ea
 Rows between running ones that are free ride along masked (their position held at 0, their token
 discarded). Tokens are read back once per step.
 
-Each request samples with its own seed (:func:`~fullthrottle.workloads.llm.generate.seeded_noise`): its
+Each request samples with its own seed (:func:`~fullthrottle.workloads.llm.sampling.seeded_noise`): its
 tokens depend on its prompt, sampling values and seed, not on which requests run beside it.
 
 Not yet (issue 14): variable-length attention (no padding), paged KV memory.
