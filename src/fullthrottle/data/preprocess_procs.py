@@ -308,9 +308,8 @@ class DecoderPool:
     ):
         self.workers: list[DecoderProcess] = []
         self.crops = CropPool(rows, crop_size, scratch=n)
-        errs: list[BaseException] = []
-        lock = threading.Lock()
-        self._closing = False
+        self._start_errors, self._start_lock, self._closing = [], threading.Lock(), False
+        errs, lock = self._start_errors, self._start_lock
 
         def start(i: int):
             try:
@@ -337,7 +336,6 @@ class DecoderPool:
                 errs.append(e)
 
         self._starting = [threading.Thread(target=start, args=(i,), daemon=True) for i in range(n)]
-        self._start_errors, self._start_lock = errs, lock
         for t in self._starting:
             t.start()
         if wait:
