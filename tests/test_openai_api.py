@@ -133,7 +133,7 @@ def test_stop_strings_seeds_and_refusals(llm):
         c.completions.create(model="tiny", prompt=prompt, n=2)
     with pytest.raises(openai.BadRequestError, match="at most 4"):
         c.completions.create(model="tiny", prompt=prompt, stop=["a", "b", "c", "d", "e"])
-    with pytest.raises(openai.BadRequestError, match="logprobs are not supported"):
+    with pytest.raises(openai.BadRequestError, match="logprobs are off on this server"):
         c.completions.create(model="tiny", prompt=prompt, logprobs=2)
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\] must be an object with a string role"):
         c.chat.completions.create(model="tiny", messages=[{"content": "hi"}])
@@ -245,3 +245,39 @@ def test_chat_templates_that_do_not_compile_or_fail_give_clear_errors(tiny_text,
     parts = [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]  # OpenAI's content parts, and null
     msgs = [{"role": "user", "content": parts}, {"role": "assistant", "content": None}]
     assert tiny_text.chat_prompt(msgs) == "<s><|user|>\nhello</s>\n<|assistant|>\n</s>\n<|assistant|>\n"
+
+
+def test_logprobs_through_the_openai_client(make_tiny_llama, tiny_text):
+    model = make_tiny_llama(vocab_size=tiny_text.tokenizer.get_vocab_size(), max_position_embeddings=128)
+    gen = Generator(model, max_batch=2, max_seq_len=128, graphs=False, check_every=4, logprobs=5)
+    with Server(Tiny(), ServeOptions(llm=(gen, tiny_text))) as s:
+        c = client(s)
+        r = c.completions.create(model="llm", prompt="hello world", max_tokens=9, temperature=0, logprobs=3)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 9 == r.usage.completion_tokens
+        for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert len(top) <= 3 and chosen <= 0 and abs(chosen - max(top.values())) < 1e-5  # greedy: the top one
+            assert tok in top
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+        msgs = [{"role": "user", "content": "hi"}]
+        chat = c.chat.completions.create(
+            model="llm", messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+        )
+        content = chat.choices[0].logprobs.content
+        assert len(content) == 6 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+        streamed = [
+            x
+            for ch in c.chat.completions.create(
+                model="llm", messages=msgs, max_tokens=6, temperature=0, logprobs=True, stream=True
+            )
+            for x in ((ch.choices[0].logprobs.content if ch.choices[0].logprobs else []) or [])
+        ]
+        assert [t.logprob for t in streamed] == [t.logprob for t in content]  # every token once, in order
+        with pytest.raises(openai.BadRequestError, match="between 0 and 5"):
+            c.completions.create(model="llm", prompt="hi", logprobs=6)
+        with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+            c.chat.completions.create(model="llm", messages=msgs, top_logprobs=2)
+    gen = Generator(model, max_batch=1, max_seq_len=64, graphs=False)
+    with Server(Tiny(), ServeOptions(llm=(gen, tiny_text))) as s:
+        with pytest.raises(openai.BadRequestError, match="logprobs are off on this server"):
+            client(s).completions.create(model="llm", prompt="hi", logprobs=1)

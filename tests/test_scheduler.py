@@ -87,6 +87,38 @@ def test_chunked_prefill_gives_each_request_its_tokens_alone_and_decoding_goes_o
     assert sched.prefilling is None and sorted(sched.free) == [0, 1, 2, 3] and not sched.busy
 
 
+def test_logprobs_are_the_models_log_softmax_of_each_token(tiny_llama):
+    """With logprobs, each token's log-probability and the top 3 equal log_softmax of the model's
+    logits at that position (one forward over prompt + tokens), greedy or sampled, chunked or not."""
+    import torch
+
+    gen = Generator(tiny_llama, max_batch=4, max_seq_len=64, graphs=False, logprobs=3, max_prefill_tokens=8)
+    sched = Scheduler(gen)
+    reqs = [
+        sched.submit([5, 6, 7], 6, logprobs=3),
+        sched.submit(list(range(1, 20)), 5, temperature=0.9, seed=4, logprobs=2),  # prefilled in chunks
+        sched.submit([9, 9], 4),  # asks for none
+    ]
+    while sched.busy:
+        sched.step()
+    assert reqs[2].lps == [] and [len(r.lps) for r in reqs[:2]] == [6, 5]
+    for r in reqs[:2]:
+        seq = r.prompt + r.tokens
+        with torch.inference_mode():
+            tiny_llama.kv_len = len(seq)
+            logits = tiny_llama(torch.tensor([seq]), torch.arange(len(seq))[None], 0)[0]  # (S, V)
+        ref = logits.float().log_softmax(-1)
+        for j, (lp, ids, vals) in enumerate(r.lps):
+            row = ref[len(r.prompt) - 1 + j]  # the distribution the j-th new token was drawn from
+            assert abs(lp - row[r.tokens[j]].item()) < 1e-4
+            top = row.topk(r.logprobs)
+            assert ids == top.indices.tolist() and max(abs(a - b) for a, b in zip(vals, top.values.tolist())) < 1e-4
+    with pytest.raises(ValueError, match="between 0 and 3"):
+        sched.submit([1], 2, logprobs=4)
+    with pytest.raises(ValueError, match="reports none"):
+        Scheduler(Generator(tiny_llama, max_batch=1, max_seq_len=16, graphs=False)).submit([1], 2, logprobs=1)
+
+
 def test_eos_ends_a_request_and_frees_its_row(tiny_llama):
     gen = Generator(tiny_llama, max_batch=2, max_seq_len=64, graphs=False)
     ref = gen.generate([[5, 6, 7]], max_new_tokens=10)[0]

@@ -182,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--llm-max-batch", type=positive_int, default=8, help="LLM rows per decode batch (default: %(default)s)"
     )
     v.add_argument(
+        "--llm-logprobs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="let requests ask for logprobs: each token's and the top N (0-20; default: off, no extra work per step)",
+    )
+    v.add_argument(
         "--llm-max-seq-len",
         type=positive_int,
         default=None,

@@ -105,6 +105,13 @@ class BatchingService:
         self.pipeline.close()
 
 
+class TokenChunk(list):
+    """New token ids of one request, as :class:`CompletionService` streams them; ``logprobs``: per
+    token, (its log-probability, the top ids, their log-probabilities), when the request asked."""
+
+    logprobs: list | None = None
+
+
 class CompletionService:
     """LLM requests with continuous batching (:class:`~fullthrottle.workloads.llm.scheduler.Scheduler`):
     a thread runs the step loop; a request joins at the next step with a free KV-cache row and leaves
@@ -123,8 +130,9 @@ class CompletionService:
         self._thread.start()
 
     def submit(self, req: dict) -> asyncio.Queue:
-        """Queue ``req`` (ids, max_tokens, temperature, top_k, top_p, eos, seed); returns the queue
-        that receives lists of new token ids, then None at the end (or an Exception). Setting
+        """Queue ``req`` (ids, max_tokens, temperature, top_k, top_p, eos, seed, logprobs); returns the
+        queue that receives :class:`TokenChunk` lists of new token ids, then None at the end (or an
+        Exception). Setting
         ``req["cancelled"] = True`` (the client disconnected) frees its row at the next step.
         With a ``seed``, a sampled request's tokens are the same whatever runs beside it."""
         loop = asyncio.get_running_loop()
@@ -152,7 +160,13 @@ class CompletionService:
                     sched = Scheduler(self.gen, eos_id=req["eos"])
                 try:
                     rec = sched.submit(
-                        req["ids"], req["max_tokens"], req["temperature"], req["top_k"], req["top_p"], req.get("seed")
+                        req["ids"],
+                        req["max_tokens"],
+                        req["temperature"],
+                        req["top_k"],
+                        req["top_p"],
+                        req.get("seed"),
+                        req.get("logprobs"),
                     )
                 except ValueError as e:  # (the route checks first: this is a caller of submit's own)
                     loop.call_soon_threadsafe(out.put_nowait, e)
@@ -172,9 +186,11 @@ class CompletionService:
                 continue
             for rec in list(live):
                 req, loop, out, sent = live[rec]
-                new = rec.tokens[sent:]
+                new = TokenChunk(rec.tokens[sent:])
                 # the first token at once (time to first token), then every ``every`` tokens
                 if new and not req.get("cancelled") and (rec.done or sent == 0 or len(new) >= every):
+                    if rec.logprobs is not None:
+                        new.logprobs = rec.lps[sent : sent + len(new)]
                     loop.call_soon_threadsafe(out.put_nowait, new)
                     live[rec][3] = len(rec.tokens)
                 if rec.done:

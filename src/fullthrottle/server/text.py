@@ -42,22 +42,66 @@ class _Reply:
         self.chat, self.req, self.model = chat, req, model
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.tok = tok
         self.text = TextStream(tok, req["stop"]) if tok is not None else None
         self.tokens: list[int] = []
+        self.lps: list = []  # per token, with logprobs: (its log-probability, top ids, top values)
+        self._offset = 0  # characters of the completion's tokens so far (text_offset)
 
     def take(self, new: list[int]) -> tuple[list[int], str | None]:
-        """New token ids in: those that count (none after a stop string) and their final text."""
+        """New token ids (a TokenChunk) in: those that count (none after a stop string) and their
+        final text."""
         if self.text is not None and self.text.stopped:
             return [], ""
-        if self.text is None:
-            self.tokens += new
-            return new, None
         before = len(self.tokens)
         self.tokens += new
-        text = self.text.push(new)
-        if self.text.stopped:  # the tokens after the one that completed the stop string do not count
-            self.tokens = self.tokens[: self.text.used]
+        self.lps += getattr(new, "logprobs", None) or []
+        text = None
+        if self.text is not None:
+            text = self.text.push(new)
+            if self.text.stopped:  # the tokens after the one that completed the stop string do not count
+                self.tokens = self.tokens[: self.text.used]
+                self.lps = self.lps[: self.text.used]
         return self.tokens[before:], text
+
+    def _token(self, i: int) -> str:
+        return self.tok.decode([i]) if self.tok is not None else f"token_id:{i}"
+
+    def _top_dict(self, ids: list[int], vals: list[float]) -> dict:
+        """The completions shape's ``{token text: logprob}``; tokens of the same text (byte pieces
+        shown as U+FFFD) keep the likeliest."""
+        out: dict = {}
+        for j, v in zip(ids, vals):
+            out.setdefault(self._token(j), v)
+        return out
+
+    def logprobs(self, start: int, stop: int) -> dict | None:
+        """OpenAI's ``logprobs`` for tokens ``[start, stop)`` (None unless the request asked)."""
+        if self.req.get("logprobs") is None:
+            return None
+        rows = list(zip(self.tokens[start:stop], self.lps[start:stop]))
+        if self.chat:
+
+            def item(t: str, lp: float) -> dict:
+                return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
+            return {
+                "content": [
+                    {**item(self._token(i), lp), "top_logprobs": [item(self._token(j), v) for j, v in zip(ids, vals)]}
+                    for i, (lp, ids, vals) in rows
+                ]
+            }
+        toks = [self._token(i) for i, _ in rows]
+        offsets = []
+        for t in toks:
+            offsets.append(self._offset)
+            self._offset += len(t)
+        return {
+            "tokens": toks,
+            "token_logprobs": [lp for _, (lp, _, _) in rows],
+            "top_logprobs": [self._top_dict(ids, vals) for _, (_, ids, vals) in rows],
+            "text_offset": offsets,
+        }
 
     def rest(self) -> str | None:
         return self.text.flush() if self.text is not None else None
@@ -78,12 +122,14 @@ class _Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, ids: list[int], text: str | None, finish: str | None = None, first: bool = False) -> dict:
+        """A streamed chunk of ``ids``, the last tokens taken."""
+        lp = self.logprobs(len(self.tokens) - len(ids), len(self.tokens)) if ids else None
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "token_ids": ids, "logprobs": lp, "finish_reason": finish}
             out = {**self._head("text_completion"), "choices": [choice]}
         if self.req["include_usage"]:
             out["usage"] = None
@@ -98,11 +144,12 @@ class _Reply:
 
     def whole(self, text: str | None) -> dict:
         reason = self.finish_reason()
+        lp = self.logprobs(0, len(self.tokens))
         if self.chat:
             msg = {"role": "assistant", "content": text}
-            choices = [{"index": 0, "message": msg, "logprobs": None, "finish_reason": reason}]
+            choices = [{"index": 0, "message": msg, "logprobs": lp, "finish_reason": reason}]
             return {**self._head("chat.completion"), "choices": choices, "usage": self.usage()}
-        choice = {"index": 0, "text": text, "token_ids": self.tokens, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "token_ids": self.tokens, "logprobs": lp, "finish_reason": reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": self.usage()}
 
 

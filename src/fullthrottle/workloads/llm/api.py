@@ -61,7 +61,7 @@ def _text_ids(tok, text: str, gen, special: bool) -> list[int]:
 def completion_request(p: dict, gen, tok) -> dict:
     """A completions body checked against the generator ``gen`` and :class:`~.text.LlmText` ``tok``
     (or None): ``{"ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "eos", "stop",
-    "include_usage"}``.
+    "include_usage", "logprobs"}`` (``logprobs``: None, or how many top tokens to report).
 
     Raises:
         ValueError: the reason, as the client should read it (the server: 400).
@@ -77,7 +77,10 @@ def completion_request(p: dict, gen, tok) -> dict:
         ids = prompt
     else:
         raise ValueError("prompt must be a string or a non-empty list of token ids")
-    return _request(p, gen, ids, _integer(p, "max_tokens", 16))
+    lp = p.get("logprobs")  # (completions: how many top tokens; 0: the chosen token's only)
+    if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)):
+        raise ValueError("logprobs must be an integer (how many most likely tokens per position)")
+    return _request(p, gen, ids, _integer(p, "max_tokens", 16), lp)
 
 
 def chat_request(p: dict, gen, tok) -> dict:
@@ -93,10 +96,16 @@ def chat_request(p: dict, gen, tok) -> dict:
     if not ids:
         raise ValueError("the chat template made an empty prompt")
     key = "max_completion_tokens" if p.get("max_completion_tokens") is not None else "max_tokens"
-    return _request(p, gen, ids, _integer(p, key, 16))
+    on = _get(p, "logprobs", False)  # (chat: a boolean, and top_logprobs the count)
+    if not isinstance(on, bool):
+        raise ValueError("logprobs must be true or false")
+    top = _integer(p, "top_logprobs", 0)
+    if top and not on:
+        raise ValueError("top_logprobs needs logprobs: true")
+    return _request(p, gen, ids, _integer(p, key, 16), top if on else None)
 
 
-def _request(p: dict, gen, ids: list[int], max_tokens: int) -> dict:
+def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None = None) -> dict:
     vocab = gen.model.cfg.vocab_size
     if max_tokens < 1:
         raise ValueError("max_tokens must be a positive integer")
@@ -116,8 +125,10 @@ def _request(p: dict, gen, ids: list[int], max_tokens: int) -> dict:
         raise ValueError("seed must be an integer")
     if _integer(p, "n", 1) != 1:
         raise ValueError("n must be 1 (one choice per request)")
-    if p.get("logprobs") not in (None, False, 0) or p.get("top_logprobs") not in (None, 0):
-        raise ValueError("logprobs are not supported by this server")
+    if logprobs is not None and not gen.logprobs:
+        raise ValueError("logprobs are off on this server (start it with --llm-logprobs N)")
+    if logprobs is not None and not 0 <= logprobs <= gen.logprobs:
+        raise ValueError(f"logprobs (the top tokens per position) must be between 0 and {gen.logprobs}")
     for key, default in UNSUPPORTED.items():
         v = _get(p, key, default)
         if v != default and v not in ([], {}):
@@ -139,6 +150,7 @@ def _request(p: dict, gen, ids: list[int], max_tokens: int) -> dict:
         "eos": eos[0] if isinstance(eos, list) else eos,
         "stop": stop,
         "include_usage": _get(opts, "include_usage", False),
+        "logprobs": logprobs,
     }
 
 

@@ -21,7 +21,7 @@ import torch
 from ...core.config import Runtime, default_buckets
 from ...core.report import StageStats
 from .llama import Llama
-from .sampling import GOLDEN, sample, seed32, seeded_noise
+from .sampling import GOLDEN, check_sampling, row_seeds, sample, seeded_noise, token_logprobs
 
 DEFAULT_BUCKETS = default_buckets(256)
 
@@ -83,6 +83,8 @@ class Generator:
             one per (batch bucket, length bucket 16, 32, 64, ...): short prompts are bound by the
             host's kernel launches, not by the GPU. Their padding rows write into one spare KV-cache
             row. 0: prefill eager only (and on the CPU).
+        logprobs: 0, or how many most likely tokens (up to 20) each step also reports, with the
+            chosen token's log-probability (:attr:`lp`, :attr:`lp_ids`, per row; in the graphs).
 
     Raises:
         ValueError: on :meth:`generate`, a prompt + max_new_tokens longer than ``max_seq_len``.
@@ -100,6 +102,7 @@ class Generator:
         attn_buckets: Sequence[int] | None = None,
         max_prefill_tokens: int = 8192,
         prefill_graph_tokens: int = 2048,
+        logprobs: int = 0,
     ):
         self.model = model
         #: tokens (padding included) one prefill forward takes at most; a longer prompt goes alone
@@ -138,6 +141,12 @@ class Generator:
         self.eos = torch.full((1,), -1, dtype=torch.long, device=dev)
         self.seed = torch.zeros(B, 1, dtype=torch.int32, device=dev)  # each row's sampling seed (seed32)
         self.vocab_mix = torch.arange(V, dtype=torch.int32, device=dev) * GOLDEN  # (see seeded_noise)
+        if not 0 <= logprobs <= min(20, V):
+            raise ValueError(f"logprobs must be between 0 and {min(20, V)}, got {logprobs}")
+        self.logprobs = logprobs
+        #: per row, after each step: the chosen token's log-probability, then the top ``logprobs``
+        self.lp = torch.zeros(B, 1 + logprobs, device=dev)
+        self.lp_ids = torch.zeros(B, logprobs, dtype=torch.long, device=dev)  # their token ids
         self.kv_buckets = (
             tuple(sorted({min(int(x), max_seq_len) for x in attn_buckets} | {max_seq_len}))
             if attn_buckets
@@ -164,6 +173,8 @@ class Generator:
         else:
             noise = seeded_noise(self.seed[:b], self.pos[:b] + 1, self.vocab_mix)  # (the new token's position)
             nxt = sample(logits, self.temp[:b], self.topk[:b], self.topp[:b], noise)
+        if self.logprobs:
+            self._keep_logprobs(slice(0, b), logits, nxt)
         nxt = torch.where(self.done[:b], self.eos.clamp_min(0).expand(b), nxt)  # finished rows repeat EOS
         self.done[:b] |= nxt == self.eos
         self.tok[:b, 0] = nxt
@@ -228,6 +239,8 @@ class Generator:
                 logits = self.model.prefill(ids.to(dev, non_blocking=True), n, r)  # (b, V)
             noise = seeded_noise(self.seed[r], n[:, None], self.vocab_mix)  # the first new token's position
             out.append(sample(logits, self.temp[r], self.topk[r], self.topp[r], noise))
+            if self.logprobs:
+                self._keep_logprobs(r, logits, out[-1])
             self.pos[r, 0] = n
             j = k
         return torch.cat(out)
@@ -249,8 +262,14 @@ class Generator:
         r = torch.tensor([row], device=dev)
         n = torch.tensor([[stop]], device=dev)
         first = sample(logits, self.temp[r], self.topk[r], self.topp[r], seeded_noise(self.seed[r], n, self.vocab_mix))
+        if self.logprobs:
+            self._keep_logprobs(r, logits, first)
         self.pos[row, 0] = stop
         return first
+
+    def _keep_logprobs(self, rows, logits: torch.Tensor, chosen: torch.Tensor) -> None:
+        lp, top, ids = token_logprobs(logits, chosen, self.logprobs)
+        self.lp[rows, 0], self.lp[rows, 1:], self.lp_ids[rows] = lp, top, ids
 
     def _prefill_shape(self, b: int, longest: int) -> tuple[int, int] | None:
         """The smallest captured prefill shape holding ``b`` prompts of up to ``longest`` tokens."""
@@ -266,36 +285,8 @@ class Generator:
                 "use that one (or build this one again)"
             )
 
-    @staticmethod
-    def row_seeds(seed, n: int) -> list[int]:
-        """``n`` sampling seeds (:func:`seed32`) from ``seed`` as :meth:`generate` takes it.
-
-        Raises:
-            ValueError: a list whose length is not ``n``.
-        """
-        if isinstance(seed, (list, tuple)):
-            if len(seed) != n:
-                raise ValueError(f"{len(seed)} seeds for {n} prompts")
-            return [Generator.row_seeds(s, 1)[0] for s in seed]
-        if seed is None:
-            return torch.randint(-(1 << 31), 1 << 31, (n,)).tolist()
-        return [seed32(seed + i) for i in range(n)]
-
-    @staticmethod
-    def check_sampling(temperature, top_k, top_p) -> None:
-        """Raises ValueError for a temperature that is not a finite float32 >= 0, a top_k < 0 or past
-        int64 (any top_k at or above the vocabulary is no cut), a top_p outside (0, 1]."""
-        import math
-
-        for t in temperature if isinstance(temperature, (list, tuple)) else [temperature]:
-            if not math.isfinite(t) or not 0 <= t <= 3e38:
-                raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
-        for k in top_k if isinstance(top_k, (list, tuple)) else [top_k]:
-            if not 0 <= k < 2**63:
-                raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k}")
-        for p in top_p if isinstance(top_p, (list, tuple)) else [top_p]:
-            if not (0 < p <= 1):
-                raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")
+    row_seeds = staticmethod(row_seeds)
+    check_sampling = staticmethod(check_sampling)
 
     @torch.inference_mode()
     def generate(

@@ -75,3 +75,45 @@ def sample(
     x = x.masked_fill(~keep, float("-inf"))
     drawn = (x.softmax(-1) / noise).argmax(-1)
     return torch.where(temperature[:, 0] == 0, greedy, drawn)
+
+
+def row_seeds(seed, n: int) -> list[int]:
+    """``n`` sampling seeds (:func:`seed32`) from ``seed`` as ``Generator.generate`` takes it.
+
+    Raises:
+        ValueError: a list whose length is not ``n``.
+    """
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != n:
+            raise ValueError(f"{len(seed)} seeds for {n} prompts")
+        return [row_seeds(s, 1)[0] for s in seed]
+    if seed is None:
+        return torch.randint(-(1 << 31), 1 << 31, (n,)).tolist()
+    return [seed32(seed + i) for i in range(n)]
+
+
+def check_sampling(temperature, top_k, top_p) -> None:
+    """Raises ValueError for a temperature that is not a finite float32 >= 0, a top_k < 0 or past
+    int64 (any top_k at or above the vocabulary is no cut), a top_p outside (0, 1]."""
+    import math
+
+    for t in temperature if isinstance(temperature, (list, tuple)) else [temperature]:
+        if not math.isfinite(t) or not 0 <= t <= 3e38:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
+    for k in top_k if isinstance(top_k, (list, tuple)) else [top_k]:
+        if not 0 <= k < 2**63:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k}")
+    for p in top_p if isinstance(top_p, (list, tuple)) else [top_p]:
+        if not (0 < p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")
+
+
+def token_logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities under the model's distribution (before temperature and filters), as
+    OpenAI's ``logprobs`` reports them: of the ``chosen`` tokens ``(B,)`` -> ``(B,)``, and the ``k``
+    most likely tokens -> values ``(B, k)`` float32, ids ``(B, k)`` int64. Fixed shapes: graph-safe."""
+    ls = logits.float().log_softmax(-1)  # (B, V)
+    top = ls.topk(k, -1)
+    return ls.gather(-1, chosen[:, None])[:, 0], top.values, top.indices

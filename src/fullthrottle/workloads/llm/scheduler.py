@@ -41,6 +41,9 @@ class Request:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0  # its sampling seed (seed32)
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the top k
+    #: with ``logprobs``: per token, (its log-probability, the top k ids, their log-probabilities)
+    lps: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     row: int = -1  # its KV-cache row while it runs
     prefilled: int = 0  # prompt tokens in the cache so far
@@ -88,11 +91,18 @@ class Scheduler:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        logprobs: int | None = None,
     ) -> Request:
         """Queue one request; it joins at the next step with a free row. Returns its record, whose
         ``tokens`` grow as it runs and whose ``done`` turns True at its end. ``seed``: its sampling
-        seed (None: one drawn from torch's global generator)."""
+        seed (None: one drawn from torch's global generator). ``logprobs``: report each token's
+        log-probability and the top ``logprobs`` (``lps``; up to the Generator's ``logprobs``)."""
         self.gen.check_sampling(temperature, top_k, top_p)
+        if logprobs is not None and not 0 <= logprobs <= self.gen.logprobs:
+            raise ValueError(
+                f"logprobs must be between 0 and {self.gen.logprobs}"
+                + (" (this engine reports none: build its Generator with logprobs=N)" if not self.gen.logprobs else "")
+            )
         if not prompt:
             raise ValueError("empty prompt")
         if max_new_tokens < 1 or len(prompt) + max_new_tokens > self.gen.max_seq_len:
@@ -101,7 +111,7 @@ class Scheduler:
                 f"{self.gen.max_seq_len} (and max_new_tokens be >= 1)"
             )
         (seed,) = self.gen.row_seeds(seed, 1)
-        s = Request(list(prompt), max_new_tokens, float(temperature), int(top_k), float(top_p), seed)
+        s = Request(list(prompt), max_new_tokens, float(temperature), int(top_k), float(top_p), seed, logprobs)
         self.waiting.append(s)
         return s
 
@@ -183,6 +193,15 @@ class Scheduler:
             g.stats["prefill"].record(tokens, dt, dt)
         return finished
 
+    def _keep_logprobs(self, reqs) -> None:
+        """Append this step's log-probabilities to the requests of ``reqs`` that asked for them."""
+        want = [s for s in reqs if s.logprobs is not None]
+        if want:
+            rows = [s.row for s in want]
+            vals, ids = self.gen.lp[rows].tolist(), self.gen.lp_ids[rows].tolist()
+            for s, v, i in zip(want, vals, ids):
+                s.lps.append((v[0], i[: s.logprobs], v[1 : 1 + s.logprobs]))
+
     def _set_row(self, s: Request) -> None:
         g, row = self.gen, s.row
         g.temp[row, 0], g.topk[row, 0], g.topp[row, 0], g.seed[row, 0] = s.temperature, s.top_k, s.top_p, s.seed
@@ -191,6 +210,7 @@ class Scheduler:
         """``started`` requests, prefilled, begin decoding with their first tokens; those that end
         with it are returned."""
         now, finished = time.perf_counter(), []
+        self._keep_logprobs(started)
         for s, tok in zip(started, first):
             s.t_first = now
             s.prefilled = len(s.prompt)
@@ -226,13 +246,15 @@ class Scheduler:
         self.steps += 1
         dt = time.perf_counter() - t0
         g.stats["decode"].record(len(self.running), dt, dt)
+        self._keep_logprobs(self.running.values())
         for row, s in list(self.running.items()):
             if self._finish(s, toks[row]):
                 finished.append(s)
         return finished
 
     def run(self, requests: Sequence[dict]) -> list[list[int]]:
-        """Every request (``{"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed"}``) to its
+        """Every request (``{"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+        "logprobs"}``) to its
         end, joining as rows free up; each request's new tokens, in the order given."""
         seqs = [self.submit(**r) for r in requests]
         while self.busy:
