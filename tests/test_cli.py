@@ -198,6 +198,32 @@ def test_generate_and_embed_name_a_missing_model_folder(tmp_path, capsys):
     assert f"model folder not found: {missing}" in capsys.readouterr().err
 
 
+def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp_path, capsys):
+    """``generate --prompts FILE``: every line a request through the continuous-batching scheduler,
+    answered in order with the tokens the single-prompt path gives it; a bad line gets its own error."""
+    import json
+
+    singles = []
+    for ids in ("1,2,3", "7,8"):
+        assert main(["generate", "--random", "tiny", "--tokens", ids, "--max-new-tokens", "6", "--device", "cpu"]) == 0
+        singles.append([int(t) for t in capsys.readouterr().out.split()])
+    src = tmp_path / "reqs.jsonl"
+    src.write_text(
+        '{"prompt": [1, 2, 3]}\n\n{"prompt": [1], "max_tokens": 0}\n{"prompt": [7, 8]}\n{not json\n'
+        '{"prompt": [4, 5], "max_tokens": 3, "temperature": 0.7, "seed": 9}\n'
+    )
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--random", "tiny", "--prompts", str(src), "--max-new-tokens", "6", "--device", "cpu"]
+    assert main([*args, "--out", str(out), "--max-batch", "2", "--no-progress"]) == 1  # (some failed)
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [g["index"] for g in got] == [0, 1, 2, 3, 4]
+    assert got[0]["token_ids"] == singles[0] and got[2]["token_ids"] == singles[1]
+    assert "max_tokens must be a positive integer" in got[1]["error"] and "line 5: not valid JSON" in got[3]["error"]
+    assert len(got[4]["token_ids"]) == 3 and got[4]["finish_reason"] == "length"
+    assert "2 request(s) failed" in capsys.readouterr().err
+    assert main([*args, "--tokens", "1,2"]) == 2 and "not both" in capsys.readouterr().err
+
+
 def test_random_7b_that_cannot_fit_is_refused_before_it_is_built():
     """Llama-2-7B with random weights needs 13.5 GB in bf16 (27 GB in fp32): checked against the free
     memory before any allocation, with the way out named."""

@@ -71,6 +71,29 @@ def random_llama(shape: str, device, dtype):
         return Llama(cfg).to(dtype).eval()
 
 
+def _many(args, model, tok, eos, device, dtype) -> int:
+    from ..core.report import Report
+    from .generate_many import generate_many
+
+    t0 = time.perf_counter()
+    new, gen, failed = generate_many(args, model, tok, eos)
+    wall = time.perf_counter() - t0
+    rep = Report(
+        items=new,
+        ok=new,
+        wall_s=wall,
+        stages=[s.snapshot(wall) for s in gen.stats.values()],
+        device=str(device),
+        model=os.path.basename(os.path.normpath(args.model_dir)) if args.model_dir else f"random {args.random}",
+        dtype=str(dtype).removeprefix("torch."),
+        unit="token",
+    )
+    print(rep.format(), file=sys.stderr)
+    if failed:
+        print(f"{failed} request(s) failed: their errors are in the output", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def cmd_generate(args) -> int:
 
     from ..core.device import resolve_device
@@ -96,6 +119,12 @@ def cmd_generate(args) -> int:
         else:
             model = random_llama(args.random, device, dtype)
             print("WARNING: random weights: the tokens are meaningless", file=sys.stderr)
+        eos = model.cfg.eos_token_id
+        eos = eos[0] if isinstance(eos, list) else eos
+        if args.prompts is not None:
+            if args.tokens or args.prompt is not None:
+                raise ValueError("give --prompts FILE, or one --prompt / --tokens, not both")
+            return _many(args, model, tok, eos if args.model_dir else None, device, dtype)
         if args.tokens and args.prompt is not None:
             raise ValueError("give either --prompt or --tokens, not both")
         if args.tokens:
@@ -111,8 +140,6 @@ def cmd_generate(args) -> int:
             raise ValueError("give --prompt TEXT or --tokens IDS")
         if any(i < 0 or i >= model.cfg.vocab_size for i in ids):
             raise ValueError(f"token ids must be in [0, {model.cfg.vocab_size})")
-        eos = model.cfg.eos_token_id
-        eos = eos[0] if isinstance(eos, list) else eos
         t0 = time.perf_counter()
         gen = Generator(
             model, max_batch=1, max_seq_len=args.max_seq_len or len(ids) + args.max_new_tokens, graphs=args.graphs

@@ -220,14 +220,29 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="LLM text generation (Llama family) with a static KV cache and CUDA graphs",
         description="Generate from a Hugging Face Llama folder (config.json + safetensors, tokenizer.json "
-        "for text), or from a randomly initialised config (--random) for benchmarks. Tokens "
-        "stream to stdout as they are produced.",
+        "for text), or from a randomly initialised config (--random) for benchmarks. One prompt: its "
+        "tokens stream to stdout as they are produced. Many (--prompts FILE): they run together "
+        "through the server's continuous-batching engine and each gets a JSON line.",
     )
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--model-dir", help="Hugging Face Llama folder (config.json, *.safetensors)")
     src.add_argument("--random", choices=RANDOM_SHAPES, help="random weights of this shape")
     g.add_argument("--prompt", help="text (needs tokenizer.json in --model-dir)")
     g.add_argument("--tokens", help="comma-separated prompt token ids (instead of --prompt)")
+    g.add_argument(
+        "--prompts",
+        metavar="FILE|-",
+        help="many requests, one per line (text, or a JSON object with /v1/completions' fields), run "
+        "together with continuous batching; one JSON line per request to --out",
+    )
+    g.add_argument("--out", default=None, help="with --prompts: write the JSON lines here (default: stdout)")
+    g.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=64,
+        help="with --prompts: KV-cache rows, requests decoded at once (default: %(default)s)",
+    )
+    g.add_argument("--no-progress", action="store_true", help="with --prompts: no progress bar")
     g.add_argument(
         "--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default: %(default)s)"
     )

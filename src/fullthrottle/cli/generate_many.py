@@ -1,0 +1,119 @@
+"""``fullthrottle generate --prompts FILE``: many prompts at once through the continuous-batching
+:class:`~fullthrottle.workloads.llm.scheduler.Scheduler` (the server's engine, offline).
+
+FILE (or ``-``, stdin) holds one request per line: plain text (the prompt), or a JSON object with
+the fields of the server's ``POST /v1/completions`` (``prompt``: text or token ids, ``max_tokens``,
+``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``); fields a line leaves out take the
+command's flags. Output: one JSON line per request, in input order: ``{"index", "text",
+"token_ids", "finish_reason", "prompt_tokens"}``, or ``{"index", "error"}`` for a line that is not a
+valid request (the others still run; exit status 1).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def read_requests(path: str, args) -> list[dict | str]:
+    """The requests of FILE: each line's body (a dict), or the error of a line that is not one."""
+    lines = (sys.stdin if path == "-" else open(path, encoding="utf-8", errors="replace")).read().splitlines()
+    out: list[dict | str] = []
+    defaults = {
+        "max_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+    }
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                body = json.loads(line)
+            except ValueError as e:
+                out.append(f"line {n}: not valid JSON: {e}")
+                continue
+        else:
+            body = {"prompt": line}
+        if not isinstance(body, dict):
+            out.append(f"line {n}: a JSON object or a line of text expected")
+            continue
+        out.append({**defaults, **({"seed": args.seed + len(out)} if args.seed is not None else {}), **body})
+    return out
+
+
+def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
+    """Run every request of ``args.prompts``; writes the JSON lines to ``args.out`` (or stdout).
+    Returns (new tokens, the Generator, requests that failed).
+
+    Raises:
+        ValueError: FILE cannot be read or holds no request.
+    """
+    from tqdm import tqdm
+
+    from ..workloads.llm.api import completion_request
+    from ..workloads.llm.generate import Generator
+    from ..workloads.llm.scheduler import Scheduler
+    from ..workloads.llm.text import TextStream
+
+    try:
+        reqs = read_requests(args.prompts, args)
+    except OSError as e:
+        raise ValueError(f"cannot read {args.prompts}: {e.strerror or e}") from None
+    if not reqs:
+        raise ValueError(f"{args.prompts} holds no request")
+    context = model.cfg.max_position_embeddings
+    need = 1
+    for r in reqs:  # the cache's length: the longest prompt + max_tokens asked (a first, rough pass)
+        if isinstance(r, dict):
+            p = r.get("prompt")
+            n = len(p) if isinstance(p, list) else len(tok.encode(p)) if isinstance(p, str) and tok else 1
+            m = r.get("max_tokens")
+            need = max(need, n + (m if isinstance(m, int) else 0))
+    gen = Generator(
+        model, max_batch=args.max_batch, max_seq_len=args.max_seq_len or min(need, context), graphs=args.graphs
+    )
+    sched = Scheduler(gen, eos_id=eos)
+    recs: list = []
+    for i, r in enumerate(reqs):
+        try:
+            if isinstance(r, str):
+                raise ValueError(r)
+            c = completion_request(r, gen, tok)
+            recs.append(
+                (c, sched.submit(c["ids"], c["max_tokens"], c["temperature"], c["top_k"], c["top_p"], c["seed"]))
+            )
+        except ValueError as e:
+            recs.append((None, f"request {i}: {e}"))
+    out = sys.stdout if args.out in (None, "-") else open(args.out, "w", encoding="utf-8")
+    failed = sum(c is None for c, _ in recs)
+    bar = tqdm(
+        total=len(recs) - failed, unit="request", desc="generate", file=sys.stderr, disable=args.no_progress or None
+    )
+    try:
+        while sched.busy:
+            bar.update(len(sched.step()))
+    finally:
+        bar.close()
+    new = 0
+    for i, (c, s) in enumerate(recs):
+        if c is None:
+            out.write(json.dumps({"index": i, "error": s}) + "\n")
+            continue
+        toks, text, reason = s.tokens, None, "stop" if eos is not None and s.tokens[-1:] == [eos] else "length"
+        if tok is not None:
+            ts = TextStream(tok, c["stop"])
+            text = ts.push(toks) + ts.flush()
+            if ts.stopped:
+                toks, reason = toks[: ts.used], "stop"
+        new += len(toks)
+        out.write(
+            json.dumps(
+                {"index": i, "text": text, "token_ids": toks, "finish_reason": reason, "prompt_tokens": len(c["ids"])}
+            )
+            + "\n"
+        )
+    if out is not sys.stdout:
+        out.close()
+    return new, gen, failed
