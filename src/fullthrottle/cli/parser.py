@@ -25,11 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser(
         "classify",
-        help="classify images (files, folders, globs, URLs): EfficientNet-Lite0 or a ResNet",
+        help="classify images (files, folders, globs, URLs) with a model of the registry (--model)",
         description="Classify images and print top-k ImageNet labels. With no INPUT, classifies a few "
         "sample photos that ship with scikit-image. The default model, efficientnet_lite0, "
-        "comes with its ImageNet weights; a ResNet without --weights is randomly "
-        "initialised and its labels are meaningless (the output says so).",
+        "comes with its ImageNet weights; a model without bundled weights and without --weights is "
+        "randomly initialised and its labels are meaningless (the output says so).",
         epilog="Exit status: 0 all items ok; 1 some item failed (see its error); 2 usage or "
         "configuration error, or --out / --report-json cannot be written; 130 interrupted.",
     )

@@ -101,11 +101,11 @@ class Config:
 
     Attributes:
         model: a name of :data:`~fullthrottle.workloads.classify.models.MODELS` (``"efficientnet_lite0"``, the default, with
-            its bundled ImageNet weights; ``"resnet18"`` ... ``"resnet152"``) or any ``nn.Module`` taking
+            its bundled ImageNet weights; the ResNets, MobileNet-V3 and any model added there) or any ``nn.Module`` taking
             float ``(B, 3, crop, crop)`` and returning logits ``(B, C)``.
         weights: ``.safetensors`` or ``.pth`` state dict (loaded with ``weights_only=True``; torchvision's
             own checkpoint files are such); ``None``: the model's bundled weights, or for a model with
-            none (the ResNets) random initialisation with a fixed seed (labels are then meaningless).
+            none (``MODELS[name].bundled_weights`` is None) random initialisation with a fixed seed (labels are then meaningless).
         labels: class names for a custom module; ImageNet's 1000 names by default.
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         dtype: compute dtype on CUDA: ``"float32"``, ``"bfloat16"`` or ``"float16"``; ``None`` (the

@@ -89,7 +89,10 @@ class Workload:
     def predict(self, items: list) -> list:
         """One output per item, in order, for items of one or more requests; each output JSON-able
         (convert tensors: ``.tolist()``). An output that is an :class:`ItemError` fails its item only;
-        an exception raised fails every request of the batch (each gets 500 with the message)."""
+        an exception raised fails every request of the batch (each gets 500 with the message). A
+        request whose items all fail is answered 422 (its body as :meth:`encode_response` makes it);
+        one with some items ok, 200. Items of one request need not be neighbours in ``items``: name
+        an item in an error by its content, not by its place in the batch."""
         raise NotImplementedError
 
     def encode_response(self, outputs: list) -> dict:

