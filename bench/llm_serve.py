@@ -157,7 +157,7 @@ async def _client(url: str, reqs, conc: int, seconds: float) -> dict:
             while time.perf_counter() < deadline:
                 ids, m = reqs[i % len(reqs)]
                 i += conc
-                body = {"model": "llm", "prompt": ids, "max_tokens": m, "temperature": 0, "stream": True}
+                body = {"prompt": ids, "max_tokens": m, "temperature": 0, "stream": True}
                 t0 = prev = time.perf_counter()
                 got = 0
                 try:

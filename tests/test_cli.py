@@ -224,6 +224,31 @@ def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp
     assert main([*args, "--tokens", "1,2"]) == 2 and "not both" in capsys.readouterr().err
 
 
+def test_generate_names_what_a_cpu_run_leaves_out_and_the_context_it_exceeds(capsys):
+    assert (
+        main(
+            [
+                "generate",
+                "--random",
+                "tiny",
+                "--tokens",
+                "1,2",
+                "--max-new-tokens",
+                "3",
+                "--device",
+                "cpu",
+                "--dtype",
+                "bfloat16",
+            ]
+        )
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "--dtype bfloat16 needs CUDA: this run on cpu computes in float32" in err and "float32)" in err
+    assert main(["generate", "--random", "tiny", "--tokens", "1,2", "--max-new-tokens", "5000", "--device", "cpu"]) == 2
+    assert "2 tokens + --max-new-tokens 5000 exceed the model's context of 4096" in capsys.readouterr().err
+
+
 def test_random_7b_that_cannot_fit_is_refused_before_it_is_built():
     """Llama-2-7B with random weights needs 13.5 GB in bf16 (27 GB in fp32): checked against the free
     memory before any allocation, with the way out named."""

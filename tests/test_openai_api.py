@@ -67,6 +67,11 @@ def test_completions_and_chat_through_the_openai_client(llm):
     s, ref, text = llm
     c = client(s)
     assert [m.id for m in c.models.list()] == ["tiny"]
+    with pytest.raises(openai.NotFoundError, match="'gpt-4' is not served here"):  # another model's name
+        c.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    import httpx
+
+    assert httpx.get(s.url + "/readyz").json()["llm"] == "tiny"
     prompt = "the quick brown fox"
     ids = text.encode(prompt)
     want = text.decode(ref(ids, 20))  # greedy, the request alone

@@ -104,6 +104,9 @@ def cmd_generate(args) -> int:
 
     try:
         device = resolve_device(args.device)
+        if device.type != "cuda" and args.dtype not in (None, "float32"):  # (as classify: named, not ignored)
+            print(f"note: --dtype {args.dtype} needs CUDA: this run on {device} computes in float32", file=sys.stderr)
+            args.dtype = "float32"
         dtype = torch_dtype(resolve_dtype(args.dtype, device))
         tok = None
         if args.model_dir:
@@ -122,12 +125,12 @@ def cmd_generate(args) -> int:
         eos = model.cfg.eos_token_id
         eos = eos[0] if isinstance(eos, list) else eos
         if args.prompts is not None:
-            if args.tokens or args.prompt is not None:
+            if args.tokens is not None or args.prompt is not None:
                 raise ValueError("give --prompts FILE, or one --prompt / --tokens, not both")
             return _many(args, model, tok, eos if args.model_dir else None, device, dtype)
-        if args.tokens and args.prompt is not None:
+        if args.tokens is not None and args.prompt is not None:
             raise ValueError("give either --prompt or --tokens, not both")
-        if args.tokens:
+        if args.tokens is not None:
             try:
                 ids = [int(x) for x in args.tokens.split(",")]
             except ValueError:
@@ -140,6 +143,12 @@ def cmd_generate(args) -> int:
             raise ValueError("give --prompt TEXT or --tokens IDS")
         if any(i < 0 or i >= model.cfg.vocab_size for i in ids):
             raise ValueError(f"token ids must be in [0, {model.cfg.vocab_size})")
+        context = model.cfg.max_position_embeddings
+        if args.max_seq_len is None and len(ids) + args.max_new_tokens > context:
+            raise ValueError(
+                f"the prompt's {len(ids)} tokens + --max-new-tokens {args.max_new_tokens} exceed the model's "
+                f"context of {context} tokens"
+            )
         t0 = time.perf_counter()
         gen = Generator(
             model, max_batch=1, max_seq_len=args.max_seq_len or len(ids) + args.max_new_tokens, graphs=args.graphs

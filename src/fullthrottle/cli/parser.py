@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         description='Serve POST /v1/classify (raw image body, multipart files, or JSON {"urls": [...]}), '
         "GET /healthz, /readyz, /metrics. Concurrent requests share batches. Full queue: 503 "
         "with Retry-After; past the deadline: 504; body too large: 413; undecodable image: 422. "
-        "Also POST /v1/embeddings (--embed-model), /v1/completions (--llm-model-dir) and a route per "
+        "Also POST /v1/embeddings (--embed-model), OpenAI's /v1/completions, /v1/chat/completions and "
+        "GET /v1/models (--llm-model-dir, or --llm-random for random weights) and a route per "
         "--workload (batched by the workload's own limits; the image flags below are classify's). "
         "SIGTERM finishes in-flight requests (each within --timeout-s), then exits 0; a second "
         "SIGTERM stops waiting.",

@@ -167,6 +167,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             return reply("/readyz", 503, {"status": "failed", "workloads_down": dead})
         engines = [svc.pipeline.engine for svc in state["services"]]
         body = {"status": "ready", "workloads": sorted(state.get("workloads", {}))}
+        if state.get("llm") is not None:  # (the LLM routes served)
+            body["llm"] = state["llm"].name
         if engines:  # (classification served)
             body |= {
                 "devices": [str(e.device) for e in engines],

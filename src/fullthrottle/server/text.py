@@ -32,7 +32,7 @@ from .services import Overloaded
 
 #: how often (s) a non-streaming request checks, between its tokens, whether its client went away
 DISCONNECT_CHECK_S = 0.5
-_ERROR_TYPES = {404: "not_found_error", 500: "server_error", 503: "overloaded_error", 504: "timeout_error"}
+_ERROR_TYPES = {404: "model_not_found", 500: "server_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
 class _Reply:
@@ -194,6 +194,10 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
                 p = parse_body(body)
                 if not isinstance(p, dict):
                     raise ValueError("JSON object body required")
+                if p.get("model") is not None and p["model"] != svc.name:  # (as OpenAI's API: not another's)
+                    raise _HTTPError(
+                        404, f"the model {p['model']!r} is not served here; this server serves {svc.name!r}"
+                    )
                 # (tokenizing and templating in a thread: a long prompt does not hold the event loop)
                 req = await asyncio.to_thread(chat_request if chat else completion_request, p, svc.gen, svc.tok)
             except ValueError as e:
