@@ -196,6 +196,8 @@ def test_generate_and_embed_name_a_missing_model_folder(tmp_path, capsys):
     src.write_text("hello\n")
     assert main(["embed", str(src), "--model-dir", missing, "--out", str(tmp_path / "o.npy")]) == 2
     assert f"model folder not found: {missing}" in capsys.readouterr().err
+    assert main(["serve", "--no-classify", "--embed-model", missing]) == 2  # before anything loads
+    assert f"--embed-model {missing}: no config.json there" in capsys.readouterr().err
 
 
 def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp_path, capsys):

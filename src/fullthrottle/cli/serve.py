@@ -83,6 +83,9 @@ def cmd_serve(args) -> int:
         llm = args.llm_model_dir or args.llm_random
         if not args.classify and not (workloads or args.embed_model or llm):
             raise ValueError("--no-classify leaves nothing to serve: add --workload, --embed-model or --llm-model-dir")
+        em = args.embed_model
+        if em and em != "default" and not os.path.isfile(os.path.join(em, "config.json")):  # (before anything loads)
+            raise ValueError(f"--embed-model {em}: no config.json there (a sentence-transformers folder, or 'default')")
         if getattr(args, "ray", None) and (llm or args.gpus is not None):
             raise ValueError("an LLM and --gpus are not served through --ray (Ray Serve: --replicas)")
         keys = load_keys(args.api_key, args.api_key_file)
