@@ -433,3 +433,24 @@ def test_a_non_integer_count_is_named_plainly(capsys):
         and "argument --batch-size: must be an integer, got 'abc'" in err
         and "positive_int" not in err
     )
+
+
+def test_the_pixel_limit_is_a_flag_and_its_error_names_it(samples, tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    rc = main(
+        [
+            "classify",
+            str(samples[0]),
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--max-image-megapixels",
+            "0.01",
+        ]
+    )
+    assert rc == 1
+    err = json.loads(out.read_text())["error"]
+    assert "exceeds the limit of 0.01 megapixels" in err and "--max-image-megapixels" in err
+    assert main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--out", str(out)]) == 0

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .common import _close_out, _gpu_decode_settings, _silence_stdout, sample_photos, write_report_json
+from .common import _close_out, _gpu_decode_settings, _input_limits, _silence_stdout, sample_photos, write_report_json
 
 
 def _shown(s: str) -> str:
@@ -48,6 +48,7 @@ def _classify_ray(args) -> int:
         "preprocess": args.preprocess,
         "dtype": args.dtype,  # (None: the default of the device each actor runs on)
         **gpu,
+        **_input_limits(args),
     }
     inputs = args.inputs or sample_photos()
     out = open(args.out, "w", encoding="utf-8") if args.out and args.out != "-" else None
@@ -165,6 +166,7 @@ def cmd_classify(args) -> int:
             graphs=args.graphs,
             compile=args.compile,
             **_gpu_decode_settings(args),
+            **_input_limits(args),
             preprocess=args.preprocess,
         )
         if device.type != "cuda":  # say what a CPU run leaves out, rather than ignoring it silently

@@ -27,6 +27,11 @@ def sample_photos() -> list[str]:
     return [os.path.join(data, name) for name in SAMPLE_PHOTOS if os.path.exists(os.path.join(data, name))]
 
 
+def _input_limits(args) -> dict:
+    """``Config`` fields of the input limits' flags."""
+    return {"max_image_pixels": int(args.max_image_megapixels * 1e6)}
+
+
 def _gpu_decode_settings(args) -> dict:
     """``Config`` fields of the GPU-decode options; a note on stderr when --gpu-decoder or
     --gpu-decode-processes is given with --no-gpu-decode (they would do nothing)."""

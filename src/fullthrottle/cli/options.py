@@ -168,4 +168,11 @@ def add_runtime_args(
         },
     )
     p.add_argument("--top-k", type=positive_int, default=Config.top_k, help="classes per image (default: %(default)s)")
+    p.add_argument(
+        "--max-image-megapixels",
+        type=positive_float,
+        default=Config.max_image_pixels / 1e6,
+        help="largest image (width x height, in millions of pixels) decoded; larger ones fail alone, "
+        "checked on the header before decoding (default: %(default).1f, Pillow's bomb threshold)",
+    )
     add_gpu_decode_args(p)

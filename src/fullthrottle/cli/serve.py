@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..workloads.classify.models import MODELS
-from .common import _gpu_decode_settings
+from .common import _gpu_decode_settings, _input_limits
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -46,6 +46,7 @@ def cmd_serve(args) -> int:
             graphs=args.graphs,
             ordered=False,
             **_gpu_decode_settings(args),
+            **_input_limits(args),
             preprocess=args.preprocess,
         )
         if args.weights is not None and not os.path.isfile(args.weights):

@@ -195,13 +195,13 @@ def decode(data: bytes, min_side: int = 0, max_pixels: int = 89_478_485) -> np.n
     if w * h > max_pixels:
         raise ImageError(
             f"image too large: {w}x{h} = {w * h / 1e6:.1f} megapixels exceeds the limit of "
-            f"{max_pixels / 1e6:.1f} megapixels (max_image_pixels)"
+            f"{max_pixels / 1e6:.3g} megapixels (Config.max_image_pixels, --max-image-megapixels)"
         )
     if min_side > 0 and resized_pixels(w, h, min_side) > max_pixels:
         raise ImageError(
             f"extreme aspect ratio: {w}x{h} with its shorter side resized to {min_side} would be "
             f"{resized_pixels(w, h, min_side) / 1e6:.0f} megapixels, over the limit of "
-            f"{max_pixels / 1e6:.1f} megapixels (max_image_pixels)"
+            f"{max_pixels / 1e6:.3g} megapixels (Config.max_image_pixels, --max-image-megapixels)"
         )
     if fmt == "JPEG" and not jpeg_is_complete(data):
         raise ImageError("truncated or corrupt JPEG (no end-of-image marker after the last scan)")
