@@ -201,9 +201,14 @@ class Report:
 
     def format(self) -> str:
         """A human summary, a few lines."""
+        count = (  # (tokens are made, not handed in: none of them fails)
+            f"{self.items} tokens"
+            if self.unit == "token"
+            else f"{self.items} items: {self.ok} ok, {self.failed} failed"
+        )
         lines = [
-            f"{self.items} items: {self.ok} ok, {self.failed} failed in {self.wall_s:.2f} s "
-            f"= {self.items_per_s:.1f} {self.unit}/s on {self.device} ({self.model}, {self.dtype})"
+            f"{count} in {self.wall_s:.2f} s = {self.items_per_s:.1f} {self.unit}/s on {self.device} "
+            f"({self.model}, {self.dtype})"
         ]
         batches = f"{self.batches} batch{'' if self.batches == 1 else 'es'}, mean size {self.mean_batch_size:.1f}"
         if self.latencies_ms:
