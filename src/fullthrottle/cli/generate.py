@@ -71,16 +71,13 @@ def random_llama(shape: str, device, dtype):
         return Llama(cfg).to(dtype).eval()
 
 
-def _many(args, model, tok, eos, device, dtype) -> int:
+def _report(args, tokens: int, wall: float, gen, device, dtype):
+    """The run's summary: tokens made, the Generator's stages (prefill, decode), the machine."""
     from ..core.report import Report
-    from .generate_many import generate_many
 
-    t0 = time.perf_counter()
-    new, gen, failed = generate_many(args, model, tok, eos)
-    wall = time.perf_counter() - t0
-    rep = Report(
-        items=new,
-        ok=new,
+    return Report(
+        items=tokens,
+        ok=tokens,
         wall_s=wall,
         stages=[s.snapshot(wall) for s in gen.stats.values()],
         device=str(device),
@@ -88,7 +85,15 @@ def _many(args, model, tok, eos, device, dtype) -> int:
         dtype=str(dtype).removeprefix("torch."),
         unit="token",
     )
-    print(rep.format(), file=sys.stderr)
+
+
+def _many(args, model, tok, eos, device, dtype) -> int:
+    from .generate_many import generate_many
+
+    t0 = time.perf_counter()
+    new, gen, failed = generate_many(args, model, tok, eos)
+    wall = time.perf_counter() - t0
+    print(_report(args, new, wall, gen, device, dtype).format(), file=sys.stderr)
     if failed:
         print(f"{failed} request(s) failed: their errors are in the output", file=sys.stderr)
     return 1 if failed else 0
@@ -97,7 +102,6 @@ def _many(args, model, tok, eos, device, dtype) -> int:
 def cmd_generate(args) -> int:
 
     from ..core.device import resolve_device
-    from ..core.report import Report
     from ..workloads.llm.generate import GenerateStats, Generator
     from ..workloads.llm.llama import load_hf
     from ..workloads.llm.text import LlmText, TextStream
@@ -191,17 +195,7 @@ def cmd_generate(args) -> int:
         return 2
     wall = time.perf_counter() - t_gen
     print(file=sys.stdout, flush=True)  # (the tokens' line ends before the summary on stderr)
-    rep = Report(
-        items=st.new_tokens,
-        ok=st.new_tokens,
-        wall_s=wall,
-        stages=[s.snapshot(wall) for s in gen.stats.values()],
-        device=str(device),
-        model=os.path.basename(os.path.normpath(args.model_dir)) if args.model_dir else f"random {args.random}",
-        dtype=str(dtype).removeprefix("torch."),
-        unit="token",
-    )
-    print(rep.format(), file=sys.stderr)
+    print(_report(args, st.new_tokens, wall, gen, device, dtype).format(), file=sys.stderr)
     print(
         f"decode alone: {st.new_tokens} tokens in {st.decode_s:.2f} s = {st.tokens_per_s:.1f} token/s; prefill "
         f"{1e3 * st.prefill_s:.1f} ms; ready in {ready_s:.2f} s (graphs: {sorted(gen.graphs) or 'off'}) "
