@@ -4,6 +4,7 @@ strings, usage, seeds, /v1/models and the 400s; and TextStream's incremental dec
 
 import concurrent.futures as cf
 import json
+import re
 
 import openai
 import pytest
@@ -167,7 +168,16 @@ def test_a_full_admission_queue_answers_503_with_retry_after(make_tiny_llama):
     with Server(Tiny(), ServeOptions(llm=(gen, None), max_queue=2, retry_after_s=3)) as s:
         body = {"prompt": [1, 2, 3], "max_tokens": 1000, "temperature": 0}  # 1 running, 1 waiting, 2 queued
         with cf.ThreadPoolExecutor(10) as ex:
-            got = list(ex.map(lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=120), range(10)))
+            futs = [ex.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=120) for _ in range(10)]
+            seen = set()  # /metrics meanwhile: one request holds the only row, others wait for it
+            while not all(f.done() for f in futs):
+                m = httpx.get(s.url + "/metrics").text
+                run = re.search(r'fullthrottle_requests_running\{workload="generate"\} (\S+)', m)
+                wait = re.search(r'fullthrottle_requests_waiting\{workload="generate"\} (\S+)', m)
+                if run and wait:
+                    seen.add((float(run.group(1)), float(wait.group(1)) > 0))
+            got = [f.result() for f in futs]
+        assert (1.0, True) in seen, seen
         codes = sorted(r.status_code for r in got)
         busy = [r for r in got if r.status_code == 503]
         assert codes.count(200) >= 3 and busy and set(codes) == {200, 503}, codes

@@ -43,6 +43,15 @@ class ServerMetrics:
         self.pending = Gauge(
             "fullthrottle_pending_images", "images submitted and not yet answered", ["replica"], registry=reg
         )
+        self.requests_waiting = Gauge(
+            "fullthrottle_requests_waiting",
+            "requests queued, per workload (generate: waiting for a KV-cache row; a workload's name)",
+            ["workload"],
+            registry=reg,
+        )
+        self.requests_running = Gauge(
+            "fullthrottle_requests_running", "requests holding a KV-cache row (generate)", ["workload"], registry=reg
+        )
         self.busy = Gauge(
             "fullthrottle_stage_busy_percent",
             "stage busy % since start, per workload (classify, embed, generate), replica and stage",
@@ -73,10 +82,13 @@ class ServerMetrics:
                     self.gpu_mem.labels(rep).set(mon.mems[-1])
         # the other workloads keep the same StageStats: the same metric, their own stages
         if state.get("llm") is not None:
+            self.requests_waiting.labels("generate").set(state["llm"].waiting)
+            self.requests_running.labels("generate").set(state["llm"].running)
             wall = time.perf_counter() - state["t_ready"]
             for st in state["llm"].gen.stats.values():
                 self.busy.labels("generate", "0", st.name).set(st.snapshot(wall)["busy_pct"])
         for name, svc in state.get("workloads", {}).items():
+            self.requests_waiting.labels(name).set(svc.q.qsize())
             wall = time.perf_counter() - state["t_ready"]
             for st in svc.stats.values():
                 self.busy.labels(name, "0", st.name).set(st.snapshot(wall)["busy_pct"])

@@ -125,6 +125,8 @@ class CompletionService:
     def __init__(self, generator, tokenizer=None, max_queue: int = 256, name: str = "llm"):
         self.gen, self.tok, self.name = generator, tokenizer, name
         self.q: queue.Queue = queue.Queue(max_queue)
+        #: requests waiting for a KV-cache row (in the queue and the scheduler), and running (/metrics)
+        self.waiting = self.running = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ft-llm", daemon=True)
         self._thread.start()
@@ -172,6 +174,9 @@ class CompletionService:
                     loop.call_soon_threadsafe(out.put_nowait, e)
                     continue
                 live[rec] = [req, loop, out, 0]
+            if sched is not None:
+                self.waiting = self.q.qsize() + len(sched.waiting)
+                self.running = len(sched.running) + (sched.prefilling is not None)
             if sched is None or not sched.busy:
                 continue
             try:
