@@ -143,3 +143,15 @@ def mps_clients(enabled: bool):
         root = os.path.dirname(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
         print(f"MPS control daemon started ({root})", flush=True)
         yield {"exe": control_binary(), "root": root}
+
+
+def cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used so far, from /proc (None if gone)."""
+    import os
+    from pathlib import Path
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return None

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SAMPLES, machine_info, write_json  # noqa: E402
+from common import SAMPLES, cpu_s, machine_info, write_json  # noqa: E402
 
 
 def _make(args) -> int:
@@ -69,14 +69,6 @@ def make_folder(folder: Path, n: int, kind: str) -> float:
     return sum(p.stat().st_size for p in folder.glob("*.jpg"))
 
 
-def _cpu_s(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def run_cli(folder: Path, extra: list[str], tmp: Path) -> dict:
     rep = tmp / "report.json"
     rep.unlink(missing_ok=True)
@@ -104,7 +96,7 @@ def run_cli(folder: Path, extra: list[str], tmp: Path) -> dict:
     reader = threading.Thread(target=lambda: err.append(p.stderr.read()), daemon=True)
     reader.start()
     while p.poll() is None:
-        c = _cpu_s(p.pid)
+        c = cpu_s(p.pid)
         if c is not None:
             samples.append((time.perf_counter() - t0, c))
         time.sleep(0.5)

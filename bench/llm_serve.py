@@ -11,7 +11,7 @@
   128 out) and a mixed set (prompt lengths log-normal, median 256, clipped to 64..2048; outputs
   log-normal, median 128, clipped to 32..512). Per point: output tok/s (tokens received / wall from
   the first request to the last answer), time to first token p50/p99, inter-token latency p50/p99
-  (each streamed chunk's gap spread over its tokens), errors. The static cache holds ``rows`` x
+  (each streamed chunk's gap spread over its tokens), errors, the server process's CPU cores. The static cache holds ``rows`` x
   ``max_seq_len`` tokens whatever the requests' lengths, so the mixed set runs with fewer rows.
 
 Usage: python bench/llm_serve.py --out bench/results/llm_serve.json
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info, write_json  # noqa: E402
+from common import cpu_s, machine_info, write_json  # noqa: E402
 
 VOCAB = {"llama2-7b": 32000, "tiny": 512}  # --shape's vocabulary
 
@@ -279,7 +279,10 @@ def online(args) -> dict:
             load_point(url, reqs[:8], 4, 3, 1)  # warm-up
             pts = []
             for conc in [int(c) for c in args.concurrency.split(",")]:
+                c0, t0 = cpu_s(p.pid), time.perf_counter()
                 pts.append(load_point(url, reqs, conc, args.seconds, args.client_procs))
+                c1 = cpu_s(p.pid)  # the server process's cores over the point (its event loop and engine thread)
+                pts[-1]["server_cores"] = (c1 - c0) / (time.perf_counter() - t0) if c0 is not None and c1 else None
                 print(kind, pts[-1], flush=True)
             out[kind] = {
                 "server": " ".join(cmd[1:]),
