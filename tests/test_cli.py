@@ -1,3 +1,5 @@
+import dataclasses
+import inspect
 import json
 import subprocess
 import sys
@@ -355,6 +357,13 @@ def test_flag_defaults_are_the_dataclasses_defaults():
     )
     assert int(v.max_body_mb * 2**20) == o.max_body_bytes and v.max_request_megapixels * 1e6 == o.max_request_pixels
     assert v.max_connections_per_client == o.max_connections_per_client and v.max_connections == MAX_CONNECTIONS
+    from fullthrottle.core.config import LlmSettings
+    from fullthrottle.workloads.llm.generate import Generator
+
+    assert (v.llm_max_batch, v.llm_logprobs) == (LlmSettings.max_batch, LlmSettings.logprobs)
+    gen_defaults = {k: p.default for k, p in inspect.signature(Generator).parameters.items()}
+    for f in dataclasses.fields(LlmSettings):  # the Generator's defaults are these fields'
+        assert gen_defaults[f.name] == f.default, f.name
 
 
 def test_ctrl_c_mid_run_with_decoder_processes_leaves_no_process_and_no_shared_memory(samples, tmp_path):

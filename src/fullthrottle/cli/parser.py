@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.config import usable_cores
+from ..core.config import LlmSettings, usable_cores
 from ..core.env import describe as describe_env
 from ..server.options import MAX_CONNECTIONS, ServeOptions
 from .generate import RANDOM_SHAPES
@@ -180,12 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve an LLM of this shape with random weights instead (token ids only: for benchmarks)",
     )
     v.add_argument(
-        "--llm-max-batch", type=positive_int, default=8, help="LLM rows per decode batch (default: %(default)s)"
+        "--llm-max-batch",
+        type=positive_int,
+        default=LlmSettings.max_batch,
+        help="LLM KV-cache rows: requests decoded at once (default: %(default)s)",
     )
     v.add_argument(
         "--llm-logprobs",
         type=int,
-        default=0,
+        default=LlmSettings.logprobs,
         metavar="N",
         help="let requests ask for logprobs: each token's and the top N (0-20; default: off, no extra work per step)",
     )

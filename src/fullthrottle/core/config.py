@@ -95,6 +95,19 @@ class Runtime:
     max_wait_ms: float = field(default=5.0, metadata={"help": "how long a partial batch waits for more, ms"})
 
 
+@dataclass(frozen=True)
+class LlmSettings:
+    """The LLM engine's settings, each default stated here once: the
+    :class:`~fullthrottle.workloads.llm.generate.Generator`'s arguments and ``serve``'s ``--llm-*``
+    flags take theirs from these fields."""
+
+    max_batch: int = field(default=8, metadata={"help": "KV-cache rows: requests decoded at once"})
+    check_every: int = field(default=8, metadata={"help": "decode steps between looks at the stop mask"})
+    max_prefill_tokens: int = field(default=8192, metadata={"help": "prefill tokens per step, padding included"})
+    prefill_graph_tokens: int = field(default=2048, metadata={"help": "prefills up to this size replay graphs"})
+    logprobs: int = field(default=0, metadata={"help": "top tokens a step can report (0-20; 0: off)"})
+
+
 @dataclass
 class Config:
     """Everything a run can be tuned with.

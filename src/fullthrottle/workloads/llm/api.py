@@ -8,6 +8,7 @@ Requests batched together run as one static batch of
 from __future__ import annotations
 
 from ...core import env
+from ...core.config import LlmSettings
 from ...core.workload import Workload
 from .text import MAX_STOPS, LlmText, TextStream
 
@@ -174,7 +175,13 @@ class Completions(Workload):
     max_wait_ms = 5.0
     max_items_per_request = 1
 
-    def __init__(self, model_dir: str | None = None, max_batch: int = 8, max_seq_len: int | None = None, model=None):
+    def __init__(
+        self,
+        model_dir: str | None = None,
+        max_batch: int = LlmSettings.max_batch,
+        max_seq_len: int | None = None,
+        model=None,
+    ):
         self.model_dir = model_dir or env.get(env.LLM_MODEL) or None
         self.max_batch, self.max_seq_len, self.model = max_batch, max_seq_len, model
         self.gen = self.tok = None

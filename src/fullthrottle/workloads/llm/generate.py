@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...core.config import Runtime, default_buckets
+from ...core.config import LlmSettings, Runtime, default_buckets
 from ...core.report import StageStats
 from .llama import Llama
 from .sampling import GOLDEN, check_sampling, row_seeds, sample, seeded_noise, token_logprobs
@@ -94,15 +94,15 @@ class Generator:
     def __init__(
         self,
         model: Llama,
-        max_batch: int = 8,
+        max_batch: int = LlmSettings.max_batch,
         max_seq_len: int = 512,
         graphs: bool = Runtime.graphs,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
-        check_every: int = 8,
+        check_every: int = LlmSettings.check_every,
         attn_buckets: Sequence[int] | None = None,
-        max_prefill_tokens: int = 8192,
-        prefill_graph_tokens: int = 2048,
-        logprobs: int = 0,
+        max_prefill_tokens: int = LlmSettings.max_prefill_tokens,
+        prefill_graph_tokens: int = LlmSettings.prefill_graph_tokens,
+        logprobs: int = LlmSettings.logprobs,
     ):
         self.model = model
         #: tokens (padding included) one prefill forward takes at most; a longer prompt goes alone
