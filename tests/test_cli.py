@@ -463,3 +463,32 @@ def test_the_pixel_limit_is_a_flag_and_its_error_names_it(samples, tmp_path, cap
     err = json.loads(out.read_text())["error"]
     assert "exceeds the limit of 0.01 megapixels" in err and "--max-image-megapixels" in err
     assert main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--out", str(out)]) == 0
+
+
+def test_generate_many_with_text_prompts_gives_a_bad_line_its_own_error(tmp_path, make_tiny_llama, tiny_text):
+    """Text prompts are checked once, each line alone: one that is not valid Unicode fails alone."""
+    from types import SimpleNamespace
+
+    from fullthrottle.cli.generate_many import generate_many
+
+    src, out = tmp_path / "reqs.jsonl", tmp_path / "out.jsonl"
+    src.write_text('hello world\n{"prompt": "bad \\ud800 text"}\n{"prompt": "the quick fox", "max_tokens": 3}\n')
+    args = SimpleNamespace(
+        prompts=str(src),
+        out=str(out),
+        max_new_tokens=5,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=None,
+        max_batch=2,
+        max_seq_len=None,
+        graphs=False,
+        no_progress=True,
+    )
+    model = make_tiny_llama(vocab_size=tiny_text.tokenizer.get_vocab_size(), max_position_embeddings=64)
+    new, gen, failed = generate_many(args, model, tiny_text, None)
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert failed == 1 and "not valid Unicode" in got[1]["error"]
+    assert [len(got[0]["token_ids"]), len(got[2]["token_ids"])] == [5, 3] and new == 8
+    assert gen.max_seq_len == max(len(tiny_text.encode(t)) + m for t, m in (("hello world", 5), ("the quick fox", 3)))

@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
 
 def read_requests(path: str, args) -> list[dict | str]:
     """The requests of FILE: each line's body (a dict), or the error of a line that is not one."""
-    lines = (sys.stdin if path == "-" else open(path, encoding="utf-8", errors="replace")).read().splitlines()
+    if path == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
     out: list[dict | str] = []
     defaults = {
         "max_tokens": args.max_new_tokens,
@@ -54,6 +59,7 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
 
     from ..workloads.llm.api import completion_request
     from ..workloads.llm.generate import Generator
+    from ..workloads.llm.sampling import check_sampling
     from ..workloads.llm.scheduler import Scheduler
     from ..workloads.llm.text import TextStream
 
@@ -63,29 +69,27 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
         raise ValueError(f"cannot read {args.prompts}: {e.strerror or e}") from None
     if not reqs:
         raise ValueError(f"{args.prompts} holds no request")
-    context = model.cfg.max_position_embeddings
-    need = 1
-    for r in reqs:  # the cache's length: the longest prompt + max_tokens asked (a first, rough pass)
-        if isinstance(r, dict):
-            p = r.get("prompt")
-            n = len(p) if isinstance(p, list) else len(tok.encode(p)) if isinstance(p, str) and tok else 1
-            m = r.get("max_tokens")
-            need = max(need, n + (m if isinstance(m, int) else 0))
-    gen = Generator(
-        model, max_batch=args.max_batch, max_seq_len=args.max_seq_len or min(need, context), graphs=args.graphs
-    )
-    sched = Scheduler(gen, eos_id=eos)
-    recs: list = []
+    # each request checked and tokenized once, against the longest cache the run may have; the
+    # cache is then made as long as the longest request needs
+    limit = args.max_seq_len or model.cfg.max_position_embeddings
+    checks = SimpleNamespace(model=model, max_seq_len=limit, check_sampling=check_sampling, logprobs=0)
+    parsed: list = []
     for i, r in enumerate(reqs):
         try:
             if isinstance(r, str):
                 raise ValueError(r)
-            c = completion_request(r, gen, tok)
-            recs.append(
-                (c, sched.submit(c["ids"], c["max_tokens"], c["temperature"], c["top_k"], c["top_p"], c["seed"]))
-            )
+            parsed.append(completion_request(r, checks, tok))
         except ValueError as e:
-            recs.append((None, f"request {i}: {e}"))
+            parsed.append(f"request {i}: {e}")
+    need = max((len(c["ids"]) + c["max_tokens"] for c in parsed if isinstance(c, dict)), default=1)
+    gen = Generator(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len or need, graphs=args.graphs)
+    sched = Scheduler(gen, eos_id=eos)
+    recs = [
+        (c, sched.submit(c["ids"], c["max_tokens"], c["temperature"], c["top_k"], c["top_p"], c["seed"]))
+        if isinstance(c, dict)
+        else (None, c)
+        for c in parsed
+    ]
     out = sys.stdout if args.out in (None, "-") else open(args.out, "w", encoding="utf-8")
     failed = sum(c is None for c, _ in recs)
     bar = tqdm(
