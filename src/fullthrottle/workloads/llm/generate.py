@@ -237,11 +237,7 @@ class Generator:
                 logits = self.prefill_set.replay(shape)[:b]  # (b, V)
             else:
                 logits = self.model.prefill(ids.to(dev, non_blocking=True), n, r)  # (b, V)
-            noise = seeded_noise(self.seed[r], n[:, None], self.vocab_mix)  # the first new token's position
-            out.append(sample(logits, self.temp[r], self.topk[r], self.topp[r], noise))
-            if self.logprobs:
-                self._keep_logprobs(r, logits, out[-1])
-            self.pos[r, 0] = n
+            out.append(self._first_tokens(r, n, logits))
             j = k
         return torch.cat(out)
 
@@ -259,12 +255,17 @@ class Generator:
         logits = self.model(ids, pos, row)[:, -1]  # (1, V)
         if stop < len(prompt):
             return None
-        r = torch.tensor([row], device=dev)
-        n = torch.tensor([[stop]], device=dev)
-        first = sample(logits, self.temp[r], self.topk[r], self.topp[r], seeded_noise(self.seed[r], n, self.vocab_mix))
+        return self._first_tokens(torch.tensor([row], device=dev), torch.tensor([stop], device=dev), logits)
+
+    def _first_tokens(self, r: torch.Tensor, n: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Rows ``r`` ``(b,)`` prefilled to lengths ``n`` ``(b,)``: their first new tokens ``(b,)``,
+        sampled from ``logits`` ``(b, V)`` with each row's values and seed (and their logprobs kept);
+        each row's position becomes its length."""
+        noise = seeded_noise(self.seed[r], n[:, None], self.vocab_mix)  # the first new token's position
+        first = sample(logits, self.temp[r], self.topk[r], self.topp[r], noise)
         if self.logprobs:
             self._keep_logprobs(r, logits, first)
-        self.pos[row, 0] = stop
+        self.pos[r, 0] = n
         return first
 
     def _keep_logprobs(self, rows, logits: torch.Tensor, chosen: torch.Tensor) -> None:

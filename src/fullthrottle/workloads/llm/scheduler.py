@@ -163,9 +163,7 @@ class Scheduler:
             tokens, budget, s.prefilled = stop - s.prefilled, budget - (stop - s.prefilled), stop
             if first is not None:
                 self.prefilling = None
-                g.tok[s.row, 0] = first
-                g.done[s.row] = False
-                finished += self._start([s], first.tolist())
+                finished += self._start([s], first)
         admitted = []
         if self.free and budget > 0:
             batch = OpenBatch(len(self.free), budget)
@@ -182,11 +180,8 @@ class Scheduler:
             for s in admitted:  # the lowest free rows: the decode bucket stays small
                 s.row = self.free.pop(0)
                 self._set_row(s)
-            rows = [s.row for s in admitted]
-            first = g._prefill_rows(rows, [s.prompt for s in admitted])
-            g.tok[rows, 0] = first
-            g.done[rows] = False
-            finished += self._start(admitted, first.tolist())
+            first = g._prefill_rows([s.row for s in admitted], [s.prompt for s in admitted])
+            finished += self._start(admitted, first)
             tokens += sum(len(s.prompt) for s in admitted)
         if tokens:
             dt = time.perf_counter() - t0  # (the Generator's stage counters: what reports and /metrics show)
@@ -206,12 +201,15 @@ class Scheduler:
         g, row = self.gen, s.row
         g.temp[row, 0], g.topk[row, 0], g.topp[row, 0], g.seed[row, 0] = s.temperature, s.top_k, s.top_p, s.seed
 
-    def _start(self, started: list[Request], first: list[int]) -> list[Request]:
-        """``started`` requests, prefilled, begin decoding with their first tokens; those that end
-        with it are returned."""
+    def _start(self, started: list[Request], first: torch.Tensor) -> list[Request]:
+        """``started`` requests, prefilled, begin decoding with their first tokens ``(len(started),)``
+        (on the device: they feed the next decode step); those that end with it are returned."""
+        g, rows = self.gen, [s.row for s in started]
+        g.tok[rows, 0] = first
+        g.done[rows] = False
         now, finished = time.perf_counter(), []
         self._keep_logprobs(started)
-        for s, tok in zip(started, first):
+        for s, tok in zip(started, first.tolist()):
             s.t_first = now
             s.prefilled = len(s.prompt)
             self.running[s.row] = s
