@@ -358,8 +358,8 @@ def test_a_client_trickling_its_request_head_is_disconnected(samples):
 
 
 def test_faults_under_load_lose_no_accepted_request(samples):
-    """Under load from 6 clients: a decoder process is killed, clients hang up mid-body and before
-    their answer, then SIGTERM. Every request the server accepted is answered (200, or an error that
+    """Under load from 6 clients, three times: a decoder process is killed, clients hang up mid-body and
+    before their answer; then SIGTERM. Memory does not grow after the first round. Every request the server accepted is answered (200, or an error that
     says why), it exits 0, and none of its decoder processes is left behind. (A request sent on a
     keep-alive connection that was idle at SIGTERM may meet the connection's close unread: it is
     counted apart, as clients must retry those.)"""
@@ -438,25 +438,35 @@ def test_faults_under_load_lose_no_accepted_request(samples):
         for t in threads:
             t.start()
         time.sleep(2)
-        rss0 = _rss_mib([proc.pid, *children(proc.pid)])  # warm, under load
-        os.kill(sorted(workers)[0], signal.SIGKILL)  # a decoder process dies under load
-        for _ in range(5):  # clients that hang up mid-body, and before reading their answer
-            s = socket.create_connection((host, int(port)))
-            s.sendall(
-                b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
-                b"Content-Length: %d\r\n\r\n" % len(photos[0]) + photos[0][:1000]
-            )
-            s.close()
-            s = socket.create_connection((host, int(port)))
-            s.sendall(
-                b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
-                b"Content-Length: %d\r\n\r\n" % len(photos[1]) + photos[1]
-            )
-            s.close()
-        time.sleep(2)
-        pause.set()  # the load stops a moment: memory is back near where it was
-        time.sleep(1.5)
-        grown = _rss_mib([proc.pid, *children(proc.pid)]) - rss0
+
+        def faults_then_rss() -> float:
+            os.kill(sorted(children(proc.pid))[0], signal.SIGKILL)  # a decoder process dies under load
+            for _ in range(5):  # clients that hang up mid-body, and before reading their answer
+                s = socket.create_connection((host, int(port)))
+                s.sendall(
+                    b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(photos[0]) + photos[0][:1000]
+                )
+                s.close()
+                s = socket.create_connection((host, int(port)))
+                s.sendall(
+                    b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(photos[1]) + photos[1]
+                )
+                s.close()
+            time.sleep(2)
+            pause.set()  # the load stops a moment: memory is back near where it was
+            time.sleep(1.5)
+            rss = _rss_mib([proc.pid, *children(proc.pid)])
+            pause.clear()
+            return rss
+
+        # the first round warms the allocators up (its growth depends on the machine, +20 to +160 MiB);
+        # a leak grows on in the next two
+        rss1 = faults_then_rss()
+        faults_then_rss()
+        grown = faults_then_rss() - rss1
+        workers |= children(proc.pid)
         pause.clear()
         time.sleep(0.5)
         t_term[0] = time.time()
@@ -481,7 +491,7 @@ def test_faults_under_load_lose_no_accepted_request(samples):
     assert not [w for w in workers if alive(w)], "decoder processes left behind"
     # a client that hangs up is no server error: no traceback in its log
     assert not [x for x in log if x.startswith("Traceback")], "".join(log)[-3000:]
-    assert grown < 150, f"the server and its decoder processes grew {grown:.0f} MiB"
+    assert grown < 60, f"the server and its decoder processes grew {grown:.0f} MiB over the second and third rounds of faults"
 
 
 def _rss_mib(pids) -> float:
