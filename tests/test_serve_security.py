@@ -491,7 +491,9 @@ def test_faults_under_load_lose_no_accepted_request(samples):
     assert not [w for w in workers if alive(w)], "decoder processes left behind"
     # a client that hangs up is no server error: no traceback in its log
     assert not [x for x in log if x.startswith("Traceback")], "".join(log)[-3000:]
-    assert grown < 60, f"the server and its decoder processes grew {grown:.0f} MiB over the second and third rounds of faults"
+    assert grown < 60, (
+        f"the server and its decoder processes grew {grown:.0f} MiB over the second and third rounds of faults"
+    )
 
 
 def _rss_mib(pids) -> float:
