@@ -224,7 +224,7 @@ def test_ssrf_attempts_are_refused_and_never_reach_the_listener(listeners, caplo
         f"http://127.0.0.2%C3%A9:{a.port}/a.jpg",
         'http://x.invalid/\nINFO:     6.6.6.6:1 - "GET /admin HTTP/1.1" 200 OK',  # a line forged for the log
     ]
-    caplog.set_level(logging.WARNING, logger="fullthrottle.server.app")
+    caplog.set_level(logging.WARNING, logger="fullthrottle.server.classify")
     with Server(Tiny(), ServeOptions(allow_fetch=("127.0.0.2",))) as s:
         r = classify_urls(s, attempts)
         seen = list(a.paths)
@@ -234,7 +234,7 @@ def test_ssrf_attempts_are_refused_and_never_reach_the_listener(listeners, caplo
     assert errors == [f"{u}: cannot fetch URL {i}" for i, u in enumerate(attempts)]  # and nothing more
     assert r.json()["detail"] == "; ".join(f"cannot fetch URL {i}" for i in range(len(attempts)))
     assert b.paths == []  # the loopback listener saw no request at all
-    logged = [r.getMessage() for r in caplog.records if r.name == "fullthrottle.server.app"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "fullthrottle.server.classify"]
     assert len(logged) == len(attempts) and not [m for m in logged if "\n" in m or "\r" in m]
     assert "/a.jpg" not in seen and seen.count("/chain/1") == 1  # the chain stopped before /a.jpg
     assert ok.status_code == 200 and all("top_k" in x for x in ok.json()["results"])

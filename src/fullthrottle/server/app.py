@@ -13,7 +13,6 @@ SIGTERM (uvicorn's graceful shutdown) stops accepting, lets in-flight requests f
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
@@ -21,15 +20,14 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 
 from ..core.config import Config, usable_cores
 from ..core.workload import user_traceback
-from ..workloads.classify.decode import Result
 from ..workloads.classify.pipeline import Pipeline
 from ..workloads.embed_api import EmbeddingsAPI
+from .classify_route import LocalClassifier, add_classify_route
 from .fetch import FetchPolicy
-from .guard import HTTPError as _HTTPError
-from .guard import authorised, check_pixels, head_deadline_protocol, read_body
+from .guard import authorised, head_deadline_protocol
 from .metrics import ServerMetrics
 from .options import MAX_CONNECTIONS, ServeOptions
-from .services import BatchingService, CompletionService, Overloaded
+from .services import BatchingService, CompletionService
 from .startup import StartupError, startup_error_only
 from .text import add_text_routes
 from .workload_routes import WorkloadService, add_workload_routes
@@ -101,6 +99,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
 
         try:
             state["services"] = await asyncio.to_thread(build) if opts.classify else []
+            state["classifier"] = LocalClassifier(state["services"])
         except Exception as e:  # noqa: BLE001 - one clear line (uvicorn then exits, status 3)
             raise StartupError(f"the classification model could not start: {type(e).__name__}: {e}") from None
         if state["services"] and state["services"][0].pipeline.engine.random_weights:
@@ -182,59 +181,6 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     async def metrics():
         return PlainTextResponse(m.render(state), media_type=CONTENT_TYPE_LATEST)
 
-    async def read_images(request: Request) -> list[tuple[str, bytes]]:
-        """(id, bytes) for every image in the request. Raises _HTTPError."""
-        body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
-        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype == "multipart/form-data":
-            try:
-                form = await _parse_form(request, body, opts.max_images)
-            except Exception as e:  # noqa: BLE001 - starlette's MultiPartException and parser errors
-                raise _HTTPError(400, f"malformed multipart body: {e}") from None
-            images = [(f.filename or f"file{i}", await f.read()) for i, f in enumerate(form)]
-            boundary = request.headers.get("content-type", "").partition("boundary=")[2].split(";")[0].strip('"')
-            if not images and boundary and f"--{boundary}--".encode() not in body:
-                raise _HTTPError(400, "malformed multipart body: it ends before its closing boundary")
-        elif ctype == "application/json":
-            try:
-                payload = json.loads(body)
-                urls = payload.get("urls") if isinstance(payload, dict) else None
-                if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
-                    raise ValueError
-            except (ValueError, RecursionError) as e:  # (RecursionError: JSON nested thousands deep)
-                what = "wrong shape" if type(e) is ValueError else "malformed JSON"
-                raise _HTTPError(400, f'{what}: the body must be {{"urls": ["http(s)://...", ...]}}') from None
-            if policy is None:
-                raise _HTTPError(
-                    400,
-                    "this server fetches no URLs: send the images in the body, or start it "
-                    "with --allow-fetch HOST|CIDR ... to let clients name URLs on those hosts",
-                )
-            if len(urls) > opts.max_images:
-                raise _HTTPError(413, f"{len(urls)} images in one request; at most {opts.max_images}")
-            for u in urls:
-                if not u.startswith(("http://", "https://")):
-                    raise _HTTPError(400, f"not an http(s) URL: {u[:200]}")
-            budget = [opts.max_request_fetch_bytes or 4 * opts.max_body_bytes]  # all of its URLs together
-
-            async def fetch(i, u):
-                try:
-                    return u, await policy.fetch(state["http"], u, budget)
-                except Exception as e:  # noqa: BLE001 - refused or failed: the detail is for the operator only
-                    # (repr: a client's URL must not write lines of its own into the log; str(e), not e: its frames)
-                    log.warning("classify: URL %d %r not fetched: %r", i, u[:200], str(e))
-                    return u, _FetchError(f"cannot fetch URL {i}")
-
-            images = list(await asyncio.gather(*(fetch(i, u) for i, u in enumerate(urls))))
-        else:
-            images = [("body", bytes(body))]
-        if not images:
-            raise _HTTPError(400, "no image in the request")
-        if len(images) > opts.max_images:
-            raise _HTTPError(413, f"{len(images)} images in one request; at most {opts.max_images}")
-        check_pixels(images, opts.max_request_pixels, cfg.max_image_pixels)
-        return images
-
     add_text_routes(app, state, opts, reply, m.requests, m.latency)
     add_workload_routes(app, workloads, state, opts, reply, m.latency)
     if opts.embed_model is None:
@@ -245,78 +191,9 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
                 "/v1/embeddings", 404, {"detail": "embeddings are not enabled (start the server with --embed-model)"}
             )
 
-    @app.post("/v1/classify")
-    async def classify(request: Request):
-        route, t0 = "/v1/classify", time.perf_counter()
-        try:
-            if not state["ready"]:
-                raise _HTTPError(503, "model is loading", {"Retry-After": str(opts.retry_after_s)})
-            if not opts.classify:
-                raise _HTTPError(404, "image classification is not served (the server was started with --no-classify)")
-            images = await read_images(request)
-            n_new = sum(not isinstance(data, _FetchError) for _, data in images)
-            if n_new > opts.max_queue:  # (a 503 would ask for a retry that can never succeed)
-                raise _HTTPError(
-                    413,
-                    f"{n_new} images in one request; this server queues at most "
-                    f"{opts.max_queue} (--max-queue): send them in smaller requests",
-                )
-            svc = min(state["services"], key=lambda v: v.queued() + v.pending())
-            futs = []
-            try:
-                for item_id, data in images:
-                    if isinstance(data, _FetchError):  # that URL's own error; the others go on
-                        f = asyncio.get_running_loop().create_future()
-                        f.set_result(Result(-1, item_id, error=f"{item_id}: {data}"))
-                        futs.append(f)
-                    else:
-                        futs.append(svc.submit(item_id, data))
-            except Overloaded as e:
-                for f in futs:
-                    f.cancel()
-                raise _HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
-            except RuntimeError as e:
-                raise _HTTPError(503, str(e)) from None
-            remaining = opts.timeout_s - (time.perf_counter() - t0)
-            try:
-                results = await asyncio.wait_for(asyncio.gather(*futs), max(remaining, 0.001))
-            except TimeoutError:
-                raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
-            for r in results:
-                m.item_latency.observe(r.latency_ms / 1e3)
-            body = {
-                "results": [
-                    r.to_dict() | {"index": i, "id": iid} for i, (r, (iid, _)) in enumerate(zip(results, images))
-                ]
-            }
-            status = 422 if all(not r.ok for r in results) else 200
-            if status == 422:
-                body["detail"] = "; ".join(r.error.removeprefix(f"{iid}: ") for r, (iid, _) in zip(results, images))
-            return reply(route, status, body)
-        except _HTTPError as e:
-            return reply(route, e.status, {"detail": e.detail}, e.headers)
-        finally:
-            m.latency.labels(route).observe(time.perf_counter() - t0)
-
+    add_classify_route(app, state, opts, policy, reply, m, cfg.max_image_pixels)
+    app.state.ft = state  # (the engine process of a multi-process server serves from it)
     return app
-
-
-class _FetchError(str):
-    """A URL of a JSON request that could not be fetched (that image's error)."""
-
-
-async def _parse_form(request, body: bytes, max_files: int):
-    """The uploaded files of a multipart body (already read and size-checked)."""
-    from starlette.datastructures import UploadFile
-    from starlette.formparsers import MultiPartParser
-
-    async def stream():
-        yield body
-        yield b""
-
-    parser = MultiPartParser(request.headers, stream(), max_files=max_files + 1, max_part_size=len(body) + 1)
-    form = await parser.parse()
-    return [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
 
 
 def run_server(

@@ -1,0 +1,182 @@
+"""``POST /v1/classify``: the request's images read and checked, handed to a classifier backend as
+one list, answered with one result per image.
+
+The same route serves in one process (:class:`LocalClassifier`: the app's own pipelines) and in the
+HTTP worker processes of a multi-process server (:class:`~fullthrottle.server.front.EngineClient`:
+the images go to the engine process). A backend has ``async classify(images) -> list[Result]`` and
+raises :class:`~fullthrottle.server.services.Overloaded` (503 with Retry-After) or ``RuntimeError``
+(503: loading, shutting down, failed).
+
+Bodies: raw image bytes (any content type but the two below), ``multipart/form-data`` (one part
+per image), or ``application/json`` ``{"urls": [...]}`` (fetched only with ``--allow-fetch``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
+
+from ..workloads.classify.decode import Result
+from .guard import HTTPError, check_pixels, read_body
+from .services import Overloaded
+
+log = logging.getLogger("fullthrottle.server.classify")
+ROUTE = "/v1/classify"
+
+
+class FetchError(str):
+    """A URL of a JSON request that could not be fetched (that image's error)."""
+
+
+class LocalClassifier:
+    """The backend of a one-process server: each request goes to the replica
+    (:class:`~fullthrottle.server.services.BatchingService`) with the fewest images waiting."""
+
+    def __init__(self, services: list):
+        self.services = services
+
+    async def classify(self, images: list[tuple[str, bytes | FetchError]]) -> list[Result]:
+        svc = min(self.services, key=lambda v: v.queued() + v.pending())
+        futs = []
+        try:
+            for item_id, data in images:
+                if isinstance(data, FetchError):  # that URL's own error; the others go on
+                    f = asyncio.get_running_loop().create_future()
+                    f.set_result(Result(-1, item_id, error=f"{item_id}: {data}"))
+                    futs.append(f)
+                else:
+                    futs.append(svc.submit(item_id, data))
+        except BaseException:
+            for f in futs:
+                f.cancel()
+            raise
+        return list(await asyncio.gather(*futs))
+
+
+def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image_pixels: int) -> None:
+    """Add ``POST /v1/classify`` to ``app``.
+
+    Args:
+        state: the app's state: ``state["ready"]`` (503 until True), ``state["classifier"]`` (the
+            backend), ``state["http"]`` (the httpx client that fetches URLs).
+        opts: the :class:`~fullthrottle.server.options.ServeOptions`.
+        policy: the :class:`~fullthrottle.server.fetch.FetchPolicy`, or None (no URL is fetched).
+        reply: ``reply(route, status, body, headers=None)``: the JSON response, counted in the metrics.
+        metrics: the app's :class:`~fullthrottle.server.metrics.ServerMetrics`.
+        max_image_pixels: one image's pixel limit (the pipeline's), for the request's total check.
+    """
+
+    async def read_images(request: Request) -> list[tuple[str, bytes | FetchError]]:
+        """(id, bytes) for every image in the request. Raises HTTPError."""
+        body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype == "multipart/form-data":
+            try:
+                form = await _parse_form(request, body, opts.max_images)
+            except Exception as e:  # noqa: BLE001 - starlette's MultiPartException and parser errors
+                raise HTTPError(400, f"malformed multipart body: {e}") from None
+            images = [(f.filename or f"file{i}", await f.read()) for i, f in enumerate(form)]
+            boundary = request.headers.get("content-type", "").partition("boundary=")[2].split(";")[0].strip('"')
+            if not images and boundary and f"--{boundary}--".encode() not in body:
+                raise HTTPError(400, "malformed multipart body: it ends before its closing boundary")
+        elif ctype == "application/json":
+            images = await fetch_urls(body)
+        else:
+            images = [("body", bytes(body))]
+        if not images:
+            raise HTTPError(400, "no image in the request")
+        if len(images) > opts.max_images:
+            raise HTTPError(413, f"{len(images)} images in one request; at most {opts.max_images}")
+        check_pixels(images, opts.max_request_pixels, max_image_pixels)
+        return images
+
+    async def fetch_urls(body: bytes) -> list[tuple[str, bytes | FetchError]]:
+        try:
+            payload = json.loads(body)
+            urls = payload.get("urls") if isinstance(payload, dict) else None
+            if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+                raise ValueError
+        except (ValueError, RecursionError) as e:  # (RecursionError: JSON nested thousands deep)
+            what = "wrong shape" if type(e) is ValueError else "malformed JSON"
+            raise HTTPError(400, f'{what}: the body must be {{"urls": ["http(s)://...", ...]}}') from None
+        if policy is None:
+            raise HTTPError(
+                400,
+                "this server fetches no URLs: send the images in the body, or start it "
+                "with --allow-fetch HOST|CIDR ... to let clients name URLs on those hosts",
+            )
+        if len(urls) > opts.max_images:
+            raise HTTPError(413, f"{len(urls)} images in one request; at most {opts.max_images}")
+        for u in urls:
+            if not u.startswith(("http://", "https://")):
+                raise HTTPError(400, f"not an http(s) URL: {u[:200]}")
+        budget = [opts.max_request_fetch_bytes or 4 * opts.max_body_bytes]  # all of its URLs together
+
+        async def fetch(i, u):
+            try:
+                return u, await policy.fetch(state["http"], u, budget)
+            except Exception as e:  # noqa: BLE001 - refused or failed: the detail is for the operator only
+                # (repr: a client's URL must not write lines of its own into the log; str(e), not e: its frames)
+                log.warning("classify: URL %d %r not fetched: %r", i, u[:200], str(e))
+                return u, FetchError(f"cannot fetch URL {i}")
+
+        return list(await asyncio.gather(*(fetch(i, u) for i, u in enumerate(urls))))
+
+    @app.post(ROUTE)
+    async def classify(request: Request):
+        t0 = time.perf_counter()
+        try:
+            if not state["ready"]:
+                raise HTTPError(503, "model is loading", {"Retry-After": str(opts.retry_after_s)})
+            if not opts.classify:
+                raise HTTPError(404, "image classification is not served (the server was started with --no-classify)")
+            images = await read_images(request)
+            n_new = sum(not isinstance(data, FetchError) for _, data in images)
+            if n_new > opts.max_queue:  # (a 503 would ask for a retry that can never succeed)
+                raise HTTPError(
+                    413,
+                    f"{n_new} images in one request; this server queues at most "
+                    f"{opts.max_queue} (--max-queue): send them in smaller requests",
+                )
+            remaining = opts.timeout_s - (time.perf_counter() - t0)
+            try:
+                results = await asyncio.wait_for(state["classifier"].classify(images), max(remaining, 0.001))
+            except Overloaded as e:
+                raise HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
+            except TimeoutError:
+                raise HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
+            except RuntimeError as e:
+                raise HTTPError(503, str(e)) from None
+            for r in results:
+                metrics.item_latency.observe(r.latency_ms / 1e3)
+            body = {
+                "results": [
+                    r.to_dict() | {"index": i, "id": iid} for i, (r, (iid, _)) in enumerate(zip(results, images))
+                ]
+            }
+            status = 422 if all(not r.ok for r in results) else 200
+            if status == 422:
+                body["detail"] = "; ".join(r.error.removeprefix(f"{iid}: ") for r, (iid, _) in zip(results, images))
+            return reply(ROUTE, status, body)
+        except HTTPError as e:
+            return reply(ROUTE, e.status, {"detail": e.detail}, e.headers)
+        finally:
+            metrics.latency.labels(ROUTE).observe(time.perf_counter() - t0)
+
+
+async def _parse_form(request, body: bytes, max_files: int):
+    """The uploaded files of a multipart body (already read and size-checked)."""
+    from starlette.datastructures import UploadFile
+    from starlette.formparsers import MultiPartParser
+
+    async def stream():
+        yield body
+        yield b""
+
+    parser = MultiPartParser(request.headers, stream(), max_files=max_files + 1, max_part_size=len(body) + 1)
+    form = await parser.parse()
+    return [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
