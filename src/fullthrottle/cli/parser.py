@@ -6,11 +6,16 @@ import argparse
 
 from ..core.config import LlmSettings, usable_cores
 from ..core.env import describe as describe_env
-from ..server.options import MAX_CONNECTIONS, ServeOptions
+from ..server.options import MAX_CONNECTIONS, ServeOptions, default_http_workers
 from .generate import RANDOM_SHAPES
 from .options import add_runtime_args, add_runtime_flags, port_number, positive_float, positive_int
 
 _SO = ServeOptions  # (its fields' defaults are serve's flags' defaults)
+
+
+def _http_workers(s: str) -> int:
+    """``--http-workers``: ``auto`` (sized to this machine's cores) or N >= 1."""
+    return default_http_workers(usable_cores()) if s == "auto" else positive_int(s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,11 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="open connections beyond this get 503 at once (default: %(default)s)",
     )
     v.add_argument(
+        "--http-workers",
+        type=_http_workers,
+        default="auto",
+        metavar="N|auto",
+        help="HTTP worker processes that parse, check and answer requests in front of one engine "
+        "process (the models, graphs and decoders); 1 serves from one process; auto: one per 4 "
+        "cores, at most 8, and 1 below 8 cores (default: %(default)s)",
+    )
+    v.add_argument(
         "--max-connections-per-client",
         type=positive_int,
         default=_SO.max_connections_per_client,
-        help="connections one client address may hold open; more are closed as they open "
-        "(behind a proxy every client has its address: raise this) (default: %(default)s)",
+        help="connections one client address may hold open (per HTTP worker); more are closed as "
+        "they open (behind a proxy every client has its address: raise this) (default: %(default)s)",
     )
     add_runtime_args(
         v,

@@ -167,24 +167,23 @@ def cmd_serve(args) -> int:
             port=args.port,
         )
         return 0
-    run_server(
-        cfg,
-        args.host,
-        args.port,
-        ServeOptions(
-            max_queue=args.max_queue,
-            timeout_s=args.timeout_s,
-            max_body_bytes=int(args.max_body_mb * 2**20),
-            devices=devices,
-            embed_model=args.embed_model,
-            llm=llm,
-            llm_name=os.path.basename(os.path.normpath(args.llm_model_dir))
-            if args.llm_model_dir
-            else f"random-{args.llm_random}",
-            workloads=workloads,
-            classify=args.classify,
-            **guard,
-        ),
-        max_connections=args.max_connections,
+    opts = ServeOptions(
+        max_queue=args.max_queue,
+        timeout_s=args.timeout_s,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        devices=devices,
+        embed_model=args.embed_model,
+        llm=llm,
+        llm_name=os.path.basename(os.path.normpath(args.llm_model_dir))
+        if args.llm_model_dir
+        else f"random-{args.llm_random}",
+        workloads=workloads,
+        classify=args.classify,
+        **guard,
     )
+    if args.http_workers > 1:
+        from ..server.supervisor import run_multi
+
+        return run_multi(cfg, args.host, args.port, opts, args.http_workers, args.max_connections)
+    run_server(cfg, args.host, args.port, opts, max_connections=args.max_connections)
     return 0

@@ -33,7 +33,7 @@ from .text import add_text_routes
 from .workload_routes import WorkloadService, add_workload_routes
 
 log = logging.getLogger("fullthrottle.server.app")
-_ROUTES = (
+ROUTES = (
     "/v1/classify",
     "/v1/embeddings",
     "/v1/completions",
@@ -139,19 +139,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         m.requests.labels(route, str(status)).inc()
         return r
 
-    if opts.api_keys:
-
-        @app.middleware("http")
-        async def require_key(request: Request, call_next):
-            if request.url.path != "/healthz" and not authorised(request.headers.get("authorization"), opts.api_keys):
-                # (answered before the body is read: the connection closes, the body is never taken in)
-                return reply(
-                    request.url.path if request.url.path in _ROUTES else "other",
-                    401,
-                    {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
-                    {"WWW-Authenticate": "Bearer", "Connection": "close"},
-                )
-            return await call_next(request)
+    add_key_check(app, opts.api_keys, reply)
 
     @app.get("/healthz")
     async def healthz():
@@ -196,6 +184,24 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     return app
 
 
+def add_key_check(app, keys: tuple[str, ...], reply) -> None:
+    """With any ``keys``: every route but ``/healthz`` answers 401 without ``Authorization: Bearer KEY``
+    (before the body is read: the connection closes, the body is never taken in)."""
+    if not keys:
+        return
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if request.url.path != "/healthz" and not authorised(request.headers.get("authorization"), keys):
+            return reply(
+                request.url.path if request.url.path in ROUTES else "other",
+                401,
+                {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
+                {"WWW-Authenticate": "Bearer", "Connection": "close"},
+            )
+        return await call_next(request)
+
+
 def run_server(
     config: Config,
     host: str = "127.0.0.1",
@@ -209,6 +215,15 @@ def run_server(
     ``max_connections``: open connections and requests beyond it get 503 at once (uvicorn's
     ``limit_concurrency``); idle keep-alive connections close after 5 s; a request head must arrive
     whole within ``options.header_timeout_s`` and is limited to 16 KiB (h11's default)."""
+    opts = options or ServeOptions()
+    uvicorn_server(create_app(config, opts), opts, max_connections, host=host, port=port).run()
+
+
+def uvicorn_server(app, opts: ServeOptions, max_connections: int, **where):
+    """A uvicorn server for ``app`` with the guard's limits (``where``: ``host`` and ``port``, or
+    nothing when the caller passes its sockets to ``run``). Its first SIGTERM or SIGINT drains
+    in-flight requests (each within ``opts.timeout_s``), the second stops waiting; ``run`` then
+    returns normally (exit status 0)."""
     import contextlib
     import signal
 
@@ -232,17 +247,15 @@ def run_server(
                 for s, h in old.items():
                     signal.signal(s, h)
 
-    opts = options or ServeOptions()
     logging.getLogger("uvicorn.error").addFilter(startup_error_only)
-    _Server(
+    return _Server(
         uvicorn.Config(
-            create_app(config, opts),
-            host=host,
-            port=port,
+            app,
+            **where,
             log_level="info",
             timeout_graceful_shutdown=opts.timeout_s,
             limit_concurrency=max_connections,
             timeout_keep_alive=5,
             http=head_deadline_protocol(opts.header_timeout_s, opts.max_connections_per_client),
         )
-    ).run()
+    )

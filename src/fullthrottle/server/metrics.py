@@ -1,7 +1,11 @@
 """The server's Prometheus metrics (prometheus-client, one registry per app): requests by route and
 status, latency histograms, batch sizes per workload, queue depth, stage busy % per workload, replica
 and stage (the same :class:`~fullthrottle.core.report.StageStats` the CLI's reports print), GPU
-utilisation and memory (NVML)."""
+utilisation and memory (NVML).
+
+In a multi-process server (``--http-workers``) every process writes its metrics to
+prometheus-client's multiprocess folder: counters and histograms are summed over the processes, and
+the gauges (set by the engine process only) over the live ones."""
 
 from __future__ import annotations
 
@@ -38,28 +42,54 @@ class ServerMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
         )
         self.queued = Gauge(
-            "fullthrottle_queue_images", "images waiting to enter the pipeline", ["replica"], registry=reg
+            "fullthrottle_queue_images",
+            "images waiting to enter the pipeline",
+            ["replica"],
+            registry=reg,
+            multiprocess_mode="livesum",
         )
         self.pending = Gauge(
-            "fullthrottle_pending_images", "images submitted and not yet answered", ["replica"], registry=reg
+            "fullthrottle_pending_images",
+            "images submitted and not yet answered",
+            ["replica"],
+            registry=reg,
+            multiprocess_mode="livesum",
         )
         self.requests_waiting = Gauge(
             "fullthrottle_requests_waiting",
             "requests queued, per workload (generate: waiting for a KV-cache row; a workload's name)",
             ["workload"],
             registry=reg,
+            multiprocess_mode="livesum",
         )
         self.requests_running = Gauge(
-            "fullthrottle_requests_running", "requests holding a KV-cache row (generate)", ["workload"], registry=reg
+            "fullthrottle_requests_running",
+            "requests holding a KV-cache row (generate)",
+            ["workload"],
+            registry=reg,
+            multiprocess_mode="livesum",
         )
         self.busy = Gauge(
             "fullthrottle_stage_busy_percent",
             "stage busy % since start, per workload (classify, embed, generate), replica and stage",
             ["workload", "replica", "stage"],
             registry=reg,
+            multiprocess_mode="livesum",
         )
-        self.gpu = Gauge("fullthrottle_gpu_utilization_percent", "GPU utilisation (NVML)", ["replica"], registry=reg)
-        self.gpu_mem = Gauge("fullthrottle_gpu_memory_used_bytes", "GPU memory used (NVML)", ["replica"], registry=reg)
+        self.gpu = Gauge(
+            "fullthrottle_gpu_utilization_percent",
+            "GPU utilisation (NVML)",
+            ["replica"],
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
+        self.gpu_mem = Gauge(
+            "fullthrottle_gpu_memory_used_bytes",
+            "GPU memory used (NVML)",
+            ["replica"],
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
 
     def render(self, state: dict) -> bytes:
         """The gauges set from ``state`` (the app's: classification services, the LLM service, the

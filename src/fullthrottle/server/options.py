@@ -12,6 +12,12 @@ MAX_IMAGES_PER_REQUEST = 64
 MAX_CONNECTIONS = 1024
 
 
+def default_http_workers(cores: int) -> int:
+    """``serve --http-workers auto``: one HTTP worker process per 4 cores, at most 8; on a machine
+    of fewer than 8 cores 1, which serves from one process (no engine link)."""
+    return 1 if cores < 8 else min(8, cores // 4)
+
+
 @dataclass
 class ServeOptions:
     """Server knobs (besides the pipeline's :class:`~fullthrottle.core.config.Config`).

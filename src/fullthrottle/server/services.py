@@ -37,7 +37,7 @@ class BatchingService:
         self.q: queue.Queue = queue.Queue(max_queue)
         self._lock = threading.Lock()
         self._count = itertools.count()
-        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._waiting: dict[int, object] = {}  # index -> its callback (a Result, or the pipeline's error)
         self._closing = threading.Event()
         self.error: BaseException | None = None
         self._results = pipeline.run(self._source())
@@ -56,19 +56,31 @@ class BatchingService:
         try:
             for r in self._results:
                 with self._lock:
-                    waiter = self._waiting.pop(r.index, None)
-                if waiter is not None:
-                    loop, fut = waiter
-                    loop.call_soon_threadsafe(_resolve, fut, r)
+                    done = self._waiting.pop(r.index, None)
+                if done is not None:
+                    done(r)
         except BaseException as e:  # noqa: BLE001 - the pipeline died: fail every waiter
             self.error = e
             with self._lock:
                 waiters, self._waiting = list(self._waiting.values()), {}
-            for loop, fut in waiters:
-                loop.call_soon_threadsafe(_fail, fut, e)
+            for done in waiters:
+                done(RuntimeError(f"pipeline failed: {e}"))
 
     def submit(self, item_id: str, data: bytes) -> asyncio.Future:
         """Queue one image; returns a future for its :class:`~fullthrottle.workloads.classify.decode.Result`.
+
+        Raises:
+            Overloaded: the queue is full. RuntimeError: the service is shutting down or failed.
+        """
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.submit_cb(item_id, data, lambda r: loop.call_soon_threadsafe(_settle, fut, r))
+        return fut
+
+    def submit_cb(self, item_id: str, data: bytes, done) -> None:
+        """Queue one image; ``done(result)`` is called from the service's dispatcher thread with its
+        :class:`~fullthrottle.workloads.classify.decode.Result`, or with a ``RuntimeError`` if the
+        pipeline fails. ``done`` must return quickly (it holds up the other results).
 
         Raises:
             Overloaded: the queue is full. RuntimeError: the service is shutting down or failed.
@@ -77,8 +89,6 @@ class BatchingService:
             raise RuntimeError(
                 "the service is shutting down" if self.error is None else f"the pipeline failed: {self.error}"
             )
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
         with self._lock:  # index order == queue order, as the loader enumerates the source
             idx = next(self._count)
             try:
@@ -86,8 +96,7 @@ class BatchingService:
             except queue.Full:
                 self._count = itertools.count(idx)  # the index was not used
                 raise Overloaded(f"queue full ({self.q.maxsize} images waiting)") from None
-            self._waiting[idx] = (loop, fut)
-        return fut
+            self._waiting[idx] = done
 
     def queued(self) -> int:
         """Images waiting to enter the pipeline."""
@@ -207,11 +216,9 @@ class CompletionService:
         self._thread.join(5)
 
 
-def _resolve(fut: asyncio.Future, r: Result) -> None:
+def _settle(fut: asyncio.Future, r: Result | BaseException) -> None:
     if not fut.done():
-        fut.set_result(r)
-
-
-def _fail(fut: asyncio.Future, e: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(RuntimeError(f"pipeline failed: {e}"))
+        if isinstance(r, BaseException):
+            fut.set_exception(r)
+        else:
+            fut.set_result(r)

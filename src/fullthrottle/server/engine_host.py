@@ -1,0 +1,211 @@
+"""The engine process's side of a multi-process server: it answers its HTTP worker processes'
+links (:mod:`~fullthrottle.server.link`) from the one-process app
+(:func:`~fullthrottle.server.app.create_app`), which it runs without a socket of its own.
+
+- ``CLASSIFY`` frames go straight to the app's classification replicas
+  (:meth:`~fullthrottle.server.services.BatchingService.submit_cb`): a link's reader thread submits
+  the images, the replica's dispatcher thread collects each request's results, and the link's
+  writer thread sends every answer ready at that moment in one message. No asyncio, no HTTP, no
+  JSON parsing of requests in this process.
+- ``HTTP`` frames (embeddings, completions, the user's workloads, ``/readyz``, ...) are run through
+  the app as ASGI calls on the engine's event loop; the answer streams back as ``START`` and
+  ``BODY`` frames, and a ``CANCEL`` reads as the client's disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import threading
+from multiprocessing.connection import Connection
+
+from . import link as wire
+from .services import Overloaded
+
+log = logging.getLogger("fullthrottle.server.engine")
+
+
+class Link:
+    """The engine's end of one HTTP worker's link: a reader thread (frames in) and a writer thread
+    (frames out, all that are ready sent as one message)."""
+
+    def __init__(self, conn: Connection, host: EngineHost, name: str):
+        self.conn, self.host, self.name = conn, host, name
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = threading.Event()
+        self.cancels: dict[int, asyncio.Event] = {}  # HTTP request id -> set on the client's disconnect
+        self._reader = threading.Thread(target=self._read, name=f"ft-link-in-{name}", daemon=True)
+        self._writer = threading.Thread(target=self._write, name=f"ft-link-out-{name}", daemon=True)
+        self._reader.start()
+        self._writer.start()
+
+    def send(self, kind: int, req_id: int, *parts: bytes) -> None:
+        if not self.closed.is_set():
+            self.out.put(wire.frame(kind, req_id, *parts))
+
+    def _write(self) -> None:
+        while True:
+            pieces = self.out.get()
+            if pieces is None:
+                return
+            more = [pieces]
+            while True:  # every frame ready now goes in the same message
+                try:
+                    nxt = self.out.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self.out.put(None)
+                    break
+                more.append(nxt)
+            try:
+                self.conn.send_bytes(b"".join(p for f in more for p in f))
+            except OSError:
+                self.close()
+                return
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.conn.recv_bytes()
+                for kind, req_id, payload in wire.frames(msg):
+                    if kind == wire.CLASSIFY:
+                        self.host.classify(self, req_id, wire.unpack_images(payload))
+                    elif kind == wire.HTTP:
+                        head, body = wire.unpack_http(payload)
+                        asyncio.run_coroutine_threadsafe(self.host.bridge(self, req_id, head, body), self.host.loop)
+                    elif kind == wire.CANCEL:
+                        ev = self.cancels.get(req_id)
+                        if ev is not None:
+                            self.host.loop.call_soon_threadsafe(ev.set)
+        except (EOFError, OSError):
+            pass  # the worker exited (or was killed): its requests are gone with it
+        except ValueError as e:  # (our own workers write these frames: a bug, not a client's doing)
+            log.error("HTTP worker %s sent a malformed frame: %s", self.name, e)
+        self.close()
+
+    def close(self) -> None:
+        if not self.closed.is_set():
+            self.closed.set()
+            self.out.put(None)
+            for ev in list(self.cancels.values()):
+                self.host.loop.call_soon_threadsafe(ev.set)
+            try:
+                self.conn.close()
+            except OSError:
+                pass
+
+
+class _Gather:
+    """One classify request's results, collected on the replica's dispatcher thread."""
+
+    def __init__(self, lk: Link, req_id: int, n: int):
+        self.lk, self.req_id, self.left = lk, req_id, n
+        self.rows: list = [None] * n
+        self.lock = threading.Lock()
+        self.failed = False
+
+    def done(self, i: int, r) -> None:
+        with self.lock:
+            if self.failed:
+                return
+            if isinstance(r, BaseException):
+                self.fail(str(r), False)
+                return
+            self.rows[i] = [r.id, r.labels, r.class_ids, r.probs, r.error, r.latency_ms]
+            self.left -= 1
+            if self.left:
+                return
+        self.lk.send(wire.RESULTS, self.req_id, json.dumps({"results": self.rows}).encode())
+
+    def fail(self, reason: str, overloaded: bool) -> None:
+        self.failed = True
+        self.lk.send(wire.RESULTS, self.req_id, json.dumps({"error": reason, "overloaded": overloaded}).encode())
+
+
+class EngineHost:
+    """Serves HTTP worker links from ``app`` (built by ``create_app``; its lifespan run by the
+    caller) on ``loop`` (the engine's event loop, running in another thread or the caller's)."""
+
+    def __init__(self, app, loop: asyncio.AbstractEventLoop):
+        self.app, self.loop = app, loop
+        self.state: dict = app.state.ft
+        self.links: list[Link] = []
+
+    def add_link(self, conn: Connection, name: str) -> Link:
+        lk = Link(conn, self, name)
+        self.links = [x for x in self.links if not x.closed.is_set()] + [lk]
+        return lk
+
+    def close(self) -> None:
+        for lk in self.links:
+            lk.close()
+
+    def classify(self, lk: Link, req_id: int, images: list[tuple[str, bytes]]) -> None:
+        g = _Gather(lk, req_id, len(images))
+        if not self.state.get("ready") or not self.state.get("services"):
+            g.fail("model is loading" if not self.state.get("ready") else "classification is not served", False)
+            return
+        svc = min(self.state["services"], key=lambda v: v.queued() + v.pending())
+        try:
+            for i, (item_id, data) in enumerate(images):
+                svc.submit_cb(item_id, data, lambda r, i=i: g.done(i, r))
+        except Overloaded as e:
+            with g.lock:
+                g.fail(str(e), True)
+        except RuntimeError as e:
+            with g.lock:
+                g.fail(str(e), False)
+
+    async def bridge(self, lk: Link, req_id: int, head: dict, body: bytes) -> None:
+        """Run one request through the app; its answer goes back as START and BODY frames."""
+        cancel = lk.cancels[req_id] = asyncio.Event()
+        if lk.closed.is_set():
+            cancel.set()
+        first = [True]
+        started = [False]
+
+        async def receive():
+            if first[0]:
+                first[0] = False
+                return {"type": "http.request", "body": body, "more_body": False}
+            await cancel.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg):
+            if msg["type"] == "http.response.start":
+                started[0] = True
+                hdrs = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in msg.get("headers", [])]
+                lk.send(wire.START, req_id, json.dumps({"status": msg["status"], "headers": hdrs}).encode())
+            elif msg["type"] == "http.response.body":
+                more = bool(msg.get("more_body", False))
+                lk.send(wire.BODY, req_id, b"\x01" if more else b"\x00", bytes(msg.get("body", b"")))
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": head.get("http_version", "1.1"),
+            "method": head["method"],
+            "scheme": "http",
+            "path": head["path"],
+            "raw_path": head["path"].encode(),
+            "query_string": head.get("query", "").encode("latin-1"),
+            "root_path": "",
+            "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in head["headers"]],
+            "client": tuple(head["client"]) if head.get("client") else None,
+            "server": tuple(head["server"]) if head.get("server") else None,
+            "state": {},
+        }
+        try:
+            await self.app(scope, receive, send)
+        except Exception:  # noqa: BLE001 - the app's own error handler answered 500 if it could
+            log.exception("%s %s failed in the engine", head["method"], head["path"])
+            if not started[0]:
+                err = json.dumps({"detail": "internal server error"}).encode()
+                hdrs = [["content-type", "application/json"], ["content-length", str(len(err))]]
+                lk.send(wire.START, req_id, json.dumps({"status": 500, "headers": hdrs}).encode())
+                lk.send(wire.BODY, req_id, b"\x00", err)
+        finally:
+            lk.cancels.pop(req_id, None)

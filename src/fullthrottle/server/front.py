@@ -1,0 +1,326 @@
+"""An HTTP worker process of a multi-process server (``fullthrottle serve --http-workers N``).
+
+It accepts connections on the listening socket it shares with its sibling workers, parses,
+authenticates and checks every request (body limits and deadlines, multipart, pixel limits, URL
+fetching with ``--allow-fetch``) and answers it; the engine process (one per server: the model,
+the graphs, the decoders) only sees what passed. ``POST /v1/classify`` sends the request's images
+to the engine in one ``CLASSIFY`` frame (:mod:`~fullthrottle.server.link`) and builds the answer
+from the results that come back; ``/healthz`` and ``/metrics`` are answered here; every other
+route is passed to the engine whole and its answer streamed back (embeddings, completions with
+server-sent events, the user's workloads, ``/readyz``).
+
+Started by :mod:`~fullthrottle.server.supervisor` as ``python -c`` :func:`main` with the listening
+socket and its link as inherited file descriptors and its settings as JSON on stdin. When its link
+closes (the engine process is gone) it drains like at SIGTERM and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection
+
+from ..workloads.classify.decode import Result
+from . import link as wire
+from .classify_route import FetchError
+from .guard import HTTPError, authorised
+from .services import Overloaded
+
+#: the routes an HTTP worker answers itself; every other goes to the engine
+LOCAL_ROUTES = frozenset({"/healthz", "/v1/classify", "/metrics"})
+
+
+class EngineClient:
+    """A worker's end of its link: the classify backend of :mod:`~fullthrottle.server.classify_route`,
+    and the pass-through of every other request. Sends from the event loop's thread; a reader
+    thread hands each message's frames to the loop in one call."""
+
+    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop, on_lost=None):
+        self.conn, self.loop, self.on_lost = conn, loop, on_lost
+        self.pending: dict[int, object] = {}  # request id -> its future (classify) or queue (HTTP)
+        self.lost = False
+        self._ids = itertools.count(1)
+        threading.Thread(target=self._read, name="ft-link-in", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.conn.recv_bytes()
+                self.loop.call_soon_threadsafe(self._deliver, [(k, r, bytes(p)) for k, r, p in wire.frames(msg)])
+        except (EOFError, OSError, ValueError):
+            pass
+        self.loop.call_soon_threadsafe(self._lose)
+
+    def _deliver(self, got: list) -> None:
+        for kind, req_id, payload in got:
+            waiter = self.pending.get(req_id)
+            if waiter is None:  # (its client went away, or its deadline passed)
+                continue
+            if kind == wire.RESULTS:
+                if not waiter.done():
+                    waiter.set_result(json.loads(payload))
+            else:
+                waiter.put_nowait((kind, payload))
+
+    def _lose(self) -> None:
+        self.lost = True
+        for waiter in self.pending.values():
+            if isinstance(waiter, asyncio.Future):
+                if not waiter.done():
+                    waiter.set_exception(RuntimeError("the engine process has stopped"))
+            else:
+                waiter.put_nowait(None)
+        if self.on_lost is not None:
+            self.on_lost()
+
+    def _send(self, pieces: list[bytes]) -> None:
+        if self.lost:
+            raise RuntimeError("the engine process has stopped")
+        try:
+            self.conn.send_bytes(b"".join(pieces))
+        except OSError:
+            raise RuntimeError("the engine process has stopped") from None
+
+    async def classify(self, images: list[tuple[str, bytes | FetchError]]) -> list[Result]:
+        """The results of a request's images (URLs that could not be fetched get their own error).
+
+        Raises:
+            Overloaded: the engine's queue is full. RuntimeError: loading, shutting down, stopped.
+        """
+        sent = [(iid, data) for iid, data in images if not isinstance(data, FetchError)]
+        rows = []
+        if sent:
+            req_id = next(self._ids)
+            fut = self.pending[req_id] = self.loop.create_future()
+            try:
+                self._send(wire.frame(wire.CLASSIFY, req_id, *wire.pack_images(sent)))
+                got = await fut
+            finally:
+                self.pending.pop(req_id, None)
+            if "error" in got:
+                raise (Overloaded if got["overloaded"] else RuntimeError)(got["error"])
+            rows = got["results"]
+        out, it = [], iter(rows)
+        for i, (iid, data) in enumerate(images):
+            if isinstance(data, FetchError):
+                out.append(Result(-1, iid, error=f"{iid}: {data}"))
+            else:
+                rid, labels, class_ids, probs, error, latency_ms = next(it)
+                out.append(Result(i, rid, labels, class_ids, probs, error, latency_ms))
+        return out
+
+    async def forward(self, scope, receive, send, body: bytes) -> None:
+        """Pass one request (its body already read) to the engine and stream its answer to the client."""
+        req_id = next(self._ids)
+        q = self.pending[req_id] = asyncio.Queue()
+        head = {
+            "method": scope["method"],
+            "path": scope["path"],
+            "query": scope.get("query_string", b"").decode("latin-1"),
+            "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in scope["headers"]],
+            "client": list(scope["client"]) if scope.get("client") else None,
+            "server": list(scope["server"]) if scope.get("server") else None,
+            "http_version": scope.get("http_version", "1.1"),
+        }
+
+        async def watch():  # the client hanging up is passed on: a stream stops, a row is freed
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not self.lost:
+                self._send(wire.frame(wire.CANCEL, req_id))
+            q.put_nowait(None)
+
+        watcher = None
+        started = False
+        try:
+            self._send(wire.frame(wire.HTTP, req_id, *wire.pack_http(head, body)))
+            watcher = asyncio.ensure_future(watch())
+            while True:
+                got = await q.get()
+                if got is None:  # the client or the engine went away
+                    if not started and self.lost:
+                        await _json(send, 503, {"detail": "the engine process has stopped"})
+                    return
+                kind, payload = got
+                if kind == wire.START:
+                    start = json.loads(payload)
+                    hdrs = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in start["headers"]]
+                    await send({"type": "http.response.start", "status": start["status"], "headers": hdrs})
+                    started = True
+                elif kind == wire.BODY:
+                    more = payload[:1] == b"\x01"
+                    await send({"type": "http.response.body", "body": payload[1:], "more_body": more})
+                    if not more:
+                        return
+        except RuntimeError as e:  # (the link is gone)
+            if not started:
+                await _json(send, 503, {"detail": str(e)})
+        finally:
+            self.pending.pop(req_id, None)
+            if watcher is not None:
+                watcher.cancel()
+
+    async def get(self, path: str) -> tuple[int, bytes]:
+        """An internal GET through the engine's app (status, body)."""
+        chunks, status = [], [0]
+
+        async def receive():
+            await asyncio.sleep(3600)
+            return {"type": "http.disconnect"}
+
+        async def send(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            else:
+                chunks.append(msg.get("body", b""))
+
+        scope = {"type": "http", "method": "GET", "path": path, "headers": [], "client": None, "server": None}
+        await self.forward(scope, receive, send, b"")
+        return status[0], b"".join(chunks)
+
+
+async def _json(send, status: int, body: dict, headers: dict | None = None) -> None:
+    data = json.dumps(body).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _read_body(receive, max_bytes: int, timeout_s: float) -> bytes | None:
+    """A passed-on request's body (None: the client hung up). Raises HTTPError (413, 408)."""
+    body = bytearray()
+
+    async def read():
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            body.extend(msg.get("body", b""))
+            if len(body) > max_bytes:
+                raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes")
+            if not msg.get("more_body", False):
+                return bytes(body)
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except TimeoutError:
+        raise HTTPError(408, f"request body not received within {timeout_s:g} s", {"Connection": "close"}) from None
+
+
+def create_front_app(opts, max_image_pixels: int, client_box: list):
+    """The worker's ASGI app: its own FastAPI app for :data:`LOCAL_ROUTES`, the engine for the rest.
+    ``client_box[0]`` is the :class:`EngineClient` (made once the event loop runs)."""
+    import contextlib
+
+    import httpx
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from .app import ROUTES, add_key_check
+    from .classify_route import add_classify_route
+    from .fetch import FetchPolicy
+    from .metrics import ServerMetrics
+
+    policy = (
+        FetchPolicy(opts.allow_fetch, max_bytes=opts.max_body_bytes, timeout_s=opts.url_timeout_s)
+        if opts.allow_fetch
+        else None
+    )
+    m = ServerMetrics()
+    state: dict = {"ready": True}  # (the engine says 503 while its model loads)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state["classifier"] = client_box[0]
+        state["http"] = httpx.AsyncClient(timeout=opts.url_timeout_s, follow_redirects=False, trust_env=False)
+        try:
+            yield
+        finally:
+            await state["http"].aclose()
+
+    local = FastAPI(title="fullthrottle", lifespan=lifespan)
+
+    def reply(route: str, status: int, body: dict, headers: dict | None = None):
+        r = JSONResponse(body, status_code=status, headers=headers)
+        m.requests.labels(route, str(status)).inc()
+        return r
+
+    add_key_check(local, opts.api_keys, reply)
+
+    @local.get("/healthz")
+    async def healthz():
+        return reply("/healthz", 200, {"status": "alive"})
+
+    @local.get("/metrics")
+    async def metrics():
+        await client_box[0].get("/metrics")  # the engine sets its gauges (queues, stages, GPU)
+        reg = CollectorRegistry()
+        MultiProcessCollector(reg)  # every process's counters and histograms, summed
+        return PlainTextResponse(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
+
+    add_classify_route(local, state, opts, policy, reply, m, max_image_pixels)
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in LOCAL_ROUTES:
+            return await local(scope, receive, send)
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        try:
+            headers = dict((k.lower(), v) for k, v in scope["headers"])
+            if opts.api_keys and not authorised(
+                (headers.get(b"authorization") or b"").decode("latin-1"), opts.api_keys
+            ):
+                m.requests.labels(route, "401").inc()
+                return await _json(
+                    send,
+                    401,
+                    {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
+                    {"WWW-Authenticate": "Bearer", "Connection": "close"},
+                )
+            declared = headers.get(b"content-length", b"")
+            if declared.isdigit() and int(declared) > opts.max_body_bytes:
+                raise HTTPError(
+                    413, f"request body of {declared.decode()} bytes exceeds the limit of {opts.max_body_bytes}"
+                )
+            body = await _read_body(receive, opts.max_body_bytes, opts.body_timeout_s)
+            if body is not None:
+                await client_box[0].forward(scope, receive, send, body)
+        except HTTPError as e:
+            m.requests.labels(route, str(e.status)).inc()
+            await _json(send, e.status, {"detail": e.detail}, e.headers)
+
+    return app
+
+
+def main() -> None:
+    """The worker's entry point: ``argv``: listening socket fd, link fd; stdin: its settings (JSON)."""
+    import socket
+
+    from .app import uvicorn_server
+    from .options import ServeOptions
+
+    listen_fd, link_fd = int(sys.argv[1]), int(sys.argv[2])
+    settings = json.loads(sys.stdin.read())
+    opts = ServeOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings["options"].items()})
+    box: list = [None]
+    server = uvicorn_server(
+        create_front_app(opts, settings["max_image_pixels"], box), opts, settings["max_connections"]
+    )
+    conn = Connection(link_fd)
+
+    def lost():  # the engine is gone: drain like at SIGTERM, then exit
+        if not server.should_exit:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    async def run():
+        box[0] = EngineClient(conn, asyncio.get_running_loop(), on_lost=lost)
+        await server.serve(sockets=[socket.socket(fileno=listen_fd)])
+
+    asyncio.run(run())

@@ -1,0 +1,91 @@
+"""The messages between a multi-process server's HTTP worker processes and its engine process.
+
+Each worker has one link to the engine: a socket pair made by the supervisor, each end wrapped in
+a :class:`multiprocessing.connection.Connection` (length-prefixed messages, ``send_bytes`` /
+``recv_bytes``: nothing is pickled). A message holds one or more frames; a frame is a 13-byte
+header (kind: u8, request id: u64, payload length: u32; little-endian) and its payload:
+
+worker -> engine
+    ``CLASSIFY``: the images of one ``/v1/classify`` request, each as ``u16`` id length, ``u32``
+    data length, the id (UTF-8) and the encoded bytes. Only bytes cross: the engine reads them as
+    data, never as objects.
+    ``HTTP``: any other request, passed on whole: ``u32`` head length, the head (JSON: method, path,
+    query string, headers, client), the body.
+    ``CANCEL``: the client of that ``HTTP`` request went away.
+engine -> worker
+    ``RESULTS``: JSON: ``{"results": [[id, labels, class_ids, probs, error, latency_ms], ...]}`` in
+    the request's order, or ``{"error": reason, "overloaded": bool}``.
+    ``START``: JSON ``{"status": int, "headers": [[name, value], ...]}`` of an ``HTTP`` request's answer.
+    ``BODY``: ``u8`` more-to-come flag and a piece of that answer's body.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+CLASSIFY, HTTP, CANCEL = 1, 2, 3
+RESULTS, START, BODY = 11, 12, 13
+
+_HEAD = struct.Struct("<BQI")
+_IMAGE = struct.Struct("<HI")
+_U32 = struct.Struct("<I")
+
+
+def frame(kind: int, req_id: int, *parts: bytes) -> list[bytes]:
+    """The pieces of one frame (join the frames of a message with ``b"".join``)."""
+    return [_HEAD.pack(kind, req_id, sum(map(len, parts))), *parts]
+
+
+def frames(msg: bytes):
+    """Yield ``(kind, request id, payload memoryview)`` for every frame of a message.
+
+    Raises:
+        ValueError: a frame runs past the end of the message.
+    """
+    view, at = memoryview(msg), 0
+    while at < len(view):
+        if at + _HEAD.size > len(view):
+            raise ValueError("truncated frame header")
+        kind, req_id, n = _HEAD.unpack_from(view, at)
+        at += _HEAD.size
+        if at + n > len(view):
+            raise ValueError("truncated frame")
+        yield kind, req_id, view[at : at + n]
+        at += n
+
+
+def pack_images(images: list[tuple[str, bytes]]) -> list[bytes]:
+    """The payload pieces of a ``CLASSIFY`` frame."""
+    out = []
+    for item_id, data in images:
+        b = item_id.encode("utf-8", "replace")[:65535]
+        out += [_IMAGE.pack(len(b), len(data)), b, data]
+    return out
+
+
+def unpack_images(payload: memoryview) -> list[tuple[str, bytes]]:
+    """The ``(id, bytes)`` images of a ``CLASSIFY`` payload. Raises ValueError if it is malformed."""
+    out, at = [], 0
+    while at < len(payload):
+        if at + _IMAGE.size > len(payload):
+            raise ValueError("truncated image header")
+        n_id, n_data = _IMAGE.unpack_from(payload, at)
+        at += _IMAGE.size
+        if at + n_id + n_data > len(payload):
+            raise ValueError("truncated image")
+        item_id = bytes(payload[at : at + n_id]).decode("utf-8", "replace")
+        out.append((item_id, bytes(payload[at + n_id : at + n_id + n_data])))
+        at += n_id + n_data
+    return out
+
+
+def pack_http(head: dict, body: bytes) -> list[bytes]:
+    """The payload pieces of an ``HTTP`` frame."""
+    h = json.dumps(head).encode()
+    return [_U32.pack(len(h)), h, body]
+
+
+def unpack_http(payload: memoryview) -> tuple[dict, bytes]:
+    (n,) = _U32.unpack_from(payload, 0)
+    return json.loads(bytes(payload[4 : 4 + n])), bytes(payload[4 + n :])

@@ -1,0 +1,215 @@
+"""The multi-process server (``serve --http-workers N``): HTTP worker processes in front of one engine
+process, on 127.0.0.1, driven from client processes."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from procs import alive, children
+
+import fullthrottle
+
+CLIENT = r"""
+import json, sys, httpx
+url, paths = sys.argv[1], sys.argv[2:]
+out = []
+with httpx.Client(timeout=60) as c:
+    for p in paths:
+        r = c.post(url + "/v1/classify", content=open(p, "rb").read(), headers={"content-type": "image/jpeg"})
+        out.append([p, r.status_code, r.json()])
+print(json.dumps(out))
+"""
+
+
+def start(*args, timeout=120, headers=None):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fullthrottle.cli", "serve", "--device", "cpu", "--port", "0", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    url, deadline, lines = None, time.time() + timeout, []
+    while url is None and time.time() < deadline and proc.poll() is None:
+        line = proc.stderr.readline()
+        lines.append(line)
+        m = re.search(r"running on (http://127\.0\.0\.1:\d+) with (\d+) HTTP worker", line)
+        url = m.group(1) if m else None
+    assert url, "".join(lines)
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/readyz", headers=headers, timeout=5).status_code == 200:
+                return proc, url, log
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("not ready: " + "".join(log)[-2000:])
+
+
+def fronts(pid: int) -> set[int]:
+    """The HTTP worker processes of server ``pid``."""
+    out = set()
+    for c in children(pid):
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                if b"server.front" in f.read():
+                    out.add(c)
+        except OSError:
+            pass
+    return out
+
+
+def stop(proc) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(60)
+
+
+def test_clients_in_processes_get_the_librarys_answers_and_metrics_count_every_worker(samples):
+    photos = samples[:12]
+    want = {str(p): r for p, r in zip(photos, fullthrottle.classify([p.read_bytes() for p in photos], device="cpu"))}
+    proc, url, log = start("--http-workers", "3", "--preprocess", "processes", "--threads", "2")
+    try:
+        assert len(fronts(proc.pid)) == 3
+        clients = [
+            subprocess.Popen([sys.executable, "-c", CLIENT, url, *map(str, photos[k::4])], stdout=subprocess.PIPE)
+            for k in range(4)
+        ]
+        got = [row for c in clients for row in json.loads(c.communicate(timeout=120)[0])]
+        assert len(got) == len(photos)
+        for path, status, body in got:
+            assert status == 200, body
+            top = body["results"][0]["top_k"]
+            ref = want[path]
+            assert [t["class_id"] for t in top[:3]] == ref.class_ids[:3], path
+            assert abs(top[0]["prob"] - ref.probs[0]) < 1e-3
+        # a multi-image request with a broken image: that image's own error, the others answered
+        files = [
+            ("f", ("a.jpg", photos[0].read_bytes(), "image/jpeg")),
+            ("f", ("broken.jpg", b"\xff\xd8\xff\xe0 not a jpeg", "image/jpeg")),
+            ("f", ("b.jpg", photos[1].read_bytes(), "image/jpeg")),
+        ]
+        r = httpx.post(url + "/v1/classify", files=files, timeout=60)
+        res = r.json()["results"]
+        assert r.status_code == 200 and [x["id"] for x in res] == ["a.jpg", "broken.jpg", "b.jpg"]
+        assert (
+            "error" in res[1]
+            and "top_k" not in res[1]
+            and res[0]["top_k"][0]["class_id"] == want[str(photos[0])].class_ids[0]
+        )
+        r = httpx.post(url + "/v1/classify", json={"urls": ["http://10.0.0.1/a.jpg"]}, timeout=10)
+        assert r.status_code == 400 and "fetches no URLs" in r.json()["detail"]  # (checked in the worker)
+        text = httpx.get(url + "/metrics", timeout=10).text
+        served = re.search(r'fullthrottle_requests_total\{route="/v1/classify",status="200"\} (\S+)', text)
+        assert served and float(served.group(1)) == len(photos) + 1, text[:3000]
+        assert re.search(r'fullthrottle_batch_size_count\{workload="classify"\} (\S+)', text)  # the engine's
+        assert "fullthrottle_queue_images" in text
+    finally:
+        code = stop(proc)
+    assert code == 0, "".join(log)[-3000:]
+    assert not [x for x in log if x.startswith("Traceback")], "".join(log)[-3000:]
+
+
+def test_sigterm_answers_requests_in_flight_and_leaves_no_process(samples):
+    photo = samples[0].read_bytes()
+    proc, url, log = start("--http-workers", "2", "--preprocess", "processes", "--threads", "2")
+    kids = children(proc.pid)
+    assert len(kids) >= 4  # 2 HTTP workers, 2 decoder processes
+    outcomes, halt = [], threading.Event()
+
+    def client():
+        with httpx.Client(timeout=60, headers={"connection": "close"}) as c:
+            while not halt.is_set():
+                try:
+                    outcomes.append(c.post(url + "/v1/classify", content=photo).status_code)
+                except httpx.ConnectError:
+                    outcomes.append("refused")  # (not accepted: the server had stopped listening)
+                    return
+                except httpx.HTTPError as e:
+                    outcomes.append(f"lost: {e!r}")
+
+    threads = [threading.Thread(target=client) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    try:
+        code = stop(proc)
+    finally:
+        halt.set()
+        for t in threads:
+            t.join(60)
+    assert code == 0, "".join(log)[-3000:]
+    assert outcomes.count(200) >= 6 and not [o for o in outcomes if o not in (200, "refused")], outcomes
+    time.sleep(0.5)
+    assert not [k for k in kids if alive(k)], "processes left behind"
+
+
+def test_a_killed_http_worker_is_replaced_and_a_full_queue_says_503(samples):
+    photos = [p.read_bytes() for p in samples[:8]]
+    proc, url, log = start("--http-workers", "2", "--max-queue", "4", "--threads", "1", "--max-batch-size", "1")
+    try:
+        first = fronts(proc.pid)
+        victim = sorted(first)[0]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.time() + 30
+        while time.time() < deadline and not (len(fronts(proc.pid)) == 2 and victim not in fronts(proc.pid)):
+            time.sleep(0.1)
+        now = fronts(proc.pid)
+        assert len(now) == 2 and victim not in now, (first, now)
+        assert any("ended (killed by signal SIGKILL): starting another" in x for x in log), "".join(log)[-2000:]
+        time.sleep(1.5)  # (the new worker imports its libraries)
+        for p in photos[:3]:
+            assert httpx.post(url + "/v1/classify", content=p, timeout=60).status_code == 200
+        # many 4-image requests at once: beyond a queue of 4 images, 503 with Retry-After
+        files = [("f", (f"{i}.jpg", photos[i], "image/jpeg")) for i in range(4)]
+        got = []
+
+        def one():
+            r = httpx.post(url + "/v1/classify", files=files, timeout=60)
+            got.append((r.status_code, r.headers.get("retry-after"), r.json().get("detail", "")))
+
+        ts = [threading.Thread(target=one) for _ in range(12)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(90)
+        statuses = [g[0] for g in got]
+        assert 200 in statuses and 503 in statuses, got
+        assert all(g[1] == "1" and "overloaded" in g[2] for g in got if g[0] == 503), got
+        assert set(statuses) <= {200, 503}, got
+    finally:
+        code = stop(proc)
+    assert code == 0, "".join(log)[-3000:]
+
+
+def test_other_routes_pass_through_to_the_engine_and_stream():
+    auth = {"authorization": "Bearer " + "k" * 20}
+    proc, url, log = start(
+        "--http-workers", "2", "--no-classify", "--llm-random", "tiny", "--api-key", "k" * 20, headers=auth
+    )
+    try:
+        assert httpx.get(url + "/readyz", timeout=10).status_code == 401  # keys checked in the worker
+        assert httpx.get(url + "/readyz", headers=auth, timeout=10).json()["llm"] == "random-tiny"
+        body = {"model": "random-tiny", "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}
+        whole = httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=60)
+        assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 8, whole.text
+        with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True}, headers=auth, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3
+        streamed = [t for e in events[:-1] for t in json.loads(e[6:])["choices"][0]["token_ids"] or []]
+        assert streamed == whole.json()["choices"][0]["token_ids"] and len(streamed) == 8
+        bad = httpx.post(url + "/v1/completions", json=body | {"max_tokens": -1}, headers=auth, timeout=10)
+        assert bad.status_code == 400 and "max_tokens" in bad.text
+        assert httpx.post(url + "/v1/classify", content=b"x", headers=auth, timeout=10).status_code == 404
+    finally:
+        code = stop(proc)
+    assert code == 0, "".join(log)[-3000:]
