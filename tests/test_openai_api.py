@@ -165,7 +165,8 @@ def test_a_full_admission_queue_answers_503_with_retry_after(make_tiny_llama):
 
     model = make_tiny_llama(max_position_embeddings=1024)
     gen = Generator(model, max_batch=1, max_seq_len=1024, graphs=False)
-    with Server(Tiny(), ServeOptions(llm=(gen, None), max_queue=2, retry_after_s=3)) as s:
+    with Server(Tiny(), ServeOptions(llm=(gen, None), max_queue=2, retry_after_s=3, timeout_s=600)) as s:
+        # (a deadline far past the 4 x 1000 tokens the accepted requests generate in turn on a slow CPU)
         body = {"prompt": [1, 2, 3], "max_tokens": 1000, "temperature": 0}  # 1 running, 1 waiting, 2 queued
         with cf.ThreadPoolExecutor(10) as ex:
             futs = [ex.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=120) for _ in range(10)]
