@@ -6,7 +6,8 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from fullthrottle.data.preprocess import ImageError, decode, jpeg_is_complete, preprocess, sniff
+from fullthrottle.data.image_header import ImageError, jpeg_is_complete, sniff
+from fullthrottle.data.preprocess import decode, preprocess
 
 REF = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224)])
 

@@ -79,6 +79,9 @@ def test_clients_in_processes_get_the_librarys_answers_and_metrics_count_every_w
     proc, url, log = start("--http-workers", "3", "--preprocess", "processes", "--threads", "2")
     try:
         assert len(fronts(proc.pid)) == 3
+        for w in fronts(proc.pid):  # an HTTP worker holds no model: torch is not even loaded there
+            with open(f"/proc/{w}/maps") as f:
+                assert "libtorch" not in f.read(), "an HTTP worker process loaded torch"
         clients = [
             subprocess.Popen([sys.executable, "-c", CLIENT, url, *map(str, photos[k::4])], stdout=subprocess.PIPE)
             for k in range(4)

@@ -17,9 +17,9 @@ if TYPE_CHECKING:  # (for type checkers and IDEs; at run time the names come fro
     from .core.config import Config
     from .core.report import StageStats
     from .core.workload import ItemError, Workload
-    from .data.preprocess import ImageError
-    from .workloads.classify.decode import Result
+    from .data.image_header import ImageError
     from .workloads.classify.pipeline import Pipeline, PipelineError, classify
+    from .workloads.classify.result import Result
 
 _WHERE = {
     "Config": ".core.config",

@@ -52,3 +52,8 @@ def error_info(message: str | None) -> tuple[str, str] | tuple[None, None]:
         if pattern.search(message):
             return stage, kind
     return "pipeline", "other"
+
+
+class Overloaded(RuntimeError):
+    """A bounded queue of requests is full: the caller should retry later (the server answers 503
+    with Retry-After)."""

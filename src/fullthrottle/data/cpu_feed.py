@@ -14,8 +14,8 @@ import selectors
 import time
 
 from .gpu_feed import GPU_CHUNK
+from .image_header import ImageError
 from .load import LoadError
-from .preprocess import ImageError
 from .worker_procs import WorkerDied
 
 #: images out at each decoder process at once (one decoding, the rest waiting in its socket), so

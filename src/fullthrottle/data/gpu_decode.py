@@ -23,7 +23,7 @@ import torch
 
 from .gpu_decoders import Decoder
 from .gpu_resize import resize_crop_batch
-from .preprocess import jpeg_info, jpeg_is_complete, resized_pixels, sniff
+from .image_header import jpeg_info, jpeg_is_complete, resized_pixels, sniff
 
 
 def gpu_eligible(data: bytes, max_pixels: int = 89_478_485, resize: int = 256) -> tuple[bool, str]:

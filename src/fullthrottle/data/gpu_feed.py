@@ -19,8 +19,8 @@ import torch
 
 from ..core.batch import OpenBatch
 from ..core.gpumon import nvtx_range
+from .image_header import ImageError
 from .load import LoadError
-from .preprocess import ImageError
 from .worker_procs import PATH_BIT, WorkerDied
 
 #: images per hand-off on the GPU decode path (dispatcher -> GPU decoders -> batcher): each hand-off

@@ -40,8 +40,8 @@ import numpy as np
 from ..core import env
 from .crop_pool import CropPool
 from .decoder_worker import _LOAD_ERROR, _OK, _ROW
+from .image_header import ImageError
 from .load import LoadError
-from .preprocess import ImageError
 from .worker_procs import (
     PATH_BIT,
     STARTUP_S,

@@ -16,32 +16,21 @@ import asyncio
 import logging
 import time
 
-from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
-
 from ..core.config import Config, usable_cores
 from ..core.workload import user_traceback
 from ..workloads.classify.pipeline import Pipeline
 from ..workloads.embed_api import EmbeddingsAPI
 from .classify_route import LocalClassifier, add_classify_route
 from .fetch import FetchPolicy
-from .guard import authorised, head_deadline_protocol
+from .http_layer import add_key_check, uvicorn_server
 from .metrics import ServerMetrics
 from .options import MAX_CONNECTIONS, ServeOptions
 from .services import BatchingService, CompletionService
-from .startup import StartupError, startup_error_only
+from .startup import StartupError
 from .text import add_text_routes
 from .workload_routes import WorkloadService, add_workload_routes
 
 log = logging.getLogger("fullthrottle.server.app")
-ROUTES = (
-    "/v1/classify",
-    "/v1/embeddings",
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/v1/models",
-    "/readyz",
-    "/metrics",
-)  # metric labels
 
 
 def _default_devices(device: str) -> list[str]:
@@ -184,24 +173,6 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     return app
 
 
-def add_key_check(app, keys: tuple[str, ...], reply) -> None:
-    """With any ``keys``: every route but ``/healthz`` answers 401 without ``Authorization: Bearer KEY``
-    (before the body is read: the connection closes, the body is never taken in)."""
-    if not keys:
-        return
-
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if request.url.path != "/healthz" and not authorised(request.headers.get("authorization"), keys):
-            return reply(
-                request.url.path if request.url.path in ROUTES else "other",
-                401,
-                {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
-                {"WWW-Authenticate": "Bearer", "Connection": "close"},
-            )
-        return await call_next(request)
-
-
 def run_server(
     config: Config,
     host: str = "127.0.0.1",
@@ -217,45 +188,3 @@ def run_server(
     whole within ``options.header_timeout_s`` and is limited to 16 KiB (h11's default)."""
     opts = options or ServeOptions()
     uvicorn_server(create_app(config, opts), opts, max_connections, host=host, port=port).run()
-
-
-def uvicorn_server(app, opts: ServeOptions, max_connections: int, **where):
-    """A uvicorn server for ``app`` with the guard's limits (``where``: ``host`` and ``port``, or
-    nothing when the caller passes its sockets to ``run``). Its first SIGTERM or SIGINT drains
-    in-flight requests (each within ``opts.timeout_s``), the second stops waiting; ``run`` then
-    returns normally (exit status 0)."""
-    import contextlib
-    import signal
-
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        # uvicorn re-raises the captured signal after its graceful shutdown, so the process would die
-        # of SIGTERM (status -15) after draining; we drain the same way and then return normally.
-        def handle_exit(self, sig, frame):
-            if self.should_exit:  # a second SIGTERM or SIGINT: stop waiting for in-flight requests
-                self.force_exit = True
-            super().handle_exit(sig, frame)
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            sigs = (signal.SIGINT, signal.SIGTERM)
-            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
-            try:
-                yield
-            finally:
-                for s, h in old.items():
-                    signal.signal(s, h)
-
-    logging.getLogger("uvicorn.error").addFilter(startup_error_only)
-    return _Server(
-        uvicorn.Config(
-            app,
-            **where,
-            log_level="info",
-            timeout_graceful_shutdown=opts.timeout_s,
-            limit_concurrency=max_connections,
-            timeout_keep_alive=5,
-            http=head_deadline_protocol(opts.header_timeout_s, opts.max_connections_per_client),
-        )
-    )

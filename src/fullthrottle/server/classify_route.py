@@ -20,9 +20,9 @@ import time
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
-from ..workloads.classify.decode import Result
+from ..core.errors import Overloaded
+from ..workloads.classify.result import Result
 from .guard import HTTPError, check_pixels, read_body
-from .services import Overloaded
 
 log = logging.getLogger("fullthrottle.server.classify")
 ROUTE = "/v1/classify"

@@ -21,8 +21,8 @@ import queue
 import threading
 from multiprocessing.connection import Connection
 
+from ..core.errors import Overloaded
 from . import link as wire
-from .services import Overloaded
 
 log = logging.getLogger("fullthrottle.server.engine")
 

@@ -25,11 +25,11 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
-from ..workloads.classify.decode import Result
+from ..core.errors import Overloaded
+from ..workloads.classify.result import Result
 from . import link as wire
 from .classify_route import FetchError
 from .guard import HTTPError, authorised
-from .services import Overloaded
 
 #: the routes an HTTP worker answers itself; every other goes to the engine
 LOCAL_ROUTES = frozenset({"/healthz", "/v1/classify", "/metrics"})
@@ -224,9 +224,9 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    from .app import ROUTES, add_key_check
     from .classify_route import add_classify_route
     from .fetch import FetchPolicy
+    from .http_layer import ROUTES, add_key_check
     from .metrics import ServerMetrics
 
     policy = (
@@ -303,7 +303,7 @@ def main() -> None:
     """The worker's entry point: ``argv``: listening socket fd, link fd; stdin: its settings (JSON)."""
     import socket
 
-    from .app import uvicorn_server
+    from .http_layer import uvicorn_server
     from .options import ServeOptions
 
     listen_fd, link_fd = int(sys.argv[1]), int(sys.argv[2])

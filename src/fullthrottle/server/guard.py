@@ -98,7 +98,7 @@ def check_pixels(images: list[tuple[str, object]], max_pixels: int, max_image_pi
     """HTTPError 413 when the images (``(id, bytes)``; other entries skipped) hold more than
     ``max_pixels`` together, by their headers. An image that will fail alone (an unreadable header,
     over ``max_image_pixels`` by itself) counts 0: it gets its own error."""
-    from ..data.preprocess import ImageError, header_size, sniff
+    from ..data.image_header import ImageError, header_size, sniff
 
     total = 0
     for _, data in images:

@@ -15,12 +15,9 @@ import itertools
 import queue
 import threading
 
-from ..workloads.classify.decode import Result
+from ..core.errors import Overloaded
 from ..workloads.classify.pipeline import Pipeline
-
-
-class Overloaded(RuntimeError):
-    """The submission queue is full (HTTP 503)."""
+from ..workloads.classify.result import Result
 
 
 class BatchingService:

@@ -23,12 +23,12 @@ import uuid
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
+from ..core.errors import Overloaded
 from ..core.workload import parse_body
 from ..workloads.llm.api import chat_request, completion_request
 from ..workloads.llm.text import TextStream
 from .guard import HTTPError as _HTTPError
 from .guard import read_body
-from .services import Overloaded
 
 #: how often (s) a non-streaming request checks, between its tokens, whether its client went away
 DISCONNECT_CHECK_S = 0.5

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
 from ..core.batch import RequestBatcher
+from ..core.errors import Overloaded
 from ..core.report import StageStats
 from ..core.workload import (
     ContractError,
@@ -37,7 +38,6 @@ from ..core.workload import (
 )
 from ..core.workload import load_workload as load_any_workload
 from .guard import HTTPError, read_body
-from .services import Overloaded
 
 log = logging.getLogger(__name__)
 

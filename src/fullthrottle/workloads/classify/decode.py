@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
-
-from ...core.errors import error_info
 
 
 def topk_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,51 +16,3 @@ def topk_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     """
     probs = torch.softmax(logits.float(), dim=-1)
     return probs.topk(min(k, logits.shape[-1]), dim=-1)
-
-
-@dataclass(slots=True)  # (no per-instance dict: made and read once per image, under the GIL)
-class Result:
-    """The answer for one input item.
-
-    Attributes:
-        index: position in the input stream (0-based).
-        id: the file path, URL, or ``<bytes #i>`` name of the item.
-        labels / class_ids / probs: the top-k classes, most probable first (probs sum to <= 1).
-        error: why this item failed (then the three lists are empty); :attr:`error_stage` and
-            :attr:`error_kind` say where and what (:mod:`fullthrottle.core.errors`).
-        latency_ms: from the start of its load to its result (ms).
-    """
-
-    index: int
-    id: str
-    labels: list[str] = field(default_factory=list)
-    class_ids: list[int] = field(default_factory=list)
-    probs: list[float] = field(default_factory=list)
-    error: str | None = None
-    latency_ms: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def error_stage(self) -> str | None:
-        """The stage that failed the item (``load``, ``preprocess``, ``pipeline``), or None."""
-        return error_info(self.error)[0]
-
-    @property
-    def error_kind(self) -> str | None:
-        """The kind of failure (``not_found``, ``corrupt``, ... :data:`fullthrottle.core.errors.KINDS`), or None."""
-        return error_info(self.error)[1]
-
-    def to_dict(self) -> dict:
-        d = {"index": self.index, "id": self.id}
-        if self.error is None:
-            d["top_k"] = [
-                {"label": lab, "class_id": c, "prob": round(p, 6)}
-                for lab, c, p in zip(self.labels, self.class_ids, self.probs)
-            ]
-        else:
-            d["error"] = self.error
-            d["error_stage"], d["error_kind"] = error_info(self.error)
-        return d

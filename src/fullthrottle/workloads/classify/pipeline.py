@@ -33,8 +33,8 @@ from ...core.report import Report
 from ...data.preprocess import allow_pillow_pixels
 from ...data.preprocess_procs import DecoderPool
 from .compute import Engine
-from .decode import Result
 from .models import GPU_INTERPOLATIONS
+from .result import Result
 from .run import PipelineError, Run, limit_heap_fragmentation  # noqa: F401 - (PipelineError: the public name lives here)
 
 

@@ -31,10 +31,10 @@ from ...core.report import Report, StageStats
 from ...data.cpu_feed import feed_cpu_decoders
 from ...data.gpu_decode import gpu_eligible
 from ...data.gpu_feed import GPU_CHUNK, feed_gpu_process, gpu_decode_thread
+from ...data.image_header import ImageError
 from ...data.load import Item, Loader
-from ...data.preprocess import ImageError
 from .compute import Engine
-from .decode import Result
+from .result import Result
 from .run_report import run_report
 from .stage_threads import compute_thread, decode_thread, preprocess_thread
 

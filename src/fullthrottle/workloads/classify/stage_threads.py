@@ -10,7 +10,7 @@ from ...core.batch import Batch
 from ...core.gpumon import nvtx_range
 from ...data.load import Item
 from ...data.preprocess import ImageError, preprocess
-from .decode import Result
+from .result import Result
 
 
 def preprocess_thread(run) -> None:

@@ -1,0 +1,135 @@
+"""What an image's first bytes say before a pixel is decoded: its format (by content, never by file
+name), width and height, a JPEG's SOF marker and EXIF orientation, whether a JPEG is complete.
+Needs only Pillow (for formats whose header it parses), so the HTTP worker processes can check a
+request's images without importing the decoders or torch.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+
+from PIL import Image, UnidentifiedImageError
+
+
+class ImageError(ValueError):
+    """A specific, per-item reason why an input could not become an image."""
+
+
+def sniff(data: bytes) -> str | None:
+    """The image format named by the first bytes of ``data``, or ``None`` if unknown."""
+    if data[:3] == b"\xff\xd8\xff":
+        return "JPEG"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "PNG"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "GIF"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    if data[:2] == b"BM":
+        return "BMP"
+    if data[:4] in (b"II*\x00", b"MM\x00*"):
+        return "TIFF"
+    return None
+
+
+def _exif_orientation(app1: bytes) -> int:
+    """EXIF orientation tag (1..8) from an APP1 payload starting with ``Exif\\0\\0``; 1 if absent."""
+    tiff = app1[6:]
+    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
+        return 1
+    e = "<" if tiff[:2] == b"II" else ">"
+    (ifd,) = struct.unpack(e + "I", tiff[4:8])
+    if ifd + 2 > len(tiff):
+        return 1
+    (n,) = struct.unpack(e + "H", tiff[ifd : ifd + 2])
+    for k in range(n):
+        off = ifd + 2 + 12 * k
+        if off + 12 > len(tiff):
+            break
+        tag, _typ, _cnt = struct.unpack(e + "HHI", tiff[off : off + 8])
+        if tag == 0x0112:
+            return struct.unpack(e + "H", tiff[off + 8 : off + 10])[0]
+    return 1
+
+
+def jpeg_info(data: bytes) -> dict | None:
+    """SOF marker, component count, size and EXIF orientation of a JPEG, from its header only."""
+    i, n, orient = 2, len(data), 1
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:
+            i += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            i += 2
+            continue
+        (seg,) = struct.unpack(">H", data[i + 2 : i + 4])
+        if marker == 0xE1 and data[i + 4 : i + 10] == b"Exif\x00\x00":
+            try:
+                orient = _exif_orientation(data[i + 4 : i + 2 + seg])
+            except struct.error:
+                orient = 0
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            if i + 10 > n:
+                return None
+            h, w = struct.unpack(">HH", data[i + 5 : i + 9])
+            return {"sof": marker, "components": data[i + 9], "width": w, "height": h, "orientation": orient}
+        i += 2 + seg
+    return None
+
+
+def jpeg_is_complete(data: bytes) -> bool:
+    """True when an end-of-image marker follows the last start-of-scan marker.
+
+    libjpeg (behind OpenCV) and nvJPEG both fill a truncated JPEG with grey and return no error, so
+    truncation has to be detected on the bytes. Inside entropy-coded data every 0xFF byte is
+    followed by 0x00 (byte stuffing), so ``FF D9`` / ``FF DA`` can only be markers.
+    """
+    # fast path (the GIL is held while bytes are scanned): an EOI near the end, no scan after it
+    eoi = data.rfind(b"\xff\xd9", max(0, len(data) - 4096))
+    if eoi > 0 and data.find(b"\xff\xda", eoi) < 0:
+        return data.find(b"\xff\xda", 0, eoi) > 0
+    return data.rfind(b"\xff\xd9") > data.rfind(b"\xff\xda") > 0
+
+
+def header_size(data: bytes, fmt: str | None) -> tuple[int, int, str]:
+    """(width, height, format) read from the header only, without decoding pixels.
+
+    Raises:
+        ImageError: the data is not an image format we can read.
+    """
+    if fmt == "JPEG":
+        info = jpeg_info(data)
+        if info is not None:
+            return info["width"], info["height"], fmt
+    if fmt == "PNG" and len(data) >= 24 and data[12:16] == b"IHDR":
+        w, h = struct.unpack(">II", data[16:24])
+        return w, h, fmt
+    if fmt == "GIF" and len(data) >= 10:  # logical screen size, as Pillow reports it
+        w, h = struct.unpack("<HH", data[6:10])
+        return w, h, fmt
+    if fmt == "BMP" and len(data) >= 26:
+        (hdr,) = struct.unpack("<I", data[14:18])
+        if hdr == 12 and len(data) >= 22:  # BITMAPCOREHEADER: 16-bit sizes
+            w, h = struct.unpack("<HH", data[18:22])
+            return w, h, fmt
+        if hdr >= 40:  # BITMAPINFOHEADER and later: signed 32-bit, negative height = top-down
+            w, h = struct.unpack("<ii", data[18:26])
+            return w, abs(h), fmt
+    try:
+        with Image.open(io.BytesIO(data)) as im:  # lazy: parses the header only
+            return im.width, im.height, fmt or (im.format or "unknown")
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"image too large: {e}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, struct.error):
+        if fmt is not None:  # the signature says what it is, its header does not parse: cut short
+            raise ImageError(f"truncated or corrupt {fmt} (its header cannot be read)") from None
+        raise ImageError("not a supported image (unrecognised format)") from None
+
+
+def resized_pixels(w: int, h: int, shorter: int) -> int:
+    """Pixels of a ``w`` x ``h`` image once its shorter side is resized to ``shorter`` (as Resize does)."""
+    return shorter * int(shorter * max(w, h) / min(w, h))
