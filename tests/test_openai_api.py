@@ -166,8 +166,8 @@ def test_a_full_admission_queue_answers_503_with_retry_after(make_tiny_llama):
     model = make_tiny_llama(max_position_embeddings=1024)
     gen = Generator(model, max_batch=1, max_seq_len=1024, graphs=False)
     with Server(Tiny(), ServeOptions(llm=(gen, None), max_queue=2, retry_after_s=3, timeout_s=600)) as s:
-        # (a deadline far past the 4 x 1000 tokens the accepted requests generate in turn on a slow CPU)
-        body = {"prompt": [1, 2, 3], "max_tokens": 1000, "temperature": 0}  # 1 running, 1 waiting, 2 queued
+        # (a deadline far past the 4 x 400 tokens the accepted requests generate in turn on a slow CPU)
+        body = {"prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0}  # 1 running, 1 waiting, 2 queued
         with cf.ThreadPoolExecutor(10) as ex:
             futs = [ex.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=120) for _ in range(10)]
             seen = set()  # /metrics meanwhile: one request holds the only row, others wait for it
@@ -183,7 +183,7 @@ def test_a_full_admission_queue_answers_503_with_retry_after(make_tiny_llama):
         busy = [r for r in got if r.status_code == 503]
         assert codes.count(200) >= 3 and busy and set(codes) == {200, 503}, codes
         assert busy[0].headers["retry-after"] == "3" and "queue full" in busy[0].json()["error"]["message"]
-        assert all(len(r.json()["choices"][0]["token_ids"]) == 1000 for r in got if r.status_code == 200)
+        assert all(len(r.json()["choices"][0]["token_ids"]) == 400 for r in got if r.status_code == 200)
 
 
 def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests(llm):

@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from procs import alive, children
 
 import fullthrottle
@@ -216,3 +217,16 @@ def test_other_routes_pass_through_to_the_engine_and_stream():
     finally:
         code = stop(proc)
     assert code == 0, "".join(log)[-3000:]
+
+
+def test_http_workers_flag_is_checked_before_anything_loads(capsys):
+    from fullthrottle.cli import main
+    from fullthrottle.server.options import default_http_workers
+
+    for bad, says in (("0", "must be >= 1"), ("abc", "--http-workers"), ("65", "at most 64")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--device", "cpu", "--http-workers", bad])
+        assert e.value.code == 2 and says in capsys.readouterr().err, bad
+    assert main(["serve", "--device", "cpu", "--ray", "--http-workers", "2"]) == 2
+    assert "--http-workers is for the server without --ray" in capsys.readouterr().err
+    assert [default_http_workers(c) for c in (2, 7, 8, 16, 64)] == [1, 1, 2, 4, 8]

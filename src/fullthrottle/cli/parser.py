@@ -6,16 +6,24 @@ import argparse
 
 from ..core.config import LlmSettings, usable_cores
 from ..core.env import describe as describe_env
-from ..server.options import MAX_CONNECTIONS, ServeOptions, default_http_workers
+from ..server.options import MAX_CONNECTIONS, ServeOptions
 from .generate import RANDOM_SHAPES
 from .options import add_runtime_args, add_runtime_flags, port_number, positive_float, positive_int
 
 _SO = ServeOptions  # (its fields' defaults are serve's flags' defaults)
 
 
-def _http_workers(s: str) -> int:
-    """``--http-workers``: ``auto`` (sized to this machine's cores) or N >= 1."""
-    return default_http_workers(usable_cores()) if s == "auto" else positive_int(s)
+MAX_HTTP_WORKERS = 64
+
+
+def _http_workers(s: str) -> int | str:
+    """``--http-workers``: ``auto`` (sized to this machine's cores by ``serve``) or 1 <= N <= 64."""
+    if s == "auto":
+        return s
+    n = positive_int(s)
+    if n > MAX_HTTP_WORKERS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_HTTP_WORKERS} HTTP worker processes, got {n}")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:

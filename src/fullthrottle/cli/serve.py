@@ -28,9 +28,10 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
-    from ..core.config import Config, resolve_dtype
+    from ..core.config import Config, resolve_dtype, usable_cores
     from ..core.device import resolve_device
     from ..server.app import ServeOptions, run_server
+    from ..server.options import default_http_workers
 
     try:
         device = resolve_device(args.device)
@@ -89,6 +90,9 @@ def cmd_serve(args) -> int:
             raise ValueError(f"--embed-model {em}: no config.json there (a sentence-transformers folder, or 'default')")
         if getattr(args, "ray", None) and (llm or args.gpus is not None):
             raise ValueError("an LLM and --gpus are not served through --ray (Ray Serve: --replicas)")
+        if getattr(args, "ray", None) and args.http_workers != "auto":
+            raise ValueError("--http-workers is for the server without --ray (Ray Serve's own proxy takes the HTTP)")
+        http_workers = default_http_workers(usable_cores()) if args.http_workers == "auto" else args.http_workers
         keys = load_keys(args.api_key, args.api_key_file)
         _check_port_free(args.host, args.port)  # before the model loads, not after
         devices = None
@@ -181,9 +185,9 @@ def cmd_serve(args) -> int:
         classify=args.classify,
         **guard,
     )
-    if args.http_workers > 1:
+    if http_workers > 1:
         from ..server.supervisor import run_multi
 
-        return run_multi(cfg, args.host, args.port, opts, args.http_workers, args.max_connections)
+        return run_multi(cfg, args.host, args.port, opts, http_workers, args.max_connections)
     run_server(cfg, args.host, args.port, opts, max_connections=args.max_connections)
     return 0
