@@ -143,9 +143,12 @@ if [[ $parts == *servegpus* ]]; then   # issue 08: serve --gpus all against one 
   $TO python3 bench/serve_load.py --compare-gpus --concurrency 64,256 --client-procs 8 --requests 12000 \
     --server-args=--gpu-decode --out "$OUT/serve_gpus.json" 2>&1 | tail -4
 fi
-if [[ $parts == *serveload* ]]; then   # issue 05: carry fastapi/uvicorn/starlette/pydantic wheels
-  $TO python3 bench/serve_load.py --out "$OUT/serve_load.json" 2>&1 | tail -4
+if [[ ,$parts, == *,serveft,* ]]; then    # issue 13: fullthrottle serve (its HTTP workers, one process) + overload
+  $TO python3 bench/serve_load.py --servers fullthrottle,fullthrottle_1_process ${SERVE_ARGS:-} --out "$OUT/serve_load_ft.json" 2>&1 | tee "$OUT/serve_load_ft.log" | tail -30
 fi
+if [[ ,$parts, == *,servepeers,* ]]; then # issue 13: plain FastAPI and LitServe (carry litserve + pyzmq wheels)
+  $TO python3 bench/serve_load.py --servers fastapi,litserve ${SERVE_ARGS:-} --out "$OUT/serve_load_peers.json" 2>&1 | tee "$OUT/serve_load_peers.log" | tail -30
+fi   # then here: python bench/serve_load.py --merge ft.json peers.json --out bench/results/serve_load.json
 if [[ $parts == *benchcli* ]]; then    # issue 03: the four experiments at full size, JSON + PNG
   for e in threads batch transfer; do $TO python3 -m fullthrottle.cli bench $e --out "$OUT/bench_$e" 2>&1 | tail -2; done
   $TO python3 -m fullthrottle.cli bench e2e --images tests/data/imagenet-sample --n 30000 --out "$OUT/bench_e2e" 2>&1 | tail -2

@@ -9,6 +9,7 @@ import torch
 from conftest import sample_label
 from torch import nn
 
+import fullthrottle
 from fullthrottle import Config, Pipeline
 from fullthrottle.cli import main
 from fullthrottle.data.preprocess import preprocess
@@ -142,6 +143,22 @@ def test_every_decode_path_uses_the_models_declaration(samples, pre):
     want = normalise([preprocess(p.read_bytes(), 112, 96) for p in samples[:3]], Probe.input_transform)
     for w in want:  # each image reached the model exactly as declared
         assert (seen - w).abs().flatten(1).max(1).values.min() < 1e-5
+
+
+def test_a_modules_own_labels_and_name_are_used(samples):
+    """A module's ``labels`` attribute names its classes (``Config.labels`` wins over it), and the
+    run report names the module, not the default model."""
+    model = Probe()
+    model.labels = ["w", "x", "y", "z"]
+    with Pipeline(Config(device="cpu", threads=1, top_k=4), model=model) as pipe:
+        res = pipe.classify(samples[:2])
+        assert "(Probe," in pipe.last_report.format()
+    assert all(sorted(r.labels) == ["w", "x", "y", "z"] for r in res)
+    res = fullthrottle.classify(samples[:1], device="cpu", model=model, labels=list("abcd"), top_k=4)
+    assert sorted(res[0].labels) == list("abcd")
+    from fullthrottle import ImageError, Result  # (every public name imports)
+
+    assert isinstance(res[0], Result) and issubclass(ImageError, ValueError)
 
 
 @pytest.mark.parametrize("pre", ["threads", "processes"])

@@ -354,7 +354,7 @@ def test_completion_stops_generating_when_its_client_goes_away(make_tiny_llama):
     assert 0 < decoded.items - before < 2900, decoded.items - before
 
 
-def test_a_workload_of_ones_own_is_served_batched_across_requests():
+def test_a_workload_of_ones_own_is_served_batched_across_requests(caplog):
     """A fullthrottle.Workload subclass at POST /v1/<name>: the requests of 12 concurrent clients share
     predict() calls; an item that fails costs only itself; malformed requests get 400/413; the
     workload's stage shows in /metrics; a class that breaks the contract is refused at start."""
@@ -399,6 +399,8 @@ def test_a_workload_of_ones_own_is_served_batched_across_requests():
     with Server(Tiny(), ServeOptions(workloads=(Exiter(),), classify=False)) as s:  # SystemExit in predict()
         r = httpx.post(s.url + "/v1/exiter", json={"inputs": ["exit"]}, timeout=30)
         assert r.status_code == 500 and "predict() failed: SystemExit" in r.json()["detail"]
+        logged = [x.getMessage() for x in caplog.records if "predict() failed" in x.getMessage()]
+        assert logged and "toy_workload.py" in logged[-1] and "raise SystemExit(3)" in logged[-1]  # where it raised
         r = httpx.post(s.url + "/v1/exiter", json={"inputs": [[1, 2, 3, 4]]}, timeout=30)
         assert r.json()["results"] == [{"output": 10.0}]  # the service lives on
         assert httpx.get(s.url + "/readyz").status_code == 200

@@ -23,11 +23,11 @@ if TYPE_CHECKING:  # (for type checkers and IDEs; at run time the names come fro
 
 _WHERE = {
     "Config": ".core.config",
-    "Result": ".workloads.classify.decode",
+    "Result": ".workloads.classify.result",
     "Pipeline": ".workloads.classify.pipeline",
     "PipelineError": ".workloads.classify.pipeline",
     "classify": ".workloads.classify.pipeline",
-    "ImageError": ".data.preprocess",
+    "ImageError": ".data.image_header",
     "Workload": ".core.workload",
     "ItemError": ".core.workload",
     "StageStats": ".core.report",

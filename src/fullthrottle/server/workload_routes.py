@@ -35,6 +35,7 @@ from ..core.workload import (
     outputs_of,
     parse_body,
     response_of,
+    user_traceback,
 )
 from ..core.workload import load_workload as load_any_workload
 from .guard import HTTPError, read_body
@@ -141,6 +142,12 @@ class WorkloadService:
             except BaseException as e:  # noqa: BLE001 - every request of the batch is answered, and the
                 # service lives on (a SystemExit or KeyboardInterrupt raised in predict() included)
                 err = RuntimeError(f"predict() failed: {type(e).__name__}: {e}")
+                log.error(
+                    "workload %s: predict() failed on a batch of %d:\n%s",
+                    self.workload.name,
+                    len(items),
+                    user_traceback(e),
+                )
                 for r in reqs:
                     r.loop.call_soon_threadsafe(_set, r.fut, None, err)
                 continue

@@ -86,7 +86,7 @@ class Engine:
         self.cuda = self.device.type == "cuda"
         self.dtype = torch_dtype(resolve_dtype(config.dtype, self.device)) if self.cuda else torch.float32
         self.channels_last = config.channels_last and self.cuda
-        self.model_name = config.model if isinstance(config.model, str) else type(model).__name__
+        self.model_name = type(model).__name__ if model is not None else config.model  # (a module given: its class)
         #: the weights file the model was loaded from (``None``: random, seeded; or a module as given)
         self.weights_path = config.weights
         by_name = model is None
@@ -99,7 +99,14 @@ class Engine:
         forms = inference_forms(model.eval(), config, self.device, self.dtype, self.channels_last)
         self.model, self.model_unfolded, self.model_fused = forms.model, forms.unfolded, forms.fused
         self.bn_folded, self.conv_relu_fused = forms.bn_folded, forms.conv_relu_fused
-        self.labels = list(config.labels) if config.labels is not None else imagenet_labels()
+        #: the config's labels, else the module's own ``labels`` (a sequence of str), else ImageNet's
+        own = getattr(model, "labels", None)
+        if config.labels is not None:
+            self.labels = list(config.labels)
+        elif own is not None and not isinstance(own, str) and all(isinstance(x, str) for x in own):
+            self.labels = list(own)
+        else:
+            self.labels = imagenet_labels()
         self._label_arr: np.ndarray | None = None  # labels as an object array, for label_lists
         self._label_src, self._label_n = None, 0  # the list it was built from, and its length then
         self.mean = torch.tensor(config.mean, device=self.device).view(1, 3, 1, 1) * 255.0

@@ -1,0 +1,150 @@
+"""The load generator of the serving benchmarks: client processes, each pinned to its own cores, each
+one asyncio loop with an ``httpx.AsyncClient`` (keep-alive connections), posting prepared request
+bodies to one URL.
+
+- :func:`closed_loop`: ``concurrency`` connections in all; each sends its next request when its last
+  answer arrives, for ``duration_s`` after ``warmup_s``. Counted: requests that start after the warm-up
+  and end within the window.
+- :func:`open_loop`: requests sent at a fixed total rate (req/s), whatever the answers, for
+  ``duration_s``; each request waits at most ``timeout_s``. Goodput: images answered 200 within the
+  window, per second (every answer's status is counted, in the window or after it).
+
+Both return per-status counts, images answered, p50/p99 latency of the 200s (ms), and the client
+processes' own CPU use (cores), so that a result limited by the clients shows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import resource
+import time
+import uuid
+from collections import Counter
+
+import numpy as np
+
+
+def multipart(blobs: list[bytes], field: str = "file") -> tuple[bytes, str]:
+    """One multipart/form-data body holding ``blobs`` as JPEG files; returns (body, content-type)."""
+    b = uuid.uuid4().hex
+    parts = [
+        f'--{b}\r\nContent-Disposition: form-data; name="{field}"; filename="{k}.jpg"\r\n'
+        f"Content-Type: image/jpeg\r\n\r\n".encode()
+        + x
+        + b"\r\n"
+        for k, x in enumerate(blobs)
+    ]
+    return b"".join(parts) + f"--{b}--\r\n".encode(), f"multipart/form-data; boundary={b}"
+
+
+async def _closed(url, bodies, images, concurrency, duration_s, warmup_s) -> dict:
+    import httpx
+
+    codes, lat, ok_images = Counter(), [], 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as c:
+        t_start = time.perf_counter() + warmup_s
+        t_end = t_start + duration_s
+
+        async def conn(k):
+            nonlocal ok_images
+            i = k
+            while (t := time.perf_counter()) < t_end:
+                body, ctype = bodies[i % len(bodies)]
+                i += concurrency
+                try:
+                    code = (await c.post(url, content=body, headers={"content-type": ctype})).status_code
+                except httpx.HTTPError as e:
+                    code = type(e).__name__
+                t2 = time.perf_counter()
+                if t >= t_start and t2 <= t_end:
+                    codes[code] += 1
+                    if code == 200:
+                        lat.append(t2 - t)
+                        ok_images += images
+
+        await asyncio.gather(*(conn(k) for k in range(concurrency)))
+    return {"codes": codes, "lat": lat, "images": ok_images}
+
+
+async def _open(url, bodies, images, rate, duration_s, timeout_s) -> dict:
+    import httpx
+
+    codes, lat, ok_images, n = Counter(), [], 0, int(rate * duration_s)
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as c:
+
+        async def one(i):
+            nonlocal ok_images
+            body, ctype = bodies[i % len(bodies)]
+            t = time.perf_counter()
+            try:
+                code = (await c.post(url, content=body, headers={"content-type": ctype})).status_code
+            except httpx.HTTPError as e:
+                code = type(e).__name__
+            codes[code] += 1
+            if code == 200 and (t2 := time.perf_counter()) <= t_end:  # (goodput: answered in the window)
+                lat.append(t2 - t)
+                ok_images += images
+
+        t0, tasks = time.perf_counter(), []
+        t_end = t0 + duration_s
+        for i in range(n):
+            delay = t0 + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+        sent_s = time.perf_counter() - t0
+        await asyncio.gather(*tasks)
+    return {"codes": codes, "lat": lat, "images": ok_images, "sent_per_s": n / sent_s}
+
+
+def _client(job) -> dict:
+    cores, mode, kw = job
+    if cores:
+        os.sched_setaffinity(0, cores)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    out = asyncio.run(_closed(**kw) if mode == "closed" else _open(**kw))
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    out["cpu_s"] = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _run(mode, procs, cores, per_proc: list[dict]) -> dict:
+    with cf.ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn")) as ex:
+        jobs = [(cores[k::procs] if cores else None, mode, kw) for k, kw in enumerate(per_proc)]
+        parts = list(ex.map(_client, jobs))
+    codes = sum((Counter(p["codes"]) for p in parts), Counter())
+    lat = np.concatenate([np.asarray(p["lat"], float) for p in parts]) * 1e3 if parts else np.array([])
+    return {
+        "statuses": {str(k): v for k, v in sorted(codes.items(), key=str)},
+        "images_ok": sum(p["images"] for p in parts),
+        "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
+        "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
+        "client_cores": sum(p["cpu_s"] for p in parts) / max(p["wall_s"] for p in parts),
+        "client_processes": procs,
+        **({"sent_per_s": sum(p["sent_per_s"] for p in parts)} if mode == "open" else {}),
+    }
+
+
+def closed_loop(url, bodies, images, concurrency, duration_s, warmup_s=3.0, procs=4, cores=None) -> dict:
+    """``concurrency`` connections split over ``procs`` client processes (pinned round-robin to
+    ``cores``); ``bodies``: [(body, content-type)], each request ``images`` images. Adds ``img_per_s``."""
+    procs = max(1, min(procs, concurrency))
+    split = [concurrency // procs + (k < concurrency % procs) for k in range(procs)]
+    kw = {"url": url, "bodies": bodies, "images": images, "duration_s": duration_s, "warmup_s": warmup_s}
+    out = _run("closed", procs, cores, [dict(kw, concurrency=n) for n in split])
+    return {"concurrency": concurrency, "img_per_s": out["images_ok"] / duration_s, **out}
+
+
+def open_loop(url, bodies, images, rate, duration_s, timeout_s=10.0, procs=4, cores=None) -> dict:
+    """``rate`` requests/s in all from ``procs`` client processes for ``duration_s``; adds
+    ``goodput_img_per_s`` (images answered 200 per second of the window)."""
+    kw = {"url": url, "bodies": bodies, "images": images, "duration_s": duration_s, "timeout_s": timeout_s}
+    out = _run("open", procs, cores, [dict(kw, rate=rate / procs)] * procs)
+    return {"rate_req_per_s": rate, "goodput_img_per_s": out["images_ok"] / duration_s, **out}
