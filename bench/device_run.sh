@@ -140,7 +140,7 @@ if [[ $parts == *embed* ]]; then       # issue 07: carry the MiniLM folder as .w
   $TO python3 bench/embed.py --device cuda --dtype float16 --out "$OUT/embed_minilm.json" 2>&1 | tail -3
 fi
 if [[ $parts == *servegpus* ]]; then   # issue 08: serve --gpus all against one GPU (needs >= 2 GPUs)
-  $TO python3 bench/serve_load.py --compare-gpus --concurrency 64,256 --client-procs 8 --requests 12000 \
+  $TO python3 bench/serve_load.py --compare-gpus --concurrency 64,256 --client-procs 8 \
     --server-args=--gpu-decode --out "$OUT/serve_gpus.json" 2>&1 | tail -4
 fi
 if [[ ,$parts, == *,serveft,* ]]; then    # issue 13: fullthrottle serve (its HTTP workers, one process) + overload
