@@ -37,15 +37,18 @@ def test_cli_run_answers_a_jsonl_file_in_order(tmp_path, capsys):
     from fullthrottle.cli import main
 
     src = tmp_path / "req.jsonl"
-    src.write_text('{"inputs": [[1,2,3,4]]}\n\n{"inputs": 3}\nnot json\n{"inputs": [[1,1,1,1],"x"]}\n')
+    src.write_text(
+        '{"inputs": [[1,2,3,4]]}\n\n{"inputs": 3}\nnot json\n{"inputs": [[1,1,1,1],"x"]}\n{"inputs": ["x"]}\n'
+    )
     out = tmp_path / "out.jsonl"
     assert main(["run", str(src), "--workload", "toy_workload:Summer", "--device", "cpu", "--out", str(out)]) == 1
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["line"] for r in rows] == [1, 3, 4, 5]
+    assert [r["line"] for r in rows] == [1, 3, 4, 5, 6]
     assert rows[0] == {"line": 1, "response": {"results": [{"output": 10.0}]}}
     assert "must be a list" in rows[1]["error"] and rows[2]["error"].startswith("malformed JSON")
     assert rows[3]["response"]["results"][0] == {"output": 4.0} and "error" in rows[3]["response"]["results"][1]
-    assert "4 requests: 2 ok, 2 failed (sum)" in capsys.readouterr().err
+    assert rows[4]["error"] == "unprocessable: every item failed" and "error" in rows[4]["response"]["results"][0]
+    assert "5 requests: 2 ok, 3 failed (sum)" in capsys.readouterr().err  # (all items failed: the server's 422)
     out.write_text("kept")  # a failed start leaves an existing --out as it was
     assert main(["run", str(src), "--workload", "toy_workload:BadSetup", "--device", "cpu", "--out", str(out)]) == 2
     err = capsys.readouterr().err

@@ -62,7 +62,12 @@ def cmd_run(args) -> int:
                 for n, resp, err in _answer(workload, chunk, args, device):
                     failed += err is not None
                     total += 1
-                    out.write(json.dumps({"line": n, **({"error": err} if err is not None else {"response": resp})}))
+                    row = {
+                        "line": n,
+                        **({"error": err} if err is not None else {}),
+                        **({"response": resp} if resp else {}),
+                    }
+                    out.write(json.dumps(row))
                     out.write("\n")
             out.flush()
         if out is not sys.stdout:

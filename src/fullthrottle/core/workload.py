@@ -268,7 +268,9 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
     of at most ``max_batch`` items and ``max_batch_cost`` cost (a request larger than either runs in
     several calls). ``workload`` is set up already; ``bodies`` are parsed JSON values.
 
-    Returns one ``(answer, None)`` or ``(None, error)`` per body, in order. An error is that request's
+    Returns one ``(answer, None)`` or ``(None, error)`` per body, in order; a request whose items all
+    failed (:class:`ItemError`) gets ``(answer, "unprocessable: every item failed")``, the answer the
+    server sends with its 422. An error is that request's
     alone: what the server answers 4xx or 500 for, or an exception of the ``predict()`` call that held
     one of its items (which fails every request with items in that call, as in the server).
     """
@@ -319,6 +321,8 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
         if errors[j] is None:
             try:
                 answers[j] = response_of(workload, o)
+                if o and all(isinstance(x, ItemError) for x in o):  # (the server's 422, with this body)
+                    errors[j] = "unprocessable: every item failed"
             except ContractError as e:
                 errors[j] = str(e)
             except ValueError as e:  # (the server's 422)
