@@ -71,6 +71,7 @@ def test_concurrent_clients_get_library_results_and_share_batches(samples):
             top = r.json()["results"][0]["top_k"]
             assert [t["class_id"] for t in top] == ref[name].class_ids
             assert [t["prob"] for t in top] == pytest.approx(ref[name].probs, abs=1e-5)
+        assert [httpx.head(s.url + p).status_code for p in ("/healthz", "/readyz", "/metrics")] == [200] * 3
         metrics = httpx.get(s.url + "/metrics").text
         count = float(re.search(r'fullthrottle_batch_size_count\{workload="classify"\} (\S+)', metrics).group(1))
         ones = float(

@@ -3,6 +3,7 @@
 Every attempt runs against listeners of the test's own on loopback addresses; a refused URL must
 never reach them."""
 
+import contextlib
 import http.server
 import logging
 import socket
@@ -462,6 +463,9 @@ def test_faults_under_load_lose_no_accepted_request(samples):
                 m = re.search(r"fullthrottle_pending_images\{[^}]*\} (\S+)", httpx.get(url + "/metrics").text)
                 pending = float(m.group(1))
             held.append(pending)  # (a request whose client hung up must not hold its images)
+            metrics = httpx.get(url + "/metrics").text  # a hang-up mid-body counts as 499, not as a client error
+            hung_up.append(re.search(r'requests_total\{route="/v1/classify",status="499"\} (\S+)', metrics))
+            assert 'route="/v1/classify",status="400"' not in metrics
             rss = _rss_mib([proc.pid])  # (the decoder processes are killed and replaced, young, in turn)
             pause.clear()
             return rss
@@ -469,6 +473,7 @@ def test_faults_under_load_lose_no_accepted_request(samples):
         # the first round warms the allocators up (its growth depends on the machine and its load: a
         # batch of a size not seen before takes new memory); a leak grows on in the next two
         held: list[float] = []
+        hung_up: list = []
         rss1 = faults_then_rss()
         faults_then_rss()
         grown = faults_then_rss() - rss1
@@ -498,6 +503,7 @@ def test_faults_under_load_lose_no_accepted_request(samples):
     # a client that hangs up is no server error: no traceback in its log
     assert not [x for x in log if x.startswith("Traceback")], "".join(log)[-3000:]
     assert held == [0.0, 0.0, 0.0], f"images held by the server with no client waiting: {held}"
+    assert hung_up[-1] and float(hung_up[-1].group(1)) >= 5, "hang-ups mid-body are not counted as 499"
     assert grown < 150, f"the server process grew {grown:.0f} MiB over the second and third rounds of faults"
 
 
@@ -558,3 +564,36 @@ def test_one_client_address_cannot_take_every_connection(samples):
         assert post_image(srv.url, samples[0].read_bytes()).status_code == 200  # others are still served
         for s in socks:
             s.close()
+
+
+def test_max_connections_serves_that_many_and_refuses_the_next():
+    """``--max-connections 3``: three open keep-alive connections are all served, a fourth gets 503."""
+    import http.client
+
+    from fullthrottle.core.config import Config
+    from fullthrottle.server.app import create_app
+    from fullthrottle.server.http_layer import uvicorn_server
+
+    app = create_app(Config(device="cpu", labels=[str(i) for i in range(10)]), ServeOptions(), model=Tiny())
+    server = uvicorn_server(app, ServeOptions(), 3, host="127.0.0.1", port=0)
+    server.capture_signals = contextlib.nullcontext  # (not the main thread: no signal handlers)
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in range(4)]
+    try:
+        codes = []
+        for c in conns:  # each stays open (keep-alive) while the next asks
+            c.request("GET", "/healthz")
+            r = c.getresponse()
+            r.read()
+            codes.append(r.status)
+        assert codes == [200, 200, 200, 503], codes
+    finally:
+        for c in conns:
+            c.close()
+        server.should_exit = True
+        t.join(30)

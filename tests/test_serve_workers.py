@@ -111,6 +111,9 @@ def test_clients_in_processes_get_the_librarys_answers_and_metrics_count_every_w
         )
         r = httpx.post(url + "/v1/classify", json={"urls": ["http://10.0.0.1/a.jpg"]}, timeout=10)
         assert r.status_code == 400 and "fetches no URLs" in r.json()["detail"]  # (checked in the worker)
+        for route in ("/healthz", "/readyz", "/metrics"):  # HEAD wherever GET is (RFC 9110), in a worker or not
+            r = httpx.head(url + route, timeout=10)
+            assert r.status_code == 200 and r.content == b"", (route, r.status_code)
         text = httpx.get(url + "/metrics", timeout=10).text
         served = re.search(r'fullthrottle_requests_total\{route="/v1/classify",status="200"\} (\S+)', text)
         assert served and float(served.group(1)) == len(photos) + 1, text[:3000]

@@ -130,11 +130,11 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
 
     add_key_check(app, opts.api_keys, reply)
 
-    @app.get("/healthz")
+    @app.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz():
         return reply("/healthz", 200, {"status": "alive"})
 
-    @app.get("/readyz")
+    @app.api_route("/readyz", methods=["GET", "HEAD"])
     async def readyz():
         if not state["ready"]:
             return reply("/readyz", 503, {"status": "loading"})
@@ -154,7 +154,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             }
         return reply("/readyz", 200, body)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         return PlainTextResponse(m.render(state), media_type=CONTENT_TYPE_LATEST)
 

@@ -255,11 +255,11 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
 
     add_key_check(local, opts.api_keys, reply)
 
-    @local.get("/healthz")
+    @local.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz():
         return reply("/healthz", 200, {"status": "alive"})
 
-    @local.get("/metrics")
+    @local.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         await client_box[0].get("/metrics")  # the engine sets its gauges (queues, stages, GPU)
         reg = CollectorRegistry()
@@ -315,8 +315,11 @@ def main() -> None:
     )
     conn = Connection(link_fd)
 
+    engine_pid = os.getppid()
+
     def lost():  # the engine is gone: drain like at SIGTERM, then exit
         if not server.should_exit:
+            print(f"fullthrottle: HTTP worker {os.getpid()}: the engine process has stopped; exiting", file=sys.stderr)
             os.kill(os.getpid(), signal.SIGTERM)
 
     async def run():
@@ -324,3 +327,8 @@ def main() -> None:
         await server.serve(sockets=[socket.socket(fileno=listen_fd)])
 
     asyncio.run(run())
+    metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if metrics_dir and os.getppid() != engine_pid:  # the engine died before us: nobody else removes it
+        import shutil
+
+        shutil.rmtree(metrics_dir, ignore_errors=True)

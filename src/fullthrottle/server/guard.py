@@ -69,8 +69,9 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
     """The whole request body, within ``timeout_s`` and ``max_bytes``.
 
     Raises:
-        HTTPError: 413 over the limit (declared or read), 408 not received in time, 400 the client
-            hung up before the end of its body (nobody reads that answer; it keeps the log quiet).
+        HTTPError: 413 over the limit (declared or read), 408 not received in time, 499 the client
+            hung up before the end of its body (nginx's "client closed request": nobody reads that
+            answer, and /metrics counts it apart from the clients' errors).
     """
     from starlette.requests import ClientDisconnect
 
@@ -90,7 +91,7 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
     except TimeoutError:
         raise HTTPError(408, f"request body not received within {timeout_s:g} s", {"Connection": "close"}) from None
     except ClientDisconnect:
-        raise HTTPError(400, "the client disconnected before the end of its request body") from None
+        raise HTTPError(499, "the client disconnected before the end of its request body") from None
     return bytes(body)
 
 

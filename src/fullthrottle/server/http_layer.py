@@ -6,6 +6,7 @@ the engines nor torch (an HTTP worker process holds no model).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
@@ -13,6 +14,8 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 from .guard import authorised, head_deadline_protocol
 from .options import ServeOptions
 from .startup import startup_error_only
+
+log = logging.getLogger("fullthrottle.server")
 
 ROUTES = (
     "/v1/classify",
@@ -43,6 +46,15 @@ def add_key_check(app, keys: tuple[str, ...], reply) -> None:
         return await call_next(request)
 
 
+def _not_a_dropped_request(record: logging.LogRecord) -> bool:
+    """Logging filter: no traceback for a task cancelled because a second signal stopped the server
+    (a request's connection is closed unanswered, and one line says so)."""
+    if record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError):
+        return False
+    msg = record.getMessage()  # (the app's lifespan task, cancelled the same way, logs its traceback as text)
+    return not (msg.startswith("Traceback") and msg.rstrip().endswith("CancelledError"))
+
+
 def uvicorn_server(app, opts: ServeOptions, max_connections: int, **where):
     """A uvicorn server for ``app`` with the guard's limits (``where``: ``host`` and ``port``, or
     nothing when the caller passes its sockets to ``run``). Its first SIGTERM or SIGINT drains
@@ -61,6 +73,16 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, **where):
                 self.force_exit = True
             super().handle_exit(sig, frame)
 
+        async def shutdown(self, sockets=None):
+            await super().shutdown(sockets)
+            if self.force_exit:  # requests still in flight are dropped: their connections close unanswered
+                dropped = list(self.server_state.connections)
+                for c in dropped:
+                    if getattr(c, "transport", None) is not None:
+                        c.transport.close()
+                if dropped:
+                    log.warning("a second signal: %d connection(s) closed with requests unanswered", len(dropped))
+
         @contextlib.contextmanager
         def capture_signals(self):
             sigs = (signal.SIGINT, signal.SIGTERM)
@@ -72,13 +94,14 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, **where):
                     signal.signal(s, h)
 
     logging.getLogger("uvicorn.error").addFilter(startup_error_only)
+    logging.getLogger("uvicorn.error").addFilter(_not_a_dropped_request)
     return _Server(
         uvicorn.Config(
             app,
             **where,
             log_level="info",
             timeout_graceful_shutdown=opts.timeout_s,
-            limit_concurrency=max_connections,
+            limit_concurrency=max_connections + 1,  # (uvicorn counts the connection asking among them)
             timeout_keep_alive=5,
             http=head_deadline_protocol(opts.header_timeout_s, opts.max_connections_per_client),
         )

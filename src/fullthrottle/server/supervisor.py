@@ -110,7 +110,8 @@ def run_multi(
     max_connections: int = MAX_CONNECTIONS,
 ) -> int:
     """Serve with ``http_workers`` HTTP worker processes until SIGTERM/SIGINT; returns the exit
-    status (0 after a graceful stop, 3 when the app could not start).
+    status (0 after a graceful stop, 3 when the app could not start or its HTTP workers keep dying
+    as they start).
 
     ``max_connections`` is shared out among the workers (each takes its part); the per-client
     connection cap (``options.max_connections_per_client``) holds per worker.
@@ -147,7 +148,7 @@ async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, 
         {
             "options": {k: getattr(opts, k) for k in _OPTION_FIELDS},
             "max_image_pixels": config.max_image_pixels,
-            "max_connections": max(1, max_connections // n),
+            "max_connections": -(-max_connections // n),  # (split among the workers, rounded up)
         }
     ).encode()
     stop, signals = asyncio.Event(), [0]
@@ -190,8 +191,12 @@ async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, 
             mark_process_dead(w.proc.pid)
             w.link.close()
             if quick_exits >= MAX_QUICK_EXITS:
-                print("fullthrottle: error: HTTP worker processes keep failing at start", file=sys.stderr)
-                code = 1
+                print(
+                    f"fullthrottle: error: {MAX_QUICK_EXITS} HTTP worker processes in a row died within "
+                    f"{QUICK_EXIT_S:g} s of their start: stopping",
+                    file=sys.stderr,
+                )
+                code = 3
                 stop.set()
                 break
             workers[i] = _Worker(w.slot, listen, settings, engine)

@@ -164,7 +164,7 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
         m_requests, m_latency: the app's request counter and latency histogram (prometheus-client).
     """
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         svc = state.get("llm")
         data = [] if svc is None else [{"id": svc.name, "object": "model", "created": 0, "owned_by": "fullthrottle"}]
