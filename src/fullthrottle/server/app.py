@@ -22,7 +22,7 @@ from ..workloads.classify.pipeline import Pipeline
 from ..workloads.embed_api import EmbeddingsAPI
 from .classify_route import LocalClassifier, add_classify_route
 from .fetch import FetchPolicy
-from .http_layer import add_key_check, uvicorn_server
+from .http_layer import add_basics, uvicorn_server
 from .metrics import ServerMetrics
 from .options import MAX_CONNECTIONS, ServeOptions
 from .services import BatchingService, CompletionService
@@ -52,7 +52,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
 
     import httpx
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, PlainTextResponse
+    from fastapi.responses import PlainTextResponse
     from prometheus_client import CONTENT_TYPE_LATEST
 
     opts = options or ServeOptions()
@@ -123,16 +123,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         description="Image classification with cross-request dynamic batching on the GPU.",
     )
 
-    def reply(route: str, status: int, body: dict, headers: dict | None = None):
-        r = JSONResponse(body, status_code=status, headers=headers)  # (raises for what is not JSON: uncounted)
-        m.requests.labels(route, str(status)).inc()
-        return r
-
-    add_key_check(app, opts.api_keys, reply)
-
-    @app.api_route("/healthz", methods=["GET", "HEAD"])
-    async def healthz():
-        return reply("/healthz", 200, {"status": "alive"})
+    reply = add_basics(app, m.requests, opts.api_keys)
 
     @app.api_route("/readyz", methods=["GET", "HEAD"])
     async def readyz():

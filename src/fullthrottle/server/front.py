@@ -220,13 +220,13 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
 
     import httpx
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, PlainTextResponse
+    from fastapi.responses import PlainTextResponse
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
     from .classify_route import add_classify_route
     from .fetch import FetchPolicy
-    from .http_layer import ROUTES, add_key_check
+    from .http_layer import ROUTES, add_basics
     from .metrics import ServerMetrics
 
     policy = (
@@ -248,16 +248,7 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
 
     local = FastAPI(title="fullthrottle", lifespan=lifespan)
 
-    def reply(route: str, status: int, body: dict, headers: dict | None = None):
-        r = JSONResponse(body, status_code=status, headers=headers)
-        m.requests.labels(route, str(status)).inc()
-        return r
-
-    add_key_check(local, opts.api_keys, reply)
-
-    @local.api_route("/healthz", methods=["GET", "HEAD"])
-    async def healthz():
-        return reply("/healthz", 200, {"status": "alive"})
+    reply = add_basics(local, m.requests, opts.api_keys)
 
     @local.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():

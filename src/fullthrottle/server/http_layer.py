@@ -46,6 +46,26 @@ def add_key_check(app, keys: tuple[str, ...], reply) -> None:
         return await call_next(request)
 
 
+def add_basics(app, requests_counter, keys: tuple[str, ...]):
+    """What the one-process app and an HTTP worker's app both start with: ``reply(route, status,
+    body, headers=None)`` (a JSON response, counted in ``requests_counter`` by route and status),
+    the API-key check, and ``GET /healthz``. Returns ``reply``."""
+    from fastapi.responses import JSONResponse
+
+    def reply(route: str, status: int, body: dict, headers: dict | None = None):
+        r = JSONResponse(body, status_code=status, headers=headers)  # (raises for what is not JSON: uncounted)
+        requests_counter.labels(route, str(status)).inc()
+        return r
+
+    add_key_check(app, keys, reply)
+
+    @app.api_route("/healthz", methods=["GET", "HEAD"])
+    async def healthz():
+        return reply("/healthz", 200, {"status": "alive"})
+
+    return reply
+
+
 def _not_a_dropped_request(record: logging.LogRecord) -> bool:
     """Logging filter: no traceback for a task cancelled because a second signal stopped the server
     (a request's connection is closed unanswered, and one line says so)."""
