@@ -8,7 +8,8 @@ img/s, p50/p99 ms, status counts, GPU busy (NVML), the server's CPU use (cores),
 
 - ``single``: one JPEG per request (LitServe: as a one-file multipart form, its way for files);
 - ``multi32``: 32 JPEGs per multipart request (fullthrottle and FastAPI);
-- LitServe: ``workers_per_device`` swept at 64 clients, the best runs every point;
+- LitServe: ``workers_per_device`` (and as many API server processes) swept at 64 clients, the best
+  runs every point;
 - overload: after fullthrottle's points, an open loop at twice its best img/s: goodput, statuses,
   and the server's resident memory before and after.
 
@@ -96,13 +97,21 @@ def start(cmd: list[str], port: int, ready: str, cores: list[int] | None) -> sub
 
 
 def stop(p: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL for whatever of its process tree is left 60 s on (LitServe leaves its
+    worker processes behind when its main process stops)."""
+    procs = tree(p.pid)
     p.send_signal(signal.SIGTERM)
     try:
         p.wait(60)
     except subprocess.TimeoutExpired:
-        for q in tree(p.pid):
+        pass
+    time.sleep(1)
+    for q in procs:
+        try:
             os.kill(q, signal.SIGKILL)
-        p.wait()
+        except ProcessLookupError:
+            pass
+    p.wait()
 
 
 def servers(device: str, extra: list[str], litserve_workers: int) -> dict:
@@ -117,7 +126,9 @@ def servers(device: str, extra: list[str], litserve_workers: int) -> dict:
         "fullthrottle_1_process": (ft + ["--http-workers", "1"], "/readyz", ("single",)),
         "fastapi": (peer + ["fastapi", "--device", device], "/readyz", ("single", "multi32")),
         "litserve": (
-            peer + ["litserve", "--device", device, "--workers", str(litserve_workers)],
+            peer
+            + ["litserve", "--device", device, "--workers", str(litserve_workers)]
+            + ["--api-servers", str(litserve_workers)],
             "/health",
             ("single",),
         ),
@@ -218,7 +229,9 @@ def main():
     ap.add_argument("--overload-s", type=float, default=30.0)
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--client-cores", type=int, default=4, help="the last N cores run the clients (0: not pinned)")
-    ap.add_argument("--litserve-workers", default="1,2,4", help="workers_per_device tried at 64 clients")
+    ap.add_argument(
+        "--litserve-workers", default="1,2,4", help="workers_per_device (= num_api_servers) tried at 64 clients"
+    )
     ap.add_argument("--server-args", default="", help="extra `fullthrottle serve` arguments")
     ap.add_argument("--compare-gpus", action="store_true", help="fullthrottle_1_gpu against fullthrottle_all_gpus")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge partial results into --out and plot")

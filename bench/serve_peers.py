@@ -11,8 +11,6 @@ ready at ``GET /readyz`` (FastAPI) or ``GET /health`` (LitServe's own, once its 
 Usage: python bench/serve_peers.py {fastapi,litserve} --port P --device D [--workers N] [--api-servers N]
 """
 
-from __future__ import annotations
-
 import argparse
 import asyncio
 import io
@@ -53,6 +51,7 @@ def _top5(probs, ids) -> list[dict]:
 
 
 def fastapi_app(device: str):
+    # (this module has no `from __future__ import annotations`: FastAPI reads `request: Request` at run time)
     import torch
     from fastapi import FastAPI, Request
     from PIL import Image
