@@ -65,7 +65,7 @@ def cmd_run(args) -> int:
                     row = {
                         "line": n,
                         **({"error": err} if err is not None else {}),
-                        **({"response": resp} if resp else {}),
+                        **({"response": resp} if resp is not None else {}),
                     }
                     out.write(json.dumps(row))
                     out.write("\n")

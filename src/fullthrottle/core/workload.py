@@ -262,6 +262,11 @@ def response_of(workload, outputs: list, check_json: bool = True) -> dict:
     return answer
 
 
+def every_item_failed(outputs: list) -> bool:
+    """Whether every output of a request is an :class:`ItemError` (the server answers it 422)."""
+    return bool(outputs) and all(isinstance(o, ItemError) for o in outputs)
+
+
 def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
     """Requests answered without a server, through the same contract and checks as ``POST /v1/<name>``
     (:func:`items_of`, :func:`cost_of`, :func:`response_of`): the items of all requests run in batches
@@ -321,7 +326,7 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
         if errors[j] is None:
             try:
                 answers[j] = response_of(workload, o)
-                if o and all(isinstance(x, ItemError) for x in o):  # (the server's 422, with this body)
+                if every_item_failed(o):  # (the server's 422, with this body)
                     errors[j] = "unprocessable: every item failed"
             except ContractError as e:
                 errors[j] = str(e)

@@ -1,6 +1,7 @@
 """The HTTP layer that the one-process app (:mod:`~fullthrottle.server.app`) and the worker
 processes of a multi-process server (:mod:`~fullthrottle.server.front`) share: the route table that
-labels metrics, the API-key check, and the uvicorn server with the guard's limits. Imports neither
+labels metrics, the counted JSON reply, the API-key check, ``/healthz``, and the uvicorn server with
+the guard's limits. Imports neither
 the engines nor torch (an HTTP worker process holds no model).
 """
 

@@ -27,10 +27,10 @@ from ..core.errors import Overloaded
 from ..core.report import StageStats
 from ..core.workload import (
     ContractError,
-    ItemError,
     TooManyItems,
     Workload,
     cost_of,
+    every_item_failed,
     items_of,
     outputs_of,
     parse_body,
@@ -232,7 +232,7 @@ def add_workload_routes(app, workloads, state: dict, opts, reply, m_latency) -> 
                     raise HTTPError(500, str(e)) from None
                 except ValueError as e:
                     raise HTTPError(422, str(e)) from None
-                status = 422 if all(isinstance(o, ItemError) for o in outs) else 200
+                status = 422 if every_item_failed(outs) else 200
                 try:
                     return reply(route, status, answer)
                 except (TypeError, ValueError, RecursionError) as e:  # not JSON (a tensor, NaN, too deep)
