@@ -143,8 +143,19 @@ if [[ $parts == *servegpus* ]]; then   # issue 08: serve --gpus all against one 
   $TO python3 bench/serve_load.py --compare-gpus --concurrency 64,256 --client-procs 8 \
     --server-args=--gpu-decode --out "$OUT/serve_gpus.json" 2>&1 | tail -4
 fi
+if [[ ,$parts, == *,serveprof,* ]]; then  # issue 13: the server's processes' CPU per setting (py-spy: .tools)
+  spy=""; compgen -G ".tools/py_spy*.whl" >/dev/null && python3 -m pip install -q --no-index --no-deps --target /tmp/spy .tools/py_spy*.whl && spy=/tmp/spy/bin/py-spy
+  timeout ${SPROF_TIMEOUT_S:-300} python3 bench/probes/serve_profile.py ${spy:+--py-spy $spy} --variants "${SPROF_VARIANTS:-A}" \
+    ${SPROF_ARGS:-} --out "$OUT/serve_profile.json" 2>&1 | tee "$OUT/serve_profile.log" | grep -E "^(A |SI=|--|Traceback|[A-Za-z]*Error)"
+  if [[ -n ${SPROF_PICK:-} && -f $OUT/serve_profile.json ]]; then   # the best variant at 64 clients runs serveft
+    SERVE_PICKED="$(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['variants']; print(max(r, key=lambda v: next(p['img_per_s'] for p in r[v] if p['concurrency'] == 64)))" "$OUT/serve_profile.json")"
+    [[ $SERVE_PICKED == A ]] && SERVE_PICKED=""
+    echo "serveft with: $SERVE_PICKED"
+  fi
+fi
 if [[ ,$parts, == *,serveft,* ]]; then    # issue 13: fullthrottle serve (its HTTP workers, one process) + overload
-  $TO python3 bench/serve_load.py --servers fullthrottle,fullthrottle_1_process ${SERVE_ARGS:-} --out "$OUT/serve_load_ft.json" 2>&1 | tee "$OUT/serve_load_ft.log" | tail -30
+  $TO python3 bench/serve_load.py --servers ${SERVE_SERVERS:-fullthrottle,fullthrottle_1_process} ${SERVE_ARGS:-} \
+    ${SERVE_PICKED:+"--server-args=$SERVE_PICKED"} --out "$OUT/serve_load_ft.json" 2>&1 | tee "$OUT/serve_load_ft.log" | tail -30
 fi
 if [[ ,$parts, == *,servepeers,* ]]; then # issue 13: plain FastAPI and LitServe (carry litserve + pyzmq wheels)
   $TO python3 bench/serve_load.py --servers fastapi,litserve ${SERVE_ARGS:-} --out "$OUT/serve_load_peers.json" 2>&1 | tee "$OUT/serve_load_peers.log" | tail -30

@@ -3,7 +3,7 @@ default HTTP worker processes, and one process) against plain FastAPI and LitSer
 on, same model (ResNet18, random weights, bf16 on CUDA), same 640x480 JPEGs, same run.
 
 Each server runs as its own process tree pinned to the server cores; the load comes from client
-processes on the client cores (``load_client.py``: httpx, keep-alive, closed loop). Per point:
+processes on the client cores (``load_client.py``: aiohttp, keep-alive, closed loop). Per point:
 img/s, p50/p99 ms, status counts, GPU busy (NVML), the server's CPU use (cores), the clients' CPU use.
 
 - ``single``: one JPEG per request (LitServe: as a one-file multipart form, its way for files);
@@ -232,14 +232,19 @@ def main():
     ap.add_argument(
         "--litserve-workers", default="1,2,4", help="workers_per_device (= num_api_servers) tried at 64 clients"
     )
+    ap.add_argument("--modes", default="single,multi32", help="request kinds measured (each server: those it takes)")
     ap.add_argument("--server-args", default="", help="extra `fullthrottle serve` arguments")
     ap.add_argument("--compare-gpus", action="store_true", help="fullthrottle_1_gpu against fullthrottle_all_gpus")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge partial results into --out and plot")
+    ap.add_argument("--note", action="append", default=[], help="with --merge: a note kept in the result (repeatable)")
     args = ap.parse_args()
     if args.merge:
         parts = [json.loads(Path(p).read_text()) for p in args.merge]
         res = dict(parts[0], servers={k: v for p in parts for k, v in p["servers"].items()})
         res["commands"] = [p["command"] for p in parts]
+        res["machines"] = [p["machine"] for p in parts]
+        if args.note:
+            res["notes"] = args.note
         write_json(args.out, res)
         plot(res, str(Path(args.out).with_suffix(".png")))
         return
@@ -270,6 +275,7 @@ def main():
             r["workers_per_device_sweep_img_per_s_at_64"] = sweep
         else:
             cmd, ready, modes = table[name]
+            modes = tuple(m for m in modes if m in args.modes.split(","))
             r = run_server(
                 name, cmd, ready, modes, args, blobs, server_cores, client_cores, gpu, name == "fullthrottle"
             )

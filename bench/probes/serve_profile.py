@@ -1,0 +1,132 @@
+"""Probe: where the multi-process server's time goes under load. For each set of ``serve``
+arguments: single-image closed-loop points (``bench/load_client.py``), each with the CPU cores used
+by every kind of process of the server's tree (engine, HTTP workers, GPU and CPU decoder
+processes), and at the last point of the first set a ``py-spy record`` of the engine process
+(collapsed stacks, summed by thread and by function).
+
+Usage: python bench/probes/serve_profile.py --variants "A;--max-wait-ms 1" --concurrency 64,256 \
+    [--py-spy PATH] --out serve_profile.json   ("A" alone: the defaults)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))
+from common import cpu_s, jpegs_640x480, machine_info, write_json  # noqa: E402
+from load_client import closed_loop  # noqa: E402
+from serve_load import bodies_for, free_port, servers, start, stop, tree  # noqa: E402
+
+KINDS = (("server.front", "http_workers"), ("gpu_decoder_worker", "gpu_decoders"), ("decoder_worker", "cpu_decoders"))
+
+
+def kind_of(pid: int, root: int) -> str:
+    if pid == root:
+        return "engine"
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "gone"
+    return next((name for key, name in KINDS if key.encode() in cmd), "other")
+
+
+def cpu_by_kind(root: int) -> dict[str, float]:
+    out: dict[str, float] = collections.Counter()
+    for p in tree(root):
+        c = cpu_s(p)
+        if c is not None:
+            out[kind_of(p, root)] += c
+    return out
+
+
+def summarize(collapsed: str, top: int = 40) -> dict:
+    """py-spy's collapsed stacks -> samples by thread, and by function (self and inclusive)."""
+    by_thread, self_fn, incl_fn, total = collections.Counter(), collections.Counter(), collections.Counter(), 0
+    for line in collapsed.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        n = int(n)
+        total += n
+        frames = stack.split(";")
+        by_thread[frames[0]] += n
+        self_fn[frames[-1]] += n
+        for f in set(frames[1:]):
+            incl_fn[f] += n
+    return {
+        "samples": total,
+        "by_thread": by_thread.most_common(top),
+        "self": self_fn.most_common(top),
+        "inclusive": incl_fn.most_common(top),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="A", help="';'-separated `serve` argument sets ('A': the defaults)")
+    ap.add_argument("--concurrency", default="64,256", type=lambda s: [int(c) for c in s.split(",")])
+    ap.add_argument("--duration-s", type=float, default=10.0)
+    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--client-cores", type=int, default=4)
+    ap.add_argument("--py-spy", default=None, help="py-spy executable: record the engine at the last point")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    client_cores, server_cores = cores[-args.client_cores :], cores[: -args.client_cores]
+    blobs = jpegs_640x480()
+    bodies, _ = bodies_for("single", "fullthrottle", blobs)
+    res = {"probe": "serve_profile", "machine": machine_info(), "command": " ".join(sys.argv), "variants": {}}
+    for vi, variant in enumerate(args.variants.split(";")):
+        words = [] if variant.strip() == "A" else variant.split()
+        si = [w for w in words if w.startswith("SI=")]  # the engine's sys.setswitchinterval (s)
+        cmd, ready, _ = servers(args.device, [w for w in words if w not in si], 1)["fullthrottle"]
+        if si:
+            wrap = f"import sys; sys.setswitchinterval({float(si[0][3:])}); from fullthrottle.cli import main; "
+            wrap += "sys.argv = ['fullthrottle'] + sys.argv[1:]; sys.exit(main())"
+            cmd = [cmd[0], "-c", wrap, *cmd[3:]]
+        port = free_port()
+        proc = start(cmd + ["--port", str(port)], port, ready, server_cores)
+        url = f"http://127.0.0.1:{port}/v1/classify"
+        pts = []
+        try:
+            for ci, conc in enumerate(args.concurrency):
+                spy = None
+                if args.py_spy and vi == 0 and ci == len(args.concurrency) - 1:
+                    spy_out = Path(args.out).with_suffix(".collapsed.txt")
+                    spy = subprocess.Popen(
+                        [args.py_spy, "record", "--pid", str(proc.pid), "--threads", "--gil", "--rate", "200"]
+                        + ["--format", "raw", "--duration", str(int(args.duration_s)), "-o", str(spy_out)],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                c0, t0 = cpu_by_kind(proc.pid), time.perf_counter()
+                r = closed_loop(url, bodies, 1, conc, args.duration_s, 3.0, args.client_procs, client_cores)
+                c1, dt = cpu_by_kind(proc.pid), time.perf_counter() - t0
+                r["cores_by_kind"] = {k: round((c1[k] - c0.get(k, 0.0)) / dt, 2) for k in c1}
+                if spy is not None:
+                    err = spy.communicate(timeout=60)[1]
+                    r["py_spy"] = summarize(spy_out.read_text()) if spy_out.exists() else {"error": err[-2000:]}
+                print(variant, conc, round(r["img_per_s"]), r["p50_ms"], r["p99_ms"], r["cores_by_kind"], flush=True)
+                pts.append(r)
+        finally:
+            stop(proc)
+        res["variants"][variant] = pts
+    write_json(args.out, res)
+    sp = res["variants"][args.variants.split(";")[0]][-1].get("py_spy")
+    if sp and "by_thread" in sp:
+        print(json.dumps({k: sp[k][:15] for k in ("by_thread", "self", "inclusive")}, indent=0)[:6000])
+
+
+if __name__ == "__main__":
+    main()
