@@ -330,17 +330,18 @@ def test_odd_file_names_stay_on_one_line_and_empty_out_is_refused(samples, tmp_p
 
 
 def test_flag_defaults_are_the_dataclasses_defaults():
-    """Every default is stated once: classify's and serve's flags read theirs from Config and ServeOptions."""
+    """Every default is stated once: classify's and serve's flags read theirs from Config and ServeOptions
+    (serve's batch wait from server.options, where it is stated)."""
     from fullthrottle.cli.parser import build_parser
     from fullthrottle.core.config import Config
-    from fullthrottle.server.options import MAX_CONNECTIONS, ServeOptions
+    from fullthrottle.server.options import MAX_CONNECTIONS, SERVE_MAX_WAIT_MS, ServeOptions
 
     p = build_parser()
     c = p.parse_args(["classify"])
     v = p.parse_args(["serve"])
+    assert (c.max_wait_ms, v.max_wait_ms) == (Config.max_wait_ms, SERVE_MAX_WAIT_MS)
     for a in (c, v):
-        assert (a.max_wait_ms, a.preprocess, a.device, a.graphs, a.top_k) == (
-            Config.max_wait_ms,
+        assert (a.preprocess, a.device, a.graphs, a.top_k) == (
             Config.preprocess,
             Config.device,
             Config.graphs,

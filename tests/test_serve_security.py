@@ -330,6 +330,31 @@ def test_serve_on_a_port_in_use_exits_2_before_loading_the_model():
     assert "in use" in out.stderr and time.time() - t0 < 30
 
 
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_a_request_head_over_the_limit_is_refused_with_either_parser(samples, parser):
+    """A head of a few hundred KiB (one endless header) gets 400 and a closed connection, with
+    uvicorn's C parser as with h11; a normal request on a new connection is then served."""
+    pytest.importorskip(parser)
+    from fullthrottle.server.guard import MAX_HEAD_BYTES, head_deadline_protocol
+
+    with Server(Tiny(), uvicorn_kw={"http": head_deadline_protocol(30.0, parser=parser)}) as srv:
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.settimeout(10)
+        try:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (20 * MAX_HEAD_BYTES))
+        except OSError:
+            pass  # (closed while we were still sending: also a refusal)
+        got = b""
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except OSError:
+            pass
+        sock.close()
+        assert got.startswith(b"HTTP/1.1 400") or got.startswith(b"HTTP/1.1 431"), got[:200]
+        assert post_image(srv.url, samples[0].read_bytes()).status_code == 200
+
+
 def test_a_client_trickling_its_request_head_is_disconnected(samples):
     """uvicorn times out only idle keep-alive connections; the head deadline closes a connection
     whose request line and headers do not arrive whole in time, also after a first request."""

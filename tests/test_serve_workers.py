@@ -28,9 +28,9 @@ print(json.dumps(out))
 """
 
 
-def start(*args, timeout=120, headers=None):
+def start(*args, timeout=120, headers=None, device="cpu"):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fullthrottle.cli", "serve", "--device", "cpu", "--port", "0", *args],
+        [sys.executable, "-m", "fullthrottle.cli", "serve", "--device", device, "--port", "0", *args],
         stderr=subprocess.PIPE,
         text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -119,6 +119,36 @@ def test_clients_in_processes_get_the_librarys_answers_and_metrics_count_every_w
         assert served and float(served.group(1)) == len(photos) + 1, text[:3000]
         assert re.search(r'fullthrottle_batch_size_count\{workload="classify"\} (\S+)', text)  # the engine's
         assert "fullthrottle_queue_images" in text
+    finally:
+        code = stop(proc)
+    assert code == 0, "".join(log)[-3000:]
+    assert not [x for x in log if x.startswith("Traceback")], "".join(log)[-3000:]
+
+
+@pytest.mark.gpu
+def test_on_cuda_clients_in_processes_get_the_librarys_answers(samples):
+    """The multi-process server with its CUDA defaults (GPU decoding, bf16 graphs): the same top-3 as
+    the library with the same defaults, from four client processes, and a clean SIGTERM."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    photos = samples[:40]
+    lib = fullthrottle.classify([p.read_bytes() for p in photos], device="cuda", model="resnet18")
+    want = {str(p): r for p, r in zip(photos, lib)}
+    proc, url, log = start("--http-workers", "4", "--model", "resnet18", device="cuda", timeout=300)
+    try:
+        clients = [
+            subprocess.Popen([sys.executable, "-c", CLIENT, url, *map(str, photos[k::4])], stdout=subprocess.PIPE)
+            for k in range(4)
+        ]
+        got = [row for c in clients for row in json.loads(c.communicate(timeout=120)[0])]
+        assert len(got) == len(photos)
+        for path, status, body in got:
+            assert status == 200, body
+            top = body["results"][0]["top_k"]
+            assert top[0]["class_id"] == want[path].class_ids[0], path
+            assert abs(top[0]["prob"] - want[path].probs[0]) < 2e-2, path
     finally:
         code = stop(proc)
     assert code == 0, "".join(log)[-3000:]
@@ -232,4 +262,22 @@ def test_http_workers_flag_is_checked_before_anything_loads(capsys):
         assert e.value.code == 2 and says in capsys.readouterr().err, bad
     assert main(["serve", "--device", "cpu", "--ray", "--http-workers", "2"]) == 2
     assert "--http-workers is for the server without --ray" in capsys.readouterr().err
-    assert [default_http_workers(c) for c in (2, 7, 8, 16, 64)] == [1, 1, 2, 4, 8]
+    assert [default_http_workers(c) for c in (2, 7, 8, 16, 64)] == [1, 1, 4, 8, 8]
+
+
+def test_serve_defaults_are_its_own_where_a_server_needs_other_ones():
+    """serve waits less for a batch than classify, and on CUDA with GPU decoding starts fewer CPU
+    decoder processes (the rest of the cores serve HTTP); a value given is kept."""
+    from fullthrottle.cli.parser import build_parser
+    from fullthrottle.core.config import Config
+    from fullthrottle.server.options import SERVE_DECODER_PROCESSES, SERVE_MAX_WAIT_MS, serve_threads
+
+    p = build_parser()
+    assert p.parse_args(["serve"]).max_wait_ms == SERVE_MAX_WAIT_MS < Config.max_wait_ms
+    assert p.parse_args(["classify", "x"]).max_wait_ms == Config.max_wait_ms
+    assert p.parse_args(["serve", "--max-wait-ms", "3"]).max_wait_ms == 3
+    assert serve_threads(None, "cuda", True, "auto") == SERVE_DECODER_PROCESSES
+    assert serve_threads(7, "cuda", True, "auto") == 7
+    assert serve_threads(None, "cuda", False, "auto") is None
+    assert serve_threads(None, "cuda", True, "threads") is None
+    assert serve_threads(None, "cpu", True, "auto") is None

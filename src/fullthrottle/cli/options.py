@@ -127,7 +127,12 @@ WEIGHTS_HELP = (
 
 
 def add_runtime_args(
-    p: argparse.ArgumentParser, batch_flag: str, batch_help: str, device_help: str | None = None
+    p: argparse.ArgumentParser,
+    batch_flag: str,
+    batch_help: str,
+    device_help: str | None = None,
+    max_wait_ms: float = Config.max_wait_ms,
+    threads_help: str = "one per CPU core; with processes, one per core but one, left to this process's threads",
 ) -> None:
     """The options classify and serve share, their defaults from :class:`~fullthrottle.core.config.Config`:
     the model and its weights, the batcher (``batch_flag``: the largest batch; --max-wait-ms), the
@@ -140,15 +145,14 @@ def add_runtime_args(
     p.add_argument(
         "--max-wait-ms",
         type=nonnegative_float,
-        default=Config.max_wait_ms,
+        default=max_wait_ms,
         help="how long a partial batch waits for more images, ms (classify; default: %(default)s)",
     )
     p.add_argument(
         "--threads",
         type=positive_int,
         default=None,
-        help="preprocess threads, or decoder processes with --preprocess processes (default: one "
-        "per CPU core; with processes, one per core but one, left to this process's threads)",
+        help=f"preprocess threads, or decoder processes with --preprocess processes (default: {threads_help})",
     )
     p.add_argument(
         "--preprocess",

@@ -31,10 +31,12 @@ def cmd_serve(args) -> int:
     from ..core.config import Config, resolve_dtype, usable_cores
     from ..core.device import resolve_device
     from ..server.app import ServeOptions, run_server
-    from ..server.options import default_http_workers
+    from ..server.options import default_http_workers, serve_threads
 
     try:
         device = resolve_device(args.device)
+        decode = _gpu_decode_settings(args)
+        threads = serve_threads(args.threads, device.type, decode["gpu_decode"], args.preprocess)
         cfg = Config(
             model=args.model,
             weights=args.weights,
@@ -42,11 +44,11 @@ def cmd_serve(args) -> int:
             dtype=resolve_dtype(args.dtype, device),
             max_batch_size=args.max_batch_size,
             max_wait_ms=args.max_wait_ms,
-            threads=args.threads,
+            threads=threads,
             top_k=args.top_k,
             graphs=args.graphs,
             ordered=False,
-            **_gpu_decode_settings(args),
+            **decode,
             **_input_limits(args),
             preprocess=args.preprocess,
         )

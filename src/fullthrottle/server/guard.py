@@ -121,11 +121,14 @@ def check_pixels(images: list[tuple[str, object]], max_pixels: int, max_image_pi
 #: at a graceful shutdown, how long an idle keep-alive connection stays open for a request that
 #: may already be on its way (it is answered, with ``Connection: close``), seconds
 SHUTDOWN_LINGER_S = 0.5
+#: most bytes of one request head (request line and headers) before the connection is answered 400
+#: and closed (h11 has the same limit of its own)
+MAX_HEAD_BYTES = 16384
 
 
-def head_deadline_protocol(seconds: float, per_client: int | None = None):
-    """uvicorn's h11 protocol with a deadline on every request head: a connection whose request line
-    and headers are not complete ``seconds`` after it opened (or after its previous response) is
+def head_deadline_protocol(seconds: float, per_client: int | None = None, parser: str = "auto"):
+    """uvicorn's HTTP/1.1 protocol with a deadline on every request head: a connection whose request
+    line and headers are not complete ``seconds`` after it opened (or after its previous response) is
     closed. uvicorn itself times out only idle keep-alive connections, and any byte received
     cancels that timer, so a client trickling a head could hold a connection for ever.
 
@@ -135,17 +138,32 @@ def head_deadline_protocol(seconds: float, per_client: int | None = None):
 
     At a graceful shutdown an idle keep-alive connection is closed :data:`SHUTDOWN_LINGER_S` later,
     not at once: a request the client sent just before is then answered (uvicorn would drop it
-    unread, and the client sees a connection closed without an answer)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    unread, and the client sees a connection closed without an answer).
+
+    ``parser``: ``"httptools"`` (uvicorn's C parser, llhttp), ``"h11"`` (pure Python, several times
+    the CPU per request), or ``"auto"``: httptools where it is installed, as uvicorn itself picks."""
+    if parser == "auto":
+        import importlib.util
+
+        parser = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+    if parser == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    elif parser == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    else:
+        raise ValueError(f"parser must be auto, httptools or h11, got {parser!r}")
 
     open_from: dict = {}  # client address -> its connections open now (one event loop: no lock)
 
-    class HeadDeadlineH11(H11Protocol):
+    class HeadDeadline(base):
         _head_timer = None
         _peer = None
+        _closing = False
+        _head_bytes: int | None = 0  # bytes received of the request head being read (None: it is whole)
 
         def _arm(self) -> None:
             self._disarm()
+            self._head_bytes = 0
             self._head_timer = self.loop.call_later(seconds, self._expired)
 
         def _disarm(self) -> None:
@@ -177,15 +195,35 @@ def head_deadline_protocol(seconds: float, per_client: int | None = None):
                 open_from.pop(self._peer, None)
             super().connection_lost(exc)
 
-        _closing = False
+        def _head_arrived(self) -> None:
+            self._disarm()
+            self._head_bytes = None
+            if self._closing and self.cycle is not None:
+                self.cycle.keep_alive = False  # answered, then closed
 
-        def handle_events(self) -> None:
+        def handle_events(self) -> None:  # (h11: the parser's events)
             before = self.cycle
             super().handle_events()
             if self.cycle is not before:  # a request head arrived whole
-                self._disarm()
-                if self._closing and self.cycle is not None:
-                    self.cycle.keep_alive = False  # answered, then closed
+                self._head_arrived()
+
+        def data_received(self, data: bytes) -> None:
+            if parser == "httptools" and self._head_bytes is not None:
+                self._head_bytes += len(data)  # (httptools buffers a head of any size: h11 stops at 16 KiB)
+            super().data_received(data)
+            if (
+                parser == "httptools"
+                and self._head_bytes is not None
+                and self._head_bytes > MAX_HEAD_BYTES
+                and not self.transport.is_closing()
+            ):
+                self.send_400_response(f"request head over {MAX_HEAD_BYTES} bytes")
+
+        def on_headers_complete(self) -> None:  # (httptools: the parser's callback)
+            before = self.cycle
+            super().on_headers_complete()
+            if self.cycle is not before:
+                self._head_arrived()
 
         def shutdown(self) -> None:
             if self.cycle is None or self.cycle.response_complete:
@@ -203,4 +241,5 @@ def head_deadline_protocol(seconds: float, per_client: int | None = None):
             if not self.transport.is_closing():
                 self._arm()
 
-    return HeadDeadlineH11
+    HeadDeadline.__name__ = HeadDeadline.__qualname__ = f"HeadDeadline{base.__name__}"
+    return HeadDeadline

@@ -12,10 +12,28 @@ MAX_IMAGES_PER_REQUEST = 64
 MAX_CONNECTIONS = 1024
 
 
+#: ``serve``'s --max-wait-ms (ms): a server's request waits at most this for others to join its
+#: batch, at each batching stage (the GPU decoders' and the model's); the offline default
+#: (``Config.max_wait_ms``) is larger, for fuller batches. See docs/performance.md (serving).
+SERVE_MAX_WAIT_MS = 0.5
+#: ``serve``'s CPU decoder processes on CUDA with GPU decoding (--threads not given): the GPU
+#: decoders take the JPEGs that find every CPU decoder busy, and the cores are left to the HTTP
+#: worker processes. See docs/performance.md (serving).
+SERVE_DECODER_PROCESSES = 4
+
+
+def serve_threads(threads: int | None, device_type: str, gpu_decode: bool, preprocess: str) -> int | None:
+    """``serve``'s ``Config.threads``: the user's ``--threads``, else :data:`SERVE_DECODER_PROCESSES`
+    decoder processes on CUDA with GPU decoding, else None (``Config``'s own default)."""
+    if threads is None and device_type == "cuda" and gpu_decode and preprocess != "threads":
+        return SERVE_DECODER_PROCESSES
+    return threads
+
+
 def default_http_workers(cores: int) -> int:
-    """``serve --http-workers auto``: one HTTP worker process per 4 cores, at most 8; on a machine
+    """``serve --http-workers auto``: one HTTP worker process per 2 cores, at most 8; on a machine
     of fewer than 8 cores 1, which serves from one process (no engine link)."""
-    return 1 if cores < 8 else min(8, cores // 4)
+    return 1 if cores < 8 else min(8, cores // 2)
 
 
 @dataclass
