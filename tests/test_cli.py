@@ -493,3 +493,57 @@ def test_generate_many_with_text_prompts_gives_a_bad_line_its_own_error(tmp_path
     assert failed == 1 and "not valid Unicode" in got[1]["error"]
     assert [len(got[0]["token_ids"]), len(got[2]["token_ids"])] == [5, 3] and new == 8
     assert gen.max_seq_len == max(len(tiny_text.encode(t)) + m for t, m in (("hello world", 5), ("the quick fox", 3)))
+
+
+USER_MODEL = '''
+import torch
+from fullthrottle.workloads.classify.models import Transform
+
+
+class ColourNet(torch.nn.Module):
+    """Three classes: the image's strongest colour channel."""
+
+    input_transform = Transform(48, 40, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    labels = ["red", "green", "blue"]
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x):  # (B, 3, 40, 40) -> (B, 3)
+        assert x.shape[-2:] == (40, 40), x.shape
+        return x.mean(dim=(2, 3)) * 20 * self.scale
+
+
+from fullthrottle.workloads.classify.models import ModelSpec
+
+NO_TRANSFORM = ModelSpec(ColourNet, None, None, "a spec without its transform")
+'''
+
+
+def test_model_of_ones_own_by_module_and_class(tmp_path, monkeypatch, capsys):
+    """--model MODULE:CLASS: a class in the current folder, built with no arguments, brings its own
+    crop (40 px) and labels; a name that is neither known nor MODULE:CLASS is a usage error, and a
+    MODULE:CLASS that does not import is an error before anything starts, in classify and serve."""
+    from PIL import Image
+
+    (tmp_path / "colour_models.py").write_text(USER_MODEL)
+    monkeypatch.chdir(tmp_path)
+    for name, rgb in (("r.jpg", (230, 20, 20)), ("g.jpg", (20, 230, 20)), ("b.jpg", (20, 20, 230))):
+        Image.new("RGB", (64, 50), rgb).save(tmp_path / name, quality=95)
+    args = ["--model", "colour_models:ColourNet", "--device", "cpu", "--no-progress", "--out", "-", "--threads", "1"]
+    rc = main(["classify", *(str(tmp_path / n) for n in ("r.jpg", "g.jpg", "b.jpg")), *args])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0, out
+    assert [json.loads(line)["top_k"][0]["label"] for line in out] == ["red", "green", "blue"], out
+    with pytest.raises(SystemExit) as e:
+        main(["classify", "r.jpg", "--model", "resnet9000"])
+    assert e.value.code == 2 and "MODULE:CLASS" in capsys.readouterr().err
+    assert main(["classify", "r.jpg", "--device", "cpu", "--threads", "1", "--model", "colour_models:Nope"]) == 2
+    assert "colour_models has no Nope" in capsys.readouterr().err
+    assert (
+        main(["classify", "r.jpg", "--device", "cpu", "--threads", "1", "--model", "colour_models:NO_TRANSFORM"]) == 2
+    )
+    assert "its transform must be a Transform, got NoneType" in capsys.readouterr().err
+    assert main(["serve", "--device", "cpu", "--model", "no_such_module_q:Net"]) == 2
+    assert "cannot import no_such_module_q" in capsys.readouterr().err

@@ -80,6 +80,11 @@ def test_concurrent_clients_get_library_results_and_share_batches(samples):
         total = float(re.search(r'fullthrottle_batch_size_sum\{workload="classify"\} (\S+)', metrics).group(1))
         assert total == 40 and count < 40 and ones < count  # some batches held more than one request
         assert 'fullthrottle_requests_total{route="/v1/classify",status="200"} 40.0' in metrics
+        r404, r405 = httpx.get(s.url + "/no/such/route"), httpx.post(s.url + "/healthz")
+        assert (r404.status_code, r405.status_code) == (404, 405) and "GET" in r405.headers["allow"]
+        metrics = httpx.get(s.url + "/metrics").text
+        assert 'fullthrottle_requests_total{route="other",status="404"} 1.0' in metrics
+        assert re.search(r'requests_total\{route="/healthz",status="405"\} 1.0', metrics), metrics[:1500]
 
 
 def test_multipart_and_json_urls(samples, http_server):

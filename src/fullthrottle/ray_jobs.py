@@ -14,7 +14,8 @@ Example (a folder of JPEGs to Parquet)::
 
     ds = ray.data.read_binary_files("photos/", include_paths=True)          # columns: bytes, path
     ds = ds.map_batches(RayClassifier, fn_constructor_kwargs={"config": {"model": "efficientnet_lite0"}},
-                        concurrency=2, num_gpus=1, batch_size=256, batch_format="pandas")
+                        compute=ray.data.ActorPoolStrategy(size=2), num_gpus=1, batch_size=256,
+                        batch_format="pandas")
     ds.write_parquet("out/")                                                 # id, labels, probs, error
 """
 
@@ -116,7 +117,7 @@ def classify_on_ray(
         ds = ds.map_batches(
             RayClassifier,
             fn_constructor_kwargs={"config": config},
-            concurrency=concurrency,
+            compute=ray.data.ActorPoolStrategy(size=concurrency),  # (map_batches' concurrency= is deprecated)
             batch_size=batch_size,
             num_gpus=num_gpus,
             batch_format="pandas",
@@ -213,7 +214,7 @@ def workload_on_ray(
     ds = ray.data.from_items(rows).map_batches(
         RayWorkload,
         fn_constructor_kwargs={"workload": workload, "device": device},
-        concurrency=concurrency,
+        compute=ray.data.ActorPoolStrategy(size=concurrency),
         batch_size=batch_size,
         num_gpus=num_gpus,
         batch_format="pandas",

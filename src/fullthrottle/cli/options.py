@@ -114,8 +114,17 @@ def add_runtime_flags(p: argparse.ArgumentParser, *names: str, help: dict | None
 
 MODEL_HELP = (
     "; ".join(f"{name}: {m.about}" for name, m in MODELS.items())
-    + ". Each model brings its own resize, crop and normalisation (default: %(default)s)"
+    + "; or MODULE:CLASS, an nn.Module class of yours (built with no arguments; its input_transform and "
+    "labels attributes, if any, say its preprocessing and class names). Each model brings its own resize, "
+    "crop and normalisation (default: %(default)s)"
 )
+
+
+def model_name(s: str) -> str:
+    """``--model``: a name of :data:`MODELS`, or ``MODULE:CLASS`` (imported when the model is built)."""
+    if s in MODELS or ":" in s:
+        return s
+    raise argparse.ArgumentTypeError(f"unknown model {s!r}: choose one of {', '.join(MODELS)}, or MODULE:CLASS")
 
 
 WEIGHTS_HELP = (
@@ -137,7 +146,7 @@ def add_runtime_args(
     """The options classify and serve share, their defaults from :class:`~fullthrottle.core.config.Config`:
     the model and its weights, the batcher (``batch_flag``: the largest batch; --max-wait-ms), the
     decoders (--threads, --preprocess, GPU decoding), the device, dtype, graphs and top-k."""
-    p.add_argument("--model", default=DEFAULT_MODEL, choices=tuple(MODELS), metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("--model", default=DEFAULT_MODEL, type=model_name, metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--weights", metavar="FILE", help=WEIGHTS_HELP)
     p.add_argument(
         batch_flag, type=positive_int, default=Config.max_batch_size, help=batch_help + " (default: %(default)s)"

@@ -13,7 +13,8 @@ deadline 504, and the stage counters appear in ``/metrics`` under the workload's
 contract: the client's mistakes are 4xx (or that line's error), the workload's bugs 500, and neither
 costs any other request.
 
-Example (a model of your own, with its own preprocessing)::
+Example (a model of your own; ``decode_request`` is its preprocessing, per request, outside the
+batch; ``predict`` runs one batch of items from many requests)::
 
     class Doubler(Workload):
         name = "double"
@@ -22,13 +23,13 @@ Example (a model of your own, with its own preprocessing)::
         def setup(self, device):
             self.device = torch.device(device)
 
-        def decode_request(self, body):
+        def decode_request(self, body):  # {"inputs": [1, 2.5]} -> two items
             xs = body.get("inputs")
-            if not isinstance(xs, list):
+            if not isinstance(xs, list) or not all(isinstance(x, (int, float)) for x in xs):
                 raise ValueError("'inputs' must be a list of numbers")
-            return xs
+            return [float(x) for x in xs]
 
-        def predict(self, items):
+        def predict(self, items):  # items: floats of many requests -> one output each
             return (2 * torch.tensor(items, dtype=torch.float32, device=self.device)).tolist()
 """
 
@@ -134,21 +135,9 @@ def load_workload(spec: str) -> Workload:
     Raises:
         ValueError: not ``MODULE:CLASS``, the module or class not found, or the class breaks the contract.
     """
-    import importlib
-    import os
-    import sys
+    from .imports import import_object
 
-    module, sep, cls = spec.partition(":")
-    if not sep or not module or not cls.isidentifier():
-        raise ValueError(f"--workload must be MODULE:CLASS (my_package.my_module:MyWorkload), got {spec!r}")
-    if os.getcwd() not in sys.path:  # (as uvicorn does)
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj = getattr(importlib.import_module(module), cls)
-    except ImportError as e:
-        raise ValueError(f"--workload {spec}: cannot import {module}: {e}") from None
-    except AttributeError:
-        raise ValueError(f"--workload {spec}: {module} has no {cls}") from None
+    obj = import_object(spec, "--workload", "my_package.my_module:MyWorkload")
     w = obj() if isinstance(obj, type) else obj
     check_workload(w)
     return w

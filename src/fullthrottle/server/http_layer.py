@@ -50,7 +50,7 @@ def add_key_check(app, keys: tuple[str, ...], reply) -> None:
 def add_basics(app, requests_counter, keys: tuple[str, ...]):
     """What the one-process app and an HTTP worker's app both start with: ``reply(route, status,
     body, headers=None)`` (a JSON response, counted in ``requests_counter`` by route and status),
-    the API-key check, and ``GET /healthz``. Returns ``reply``."""
+    the API-key check, ``GET /healthz``, and 404/405 answers counted too. Returns ``reply``."""
     from fastapi.responses import JSONResponse
 
     def reply(route: str, status: int, body: dict, headers: dict | None = None):
@@ -59,6 +59,14 @@ def add_basics(app, requests_counter, keys: tuple[str, ...]):
         return r
 
     add_key_check(app, keys, reply)
+
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def no_such_route(request, exc):  # 404 (no route), 405 (method): counted like every answer
+        # (a 405's path is a route of the app's; a 404's may be anything: one label for them all)
+        route = request.url.path if exc.status_code == 405 or request.url.path in ROUTES else "other"
+        return reply(route, exc.status_code, {"detail": exc.detail}, getattr(exc, "headers", None))
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz():

@@ -10,6 +10,7 @@ of :data:`MODELS` (its builder, :class:`Transform` and weights).
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import importlib.util
 import math
@@ -161,16 +162,57 @@ class WeightsError(ValueError):
 
 
 def spec(name: str) -> ModelSpec:
-    """The :class:`ModelSpec` of a model name.
+    """The :class:`ModelSpec` of a model name: one of :data:`MODELS`, or ``MODULE:CLASS`` (a model of
+    the user's, :func:`user_spec`).
 
     Raises:
-        ValueError: unknown name (the message lists the known ones).
+        ValueError: an unknown name (the message lists the known ones), a ``MODULE:CLASS`` that
+            cannot be imported or is no model, or a spec whose ``transform`` is not a :class:`Transform`.
     """
+    if isinstance(name, str) and ":" in name:
+        return user_spec(name)
     if not isinstance(name, str) or name not in MODELS:
         raise ValueError(
-            f"unknown model {name!r}; choose one of {', '.join(MODELS)} or pass an nn.Module through the library"
+            f"unknown model {name!r}; choose one of {', '.join(MODELS)}, name your own as MODULE:CLASS, "
+            "or pass an nn.Module through the library"
         )
-    return MODELS[name]
+    s = MODELS[name]
+    if not isinstance(s.transform, Transform):
+        raise ValueError(f"MODELS[{name!r}].transform must be a Transform, got {type(s.transform).__name__}")
+    return s
+
+
+@functools.lru_cache(maxsize=16)
+def user_spec(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` of ``MODULE:CLASS``: a :class:`ModelSpec` there is taken as it is; an
+    ``nn.Module`` class (built with no arguments, under :data:`RANDOM_SEED`) brings its own
+    preprocessing in an ``input_transform`` attribute (else torchvision's ImageNet recipe) and its
+    class names in a ``labels`` attribute (else ImageNet's); weights come from ``--weights``.
+    The class is built once here to read its declaration.
+
+    Raises:
+        ValueError: not importable (:func:`~fullthrottle.core.imports.import_object`), not a model,
+            or an ``input_transform`` that is not a :class:`Transform`.
+    """
+    import torch
+
+    from ...core.imports import import_object
+
+    obj = import_object(name, "--model", "my_package.my_models:MyNet")
+    if isinstance(obj, ModelSpec):
+        if not isinstance(obj.transform, Transform):
+            raise ValueError(f"--model {name}: its transform must be a Transform, got {type(obj.transform).__name__}")
+        return obj
+    if not (isinstance(obj, type) and issubclass(obj, torch.nn.Module)):
+        raise ValueError(f"--model {name}: not an nn.Module class or a ModelSpec ({type(obj).__name__})")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(RANDOM_SEED)
+        probe = obj()
+    try:
+        transform = transform_of(probe)
+    except TypeError as e:
+        raise ValueError(f"--model {name}: {e}") from None
+    return ModelSpec(obj, transform, None, f"{name} (random weights unless --weights)")
 
 
 def transform_of(model: Any) -> Transform:
