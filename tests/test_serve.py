@@ -80,6 +80,8 @@ def test_concurrent_clients_get_library_results_and_share_batches(samples):
         total = float(re.search(r'fullthrottle_batch_size_sum\{workload="classify"\} (\S+)', metrics).group(1))
         assert total == 40 and count < 40 and ones < count  # some batches held more than one request
         assert 'fullthrottle_requests_total{route="/v1/classify",status="200"} 40.0' in metrics
+        waits = re.search(r'fullthrottle_stage_queue_waits\{replica="0",stage="batch"\} (\S+)', metrics)
+        assert waits and float(waits.group(1)) == 40  # every image waited once in the batcher's queue
         r404, r405 = httpx.get(s.url + "/no/such/route"), httpx.post(s.url + "/healthz")
         assert (r404.status_code, r405.status_code) == (404, 405) and "GET" in r405.headers["allow"]
         metrics = httpx.get(s.url + "/metrics").text

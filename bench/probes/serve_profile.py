@@ -1,8 +1,10 @@
 """Probe: where the multi-process server's time goes under load. For each set of ``serve``
 arguments: single-image closed-loop points (``bench/load_client.py``), each with the CPU cores used
 by every kind of process of the server's tree (engine, HTTP workers, GPU and CPU decoder
-processes), and at the last point of the first set a ``py-spy record`` of the engine process
-(collapsed stacks, summed by thread and by function).
+processes), where an image's time goes between two scrapes of ``/metrics`` (the mean wait in each
+stage's input queue, the engine's per-image latency, the HTTP worker's request latency), and at
+the last point of the first set a ``py-spy record`` of the engine process (collapsed stacks,
+summed by thread and by function).
 
 Usage: python bench/probes/serve_profile.py --variants "A;--max-wait-ms 1" --concurrency 64,256 \
     [--py-spy PATH] --out serve_profile.json   ("A" alone: the defaults)
@@ -43,6 +45,42 @@ def cpu_by_kind(root: int) -> dict[str, float]:
         c = cpu_s(p)
         if c is not None:
             out[kind_of(p, root)] += c
+    return out
+
+
+def scrape(base: str) -> dict[str, float]:
+    """The server's /metrics: every sample's value by its name and labels (summed over replicas)."""
+    import re
+
+    import httpx
+
+    out: dict[str, float] = collections.Counter()
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        m = re.match(r"^(fullthrottle_[a-z_]+)(\{[^}]*\})? (\S+)$", line)
+        if m:
+            labels = re.sub(r'replica="[^"]*",?', "", m.group(2) or "")
+            out[m.group(1) + labels] += float(m.group(3))
+    return out
+
+
+def where_time_goes(m0: dict, m1: dict) -> dict:
+    """Between two scrapes: the mean wait per image in each stage's input queue (ms), the mean
+    per-image latency in the engine's pipeline, and the mean request latency of /v1/classify (ms)."""
+    import re
+
+    d = {k: m1[k] - m0.get(k, 0.0) for k in m1}
+    out = {}
+    for k, v in d.items():
+        st = re.fullmatch(r'fullthrottle_stage_queue_wait_seconds\{stage="([^"]+)"\}', k)
+        n = d.get(f'fullthrottle_stage_queue_waits{{stage="{st.group(1)}"}}', 0.0) if st else 0.0
+        if st and n > 0:
+            out[f"queue_wait_ms {st.group(1)}"] = round(1e3 * v / n, 2)
+    n = d.get("fullthrottle_item_latency_seconds_count", 0.0)
+    if n > 0:
+        out["engine_latency_ms"] = round(1e3 * d["fullthrottle_item_latency_seconds_sum"] / n, 2)
+    k = 'fullthrottle_request_latency_seconds_{}{{route="/v1/classify"}}'
+    if d.get(k.format("count"), 0.0) > 0:
+        out["http_worker_latency_ms"] = round(1e3 * d[k.format("sum")] / d[k.format("count")], 2)
     return out
 
 
@@ -110,14 +148,17 @@ def main():
                         stderr=subprocess.PIPE,
                         text=True,
                     )
-                c0, t0 = cpu_by_kind(proc.pid), time.perf_counter()
+                base = f"http://127.0.0.1:{port}"
+                m0, c0, t0 = scrape(base), cpu_by_kind(proc.pid), time.perf_counter()
                 r = closed_loop(url, bodies, 1, conc, args.duration_s, 3.0, args.client_procs, client_cores)
                 c1, dt = cpu_by_kind(proc.pid), time.perf_counter() - t0
+                r["where_time_goes"] = where_time_goes(m0, scrape(base))
                 r["cores_by_kind"] = {k: round((c1[k] - c0.get(k, 0.0)) / dt, 2) for k in c1}
                 if spy is not None:
                     err = spy.communicate(timeout=60)[1]
                     r["py_spy"] = summarize(spy_out.read_text()) if spy_out.exists() else {"error": err[-2000:]}
                 print(variant, conc, round(r["img_per_s"]), r["p50_ms"], r["p99_ms"], r["cores_by_kind"], flush=True)
+                print(variant, conc, r["where_time_goes"], flush=True)
                 pts.append(r)
         finally:
             stop(proc)

@@ -113,7 +113,12 @@ def classify_on_ray(
     ctx.execution_options.preserve_order = True
     out = {}
     if rows:
+        import os
+        import sys
+
         ds = ray.data.from_items(rows)
+        # (the actors find what this process imports from: a --model MODULE:CLASS of the current folder)
+        path = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p and os.path.isdir(p))
         ds = ds.map_batches(
             RayClassifier,
             fn_constructor_kwargs={"config": config},
@@ -121,6 +126,7 @@ def classify_on_ray(
             batch_size=batch_size,
             num_gpus=num_gpus,
             batch_format="pandas",
+            runtime_env={"env_vars": {"PYTHONPATH": path}},
         )
         for row, src in zip(ds.iter_rows(), rows):
             out[src["order"]] = {

@@ -76,6 +76,21 @@ class ServerMetrics:
             registry=reg,
             multiprocess_mode="livesum",
         )
+        self.queue_wait = Gauge(
+            "fullthrottle_stage_queue_wait_seconds",
+            "classify: seconds images have waited in each stage's input queue since start, summed over "
+            "images (with fullthrottle_stage_queue_waits: the mean wait per image between two scrapes)",
+            ["replica", "stage"],
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
+        self.queue_waits = Gauge(
+            "fullthrottle_stage_queue_waits",
+            "classify: images counted in fullthrottle_stage_queue_wait_seconds, per replica and stage",
+            ["replica", "stage"],
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
         self.gpu = Gauge(
             "fullthrottle_gpu_utilization_percent",
             "GPU utilisation (NVML)",
@@ -106,6 +121,8 @@ class ServerMetrics:
                     self.busy.labels("classify", rep, snap["stage"]).set(
                         snap["worker_busy_pct"] if snap["stage"] == "preprocess" else snap["busy_pct"]
                     )
+                    self.queue_wait.labels(rep, st.name).set(st.queue_wait_s)
+                    self.queue_waits.labels(rep, st.name).set(st.queue_waits)
                 mon = run.gpumon
                 if mon.utils:
                     self.gpu.labels(rep).set(mon.utils[-1])
