@@ -12,7 +12,8 @@ at once, so an httpx load generator would measure itself.)
   window, per second (every answer's status is counted, in the window or after it).
 
 Both return per-status counts, images answered, p50/p99 latency of the 200s (ms), and the client
-processes' own CPU use (cores), so that a result limited by the clients shows it.
+processes' own CPU use (cores) and ``client_limited`` (those cores nearly full: the result then
+measures the clients, not the server).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ import uuid
 from collections import Counter
 
 import numpy as np
+
+#: share of the client processes' cores in use past which a result is marked ``client_limited``
+CLIENT_LIMITED = 0.85
 
 
 def multipart(blobs: list[bytes], field: str = "file") -> tuple[bytes, str]:
@@ -134,8 +138,10 @@ def _run(mode, procs, cores, per_proc: list[dict]) -> dict:
         "images_ok": sum(p["images"] for p in parts),
         "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
         "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
-        "client_cores": sum(p["cpu_s"] for p in parts) / max(p["wall_s"] for p in parts),
+        "client_cores": (busy := sum(p["cpu_s"] for p in parts) / max(p["wall_s"] for p in parts)),
         "client_processes": procs,
+        # (the clients' own cores nearly full: the point measures the load generator, not the server)
+        "client_limited": busy >= CLIENT_LIMITED * min(procs, len(cores) if cores else procs),
         **({"sent_per_s": sum(p["sent_per_s"] for p in parts)} if mode == "open" else {}),
     }
 

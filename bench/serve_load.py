@@ -186,8 +186,10 @@ def run_server(name, cmd, ready, modes, args, blobs, server_cores, client_cores,
             time.sleep(10)
             o.update(peak_img_per_s=peak, goodput_over_peak=o["goodput_img_per_s"] / peak)
             o.update(server_rss_mib_before=rss0, server_rss_mib_10s_after=tree_rss_mib(proc.pid))
+            limited = " (limited by the clients)" if o["client_limited"] else ""
             print(
-                f"  overload at {2 * peak:.0f} req/s: goodput {o['goodput_img_per_s']:.0f} {o['statuses']}", flush=True
+                f"  overload at {2 * peak:.0f} req/s: goodput {o['goodput_img_per_s']:.0f} {o['statuses']}{limited}",
+                flush=True,
             )
             out["overload"] = o
     finally:
