@@ -140,8 +140,8 @@ def head_deadline_protocol(seconds: float, per_client: int | None = None, parser
     not at once: a request the client sent just before is then answered (uvicorn would drop it
     unread, and the client sees a connection closed without an answer).
 
-    ``parser``: ``"httptools"`` (uvicorn's C parser, llhttp), ``"h11"`` (pure Python, several times
-    the CPU per request), or ``"auto"``: httptools where it is installed, as uvicorn itself picks."""
+    ``parser``: ``"httptools"`` (uvicorn's C parser, llhttp), ``"h11"`` (pure Python: more CPU per
+    request), or ``"auto"``: httptools where it is installed, as uvicorn itself picks."""
     if parser == "auto":
         import importlib.util
 
