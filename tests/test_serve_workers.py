@@ -56,6 +56,17 @@ def start(*args, timeout=120, headers=None, device="cpu"):
     raise AssertionError("not ready: " + "".join(log)[-2000:])
 
 
+def from_client_processes(url: str, photos: list, n: int = 4) -> list:
+    """Each photo posted to ``url`` from one of ``n`` client processes: ``[path, status, body]`` each."""
+    clients = [
+        subprocess.Popen([sys.executable, "-c", CLIENT, url, *map(str, photos[k::n])], stdout=subprocess.PIPE)
+        for k in range(n)
+    ]
+    got = [row for c in clients for row in json.loads(c.communicate(timeout=120)[0])]
+    assert len(got) == len(photos)
+    return got
+
+
 def fronts(pid: int) -> set[int]:
     """The HTTP worker processes of server ``pid``."""
     out = set()
@@ -83,12 +94,7 @@ def test_clients_in_processes_get_the_librarys_answers_and_metrics_count_every_w
         for w in fronts(proc.pid):  # an HTTP worker holds no model: torch is not even loaded there
             with open(f"/proc/{w}/maps") as f:
                 assert "libtorch" not in f.read(), "an HTTP worker process loaded torch"
-        clients = [
-            subprocess.Popen([sys.executable, "-c", CLIENT, url, *map(str, photos[k::4])], stdout=subprocess.PIPE)
-            for k in range(4)
-        ]
-        got = [row for c in clients for row in json.loads(c.communicate(timeout=120)[0])]
-        assert len(got) == len(photos)
+        got = from_client_processes(url, photos)
         for path, status, body in got:
             assert status == 200, body
             top = body["results"][0]["top_k"]
@@ -138,12 +144,7 @@ def test_on_cuda_clients_in_processes_get_the_librarys_answers(samples):
     want = {str(p): r for p, r in zip(photos, lib)}
     proc, url, log = start("--http-workers", "4", "--model", "resnet18", device="cuda", timeout=300)
     try:
-        clients = [
-            subprocess.Popen([sys.executable, "-c", CLIENT, url, *map(str, photos[k::4])], stdout=subprocess.PIPE)
-            for k in range(4)
-        ]
-        got = [row for c in clients for row in json.loads(c.communicate(timeout=120)[0])]
-        assert len(got) == len(photos)
+        got = from_client_processes(url, photos)
         for path, status, body in got:
             assert status == 200, body
             top = body["results"][0]["top_k"]
