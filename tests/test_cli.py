@@ -92,7 +92,12 @@ def test_unknown_model_is_a_usage_error_naming_the_models(capsys):
     with pytest.raises(SystemExit) as e:
         main(["classify", "--device", "cpu", "--model", "resnet19"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "unknown model 'resnet19'" in err and "efficientnet_lite0" in err and "MODULE:CLASS" in err
+    assert (
+        e.value.code == 2
+        and "unknown model 'resnet19'" in err
+        and "efficientnet_lite0" in err
+        and "MODULE:CLASS" in err
+    )
 
 
 def test_console_script_installed():
