@@ -220,6 +220,10 @@ def head_deadline_protocol(seconds: float, per_client: int | None = None, parser
                 self.send_400_response(f"request head over {MAX_HEAD_BYTES} bytes")
 
         def on_headers_complete(self) -> None:  # (httptools: the parser's callback)
+            # (a head that arrived whole in one read: its size is the line's and headers' bytes)
+            size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
+            if size > MAX_HEAD_BYTES:
+                raise ValueError(f"request head over {MAX_HEAD_BYTES} bytes")  # (the parser: 400, closed)
             before = self.cycle
             super().on_headers_complete()
             if self.cycle is not before:
