@@ -523,6 +523,35 @@ class ColourNet(torch.nn.Module):
 from fullthrottle.workloads.classify.models import ModelSpec
 
 NO_TRANSFORM = ModelSpec(ColourNet, None, None, "a spec without its transform")
+
+
+class NeedsArgs(ColourNet):
+    def __init__(self, width):
+        super().__init__()
+
+
+class RaisesInInit(ColourNet):
+    def __init__(self):
+        raise KeyError("no such layer")
+
+
+class OneRowForABatch(ColourNet):
+    def forward(self, x):  # (B, 3, 40, 40) -> (1, 3): not one row per image
+        return super().forward(x)[:1]
+
+
+class TwoLabelsThreeClasses(ColourNet):
+    labels = ["red", "green"]
+
+
+class LabelsNotStrings(ColourNet):
+    labels = [1, 2, 3]
+
+
+class NaNForBlue(ColourNet):
+    def forward(self, x):  # NaN logits for the images whose blue channel wins
+        y = super().forward(x)
+        return torch.where(y.argmax(1, keepdim=True) == 2, torch.nan, y)
 '''
 
 
@@ -552,3 +581,49 @@ def test_model_of_ones_own_by_module_and_class(tmp_path, monkeypatch, capsys):
     assert "its transform must be a Transform, got NoneType" in capsys.readouterr().err
     assert main(["serve", "--device", "cpu", "--model", "no_such_module_q:Net"]) == 2
     assert "cannot import no_such_module_q" in capsys.readouterr().err
+
+
+def test_models_of_ones_own_that_fail_say_how(tmp_path, monkeypatch, capsys):
+    """A user's MODULE:CLASS that cannot be imported or built is a usage error (exit 2) naming the
+    module or class and what went wrong, never a traceback; labels that are not class names are
+    refused; a model whose output is not one row of logits per image, or whose labels name another
+    number of classes, fails each image with that reason; NaN logits fail their own images
+    (``non_finite``), and no JSON line holds a NaN."""
+    from PIL import Image
+
+    (tmp_path / "colour_models.py").write_text(USER_MODEL)
+    (tmp_path / "bad_syntax.py").write_text("def f(:\n")
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "raises_on_import.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.chdir(tmp_path)
+    for name, rgb in (("r.jpg", (230, 20, 20)), ("g.jpg", (20, 230, 20)), ("b.jpg", (20, 20, 230))):
+        Image.new("RGB", (64, 50), rgb).save(tmp_path / name, quality=95)
+    run = ["--device", "cpu", "--threads", "1", "--no-progress", "--out", "-"]
+    for model, said in (
+        ("bad_syntax:Net", "bad_syntax has a syntax error"),
+        ("exits_on_import:Net", "importing exits_on_import failed: exit(3)"),
+        ("raises_on_import:Net", "importing raises_on_import failed: RuntimeError: no GPU here"),
+        (".colour_models:ColourNet", "a relative module name cannot be imported"),
+        ("colour_models:NeedsArgs", "NeedsArgs() failed: TypeError"),
+        ("colour_models:RaisesInInit", "RaisesInInit() failed: KeyError: 'no such layer'"),
+        ("colour_models:LabelsNotStrings", "LabelsNotStrings.labels must be a sequence of class names"),
+    ):
+        assert main(["classify", "r.jpg", "--model", model, *run]) == 2, model
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, (model, err)
+    for model, said in (
+        ("colour_models:OneRowForABatch", "logits (B, C), one row per image; it gave (1, 3)"),
+        ("colour_models:TwoLabelsThreeClasses", "the model gives 3 classes, its labels name 2"),
+    ):
+        main(["classify", "r.jpg", "g.jpg", "b.jpg", "--model", model, *run])
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert len(rows) == 3 and all(said in r["error"] and r["error_kind"] == "compute_failed" for r in rows), rows
+    main(["classify", "r.jpg", "g.jpg", "b.jpg", "--model", "colour_models:NaNForBlue", *run])
+    lines = capsys.readouterr().out.splitlines()
+
+    def no_nan(token):
+        raise AssertionError(f"{token} in the JSON lines: {lines}")
+
+    rows = [json.loads(line, parse_constant=no_nan) for line in lines]
+    assert [r.get("error_kind") for r in rows] == [None, None, "non_finite"], rows
+    assert [r["top_k"][0]["label"] for r in rows[:2]] == ["red", "green"]

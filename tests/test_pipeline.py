@@ -394,7 +394,10 @@ def test_bad_input_types_and_empty_matches_are_per_item_errors(samples, tmp_path
 
 def test_stage_failure_is_raised(samples):
     pipe = tiny_pipe()
-    pipe.engine.labels = None  # a bug inside a stage (not any item's fault) must surface
+    pipe.engine.labels_given, pipe.engine.labels = (
+        False,
+        None,
+    )  # a bug inside a stage (not any item's fault) must surface
     with pytest.raises(PipelineError, match="TypeError"):
         list(pipe.run([samples[0]]))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import uvicorn
 from test_pipeline import LABELS, Tiny
 
@@ -167,6 +168,30 @@ def test_flood_gets_503_then_serves_normally(samples):
             s.url + "/v1/classify", files=[("files", (f"{i}.jpg", data, "image/jpeg")) for i in range(3)], timeout=60
         )
         assert big.status_code == 413 and "queues at most 2 (--max-queue)" in big.json()["detail"]
+
+
+class NaNTiny(Tiny):
+    def forward(self, x):
+        return torch.full_like(super().forward(x), torch.nan)
+
+
+class FailingTiny(Tiny):
+    def forward(self, x):
+        raise RuntimeError("out of luck")
+
+
+def test_a_model_that_fails_or_gives_nan_is_answered_500_and_counted(samples):
+    """A model's fault is the server's (500, counted in /metrics), not the input's (422): a forward
+    that raises, or NaN logits (the answer stays JSON: no NaN in it). The server serves on."""
+    data = samples[0].read_bytes()
+    for model, said in ((FailingTiny(), "compute failed: RuntimeError: out of luck"), (NaNTiny(), "not finite")):
+        with Server(model) as s:
+            r = post_image(s.url, data)
+            assert r.status_code == 500 and said in r.json()["detail"], r.text
+            assert r.json()["results"][0]["error_stage"] == "compute"
+            assert "NaN" not in r.text.replace("(NaN or Inf", "")
+            assert re.search(r'requests_total\{[^}]*status="500"[^}]*\} 1\.0', httpx.get(s.url + "/metrics").text)
+            assert httpx.get(s.url + "/healthz").status_code == 200
 
 
 def test_deadline_504(samples):

@@ -1,8 +1,10 @@
-"""Decoding JPEG files on the GPU inside the compute process (issue 10): how fast one thread of the
-process that runs the model decodes, resizes and crops files with nvImageCodec (the hardware JPEG
-engines), alone and while the model's CUDA graph replays on another stream of the same process (one
-CUDA context, no decoder processes), by ``--threads`` decode threads at once (each its own decoder
-and stream; img/s summed over them). Optionally the main process of ``fullthrottle classify DIR``
+"""Decoding JPEG files on the GPU inside the compute process (issue 10): how fast threads of the
+process that runs the model decode, resize and crop files, alone and while the model's CUDA graph
+replays on another stream of the same process (one CUDA context, no decoder processes). ``--mixes``
+names the sets of decode threads run at once, each thread its own decoder and stream of
+``--priorities``, by backend: nvImageCodec on the hardware JPEG engines (``hw``), on the SMs
+(``cuda``), CPU Huffman + GPU (``hybrid``), or torchvision's batched nvJPEG (``tv``); img/s summed
+over the threads. Optionally the main process of ``fullthrottle classify DIR``
 sampled with py-spy (``--gil``: which Python code holds the GIL).
 
 Variants of the file read: ``python``: ``read_local`` per file in the thread (one ``os.read``), the
@@ -29,15 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.p
 from common import machine_info, write_json  # noqa: E402
 
 
-def decode_loop(paths, batch, variant, seconds, dev, stream, stats, start=0):
+BACKENDS = {"hw": "HW_GPU_ONLY", "cuda": "GPU_ONLY", "hybrid": "HYBRID_CPU_GPU"}
+
+
+def decode_loop(paths, batch, variant, seconds, dev, stream, stats, start=0, backend="hw"):
     from nvidia import nvimgcodec
 
     from fullthrottle.data.gpu_resize import resize_crop_batch
     from fullthrottle.data.load import read_local
 
-    dec = nvimgcodec.Decoder(
-        device_id=dev.index or 0, backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)]
-    )
+    if backend == "tv":
+        return tv_loop(paths, batch, seconds, dev, stream, stats, start)
+    kind = getattr(nvimgcodec.BackendKind, BACKENDS[backend])
+    dec = nvimgcodec.Decoder(device_id=dev.index or 0, backends=[nvimgcodec.Backend(kind)])
     rgb = getattr(nvimgcodec.ColorSpec, "RGB", None) or nvimgcodec.ColorSpec.SRGB
     params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=rgb, allow_any_depth=False)
     rows = torch.empty((batch, 224, 224, 3), dtype=torch.uint8, device=dev)
@@ -55,6 +61,44 @@ def decode_loop(paths, batch, variant, seconds, dev, stream, stats, start=0):
             b = time.perf_counter()
             imgs = dec.decode(srcs, params=params, cuda_stream=stream.cuda_stream)
             ts = [torch.as_tensor(im, device=dev).permute(2, 0, 1) for im in imgs]
+            c = time.perf_counter()
+            resize_crop_batch(ts, rows[: len(ts)])
+            stream.synchronize()
+            d = time.perf_counter()
+            t_read += b - a
+            t_dec += c - b
+            t_rs += d - c
+            n += len(ts)
+    wall = time.perf_counter() - t0
+    stats.update(
+        img_per_s=n / wall,
+        images=n,
+        ms_per_batch={
+            "read": 1e3 * t_read * batch / n,
+            "decode": 1e3 * t_dec * batch / n,
+            "resize": 1e3 * t_rs * batch / n,
+        },
+    )
+
+
+def tv_loop(paths, batch, seconds, dev, stream, stats, start=0):
+    """torchvision's batched nvJPEG decode (``decode_jpeg(list, device=...)``) on ``stream``."""
+    from torchvision.io import decode_jpeg
+
+    from fullthrottle.data.gpu_resize import resize_crop_batch
+    from fullthrottle.data.load import read_local
+
+    rows = torch.empty((batch, 224, 224, 3), dtype=torch.uint8, device=dev)
+    t_read = t_dec = t_rs = 0.0
+    n, i, t0 = 0, start, time.perf_counter()
+    with torch.cuda.stream(stream):
+        while time.perf_counter() - t0 < seconds:
+            chunk = [paths[(i + k) % len(paths)] for k in range(batch)]
+            i += batch
+            a = time.perf_counter()
+            srcs = [torch.frombuffer(read_local(p, 1 << 26), dtype=torch.uint8) for p in chunk]
+            b = time.perf_counter()
+            ts = decode_jpeg(srcs, device=dev)
             c = time.perf_counter()
             resize_crop_batch(ts, rows[: len(ts)])
             stream.synchronize()
@@ -161,10 +205,12 @@ def py_spy_cli(folder, seconds, exe, out_raw):
     return out
 
 
-def one_row(paths, batch, variant, threads, with_model, seconds, dev):
-    """``threads`` decode loops at once (and the model beside them when ``with_model``): one result row."""
+def one_row(paths, batch, variant, mix, with_model, seconds, dev, priority=0, model_batch=256):
+    """One decode loop per entry of ``mix`` (its backend: hw, cuda, hybrid, tv) at once, each on its
+    own stream of ``priority`` (-1: high), and the model beside them when ``with_model``: one row."""
+    threads = len(mix)
     ms, stop, ready = {}, threading.Event(), threading.Event()
-    mt = threading.Thread(target=model_loop, args=(dev, 256, stop, ms, ready)) if with_model else None
+    mt = threading.Thread(target=model_loop, args=(dev, model_batch, stop, ms, ready)) if with_model else None
     if mt:
         mt.start()
         ready.wait(120)
@@ -173,7 +219,8 @@ def one_row(paths, batch, variant, threads, with_model, seconds, dev):
 
     def loop(k):
         try:
-            decode_loop(paths, batch, variant, seconds, dev, torch.cuda.Stream(dev), sts[k], start=k * step)
+            st = torch.cuda.Stream(dev, priority=priority)
+            decode_loop(paths, batch, variant, seconds, dev, st, sts[k], start=k * step, backend=mix[k])
         except Exception as e:  # noqa: BLE001
             sts[k]["error"] = f"{type(e).__name__}: {e}"
 
@@ -190,8 +237,12 @@ def one_row(paths, batch, variant, threads, with_model, seconds, dev):
         "batch": batch,
         "read": variant,
         "threads": threads,
+        "mix": "+".join(mix),
+        "stream_priority": priority,
+        "model_batch": model_batch,
         "with_model": with_model,
         "img_per_s": None if errors else sum(st["img_per_s"] for st in sts),
+        "img_per_s_by_thread": [st.get("img_per_s") for st in sts],
         "ms_per_batch_thread0": sts[0].get("ms_per_batch"),
         "errors": errors,
         "model_img_per_s": ms.get("img_per_s"),
@@ -203,7 +254,15 @@ def main():
     ap.add_argument("--folder", required=True)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--batches", default="64,128")
-    ap.add_argument("--threads", default="1,2,4", help="decode threads at once (comma list)")
+    ap.add_argument(
+        "--mixes",
+        default="hw;hw,hw;hw,hw,hw,hw",
+        help="';'-separated sets of decode threads run at once, each a ','-list of their backends "
+        "(hw: hardware engines, cuda: nvJPEG on the SMs, hybrid: CPU Huffman + GPU, tv: torchvision)",
+    )
+    ap.add_argument("--priorities", default="0", help="decode streams' priority (comma list; -1 high)")
+    ap.add_argument("--alone", type=int, default=1, help="1: also each set without the model beside")
+    ap.add_argument("--model-batch", type=int, default=256)
     ap.add_argument("--reads", default="python", help="python, nvimgcodec (comma list)")
     ap.add_argument("--py-spy", default="", help="py-spy executable: also profile the CLI's main process")
     ap.add_argument("--out", default="inproc_decode_probe.json")
@@ -214,10 +273,14 @@ def main():
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         for variant in args.reads.split(","):
-            for threads in [int(t) for t in args.threads.split(",")]:
-                for with_model in (False, True):
-                    rows.append(one_row(paths, batch, variant, threads, with_model, args.seconds, dev))
-                    print(rows[-1], flush=True)
+            for mix in args.mixes.split(";"):
+                for prio in [int(p) for p in args.priorities.split(",")]:
+                    for with_model in (False, True) if args.alone else (True,):
+                        row = one_row(
+                            paths, batch, variant, mix.split(","), with_model, args.seconds, dev, prio, args.model_batch
+                        )
+                        rows.append(row)
+                        print(row, flush=True)
     out = {"benchmark": "inproc_decode_probe", "machine": machine_info(), "files": len(paths), "rows": rows}
     if args.py_spy:
         out["cli_gil_profile"] = py_spy_cli(args.folder, 10, args.py_spy, os.path.splitext(args.out)[0] + "_spy.txt")

@@ -12,6 +12,9 @@ results). The kinds, by stage:
 - ``preprocess``: ``empty``, ``corrupt`` (truncated, bad header), ``unsupported_format``,
   ``too_many_pixels`` (over ``max_image_pixels``), ``decoder_crashed``, ``decode_timeout``,
   ``gpu_decode_failed``, ``cannot_decode`` (the decoder raised);
+- ``compute``: ``compute_failed`` (the model raised on the item's batch), ``non_finite`` (the
+  model's output for the item holds NaN or Inf): faults of the model, not of the input (the server
+  answers them 500);
 - ``pipeline``: ``other`` (anything else).
 """
 
@@ -39,6 +42,8 @@ KINDS: tuple[tuple[str, str, str], ...] = (
     ("decode_timeout", "preprocess", r"took longer than .* \(decode_timeout_s\)"),
     ("gpu_decode_failed", "preprocess", r"GPU decode failed: "),
     ("cannot_decode", "preprocess", r"cannot decode image: "),
+    ("compute_failed", "compute", r"compute failed: "),
+    ("non_finite", "compute", r"model output is not finite"),
 )
 _COMPILED = tuple((kind, stage, re.compile(p)) for kind, stage, p in KINDS)
 

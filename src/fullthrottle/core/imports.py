@@ -8,8 +8,10 @@ def import_object(spec: str, flag: str, example: str):
     current folder is found (as uvicorn does).
 
     Raises:
-        ValueError: ``spec`` is not ``MODULE:NAME``, or the module or the name is not found (the
-            message names ``flag`` and shows ``example``).
+        ValueError: ``spec`` is not ``MODULE:NAME`` (or names a relative module), the module is not
+            found or fails while it is imported (a syntax error, an exception, ``sys.exit``), or it
+            has no ``NAME``; the message names ``flag``, the module and what went wrong, and shows
+            ``example``.
     """
     import importlib
     import os
@@ -18,11 +20,20 @@ def import_object(spec: str, flag: str, example: str):
     module, sep, name = spec.partition(":")
     if not sep or not module or not name.isidentifier():
         raise ValueError(f"{flag} must be MODULE:CLASS ({example}), got {spec!r}")
+    if module.startswith("."):
+        raise ValueError(f"{flag} {spec}: a relative module name cannot be imported; give its full name ({example})")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        return getattr(importlib.import_module(module), name)
+        mod = importlib.import_module(module)
     except ImportError as e:
         raise ValueError(f"{flag} {spec}: cannot import {module}: {e}") from None
+    except SyntaxError as e:
+        raise ValueError(f"{flag} {spec}: {module} has a syntax error: {e}") from None
+    except (Exception, SystemExit) as e:  # the user's module failing at import: its own error, named
+        what = f"exit({e.code})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{flag} {spec}: importing {module} failed: {what}") from None
+    try:
+        return getattr(mod, name)
     except AttributeError:
         raise ValueError(f"{flag} {spec}: {module} has no {name}") from None

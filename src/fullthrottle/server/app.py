@@ -6,7 +6,8 @@ Every request's images join the same stream, so concurrent requests share batche
         compute, decode) --dispatcher thread--> the waiting request's future
 
 Overload and faults: a full submission queue answers 503 with Retry-After; a request past its
-deadline answers 504; a body over the limit 413; an image that cannot be decoded 422 with the reason.
+deadline answers 504; a body over the limit 413; an image that cannot be decoded 422 with the reason; a request whose
+images all failed in the model (it raised, or gave NaN/Inf) 500.
 SIGTERM (uvicorn's graceful shutdown) stops accepting, lets in-flight requests finish, exits 0.
 """
 

@@ -158,8 +158,9 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
                     r.to_dict() | {"index": i, "id": iid} for i, (r, (iid, _)) in enumerate(zip(results, images))
                 ]
             }
-            status = 422 if all(not r.ok for r in results) else 200
-            if status == 422:
+            status = 200
+            if all(not r.ok for r in results):  # the model's fault (compute stage): 500; the input's: 422
+                status = 500 if any(r.error_stage == "compute" for r in results) else 422
                 body["detail"] = "; ".join(r.error.removeprefix(f"{iid}: ") for r, (iid, _) in zip(results, images))
             return reply(ROUTE, status, body)
         except HTTPError as e:

@@ -101,11 +101,12 @@ class Engine:
         self.bn_folded, self.conv_relu_fused = forms.bn_folded, forms.conv_relu_fused
         #: the config's labels, else the module's own ``labels`` (a sequence of str), else ImageNet's
         own = getattr(model, "labels", None)
-        if config.labels is not None:
-            self.labels = list(config.labels)
-        elif own is not None and not isinstance(own, str) and all(isinstance(x, str) for x in own):
-            self.labels = list(own)
-        else:
+        if own is not None and (isinstance(own, str) or not all(isinstance(x, str) for x in own)):
+            raise ValueError(f"{type(model).__name__}.labels must be a sequence of class names (str)")
+        self.labels = list(config.labels) if config.labels is not None else list(own) if own is not None else None
+        #: labels given (the config's or the module's): their count must be the model's classes
+        self.labels_given = self.labels is not None
+        if self.labels is None:
             self.labels = imagenet_labels()
         self._label_arr: np.ndarray | None = None  # labels as an object array, for label_lists
         self._label_src, self._label_n = None, 0  # the list it was built from, and its length then
@@ -168,7 +169,10 @@ class Engine:
         if self.runner is not None or not (self.config.graphs and self.cuda):
             return
         k, s = self.config.top_k, self.config.crop_size
-        fns = {name: (lambda x, m=m: topk_probs(m(self.normalize(x)), k)) for name, m in self._forms.candidates()}
+        fns = {
+            name: (lambda x, m=m: topk_probs(self.checked(m(self.normalize(x)), x.shape[0]), k))
+            for name, m in self._forms.candidates()
+        }
         self.runner = GraphRunner(fns, (s, s, 3), torch.uint8, self.config.buckets, self.device)
 
     def reset(self) -> None:
@@ -201,7 +205,24 @@ class Engine:
     @torch.inference_mode()
     def forward(self, x_u8: torch.Tensor) -> torch.Tensor:
         """Logits for a uint8 batch: ``(B, S, S, 3)`` uint8 on the device -> ``(B, C)`` float32."""
-        return self.model(self.normalize(x_u8)).float()
+        return self.checked(self.model(self.normalize(x_u8)), x_u8.shape[0]).float()
+
+    def checked(self, logits, batch: int) -> torch.Tensor:
+        """``logits`` if the model's output for a batch of ``batch`` is ``(batch, C)`` logits, ``C``
+        the count of the labels given (host-side shape checks only: safe inside graph capture).
+
+        Raises:
+            ValueError: another shape or type, or labels given for another number of classes.
+        """
+        if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or logits.shape[0] != batch or not logits.shape[1]:
+            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(
+                f"the model must map a batch of {batch} images (B, 3, H, W) to logits (B, C), one row per image; "
+                f"it gave {got}"
+            )
+        if self.labels_given and logits.shape[1] != len(self.labels):
+            raise ValueError(f"the model gives {logits.shape[1]} classes, its labels name {len(self.labels)}")
+        return logits
 
     # -- the staging ring -----------------------------------------------------------------------
     def acquire(self, stopped=lambda: False) -> Slot | None:

@@ -192,7 +192,8 @@ def user_spec(name: str) -> ModelSpec:
 
     Raises:
         ValueError: not importable (:func:`~fullthrottle.core.imports.import_object`), not a model,
-            or an ``input_transform`` that is not a :class:`Transform`.
+            a class whose construction with no arguments fails (its error named), or an
+            ``input_transform`` that is not a :class:`Transform`.
     """
     import torch
 
@@ -207,7 +208,14 @@ def user_spec(name: str) -> ModelSpec:
         raise ValueError(f"--model {name}: not an nn.Module class or a ModelSpec ({type(obj).__name__})")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(RANDOM_SEED)
-        probe = obj()
+        try:
+            probe = obj()
+        except (Exception, SystemExit) as e:  # the user's constructor: its own error, named
+            what = f"exit({e.code})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+            raise ValueError(
+                f"--model {name}: {obj.__name__}() failed: {what} (the class is built with no arguments; "
+                "weights come from --weights)"
+            ) from None
     try:
         transform = transform_of(probe)
     except TypeError as e:

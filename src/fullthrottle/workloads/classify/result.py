@@ -34,7 +34,7 @@ class Result:
 
     @property
     def error_stage(self) -> str | None:
-        """The stage that failed the item (``load``, ``preprocess``, ``pipeline``), or None."""
+        """The stage that failed the item (``load``, ``preprocess``, ``compute``, ``pipeline``), or None."""
         return error_info(self.error)[0]
 
     @property

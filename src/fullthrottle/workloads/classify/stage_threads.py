@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from ...core.batch import Batch
 from ...core.gpumon import nvtx_range
 from ...data.load import Item
@@ -129,6 +131,11 @@ def decode_thread(run) -> None:
                     Result(it.index, it.id, lab, ids, p, None, 1e3 * (now - it.t_start))
                     for it, lab, ids, p in zip(batch.items, eng.label_lists(idx), idx.tolist(), probs.tolist())
                 ]
+                if not np.isfinite(probs).all():  # NaN/Inf logits: the model's fault, per item
+                    for r, bad in zip(out, ~np.isfinite(probs).all(axis=1)):
+                        if bad:
+                            r.labels, r.class_ids, r.probs = [], [], []
+                            r.error = f"{r.id}: model output is not finite (NaN or Inf in its logits)"
             eng.release(slot)
             st.end(len(batch))
         if isinstance(obj, Item):
