@@ -283,6 +283,21 @@ def test_weights_that_do_not_fit(tmp_path):
         Pipeline(Config(model="resnet18", weights=str(tmp_path / "bad.safetensors"), device="cpu"))
 
 
+def test_weights_that_do_not_fit_are_a_usage_error_in_classify_and_serve(tmp_path, capsys):
+    """Exit 2 with the reason, before a server or a decoder process starts."""
+    from safetensors.torch import save_file
+
+    from fullthrottle.cli import main
+
+    save_file({"fc.weight": torch.zeros(3, 3)}, str(tmp_path / "bad.safetensors"))
+    w = ["--model", "resnet18", "--weights", str(tmp_path / "bad.safetensors"), "--device", "cpu"]
+    assert main(["serve", *w, "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "do not fit" in err and "Uvicorn running" not in err and "Started server" not in err, err
+    assert main(["classify", str(tmp_path), *w]) == 2
+    assert "do not fit" in capsys.readouterr().err
+
+
 def test_one_dtype_default_for_every_front_end():
     """dtype None means bfloat16 on CUDA and float32 on the CPU, for the library, the CLI (also its Ray
     path, which passes no dtype) and the server alike; the Embedder's own CUDA default is float16."""

@@ -59,6 +59,10 @@ def cmd_serve(args) -> int:
         model_spec = spec(args.model)  # (a MODULE:CLASS is imported now: its errors before anything starts)
         if args.weights is not None and not os.path.isfile(args.weights):
             raise FileNotFoundError(f"weights file not found: {args.weights}")
+        if args.weights is not None and args.classify:  # weights that do not fit: an error before anything starts
+            from ..workloads.classify.models import load_model
+
+            load_model(args.model, args.weights)
         if (
             min(
                 args.timeout_s,
