@@ -6,6 +6,7 @@ never reach them."""
 import contextlib
 import http.server
 import logging
+import re
 import socket
 import subprocess
 import sys
@@ -628,5 +629,36 @@ def test_max_connections_serves_that_many_and_refuses_the_next():
     finally:
         for c in conns:
             c.close()
+        server.should_exit = True
+        t.join(30)
+
+
+def test_requests_the_http_parser_refuses_are_counted():
+    """A request the HTTP parser refuses never reaches the app; it is answered 400 and counted in
+    /metrics (route "other", status 400) like every other answer."""
+    from fullthrottle.core.config import Config
+    from fullthrottle.server.app import create_app
+    from fullthrottle.server.http_layer import uvicorn_server
+
+    app = create_app(Config(device="cpu", labels=[str(i) for i in range(10)]), ServeOptions(), model=Tiny())
+    server = uvicorn_server(app, ServeOptions(), 8, host="127.0.0.1", port=0)
+    server.capture_signals = contextlib.nullcontext  # (not the main thread: no signal handlers)
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        for junk in (b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n"):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.settimeout(10)
+            sock.sendall(junk)
+            got = sock.recv(200)
+            sock.close()
+            assert got.startswith(b"HTTP/1.1 400"), got
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert re.search(r'requests_total\{route="other",status="400"\} 2\.0', text), text[-2000:]
+    finally:
         server.should_exit = True
         t.join(30)

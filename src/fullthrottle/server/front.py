@@ -287,6 +287,7 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
             m.requests.labels(route, str(e.status)).inc()
             await _json(send, e.status, {"detail": e.detail}, e.headers)
 
+    app.requests_counter = m.requests  # (uvicorn_server counts the parser's refusals there)
     return app
 
 

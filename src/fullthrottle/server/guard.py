@@ -126,7 +126,7 @@ SHUTDOWN_LINGER_S = 0.5
 MAX_HEAD_BYTES = 16384
 
 
-def head_deadline_protocol(seconds: float, per_client: int | None = None, parser: str = "auto"):
+def head_deadline_protocol(seconds: float, per_client: int | None = None, parser: str = "auto", on_refused=None):
     """uvicorn's HTTP/1.1 protocol with a deadline on every request head: a connection whose request
     line and headers are not complete ``seconds`` after it opened (or after its previous response) is
     closed. uvicorn itself times out only idle keep-alive connections, and any byte received
@@ -141,7 +141,10 @@ def head_deadline_protocol(seconds: float, per_client: int | None = None, parser
     unread, and the client sees a connection closed without an answer).
 
     ``parser``: ``"httptools"`` (uvicorn's C parser, llhttp), ``"h11"`` (pure Python: more CPU per
-    request), or ``"auto"``: httptools where it is installed, as uvicorn itself picks."""
+    request), or ``"auto"``: httptools where it is installed, as uvicorn itself picks.
+
+    ``on_refused``: called with no arguments for each request the parser refuses (400: malformed, or
+    a head over :data:`MAX_HEAD_BYTES`), which never reaches the app (so the caller can count it)."""
     if parser == "auto":
         import importlib.util
 
@@ -218,6 +221,11 @@ def head_deadline_protocol(seconds: float, per_client: int | None = None, parser
                 and not self.transport.is_closing()
             ):
                 self.send_400_response(f"request head over {MAX_HEAD_BYTES} bytes")
+
+        def send_400_response(self, msg: str) -> None:
+            if on_refused is not None:
+                on_refused()
+            super().send_400_response(msg)
 
         def on_headers_complete(self) -> None:  # (httptools: the parser's callback)
             # (a head that arrived whole in one read: its size is the line's and headers' bytes)

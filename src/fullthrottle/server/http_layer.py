@@ -50,7 +50,9 @@ def add_key_check(app, keys: tuple[str, ...], reply) -> None:
 def add_basics(app, requests_counter, keys: tuple[str, ...]):
     """What the one-process app and an HTTP worker's app both start with: ``reply(route, status,
     body, headers=None)`` (a JSON response, counted in ``requests_counter`` by route and status),
-    the API-key check, ``GET /healthz``, and 404/405 answers counted too. Returns ``reply``."""
+    the API-key check, ``GET /healthz``, and 404/405 answers counted too. Returns ``reply``.
+    (``app.requests_counter`` is the counter: :func:`uvicorn_server` counts there what the HTTP
+    parser refuses.)"""
     from fastapi.responses import JSONResponse
 
     def reply(route: str, status: int, body: dict, headers: dict | None = None):
@@ -59,6 +61,7 @@ def add_basics(app, requests_counter, keys: tuple[str, ...]):
         return r
 
     add_key_check(app, keys, reply)
+    app.requests_counter = requests_counter
 
     from starlette.exceptions import HTTPException
 
@@ -88,7 +91,8 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, **where):
     """A uvicorn server for ``app`` with the guard's limits (``where``: ``host`` and ``port``, or
     nothing when the caller passes its sockets to ``run``). Its first SIGTERM or SIGINT drains
     in-flight requests (each within ``opts.timeout_s``), the second stops waiting; ``run`` then
-    returns normally (exit status 0)."""
+    returns normally (exit status 0). Requests the HTTP parser refuses (400) are counted in
+    ``app.requests_counter`` (route ``other``), where ``app`` has one (:func:`add_basics`)."""
     import contextlib
     import signal
 
@@ -122,6 +126,12 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, **where):
                 for s, h in old.items():
                     signal.signal(s, h)
 
+    counter = getattr(app, "requests_counter", None)
+
+    def refused():  # (a 400 of the parser's: the request never reached the app)
+        if counter is not None:
+            counter.labels("other", "400").inc()
+
     logging.getLogger("uvicorn.error").addFilter(startup_error_only)
     logging.getLogger("uvicorn.error").addFilter(_not_a_dropped_request)
     return _Server(
@@ -132,6 +142,6 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, **where):
             timeout_graceful_shutdown=opts.timeout_s,
             limit_concurrency=max_connections + 1,  # (uvicorn counts the connection asking among them)
             timeout_keep_alive=5,
-            http=head_deadline_protocol(opts.header_timeout_s, opts.max_connections_per_client),
+            http=head_deadline_protocol(opts.header_timeout_s, opts.max_connections_per_client, on_refused=refused),
         )
     )
