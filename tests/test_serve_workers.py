@@ -282,15 +282,3 @@ def test_serve_defaults_are_its_own_where_a_server_needs_other_ones():
     assert serve_threads(None, "cuda", False, "auto") is None
     assert serve_threads(None, "cuda", True, "threads") is None
     assert serve_threads(None, "cpu", True, "auto") is None
-
-
-def test_serve_decides_its_gpu_decoder_processes_unless_told(monkeypatch):
-    """``serve`` on CUDA with GPU decoding and no MPS server: SERVE_GPU_DECODE_PROCESSES GPU decoder
-    processes; the user's number as given; on the CPU, or with GPU decoding off, the Pipeline's."""
-    from fullthrottle.server.options import SERVE_GPU_DECODE_PROCESSES, serve_gpu_decode_processes
-
-    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/nonexistent/mps")  # (no MPS server there)
-    assert serve_gpu_decode_processes(None, "cuda", True) == SERVE_GPU_DECODE_PROCESSES == 2
-    assert serve_gpu_decode_processes(5, "cuda", True) == 5
-    assert serve_gpu_decode_processes(None, "cpu", True) is None
-    assert serve_gpu_decode_processes(None, "cuda", False) is None

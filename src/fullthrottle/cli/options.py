@@ -54,12 +54,8 @@ def positive_int(s: str) -> int:
     return v
 
 
-def add_gpu_decode_args(p: argparse.ArgumentParser, processes_default: str | None = None) -> None:
-    """--gpu-decode, --gpu-decoder and --gpu-decode-processes (classify and serve;
-    ``processes_default``: the last's default without an MPS server, in words; None: the
-    Pipeline's, :data:`~fullthrottle.core.mps.PROCESSES_TIME_SLICED`)."""
-    from ..core.mps import PROCESSES_TIME_SLICED
-
+def add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
+    """--gpu-decode, --gpu-decoder and --gpu-decode-processes (classify and serve)."""
     p.add_argument(
         "--gpu-decode",
         action=argparse.BooleanOptionalAction,
@@ -95,7 +91,7 @@ def add_gpu_decode_args(p: argparse.ArgumentParser, processes_default: str | Non
         metavar="N",
         help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "
         "decoder, 0..16 (0: one GPU decode thread in this process; default: 8 when a CUDA MPS "
-        f"server is running, else {processes_default or PROCESSES_TIME_SLICED})",
+        "server is running, else 6)",
     )
 
 
@@ -146,7 +142,6 @@ def add_runtime_args(
     device_help: str | None = None,
     max_wait_ms: float = Config.max_wait_ms,
     threads_help: str = "one per CPU core; with processes, one per core but one, left to this process's threads",
-    gpu_processes_help: str | None = None,
 ) -> None:
     """The options classify and serve share, their defaults from :class:`~fullthrottle.core.config.Config`:
     the model and its weights, the batcher (``batch_flag``: the largest batch; --max-wait-ms), the
@@ -193,4 +188,4 @@ def add_runtime_args(
         help="largest image (width x height, in millions of pixels) decoded; larger ones fail alone, "
         "checked on the header before decoding (default: %(default).1f, Pillow's bomb threshold)",
     )
-    add_gpu_decode_args(p, gpu_processes_help)
+    add_gpu_decode_args(p)

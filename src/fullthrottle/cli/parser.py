@@ -6,13 +6,7 @@ import argparse
 
 from ..core.config import LlmSettings, usable_cores
 from ..core.env import describe as describe_env
-from ..server.options import (
-    MAX_CONNECTIONS,
-    SERVE_DECODER_PROCESSES,
-    SERVE_GPU_DECODE_PROCESSES,
-    SERVE_MAX_WAIT_MS,
-    ServeOptions,
-)
+from ..server.options import MAX_CONNECTIONS, SERVE_DECODER_PROCESSES, SERVE_MAX_WAIT_MS, ServeOptions
 from .generate import RANDOM_SHAPES
 from .options import add_runtime_args, add_runtime_flags, port_number, positive_float, positive_int
 
@@ -186,7 +180,6 @@ def build_parser() -> argparse.ArgumentParser:
         max_wait_ms=SERVE_MAX_WAIT_MS,
         threads_help=f"{SERVE_DECODER_PROCESSES} decoder processes on CUDA with GPU decoding, which takes the "
         "JPEGs that find them busy; else one per CPU core, or one per core but one with processes",
-        gpu_processes_help=str(SERVE_GPU_DECODE_PROCESSES),
     )
     v.add_argument(
         "--gpus", default=None, help="'all' or N: one model replica per GPU (default with --device auto: every GPU)"

@@ -31,16 +31,12 @@ def cmd_serve(args) -> int:
     from ..core.config import Config, resolve_dtype, usable_cores
     from ..core.device import resolve_device
     from ..server.app import ServeOptions, run_server
-    from ..server.options import default_http_workers, serve_gpu_decode_processes, serve_threads
+    from ..server.options import default_http_workers, serve_threads
 
     try:
         device = resolve_device(args.device)
         decode = _gpu_decode_settings(args)
         threads = serve_threads(args.threads, device.type, decode["gpu_decode"], args.preprocess)
-        if decode["gpu_decode"]:
-            decode["gpu_decode_processes"] = serve_gpu_decode_processes(
-                decode["gpu_decode_processes"], device.type, decode["gpu_decode"]
-            )
         cfg = Config(
             model=args.model,
             weights=args.weights,

@@ -20,10 +20,6 @@ SERVE_MAX_WAIT_MS = 0.5
 #: decoders take the JPEGs that find every CPU decoder busy, and the cores are left to the HTTP
 #: worker processes. See docs/performance.md (serving).
 SERVE_DECODER_PROCESSES = 4
-#: ``serve``'s GPU decoder processes on CUDA when the GPU is time-sliced (no CUDA MPS server;
-#: --gpu-decode-processes not given): a server's batches are small, and fewer CUDA contexts beside
-#: the model's answer more requests than the offline default. See docs/performance.md (serving).
-SERVE_GPU_DECODE_PROCESSES = 2
 
 
 def serve_threads(threads: int | None, device_type: str, gpu_decode: bool, preprocess: str) -> int | None:
@@ -32,18 +28,6 @@ def serve_threads(threads: int | None, device_type: str, gpu_decode: bool, prepr
     if threads is None and device_type == "cuda" and gpu_decode and preprocess != "threads":
         return SERVE_DECODER_PROCESSES
     return threads
-
-
-def serve_gpu_decode_processes(n: int | None, device_type: str, gpu_decode: bool) -> int | None:
-    """``serve``'s ``Config.gpu_decode_processes``: the user's ``--gpu-decode-processes``, else
-    :data:`SERVE_GPU_DECODE_PROCESSES` on CUDA with GPU decoding and no CUDA MPS server running
-    (``--mps`` starts one first), else None (the :class:`~fullthrottle.Pipeline`'s own choice)."""
-    if n is None and device_type == "cuda" and gpu_decode:
-        from ..core.mps import mps_server_running
-
-        if not mps_server_running():
-            return SERVE_GPU_DECODE_PROCESSES
-    return n
 
 
 def default_http_workers(cores: int) -> int:
