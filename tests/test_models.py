@@ -288,7 +288,7 @@ def test_weights_errors_say_what_is_wrong(tmp_path):
         ("adir.pth", "is a directory"),
         (
             "r18.safetensors",
-            r"do not fit efficientnet_lite0 \(weights of another model\?\): 1 tensors of another shape "
+            r"do not fit efficientnet_lite0 \(weights of another model\?\): 1 tensor of another shape "
             r"\(fc.weight: \[1000, 512\] in the file, \[1000, 1280\] in the model\), \d+ of its keys missing",
         ),
     ):

@@ -363,7 +363,7 @@ def load_weights(model, path: str | Path, name: str | None = None) -> None:
         def few(keys):
             return ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
 
-        parts = [f"{len(bad)} tensors of another shape ({few(bad)})"] if bad else []
+        parts = [f"{len(bad)} tensor{'s' * (len(bad) != 1)} of another shape ({few(bad)})"] if bad else []
         parts += [f"{len(missing)} of its keys missing ({few(missing)})"] if missing else []
         parts += [f"{len(unexpected)} unexpected ({few(unexpected)})"] if unexpected else []
         raise WeightsError(f"weights in {path} do not fit {name} (weights of another model?): " + ", ".join(parts))
