@@ -59,6 +59,10 @@ if [[ ,$parts, == *,inproc,* ]]; then   # issue 10: nvImageCodec from files insi
   spy=""; compgen -G ".tools/py_spy*.whl" >/dev/null && python3 -m pip install -q --no-index --no-deps --target /tmp/spy .tools/py_spy*.whl && spy=/tmp/spy/bin/py-spy
   $TO python3 bench/probes/inproc_decode_probe.py --folder /tmp/ft-files/640x480 ${spy:+--py-spy $spy} ${INPROC_ARGS:-} --out "$OUT/inproc_decode_probe.json" 2>&1 | tee "$OUT/inproc.log" | tail -30
 fi
+if [[ ,$parts, == *,pipeprobe,* ]]; then   # issue 10: the engines fed from one process, pipelined
+  python3 -c "import sys; sys.path.insert(0, 'bench'); from files_e2e import make_folder; from pathlib import Path; make_folder(Path('/tmp/ft-files/640x480'), ${PIPE_N:-30000}, '640x480')"
+  $TO python3 bench/probes/pipelined_decode_probe.py --folder /tmp/ft-files/640x480 ${PIPE_ARGS:-} --out "$OUT/pipelined_decode_probe.json" 2>&1 | tee "$OUT/pipeprobe.log" | tail -30
+fi
 if [[ ,$parts, == *,startup,* ]]; then   # issue 10: where the classify start-up goes
   python3 -c "import sys; sys.path.insert(0, 'bench'); from files_e2e import make_folder; from pathlib import Path; make_folder(Path('/tmp/ft-files/640x480'), ${STARTUP_N:-8000}, '640x480')"
   $TO python3 bench/probes/startup_probe.py --folder /tmp/ft-files/640x480 --n ${STARTUP_N:-8000} ${STARTUP_ARGS:-} --out "$OUT/startup_probe.json" 2>&1 | tee "$OUT/startup.log" | tail -60

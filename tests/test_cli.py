@@ -544,6 +544,10 @@ class TwoLabelsThreeClasses(ColourNet):
     labels = ["red", "green"]
 
 
+class NoLabels(ColourNet):
+    labels = None
+
+
 class LabelsNotStrings(ColourNet):
     labels = [1, 2, 3]
 
@@ -570,6 +574,12 @@ def test_model_of_ones_own_by_module_and_class(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out.splitlines()
     assert rc == 0, out
     assert [json.loads(line)["top_k"][0]["label"] for line in out] == ["red", "green", "blue"], out
+    # without labels, 3 classes are named by their ids (not ImageNet's first names), and --top-k 5 lists 3
+    rc = main(["classify", "r.jpg", "b.jpg", *args[:1], "colour_models:NoLabels", *args[2:], "--top-k", "5"])
+    out, err = capsys.readouterr()
+    tops = [[t["label"] for t in json.loads(line)["top_k"]] for line in out.splitlines()]
+    assert rc == 0 and [t[0] for t in tops] == ["0", "2"] and all(len(t) == 3 for t in tops), tops
+    assert "more than the model's 3 classes" in err, err
     with pytest.raises(SystemExit) as e:
         main(["classify", "r.jpg", "--model", "resnet9000"])
     assert e.value.code == 2 and "MODULE:CLASS" in capsys.readouterr().err

@@ -188,8 +188,8 @@ def cmd_classify(args) -> int:
                     file=sys.stderr,
                 )
         pipe = Pipeline(cfg)
-        n_classes = len(pipe.engine.labels)
-        if args.top_k > n_classes:
+        n_classes = pipe.engine.num_classes
+        if n_classes is not None and args.top_k > n_classes:
             print(
                 f"note: --top-k {args.top_k} is more than the model's {n_classes} classes: "
                 f"each result lists all {n_classes}",

@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         metavar="N|auto",
         help="HTTP worker processes that parse, check and answer requests in front of one engine "
-        "process (the models, graphs and decoders); 1 serves from one process; auto: one per 4 "
+        "process (the models, graphs and decoders); 1 serves from one process; auto: one per 2 "
         "cores, at most 8, and 1 below 8 cores (default: %(default)s)",
     )
     v.add_argument(

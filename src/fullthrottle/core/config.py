@@ -119,7 +119,8 @@ class Config:
         weights: ``.safetensors`` or ``.pth`` state dict (loaded with ``weights_only=True``; torchvision's
             own checkpoint files are such); ``None``: the model's bundled weights, or for a model with
             none (``MODELS[name].bundled_weights`` is None) random initialisation with a fixed seed (labels are then meaningless).
-        labels: class names for a custom module (else its own ``labels`` attribute, a list of str); ImageNet's 1000 names by default.
+        labels: class names for a custom module (else its own ``labels`` attribute, a list of str); by default
+            ImageNet's 1000 names for a model of 1000 classes, else each class named by its id.
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         dtype: compute dtype on CUDA: ``"float32"``, ``"bfloat16"`` or ``"float16"``; ``None`` (the
             default): :data:`CUDA_DTYPE` (bfloat16). The CPU always computes in float32.

@@ -100,6 +100,7 @@ class Engine:
         self.model, self.model_unfolded, self.model_fused = forms.model, forms.unfolded, forms.fused
         self.bn_folded, self.conv_relu_fused = forms.bn_folded, forms.conv_relu_fused
         #: the config's labels, else the module's own ``labels`` (a sequence of str), else ImageNet's
+        #: (for a model of another number of classes: none, each class named by its id)
         own = getattr(model, "labels", None)
         if own is not None and (isinstance(own, str) or not all(isinstance(x, str) for x in own)):
             raise ValueError(f"{type(model).__name__}.labels must be a sequence of class names (str)")
@@ -159,9 +160,29 @@ class Engine:
         self.batches = 0  # batches submitted, and the H2D copies their crop-pool rows took
         self.pool_copies = 0
         self._forms = forms
+        #: classes of the model's output (known after the first forward: at start-up, see _probe)
+        self.num_classes: int | None = None
+        self._probe()
         if capture:
             self.capture()
         self.reset()
+
+    def _probe(self) -> None:
+        """One forward of a blank image at start-up, to learn the model's number of classes
+        (:attr:`num_classes`, and its labels by id when it has none and not ImageNet's 1000). With
+        graphs on CUDA, capture does so instead. A model that raises here, or whose output is not one
+        row of logits per image, is left to fail the batches it fails (the error then belongs to
+        their images, as :meth:`checked` words it)."""
+        if self.config.graphs and self.cuda:
+            return
+        s = self.config.crop_size
+        x = torch.zeros((1, s, s, 3), dtype=torch.uint8, device=self.device)
+        try:
+            with torch.inference_mode():
+                logits = self.model(self.normalize(x))
+            self.checked(logits, 1)
+        except (Exception, SystemExit, KeyboardInterrupt):  # noqa: BLE001 - see the docstring
+            return
 
     def capture(self) -> None:
         """Capture the CUDA graphs (with ``config.graphs`` on CUDA; once): normalise + model +
@@ -214,14 +235,28 @@ class Engine:
         Raises:
             ValueError: another shape or type, or labels given for another number of classes.
         """
-        if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or logits.shape[0] != batch or not logits.shape[1]:
-            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        if (
+            not isinstance(logits, torch.Tensor)
+            or logits.ndim != 2
+            or logits.shape[0] != batch
+            or not logits.shape[1]
+            or not logits.dtype.is_floating_point
+        ):
+            got = (
+                f"{tuple(logits.shape)} {logits.dtype}".replace("torch.", "")
+                if isinstance(logits, torch.Tensor)
+                else type(logits).__name__
+            )
             raise ValueError(
-                f"the model must map a batch of {batch} images (B, 3, H, W) to logits (B, C), one row per image; "
+                f"the model must map a batch of {batch} images (B, 3, H, W) to float logits (B, C), one row per image; "
                 f"it gave {got}"
             )
-        if self.labels_given and logits.shape[1] != len(self.labels):
-            raise ValueError(f"the model gives {logits.shape[1]} classes, its labels name {len(self.labels)}")
+        c = logits.shape[1]
+        if self.labels_given and c != len(self.labels):
+            raise ValueError(f"the model gives {c} classes, its labels name {len(self.labels)}")
+        if self.num_classes is None and not self.labels_given and c != len(self.labels):
+            self.labels = []  # (no labels given, and not ImageNet's 1000 classes: named by their ids)
+        self.num_classes = c
         return logits
 
     # -- the staging ring -----------------------------------------------------------------------
@@ -355,7 +390,8 @@ class Engine:
                 slot.k = probs.shape[1]
                 copy_all([slot.out_probs[:n, : probs.shape[1]], slot.out_idx[:n, : idx.shape[1]]], [probs, idx])  # D2H
                 slot.done.record(self.compute_stream)
-        except Exception as e:  # noqa: BLE001 - belongs to this batch's items, not the run
+        except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - this batch's items', not the run's
+            # (a model's own sys.exit or KeyboardInterrupt too: raised in this thread, never a signal)
             slot.error = f"compute failed: {type(e).__name__}: {e}"
         self.launch_s += time.perf_counter() - t1
         return slot
