@@ -145,6 +145,19 @@ def mps_clients(enabled: bool):
         yield {"exe": control_binary(), "root": root}
 
 
+def rss_mib(pid: int) -> float | None:
+    """Resident memory of process ``pid`` in MiB (``VmRSS`` in /proc; None if gone)."""
+    from pathlib import Path
+
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
+
+
 def cpu_s(pid: int) -> float | None:
     """CPU seconds (user + system) process ``pid`` has used so far, from /proc (None if gone)."""
     import os

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SAMPLES, cpu_s, machine_info, write_json  # noqa: E402
+from common import SAMPLES, cpu_s, machine_info, rss_mib, write_json  # noqa: E402
 
 
 def _make(args) -> int:
@@ -69,7 +69,8 @@ def make_folder(folder: Path, n: int, kind: str) -> float:
     return sum(p.stat().st_size for p in folder.glob("*.jpg"))
 
 
-def run_cli(folder: Path, extra: list[str], tmp: Path) -> dict:
+def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
+    """The CLI on ``folder`` (listed ``repeat`` times: each pass reads every file again)."""
     rep = tmp / "report.json"
     rep.unlink(missing_ok=True)
     cmd = [
@@ -77,7 +78,7 @@ def run_cli(folder: Path, extra: list[str], tmp: Path) -> dict:
         "-m",
         "fullthrottle.cli",
         "classify",
-        str(folder),
+        *[str(folder)] * repeat,
         "--device",
         "cuda",
         "--no-progress",
@@ -90,6 +91,7 @@ def run_cli(folder: Path, extra: list[str], tmp: Path) -> dict:
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samples = []  # (seconds since start, CPU seconds of the main process)
+    rss = []  # (seconds since start, resident MiB of the main process)
     import threading
 
     err: list[str] = []
@@ -99,16 +101,30 @@ def run_cli(folder: Path, extra: list[str], tmp: Path) -> dict:
         c = cpu_s(p.pid)
         if c is not None:
             samples.append((time.perf_counter() - t0, c))
+        m = rss_mib(p.pid)
+        if m is not None:
+            rss.append((time.perf_counter() - t0, m))
         time.sleep(0.5)
     wall = time.perf_counter() - t0
     reader.join(10)
     stderr = err[0] if err else ""
     r = json.loads(rep.read_text()) if rep.exists() else {}
     peak = max(((c1 - c0) / (t1 - t0_) for (t0_, c0), (t1, c1) in zip(samples, samples[10:])), default=None)
-    print(" ".join(cmd[3:]), "->", p.returncode, stderr[-1500:], flush=True)
+    print(" ".join(cmd[3 + repeat :]), "x", repeat, "->", p.returncode, stderr[-1500:], flush=True)
+    # resident memory once the images flow (a quarter into the run) against its peak after that
+    quarter = [m for t, m in rss if t >= wall / 4]
+    memory = {
+        "rss_mib_at_quarter": quarter[0] if quarter else None,
+        "rss_mib_max_after_quarter": max(quarter, default=None),
+        "rss_mib_last": rss[-1][1] if rss else None,
+        "rss_mib_series_every_5s": [(round(t, 1), round(m)) for t, m in rss[::10]],
+    }
     # (the report's main_process_cores: the main process's CPU over the run itself, start-up excluded)
     return {
-        "command": "fullthrottle " + " ".join(cmd[3:]),
+        "command": "fullthrottle " + " ".join(cmd[3:])
+        if repeat == 1
+        else f"fullthrottle classify {folder} (listed {repeat} times) " + " ".join(cmd[4 + repeat :]),
+        "main_process_memory": memory,
         "exit": p.returncode,
         "wall_s_with_startup": wall,
         "main_process_cores_peak_5s": peak,
@@ -178,7 +194,7 @@ def dataloader_loop(paths: list[Path], model_name: str, workers: int, batch: int
 RUNS = {
     "dataloader_resnet18_640x480": ("640x480", "dataloader resnet18"),
     "cli_resnet18_640x480": ("640x480", "--model resnet18"),
-    "cli_resnet18_640x480_mps": ("640x480", "--model resnet18 --mps"),
+    "cli_resnet18_640x480_no_mps": ("640x480", "--model resnet18 --no-mps"),
     "cli_resnet18_640x480_cpu_decode": ("640x480", "--model resnet18 --no-gpu-decode"),
     "dataloader_efficientnet_lite0_640x480": ("640x480", "dataloader efficientnet_lite0"),
     "cli_efficientnet_lite0_640x480": ("640x480", ""),
@@ -200,8 +216,19 @@ def main():
         metavar="ARGS",
         help="also run the CLI with these arguments on the 640x480 folder (a trial, named try_N; repeatable)",
     )
+    ap.add_argument(
+        "--soak",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run the CLI's defaults (ResNet18) on the 640x480 folder listed N times (each file read N "
+        "times: 17 x 60,000 = 1.02M images), recording the main process's resident memory",
+    )
     ap.add_argument("--out", default="bench/results/files_e2e.json")
     args = ap.parse_args()
+    if args.soak:
+        RUNS["soak_resnet18_640x480"] = ("640x480", "--model resnet18")
+        args.runs += ",soak_resnet18_640x480"
     for i, extra in enumerate(args.trials):
         RUNS[f"try_{i}"] = ("640x480", extra)
         args.runs += f",try_{i}"
@@ -229,7 +256,7 @@ def main():
         if what.startswith("dataloader "):
             r = dataloader_loop(sorted(folder.glob("*.jpg")), what.split()[1], args.workers)
         else:
-            r = run_cli(folder, what.split(), tmp)
+            r = run_cli(folder, what.split(), tmp, args.soak if name.startswith("soak_") else 1)
         payload["runs"][name] = {"folder": kind, **r}
         write_json(args.out, payload)  # after every run: a later one that fails leaves the earlier ones
         rep = r.get("report", {})

@@ -406,6 +406,56 @@ def test_gpu_decoder_processes_path_equals_cpu_only(samples, bad_dir):
         pipe.close()
 
 
+def test_jpegs_keep_at_most_their_share_of_cpu_workers_busy(samples, bad_dir, monkeypatch):
+    """With GPU decoder processes, JPEGs the GPU could take keep at most cpu_jpeg_workers CPU decoder
+    processes busy (the other cores drive the GPU decoder processes): beyond that a JPEG waits for
+    the GPU's room. Other images (PNG, CMYK, ...) still go to every worker; results equal the CPU
+    path's."""
+    from types import SimpleNamespace
+
+    from fullthrottle.data import cpu_feed
+
+    assert cpu_feed.cpu_jpeg_workers(15, 0, cores=16) == 15  # no GPU decoder processes: all of them
+    assert cpu_feed.cpu_jpeg_workers(15, 12, cores=16) == 2  # the cores left by 12 of them and the main process
+    assert cpu_feed.cpu_jpeg_workers(15, 6, cores=16) == 8
+    assert cpu_feed.cpu_jpeg_workers(3, 6, cores=64) == 3 and cpu_feed.cpu_jpeg_workers(15, 16, cores=16) == 1
+    monkeypatch.setattr(cpu_feed, "cpu_jpeg_workers", lambda workers, gpu_processes, cores=None: 1)
+    inputs = list(samples[:60]) + [bad_dir]
+    ref = {r.id: r for r in _pipe(None).run(inputs)}
+    pipe = _pipe(FakeGpuDecoder(), "processes")
+    fakes = [FakeGpuProcess(pipe.decoders.crops) for _ in range(2)]
+    pipe.gpu_decoders = SimpleNamespace(workers=fakes, close=lambda: None)
+    out, peak, other = collections.Counter(), [0], [0]  # JPEGs out at the CPU workers; their peak
+
+    def track(w):
+        send, receive, flags = w.send, w.receive, collections.deque()
+
+        def tracked_send(data, row, is_path=False):
+            jpeg = gpu_eligible(open(data, "rb").read() if is_path else bytes(data))[0]
+            flags.append(jpeg)
+            out["jpeg"] += jpeg
+            other[0] += not jpeg
+            peak[0] = max(peak[0], out["jpeg"])
+            return send(data, row, is_path)
+
+        def tracked_receive():
+            out["jpeg"] -= flags.popleft()
+            return receive()
+
+        w.send, w.receive = tracked_send, tracked_receive
+
+    try:
+        for w in pipe.decoders.workers:
+            track(w)
+        res = list(pipe.run(inputs))
+        assert_same_results(res, ref)
+        assert peak[0] == 1, peak  # (0: the CPU workers took no JPEG at all)
+        assert other[0] >= 5, other  # the bad inputs that are not GPU JPEGs went to the CPU workers
+        assert sum(sum(f.batches) for f in fakes) > 30
+    finally:
+        pipe.close()
+
+
 def test_gpu_process_discards_replies_owed_when_a_run_stops():
     """A run stopped with batches out at a GPU decoder process: their answers are read and dropped, so
     the next run's first batch gets its own."""
@@ -693,7 +743,7 @@ def test_mps_server_running_looks_for_the_control_socket(tmp_path, monkeypatch):
 
 def test_gpu_decode_processes_default_follows_the_mps_server(tmp_path, monkeypatch):
     """gpu_decode_processes unset (None) is decided when the Pipeline is made, however the Config was
-    built (directly, by replace, by Pipeline overrides, by the CLI): 8 GPU decoder processes when an
+    built (directly, by replace, by Pipeline overrides, by the CLI): 12 GPU decoder processes when an
     MPS server runs (its pid file names a live process), 6 when none does; the window
     (in_flight_limit) counts the same number; a value given is kept."""
     import dataclasses
@@ -707,18 +757,18 @@ def test_gpu_decode_processes_default_follows_the_mps_server(tmp_path, monkeypat
             return pipe.config.gpu_decode_processes, dataclasses.replace(pipe.config, gpu_decode=True).in_flight_limit
 
     base = dict(labels=LABELS, device="cpu", max_batch_size=8, threads=2, preprocess="threads")
-    window = {n: (4 + 2 * n * DEPTH) * 8 + 2 * 2 for n in (6, 8, 3)}
+    window = {n: (4 + 2 * n * DEPTH) * 8 + 2 * 2 for n in (6, 12, 3)}
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     assert Config(gpu_decode=True).gpu_decode_processes is None
     assert made(Config(gpu_decode=True, **base)) == (6, window[6])
     (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
-    assert Config(gpu_decode=True, **base).in_flight_limit == window[8]
-    assert made(Config(gpu_decode=True, **base)) == (8, window[8])
-    assert made(dataclasses.replace(Config(**base), gpu_decode=True)) == (8, window[8])
-    assert made(Config(**base), gpu_decode=True) == (8, window[8])
+    assert Config(gpu_decode=True, **base).in_flight_limit == window[12]
+    assert made(Config(gpu_decode=True, **base)) == (12, window[12])
+    assert made(dataclasses.replace(Config(**base), gpu_decode=True)) == (12, window[12])
+    assert made(Config(**base), gpu_decode=True) == (12, window[12])
     assert made(Config(gpu_decode=True, gpu_decode_processes=3, **base)) == (3, window[3])
     assert made(Config(gpu_decode=False, **base))[0] is None  # (no GPU decode: nothing to decide)
-    for argv, want in ((["--gpu-decode"], 8), (["--gpu-decode", "--gpu-decode-processes", "2"], 2)):
+    for argv, want in ((["--gpu-decode"], 12), (["--gpu-decode", "--gpu-decode-processes", "2"], 2)):
         args = build_parser().parse_args(["classify", "x.jpg", *argv])
         assert made(Config(**base, **_gpu_decode_settings(args)))[0] == want
     for bad in (17, -1, True, "8", 2.0):

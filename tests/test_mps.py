@@ -56,3 +56,22 @@ def test_nothing_is_started_when_off_unavailable_or_failing(tmp_path, monkeypatc
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "live"))
     with mps.private_mps() as how:  # a user's server runs: it is used as it is
         assert how == "a server is running" and os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "live")
+
+
+def test_classify_starts_a_private_server_by_default_serve_only_when_asked():
+    """classify may decode on the GPU: --mps is on by default (--no-mps, --device cpu, --no-gpu-decode
+    and --ray turn it off); serve starts one only with --mps."""
+    from fullthrottle.cli import build_parser, mps_wanted
+
+    def wanted(*argv):
+        return mps_wanted(build_parser().parse_args(list(argv)))
+
+    assert wanted("classify", "photos/")
+    assert wanted("classify", "photos/", "--device", "cuda:1")
+    assert not wanted("classify", "photos/", "--no-mps")
+    assert not wanted("classify", "photos/", "--device", "cpu")
+    assert not wanted("classify", "photos/", "--no-gpu-decode")
+    assert not wanted("classify", "photos/", "--ray", "auto")
+    assert not wanted("serve")
+    assert wanted("serve", "--mps")
+    assert not wanted("serve", "--mps", "--no-gpu-decode")

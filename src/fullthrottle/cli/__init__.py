@@ -46,15 +46,24 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def mps_wanted(args) -> bool:
+    """Whether classify or serve starts a private CUDA MPS server: when it may decode on the GPU (not
+    ``--device cpu``, not ``--no-gpu-decode``, not ``--ray``) and ``--mps`` is on, which by default it
+    is for classify (the GPU decoder processes and the model then share the GPU at once: a faster run
+    over a folder) and not for serve (a fatal GPU fault of one MPS client reaches every client of
+    the GPU: a server of untrusted images keeps its processes apart)."""
+    gpu_decode = Config.gpu_decode if args.gpu_decode is None else args.gpu_decode
+    on = args.command == "classify" if args.mps is None else args.mps
+    return bool(gpu_decode and on and args.device != "cpu" and not getattr(args, "ray", None))
+
+
 @contextlib.contextmanager
 def _private_mps(args):
     """classify and serve: a private CUDA MPS server (:mod:`fullthrottle.core.mps`) while the command runs,
-    with ``--mps`` when it may decode on the GPU; started before any CUDA call."""
+    when :func:`mps_wanted`; started before any CUDA call."""
     from ..core.mps import private_mps
 
-    gpu_decode = Config.gpu_decode if args.gpu_decode is None else args.gpu_decode
-    wanted = gpu_decode and args.mps is True and args.device != "cpu" and not getattr(args, "ray", None)
-    with private_mps(wanted) as how:
+    with private_mps(mps_wanted(args)) as how:
         if args.mps and how not in ("started", "a server is running"):  # (--mps with --no-gpu-decode: "off")
             print(f"note: --mps: no private CUDA MPS server: {how}", file=sys.stderr)
         yield

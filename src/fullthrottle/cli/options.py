@@ -71,8 +71,9 @@ def add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
         help="with GPU decoding on CUDA: run this command's GPU work as clients of a private CUDA "
         "MPS server, started for the command and stopped after it, so that the GPU decoder "
         "processes' kernels and the model's run at once instead of time-slicing the GPU "
-        "(default: off; nothing is started when an MPS server is already running, or "
-        "without an NVIDIA driver, and the run says why)",
+        "(default: on for classify, off for serve, where a fatal GPU fault of one client would "
+        "reach them all; nothing is started when an MPS server is already running, or without "
+        "an NVIDIA driver, and the run's summary says how the GPU was shared)",
     )
     p.add_argument(
         "--gpu-decoder",
@@ -90,7 +91,7 @@ def add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "
-        "decoder, 0..16 (0: one GPU decode thread in this process; default: 8 when a CUDA MPS "
+        "decoder, 0..16 (0: one GPU decode thread in this process; default: 12 when a CUDA MPS "
         "server is running, else 6)",
     )
 

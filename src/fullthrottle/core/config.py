@@ -144,10 +144,10 @@ class Config:
         gpu_decode_processes: with ``gpu_decode`` and decoder processes, how many processes decode on
             the GPU (each its own decoder and CUDA context, writing crops into the shared pool);
             torchvision serialises GPU decodes within one process. 0: one GPU decode thread in this
-            process instead. Default (None): 8 when a CUDA MPS server is running (the processes'
+            process instead. Default (None): 12 when a CUDA MPS server is running (the processes'
             kernels then run at once), 6 otherwise (time-sliced contexts), decided where and when the
             :class:`~fullthrottle.Pipeline` is made (:func:`~fullthrottle.core.mps.default_processes`;
-            its ``config`` then holds the number). 8 under MPS: more processes decode faster; 6 when
+            its ``config`` then holds the number). 12 under MPS: more processes decode faster; 6 when
             time-sliced: more contexts slow the GPU down (see docs/performance.md).
         fold_bn: on CUDA, fold each eval-mode BatchNorm into the convolution before it (the standard
             inference rewrite TensorRT and ONNX Runtime also do; ``torch.fx.experimental.optimization.fuse``):
@@ -207,7 +207,7 @@ class Config:
     compile: bool = False
     gpu_decode: bool = True
     gpu_decoder: str = "nvjpeg"
-    gpu_decode_processes: int | None = None  # (None: 8 under a CUDA MPS server, else 6)
+    gpu_decode_processes: int | None = None  # (None: 12 under a CUDA MPS server, else 6)
     max_batch_size: int = Runtime.max_batch_size
     max_wait_ms: float = Runtime.max_wait_ms
     buckets: tuple[int, ...] | None = None

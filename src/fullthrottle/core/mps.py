@@ -100,13 +100,16 @@ def private_mps(enabled: bool = True) -> Iterator[str]:
                 os.environ[k] = v
 
 
-#: GPU decoder processes by default: as MPS clients, and time-slicing the GPU (Config.gpu_decode_processes)
-PROCESSES_MPS, PROCESSES_TIME_SLICED = 8, 6
+#: GPU decoder processes by default: as MPS clients, and time-slicing the GPU (Config.gpu_decode_processes).
+#: As MPS clients each process's decode call waits on the GPU beside the model's kernels, so more
+#: processes keep more batches in flight (12 decoded faster than 8 and 16); time-sliced, every context
+#: costs the GPU a slice (6). See docs/performance.md.
+PROCESSES_MPS, PROCESSES_TIME_SLICED = 12, 6
 
 
 def default_processes(mps: bool | None = None) -> int:
     """How many GPU decoder processes ``Config.gpu_decode_processes=None`` means:
-    :data:`PROCESSES_MPS` (8) when a CUDA MPS server is running (``mps=None``: ask
+    :data:`PROCESSES_MPS` (12) when a CUDA MPS server is running (``mps=None``: ask
     :func:`mps_server_running`), :data:`PROCESSES_TIME_SLICED` (6) otherwise. Under MPS their kernels
     run at once and more processes decode faster; time-sliced, more contexts slow the GPU down (see
     docs/performance.md)."""

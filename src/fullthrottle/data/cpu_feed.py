@@ -3,7 +3,7 @@
 :func:`feed_cpu_decoders` hands each item to a :class:`~fullthrottle.data.preprocess_procs.DecoderProcess`
 (a file as its path, which the process reads; bytes in memory as they are), with up to
 :data:`WORKER_DEPTH` images out per process, and routes JPEGs to the GPU decoders whenever no CPU
-process is idle. The processes write the crops into the shared crop pool; this thread passes each
+process is idle, or when JPEGs already keep :func:`cpu_jpeg_workers` of them busy. The processes write the crops into the shared crop pool; this thread passes each
 item on with its pool row or its error. Takes the :class:`~fullthrottle.workloads.classify.run.Run` it serves.
 """
 
@@ -13,6 +13,7 @@ import collections
 import selectors
 import time
 
+from ..core.config import usable_cores
 from .gpu_feed import GPU_CHUNK
 from .image_header import ImageError
 from .load import LoadError
@@ -24,6 +25,18 @@ from .worker_procs import WorkerDied
 #: worker's socket buffer (``DecoderProcess.queue_bytes``): a send to a hung worker never blocks;
 #: an image too large to queue waits for an idle worker
 WORKER_DEPTH = 4
+
+
+def cpu_jpeg_workers(workers: int, gpu_processes: int, cores: int | None = None) -> int:
+    """How many of ``workers`` CPU decoder processes may decode JPEGs the GPU decoder processes could
+    take: all of them without GPU decoder processes; else the cores left over by the
+    ``gpu_processes`` and the main process (about two cores), at least one. Each GPU decoder process
+    needs a core to read its files and drive the GPU's decoders, and a CPU worker decoding a JPEG at
+    about 250 img/s keeps a whole core from them (see docs/performance.md). Other images (PNG,
+    WebP, CMYK or EXIF-rotated JPEGs, ...) may use every worker."""
+    if not gpu_processes:
+        return workers
+    return max(1, min(workers, (cores or usable_cores()) - 2 - gpu_processes))
 
 
 def feed_cpu_decoders(run, workers: list) -> None:
@@ -44,6 +57,7 @@ def feed_cpu_decoders(run, workers: list) -> None:
     queued = [0] * n  # per worker: bytes of the items sent and not answered
     started = [0.0] * n  # when each worker began its oldest pending image
     places = n * WORKER_DEPTH  # images that may be out at the workers at once
+    jpeg_cap = cpu_jpeg_workers(n, len(run.gpu_procs))
 
     def pick(size: int):  # an idle worker first, else the shortest queue with room for the bytes
         best, best_k = None, WORKER_DEPTH
@@ -97,7 +111,9 @@ def feed_cpu_decoders(run, workers: list) -> None:
             # hand out work while a worker or the GPU decoder has room. With the GPU decoder on,
             # routing follows availability: an eligible JPEG goes to the GPU when every CPU
             # worker is taken, so both decoders stay busy whatever their speeds (a split by
-            # measured rates starves the GPU of batch size when it starts slow)
+            # measured rates starves the GPU of batch size when it starts slow), or when JPEGs keep
+            # jpeg_cap workers busy already: then it waits for the GPU's room rather than take a core
+            # the GPU decoder processes need
             while (outstanding < places or gpu_room()) and (inbox or not ended):
                 if outstanding and not crops.free_rows():  # backpressure: collect replies meanwhile
                     break
@@ -111,9 +127,11 @@ def feed_cpu_decoders(run, workers: list) -> None:
                     inbox.extend(take(c))
                     now = time.perf_counter()
                     st.waited(sum(now - it.t_queued for it in c) / len(c), len(c))
-                if run.gpu_procs and not idle and gpu_room():
-                    # every CPU worker busy: the run of JPEGs at the inbox's head goes to the GPU
-                    # at once (this thread's per-image cost bounds the whole pipeline)
+                over_cap = bool(run.gpu_procs) and n - idle >= jpeg_cap  # (JPEGs may busy no more)
+                if (not idle or over_cap) and run.gpu_procs and gpu_room():
+                    # every CPU worker busy, or as many as JPEGs may keep busy: the run of JPEGs at the
+                    # inbox's head goes to the GPU at once (this thread's per-image cost bounds the
+                    # whole pipeline)
                     k = 0
                     for it in inbox:
                         if not run._gpu_candidate(it):
@@ -138,7 +156,8 @@ def feed_cpu_decoders(run, workers: list) -> None:
                 # to a hung worker must never block this thread
                 size = len(it.data) + 4
                 w = pick(size)
-                if w is None or (eligible and pending[w] and gpu_room()):
+                jpeg_waits = eligible and over_cap  # (for the GPU's room)
+                if w is None or (eligible and (pending[w] or jpeg_waits) and (gpu_room() or jpeg_waits)):
                     if eligible and gpu_room():
                         splitter.note(gpu=True)
                         gbuf.append(it)
@@ -146,8 +165,8 @@ def feed_cpu_decoders(run, workers: list) -> None:
                             run._to_gpu(gbuf)
                             gbuf = []
                         continue
-                    if w is None:
-                        inbox.appendleft(it)  # waits for a worker with room
+                    if w is None or jpeg_waits:
+                        inbox.appendleft(it)  # waits for a worker with room, or for the GPU's
                         break
                 row = crops.acquire(run.stop_event.is_set)  # waits while the GPU holds all rows
                 if row is None:
