@@ -7,7 +7,7 @@ from test_pipeline import LABELS, Tiny
 
 from fullthrottle import Config, Pipeline
 from fullthrottle.core.gpumon import GpuMonitor
-from fullthrottle.core.report import verdict
+from fullthrottle.core.report import Report, verdict
 
 
 class SlowModel(Tiny):
@@ -71,3 +71,34 @@ def test_gpu_monitor_without_gpu_reports_na():
         with GpuMonitor(0) as m:
             time.sleep(0.01)
         assert m.mean_util_pct is None
+
+
+def test_gpu_monitor_samples_the_jpeg_engines_where_nvml_reports_them(monkeypatch):
+    """The JPEG engines' utilisation comes from nvmlDeviceGetJpgUtilization beside the GPU's; a GPU
+    without engines (NVML raises NotSupported) reports None, and its GPU figures still come; the
+    report's GPU line names the engines only when they were measured."""
+    import sys
+    import types
+
+    def fake_nvml(jpg):
+        m = types.ModuleType("pynvml")
+        m.nvmlInit = lambda: None
+        m.nvmlDeviceGetHandleByIndex = lambda i: object()
+        m.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=60)
+        m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=2**30)
+        m.nvmlDeviceGetJpgUtilization = jpg
+        return m
+
+    def not_supported(h):
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    for jpg, want in ((lambda h: [37, 166666], 37.0), (not_supported, None)):
+        monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(jpg))
+        with GpuMonitor(0, interval_s=0.01) as m:
+            deadline = time.time() + 5
+            while m.samples < 3 and time.time() < deadline:
+                time.sleep(0.01)
+        assert m.mean_util_pct == 60 and m.mean_jpg_util_pct == want
+        assert m.to_dict()["jpeg_engines_util_mean_pct"] == want
+        line = Report(items=1, ok=1, wall_s=1.0, gpu_util_pct=60.0, jpeg_engines_util_pct=want).format()
+        assert ("GPU utilisation (NVML): 60%; JPEG engines busy 37%" in line) == (want is not None), line

@@ -1,7 +1,10 @@
 """GPU utilisation and memory sampled through NVML (nvidia-ml-py) while a run goes on, and NVTX ranges.
 
 Utilisation is NVML's ``utilization.gpu``: the percent of the sample period in which at least one
-kernel ran (not how full the SMs were). Without NVML or a GPU every figure is ``None`` ("n/a").
+kernel ran (not how full the SMs were). The JPEG engines' (NVJPG: A100, H100, H200) utilisation is
+NVML's ``nvmlDeviceGetJpgUtilization``, the percent of the period in which they decoded: the GPU's
+hardware JPEG decoding, which ``utilization.gpu`` does not count. Without NVML or a GPU every figure
+is ``None`` ("n/a"); without JPEG engines (or an NVML too old to ask) theirs is.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class GpuMonitor:
         self.device_index, self.interval_s = device_index, interval_s
         self.utils: list[int] = []
         self.mems: list[int] = []
+        self.jpg_utils: list[int] = []  # the JPEG engines' utilisation (%), where NVML reports it
         self.available = False
         self.reason = ""
         self._stop = threading.Event()
@@ -52,12 +56,19 @@ class GpuMonitor:
             self.reason = f"NVML unavailable ({type(e).__name__})"
 
     def _sample(self) -> None:
+        jpg = getattr(self._nvml, "nvmlDeviceGetJpgUtilization", None)
         while not self._stop.wait(self.interval_s):
             try:
                 self.utils.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
                 self.mems.append(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
             except Exception:  # noqa: BLE001
                 return
+            if jpg is not None:
+                try:
+                    u = jpg(self._handle)  # [percent, sampling period in us]
+                    self.jpg_utils.append(int(u[0] if isinstance(u, list | tuple) else u))
+                except Exception:  # noqa: BLE001 - no JPEG engines, or not supported: not asked again
+                    jpg = None
 
     def __enter__(self) -> GpuMonitor:
         if self.available:
@@ -79,12 +90,18 @@ class GpuMonitor:
         return sum(self.utils) / len(self.utils) if self.utils else None
 
     @property
+    def mean_jpg_util_pct(self) -> float | None:
+        """Mean utilisation (%) of the GPU's JPEG engines over the samples, None where not reported."""
+        return sum(self.jpg_utils) / len(self.jpg_utils) if self.jpg_utils else None
+
+    @property
     def max_mem_bytes(self) -> int | None:
         return max(self.mems) if self.mems else None
 
     def to_dict(self) -> dict:
         return {
             "gpu_util_mean_pct": self.mean_util_pct,
+            "jpeg_engines_util_mean_pct": self.mean_jpg_util_pct,
             "gpu_mem_max_bytes": self.max_mem_bytes,
             "samples": self.samples,
             "note": self.reason or None,

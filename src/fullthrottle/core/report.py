@@ -134,6 +134,8 @@ class Report:
     graphs: str = ""
     gpu_decode: str = ""
     gpu_util_pct: float | None = None
+    #: the GPU's JPEG engines (NVJPG) busy, % of the run (None: not reported, or no engines)
+    jpeg_engines_util_pct: float | None = None
     gpu_mem_max_bytes: int | None = None
     #: CPU time of the process running the pipeline (all its threads; not its decoder processes) per
     #: second of the run: how close its one interpreter is to being the limit
@@ -167,6 +169,7 @@ class Report:
             for k in (
                 "images_per_s",
                 "gpu_decode",
+                "jpeg_engines_util_mean_pct",
                 *(() if self.latencies_ms else ("latency_p50_ms", "latency_p99_ms")),
             ):
                 d.pop(k)
@@ -193,6 +196,7 @@ class Report:
             "gpu_decode": self.gpu_decode,
             "stages": self.stages,
             "gpu_util_mean_pct": self.gpu_util_pct,
+            "jpeg_engines_util_mean_pct": self.jpeg_engines_util_pct,
             "gpu_mem_max_bytes": self.gpu_mem_max_bytes,
             "main_process_cores": self.main_process_cores,
             "verdict": self.verdict,
@@ -225,7 +229,8 @@ class Report:
             )
         gpu = "n/a" if self.gpu_util_pct is None else f"{self.gpu_util_pct:.0f}%"
         mem = "" if self.gpu_mem_max_bytes is None else f", memory used up to {self.gpu_mem_max_bytes / 2**30:.1f} GiB"
-        lines.append(f"GPU utilisation (NVML): {gpu}{mem}")
+        jpg = "" if self.jpeg_engines_util_pct is None else f"; JPEG engines busy {self.jpeg_engines_util_pct:.0f}%"
+        lines.append(f"GPU utilisation (NVML): {gpu}{mem}{jpg}")
         if self.main_process_cores is not None:
             lines.append(
                 f"this process: {self.main_process_cores:.2f} cores of CPU (its threads; decoder processes apart)"

@@ -28,6 +28,7 @@ def run_report(run) -> Report:
         dtype=str(eng.dtype).removeprefix("torch."),
         random_weights=eng.random_weights,
         gpu_util_pct=run.gpumon.mean_util_pct,
+        jpeg_engines_util_pct=run.gpumon.mean_jpg_util_pct,
         gpu_mem_max_bytes=run.gpumon.max_mem_bytes,
         main_process_cores=((run.cpu_end or time.process_time()) - run.cpu0) / wall if wall > 0 else None,
         graphs=eng.runner.info.format() if eng.runner is not None and eng.runner.info else "",
