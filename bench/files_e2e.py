@@ -9,7 +9,8 @@ Folders (made once by a process pool, seeded, then in the page cache), ``--n`` d
 
 Ours: the CLI in a subprocess, wall clock from start to exit (model load and graph capture included),
 its own report (``--report-json``: img/s over the run, GPU utilisation, stage busy %, verdict) and the
-main process's CPU use (``/proc/PID/stat`` sampled every 0.5 s: the busiest 5-s window, in cores).
+main process's CPU use (``/proc/PID/stat`` sampled every 0.5 s: the busiest 5-s window, in cores,
+start-up included; the report's ``main_process_cores`` covers the images' run alone) and resident memory.
 Baseline: a ``Dataset`` reading each file with PIL, torchvision v2 ``Resize(256) + CenterCrop(224)``,
 a ``DataLoader`` (``--workers``, pin_memory, batch 128), the same model eager in bf16 channels_last
 with the model's own normalisation, top-5 to the host.
@@ -263,7 +264,8 @@ def main():
         rate = r.get("img_per_s_after_first_quarter") or rep.get("images_per_s")
         print(
             f"{name:>44}: {rate or 0:.0f} img/s  GPU {rep.get('gpu_util_mean_pct')}  "
-            f"main cores {r.get('main_process_cores_peak_5s')}  {rep.get('verdict', '')}",
+            f"main cores {rep.get('main_process_cores')} (peak 5 s with start-up {r.get('main_process_cores_peak_5s')})  "
+            f"{rep.get('verdict', '')}",
             flush=True,
         )
 
