@@ -409,10 +409,7 @@ def test_bad_input_types_and_empty_matches_are_per_item_errors(samples, tmp_path
 
 def test_stage_failure_is_raised(samples):
     pipe = tiny_pipe()
-    pipe.engine.labels_given, pipe.engine.labels = (
-        False,
-        None,
-    )  # a bug inside a stage (not any item's fault) must surface
+    pipe.engine.class_labels.given, pipe.engine.class_labels.names = False, None  # a bug in a stage must surface
     with pytest.raises(PipelineError, match="TypeError"):
         list(pipe.run([samples[0]]))
 
@@ -461,15 +458,16 @@ def test_preprocess_mode_is_checked():
 
 
 def test_label_lists_name_classes_past_the_labels_by_id():
-    """Engine.label_lists: (n, k) class ids -> label lists, row by row; ids past the labels -> their text."""
+    """ClassLabels.lists: (n, k) class ids -> label lists, row by row; ids past the labels -> their text."""
     pipe = tiny_pipe()
+    cl = pipe.engine.class_labels
     labels = pipe.engine.labels
     idx = np.array([[0, 1], [len(labels) + 2, 1]])
-    assert pipe.engine.label_lists(idx) == [[labels[0], labels[1]], [str(len(labels) + 2), labels[1]]]
-    assert pipe.engine.label_lists(np.array([[1, 0]])) == [[labels[1], labels[0]]]
-    assert pipe.engine.label_lists(np.zeros((0, 5), dtype=np.int64)) == []
-    pipe.engine.labels = [f"custom{i}" for i in range(len(labels))]  # replaced after use: taken at once
-    assert pipe.engine.label_lists(np.array([[1, 0]])) == [["custom1", "custom0"]]
+    assert cl.lists(idx) == [[labels[0], labels[1]], [str(len(labels) + 2), labels[1]]]
+    assert cl.lists(np.array([[1, 0]])) == [[labels[1], labels[0]]]
+    assert cl.lists(np.zeros((0, 5), dtype=np.int64)) == []
+    cl.names = [f"custom{i}" for i in range(len(labels))]  # replaced after use: taken at once
+    assert cl.lists(np.array([[1, 0]])) == [["custom1", "custom0"]]
 
 
 def test_a_glob_reports_broken_entries_as_a_folder_does(samples, tmp_path):

@@ -35,8 +35,9 @@ from ...data.device_copy import copy_all, mapped_on_device, row_spans
 from ...data.gpu_decode import RateSplitter, crop_runs
 from ...data.gpu_decoders import make_gpu_decoder
 from .decode import topk_probs
+from .labels import ClassLabels
 from .model_forms import inference_forms
-from .models import imagenet_labels, load_model, load_weights
+from .models import load_model, load_weights
 
 
 @dataclass
@@ -100,26 +101,12 @@ class Engine:
         self.model, self.model_unfolded, self.model_fused = forms.model, forms.unfolded, forms.fused
         self.bn_folded, self.conv_relu_fused = forms.bn_folded, forms.conv_relu_fused
         #: the config's labels, else the module's own ``labels`` (a sequence of str), else ImageNet's
-        #: (for a model of another number of classes: none, each class named by its id)
-        own = getattr(model, "labels", None)
-        if own is not None and (isinstance(own, str) or not all(isinstance(x, str) for x in own)):
-            raise ValueError(f"{type(model).__name__}.labels must be a sequence of class names (str)")
-        self.labels = list(config.labels) if config.labels is not None else list(own) if own is not None else None
-        #: labels given (the config's or the module's): their count must be the model's classes
-        self.labels_given = self.labels is not None
-        if self.labels is None:
-            self.labels = imagenet_labels()
-        self._label_arr: np.ndarray | None = None  # labels as an object array, for label_lists
-        self._label_src, self._label_n = None, 0  # the list it was built from, and its length then
-        self.mean = torch.tensor(config.mean, device=self.device).view(1, 3, 1, 1) * 255.0
-        self.inv_std = 1.0 / (torch.tensor(config.std, device=self.device).view(1, 3, 1, 1) * 255.0)
+        #: (for a model of another number of classes: each class named by its id)
+        self.class_labels = ClassLabels(config.labels, getattr(model, "labels", None), type(model).__name__)
+        mean, std = (torch.tensor(v, device=self.device).view(1, 3, 1, 1) for v in (config.mean, config.std))
+        self.mean, self.inv_std = mean * 255.0, 1.0 / (std * 255.0)
         # half precision: x * scale + shift in one pass over the half tensor (opmath is fp32 inside)
-        self.scale_h = (1.0 / (torch.tensor(config.std, device=self.device) * 255.0)).view(1, 3, 1, 1).to(self.dtype)
-        self.shift_h = (
-            (-torch.tensor(config.mean, device=self.device) / torch.tensor(config.std, device=self.device))
-            .view(1, 3, 1, 1)
-            .to(self.dtype)
-        )
+        self.scale_h, self.shift_h = self.inv_std.to(self.dtype), (-mean / std).to(self.dtype)
         self.max_batch = max(config.buckets)
         s = config.crop_size
         if self.cuda:
@@ -160,12 +147,20 @@ class Engine:
         self.batches = 0  # batches submitted, and the H2D copies their crop-pool rows took
         self.pool_copies = 0
         self._forms = forms
-        #: classes of the model's output (known after the first forward: at start-up, see _probe)
-        self.num_classes: int | None = None
         self._probe()
         if capture:
             self.capture()
         self.reset()
+
+    @property
+    def labels(self) -> list[str]:
+        """The class names (:class:`~fullthrottle.workloads.classify.labels.ClassLabels`)."""
+        return self.class_labels.names
+
+    @property
+    def num_classes(self) -> int | None:
+        """Classes of the model's output (known after the first forward: at start-up, see _probe)."""
+        return self.class_labels.num_classes
 
     def _probe(self) -> None:
         """One forward of a blank image at start-up, to learn the model's number of classes
@@ -251,12 +246,7 @@ class Engine:
                 f"the model must map a batch of {batch} images (B, 3, H, W) to float logits (B, C), one row per image; "
                 f"it gave {got}"
             )
-        c = logits.shape[1]
-        if self.labels_given and c != len(self.labels):
-            raise ValueError(f"the model gives {c} classes, its labels name {len(self.labels)}")
-        if self.num_classes is None and not self.labels_given and c != len(self.labels):
-            self.labels = []  # (no labels given, and not ImageNet's 1000 classes: named by their ids)
-        self.num_classes = c
+        self.class_labels.check(logits.shape[1])
         return logits
 
     # -- the staging ring -----------------------------------------------------------------------
@@ -395,23 +385,6 @@ class Engine:
             slot.error = f"compute failed: {type(e).__name__}: {e}"
         self.launch_s += time.perf_counter() - t1
         return slot
-
-    def label_lists(self, idx: np.ndarray) -> list[list[str]]:
-        """Class ids ``(n, k)`` int64 -> their labels, one list per row, by one numpy gather (a class
-        past the end of :attr:`labels` is named by its id)."""
-        hi = int(idx.max()) + 1 if idx.size else 0
-        src = self.labels
-        if (
-            self._label_arr is None
-            or len(self._label_arr) < hi
-            or self._label_src is not src
-            or self._label_n != len(src)
-        ):  # (labels replaced or changed since: built again)
-            names = src + [str(c) for c in range(len(src), hi)]
-            self._label_arr = np.empty(len(names), dtype=object)
-            self._label_arr[:] = names
-            self._label_src, self._label_n = src, len(src)
-        return self._label_arr[idx].tolist()
 
     def collect(self, slot: Slot) -> tuple[np.ndarray, np.ndarray]:
         """Wait for ``slot``'s batch and copy out its results: ``(n, k)`` float32 probs, int64 ids.

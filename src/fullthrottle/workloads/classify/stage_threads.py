@@ -129,7 +129,7 @@ def decode_thread(run) -> None:
             else:  # positional: the per-image cost here is paid under the GIL
                 out = [
                     Result(it.index, it.id, lab, ids, p, None, 1e3 * (now - it.t_start))
-                    for it, lab, ids, p in zip(batch.items, eng.label_lists(idx), idx.tolist(), probs.tolist())
+                    for it, lab, ids, p in zip(batch.items, eng.class_labels.lists(idx), idx.tolist(), probs.tolist())
                 ]
                 if not np.isfinite(probs).all():  # NaN/Inf logits: the model's fault, per item
                     for r, bad in zip(out, ~np.isfinite(probs).all(axis=1)):

@@ -1,0 +1,60 @@
+"""The class names of a classifier's output: the ones given, the module's own, or ImageNet's."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .models import imagenet_labels
+
+
+class ClassLabels:
+    """Names for the columns of a model's logits ``(B, C)``.
+
+    Args:
+        given: names from the config (a sequence of str), or None.
+        own: the module's own ``labels`` attribute, or None; used when nothing is given.
+        owner: the module's class name (for the error).
+
+    Without either, ImageNet's 1000 names, until :meth:`check` sees a model of another number of
+    classes: then each class is named by its id (``"0"``, ``"1"``, ...).
+
+    Raises:
+        ValueError: ``own`` is not a sequence of str.
+    """
+
+    def __init__(self, given, own, owner: str):
+        if own is not None and (isinstance(own, str) or not all(isinstance(x, str) for x in own)):
+            raise ValueError(f"{owner}.labels must be a sequence of class names (str)")
+        self.names: list[str] = list(given) if given is not None else list(own) if own is not None else None
+        #: names given (the config's or the module's): their count must be the model's classes
+        self.given = self.names is not None
+        if self.names is None:
+            self.names = imagenet_labels()
+        #: classes of the model's output, once :meth:`check` has seen one
+        self.num_classes: int | None = None
+        self._arr: np.ndarray | None = None  # names as an object array, for lists()
+        self._src, self._n = None, 0  # the list it was built from, and its length then
+
+    def check(self, classes: int) -> None:
+        """Note the model's ``classes``.
+
+        Raises:
+            ValueError: names were given for another number of classes.
+        """
+        if self.given and classes != len(self.names):
+            raise ValueError(f"the model gives {classes} classes, its labels name {len(self.names)}")
+        if self.num_classes is None and not self.given and classes != len(self.names):
+            self.names = []  # (no names given, and not ImageNet's 1000 classes: named by their ids)
+        self.num_classes = classes
+
+    def lists(self, idx: np.ndarray) -> list[list[str]]:
+        """Class ids ``(n, k)`` int64 -> their names, one list per row, by one numpy gather (a class
+        past the end of :attr:`names` is named by its id)."""
+        hi = int(idx.max()) + 1 if idx.size else 0
+        src = self.names
+        if self._arr is None or len(self._arr) < hi or self._src is not src or self._n != len(src):
+            names = src + [str(c) for c in range(len(src), hi)]  # (names replaced or changed: built again)
+            self._arr = np.empty(len(names), dtype=object)
+            self._arr[:] = names
+            self._src, self._n = src, len(src)
+        return self._arr[idx].tolist()
