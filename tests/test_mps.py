@@ -18,6 +18,7 @@ def _fake_control(tmp_path, monkeypatch, rc=0):
     exe.chmod(0o755)
     monkeypatch.setenv("PATH", f"{exe.parent}:{os.environ['PATH']}")
     monkeypatch.setattr(mps, "driver_present", lambda: True)
+    monkeypatch.setattr(mps, "client_refused", lambda env: None)  # (no GPU here to be its client)
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
     return log
@@ -75,3 +76,25 @@ def test_classify_starts_a_private_server_by_default_serve_only_when_asked():
     assert not wanted("serve")
     assert wanted("serve", "--mps")
     assert not wanted("serve", "--mps", "--no-gpu-decode")
+
+
+def test_a_server_that_takes_no_client_is_asked_to_quit_and_not_used(tmp_path, monkeypatch):
+    """The daemon starts but a CUDA client cannot connect (exclusive-process mode, another user's
+    server): the daemon is asked to quit, nothing is exported, and the reason is given; without a
+    GPU the client check itself names why."""
+    log = _fake_control(tmp_path, monkeypatch)
+    seen = []
+    monkeypatch.setattr(
+        mps, "client_refused", lambda env: seen.append(env) or "cuInit: CUDA_ERROR_MPS_CONNECTION_FAILED"
+    )
+    with mps.private_mps() as how:
+        assert how == "the MPS server took no client: cuInit: CUDA_ERROR_MPS_CONNECTION_FAILED"
+        assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    pipe = seen[0]["CUDA_MPS_PIPE_DIRECTORY"]
+    deadline = time.time() + 10
+    while "quit" not in log.read_text() and time.time() < deadline:
+        time.sleep(0.2)
+    assert log.read_text().splitlines() == [f"args:-d pipe:{pipe}", f"args: pipe:{pipe}", "quit"]
+    if not os.path.exists("/dev/nvidiactl"):  # the real check on a machine without a GPU driver
+        why = mps.client_refused({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "none")})
+        assert why and ("libcuda" in why or "cuInit" in why), why

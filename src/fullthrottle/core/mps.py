@@ -7,7 +7,8 @@ with its own pipe and log folders, exports them (``CUDA_MPS_PIPE_DIRECTORY``,
 ``CUDA_MPS_LOG_DIRECTORY``: NVIDIA's variables) to this process and its children, and asks the daemon
 to quit when the block ends; the daemon and its server exit once the last client has. It must be
 entered before this process's first CUDA call, and changes nothing when a server already runs, when
-there is no NVIDIA driver, or when the daemon does not start (the run then time-slices, as it says).
+there is no NVIDIA driver, when the daemon does not start, or when its server takes no client (a
+fresh process tries first: :func:`client_refused`); the run then time-slices, as it says.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 
@@ -55,7 +57,8 @@ def started_here() -> bool:
 def private_mps(enabled: bool = True) -> Iterator[str]:
     """``with private_mps() as how:`` CUDA in the block (this process and the processes it starts)
     runs as clients of a private MPS server; ``how`` says what was done (for a note): ``"started"``,
-    or why not (``"off"``, ``"a server is running"``, ``"no NVIDIA driver"``, ``"... did not start: ..."``)."""
+    or why not (``"off"``, ``"a server is running"``, ``"no NVIDIA driver"``, ``"... did not start: ..."``,
+    ``"the MPS server took no client: ..."``)."""
     if not enabled:
         yield "off"
         return
@@ -78,26 +81,70 @@ def private_mps(enabled: bool = True) -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
         yield f"nvidia-cuda-mps-control -d did not start ({r.returncode}): {(r.stderr or r.stdout).strip()[:200]}"
         return
+    refused = client_refused(env)
+    if refused:  # (a GPU in exclusive mode, another user's server, ...): the run goes on without MPS
+        _quit(exe, root, env)
+        yield f"the MPS server took no client: {refused}"
+        return
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         yield "started"
     finally:
-        # "quit" lets the daemon finish once its clients (this process among them) have exited: it is
-        # sent from a detached shell, which then removes the folders
-        subprocess.Popen(
-            ["sh", "-c", 'echo quit | "$0"; sleep 1; rm -rf "$1"', exe, root],
-            env=dict(os.environ),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        _quit(exe, root, env)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+#: a CUDA client in a fresh process: the driver API only (no torch import), device 0 of those visible
+_CLIENT = """
+import ctypes, sys
+cu = ctypes.CDLL("libcuda.so.1")
+def check(rc, what):
+    if rc:
+        name = ctypes.c_char_p()
+        cu.cuGetErrorName(rc, ctypes.byref(name))
+        sys.exit(f"{what}: {(name.value or b'error').decode()} ({rc})")
+check(cu.cuInit(0), "cuInit")
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "a context")
+"""
+
+
+def client_refused(env: dict[str, str], timeout_s: float = 60.0) -> str | None:
+    """Why a CUDA client cannot run under the MPS daemon of ``env`` (its pipe and log folders), or
+    None when one can: a fresh process opens a context on the first visible GPU, which starts the
+    daemon's MPS server (exclusive-process compute mode, a server of another user or a GPU that MPS
+    does not support refuse it). Checked before this process's own CUDA depends on it."""
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", _CLIENT],
+            env=dict(os.environ, **env),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}"
+    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1][:200]
+
+
+def _quit(exe: str, root: str, env: dict[str, str]) -> None:
+    """Ask the daemon of ``env`` to quit; it finishes once its clients (this process among them) have
+    exited. Sent from a detached shell, which then removes the folders under ``root``."""
+    subprocess.Popen(
+        ["sh", "-c", 'echo quit | "$0"; sleep 1; rm -rf "$1"', exe, root],
+        env=dict(os.environ, **env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 #: GPU decoder processes by default: as MPS clients, and time-slicing the GPU (Config.gpu_decode_processes).
