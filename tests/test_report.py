@@ -61,6 +61,12 @@ def test_verdict_rules():
     assert verdict(st(40, 99), 95.0, True).startswith("compute-bound (GPU): GPU busy 95%")
     assert verdict(st(40, 99), 20.0, True).startswith("compute-bound on the host")
     assert verdict(st(30, 20), None, False).startswith("source-bound")
+    gd = [{"stage": "gpu decode", "workers": 12, "busy_pct": 95, "worker_busy_pct": 90}]
+    assert (
+        verdict(gd, 57.0, True, 98.0)
+        == "gpu decode-bound: GPU busy 57%, JPEG engines busy 98%, gpu decode stage busy 95%"
+    )
+    assert verdict(gd, 57.0, True) == "gpu decode-bound: GPU busy 57%, gpu decode stage busy 95%"
 
 
 def test_gpu_monitor_without_gpu_reports_na():

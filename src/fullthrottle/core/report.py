@@ -83,13 +83,15 @@ class StageStats:
             }
 
 
-def verdict(stages: list[dict], gpu_util_pct: float | None, on_gpu: bool) -> str:
+def verdict(stages: list[dict], gpu_util_pct: float | None, on_gpu: bool, jpeg_util_pct: float | None = None) -> str:
     """One line naming the bottleneck, from the stage counters and the GPU's utilisation.
 
     The busiest stage (preprocess counted per worker thread, the others as wall-clock busy) limits
     the run if it is at least 70% busy; otherwise nothing inside the pipeline is saturated and the
     source (disk, network, the caller's iterator) is the limit. On a GPU a busy compute *thread* with
-    an idle GPU means the host (staging copies, launches, the GIL) is the limit, not the GPU.
+    an idle GPU means the host (staging copies, launches, the GIL) is the limit, not the GPU. A busy
+    GPU decode stage names the JPEG engines' utilisation (``jpeg_util_pct``) where it was measured:
+    they decode outside the SMs that ``gpu_util_pct`` counts, and may be its limit.
 
     >>> verdict([{"stage": "preprocess", "workers": 16, "busy_pct": 99, "worker_busy_pct": 98},
     ...          {"stage": "compute", "workers": 1, "busy_pct": 20, "worker_busy_pct": 20}], 31.0, True)
@@ -111,6 +113,8 @@ def verdict(stages: list[dict], gpu_util_pct: float | None, on_gpu: bool) -> str
                 f"GIL waits) while GPU busy {gpu}"
             )
         return f"compute-bound (GPU): GPU busy {gpu}, compute thread busy {pct:.0f}%"
+    if stage == "gpu decode" and jpeg_util_pct is not None:
+        gpu += f", JPEG engines busy {jpeg_util_pct:.0f}%"
     return f"{stage}-bound: GPU busy {gpu}, {what} busy {pct:.0f}%"
 
 
@@ -147,7 +151,7 @@ class Report:
 
     @property
     def verdict(self) -> str:
-        return verdict(self.stages, self.gpu_util_pct, self.device.startswith("cuda"))
+        return verdict(self.stages, self.gpu_util_pct, self.device.startswith("cuda"), self.jpeg_engines_util_pct)
 
     @property
     def images_per_s(self) -> float:
