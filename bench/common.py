@@ -168,3 +168,49 @@ def cpu_s(pid: int) -> float | None:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
     except (OSError, IndexError, ValueError):
         return None
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (from /proc)."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+#: the kinds of fullthrottle's child processes, by a word of their command line
+KINDS = (("server.front", "http_workers"), ("gpu_decoder_worker", "gpu_decoders"), ("decoder_worker", "cpu_decoders"))
+
+
+def kind_of(pid: int, root: int, root_name: str = "engine") -> str:
+    """What process ``pid`` of ``root``'s tree is: ``root_name`` for the root, else a name of :data:`KINDS`
+    (``"other"``: none of them, ``"gone"``: it exited)."""
+    if pid == root:
+        return root_name
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "gone"
+    return next((name for key, name in KINDS if key.encode() in cmd), "other")
+
+
+def cpu_by_kind(root: int, root_name: str = "engine") -> dict[str, float]:
+    """CPU seconds used so far by the processes of ``root``'s tree, summed by :func:`kind_of`."""
+    import collections
+
+    out: dict[str, float] = collections.Counter()
+    for p in tree(root):
+        c = cpu_s(p)
+        if c is not None:
+            out[kind_of(p, root, root_name)] += c
+    return out

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SAMPLES, cpu_s, machine_info, rss_mib, write_json  # noqa: E402
+from common import SAMPLES, cpu_by_kind, cpu_s, machine_info, rss_mib, write_json  # noqa: E402
 
 
 def _make(args) -> int:
@@ -93,6 +93,9 @@ def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samples = []  # (seconds since start, CPU seconds of the main process)
     rss = []  # (seconds since start, resident MiB of the main process)
+    flow = []  # (seconds since start, bytes of results written, CPU seconds by kind of process)
+    out_file = tmp / "out.jsonl"
+    out_file.unlink(missing_ok=True)
     import threading
 
     err: list[str] = []
@@ -105,6 +108,11 @@ def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
         m = rss_mib(p.pid)
         if m is not None:
             rss.append((time.perf_counter() - t0, m))
+        try:
+            size = out_file.stat().st_size
+        except OSError:
+            size = 0
+        flow.append((time.perf_counter() - t0, size, cpu_by_kind(p.pid, "main")))
         time.sleep(0.5)
     wall = time.perf_counter() - t0
     reader.join(10)
@@ -122,6 +130,7 @@ def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
     }
     # (the report's main_process_cores: the main process's CPU over the run itself, start-up excluded)
     return {
+        "cores_by_kind_while_results_flow": cores_while_flowing(flow),
         "command": "fullthrottle " + " ".join(cmd[3:])
         if repeat == 1
         else f"fullthrottle classify {folder} (listed {repeat} times) " + " ".join(cmd[4 + repeat :]),
@@ -132,6 +141,25 @@ def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
         "report": r,
         "stderr_tail": stderr[-3000:],
     }
+
+
+def cores_by_kind_between(a: tuple, b: tuple) -> dict[str, float]:
+    """Cores used by each kind of process between two samples ``(seconds, _, CPU seconds by kind)``."""
+    return {k: round((b[2][k] - a[2].get(k, 0.0)) / (b[0] - a[0]), 2) for k in b[2] if k != "gone"}
+
+
+def cores_while_flowing(flow: list) -> dict | None:
+    """Cores by kind of process (the CLI's main process, its GPU and CPU decoder processes) from the
+    first sample with results written to the last before all of them were: the images' run,
+    start-up and close (decoder processes gone) left out. None when it spans fewer than two samples."""
+    if not flow:
+        return None
+    final = flow[-1][1]
+    first = next((i for i, f in enumerate(flow) if f[1] > 0), None)
+    last = max((i for i, f in enumerate(flow) if f[1] < final), default=None)
+    if first is None or last is None or last <= first:
+        return None
+    return {"seconds": round(flow[last][0] - flow[first][0], 1), **cores_by_kind_between(flow[first], flow[last])}
 
 
 class Files(torch.utils.data.Dataset):

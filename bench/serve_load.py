@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import cpu_s, jpegs_640x480, machine_info, write_json  # noqa: E402
+from common import cpu_s, jpegs_640x480, machine_info, tree, write_json  # noqa: E402
 from load_client import closed_loop, multipart, open_loop  # noqa: E402
 
 
@@ -41,24 +41,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants (from /proc)."""
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += kids.get(p, [])
-    return out
 
 
 def tree_cpu_s(pid: int) -> float:

@@ -22,30 +22,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
-from common import cpu_s, jpegs_640x480, machine_info, write_json  # noqa: E402
+from common import cpu_by_kind, jpegs_640x480, machine_info, write_json  # noqa: E402
 from load_client import closed_loop  # noqa: E402
-from serve_load import bodies_for, free_port, servers, start, stop, tree  # noqa: E402
-
-KINDS = (("server.front", "http_workers"), ("gpu_decoder_worker", "gpu_decoders"), ("decoder_worker", "cpu_decoders"))
-
-
-def kind_of(pid: int, root: int) -> str:
-    if pid == root:
-        return "engine"
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return "gone"
-    return next((name for key, name in KINDS if key.encode() in cmd), "other")
-
-
-def cpu_by_kind(root: int) -> dict[str, float]:
-    out: dict[str, float] = collections.Counter()
-    for p in tree(root):
-        c = cpu_s(p)
-        if c is not None:
-            out[kind_of(p, root)] += c
-    return out
+from serve_load import bodies_for, free_port, servers, start, stop  # noqa: E402
 
 
 def scrape(base: str) -> dict[str, float]:
