@@ -3,8 +3,9 @@
 :func:`feed_cpu_decoders` hands each item to a :class:`~fullthrottle.data.preprocess_procs.DecoderProcess`
 (a file as its path, which the process reads; bytes in memory as they are), with up to
 :data:`WORKER_DEPTH` images out per process, and routes JPEGs to the GPU decoders whenever no CPU
-process is idle, or when JPEGs already keep :func:`cpu_jpeg_workers` of them busy. The processes write the crops into the shared crop pool; this thread passes each
-item on with its pool row or its error. Takes the :class:`~fullthrottle.workloads.classify.run.Run` it serves.
+process is idle, or when JPEGs already keep :func:`cpu_jpeg_workers` of them busy. The processes
+write the crops into the shared crop pool; this thread passes each item on with its pool row or its
+error. Takes the :class:`~fullthrottle.workloads.classify.run.Run` it serves.
 """
 
 from __future__ import annotations
