@@ -374,6 +374,18 @@ def test_http_urls(http_server, samples):
     assert res[0].class_ids == res[2].class_ids and res[0].probs == res[2].probs
 
 
+def test_malformed_urls_are_their_own_errors(samples):
+    """URLs httpx or IDNA refuse (a bad port, a broken IPv6 address, an empty punycode label, a NUL)
+    each fail their own item, in order; nothing is dropped and the photos beside them are classified."""
+    bad = ["http://a:b/x.jpg", "http://[::1", "http://[zz]/x.jpg", "http://xn--/x.jpg", "http://ex\x00ample.com/x.jpg"]
+    inputs = [samples[0], *bad, samples[1]]
+    res = tiny_pipe().classify(inputs)
+    assert [r.id for r in res] == [str(samples[0]), *bad, str(samples[1])]
+    assert res[0].ok and res[-1].ok
+    for r in res[1:-1]:
+        assert not r.ok and repr(r.id) in r.error and "invalid URL" in r.error, r.error
+
+
 def test_one_stream_at_a_time(samples):
     pipe = tiny_pipe()
     it = pipe.run(samples[:20])

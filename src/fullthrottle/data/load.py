@@ -190,6 +190,8 @@ async def _fetch(client, url: str, max_bytes: int) -> bytes:
         raise LoadError(f"timeout fetching {url}") from None
     except httpx.HTTPError as e:
         raise LoadError(f"cannot fetch {url}: {type(e).__name__}: {e}") from None
+    except (httpx.InvalidURL, UnicodeError, ValueError) as e:  # (a bad port or IPv6 address, IDNA, NUL)
+        raise LoadError(f"invalid URL {url!r}: {e}") from None
 
 
 class Loader:
@@ -319,6 +321,8 @@ class Loader:
                 item.error = str(e)
             except OSError as e:
                 item.error = f"cannot read {item.id}: {e.strerror or e}"
+            except Exception as e:  # noqa: BLE001 - whatever else an input raises is its own error: never lost
+                item.error = f"cannot load {item.id}: {type(e).__name__}: {e}"
             finally:
                 item.source = None
                 self.stats.end(1)
