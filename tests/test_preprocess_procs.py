@@ -427,3 +427,19 @@ def test_decoder_processes_start_beside_the_model_and_a_failed_start_leaves_none
     with Pipeline(cfg) as pipe:
         got = pipe.classify(samples[:6])
     assert [r.ok for r in got] == [True] * 6 and pipe.decoders is not None
+
+
+def test_a_worker_whose_parent_left_during_its_start_exits_quietly(capfd):
+    """A second Ctrl-C while the decoder processes still import: the parent is gone before a worker
+    says it is ready. The worker then exits at once, with status 0 and no traceback."""
+    import os
+
+    w = DecoderProcess(resize_size=8, crop_size=4)
+    _, _, (conn, proc, ready_r), _ = w._finalizer.detach()  # (closed by hand here)
+    os.close(ready_r)  # the parent's end of the readiness pipe, as at its exit
+    try:
+        assert proc.wait(60) == 0
+    finally:
+        conn.close()
+        proc.kill()
+    assert "Traceback" not in capfd.readouterr().err

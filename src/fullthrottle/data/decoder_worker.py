@@ -60,7 +60,10 @@ def worker_main(argv: list[str]) -> None:
         pool_rows, crop_size, crop_size, 3
     )
     conn = Connection(fd)
-    os.write(ready_fd, b"R")  # imports done: from now on a slow answer is a hang (DecoderProcess.grace_until)
+    try:
+        os.write(ready_fd, b"R")  # imports done: from now on a slow answer is a hang (DecoderProcess.grace_until)
+    except OSError:  # the parent is gone (a second Ctrl-C during its start-up): nothing to serve
+        return
     os.close(ready_fd)
     stats_path = env.get(env.WORKER_STATS)
     if stats_path:
