@@ -71,6 +71,7 @@ def test_classify_starts_a_private_server_by_default_serve_only_when_asked():
     assert wanted("classify", "photos/", "--device", "cuda:1")
     assert not wanted("classify", "photos/", "--no-mps")
     assert not wanted("classify", "photos/", "--device", "cpu")
+    assert not wanted("classify", "photos/", "--device", "cpu:0")
     assert not wanted("classify", "photos/", "--no-gpu-decode")
     assert not wanted("classify", "photos/", "--ray", "auto")
     assert not wanted("serve")
@@ -98,3 +99,16 @@ def test_a_server_that_takes_no_client_is_asked_to_quit_and_not_used(tmp_path, m
     if not os.path.exists("/dev/nvidiactl"):  # the real check on a machine without a GPU driver
         why = mps.client_refused({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "none")})
         assert why and ("libcuda" in why or "cuInit" in why), why
+
+
+def test_mps_asked_where_it_cannot_apply_says_why(capsys):
+    """--mps on a CPU run names why nothing was started, in one note, and the run goes on."""
+    from pathlib import Path
+
+    from fullthrottle.cli import main
+
+    photo = Path(__file__).parent / "data" / "imagenet-sample" / "n01440764_tench.JPEG"
+    args = ["classify", str(photo), "--device", "cpu", "--mps", "--model", "resnet18", "--threads", "1"]
+    assert main([*args, "--no-progress", "--out", "-"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --mps is for GPU decoding on CUDA (not with --device cpu" in err and "off" not in err, err

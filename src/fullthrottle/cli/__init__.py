@@ -54,7 +54,8 @@ def mps_wanted(args) -> bool:
     the GPU: a server of untrusted images keeps its processes apart)."""
     gpu_decode = Config.gpu_decode if args.gpu_decode is None else args.gpu_decode
     on = args.command == "classify" if args.mps is None else args.mps
-    return bool(gpu_decode and on and args.device != "cpu" and not getattr(args, "ray", None))
+    on_cpu = str(args.device).startswith("cpu")  # ("cpu", "cpu:0")
+    return bool(gpu_decode and on and not on_cpu and not getattr(args, "ray", None))
 
 
 @contextlib.contextmanager
@@ -63,8 +64,15 @@ def _private_mps(args):
     when :func:`mps_wanted`; started before any CUDA call."""
     from ..core.mps import private_mps
 
-    with private_mps(mps_wanted(args)) as how:
-        if args.mps and how not in ("started", "a server is running"):  # (--mps with --no-gpu-decode: "off")
+    wanted = mps_wanted(args)
+    with private_mps(wanted) as how:
+        if args.mps and not wanted:
+            print(
+                "note: --mps is for GPU decoding on CUDA (not with --device cpu, --no-gpu-decode or --ray): "
+                "no MPS server started",
+                file=sys.stderr,
+            )
+        elif args.mps and how not in ("started", "a server is running"):
             print(f"note: --mps: no private CUDA MPS server: {how}", file=sys.stderr)
         yield
 
