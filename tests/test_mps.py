@@ -107,7 +107,7 @@ def test_mps_asked_where_it_cannot_apply_says_why(capsys):
 
     from fullthrottle.cli import main
 
-    photo = Path(__file__).parent / "data" / "imagenet-sample" / "n01440764_tench.JPEG"
+    photo = Path(__file__).parent / "data" / "imagenet-sample" / "n01514859_hen.JPEG"
     args = ["classify", str(photo), "--device", "cpu", "--mps", "--model", "resnet18", "--threads", "1"]
     assert main([*args, "--no-progress", "--out", "-"]) == 0
     err = capsys.readouterr().err
