@@ -191,7 +191,8 @@ def cmd_classify(args) -> int:
         n_classes = pipe.engine.num_classes
         if n_classes is not None and args.top_k > n_classes:
             print(
-                f"note: --top-k {args.top_k} is more than the model's {n_classes} classes: "
+                f"note: --top-k {args.top_k} is more than the model's {n_classes} "
+                f"class{'' if n_classes == 1 else 'es'}: "
                 f"each result lists all {n_classes}",
                 file=sys.stderr,
             )

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser(
         "classify",
         help="classify images (files, folders, globs, URLs) with a model of the registry (--model)",
-        description="Classify images and print top-k ImageNet labels. With no INPUT, classifies a few "
+        description="Classify images and print each one's top-k labels. With no INPUT, classifies a few "
         "sample photos that ship with scikit-image. The default model, efficientnet_lite0, "
         "comes with its ImageNet weights; a model without bundled weights and without --weights is "
         "randomly initialised and its labels are meaningless (the output says so).",

@@ -37,7 +37,7 @@ from ...data.gpu_decoders import make_gpu_decoder
 from .decode import topk_probs
 from .labels import ClassLabels
 from .model_forms import inference_forms
-from .models import load_model, load_weights
+from .models import MODELS, load_model, load_weights
 
 
 @dataclass
@@ -95,8 +95,9 @@ class Engine:
             model, self.weights_path = load_model(config.model, config.weights)
         elif config.weights is not None:
             load_weights(model, config.weights)
-        #: a named model without weights: randomly initialised (seeded), its labels meaningless
-        self.random_weights = by_name and self.weights_path is None
+        #: a model of the registry without weights: randomly initialised (seeded), its labels meaningless
+        #: (a MODULE:CLASS of the user's brings its weights as it builds itself)
+        self.random_weights = by_name and self.weights_path is None and config.model in MODELS
         forms = inference_forms(model.eval(), config, self.device, self.dtype, self.channels_last)
         self.model, self.model_unfolded, self.model_fused = forms.model, forms.unfolded, forms.fused
         self.bn_folded, self.conv_relu_fused = forms.bn_folded, forms.conv_relu_fused
