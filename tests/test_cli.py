@@ -323,15 +323,21 @@ def test_help_imports_no_torch_and_ctrl_c_while_starting_is_clean(samples):
         assert "Traceback" not in err and "interrupted" in err, err[-2000:]
 
 
-def test_odd_file_names_stay_on_one_line_and_empty_out_is_refused(samples, tmp_path, capsys):
-    """A file name with a newline prints escaped, on its own line; --out '' is a usage error."""
+def test_odd_file_names_stay_on_one_line_and_empty_out_is_refused(samples, tmp_path, capsys, monkeypatch):
+    """A file name with a newline prints escaped, on its own line; --out '' and --report-json '-' (stdout
+    carries the results) are usage errors."""
     odd = tmp_path / "new\nline.jpg"
     odd.write_bytes(samples[0].read_bytes())
     rc = main(["classify", str(odd), "--device", "cpu", "--no-progress", "--threads", "1"])
     out = capsys.readouterr().out.splitlines()
     assert rc == 0 and len(out) == 1 and out[0].startswith(str(tmp_path) + "/new\\nline.jpg: "), out
     assert main(["classify", str(odd), "--device", "cpu", "--out", ""]) == 2
-    assert "--out and --report-json need a file name" in capsys.readouterr().err
+    assert "--out needs a file name ('-' for stdout)" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # (a file named '-' would land here)
+    assert main(["classify", str(odd), "--device", "cpu", "--report-json", "-"]) == 2
+    assert "--report-json a file name (stdout carries the results)" in capsys.readouterr().err
+    assert main(["embed", "-", "--out", str(tmp_path / "v.npy"), "--report-json", "-"]) == 2
+    assert not (tmp_path / "-").exists()
 
 
 def test_flag_defaults_are_the_dataclasses_defaults():

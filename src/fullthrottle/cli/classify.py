@@ -121,8 +121,12 @@ def cmd_classify(args) -> int:
     inputs = args.inputs
     if args.ray is not None:
         return _classify_ray(args)
-    if args.out == "" or args.report_json == "":
-        print("fullthrottle: error: --out and --report-json need a file name ('-' for stdout)", file=sys.stderr)
+    if args.out == "" or args.report_json in ("", "-"):
+        print(
+            "fullthrottle: error: --out needs a file name ('-' for stdout), --report-json a file name "
+            "(stdout carries the results)",
+            file=sys.stderr,
+        )
         return 2
     clash = _output_among_inputs(inputs, args.out, args.report_json)
     if clash:

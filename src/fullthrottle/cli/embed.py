@@ -69,7 +69,9 @@ def cmd_embed(args) -> int:
         print(f"fullthrottle: error: cannot write {args.out}: {why}", file=sys.stderr)
         return 2
     if args.report_json is not None and (
-        os.path.isdir(args.report_json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.report_json)))
+        args.report_json in ("", "-")
+        or os.path.isdir(args.report_json)
+        or not os.path.isdir(os.path.dirname(os.path.abspath(args.report_json)))
     ):
         print(
             f"fullthrottle: error: cannot write {args.report_json}: not a file in a folder that exists", file=sys.stderr
