@@ -558,6 +558,14 @@ class LabelsNotStrings(ColourNet):
     labels = [1, 2, 3]
 
 
+class RaisesOnBlue(ColourNet):
+    def forward(self, x):  # fails any batch holding an image whose blue channel wins
+        y = super().forward(x)
+        if bool((y.argmax(1) == 2).any()):
+            raise RuntimeError("no blue")
+        return y
+
+
 class NaNForBlue(ColourNet):
     def forward(self, x):  # NaN logits for the images whose blue channel wins
         y = super().forward(x)
@@ -643,3 +651,11 @@ def test_models_of_ones_own_that_fail_say_how(tmp_path, monkeypatch, capsys):
     rows = [json.loads(line, parse_constant=no_nan) for line in lines]
     assert [r.get("error_kind") for r in rows] == [None, None, "non_finite"], rows
     assert [r["top_k"][0]["label"] for r in rows[:2]] == ["red", "green"]
+    # a model that raises on one image's batch: its rows run one by one, so only that image fails
+    assert main(["classify", "r.jpg", "b.jpg", "g.jpg", "--model", "colour_models:RaisesOnBlue", *run]) == 1
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r.get("error_kind") for r in rows] == [None, "compute_failed", None], rows
+    assert "no blue" in rows[1]["error"] and [rows[0]["top_k"][0]["label"], rows[2]["top_k"][0]["label"]] == [
+        "red",
+        "green",
+    ]

@@ -219,21 +219,32 @@ def test_backpressure_bounds_items_in_flight(samples):
     assert worst <= 10 + 1  # the window, plus the one item the generator yields before it waits
 
 
-def test_model_failure_belongs_to_its_batch(samples, no_thread_leak):
-    class Flaky(Tiny):
-        calls = 0
+def test_model_failure_costs_only_the_images_it_fails_on(samples, tmp_path, no_thread_leak):
+    """A model that raises on a batch: the batch's rows run one by one, so only the image it fails on
+    gets the error; a model that fails every image fails them all, each with the model's error."""
+    from PIL import Image
 
-        def forward(self, x):
-            Flaky.calls += 1
-            if Flaky.calls == 2:
+    Image.new("RGB", (64, 48)).save(tmp_path / "black.jpg")  # a flat image: the one this model refuses
+    inputs = [*samples[:5], tmp_path / "black.jpg", *samples[5:11]]
+
+    class Picky(Tiny):
+        always = False
+
+        def forward(self, x):  # (B, 3, S, S)
+            if Picky.always or bool((x.float().std((2, 3)).sum(1) == 0).any()):
                 raise RuntimeError("boom")
             return super().forward(x)
 
-    pipe = Pipeline(Config(labels=LABELS, device="cpu", max_batch_size=4, threads=1, max_wait_ms=1000), model=Flaky())
-    res = pipe.classify(samples[:12])
-    bad = [r for r in res if not r.ok]
-    assert len(bad) == 4 and all("compute failed: RuntimeError: boom" in r.error for r in bad)
-    assert sum(r.ok for r in res) == 8
+    cfg = Config(labels=LABELS, device="cpu", max_batch_size=4, threads=1, max_wait_ms=1000)
+    pipe = Pipeline(cfg, model=Picky())
+    res = pipe.classify(inputs)
+    assert [r.ok for r in res] == [True] * 5 + [False] + [True] * 6
+    assert res[5].error == f"{res[5].id}: compute failed: RuntimeError: boom"
+    ref = {r.id: r.class_ids for r in tiny_pipe().classify(samples[:11])}
+    assert all(r.class_ids == ref[r.id] for r in res if r.ok)
+    Picky.always = True
+    res = pipe.classify(inputs)
+    assert all(not r.ok and r.error.endswith("compute failed: RuntimeError: boom") for r in res)
 
 
 def test_missing_file_and_glob_and_dir(tmp_path, samples):

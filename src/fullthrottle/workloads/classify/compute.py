@@ -18,6 +18,7 @@ code runs with plain tensors, no streams and no events.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from ...data.device_copy import copy_all, mapped_on_device, row_spans
 from ...data.gpu_decode import RateSplitter, crop_runs
 from ...data.gpu_decoders import make_gpu_decoder
 from .decode import topk_probs
-from .labels import ClassLabels
+from .labels import ClassLabels, ModelOutputError, check_logits
 from .model_forms import inference_forms
 from .models import MODELS, load_model, load_weights
 
@@ -59,6 +60,7 @@ class Slot:
     dev_rows: torch.Tensor | None = None  # the same on the device (gather indices)
     mapped_rows: torch.Tensor | None = None  # host_rows as the device reads it in place (zero-copy)
     pool_rows: list | None = None  # crop-pool rows to give back when the slot is released
+    row_errors: dict | None = None  # row -> its error, when the batch failed and its rows ran one by one
 
 
 class Engine:
@@ -225,30 +227,8 @@ class Engine:
         return self.checked(self.model(self.normalize(x_u8)), x_u8.shape[0]).float()
 
     def checked(self, logits, batch: int) -> torch.Tensor:
-        """``logits`` if the model's output for a batch of ``batch`` is ``(batch, C)`` logits, ``C``
-        the count of the labels given (host-side shape checks only: safe inside graph capture).
-
-        Raises:
-            ValueError: another shape or type, or labels given for another number of classes.
-        """
-        if (
-            not isinstance(logits, torch.Tensor)
-            or logits.ndim != 2
-            or logits.shape[0] != batch
-            or not logits.shape[1]
-            or not logits.dtype.is_floating_point
-        ):
-            got = (
-                f"{tuple(logits.shape)} {logits.dtype}".replace("torch.", "")
-                if isinstance(logits, torch.Tensor)
-                else type(logits).__name__
-            )
-            raise ValueError(
-                f"the model must map a batch of {batch} images (B, 3, H, W) to float logits (B, C), one row per image; "
-                f"it gave {got}"
-            )
-        self.class_labels.check(logits.shape[1])
-        return logits
+        """``logits`` if they answer ``batch`` images (:func:`check_logits`: host-side, safe in capture)."""
+        return check_logits(logits, batch, self.class_labels)
 
     # -- the staging ring -----------------------------------------------------------------------
     def acquire(self, stopped=lambda: False) -> Slot | None:
@@ -330,7 +310,7 @@ class Engine:
             raise ValueError(f"batch of {n} exceeds the staging capacity {self.max_batch}")
         if m and self.crops is None:
             raise ValueError("pool_rows given but no crop pool is attached (attach_crops)")
-        slot.n, slot.error, slot.k = n, None, 0
+        slot.n, slot.error, slot.k, slot.row_errors = n, None, 0, None
         self.batches += 1
         slot.pool_rows = list(pool_rows) if m else None
         t0 = time.perf_counter()
@@ -384,8 +364,30 @@ class Engine:
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - this batch's items', not the run's
             # (a model's own sys.exit or KeyboardInterrupt too: raised in this thread, never a signal)
             slot.error = f"compute failed: {type(e).__name__}: {e}"
+            if n > 1 and self.runner is None and not isinstance(e, ModelOutputError):
+                self._rows_one_by_one(slot, n, k)
         self.launch_s += time.perf_counter() - t1
         return slot
+
+    def _rows_one_by_one(self, slot: Slot, n: int, k: int) -> None:
+        """The model raised on a batch (eager: no graphs): each of its ``n`` staged rows runs alone, so
+        that an image the model fails on costs itself only (:attr:`Slot.row_errors`); when every row
+        fails the batch keeps its one error."""
+        errors, done = {}, 0
+        with torch.cuda.stream(self.compute_stream) if self.cuda else contextlib.nullcontext():
+            for i in range(n):
+                try:
+                    probs, idx = topk_probs(self.forward(slot.dev_in[i : i + 1]), k)
+                except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - this row's
+                    errors[i] = f"compute failed: {type(e).__name__}: {e}"
+                    slot.out_probs[i], slot.out_idx[i] = 0.0, 0  # (no stale ids read for it)
+                    continue
+                slot.k, done = probs.shape[1], done + 1
+                copy_all([slot.out_probs[i : i + 1, : slot.k], slot.out_idx[i : i + 1, : slot.k]], [probs, idx])
+            if done:
+                slot.error, slot.row_errors = None, errors
+                if self.cuda:
+                    slot.done.record(self.compute_stream)
 
     def collect(self, slot: Slot) -> tuple[np.ndarray, np.ndarray]:
         """Wait for ``slot``'s batch and copy out its results: ``(n, k)`` float32 probs, int64 ids.

@@ -1,8 +1,10 @@
-"""The class names of a classifier's output: the ones given, the module's own, or ImageNet's."""
+"""A classifier's output: its contract (one row of float logits per image, :func:`check_logits`) and
+its class names (the ones given, the module's own, ImageNet's, or ids: :class:`ClassLabels`)."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .models import imagenet_labels
 
@@ -58,3 +60,38 @@ class ClassLabels:
             self._arr[:] = names
             self._src, self._n = src, len(src)
         return self._arr[idx].tolist()
+
+
+class ModelOutputError(ValueError):
+    """The model's output breaks the contract (not one row of float logits per image, or labels for
+    another number of classes): every batch fails alike, so its rows are not tried one by one."""
+
+
+def check_logits(logits, batch: int, labels: ClassLabels) -> torch.Tensor:
+    """``logits`` if the model's output for a batch of ``batch`` is ``(batch, C)`` float logits, ``C``
+    the count of the labels given (which learn ``C``: :meth:`ClassLabels.check`).
+
+    Raises:
+        ModelOutputError: another shape or type, or labels given for another number of classes.
+    """
+    if (
+        not isinstance(logits, torch.Tensor)
+        or logits.ndim != 2
+        or logits.shape[0] != batch
+        or not logits.shape[1]
+        or not logits.dtype.is_floating_point
+    ):
+        got = (
+            f"{tuple(logits.shape)} {logits.dtype}".replace("torch.", "")
+            if isinstance(logits, torch.Tensor)
+            else type(logits).__name__
+        )
+        raise ModelOutputError(
+            f"the model must map a batch of {batch} images (B, 3, H, W) to float logits (B, C), one row per image; "
+            f"it gave {got}"
+        )
+    try:
+        labels.check(logits.shape[1])
+    except ValueError as e:
+        raise ModelOutputError(str(e)) from None
+    return logits

@@ -136,6 +136,9 @@ def decode_thread(run) -> None:
                         if bad:
                             r.labels, r.class_ids, r.probs = [], [], []
                             r.error = f"{r.id}: model output is not finite (NaN or Inf in its logits)"
+                for i, why in (slot.row_errors or {}).items():  # the rows the model failed on, alone
+                    out[i].labels, out[i].class_ids, out[i].probs = [], [], []
+                    out[i].error = f"{out[i].id}: {why}"
             eng.release(slot)
             st.end(len(batch))
         if isinstance(obj, Item):
