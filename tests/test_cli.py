@@ -127,6 +127,8 @@ def test_cuda_only_options_on_cpu_are_named_not_ignored(samples, capsys):
             "cpu",
             "--no-progress",
             "--gpu-decode",
+            "--gpu-decode-processes",
+            "4",
             "--dtype",
             "bfloat16",
             "--top-k",
@@ -135,7 +137,10 @@ def test_cuda_only_options_on_cpu_are_named_not_ignored(samples, capsys):
     )
     err = capsys.readouterr().err
     assert rc == 0
-    assert "note: --gpu-decode and --dtype bfloat16 need CUDA" in err
+    assert (
+        "note: --gpu-decode and --gpu-decode-processes 4 and --dtype bfloat16 need CUDA: "
+        "this run on cpu decodes on the CPU and computes in float32"
+    ) in err, err
     assert "note: --top-k 1001 is more than the model's 1000 classes" in err
 
 

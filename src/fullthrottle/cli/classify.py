@@ -174,18 +174,24 @@ def cmd_classify(args) -> int:
             preprocess=args.preprocess,
         )
         if device.type != "cuda":  # say what a CPU run leaves out, rather than ignoring it silently
-            ignored = [
-                f
-                for f, on in (
-                    ("--gpu-decode", args.gpu_decode is True),
-                    ("--compile", args.compile),
-                    (f"--dtype {args.dtype}", args.dtype not in (None, "float32")),
+            ignored = [  # (flag as given, what the CPU run does instead)
+                (f, does)
+                for f, on, does in (
+                    ("--gpu-decode", args.gpu_decode is True, "decodes on the CPU"),
+                    (f"--gpu-decoder {args.gpu_decoder}", args.gpu_decoder is not None, "decodes on the CPU"),
+                    (
+                        f"--gpu-decode-processes {args.gpu_decode_processes}",
+                        args.gpu_decode_processes is not None,
+                        "decodes on the CPU",
+                    ),
+                    ("--compile", args.compile, "runs the model eager"),
+                    (f"--dtype {args.dtype}", args.dtype not in (None, "float32"), "computes in float32"),
                 )
                 if on
             ]
             if ignored:
-                what = {"--gpu-decode": "decodes on the CPU", "--compile": "runs the model eager"}
-                does = " and ".join(what.get(f, "computes in float32") for f in ignored)
+                does = " and ".join(dict.fromkeys(d for _, d in ignored))
+                ignored = [f for f, _ in ignored]
                 print(
                     f"note: {' and '.join(ignored)} need{'s' if len(ignored) == 1 else ''} CUDA: "
                     f"this run on {device} {does}",
