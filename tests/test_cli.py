@@ -559,6 +559,14 @@ class NoLabels(ColourNet):
     labels = None
 
 
+class Counted(ColourNet):
+    built = 0
+
+    def __init__(self):
+        super().__init__()
+        Counted.built += 1
+
+
 class LabelsNotStrings(ColourNet):
     labels = [1, 2, 3]
 
@@ -599,6 +607,9 @@ def test_model_of_ones_own_by_module_and_class(tmp_path, monkeypatch, capsys):
     tops = [[t["label"] for t in json.loads(line)["top_k"]] for line in out.splitlines()]
     assert rc == 0 and [t[0] for t in tops] == ["0", "2"] and all(len(t) == 3 for t in tops), tops
     assert "more than the model's 3 classes" in err and "randomly initialised" not in err, err
+    assert main(["classify", "r.jpg", *args[:1], "colour_models:Counted", *args[2:]]) == 0
+    assert sys.modules["colour_models"].Counted.built == 1  # the user's model is built once a run
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main(["classify", "r.jpg", "--model", "resnet9000"])
     assert e.value.code == 2 and "MODULE:CLASS" in capsys.readouterr().err

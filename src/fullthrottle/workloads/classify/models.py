@@ -183,12 +183,15 @@ def spec(name: str) -> ModelSpec:
 
 
 @functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=64)
 def user_spec(name: str) -> ModelSpec:
     """The :class:`ModelSpec` of ``MODULE:CLASS``: a :class:`ModelSpec` there is taken as it is; an
     ``nn.Module`` class (built with no arguments, under :data:`RANDOM_SEED`) brings its own
     preprocessing in an ``input_transform`` attribute (else torchvision's ImageNet recipe) and its
     class names in a ``labels`` attribute (else ImageNet's); weights come from ``--weights``.
-    The class is built once here to read its declaration.
+    The class is built here to read its declaration, and that instance is what the spec's first
+    ``build()`` returns (later ones build anew): a run builds the user's model once. Specs are kept
+    per name, as Python keeps the module.
 
     Raises:
         ValueError: not importable (:func:`~fullthrottle.core.imports.import_object`), not a model,
@@ -220,7 +223,10 @@ def user_spec(name: str) -> ModelSpec:
         transform = transform_of(probe)
     except TypeError as e:
         raise ValueError(f"--model {name}: {e}") from None
-    return ModelSpec(obj, transform, None, f"{name} (random weights unless --weights)")
+    spare = [probe]  # (built under the seed build_model sets, as a new one would be)
+    return ModelSpec(
+        lambda: spare.pop() if spare else obj(), transform, None, f"{name} (random weights unless --weights)"
+    )
 
 
 def transform_of(model: Any) -> Transform:
