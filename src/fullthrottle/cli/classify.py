@@ -90,16 +90,28 @@ def _classify_ray(args) -> int:
 
 
 def _output_among_inputs(inputs, *outputs) -> str | None:
-    """Why an output file would destroy an input (it is one of the input files, or an image file in an
-    input folder, which the run would read), or None."""
+    """Why an output file would destroy an input (it is one of the input files, a file a glob pattern
+    matches or would match, or an image file in an input folder, which the run would read), or why
+    two outputs are one file; None when neither."""
+    import fnmatch
+    import glob
+
     from ..data.load import IMAGE_SUFFIXES
 
+    real = [os.path.realpath(o) for o in outputs if o and o != "-"]
+    if len(set(real)) < len(real):
+        return "--out and --report-json name the same file: one would overwrite the other"
     for out in outputs:
         if not out or out == "-":
             continue
         target = os.path.realpath(out)
         for inp in inputs or ():
             if not isinstance(inp, str) or "://" in inp:
+                continue
+            if glob.has_magic(inp) and not os.path.exists(inp):
+                hits = {os.path.realpath(p) for p in glob.glob(inp, recursive=True)}
+                if target in hits or fnmatch.fnmatch(os.path.abspath(out), os.path.abspath(inp)):
+                    return f"the output {out} matches the input pattern {inp}: writing it would destroy an input"
                 continue
             src = os.path.realpath(inp)
             if os.path.isfile(src) and src == target:
