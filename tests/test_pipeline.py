@@ -231,7 +231,9 @@ def test_model_failure_costs_only_the_images_it_fails_on(samples, tmp_path, no_t
         always = False
 
         def forward(self, x):  # (B, 3, S, S)
-            if Picky.always or bool((x.float().std((2, 3)).sum(1) == 0).any()):
+            if Picky.always:
+                raise RuntimeError(f"boom on {x.shape[0]}")  # (each image's error must be its own run's)
+            if bool((x.float().std((2, 3)).sum(1) == 0).any()):
                 raise RuntimeError("boom")
             return super().forward(x)
 
@@ -244,7 +246,12 @@ def test_model_failure_costs_only_the_images_it_fails_on(samples, tmp_path, no_t
     assert all(r.class_ids == ref[r.id] for r in res if r.ok)
     Picky.always = True
     res = pipe.classify(inputs)
-    assert all(not r.ok and r.error.endswith("compute failed: RuntimeError: boom") for r in res)
+    assert all(not r.ok and r.error.endswith("compute failed: RuntimeError: boom on 1") for r in res)
+    from fullthrottle.workloads.classify.labels import compute_failed
+
+    long = compute_failed(RuntimeError("x" * 5000))
+    assert long.startswith("compute failed: RuntimeError: xxx") and long.endswith("... (5000 characters)")
+    assert len(long) < 1100 and compute_failed(KeyboardInterrupt()) == "compute failed: KeyboardInterrupt"
 
 
 def test_missing_file_and_glob_and_dir(tmp_path, samples):
@@ -389,12 +396,15 @@ def test_malformed_urls_are_their_own_errors(samples):
     """URLs httpx or IDNA refuse (a bad port, a broken IPv6 address, an empty punycode label, a NUL)
     each fail their own item, in order; nothing is dropped and the photos beside them are classified."""
     bad = ["http://a:b/x.jpg", "http://[::1", "http://[zz]/x.jpg", "http://xn--/x.jpg", "http://ex\x00ample.com/x.jpg"]
+    bad += ["http://127.0.0.1:99999/x.jpg"]
     inputs = [samples[0], *bad, samples[1]]
     res = tiny_pipe().classify(inputs)
     assert [r.id for r in res] == [str(samples[0]), *bad, str(samples[1])]
     assert res[0].ok and res[-1].ok
     for r in res[1:-1]:
         assert not r.ok and repr(r.id) in r.error and "invalid URL" in r.error, r.error
+        assert (r.to_dict()["error_stage"], r.to_dict()["error_kind"]) == ("load", "unsupported_input")
+    assert "port 99999 is not in 1..65535" in res[-2].error
 
 
 def test_one_stream_at_a_time(samples):

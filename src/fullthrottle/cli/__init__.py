@@ -67,11 +67,17 @@ def _private_mps(args):
     wanted = mps_wanted(args)
     with private_mps(wanted) as how:
         if args.mps and not wanted:
-            print(
-                "note: --mps is for GPU decoding on CUDA (not with --device cpu, --no-gpu-decode or --ray): "
-                "no MPS server started",
-                file=sys.stderr,
+            gpu_decode = Config.gpu_decode if args.gpu_decode is None else args.gpu_decode
+            why = next(
+                w
+                for w, on in (
+                    (f"--device {args.device}", str(args.device).startswith("cpu")),
+                    ("--no-gpu-decode", not gpu_decode),
+                    ("--ray", getattr(args, "ray", None)),
+                )
+                if on
             )
+            print(f"note: --mps is for GPU decoding on CUDA, not with {why}: no MPS server started", file=sys.stderr)
         elif args.mps and how not in ("started", "a server is running"):
             print(f"note: --mps: no private CUDA MPS server: {how}", file=sys.stderr)
         yield

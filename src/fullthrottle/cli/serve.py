@@ -6,7 +6,7 @@ import importlib.util
 import os
 import sys
 
-from ..workloads.classify.models import spec
+from ..workloads.classify.models import MODELS, spec
 from .common import _gpu_decode_settings, _input_limits
 
 
@@ -125,7 +125,7 @@ def cmd_serve(args) -> int:
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         print(f"note: serving on {args.host} without --api-key: anyone who can reach it may use it", file=sys.stderr)
-    if args.weights is None and model_spec.bundled_weights is None:
+    if args.weights is None and model_spec.bundled_weights is None and args.model in MODELS:  # (not MODULE:CLASS)
         print(
             f"WARNING: no --weights given: {args.model} is randomly initialised, labels are meaningless",
             file=sys.stderr,

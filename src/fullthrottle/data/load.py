@@ -174,6 +174,9 @@ async def _fetch(client, url: str, max_bytes: int) -> bytes:
     import httpx
 
     try:
+        port = httpx.URL(url).port
+        if port is not None and not 0 < port < 65536:  # (else an OverflowError deep in the connection)
+            raise ValueError(f"port {port} is not in 1..65535")
         async with client.stream("GET", url) as r:
             if r.status_code != 200:
                 raise LoadError(f"HTTP {r.status_code} {r.reason_phrase} for {url}")

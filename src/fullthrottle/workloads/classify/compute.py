@@ -36,7 +36,7 @@ from ...data.device_copy import copy_all, mapped_on_device, row_spans
 from ...data.gpu_decode import RateSplitter, crop_runs
 from ...data.gpu_decoders import make_gpu_decoder
 from .decode import topk_probs
-from .labels import ClassLabels, ModelOutputError, check_logits
+from .labels import ClassLabels, ModelOutputError, check_logits, compute_failed
 from .model_forms import inference_forms
 from .models import MODELS, load_model, load_weights
 
@@ -363,7 +363,7 @@ class Engine:
                 slot.done.record(self.compute_stream)
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - this batch's items', not the run's
             # (a model's own sys.exit or KeyboardInterrupt too: raised in this thread, never a signal)
-            slot.error = f"compute failed: {type(e).__name__}: {e}"
+            slot.error = compute_failed(e)
             if n > 1 and self.runner is None and not isinstance(e, ModelOutputError):
                 self._rows_one_by_one(slot, n, k)
         self.launch_s += time.perf_counter() - t1
@@ -371,23 +371,22 @@ class Engine:
 
     def _rows_one_by_one(self, slot: Slot, n: int, k: int) -> None:
         """The model raised on a batch (eager: no graphs): each of its ``n`` staged rows runs alone, so
-        that an image the model fails on costs itself only (:attr:`Slot.row_errors`); when every row
-        fails the batch keeps its one error."""
-        errors, done = {}, 0
+        that an image the model fails on costs itself only, with its own error (:attr:`Slot.row_errors`:
+        never another image's, which may be another client's)."""
+        errors = {}
         with torch.cuda.stream(self.compute_stream) if self.cuda else contextlib.nullcontext():
             for i in range(n):
                 try:
                     probs, idx = topk_probs(self.forward(slot.dev_in[i : i + 1]), k)
                 except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - this row's
-                    errors[i] = f"compute failed: {type(e).__name__}: {e}"
+                    errors[i] = compute_failed(e)
                     slot.out_probs[i], slot.out_idx[i] = 0.0, 0  # (no stale ids read for it)
                     continue
-                slot.k, done = probs.shape[1], done + 1
+                slot.k = probs.shape[1]
                 copy_all([slot.out_probs[i : i + 1, : slot.k], slot.out_idx[i : i + 1, : slot.k]], [probs, idx])
-            if done:
-                slot.error, slot.row_errors = None, errors
-                if self.cuda:
-                    slot.done.record(self.compute_stream)
+            slot.error, slot.row_errors = None, errors
+            if self.cuda:
+                slot.done.record(self.compute_stream)
 
     def collect(self, slot: Slot) -> tuple[np.ndarray, np.ndarray]:
         """Wait for ``slot``'s batch and copy out its results: ``(n, k)`` float32 probs, int64 ids.

@@ -87,11 +87,19 @@ def check_logits(logits, batch: int, labels: ClassLabels) -> torch.Tensor:
             else type(logits).__name__
         )
         raise ModelOutputError(
-            f"the model must map a batch of {batch} images (B, 3, H, W) to float logits (B, C), one row per image; "
-            f"it gave {got}"
+            f"the model must map a batch of {batch} image{'' if batch == 1 else 's'} (B, 3, H, W) to float "
+            f"logits (B, C), one row per image; it gave {got}"
         )
     try:
         labels.check(logits.shape[1])
     except ValueError as e:
         raise ModelOutputError(str(e)) from None
     return logits
+
+
+def compute_failed(e: BaseException, limit: int = 1000) -> str:
+    """An item's error for the model's exception ``e``: its type and message, at most ``limit`` characters
+    of it (a model may raise with a huge message; it goes into every failed item's line and answer)."""
+    msg = str(e)
+    msg = msg if len(msg) <= limit else msg[:limit] + f"... ({len(msg)} characters)"
+    return f"compute failed: {type(e).__name__}: {msg}" if msg else f"compute failed: {type(e).__name__}"
