@@ -386,8 +386,10 @@ def test_config_errors():
 
 def test_http_urls(http_server, samples):
     pipe = tiny_pipe()
-    res = pipe.classify([f"{http_server}/a.jpg", f"{http_server}/missing.jpg", samples[0]])
+    upper = f"{http_server}/a.jpg".replace("http://", "HTTP://")  # (a scheme is case-insensitive)
+    res = pipe.classify([f"{http_server}/a.jpg", f"{http_server}/missing.jpg", samples[0], upper])
     assert res[0].ok and res[0].id == f"{http_server}/a.jpg"
+    assert res[3].ok and res[3].class_ids == res[0].class_ids
     assert not res[1].ok and "HTTP 404" in res[1].error
     assert res[0].class_ids == res[2].class_ids and res[0].probs == res[2].probs
 

@@ -56,7 +56,8 @@ class BadSource(str):
 
 
 def is_url(s: str) -> bool:
-    return s.startswith(("http://", "https://"))
+    """Whether ``s`` is an http(s) URL (the scheme in any case, as URLs allow)."""
+    return s[:8].lower().startswith(("http://", "https://"))
 
 
 def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
