@@ -245,6 +245,27 @@ def test_a_non_streaming_client_that_hangs_up_frees_its_row(make_tiny_llama):
     assert decoded.items < 3900  # the hung-up request stopped long before its 4000 tokens
 
 
+def test_a_streaming_client_that_disconnects_mid_stream_frees_its_row(make_tiny_llama):
+    """The OpenAI client reads a few chunks of a long stream and closes it: its request ends at the next
+    step, so the next request gets the only row at once."""
+    import time
+
+    model = make_tiny_llama(max_position_embeddings=4096)
+    gen = Generator(model, max_batch=1, max_seq_len=4096, graphs=False)
+    decoded = gen.stats["decode"]
+    with Server(Tiny(), ServeOptions(llm=(gen, None))) as s:
+        c = client(s)
+        stream = c.completions.create(model="llm", prompt=[1, 2, 3], max_tokens=4000, temperature=0, stream=True)
+        chunks = iter(stream)
+        got = [next(chunks) for _ in range(3)]
+        assert [ch.object for ch in got] == ["text_completion"] * 3
+        stream.close()  # gone mid-stream
+        t0 = time.time()
+        r = c.completions.create(model="llm", prompt=[5, 6], max_tokens=5)  # waits for the only row
+        assert len(r.choices[0].token_ids) == 5 and time.time() - t0 < 10
+    assert decoded.items < 3900  # the closed stream stopped long before its 4000 tokens
+
+
 def test_chat_templates_that_do_not_compile_or_fail_give_clear_errors(tiny_text, tmp_path):
     from fullthrottle.workloads.llm.text import LlmText
 
