@@ -166,7 +166,7 @@ class Engine:
         return self.class_labels.num_classes
 
     def _probe(self) -> None:
-        """One forward of a blank image at start-up, to learn the model's number of classes
+        """One forward of a mid-grey image at start-up, to learn the model's number of classes
         (:attr:`num_classes`, and its labels by id when it has none and not ImageNet's 1000). With
         graphs on CUDA, capture does so instead. A model that raises here, or whose output is not one
         row of logits per image, is left to fail the batches it fails (the error then belongs to
@@ -174,7 +174,7 @@ class Engine:
         if self.config.graphs and self.cuda:
             return
         s = self.config.crop_size
-        x = torch.zeros((1, s, s, 3), dtype=torch.uint8, device=self.device)
+        x = torch.full((1, s, s, 3), 128, dtype=torch.uint8, device=self.device)  # (mid-grey)
         try:
             with torch.inference_mode():
                 logits = self.model(self.normalize(x))
