@@ -449,8 +449,14 @@ def test_serve_numbers_must_be_finite_and_an_output_may_not_overwrite_an_input(s
     assert main(["classify", str(tmp_path), "--device", "cpu", "--report-json", str(tmp_path / "r.png")]) == 2
     assert "inside the input folder" in capsys.readouterr().err
     # a glob that matches the output now, or would match it once written; two outputs in one file
-    for flag, out in (("--out", photo), ("--report-json", photo), ("--out", tmp_path / "new.jpg")):
-        assert main(["classify", str(tmp_path / "*.jpg"), "--device", "cpu", flag, str(out)]) == 2
+    for flag, out, pattern in (
+        ("--out", photo, "*.jpg"),
+        ("--report-json", photo, "*.jpg"),
+        ("--out", tmp_path / "new.jpg", "*.jpg"),
+        ("--out", photo, "**/*.jpg"),
+        ("--out", photo, "[ab].jpg"),
+    ):
+        assert main(["classify", str(tmp_path / pattern), "--device", "cpu", flag, str(out)]) == 2
         assert "matches the input pattern" in capsys.readouterr().err and photo.stat().st_size == size
     same = str(tmp_path / "same.json")
     assert main(["classify", str(photo), "--device", "cpu", "--out", same, "--report-json", same]) == 2

@@ -108,9 +108,10 @@ def _output_among_inputs(inputs, *outputs) -> str | None:
         for inp in inputs or ():
             if not isinstance(inp, str) or "://" in inp:
                 continue
-            if glob.has_magic(inp) and not os.path.exists(inp):
-                hits = {os.path.realpath(p) for p in glob.glob(inp, recursive=True)}
-                if target in hits or fnmatch.fnmatch(os.path.abspath(out), os.path.abspath(inp)):
+            if glob.has_magic(inp) and not os.path.exists(inp):  # (matched by name: no walk of the tree here)
+                pattern = os.path.abspath(inp)  # ('**/' also matches no folder at all, as glob's does)
+                patterns = (pattern, pattern.replace("**/", ""))
+                if any(fnmatch.fnmatch(p, q) for p in (os.path.abspath(out), target) for q in patterns):
                     return f"the output {out} matches the input pattern {inp}: writing it would destroy an input"
                 continue
             src = os.path.realpath(inp)
