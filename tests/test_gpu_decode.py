@@ -756,6 +756,15 @@ def test_gpu_decode_processes_default_follows_the_mps_server(tmp_path, monkeypat
             assert pipe.config.gpu_decode is False
             return pipe.config.gpu_decode_processes, dataclasses.replace(pipe.config, gpu_decode=True).in_flight_limit
 
+    import fullthrottle.core.config as config_module
+    import fullthrottle.workloads.classify.pipeline as pipeline_module
+    from fullthrottle.core.mps import default_processes
+
+    for m in (config_module, pipeline_module):  # a machine of 16 cores, as measured
+        monkeypatch.setattr(m, "usable_cores", lambda: 16)
+    # fewer cores under MPS: one process per core beyond four, at least two; none given: not capped
+    assert [default_processes(True, c) for c in (2, 4, 8, 12, 16, 64)] == [2, 2, 4, 8, 12, 12]
+    assert default_processes(True) == 12 and default_processes(False, 4) == 6
     base = dict(labels=LABELS, device="cpu", max_batch_size=8, threads=2, preprocess="threads")
     window = {n: (4 + 2 * n * DEPTH) * 8 + 2 * 2 for n in (6, 12, 3)}
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))

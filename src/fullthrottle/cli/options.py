@@ -92,7 +92,7 @@ def add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --gpu-decode and decoder processes: processes decoding on the GPU, each its own "
         "decoder, 0..16 (0: one GPU decode thread in this process; default: 12 when a CUDA MPS "
-        "server is running, else 6)",
+        "server is running, fewer below 16 cores, else 6)",
     )
 
 

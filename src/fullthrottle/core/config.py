@@ -145,7 +145,7 @@ class Config:
             the GPU (each its own decoder and CUDA context, writing crops into the shared pool);
             torchvision serialises GPU decodes within one process. 0: one GPU decode thread in this
             process instead. Default (None): 12 when a CUDA MPS server is running (the processes'
-            kernels then run at once), 6 otherwise (time-sliced contexts), decided where and when the
+            kernels then run at once; fewer on a machine of fewer than 16 cores), 6 otherwise (time-sliced contexts), decided where and when the
             :class:`~fullthrottle.Pipeline` is made (:func:`~fullthrottle.core.mps.default_processes`;
             its ``config`` then holds the number). 12 under MPS: more processes decode faster; 6 when
             time-sliced: more contexts slow the GPU down (see docs/performance.md).
@@ -364,7 +364,7 @@ class Config:
         if n is None and self.gpu_decode:  # (what a Pipeline made now would start)
             from .mps import default_processes
 
-            n = default_processes()
+            n = default_processes(cores=usable_cores())
         gpu = 2 * n * GPU_PROCESS_DEPTH if self.gpu_decode else 0
         return self.max_in_flight or ((4 + gpu) * self.max_batch_size + 2 * self.num_threads)
 

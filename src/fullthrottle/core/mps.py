@@ -154,15 +154,19 @@ def _quit(exe: str, root: str, env: dict[str, str]) -> None:
 PROCESSES_MPS, PROCESSES_TIME_SLICED = 12, 6
 
 
-def default_processes(mps: bool | None = None) -> int:
+def default_processes(mps: bool | None = None, cores: int | None = None) -> int:
     """How many GPU decoder processes ``Config.gpu_decode_processes=None`` means:
     :data:`PROCESSES_MPS` (12) when a CUDA MPS server is running (``mps=None``: ask
     :func:`mps_server_running`), :data:`PROCESSES_TIME_SLICED` (6) otherwise. Under MPS their kernels
     run at once and more processes decode faster; time-sliced, more contexts slow the GPU down (see
-    docs/performance.md)."""
+    docs/performance.md). Under MPS, on a machine of fewer than 16 ``cores`` (the caller's usable
+    cores; None: not capped), one process per core beyond four, at least two: each process reads its
+    files and drives its decoder on a core of its own (12 was measured on 16 cores)."""
     if mps is None:
         mps = mps_server_running()
-    return PROCESSES_MPS if mps else PROCESSES_TIME_SLICED
+    if not mps:
+        return PROCESSES_TIME_SLICED
+    return PROCESSES_MPS if cores is None else min(PROCESSES_MPS, max(2, cores - 4))
 
 
 def mps_server_running() -> bool:

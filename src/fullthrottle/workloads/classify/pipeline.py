@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ...core.config import Config
+from ...core.config import Config, usable_cores
 from ...core.device import resolve_device
 from ...core.report import Report
 from ...data.preprocess import allow_pillow_pixels
@@ -69,7 +69,7 @@ class Pipeline:
         if config.gpu_decode and config.gpu_decode_processes is None:  # decided here, on this machine
             from ...core.mps import default_processes
 
-            config = replace(config, gpu_decode_processes=default_processes())
+            config = replace(config, gpu_decode_processes=default_processes(cores=usable_cores()))
         config = config.for_model(model)  # the model's own resize, crop and normalisation
         if config.gpu_decode and config.interpolation not in GPU_INTERPOLATIONS:  # (the GPU paths are bilinear)
             config = replace(config, gpu_decode=False)
