@@ -292,6 +292,7 @@ def main():
         rate = r.get("img_per_s_after_first_quarter") or rep.get("images_per_s")
         print(
             f"{name:>44}: {rate or 0:.0f} img/s  GPU {rep.get('gpu_util_mean_pct')}  "
+            f"JPEG engines {rep.get('jpeg_engines_util_mean_pct')}  cores {r.get('cores_by_kind_while_results_flow')}  "
             f"main cores {rep.get('main_process_cores')} (peak 5 s with start-up {r.get('main_process_cores_peak_5s')})  "
             f"{rep.get('verdict', '')}",
             flush=True,
