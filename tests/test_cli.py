@@ -458,6 +458,20 @@ def test_serve_numbers_must_be_finite_and_an_output_may_not_overwrite_an_input(s
     ):
         assert main(["classify", str(tmp_path / pattern), "--device", "cpu", flag, str(out)]) == 2
         assert "matches the input pattern" in capsys.readouterr().err and photo.stat().st_size == size
+    (tmp_path / "sub").mkdir()  # a glob's '*' stays within one folder, as glob's does: no refusal here
+    main(
+        [
+            "classify",
+            str(tmp_path / "*"),
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path / "sub" / "r.jsonl"),
+        ]
+    )
+    assert "matches the input pattern" not in capsys.readouterr().err
     same = str(tmp_path / "same.json")
     assert main(["classify", str(photo), "--device", "cpu", "--out", same, "--report-json", same]) == 2
     assert "--out and --report-json name the same file" in capsys.readouterr().err

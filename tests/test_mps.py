@@ -112,3 +112,21 @@ def test_mps_asked_where_it_cannot_apply_says_why(capsys):
     assert main([*args, "--no-progress", "--out", "-"]) == 0
     err = capsys.readouterr().err
     assert "note: --mps is for GPU decoding on CUDA, not with --device cpu: no MPS server started" in err, err
+
+
+def test_a_ctrl_c_during_the_client_check_still_asks_the_daemon_to_quit(tmp_path, monkeypatch):
+    import pytest
+
+    log = _fake_control(tmp_path, monkeypatch)
+
+    def interrupted(env):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mps, "client_refused", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with mps.private_mps():
+            pass
+    deadline = time.time() + 10
+    while "quit" not in log.read_text() and time.time() < deadline:
+        time.sleep(0.2)
+    assert log.read_text().splitlines()[-1] == "quit" and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ

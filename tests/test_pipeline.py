@@ -254,6 +254,25 @@ def test_model_failure_costs_only_the_images_it_fails_on(samples, tmp_path, no_t
     assert len(long) < 1100 and compute_failed(KeyboardInterrupt()) == "compute failed: KeyboardInterrupt"
 
 
+def test_ctrl_c_during_the_start_up_forward_is_the_users(monkeypatch):
+    """The one forward at start-up that learns the class count lets a KeyboardInterrupt through (it
+    is the user's Ctrl-C), while a model's own exception there only leaves the count unknown."""
+
+    class Interrupted(Tiny):
+        def forward(self, x):
+            raise KeyboardInterrupt
+
+    class Raises(Tiny):
+        def forward(self, x):
+            raise RuntimeError("not now")
+
+    with pytest.raises(KeyboardInterrupt):
+        Pipeline(Config(labels=LABELS, device="cpu", threads=1), model=Interrupted())
+    pipe = Pipeline(Config(labels=LABELS, device="cpu", threads=1), model=Raises())
+    assert pipe.engine.num_classes is None
+    pipe.close()
+
+
 def test_missing_file_and_glob_and_dir(tmp_path, samples):
     (tmp_path / "sub").mkdir()
     for i, p in enumerate(samples[:3]):

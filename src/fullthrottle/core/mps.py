@@ -81,7 +81,11 @@ def private_mps(enabled: bool = True) -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
         yield f"nvidia-cuda-mps-control -d did not start ({r.returncode}): {(r.stderr or r.stdout).strip()[:200]}"
         return
-    refused = client_refused(env)
+    try:
+        refused = client_refused(env)
+    except BaseException:  # (Ctrl-C while the check runs: the daemon must not outlive the command)
+        _quit(exe, root, env)
+        raise
     if refused:  # (a GPU in exclusive mode, another user's server, ...): the run goes on without MPS
         _quit(exe, root, env)
         yield f"the MPS server took no client: {refused}"

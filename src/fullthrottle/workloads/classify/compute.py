@@ -167,11 +167,10 @@ class Engine:
 
     def _probe(self) -> None:
         """One forward of a mid-grey image at start-up, to learn the model's number of classes
-        (:attr:`num_classes`, and its labels by id when it has none and not ImageNet's 1000). With
-        graphs on CUDA, capture does so instead. A model that raises here, or whose output is not one
-        row of logits per image, is left to fail the batches it fails (the error then belongs to
-        their images, as :meth:`checked` words it)."""
-        if self.config.graphs and self.cuda:
+        (:attr:`num_classes`; labels by id when it has none and not 1000). With graphs on CUDA, capture
+        does so instead. A model that raises here, or breaks the output contract, is left to fail the
+        batches it fails (their images' errors, as :meth:`checked` words them)."""
+        if (self.config.graphs and self.cuda) or self.config.compile:  # (capture does it; no extra compile)
             return
         s = self.config.crop_size
         x = torch.full((1, s, s, 3), 128, dtype=torch.uint8, device=self.device)  # (mid-grey)
@@ -179,7 +178,7 @@ class Engine:
             with torch.inference_mode():
                 logits = self.model(self.normalize(x))
             self.checked(logits, 1)
-        except (Exception, SystemExit, KeyboardInterrupt):  # noqa: BLE001 - see the docstring
+        except (Exception, SystemExit):  # noqa: BLE001 - see the docstring (a Ctrl-C here is the user's)
             return
 
     def capture(self) -> None:
@@ -322,10 +321,11 @@ class Engine:
                 torch.index_select(self.crops.tensor, 0, slot.host_rows[:m], out=slot.host_in[k_arr:k_cpu])
         t1 = time.perf_counter()
         self.staging_s += t1 - t0
-        k = self.config.top_k
+        k, staged = self.config.top_k, False  # (staged: every row is in dev_in, the model alone may fail)
         try:
             if not self.cuda:
                 self._copy_gpu_crops(slot, k_cpu, gpu_crops)
+                staged = True
                 probs, idx = topk_probs(self.forward(slot.dev_in[:n]), k)
                 slot.k = probs.shape[1]
                 slot.out_probs[:n, : probs.shape[1]] = probs
@@ -353,6 +353,7 @@ class Engine:
                 if m and self.mapped_crops is None:
                     torch.index_select(self.dev_crops, 0, slot.dev_rows[:m], out=slot.dev_in[k_arr:k_cpu])
                 self._copy_gpu_crops(slot, k_cpu, gpu_crops)
+                staged = True
                 if self.runner is not None:  # one replay; outputs consumed below, in stream order
                     _, (probs, idx) = self.runner.replay(slot.dev_in[:n])
                     probs, idx = probs[:n], idx[:n]
@@ -364,26 +365,26 @@ class Engine:
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - this batch's items', not the run's
             # (a model's own sys.exit or KeyboardInterrupt too: raised in this thread, never a signal)
             slot.error = compute_failed(e)
-            if n > 1 and self.runner is None and not isinstance(e, ModelOutputError):
+            if staged and n > 1 and self.runner is None and not isinstance(e, ModelOutputError):
                 self._rows_one_by_one(slot, n, k)
         self.launch_s += time.perf_counter() - t1
         return slot
 
     def _rows_one_by_one(self, slot: Slot, n: int, k: int) -> None:
-        """The model raised on a batch (eager: no graphs): each of its ``n`` staged rows runs alone, so
-        that an image the model fails on costs itself only, with its own error (:attr:`Slot.row_errors`:
-        never another image's, which may be another client's)."""
+        """The model raised on a batch whose ``n`` rows were all staged (eager: no graphs): each row runs
+        alone, so an image the model fails on costs itself only, with its own error (:attr:`Slot.row_errors`;
+        never another's, perhaps another client's). A failure before staging fails the batch instead."""
         errors = {}
         with torch.cuda.stream(self.compute_stream) if self.cuda else contextlib.nullcontext():
             for i in range(n):
                 try:
                     probs, idx = topk_probs(self.forward(slot.dev_in[i : i + 1]), k)
+                    c = probs.shape[1]
+                    copy_all([slot.out_probs[i : i + 1, :c], slot.out_idx[i : i + 1, :c]], [probs, idx])
+                    slot.k = c
                 except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - this row's
                     errors[i] = compute_failed(e)
                     slot.out_probs[i], slot.out_idx[i] = 0.0, 0  # (no stale ids read for it)
-                    continue
-                slot.k = probs.shape[1]
-                copy_all([slot.out_probs[i : i + 1, : slot.k], slot.out_idx[i : i + 1, : slot.k]], [probs, idx])
             slot.error, slot.row_errors = None, errors
             if self.cuda:
                 slot.done.record(self.compute_stream)

@@ -183,7 +183,6 @@ def spec(name: str) -> ModelSpec:
 
 
 @functools.lru_cache(maxsize=16)
-@functools.lru_cache(maxsize=64)
 def user_spec(name: str) -> ModelSpec:
     """The :class:`ModelSpec` of ``MODULE:CLASS``: a :class:`ModelSpec` there is taken as it is; an
     ``nn.Module`` class (built with no arguments, under :data:`RANDOM_SEED`) brings its own
@@ -224,9 +223,14 @@ def user_spec(name: str) -> ModelSpec:
     except TypeError as e:
         raise ValueError(f"--model {name}: {e}") from None
     spare = [probe]  # (built under the seed build_model sets, as a new one would be)
-    return ModelSpec(
-        lambda: spare.pop() if spare else obj(), transform, None, f"{name} (random weights unless --weights)"
-    )
+
+    def build():
+        try:
+            return spare.pop()  # (atomic: two threads never get the same instance)
+        except IndexError:
+            return obj()
+
+    return ModelSpec(build, transform, None, f"{name} (random weights unless --weights)")
 
 
 def transform_of(model: Any) -> Transform:
