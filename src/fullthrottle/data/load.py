@@ -174,10 +174,13 @@ class LoadError(IOError):
 async def _fetch(client, url: str, max_bytes: int) -> bytes:
     import httpx
 
-    try:
+    try:  # (a bad port or IPv6 address, IDNA, a NUL: refused before any connection)
         port = httpx.URL(url).port
         if port is not None and not 0 < port < 65536:  # (else an OverflowError deep in the connection)
             raise ValueError(f"port {port} is not in 1..65535")
+    except (httpx.InvalidURL, UnicodeError, ValueError) as e:
+        raise LoadError(f"invalid URL {url!r}: {e}") from None
+    try:
         async with client.stream("GET", url) as r:
             if r.status_code != 200:
                 raise LoadError(f"HTTP {r.status_code} {r.reason_phrase} for {url}")
@@ -194,7 +197,7 @@ async def _fetch(client, url: str, max_bytes: int) -> bytes:
         raise LoadError(f"timeout fetching {url}") from None
     except httpx.HTTPError as e:
         raise LoadError(f"cannot fetch {url}: {type(e).__name__}: {e}") from None
-    except (httpx.InvalidURL, UnicodeError, ValueError) as e:  # (a bad port or IPv6 address, IDNA, NUL)
+    except (httpx.InvalidURL, UnicodeError) as e:  # (what only building the request finds)
         raise LoadError(f"invalid URL {url!r}: {e}") from None
 
 
