@@ -1,6 +1,7 @@
 import dataclasses
 import inspect
 import json
+import os
 import subprocess
 import sys
 
@@ -341,6 +342,9 @@ def test_odd_file_names_stay_on_one_line_and_empty_out_is_refused(samples, tmp_p
     monkeypatch.chdir(tmp_path)  # (a file named '-' would land here)
     assert main(["classify", str(odd), "--device", "cpu", "--report-json", "-"]) == 2
     assert "--report-json a file name (stdout carries the results)" in capsys.readouterr().err
+    if os.path.exists("/dev/stdout"):
+        assert main(["classify", str(odd), "--device", "cpu", "--report-json", "/dev/stdout"]) == 2
+        assert "(stdout carries the results)" in capsys.readouterr().err
     assert main(["embed", "-", "--out", str(tmp_path / "v.npy"), "--report-json", "-"]) == 2
     assert not (tmp_path / "-").exists()
 

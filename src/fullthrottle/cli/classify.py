@@ -148,7 +148,8 @@ def cmd_classify(args) -> int:
     inputs = args.inputs
     if args.ray is not None:
         return _classify_ray(args)
-    if args.out == "" or args.report_json in ("", "-"):
+    to_stdout = args.report_json and os.path.realpath(args.report_json) == os.path.realpath("/dev/stdout")
+    if args.out == "" or args.report_json in ("", "-") or to_stdout:
         print(
             "fullthrottle: error: --out needs a file name ('-' for stdout), --report-json a file name "
             "(stdout carries the results)",
