@@ -8,7 +8,15 @@ import os
 import sys
 import time
 
-from .common import _close_out, _gpu_decode_settings, _input_limits, _silence_stdout, sample_photos, write_report_json
+from .common import (
+    _close_out,
+    _gpu_decode_settings,
+    _input_limits,
+    _silence_stdout,
+    held_sigint,
+    sample_photos,
+    write_report_json,
+)
 
 
 def _shown(s: str) -> str:
@@ -137,13 +145,14 @@ def _output_among_inputs(inputs, *outputs) -> str | None:
 
 
 def cmd_classify(args) -> int:
-    import torch
-    from tqdm import tqdm
+    with held_sigint():  # (a Ctrl-C is taken once the native libraries have imported)
+        import torch
+        from tqdm import tqdm
 
-    from ..core.config import Config, resolve_dtype
-    from ..core.device import resolve_device
-    from ..workloads.classify.models import WeightsError
-    from ..workloads.classify.pipeline import Pipeline
+        from ..core.config import Config, resolve_dtype
+        from ..core.device import resolve_device
+        from ..workloads.classify.models import WeightsError
+        from ..workloads.classify.pipeline import Pipeline
 
     inputs = args.inputs
     if args.ray is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -9,6 +10,25 @@ import sys
 from ..core.config import Config
 
 SAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg", "motorcycle_left.png")
+
+
+@contextlib.contextmanager
+def held_sigint():
+    """SIGINT held back in this thread for the block (the imports of torch, torchvision and OpenCV): a
+    Ctrl-C that lands inside a native library's start-up code can abort the process (C++ terminate:
+    exit -6) instead of raising KeyboardInterrupt. It is delivered when the block ends, as the usual
+    KeyboardInterrupt (where the platform has no ``pthread_sigmask``, nothing is held)."""
+    import signal
+
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    except (AttributeError, OSError, ValueError):
+        old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def sample_photos() -> list[str]:
