@@ -44,13 +44,15 @@ def _read_texts(path: str, not_utf8: list[int] | None = None):
 
 
 def cmd_embed(args) -> int:
-    import numpy as np
-    from tqdm import tqdm
+    from .common import held_sigint, write_report_json
 
-    from ..core.gpumon import GpuMonitor
-    from ..core.report import Report, StageStats
-    from ..workloads.embed import Embedder
-    from .common import write_report_json
+    with held_sigint():  # (a Ctrl-C is taken once the native libraries have imported)
+        import numpy as np
+        from tqdm import tqdm
+
+        from ..core.gpumon import GpuMonitor
+        from ..core.report import Report, StageStats
+        from ..workloads.embed import Embedder
 
     if not (args.out.endswith(".npy") or args.out.endswith(".jsonl")):
         print("fullthrottle: error: --out must end in .npy or .jsonl", file=sys.stderr)

@@ -100,11 +100,13 @@ def _many(args, model, tok, eos, device, dtype) -> int:
 
 
 def cmd_generate(args) -> int:
+    from .common import held_sigint
 
-    from ..core.device import resolve_device
-    from ..workloads.llm.generate import GenerateStats, Generator
-    from ..workloads.llm.llama import load_hf
-    from ..workloads.llm.text import LlmText, TextStream
+    with held_sigint():  # (a Ctrl-C is taken once the native libraries have imported)
+        from ..core.device import resolve_device
+        from ..workloads.llm.generate import GenerateStats, Generator
+        from ..workloads.llm.llama import load_hf
+        from ..workloads.llm.text import LlmText, TextStream
 
     try:
         device = resolve_device(args.device)

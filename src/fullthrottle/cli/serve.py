@@ -28,10 +28,13 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
-    from ..core.config import Config, resolve_dtype, usable_cores
-    from ..core.device import resolve_device
-    from ..server.app import ServeOptions, run_server
-    from ..server.options import default_http_workers, serve_threads
+    from .common import held_sigint
+
+    with held_sigint():  # (a Ctrl-C is taken once the native libraries have imported)
+        from ..core.config import Config, resolve_dtype, usable_cores
+        from ..core.device import resolve_device
+        from ..server.app import ServeOptions, run_server
+        from ..server.options import default_http_workers, serve_threads
 
     try:
         device = resolve_device(args.device)
