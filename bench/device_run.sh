@@ -63,6 +63,12 @@ if [[ ,$parts, == *,pipeprobe,* ]]; then   # issue 10: the engines fed from one 
   python3 -c "import sys; sys.path.insert(0, 'bench'); from files_e2e import make_folder; from pathlib import Path; make_folder(Path('/tmp/ft-files/640x480'), ${PIPE_N:-30000}, '640x480')"
   $TO python3 bench/probes/pipelined_decode_probe.py --folder /tmp/ft-files/640x480 ${PIPE_ARGS:-} --out "$OUT/pipelined_decode_probe.json" 2>&1 | tee "$OUT/pipeprobe.log" | tail -30
 fi
+if [[ ,$parts, == *,gilprof,* ]]; then   # issue 10: who holds the CLI main process's GIL while results flow
+  python3 -c "import sys; sys.path.insert(0, 'bench'); from files_e2e import make_folder; from pathlib import Path; make_folder(Path('/tmp/ft-files/640x480'), ${GIL_N:-60000}, '640x480')"
+  python3 -m pip install -q --no-index --no-deps --target /tmp/spy .tools/py_spy*.whl
+  $TO python3 bench/probes/cli_gil_profile.py --folder /tmp/ft-files/640x480 --py-spy /tmp/spy/bin/py-spy ${GIL_ARGS:-} --out "$OUT/cli_gil_profile.json" 2>&1 | tee "$OUT/gilprof.log" | tail -40
+  cp /tmp/gil_raw.txt "$OUT/" 2>/dev/null
+fi
 if [[ ,$parts, == *,startup,* ]]; then   # issue 10: where the classify start-up goes
   python3 -c "import sys; sys.path.insert(0, 'bench'); from files_e2e import make_folder; from pathlib import Path; make_folder(Path('/tmp/ft-files/640x480'), ${STARTUP_N:-8000}, '640x480')"
   $TO python3 bench/probes/startup_probe.py --folder /tmp/ft-files/640x480 --n ${STARTUP_N:-8000} ${STARTUP_ARGS:-} --out "$OUT/startup_probe.json" 2>&1 | tee "$OUT/startup.log" | tail -60

@@ -71,7 +71,15 @@ def make_folder(folder: Path, n: int, kind: str) -> float:
 
 
 def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
-    """The CLI on ``folder`` (listed ``repeat`` times: each pass reads every file again)."""
+    """The CLI on ``folder`` (listed ``repeat`` times: each pass reads every file again). Leading
+    ``FULLTHROTTLE_NAME=VALUE`` words of ``extra`` set that environment variable for this run."""
+    env = dict(os.environ)
+    prefix = ""
+    while extra and extra[0].startswith("FULLTHROTTLE_") and "=" in extra[0]:
+        name, _, value = extra[0].partition("=")
+        env[name] = value
+        prefix += extra[0] + " "
+        extra = extra[1:]
     rep = tmp / "report.json"
     rep.unlink(missing_ok=True)
     cmd = [
@@ -90,7 +98,7 @@ def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
         *extra,
     ]
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     samples = []  # (seconds since start, CPU seconds of the main process)
     rss = []  # (seconds since start, resident MiB of the main process)
     flow = []  # (seconds since start, bytes of results written, CPU seconds by kind of process)
@@ -131,9 +139,9 @@ def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
     # (the report's main_process_cores: the main process's CPU over the run itself, start-up excluded)
     return {
         "cores_by_kind_while_results_flow": cores_while_flowing(flow),
-        "command": "fullthrottle " + " ".join(cmd[3:])
+        "command": prefix + "fullthrottle " + " ".join(cmd[3:])
         if repeat == 1
-        else f"fullthrottle classify {folder} (listed {repeat} times) " + " ".join(cmd[4 + repeat :]),
+        else prefix + f"fullthrottle classify {folder} (listed {repeat} times) " + " ".join(cmd[4 + repeat :]),
         "main_process_memory": memory,
         "exit": p.returncode,
         "wall_s_with_startup": wall,
@@ -243,7 +251,8 @@ def main():
         action="append",
         default=[],
         metavar="ARGS",
-        help="also run the CLI with these arguments on the 640x480 folder (a trial, named try_N; repeatable)",
+        help="also run the CLI with these arguments on the 640x480 folder (a trial, named try_N; repeatable); "
+        "leading FULLTHROTTLE_NAME=VALUE words set that variable for the trial",
     )
     ap.add_argument(
         "--soak",

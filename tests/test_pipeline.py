@@ -533,3 +533,23 @@ def test_a_glob_reports_broken_entries_as_a_folder_does(samples, tmp_path):
         by_dir = [(r.id, r.ok, r.error) for r in pipe.run([str(tmp_path)])]
     assert by_glob == by_dir and [ok for _, ok, _ in by_glob] == [True, False]
     assert "file not found" in by_glob[1][2]
+
+
+def test_result_json_line_equals_json_dumps_of_its_dict():
+    """The CLI's fast JSON line is exactly ``json.dumps(r.to_dict())``: labels and ids with quotes,
+    backslashes and non-ASCII, long float probabilities, errors, NaN, empty top-k."""
+    import json
+
+    from fullthrottle.workloads.classify.result import Result
+
+    rs = [
+        Result(0, "plain.jpg", ["tench", "goldfish"], [0, 1], [0.8123456789, 1.5e-07]),
+        Result(7, 'dir/na"me\\é\n.jpg', ['q"uo\\te', "ünï"], [5, 999], [0.3333333432674408, 0.25]),
+        Result(8, "bad.jpg", error="bad.jpg: not an image (corrupt)"),
+        Result(9, "nan.jpg", ["a"], [3], [float("nan")]),
+        Result(10, "inf.jpg", ["a", "b"], [3, 4], [float("inf"), 0.1]),
+        Result(11, "empty.jpg"),
+    ]
+    for r in rs:
+        assert r.to_json() == json.dumps(r.to_dict())
+    assert json.loads(rs[1].to_json())["top_k"][0]["prob"] == 0.333333

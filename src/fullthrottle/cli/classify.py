@@ -269,7 +269,7 @@ def cmd_classify(args) -> int:
         for r in results:
             failed += not r.ok
             if out is not None:
-                out.write(json.dumps(r.to_dict()) + "\n")
+                out.write(r.to_json() + "\n")
             if out is None:
                 tqdm.write(_format_result(r), file=sys.stdout)
             elif not r.ok and out is not sys.stdout:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
+from functools import lru_cache
+from json.encoder import encode_basestring_ascii
 
 from ...core.errors import error_info
 
@@ -53,3 +57,23 @@ class Result:
             d["error"] = self.error
             d["error_stage"], d["error_kind"] = error_info(self.error)
         return d
+
+    def to_json(self) -> str:
+        """``json.dumps(self.to_dict())``, the same string, made several times faster for results
+        (the per-image cost of writing JSON lines is paid under the GIL of the process that runs the
+        pipeline): each label's JSON text is made once, the rest by string formatting."""
+        if self.error is not None or not math.isfinite(sum(self.probs)):
+            return json.dumps(self.to_dict())
+        top = ", ".join(
+            [
+                _entry_head(lab, int(c)) + repr(round(p, 6)) + "}"
+                for lab, c, p in zip(self.labels, self.class_ids, self.probs)
+            ]
+        )
+        return f'{{"index": {int(self.index)}, "id": {encode_basestring_ascii(self.id)}, "top_k": [{top}]}}'
+
+
+@lru_cache(maxsize=4096)
+def _entry_head(label: str, class_id: int) -> str:
+    """A top-k entry's JSON text up to its probability (made once per class; a few thousand at most)."""
+    return f'{{"label": {encode_basestring_ascii(label)}, "class_id": {int(class_id)}, "prob": '
