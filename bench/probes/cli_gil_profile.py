@@ -33,6 +33,9 @@ def main():
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--rate", type=int, default=250, help="samples per second")
     ap.add_argument("--args", default="--model resnet18", help="more CLI arguments")
+    ap.add_argument(
+        "--gc-timing", action="store_true", help="also time the main process's garbage collections (gc_timing/)"
+    )
     ap.add_argument("--out", default="cli_gil_profile.json")
     args = ap.parse_args()
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
@@ -41,7 +44,12 @@ def main():
         f.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "fullthrottle.cli", "classify", *[args.folder] * args.repeat, "--device", "cuda"]
     cmd += ["--no-progress", "--out", str(out_file), "--report-json", str(rep), *args.args.split()]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    gc_prefix = str(tmp / "gc_timing")
+    if args.gc_timing:  # (every Python process of the run writes one; the main process's is read)
+        here = str(Path(__file__).resolve().parent / "gc_timing")
+        env.update(FT_GC_TIMING=gc_prefix, PYTHONPATH=here + os.pathsep + env.get("PYTHONPATH", ""))
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     t0 = time.perf_counter()
     while p.poll() is None and (not out_file.exists() or out_file.stat().st_size < 1 << 20):
         time.sleep(0.1)
@@ -67,6 +75,7 @@ def main():
         own[frames[-1]] += c
         for f in set(frames[1:]):
             incl[f] += c
+    gc_file = Path(f"{gc_prefix}.{p.pid}.json")
     payload = {
         "probe": "cli_gil_profile",
         "machine": machine_info(),
@@ -77,6 +86,7 @@ def main():
         "cli_exit": p.returncode,
         "cli_stderr_tail": err[-1200:],
         "report": json.loads(rep.read_text()) if rep.exists() else None,
+        "main_process_gc": json.loads(gc_file.read_text()) if gc_file.exists() else None,
         "samples_with_gil": total,
         "gil_held_fraction": round(total / (args.rate * args.seconds), 3),
         "by_thread": dict(by_thread.most_common(30)),
@@ -84,7 +94,7 @@ def main():
         "top_inclusive": dict(incl.most_common(80)),
     }
     write_json(args.out, payload)
-    print(json.dumps({k: payload[k] for k in ("gil_held_fraction", "by_thread")}, indent=1))
+    print(json.dumps({k: payload[k] for k in ("gil_held_fraction", "main_process_gc", "by_thread")}, indent=1))
     for f, c in own.most_common(25):
         print(f"{c:6d} {f[:150]}")
 

@@ -13,6 +13,7 @@ from .common import (
     _gpu_decode_settings,
     _input_limits,
     _silence_stdout,
+    freeze_startup_objects,
     held_sigint,
     sample_photos,
     write_report_json,
@@ -235,6 +236,7 @@ def cmd_classify(args) -> int:
                     file=sys.stderr,
                 )
         pipe = Pipeline(cfg)
+        freeze_startup_objects()
         n_classes = pipe.engine.num_classes
         if n_classes is not None and args.top_k > n_classes:
             print(
