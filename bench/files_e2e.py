@@ -25,6 +25,7 @@ import io
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -72,12 +73,13 @@ def make_folder(folder: Path, n: int, kind: str) -> float:
 
 def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
     """The CLI on ``folder`` (listed ``repeat`` times: each pass reads every file again). Leading
-    ``FULLTHROTTLE_NAME=VALUE`` words of ``extra`` set that environment variable for this run."""
+    ``NAME=VALUE`` words of ``extra`` set that environment variable for this run (``PYTHONPATH`` is
+    prepended to the current one)."""
     env = dict(os.environ)
     prefix = ""
-    while extra and extra[0].startswith("FULLTHROTTLE_") and "=" in extra[0]:
+    while extra and re.match(r"[A-Z_][A-Z0-9_]*=", extra[0]):
         name, _, value = extra[0].partition("=")
-        env[name] = value
+        env[name] = value + os.pathsep + env.get(name, "") if name == "PYTHONPATH" else value
         prefix += extra[0] + " "
         extra = extra[1:]
     rep = tmp / "report.json"
@@ -252,7 +254,7 @@ def main():
         default=[],
         metavar="ARGS",
         help="also run the CLI with these arguments on the 640x480 folder (a trial, named try_N; repeatable); "
-        "leading FULLTHROTTLE_NAME=VALUE words set that variable for the trial",
+        "leading NAME=VALUE words set that environment variable for the trial",
     )
     ap.add_argument(
         "--soak",

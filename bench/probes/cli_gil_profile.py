@@ -34,7 +34,7 @@ def main():
     ap.add_argument("--rate", type=int, default=250, help="samples per second")
     ap.add_argument("--args", default="--model resnet18", help="more CLI arguments")
     ap.add_argument(
-        "--gc-timing", action="store_true", help="also time the main process's garbage collections (gc_timing/)"
+        "--gc-timing", action="store_true", help="also time the main process's garbage collections (interp_hooks/)"
     )
     ap.add_argument("--out", default="cli_gil_profile.json")
     args = ap.parse_args()
@@ -47,7 +47,7 @@ def main():
     env = dict(os.environ)
     gc_prefix = str(tmp / "gc_timing")
     if args.gc_timing:  # (every Python process of the run writes one; the main process's is read)
-        here = str(Path(__file__).resolve().parent / "gc_timing")
+        here = str(Path(__file__).resolve().parent / "interp_hooks")
         env.update(FT_GC_TIMING=gc_prefix, PYTHONPATH=here + os.pathsep + env.get("PYTHONPATH", ""))
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     t0 = time.perf_counter()

@@ -1,13 +1,22 @@
-"""Probe (issue 10): how long the garbage collector holds the GIL in a process. Put this folder on
-``PYTHONPATH`` and set ``FT_GC_TIMING=FILE``: every collection's generation and duration is
-counted, and at exit ``FILE.PID.json`` gets, per generation, the number of collections, their total
-and longest milliseconds, and the objects tracked at exit. Without ``FT_GC_TIMING`` it does nothing."""
+"""Probe hooks (issue 10) for every Python process started with this folder on ``PYTHONPATH``:
+
+- ``FT_GC_TIMING=FILE``: how long the garbage collector holds the GIL. Every collection's generation
+  and duration is counted, and at exit ``FILE.PID.json`` gets, per generation, the number of
+  collections, their total and longest milliseconds, and the objects tracked at exit.
+- ``FT_SWITCH_INTERVAL=SECONDS``: ``sys.setswitchinterval(SECONDS)`` at start-up (how long a thread
+  that waits for the GIL lets the holder run before asking it to drop it; CPython's default 0.005).
+
+Without these variables it does nothing."""
 
 import atexit
 import gc
 import json
 import os
+import sys
 import time
+
+if os.environ.get("FT_SWITCH_INTERVAL"):
+    sys.setswitchinterval(float(os.environ["FT_SWITCH_INTERVAL"]))
 
 _path = os.environ.get("FT_GC_TIMING")
 if _path:
