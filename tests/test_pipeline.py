@@ -549,6 +549,7 @@ def test_result_json_line_equals_json_dumps_of_its_dict():
         Result(9, "nan.jpg", ["a"], [3], [float("nan")]),
         Result(10, "inf.jpg", ["a", "b"], [3, 4], [float("inf"), 0.1]),
         Result(11, "empty.jpg"),
+        Result(12, "types.jpg", [5, "x"], [1.0, True], [1, 0.5]),  # (not from the pipeline: other types)
     ]
     for r in rs:
         assert r.to_json() == json.dumps(r.to_dict())

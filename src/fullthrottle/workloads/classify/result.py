@@ -62,18 +62,28 @@ class Result:
         """``json.dumps(self.to_dict())``, the same string, made several times faster for results
         (the per-image cost of writing JSON lines is paid under the GIL of the process that runs the
         pipeline): each label's JSON text is made once, the rest by string formatting."""
-        if self.error is not None or not math.isfinite(sum(self.probs)):
-            return json.dumps(self.to_dict())
-        top = ", ".join(
-            [
-                _entry_head(lab, int(c)) + repr(round(p, 6)) + "}"
-                for lab, c, p in zip(self.labels, self.class_ids, self.probs)
-            ]
-        )
-        return f'{{"index": {int(self.index)}, "id": {encode_basestring_ascii(self.id)}, "top_k": [{top}]}}'
+        try:
+            if self.error is None and math.isfinite(sum(self.probs)):
+                top = ", ".join(
+                    [
+                        _entry_head(lab, c) + repr(round(p, 6)) + "}"
+                        for lab, c, p in zip(self.labels, self.class_ids, self.probs)
+                    ]
+                )
+                if type(self.index) is int:
+                    return f'{{"index": {self.index}, "id": {encode_basestring_ascii(self.id)}, "top_k": [{top}]}}'
+        except TypeError:  # (labels or id not str, class ids not int: the general encoder decides)
+            pass
+        return json.dumps(self.to_dict())
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=4096, typed=True)
 def _entry_head(label: str, class_id: int) -> str:
-    """A top-k entry's JSON text up to its probability (made once per class; a few thousand at most)."""
-    return f'{{"label": {encode_basestring_ascii(label)}, "class_id": {int(class_id)}, "prob": '
+    """A top-k entry's JSON text up to its probability (made once per class; a few thousand at most).
+
+    Raises:
+        TypeError: ``label`` is not a str or ``class_id`` not an int.
+    """
+    if type(class_id) is not int:
+        raise TypeError(f"class id {class_id!r} is not an int")
+    return f'{{"label": {encode_basestring_ascii(label)}, "class_id": {class_id}, "prob": '
