@@ -459,19 +459,21 @@ def test_a_workload_of_ones_own_is_served_batched_across_requests(caplog):
             load_workload(spec)
 
 
-def test_a_workload_whose_setup_fails_ends_the_server_with_its_own_traceback():
-    """setup() raising: the server exits with status 3 and says which workload failed, with the
-    frames of the user's code and not the web framework's."""
+@pytest.mark.parametrize("http_workers", ["1", "2"])
+def test_a_workload_whose_setup_fails_ends_the_server_with_its_own_traceback(http_workers):
+    """setup() raising: the server exits with status 2 (a start that fails, as a port in use) and says
+    which workload failed, with the frames of the user's code and not the web framework's; with one
+    HTTP process or several."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run(
         [sys.executable, "-m", "fullthrottle.cli", "serve", "--no-classify", "--port", "0"]
-        + ["--workload", "toy_workload:BadSetup", "--device", "cpu"],
+        + ["--workload", "toy_workload:BadSetup", "--device", "cpu", "--http-workers", http_workers],
         capture_output=True,
         text=True,
         env=env,
         timeout=120,
     )
-    assert p.returncode == 3, p.stderr
+    assert p.returncode == 2, p.stderr
     assert "workload 'badsetup': setup() failed:" in p.stderr, p.stderr
     assert "toy_workload.py" in p.stderr and "FileNotFoundError: /nonexistent/weights.pt" in p.stderr
     assert "starlette" not in p.stderr and "asyncio" not in p.stderr

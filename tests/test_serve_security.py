@@ -581,12 +581,13 @@ def test_embed_that_cannot_start_leaves_no_file(tmp_path, capsys):
 
 
 def test_one_client_address_cannot_take_every_connection(samples):
-    """Past its per-address limit a client's new connections are closed as they open; a client at
-    another address is served meanwhile."""
+    """Past its per-address limit a client's new connections are closed as they open, each reported
+    to ``on_client_refused`` (the server logs it); a client at another address is served meanwhile."""
     from fullthrottle.server.guard import head_deadline_protocol
 
-    socks = []
-    kw = {"limit_concurrency": 20, "http": head_deadline_protocol(30.0, per_client=5)}
+    socks, refused = [], []
+    proto = head_deadline_protocol(30.0, per_client=5, on_client_refused=lambda *a: refused.append(a))
+    kw = {"limit_concurrency": 20, "http": proto}
     with Server(Tiny(), uvicorn_kw=kw) as srv:
         port = srv.port
         for _ in range(30):  # from 127.0.0.3: 5 stay open, the rest are closed at once
@@ -599,7 +600,7 @@ def test_one_client_address_cannot_take_every_connection(samples):
                 closed += s.recv(1) == b""
             except TimeoutError:
                 pass
-        assert closed == 25
+        assert closed == 25 and refused == [("127.0.0.3", 5)] * 25
         assert post_image(srv.url, samples[0].read_bytes()).status_code == 200  # others are still served
         for s in socks:
             s.close()

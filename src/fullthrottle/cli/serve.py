@@ -199,5 +199,10 @@ def cmd_serve(args) -> int:
         from ..server.supervisor import run_multi
 
         return run_multi(cfg, args.host, args.port, opts, http_workers, args.max_connections)
-    run_server(cfg, args.host, args.port, opts, max_connections=args.max_connections)
+    try:
+        run_server(cfg, args.host, args.port, opts, max_connections=args.max_connections)
+    except SystemExit as e:  # uvicorn's exit when the start fails (status 3): its reason is logged above
+        if e.code == 3:
+            return 2
+        raise
     return 0

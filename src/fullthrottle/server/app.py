@@ -90,7 +90,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         try:
             state["services"] = await asyncio.to_thread(build) if opts.classify else []
             state["classifier"] = LocalClassifier(state["services"])
-        except Exception as e:  # noqa: BLE001 - one clear line (uvicorn then exits, status 3)
+        except Exception as e:  # noqa: BLE001 - one clear line (uvicorn then exits; serve: status 2)
             raise StartupError(f"the classification model could not start: {type(e).__name__}: {e}") from None
         if state["services"] and state["services"][0].pipeline.engine.random_weights:
             log.warning("the model has random weights (no --weights given): its labels are meaningless")

@@ -126,7 +126,9 @@ SHUTDOWN_LINGER_S = 0.5
 MAX_HEAD_BYTES = 16384
 
 
-def head_deadline_protocol(seconds: float, per_client: int | None = None, parser: str = "auto", on_refused=None):
+def head_deadline_protocol(
+    seconds: float, per_client: int | None = None, parser: str = "auto", on_refused=None, on_client_refused=None
+):
     """uvicorn's HTTP/1.1 protocol with a deadline on every request head: a connection whose request
     line and headers are not complete ``seconds`` after it opened (or after its previous response) is
     closed. uvicorn itself times out only idle keep-alive connections, and any byte received
@@ -144,7 +146,9 @@ def head_deadline_protocol(seconds: float, per_client: int | None = None, parser
     request), or ``"auto"``: httptools where it is installed, as uvicorn itself picks.
 
     ``on_refused``: called with no arguments for each request the parser refuses (400: malformed, or
-    a head over :data:`MAX_HEAD_BYTES`), which never reaches the app (so the caller can count it)."""
+    a head over :data:`MAX_HEAD_BYTES`), which never reaches the app (so the caller can count it).
+    ``on_client_refused``: called with the client's address and ``per_client`` for each connection
+    closed because that address held ``per_client`` already."""
     if parser == "auto":
         import importlib.util
 
@@ -185,6 +189,8 @@ def head_deadline_protocol(seconds: float, per_client: int | None = None, parser
             self._peer = peer[0] if isinstance(peer, tuple) and peer else None
             n = open_from[self._peer] = open_from.get(self._peer, 0) + 1
             if per_client is not None and n > per_client:
+                if on_client_refused is not None:
+                    on_client_refused(self._peer, per_client)
                 transport.close()
                 return
             self._arm()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
@@ -132,6 +133,19 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, **where):
         if counter is not None:
             counter.labels("other", "400").inc()
 
+    warned = [-1e9]  # when a refused client was last logged (at most one line a minute)
+
+    def client_refused(peer, limit: int) -> None:  # (closed as it opened: no answer, so said here)
+        now = time.monotonic()
+        if now - warned[0] >= 60.0:
+            warned[0] = now
+            log.warning(
+                "connections from %s closed as they opened: it holds %d already "
+                "(--max-connections-per-client; further refusals within a minute are not logged)",
+                peer,
+                limit,
+            )
+
     logging.getLogger("uvicorn.error").addFilter(startup_error_only)
     logging.getLogger("uvicorn.error").addFilter(_not_a_dropped_request)
     return _Server(
@@ -142,6 +156,11 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, **where):
             timeout_graceful_shutdown=opts.timeout_s,
             limit_concurrency=max_connections + 1,  # (uvicorn counts the connection asking among them)
             timeout_keep_alive=5,
-            http=head_deadline_protocol(opts.header_timeout_s, opts.max_connections_per_client, on_refused=refused),
+            http=head_deadline_protocol(
+                opts.header_timeout_s,
+                opts.max_connections_per_client,
+                on_refused=refused,
+                on_client_refused=client_refused,
+            ),
         )
     )

@@ -1,8 +1,8 @@
 """A server start that fails (the model cannot load, a workload's ``setup()`` raises) ends with one
 clear message instead of the web framework's traceback through its own internals: the lifespan raises
 :class:`StartupError`, and :func:`startup_error_only` (a filter on uvicorn's error logger) logs just
-its message; uvicorn then prints "Application startup failed. Exiting." and the process exits with
-status 3."""
+its message; uvicorn then prints "Application startup failed. Exiting." and exits with status 3,
+which ``fullthrottle serve`` turns into its usage-error status, 2."""
 
 from __future__ import annotations
 

@@ -181,7 +181,7 @@ async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, 
             msg = starting.result()
             msg = msg.split("StartupError: ", 1)[1].rstrip() if "StartupError: " in msg else msg
             print(f"fullthrottle: error: {msg}", file=sys.stderr, flush=True)
-            code = 3
+            code = 2  # (a start that fails: as with one HTTP process)
             break
         for i, w in enumerate(workers):
             if w.proc.poll() is None or stop.is_set():

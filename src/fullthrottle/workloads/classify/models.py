@@ -230,7 +230,7 @@ def user_spec(name: str) -> ModelSpec:
         except IndexError:
             return obj()
 
-    return ModelSpec(build, transform, None, f"{name} (random weights unless --weights)")
+    return ModelSpec(build, transform, None, f"{name} (the weights its constructor gives it, or --weights)")
 
 
 def transform_of(model: Any) -> Transform:
