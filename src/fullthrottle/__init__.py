@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # (for type checkers and IDEs; at run time the names come fro
     from .core.report import StageStats
     from .core.workload import ItemError, Workload
     from .data.image_header import ImageError
+    from .workloads.classify.models import Transform
     from .workloads.classify.pipeline import Pipeline, PipelineError, classify
     from .workloads.classify.result import Result
 
@@ -31,6 +32,7 @@ _WHERE = {
     "Workload": ".core.workload",
     "ItemError": ".core.workload",
     "StageStats": ".core.report",
+    "Transform": ".workloads.classify.models",
 }
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "PipelineError",
     "Result",
     "StageStats",
+    "Transform",
     "Workload",
     "classify",
 ]
