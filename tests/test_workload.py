@@ -135,8 +135,10 @@ def test_classification_through_the_contract_equals_the_library(samples, bad_dir
 
 
 def test_completions_through_the_contract_equal_each_prompt_alone(tiny_llama):
-    """The completions workload offline: requests batched together give, greedy, the tokens each
-    prompt gets alone from the Generator; a prompt past the context is its request's own error."""
+    """The completions workload offline (continuous batching): requests batched together give, greedy,
+    the tokens each prompt gets alone from the Generator, each ending at its own max_tokens; sampled
+    with a seed, the same tokens alone and among others; a prompt past the context is its request's
+    own error."""
     from fullthrottle.workloads.llm.api import Completions
     from fullthrottle.workloads.llm.generate import Generator
 
@@ -152,6 +154,13 @@ def test_completions_through_the_contract_equal_each_prompt_alone(tiny_llama):
         assert err is None and answer["choices"][0]["token_ids"] == ref
         assert answer["usage"]["completion_tokens"] == len(ref) and answer["choices"][0]["finish_reason"] == "length"
     assert "exceeds the context of 64" in got[3][1] and "no tokenizer" in got[4][1]
+    # sampled, with a seed: the same tokens alone as batched beside others (each its own seed)
+    seeded = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 12, "temperature": 0.9, "top_k": 20, "seed": 7}
+    (alone_answer, err), *_ = run_offline(w, [seeded])
+    batched = run_offline(w, bodies[:2] + [seeded] + bodies[2:])
+    assert err is None and batched[2][1] is None
+    assert batched[2][0]["choices"][0]["token_ids"] == alone_answer["choices"][0]["token_ids"]
+    assert len(alone_answer["choices"][0]["token_ids"]) == 12
     with pytest.raises(ValueError, match="FULLTHROTTLE_LLM_MODEL"):
         Completions().setup("cpu")
 

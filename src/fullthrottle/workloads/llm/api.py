@@ -1,8 +1,9 @@
 """LLM completions as a :class:`~fullthrottle.core.workload.Workload` (``fullthrottle run``, Ray,
 ``serve --workload``), and the request checks it shares with the server's ``POST /v1/completions``
 (:func:`completion_request`). Non-streaming: one answer per request, in OpenAI's completions shape.
-Requests batched together run as one static batch of
-:meth:`~fullthrottle.workloads.llm.generate.Generator.generate` (per-row sampling values and seeds).
+Requests batched together run through the server's continuous-batching
+:class:`~fullthrottle.workloads.llm.scheduler.Scheduler`: each leaves at its own end, with its own
+sampling values and seed.
 """
 
 from __future__ import annotations
@@ -209,20 +210,27 @@ class Completions(Workload):
         return [completion_request(body, self.gen, self.tok)]
 
     def predict(self, items: list) -> list:
-        toks = self.gen.generate(
-            [r["ids"] for r in items],
-            max(r["max_tokens"] for r in items),
-            [r["temperature"] for r in items],
-            [r["top_k"] for r in items],
-            [r["top_p"] for r in items],
-            seed=[r["seed"] for r in items],
-            eos_id=items[0]["eos"],
-        )
+        from ...core.workload import ItemError
+        from .scheduler import Scheduler
+
+        sched = Scheduler(self.gen, eos_id=items[0]["eos"])  # (one model: one end-of-sequence id)
+        recs: list = []
+        for r in items:
+            try:
+                recs.append(
+                    sched.submit(r["ids"], r["max_tokens"], r["temperature"], r["top_k"], r["top_p"], r["seed"])
+                )
+            except ValueError as e:  # (completion_request checks first: a caller of predict's own)
+                recs.append(ItemError(str(e)))
+        while sched.busy:
+            sched.step()
         out = []
-        for r, t in zip(items, toks):
-            t = t[: r["max_tokens"]]
-            stop = r["eos"] is not None and bool(t) and t[-1] == r["eos"]
-            reason = "stop" if stop else "length"
+        for r, rec in zip(items, recs):
+            if isinstance(rec, ItemError):
+                out.append(rec)
+                continue
+            t = rec.tokens
+            reason = "stop" if r["eos"] is not None and t and t[-1] == r["eos"] else "length"
             out.append({"prompt_tokens": len(r["ids"]), "token_ids": t, "finish_reason": reason, "stop": r["stop"]})
         return out
 
