@@ -225,10 +225,13 @@ class Report:
             )
         elif self.batches:
             lines.append(batches)
-        lines.append(f"{'stage':<11}{'workers':>8}{'busy %':>8}{'items/s':>10}{'queue wait ms':>15}")
+        # busy %: of the run, some worker of the stage at work; per worker: the workers' mean
+        lines.append(
+            f"{'stage':<11}{'workers':>8}{'busy %':>8}{'per worker %':>14}{'items/s':>10}{'queue wait ms':>15}"
+        )
         for s in self.stages:
             lines.append(
-                f"{s['stage']:<11}{s['workers']:>8}{s['busy_pct']:>8.1f}"
+                f"{s['stage']:<11}{s['workers']:>8}{s['busy_pct']:>8.1f}{s['worker_busy_pct']:>14.1f}"
                 f"{s['items_per_s']:>10.1f}{s['mean_queue_wait_ms']:>15.2f}"
             )
         gpu = "n/a" if self.gpu_util_pct is None else f"{self.gpu_util_pct:.0f}%"
