@@ -706,3 +706,10 @@ def test_models_of_ones_own_that_fail_say_how(tmp_path, monkeypatch, capsys):
         "red",
         "green",
     ]
+
+
+def test_a_dotted_module_class_is_pointed_at_the_colon(capsys):
+    """``--model my_module.MyNet`` (a dot for the colon): the usage error shows the spelling meant."""
+    with pytest.raises(SystemExit) as e:
+        main(["classify", "--device", "cpu", "--model", "my_pkg.nets.MyNet"])
+    assert e.value.code == 2 and "a colon between module and class: my_pkg.nets:MyNet" in capsys.readouterr().err

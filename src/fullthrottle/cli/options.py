@@ -125,7 +125,9 @@ def model_name(s: str) -> str:
     """``--model``: a name of :data:`MODELS`, or ``MODULE:CLASS`` (imported when the model is built)."""
     if s in MODELS or ":" in s:
         return s
-    raise argparse.ArgumentTypeError(f"unknown model {s!r}: choose one of {', '.join(MODELS)}, or MODULE:CLASS")
+    mod, dot, cls = s.rpartition(".")
+    hint = f" (a colon between module and class: {mod}:{cls})" if dot and mod and cls[:1].isupper() else ""
+    raise argparse.ArgumentTypeError(f"unknown model {s!r}: choose one of {', '.join(MODELS)}, or MODULE:CLASS{hint}")
 
 
 WEIGHTS_HELP = (
