@@ -1,4 +1,5 @@
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -554,3 +555,47 @@ def test_result_json_line_equals_json_dumps_of_its_dict():
     for r in rs:
         assert r.to_json() == json.dumps(r.to_dict())
     assert json.loads(rs[1].to_json())["top_k"][0]["prob"] == 0.333333
+
+
+def test_a_closed_pipeline_refuses_to_run_instead_of_waiting(samples):
+    """run() on a closed Pipeline raises at once (its buffers are gone: it used to wait for ever)."""
+    from fullthrottle import Config, Pipeline
+
+    with Pipeline(Config(device="cpu", model="resnet18", preprocess="threads", threads=1)) as pipe:
+        assert len(list(pipe.run([str(samples[0])]))) == 1
+    with pytest.raises(RuntimeError, match="Pipeline is closed"):
+        list(pipe.run([str(samples[0])]))
+
+
+def test_folder_walk_follows_symlinked_folders_and_says_why_it_skips_one(samples, tmp_path, monkeypatch):
+    """A symlinked subfolder's images are classified (the link's path is their id); a symlink back to
+    a folder it sits in, and a folder that cannot be listed, are each an item with its own error
+    (kind ``unreadable``), never images dropped without a word."""
+    import shutil
+
+    from fullthrottle import Config, Pipeline
+
+    top, other = tmp_path / "top", tmp_path / "other"
+    (top / "sub" / "locked").mkdir(parents=True)
+    other.mkdir()
+    shutil.copy(samples[0], top / "a.jpg")
+    shutil.copy(samples[1], other / "b.jpg")
+    shutil.copy(samples[2], top / "sub" / "locked" / "c.jpg")
+    (top / "link").symlink_to(other)
+    (top / "sub" / "up").symlink_to(top)  # a loop
+    real = os.scandir
+
+    def scandir(path="."):  # (the tests run as root: a mode of 000 would not stop the listing)
+        if os.fspath(path).endswith("locked"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with Pipeline(Config(device="cpu", model="resnet18", preprocess="threads", threads=1)) as pipe:
+        got = {os.path.relpath(r.id, top): r for r in pipe.run([str(top)])}
+        (direct,) = pipe.run([str(other / "b.jpg")])
+    assert sorted(got) == ["a.jpg", "link/b.jpg", "sub/locked", "sub/up"], sorted(got)
+    assert got["a.jpg"].ok and got["link/b.jpg"].class_ids == direct.class_ids
+    locked, loop = got["sub/locked"], got["sub/up"]
+    assert locked.error_kind == "unreadable" and "Permission denied" in locked.error, locked.error
+    assert loop.error_kind == "unreadable" and "symlink loop" in loop.error, loop.error

@@ -87,7 +87,7 @@ def classify_on_ray(
     """
     import ray
 
-    from .data.load import BadSource, expand
+    from .data.sources import BadSource, expand
 
     if not ray.is_initialized():
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)

@@ -11,8 +11,8 @@ from .common import sample_photos
 
 
 def _blobs(paths: list[str] | None) -> list[bytes]:
-    from ..data.load import BadSource, expand
     from ..data.preprocess import ImageError, preprocess
+    from ..data.sources import BadSource, expand
 
     paths = paths or sample_photos()
     out = []

@@ -120,7 +120,7 @@ def _output_among_inputs(inputs, *outputs) -> str | None:
     two outputs are one file; None when neither."""
     import glob
 
-    from ..data.load import IMAGE_SUFFIXES
+    from ..data.sources import IMAGE_SUFFIXES
 
     real = [os.path.realpath(o) for o in outputs if o and o != "-"]
     if len(set(real)) < len(real):
@@ -238,7 +238,8 @@ def cmd_classify(args) -> int:
         pipe = Pipeline(cfg)
         freeze_startup_objects()
         n_classes = pipe.engine.num_classes
-        if n_classes is not None and args.top_k > n_classes:
+        # (the default top-k over a model of fewer classes lists them all, unremarked)
+        if n_classes is not None and args.top_k > n_classes and args.top_k != Config.top_k:
             print(
                 f"note: --top-k {args.top_k} is more than the model's {n_classes} "
                 f"class{'' if n_classes == 1 else 'es'}: "

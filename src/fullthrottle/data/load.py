@@ -8,13 +8,10 @@ for in-memory bytes) here and keeps them to the end; a failed read becomes that 
 from __future__ import annotations
 
 import asyncio
-import glob
 import os
-import re
 import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,11 +19,10 @@ from typing import Any
 import numpy as np
 
 from ..core.gpumon import nvtx_range
+from .sources import BadSource, expand
 
 #: most items per list the loader hands on (one queue hand-off for up to this many images)
 LOAD_CHUNK = 32
-#: file name endings a directory walk picks up (decoding itself goes by content, not by name)
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff")
 
 
 @dataclass(slots=True)  # (no per-instance dict: made and read once per image, under the GIL)
@@ -49,76 +45,6 @@ class Item:
     pool_row: int = -1  # the crop is in this row of the decoder processes' shared CropPool (no array)
     t_start: float = field(default_factory=time.perf_counter)
     t_queued: float = 0.0
-
-
-class BadSource(str):
-    """A source that names no loadable item; the string is the item's error."""
-
-
-def is_url(s: str) -> bool:
-    """Whether ``s`` is an http(s) URL (the scheme in any case, as URLs allow)."""
-    return s[:8].lower().startswith(("http://", "https://"))
-
-
-def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
-    """Yield ``(id, source)`` for every item named by ``inputs``, lazily, in order.
-
-    Accepts: paths (``str`` or ``Path``) to files; directories (walked recursively, sorted, files
-    whose names end in :data:`IMAGE_SUFFIXES`); glob patterns (``**`` allowed); http(s) URLs;
-    ``bytes`` (id ``<bytes #i>``); ``(id, bytes)`` pairs. A path that does not exist fails with "file
-    not found" in the load stage; an empty directory, a pattern that matches nothing and an input of
-    another type each become one item carrying that error (:class:`BadSource`).
-    """
-    for i, src in enumerate(inputs):
-        if isinstance(src, (bytes, bytearray, memoryview)):
-            yield f"<bytes #{i}>", bytes(src)
-        elif isinstance(src, tuple) and len(src) == 2 and isinstance(src[1], (bytes, bytearray)):
-            yield str(src[0]), bytes(src[1])
-        elif isinstance(src, (str, os.PathLike)):
-            s = os.fspath(src)
-            found = 0
-            if is_url(s):
-                yield s, s
-                continue
-            if not s:
-                yield f"<input #{i}>", BadSource("empty path (an empty string names no file)")
-                continue
-            scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", s)
-            if scheme and not os.path.exists(s):
-                yield (
-                    s,
-                    BadSource(
-                        f"unsupported URL scheme {scheme.group(1)!r} (only http:// and https:// "
-                        "are fetched; give local files as paths)"
-                    ),
-                )
-                continue
-            if os.path.isdir(s):
-                for root, dirs, files in os.walk(s):
-                    dirs.sort()
-                    for name in sorted(files):
-                        if name.lower().endswith(IMAGE_SUFFIXES):
-                            p = os.path.join(root, name)
-                            found += 1
-                            yield p, Path(p)
-                if not found:
-                    yield s, BadSource(f"no image files (*{', *'.join(IMAGE_SUFFIXES)}) in directory {s}")
-            elif any(c in s for c in "*?[") and not os.path.exists(s):
-                for p in sorted(glob.iglob(s, recursive=True)):
-                    if not os.path.isdir(p):  # (a dangling link or a FIFO gets its own error, as in a folder)
-                        found += 1
-                        yield p, Path(p)
-                if not found:
-                    yield s, BadSource(f"no files match the pattern {s}")
-            else:
-                yield s, Path(s)
-        else:
-            yield (
-                f"<input #{i}>",
-                BadSource(
-                    f"cannot load an input of type {type(src).__name__} (give a path, URL, bytes or (id, bytes))"
-                ),
-            )
 
 
 def read_local(path: str, max_bytes: int) -> bytes:

@@ -121,6 +121,7 @@ class Pipeline:
         #: called with each batch's size as the batcher forms it (from the batcher's thread)
         self.on_batch = None
         self._busy = threading.Lock()
+        self.closed = False  # (close(): every later run raises)
 
     def _start_gpu_decoders(self, config: Config) -> None:
         from ...data.gpu_decode_procs import GpuDecoderPool
@@ -160,7 +161,8 @@ class Pipeline:
 
     def close(self) -> None:
         """Stop the decoder processes and release the device buffers (the pipeline cannot be used
-        afterwards)."""
+        afterwards: :meth:`run` then raises RuntimeError)."""
+        self.closed = True
         if getattr(self, "gpu_decoders", None) is not None:
             self.gpu_decoders.close()
         if getattr(self, "decoders", None) is not None:
@@ -178,6 +180,8 @@ class Pipeline:
                 else type(inputs).__name__
             )
             raise TypeError(f"inputs must be an iterable of paths, URLs, bytes or (id, bytes) pairs, got {what}")
+        if self.closed:
+            raise RuntimeError("this Pipeline is closed (its decoders and buffers are released): build a new one")
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
                 "this Pipeline is already running a stream; finish it first (or build a second Pipeline)"
@@ -199,13 +203,14 @@ class Pipeline:
         """Classify ``inputs`` and yield one :class:`~fullthrottle.workloads.classify.decode.Result` per item.
 
         ``inputs``: paths, directories, globs, URLs, ``bytes``, or ``(id, bytes)`` pairs (see
-        :func:`fullthrottle.data.load.expand`). Results come in input order unless ``ordered=False``.
+        :func:`fullthrottle.data.sources.expand`). Results come in input order unless ``ordered=False``.
         Breaking out of the loop (or Ctrl-C) stops every stage and joins its threads.
 
         Raises:
             PipelineError: a stage failed for a reason that belongs to no single item, or the
                 ``inputs`` iterable raised (after every item it gave has been answered).
             TypeError: ``inputs`` is not iterable (an async iterable included).
+            RuntimeError: the Pipeline is closed, or running another stream.
         """
         run = self._begin(inputs)
         try:

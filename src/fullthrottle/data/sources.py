@@ -1,0 +1,122 @@
+"""Where inputs become items: paths, folders (walked), globs, URLs and bytes named one by one
+(:func:`expand`), each with its id, or with the error that says why it names no image
+(:class:`BadSource`). The load stage (:mod:`~fullthrottle.data.load`) reads what they name."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+#: file name endings a directory walk picks up (decoding itself goes by content, not by name)
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff")
+
+
+class BadSource(str):
+    """A source that names no loadable item; the string is the item's error."""
+
+
+def is_url(s: str) -> bool:
+    """Whether ``s`` is an http(s) URL (the scheme in any case, as URLs allow)."""
+    return s[:8].lower().startswith(("http://", "https://"))
+
+
+def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
+    """Yield ``(id, source)`` for every item named by ``inputs``, lazily, in order.
+
+    Accepts: paths (``str`` or ``Path``) to files; directories (walked recursively, sorted, files
+    whose names end in :data:`IMAGE_SUFFIXES`); glob patterns (``**`` allowed); http(s) URLs;
+    ``bytes`` (id ``<bytes #i>``); ``(id, bytes)`` pairs. A path that does not exist fails with "file
+    not found" in the load stage; an empty directory, a pattern that matches nothing and an input of
+    another type each become one item carrying that error (:class:`BadSource`).
+    """
+    for i, src in enumerate(inputs):
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            yield f"<bytes #{i}>", bytes(src)
+        elif isinstance(src, tuple) and len(src) == 2 and isinstance(src[1], (bytes, bytearray)):
+            yield str(src[0]), bytes(src[1])
+        elif isinstance(src, (str, os.PathLike)):
+            s = os.fspath(src)
+            found = 0
+            if is_url(s):
+                yield s, s
+                continue
+            if not s:
+                yield f"<input #{i}>", BadSource("empty path (an empty string names no file)")
+                continue
+            scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", s)
+            if scheme and not os.path.exists(s):
+                yield (
+                    s,
+                    BadSource(
+                        f"unsupported URL scheme {scheme.group(1)!r} (only http:// and https:// "
+                        "are fetched; give local files as paths)"
+                    ),
+                )
+                continue
+            if os.path.isdir(s):
+                said = False  # (an unreadable folder or a loop: its own item says why)
+                for p, src in walk_images(s):
+                    found += not isinstance(src, BadSource)
+                    said = said or isinstance(src, BadSource)
+                    yield p, src
+                if not found and not said:
+                    yield s, BadSource(f"no image files (*{', *'.join(IMAGE_SUFFIXES)}) in directory {s}")
+            elif any(c in s for c in "*?[") and not os.path.exists(s):
+                for p in sorted(glob.iglob(s, recursive=True)):
+                    if not os.path.isdir(p):  # (a dangling link or a FIFO gets its own error, as in a folder)
+                        found += 1
+                        yield p, Path(p)
+                if not found:
+                    yield s, BadSource(f"no files match the pattern {s}")
+            else:
+                yield s, Path(s)
+        else:
+            yield (
+                f"<input #{i}>",
+                BadSource(
+                    f"cannot load an input of type {type(src).__name__} (give a path, URL, bytes or (id, bytes))"
+                ),
+            )
+
+
+def walk_images(top: str) -> Iterator[tuple[str, Any]]:
+    """``(path, Path(path))`` for the image files under the folder ``top``, recursively, sorted, and
+    ``(path, BadSource)`` for a folder that cannot be read or a symlink that leads back to a folder
+    it sits in (a loop): those are items with their own error, not images dropped without a word.
+    Symlinked folders are followed (the link's path is the images' id); a folder reached twice by
+    different links is walked twice, a loop once."""
+    errors: list[OSError] = []
+    seen = {top: frozenset({_identity(top)})}  # folder -> its (device, inode) and its ancestors'
+    for root, dirs, files in os.walk(top, onerror=errors.append, followlinks=True):
+        for e in errors:
+            yield e.filename or root, BadSource(f"cannot read directory {e.filename or root}: {e.strerror or e}")
+        errors.clear()
+        above = seen.pop(root, frozenset())
+        keep = []
+        for d in sorted(dirs):
+            full = os.path.join(root, d)
+            ident = _identity(full)
+            if ident is not None and ident in above:
+                yield full, BadSource(f"cannot read {full}: a symlink loop (it leads back to a folder it is in)")
+                continue
+            seen[full] = above | {ident}
+            keep.append(d)
+        dirs[:] = keep
+        for name in sorted(files):
+            if name.lower().endswith(IMAGE_SUFFIXES):
+                yield os.path.join(root, name), Path(os.path.join(root, name))
+    for e in errors:  # (the top folder itself unreadable)
+        yield e.filename or top, BadSource(f"cannot read directory {e.filename or top}: {e.strerror or e}")
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """A folder's ``(st_dev, st_ino)`` (symlinks followed), or None when it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
