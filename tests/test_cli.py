@@ -83,7 +83,13 @@ def test_classify_bad_inputs_jsonl(tmp_path, bad_dir, capsys):
     assert "ERROR" in err and "truncated" in err
 
 
-@pytest.mark.parametrize("args,msg", [(["--weights", "/nonexistent.safetensors"], "weights file not found")])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--weights", "/nonexistent.safetensors"], "weights file not found"),
+        (["--batch-size", "100000000"], "max_batch_size must be at most 4096 images, got 100000000"),
+    ],
+)
 def test_config_errors_exit_2(args, msg, capsys):
     rc = main(["classify", "--device", "cpu", "--no-progress", *args])
     assert rc == 2 and msg in capsys.readouterr().err

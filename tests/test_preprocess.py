@@ -99,3 +99,21 @@ def test_pixel_limit_is_checked_on_header_before_decoding():
     arr = np.zeros((100, 100, 3), np.uint8)
     with pytest.raises(ImageError, match="image too large: 100x100"):
         decode(_jpeg(arr), max_pixels=5000)
+
+
+def test_a_png_with_a_bad_checksum_is_corrupt_without_naming_a_python_object():
+    """Pillow's message names its in-memory buffer (``<_io.BytesIO object at 0x...>``): the item's error
+    says what is wrong with the file only."""
+    import io
+
+    from PIL import Image
+
+    from fullthrottle.data.preprocess import ImageError, decode
+
+    buf = io.BytesIO()
+    Image.new("RGB", (50, 40), (1, 2, 3)).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    data[29] ^= 0xFF  # the IHDR chunk's CRC
+    with pytest.raises(ImageError) as e:
+        decode(bytes(data))
+    assert str(e.value) == "corrupt or unsupported PNG image: cannot identify image file"

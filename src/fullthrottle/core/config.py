@@ -51,6 +51,10 @@ _TRANSFORM = {
 }
 
 
+#: the largest image batch a Config allows (buffers for several such batches are allocated at start)
+MAX_BATCH_SIZE = 4096
+
+
 def default_buckets(max_batch_size: int, start: int = 1) -> tuple[int, ...]:
     """The bucket ladder of every workload: powers of two from ``start`` below ``max_batch_size``,
     plus ``max_batch_size`` itself (image batches; LLM batches; embedding batches and, from 16,
@@ -272,6 +276,11 @@ class Config:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.staging_slots < 2:
             raise ValueError(f"staging_slots must be >= 2, got {self.staging_slots}")
+        if self.max_batch_size > MAX_BATCH_SIZE:  # (each staging slot holds a batch of crops: ~150 kB each)
+            raise ValueError(
+                f"max_batch_size must be at most {MAX_BATCH_SIZE} images, got {self.max_batch_size} "
+                "(its staging buffers and crop pool are allocated up front)"
+            )
         if self.preprocess not in ("auto", "threads", "processes"):
             raise ValueError(f"preprocess must be 'auto', 'threads' or 'processes', got {self.preprocess!r}")
         if self.threads is not None and (

@@ -15,6 +15,7 @@ Decoding is chosen by content (magic bytes), never by file name:
 from __future__ import annotations
 
 import io
+import re
 import struct
 
 import cv2
@@ -117,7 +118,8 @@ def _decode_pil(data: bytes, fmt: str) -> np.ndarray:
     except Image.DecompressionBombError as e:
         raise ImageError(f"image too large: {e}") from None
     except (OSError, SyntaxError, ValueError, struct.error) as e:
-        raise ImageError(f"corrupt or unsupported {fmt} image: {e}") from None
+        why = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(e))  # (Pillow names its buffer)
+        raise ImageError(f"corrupt or unsupported {fmt} image: {why}") from None
 
 
 def resize_crop(
