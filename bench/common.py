@@ -204,6 +204,19 @@ def kind_of(pid: int, root: int, root_name: str = "engine") -> str:
     return next((name for key, name in KINDS if key.encode() in cmd), "other")
 
 
+def processes_by_kind(root: int, root_name: str = "engine") -> dict[str, list[str]]:
+    """The processes of ``root``'s tree by :func:`kind_of`: per kind, each one's pid and the start of
+    its command line (to see what a kind holds, ``"other"`` above all)."""
+    out: dict[str, list[str]] = {}
+    for p in tree(root):
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        out.setdefault(kind_of(p, root, root_name), []).append(f"{p}: {cmd[:160]}")
+    return out
+
+
 def cpu_by_kind(root: int, root_name: str = "engine") -> dict[str, float]:
     """CPU seconds used so far by the processes of ``root``'s tree, summed by :func:`kind_of`."""
     import collections

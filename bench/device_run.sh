@@ -50,6 +50,15 @@ if [[ ,$parts, == *,files,* ]]; then      # issues 09/10: the CLI on folders of 
   tries=(); IFS=';' read -ra tl <<< "${FILES_TRIES:-}"; for t in "${tl[@]}"; do tries+=("--try=$t"); done  # ';'-separated
   $PIN $TO python3 bench/files_e2e.py --n ${FILES_N:-60000} ${FILES_ARGS:-} "${tries[@]}" --out "$OUT/files_e2e.json" 2>&1 | tee "$OUT/files_e2e.log" | tail -8
 fi
+if [[ ,$parts, == *,cputrials,* ]]; then  # issue 10: CPU decoder processes beside the engines, ResNet18 defaults
+  # (each try: NAME=VALUE environment words, then CLI arguments; the mixed folder's engines were 96% busy)
+  for folder in ${TRIAL_FOLDERS:-mixed 640x480}; do
+    $PIN $TO python3 bench/files_e2e.py --n ${FILES_N:-60000} --runs , --try-folder $folder \
+      --try="--model resnet18" --try="FULLTHROTTLE_CPU_JPEG_WORKERS=5 --model resnet18" \
+      --try="FULLTHROTTLE_CPU_JPEG_WORKERS=8 --model resnet18" --try="FULLTHROTTLE_POOL_GATHER=mapped --model resnet18" \
+      --try="--model resnet18 --batch-size 128" --out "$OUT/cpu_trials_$folder.json" 2>&1 | grep "img/s " | cut -c1-260
+  done
+fi
 if [[ ,$parts, == *,wprof,* ]]; then     # issue 10: one GPU decoder process's steps, and P of them at once
   python3 -c "import sys; sys.path.insert(0, 'bench'); from files_e2e import make_folder; from pathlib import Path; make_folder(Path('/tmp/ft-files/640x480'), ${WPROF_N:-8000}, '640x480')"
   $TO python3 bench/probes/gpu_worker_profile.py --folder /tmp/ft-files/640x480 ${WPROF_ARGS:-} --out "$OUT/gpu_worker_profile.json" 2>&1 | tee "$OUT/gpu_worker_profile.log" | tail -30

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SAMPLES, cpu_by_kind, cpu_s, machine_info, rss_mib, write_json  # noqa: E402
+from common import SAMPLES, cpu_by_kind, cpu_s, machine_info, processes_by_kind, rss_mib, write_json  # noqa: E402
 
 
 def _make(args) -> int:
@@ -104,6 +104,7 @@ def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
     samples = []  # (seconds since start, CPU seconds of the main process)
     rss = []  # (seconds since start, resident MiB of the main process)
     flow = []  # (seconds since start, bytes of results written, CPU seconds by kind of process)
+    procs = None  # the run's processes by kind, when the first results were written
     out_file = tmp / "out.jsonl"
     out_file.unlink(missing_ok=True)
     import threading
@@ -123,6 +124,8 @@ def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
         except OSError:
             size = 0
         flow.append((time.perf_counter() - t0, size, cpu_by_kind(p.pid, "main")))
+        if size and procs is None:  # (once results flow: which processes the run has)
+            procs = processes_by_kind(p.pid, "main")
         time.sleep(0.5)
     wall = time.perf_counter() - t0
     reader.join(10)
@@ -141,6 +144,7 @@ def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
     # (the report's main_process_cores: the main process's CPU over the run itself, start-up excluded)
     return {
         "cores_by_kind_while_results_flow": cores_while_flowing(flow),
+        "processes_by_kind_when_results_flow": procs,
         "command": prefix + "fullthrottle " + " ".join(cmd[3:])
         if repeat == 1
         else prefix + f"fullthrottle classify {folder} (listed {repeat} times) " + " ".join(cmd[4 + repeat :]),
@@ -253,8 +257,11 @@ def main():
         action="append",
         default=[],
         metavar="ARGS",
-        help="also run the CLI with these arguments on the 640x480 folder (a trial, named try_N; repeatable); "
+        help="also run the CLI with these arguments on the --try-folder (a trial, named try_N; repeatable); "
         "leading NAME=VALUE words set that environment variable for the trial",
+    )
+    ap.add_argument(
+        "--try-folder", default="640x480", choices=("640x480", "mixed"), help="the folder the --try runs read"
     )
     ap.add_argument(
         "--soak",
@@ -270,7 +277,7 @@ def main():
         RUNS["soak_resnet18_640x480"] = ("640x480", "--model resnet18")
         args.runs += ",soak_resnet18_640x480"
     for i, extra in enumerate(args.trials):
-        RUNS[f"try_{i}"] = ("640x480", extra)
+        RUNS[f"try_{i}"] = (args.try_folder, extra)
         args.runs += f",try_{i}"
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")

@@ -419,6 +419,13 @@ def test_jpegs_keep_at_most_their_share_of_cpu_workers_busy(samples, bad_dir, mo
     assert cpu_feed.cpu_jpeg_workers(15, 12, cores=16) == 2  # the cores left by 12 of them and the main process
     assert cpu_feed.cpu_jpeg_workers(15, 6, cores=16) == 8
     assert cpu_feed.cpu_jpeg_workers(3, 6, cores=64) == 3 and cpu_feed.cpu_jpeg_workers(15, 16, cores=16) == 1
+    monkeypatch.setenv("FULLTHROTTLE_CPU_JPEG_WORKERS", "6")  # (trials set it)
+    assert cpu_feed.cpu_jpeg_workers(15, 12, cores=16) == 6 and cpu_feed.cpu_jpeg_workers(4, 12, cores=16) == 4
+    assert cpu_feed.cpu_jpeg_workers(15, 0, cores=16) == 15
+    monkeypatch.setenv("FULLTHROTTLE_CPU_JPEG_WORKERS", "0")
+    with pytest.raises(ValueError, match="FULLTHROTTLE_CPU_JPEG_WORKERS must be an integer >= 1"):
+        cpu_feed.cpu_jpeg_workers(15, 12, cores=16)
+    monkeypatch.delenv("FULLTHROTTLE_CPU_JPEG_WORKERS")
     monkeypatch.setattr(cpu_feed, "cpu_jpeg_workers", lambda workers, gpu_processes, cores=None: 1)
     inputs = list(samples[:60]) + [bad_dir]
     ref = {r.id: r for r in _pipe(None).run(inputs)}

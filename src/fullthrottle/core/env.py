@@ -26,6 +26,7 @@ POOL_GATHER = "FULLTHROTTLE_POOL_GATHER"
 NVIMGCODEC_THREADS = "FULLTHROTTLE_NVIMGCODEC_THREADS"
 NVIMGCODEC_BACKENDS = "FULLTHROTTLE_NVIMGCODEC_BACKENDS"
 WORKER_STATS = "FULLTHROTTLE_WORKER_STATS"
+CPU_JPEG_WORKERS = "FULLTHROTTLE_CPU_JPEG_WORKERS"
 
 VARS: dict[str, Var] = {
     v.name: v
@@ -63,6 +64,12 @@ VARS: dict[str, Var] = {
             "",
             "--gpu-decoder hardware: nvImageCodec backends and load hints, e.g. "
             "hw:0.7+hybrid (empty: the hardware engines alone)",
+        ),
+        Var(
+            CPU_JPEG_WORKERS,
+            "",
+            "with GPU decoder processes: how many CPU decoder processes JPEGs may keep busy (empty: "
+            "the cores left by the GPU decoder processes and the main process, at least 1), for trials",
         ),
         Var(
             WORKER_STATS,

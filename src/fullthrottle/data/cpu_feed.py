@@ -14,6 +14,7 @@ import collections
 import selectors
 import time
 
+from ..core import env
 from ..core.config import usable_cores
 from .gpu_feed import GPU_CHUNK
 from .image_header import ImageError
@@ -34,9 +35,18 @@ def cpu_jpeg_workers(workers: int, gpu_processes: int, cores: int | None = None)
     ``gpu_processes`` and the main process (about two cores), at least one. Each GPU decoder process
     needs a core to read its files and drive the GPU's decoders, and a CPU worker decoding a JPEG at
     about 250 img/s keeps a whole core from them (see docs/performance.md). Other images (PNG,
-    WebP, CMYK or EXIF-rotated JPEGs, ...) may use every worker."""
+    WebP, CMYK or EXIF-rotated JPEGs, ...) may use every worker. ``FULLTHROTTLE_CPU_JPEG_WORKERS``
+    sets the count instead (trials).
+
+    Raises:
+        ValueError: ``FULLTHROTTLE_CPU_JPEG_WORKERS`` is set to anything but an integer >= 1."""
     if not gpu_processes:
         return workers
+    given = env.get(env.CPU_JPEG_WORKERS)
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"{env.CPU_JPEG_WORKERS} must be an integer >= 1, got {given!r}")
+        return min(workers, int(given))
     return max(1, min(workers, (cores or usable_cores()) - 2 - gpu_processes))
 
 
