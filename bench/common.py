@@ -227,3 +227,15 @@ def cpu_by_kind(root: int, root_name: str = "engine") -> dict[str, float]:
         if c is not None:
             out[kind_of(p, root, root_name)] += c
     return out
+
+
+def py_spy_raw(path) -> list[tuple[list[str], int]]:
+    """The samples of a ``py-spy record -f raw`` file: ``(frames, count)`` per stack, outermost frame
+    first (with ``--threads``, the thread's name); nothing when the file is missing."""
+    out = []
+    p = Path(path)
+    for line in p.read_text().splitlines() if p.exists() else []:
+        stack, _, cnt = line.rstrip().rpartition(" ")
+        if cnt.isdigit():
+            out.append((stack.split(";"), int(cnt)))
+    return out

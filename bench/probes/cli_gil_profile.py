@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
-from common import machine_info, write_json  # noqa: E402
+from common import machine_info, py_spy_raw, write_json  # noqa: E402
 
 
 def main():
@@ -63,13 +63,8 @@ def main():
     _, err = p.communicate()
     by_thread, own, incl = collections.Counter(), collections.Counter(), collections.Counter()
     total = 0
-    for line in raw.read_text().splitlines() if raw.exists() else []:
-        stack, _, cnt = line.rstrip().rpartition(" ")
-        if not cnt.isdigit():
-            continue
-        c = int(cnt)
+    for frames, c in py_spy_raw(raw):
         total += c
-        frames = stack.split(";")
         thread = frames[0]
         by_thread[re.sub(r"\(tid.*?\)|0x[0-9a-f]+", "", thread).strip()] += c
         own[frames[-1]] += c

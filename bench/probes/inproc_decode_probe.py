@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
-from common import machine_info, write_json  # noqa: E402
+from common import machine_info, py_spy_raw, write_json  # noqa: E402
 
 BACKENDS = {"hw": "HW_GPU_ONLY", "cuda": "GPU_ONLY", "hybrid": "HYBRID_CPU_GPU"}
 
@@ -187,17 +187,11 @@ def py_spy_cli(folder, seconds, exe, out_raw):
         out["cli_report_keys"] = list(r)[:40]
     leaf, own = collections.Counter(), collections.Counter()
     total = 0
-    if os.path.exists(out_raw):
-        for line in open(out_raw):
-            stack, _, cnt = line.rstrip().rpartition(" ")
-            if not cnt.isdigit():
-                continue
-            c = int(cnt)
-            total += c
-            frames = stack.split(";")
-            leaf[frames[-1]] += c
-            for f in set(frames):
-                own[f] += c
+    for frames, c in py_spy_raw(out_raw):
+        total += c
+        leaf[frames[-1]] += c
+        for f in set(frames):
+            own[f] += c
     out["samples"] = total
     out["top_leaf"] = [(f, round(c / max(total, 1), 4)) for f, c in leaf.most_common(40)]
     out["top_inclusive"] = [(f, round(c / max(total, 1), 4)) for f, c in own.most_common(60)]
