@@ -665,8 +665,8 @@ def test_model_of_ones_own_by_module_and_class(tmp_path, monkeypatch, capsys):
 def test_models_of_ones_own_that_fail_say_how(tmp_path, monkeypatch, capsys):
     """A user's MODULE:CLASS that cannot be imported or built is a usage error (exit 2) naming the
     module or class and what went wrong, never a traceback; labels that are not class names are
-    refused; a model whose output is not one row of logits per image, or whose labels name another
-    number of classes, fails each image with that reason; NaN logits fail their own images
+    refused, and so is a model whose output is not one row of logits per image, or whose labels name
+    another number of classes; NaN logits fail their own images
     (``non_finite``), and no JSON line holds a NaN."""
     from PIL import Image
 
@@ -686,17 +686,14 @@ def test_models_of_ones_own_that_fail_say_how(tmp_path, monkeypatch, capsys):
         ("colour_models:NeedsArgs", "NeedsArgs() failed: TypeError"),
         ("colour_models:RaisesInInit", "RaisesInInit() failed: KeyError: 'no such layer'"),
         ("colour_models:LabelsNotStrings", "LabelsNotStrings.labels must be a sequence of class names"),
-    ):
-        assert main(["classify", "r.jpg", "--model", model, *run]) == 2, model
-        err = capsys.readouterr().err
-        assert said in err and "Traceback" not in err, (model, err)
-    for model, said in (
+        # the output contract broken, or labels for another number of classes: found at start-up (as
+        # capture's warm-up finds it on CUDA), not once per image
         ("colour_models:OneRowForABatch", "logits (B, C), one row per image; it gave (1, 3)"),
         ("colour_models:TwoLabelsThreeClasses", "the model gives 3 classes, its labels name 2"),
     ):
-        main(["classify", "r.jpg", "g.jpg", "b.jpg", "--model", model, *run])
-        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-        assert len(rows) == 3 and all(said in r["error"] and r["error_kind"] == "compute_failed" for r in rows), rows
+        assert main(["classify", "r.jpg", "--model", model, *run]) == 2, model
+        out, err = capsys.readouterr()
+        assert said in err and "Traceback" not in err and not out, (model, err)
     main(["classify", "r.jpg", "g.jpg", "b.jpg", "--model", "colour_models:NaNForBlue", *run])
     lines = capsys.readouterr().out.splitlines()
 

@@ -166,20 +166,20 @@ class Engine:
         return self.class_labels.num_classes
 
     def _probe(self) -> None:
-        """One forward of a mid-grey image at start-up, to learn the model's number of classes
-        (:attr:`num_classes`; labels by id when it has none and not 1000). With graphs on CUDA, capture
-        does so instead. A model that raises here, or breaks the output contract, is left to fail the
-        batches it fails (their images' errors, as :meth:`checked` words them)."""
+        """One forward of two mid-grey images at start-up, as capture's warm-up on CUDA: learns the
+        model's classes (:attr:`num_classes`). A model that raises here is left to fail the batches it
+        fails. Raises ModelOutputError: the output breaks the contract, or the labels name another
+        number of classes (every batch would fail alike: a configuration error)."""
         if (self.config.graphs and self.cuda) or self.config.compile:  # (capture does it; no extra compile)
             return
         s = self.config.crop_size
-        x = torch.full((1, s, s, 3), 128, dtype=torch.uint8, device=self.device)  # (mid-grey)
+        x = torch.full((2, s, s, 3), 128, dtype=torch.uint8, device=self.device)  # (mid-grey)
         try:
             with torch.inference_mode():
                 logits = self.model(self.normalize(x))
-            self.checked(logits, 1)
         except (Exception, SystemExit):  # noqa: BLE001 - see the docstring (a Ctrl-C here is the user's)
             return
+        self.checked(logits, 2)
 
     def capture(self) -> None:
         """Capture the CUDA graphs (with ``config.graphs`` on CUDA; once): normalise + model +
