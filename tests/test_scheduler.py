@@ -155,3 +155,23 @@ def test_cuda_graph_steps_equal_each_request_alone(tiny_llama):
     sched = Scheduler(gen)
     assert sched.run(reqs) == refs  # replays switch batch bucket and KV bucket as rows join, grow, leave
     assert sorted(sched.free) == list(range(8)) and not sched.running
+
+
+def test_prompts_admitted_together_are_prefilled_by_length_with_little_padding(tiny_llama, monkeypatch):
+    """Prompts prefilled in one step are grouped by length (30 beside 3 would pad 27 tokens): fewer
+    padded tokens, the same first tokens as each prompt alone, each for its own row and in the
+    order given."""
+    lengths = [30, 3, 28, 4]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 97) for _ in range(n)] for n in lengths]
+    alone = Generator(tiny_llama, max_batch=1, max_seq_len=64, graphs=False)
+    refs = [alone.generate([p], max_new_tokens=1)[0][0] for p in prompts]
+    gen = Generator(tiny_llama, max_batch=4, max_seq_len=64, graphs=False, max_prefill_tokens=64)
+    shapes = []
+    real = tiny_llama.prefill
+    monkeypatch.setattr(tiny_llama, "prefill", lambda ids, n, r: shapes.append(tuple(ids.shape)) or real(ids, n, r))
+    gen.temp.zero_()  # greedy rows
+    first = gen._prefill_rows([3, 0, 2, 1], prompts).tolist()
+    assert first == refs
+    assert sorted(shapes) == [(2, 4), (2, 30)]  # in the order given: (2, 30) and (2, 28), 116 tokens
+    assert gen.pos[[3, 0, 2, 1], 0].tolist() == lengths

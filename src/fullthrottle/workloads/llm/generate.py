@@ -212,11 +212,14 @@ class Generator:
     @torch.inference_mode()
     def _prefill_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Prefill ``prompts[j]`` into KV-cache row ``rows[j]`` (their sampling values already in those
-        rows), as few forwards as :attr:`max_prefill_tokens` allows (prompts in order, each forward
-        right-padded to its longest): the first new tokens ``(len(rows),)``; each row's position
-        becomes its prompt's length."""
+        rows), as few forwards as :attr:`max_prefill_tokens` allows (prompts by length, so that each
+        forward, right-padded to its longest, pads little): the first new tokens ``(len(rows),)``, in
+        the order given; each row's position becomes its prompt's length."""
         self.check_cache()
-        dev, out, j = self.device, [], 0
+        dev, out = self.device, []
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # (each prompt's prefill is its own)
+        rows, prompts = [rows[i] for i in order], [prompts[i] for i in order]
+        j = 0
         while j < len(prompts):
             k, longest = j + 1, len(prompts[j])  # a group: as many as fit the budget, padded
             while k < len(prompts) and max(longest, len(prompts[k])) * (k + 1 - j) <= self.max_prefill_tokens:
@@ -239,7 +242,10 @@ class Generator:
                 logits = self.model.prefill(ids.to(dev, non_blocking=True), n, r)  # (b, V)
             out.append(self._first_tokens(r, n, logits))
             j = k
-        return torch.cat(out)
+        firsts = torch.cat(out)  # (by length)
+        if order != sorted(order):
+            firsts = firsts[torch.as_tensor(sorted(range(len(order)), key=order.__getitem__), device=firsts.device)]
+        return firsts
 
     @torch.inference_mode()
     def _prefill_chunk(self, row: int, prompt: Sequence[int], start: int, stop: int) -> torch.Tensor | None:

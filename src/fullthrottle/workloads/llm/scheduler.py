@@ -6,7 +6,7 @@ Each running request holds one row of the cache from its prefill to its last tok
 (:meth:`Scheduler.step`) first does at most the Generator's ``max_prefill_tokens`` of prefill work:
 the next chunk of a prompt too long for one step (chunked prefill: it goes on over several steps,
 in its own row, while the others decode), then waiting requests into free rows, oldest first, their
-prompts prefilled together, right-padded to the longest
+prompts prefilled together, grouped by length and each group right-padded to its longest
 (:meth:`~fullthrottle.workloads.llm.llama.Llama.prefill`); then it decodes one token for every running
 request as one replay of the decode graph of the batch bucket holding the highest row in use and
 of the attention length holding the longest sequence (the Generator's graphs; eager without them).
