@@ -718,3 +718,30 @@ def test_a_dotted_module_class_is_pointed_at_the_colon(capsys):
     with pytest.raises(SystemExit) as e:
         main(["classify", "--device", "cpu", "--model", "my_pkg.nets.MyNet"])
     assert e.value.code == 2 and "a colon between module and class: my_pkg.nets:MyNet" in capsys.readouterr().err
+
+
+def test_an_output_may_not_overwrite_an_image_reached_through_a_symlinked_folder(samples, tmp_path, capsys):
+    """The folder walk follows symlinked folders, so ``--out`` naming an image there (by the link's
+    path or the real one), or any existing image file, is refused before anything is written; an
+    existing results file is overwritten as usual."""
+    import hashlib
+    import shutil
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "outside").mkdir()
+    shutil.copy(samples[0], tmp_path / "outside" / "b.jpg")
+    shutil.copy(samples[1], tmp_path / "photo.png.bak")
+    (tmp_path / "in" / "sub").symlink_to(tmp_path / "outside")
+    before = hashlib.md5((tmp_path / "outside" / "b.jpg").read_bytes()).hexdigest()
+    run = [str(tmp_path / "in"), "--device", "cpu", "--threads", "1", "--no-progress"]
+    for out, said in (
+        (tmp_path / "in" / "sub" / "b.jpg", "is an image file inside the input folder"),
+        (tmp_path / "outside" / "b.jpg", "is an image file: writing it would destroy it"),
+        (tmp_path / "photo.png.bak", "is an image file: writing it would destroy it"),
+    ):
+        assert main(["classify", *run, "--out", str(out)]) == 2, out
+        assert said in capsys.readouterr().err, out
+    assert hashlib.md5((tmp_path / "outside" / "b.jpg").read_bytes()).hexdigest() == before
+    (tmp_path / "old.jsonl").write_text('{"index": 0}\n')
+    assert main(["classify", *run, "--out", str(tmp_path / "old.jsonl")]) == 0
+    assert json.loads((tmp_path / "old.jsonl").read_text().splitlines()[0])["id"].endswith("sub/b.jpg")

@@ -583,6 +583,8 @@ def test_folder_walk_follows_symlinked_folders_and_says_why_it_skips_one(samples
     shutil.copy(samples[2], top / "sub" / "locked" / "c.jpg")
     (top / "link").symlink_to(other)
     (top / "sub" / "up").symlink_to(top)  # a loop
+    (top / "gone").symlink_to(tmp_path / "nowhere")  # dangling: maybe a folder, so said
+    (top / "notes.txt").write_text("not an image: passed over")
     real = os.scandir
 
     def scandir(path="."):  # (the tests run as root: a mode of 000 would not stop the listing)
@@ -594,8 +596,26 @@ def test_folder_walk_follows_symlinked_folders_and_says_why_it_skips_one(samples
     with Pipeline(Config(device="cpu", model="resnet18", preprocess="threads", threads=1)) as pipe:
         got = {os.path.relpath(r.id, top): r for r in pipe.run([str(top)])}
         (direct,) = pipe.run([str(other / "b.jpg")])
-    assert sorted(got) == ["a.jpg", "link/b.jpg", "sub/locked", "sub/up"], sorted(got)
+    assert sorted(got) == ["a.jpg", "gone", "link/b.jpg", "sub/locked", "sub/up"], sorted(got)
+    assert got["gone"].error_kind == "unreadable" and "No such file or directory" in got["gone"].error
     assert got["a.jpg"].ok and got["link/b.jpg"].class_ids == direct.class_ids
     locked, loop = got["sub/locked"], got["sub/up"]
     assert locked.error_kind == "unreadable" and "Permission denied" in locked.error, locked.error
     assert loop.error_kind == "unreadable" and "symlink loop" in loop.error, loop.error
+
+
+@pytest.mark.parametrize("preprocess", ["threads", "processes"])
+def test_closing_a_pipeline_mid_stream_ends_the_stream(samples, preprocess, no_thread_leak):
+    """close() while a stream runs (the consumer calls it between results): iterating on raises
+    RuntimeError promptly (it used to wait for ever with decoder processes), every stage stops."""
+    from fullthrottle import Config, Pipeline
+
+    pipe = Pipeline(Config(device="cpu", model="resnet18", preprocess=preprocess, threads=2))
+    stream = pipe.run([str(p) for p in samples[:60]])
+    assert next(stream).ok
+    pipe.close()
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="closed while this stream ran"):
+        for _ in stream:
+            pass
+    assert time.perf_counter() - t0 < 30

@@ -140,9 +140,28 @@ def _output_among_inputs(inputs, *outputs) -> str | None:
             src = os.path.realpath(inp)
             if os.path.isfile(src) and src == target:
                 return f"the output {out} is one of the inputs: writing it would destroy it"
-            if os.path.isdir(src) and target.startswith(src + os.sep) and target.lower().endswith(IMAGE_SUFFIXES):
+            inside = any(  # (by its real path, or by the path given: the walk follows symlinked folders)
+                t.startswith(d + os.sep) for t in (target, os.path.abspath(out)) for d in (src, os.path.abspath(inp))
+            )
+            if os.path.isdir(src) and inside and target.lower().endswith(IMAGE_SUFFIXES):
                 return f"the output {out} is an image file inside the input folder {inp}: choose another name"
+        if _is_image_file(target):  # (an input reached by a link the walk follows, or any photo)
+            return f"the output {out} is an image file: writing it would destroy it"
     return None
+
+
+def _is_image_file(path: str) -> bool:
+    """Whether ``path`` is an existing regular file that starts like an image (sniffed by content)."""
+    from ..data.image_header import sniff
+
+    if not os.path.isfile(path):  # (never opened: a FIFO would block)
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(32)
+    except OSError:
+        return False
+    return bool(head) and sniff(head) is not None
 
 
 def cmd_classify(args) -> int:

@@ -85,13 +85,22 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
 
 def walk_images(top: str) -> Iterator[tuple[str, Any]]:
     """``(path, Path(path))`` for the image files under the folder ``top``, recursively, sorted, and
-    ``(path, BadSource)`` for a folder that cannot be read or a symlink that leads back to a folder
-    it sits in (a loop): those are items with their own error, not images dropped without a word.
-    Symlinked folders are followed (the link's path is the images' id); a folder reached twice by
-    different links is walked twice, a loop once."""
+    ``(path, BadSource)`` for what the walk cannot enter: a folder that cannot be listed, a symlink
+    that leads back to a folder it sits in (a loop), a symlink that resolves to nothing (dangling,
+    or too many levels of links), a tree too deep to walk. Those are items with their own error,
+    not images dropped without a word. Symlinked folders are followed, as ``find -L`` does (the
+    link's path is the images' id); a folder reached by two links is walked twice, a loop once."""
     errors: list[OSError] = []
     seen = {top: frozenset({_identity(top)})}  # folder -> its (device, inode) and its ancestors'
-    for root, dirs, files in os.walk(top, onerror=errors.append, followlinks=True):
+    walk = os.walk(top, onerror=errors.append, followlinks=True)
+    while True:
+        try:
+            root, dirs, files = next(walk)
+        except StopIteration:
+            break
+        except RecursionError:  # (os.walk recurses before Python 3.12)
+            yield top, BadSource(f"cannot read {top}: its folder tree is too deep to walk")
+            return
         for e in errors:
             yield e.filename or root, BadSource(f"cannot read directory {e.filename or root}: {e.strerror or e}")
         errors.clear()
@@ -107,8 +116,14 @@ def walk_images(top: str) -> Iterator[tuple[str, Any]]:
             keep.append(d)
         dirs[:] = keep
         for name in sorted(files):
+            full = os.path.join(root, name)
             if name.lower().endswith(IMAGE_SUFFIXES):
-                yield os.path.join(root, name), Path(os.path.join(root, name))
+                yield full, Path(full)
+            elif os.path.islink(full) and _identity(full) is None:  # (maybe a folder: say why it is not)
+                try:
+                    os.stat(full)
+                except OSError as e:
+                    yield full, BadSource(f"cannot read {full}: {e.strerror or e} (a symlink)")
     for e in errors:  # (the top folder itself unreadable)
         yield e.filename or top, BadSource(f"cannot read directory {e.filename or top}: {e.strerror or e}")
 

@@ -170,7 +170,7 @@ class Engine:
         model's classes (:attr:`num_classes`). A model that raises here is left to fail the batches it
         fails. Raises ModelOutputError: the output breaks the contract, or the labels name another
         number of classes (every batch would fail alike: a configuration error)."""
-        if (self.config.graphs and self.cuda) or self.config.compile:  # (capture does it; no extra compile)
+        if self.cuda and (self.config.graphs or self.config.compile):  # (capture does it; no extra compile)
             return
         s = self.config.crop_size
         x = torch.full((2, s, s, 3), 128, dtype=torch.uint8, device=self.device)  # (mid-grey)

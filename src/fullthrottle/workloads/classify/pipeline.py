@@ -161,8 +161,11 @@ class Pipeline:
 
     def close(self) -> None:
         """Stop the decoder processes and release the device buffers (the pipeline cannot be used
-        afterwards: :meth:`run` then raises RuntimeError)."""
+        afterwards: :meth:`run` then raises RuntimeError, also one running now)."""
         self.closed = True
+        run = getattr(self, "current_run", None)
+        if run is not None and not run.done:  # its stages stop before the processes they feed
+            run.stop()
         if getattr(self, "gpu_decoders", None) is not None:
             self.gpu_decoders.close()
         if getattr(self, "decoders", None) is not None:
@@ -219,6 +222,8 @@ class Pipeline:
                 if got is None:
                     break
                 yield from run.hand_out(got)
+                if self.closed and not run.done:
+                    raise RuntimeError("the Pipeline was closed while this stream ran")
             run.raise_source_error()
         finally:
             self._finish(run)
@@ -232,6 +237,8 @@ class Pipeline:
                 got = await loop.run_in_executor(None, run.get_many, 0.1)
                 if got is None:
                     break
+                if self.closed and not run.done and not got:
+                    raise RuntimeError("the Pipeline was closed while this stream ran")
                 results = run.hand_out(got)
                 try:
                     for r in results:
