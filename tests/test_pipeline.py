@@ -619,3 +619,24 @@ def test_closing_a_pipeline_mid_stream_ends_the_stream(samples, preprocess, no_t
         for _ in stream:
             pass
     assert time.perf_counter() - t0 < 30
+
+
+def test_a_recursive_glob_over_symlink_loops_lists_each_image_once_per_path_not_for_ever(samples, tmp_path):
+    """``DIR/**/*.jpg`` with two symlink loops: glob itself follows each loop to the system's link
+    limit, once per loop and level (exponential: it never ends); the pattern lists each image once
+    per path that does not run through a loop, skips hidden folders as glob does, and leaves folders out."""
+    import shutil
+
+    from fullthrottle.data.sources import glob_files
+
+    (tmp_path / "a" / ".hidden").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    for name in ("a/x.jpg", "a/.hidden/h.jpg", "b/y.jpg", "top.jpg"):
+        shutil.copy(samples[0], tmp_path / name)
+    (tmp_path / "a" / "up").symlink_to("..")  # loops
+    (tmp_path / "b" / "toa").symlink_to("../a")
+    t0 = time.perf_counter()
+    got = glob_files(str(tmp_path / "**" / "*.jpg"))
+    assert time.perf_counter() - t0 < 5
+    assert [os.path.relpath(p, tmp_path) for p in got] == ["a/x.jpg", "b/toa/x.jpg", "b/y.jpg", "top.jpg"]
+    assert glob_files(str(tmp_path / "*" / "*.jpg")) == [str(tmp_path / "a" / "x.jpg"), str(tmp_path / "b" / "y.jpg")]

@@ -98,29 +98,13 @@ def _classify_ray(args) -> int:
     return 1 if failed else 0
 
 
-def _glob_match(parts: list[str], pattern: list[str]) -> bool:
-    """Whether a path (its components) matches a glob pattern (its components) as ``glob.glob(...,
-    recursive=True)`` would list it: ``*``, ``?`` and ``[...]`` within one component, never a leading
-    dot; ``**`` any number of components."""
-    import fnmatch
-
-    if not pattern:
-        return not parts
-    head, rest = pattern[0], pattern[1:]
-    if head == "**":
-        return any(_glob_match(parts[i:], rest) for i in range(len(parts) + 1))
-    if not parts or (parts[0].startswith(".") and not head.startswith(".")):
-        return False
-    return fnmatch.fnmatchcase(parts[0], head) and _glob_match(parts[1:], rest)
-
-
 def _output_among_inputs(inputs, *outputs) -> str | None:
     """Why an output file would destroy an input (it is one of the input files, a file a glob pattern
     matches or would match, or an image file in an input folder, which the run would read), or why
     two outputs are one file; None when neither."""
     import glob
 
-    from ..data.sources import IMAGE_SUFFIXES
+    from ..data.sources import IMAGE_SUFFIXES, glob_match
 
     real = [os.path.realpath(o) for o in outputs if o and o != "-"]
     if len(set(real)) < len(real):
@@ -134,7 +118,7 @@ def _output_among_inputs(inputs, *outputs) -> str | None:
                 continue
             if glob.has_magic(inp) and not os.path.exists(inp):  # (matched by name: no walk of the tree here)
                 pattern = os.path.abspath(inp).split(os.sep)
-                if any(_glob_match(p.split(os.sep), pattern) for p in (os.path.abspath(out), target)):
+                if any(glob_match(p.split(os.sep), pattern) for p in (os.path.abspath(out), target)):
                     return f"the output {out} matches the input pattern {inp}: writing it would destroy an input"
                 continue
             src = os.path.realpath(inp)

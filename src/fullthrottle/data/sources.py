@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import re
@@ -66,7 +67,7 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
                 if not found and not said:
                     yield s, BadSource(f"no image files (*{', *'.join(IMAGE_SUFFIXES)}) in directory {s}")
             elif any(c in s for c in "*?[") and not os.path.exists(s):
-                for p in sorted(glob.iglob(s, recursive=True)):
+                for p in glob_files(s):
                     if not os.path.isdir(p):  # (a dangling link or a FIFO gets its own error, as in a folder)
                         found += 1
                         yield p, Path(p)
@@ -126,6 +127,61 @@ def walk_images(top: str) -> Iterator[tuple[str, Any]]:
                     yield full, BadSource(f"cannot read {full}: {e.strerror or e} (a symlink)")
     for e in errors:  # (the top folder itself unreadable)
         yield e.filename or top, BadSource(f"cannot read directory {e.filename or top}: {e.strerror or e}")
+
+
+def glob_match(parts: list[str], pattern: list[str]) -> bool:
+    """Whether a path (its components) matches a glob pattern (its components) as ``glob.glob(...,
+    recursive=True)`` would list it: ``*``, ``?`` and ``[...]`` within one component, never a leading
+    dot; ``**`` any number of components, none of them hidden."""
+    if not pattern:
+        return not parts
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        for i in range(len(parts) + 1):
+            if i and parts[i - 1].startswith("."):
+                return False
+            if glob_match(parts[i:], rest):
+                return True
+        return False
+    if not parts or (parts[0].startswith(".") and not head.startswith(".")):
+        return False
+    return fnmatch.fnmatchcase(parts[0], head) and glob_match(parts[1:], rest)
+
+
+def glob_files(pattern: str) -> list[str]:
+    """The paths a glob pattern names, sorted, folders left out (a dangling link or a FIFO stays: it
+    gets its own error). A pattern with ``**`` is matched over a walk of its fixed leading folder
+    that enters each symlink loop once (``glob`` itself would follow loops until the system's link
+    limit, once per loop and level: exponential)."""
+    if "**" not in pattern:
+        return sorted(p for p in glob.iglob(pattern) if not os.path.isdir(p))
+    parts = pattern.split(os.sep)
+    k = next(i for i, c in enumerate(parts) if glob.has_magic(c))
+    base = os.sep.join(parts[:k]) or ("." if not pattern.startswith(os.sep) else os.sep)
+    if not os.path.isdir(base):
+        return []
+    out, prefix = [], parts[:k]
+    for root, dirs, files in _walk_once(base):
+        rel = [] if root == base else os.path.relpath(root, base).split(os.sep)
+        for name in files + [d for d in dirs if not os.path.isdir(os.path.join(root, d))]:
+            if glob_match(rel + [name], parts[k:]):
+                out.append(os.sep.join(prefix + rel + [name]) if prefix else os.path.join(*rel, name))
+    return sorted(out)
+
+
+def _walk_once(top: str):
+    """``os.walk(top, followlinks=True)`` entering no folder that one it is in already is (no loops)."""
+    seen = {top: frozenset({_identity(top)})}
+    for root, dirs, files in os.walk(top, followlinks=True):
+        above = seen.pop(root, frozenset())
+        keep = []
+        for d in sorted(dirs):
+            ident = _identity(os.path.join(root, d))
+            if ident is None or ident not in above:
+                seen[os.path.join(root, d)] = above | {ident}
+                keep.append(d)
+        dirs[:] = keep
+        yield root, dirs, files
 
 
 def _identity(path: str) -> tuple[int, int] | None:
