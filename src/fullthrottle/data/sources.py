@@ -67,10 +67,9 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
                 if not found and not said:
                     yield s, BadSource(f"no image files (*{', *'.join(IMAGE_SUFFIXES)}) in directory {s}")
             elif any(c in s for c in "*?[") and not os.path.exists(s):
-                for p in glob_files(s):
-                    if not os.path.isdir(p):  # (a dangling link or a FIFO gets its own error, as in a folder)
-                        found += 1
-                        yield p, Path(p)
+                for p in glob_files(s):  # (folders left out; a dangling link or a FIFO gets its own error)
+                    found += 1
+                    yield p, Path(p)
                 if not found:
                     yield s, BadSource(f"no files match the pattern {s}")
             else:
@@ -92,8 +91,8 @@ def walk_images(top: str) -> Iterator[tuple[str, Any]]:
     not images dropped without a word. Symlinked folders are followed, as ``find -L`` does (the
     link's path is the images' id); a folder reached by two links is walked twice, a loop once."""
     errors: list[OSError] = []
-    seen = {top: frozenset({_identity(top)})}  # folder -> its (device, inode) and its ancestors'
-    walk = os.walk(top, onerror=errors.append, followlinks=True)
+    loops: list[str] = []
+    walk = _walk_once(top, errors.append, loops)
     while True:
         try:
             root, dirs, files = next(walk)
@@ -104,23 +103,15 @@ def walk_images(top: str) -> Iterator[tuple[str, Any]]:
             return
         for e in errors:
             yield e.filename or root, BadSource(f"cannot read directory {e.filename or root}: {e.strerror or e}")
+        for full in loops:
+            yield full, BadSource(f"cannot read {full}: a symlink loop (it leads back to a folder it is in)")
         errors.clear()
-        above = seen.pop(root, frozenset())
-        keep = []
-        for d in sorted(dirs):
-            full = os.path.join(root, d)
-            ident = _identity(full)
-            if ident is not None and ident in above:
-                yield full, BadSource(f"cannot read {full}: a symlink loop (it leads back to a folder it is in)")
-                continue
-            seen[full] = above | {ident}
-            keep.append(d)
-        dirs[:] = keep
-        for name in sorted(files):
+        loops.clear()
+        for name in files:
             full = os.path.join(root, name)
             if name.lower().endswith(IMAGE_SUFFIXES):
                 yield full, Path(full)
-            elif os.path.islink(full) and _identity(full) is None:  # (maybe a folder: say why it is not)
+            elif os.path.islink(full):  # (one that resolves to nothing may be a folder: say why it is not)
                 try:
                     os.stat(full)
                 except OSError as e:
@@ -169,18 +160,27 @@ def glob_files(pattern: str) -> list[str]:
     return sorted(out)
 
 
-def _walk_once(top: str):
-    """``os.walk(top, followlinks=True)`` entering no folder that one it is in already is (no loops)."""
-    seen = {top: frozenset({_identity(top)})}
-    for root, dirs, files in os.walk(top, followlinks=True):
+def _walk_once(top: str, onerror=None, loops: list | None = None):
+    """``os.walk(top, onerror=onerror, followlinks=True)``, folders and files sorted, entering no folder
+    that one it sits in already is (a symlink loop): such a link's path goes into ``loops`` instead.
+
+    Raises:
+        RecursionError: a tree too deep for ``os.walk`` (it recurses before Python 3.12)."""
+    seen = {top: frozenset({_identity(top)})}  # folder -> its (device, inode) and its ancestors'
+    for root, dirs, files in os.walk(top, onerror=onerror, followlinks=True):
         above = seen.pop(root, frozenset())
         keep = []
         for d in sorted(dirs):
-            ident = _identity(os.path.join(root, d))
-            if ident is None or ident not in above:
-                seen[os.path.join(root, d)] = above | {ident}
-                keep.append(d)
+            full = os.path.join(root, d)
+            ident = _identity(full)
+            if ident is not None and ident in above:
+                if loops is not None:
+                    loops.append(full)
+                continue
+            seen[full] = above | {ident}
+            keep.append(d)
         dirs[:] = keep
+        files.sort()
         yield root, dirs, files
 
 
