@@ -87,7 +87,7 @@ def test_classify_bad_inputs_jsonl(tmp_path, bad_dir, capsys):
     "args,msg",
     [
         (["--weights", "/nonexistent.safetensors"], "weights file not found"),
-        (["--batch-size", "100000000"], "max_batch_size must be at most 4096 images, got 100000000"),
+        (["--batch-size", "100000000"], "max_batch_size (--batch-size) must be at most 4096 images, got 100000000"),
     ],
 )
 def test_config_errors_exit_2(args, msg, capsys):

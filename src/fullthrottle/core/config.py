@@ -278,7 +278,7 @@ class Config:
             raise ValueError(f"staging_slots must be >= 2, got {self.staging_slots}")
         if self.max_batch_size > MAX_BATCH_SIZE:  # (each staging slot holds a batch of crops: ~150 kB each)
             raise ValueError(
-                f"max_batch_size must be at most {MAX_BATCH_SIZE} images, got {self.max_batch_size} "
+                f"max_batch_size (--batch-size) must be at most {MAX_BATCH_SIZE} images, got {self.max_batch_size} "
                 "(its staging buffers and crop pool are allocated up front)"
             )
         if self.preprocess not in ("auto", "threads", "processes"):
