@@ -61,13 +61,13 @@ def test_cli_run_answers_a_jsonl_file_in_order(tmp_path, capsys):
 
 
 def test_cli_run_gives_each_bad_line_its_own_error(tmp_path):
-    """Not UTF-8, NaN, nesting 100,000 deep: that line's error; a byte order mark is skipped; the
-    lines around them are answered."""
+    """Not UTF-8, NaN, nesting 100,000 deep, a cut-off body: that line's error; a byte order mark is
+    skipped; the lines around them are answered."""
     from fullthrottle.cli import main
 
     src = tmp_path / "req.jsonl"
     lines = [b'\xef\xbb\xbf{"inputs": [[1,2,3,4]]}', b'{"inputs": "\xff"}', b'{"inputs": [[NaN,1,2,3]]}']
-    src.write_bytes(b"\n".join(lines + [b"[" * 100_000 + b"]" * 100_000, b'{"inputs": [[0,0,0,2]]}']) + b"\n")
+    src.write_bytes(b"\n".join(lines + [b"[" * 100_000 + b"]" * 100_000, b'{"inputs": [[0,0,0,2]]}', b"{"]) + b"\n")
     out = tmp_path / "out.jsonl"
     assert main(["run", str(src), "--workload", "toy_workload:Summer", "--device", "cpu", "--out", str(out)]) == 1
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -76,6 +76,8 @@ def test_cli_run_gives_each_bad_line_its_own_error(tmp_path):
     }
     assert "not UTF-8" in rows[1]["error"] and "NaN is not JSON" in rows[2]["error"]
     assert rows[3]["error"] == "malformed JSON body: nested too deep"
+    # (a position inside a body is a column of its line: the row's "line" is the file's)
+    assert rows[5]["line"] == 6 and rows[5]["error"].endswith("double quotes: column 2 (char 1)"), rows[5]
 
 
 def test_run_offline_holds_workloads_to_the_contract_as_the_server_does():

@@ -24,9 +24,9 @@ def _bodies(f):
         if not raw.strip():
             continue
         try:
-            yield n, parse_body(raw), None
-        except ValueError as e:
-            yield n, None, str(e)
+            yield n, parse_body(raw.rstrip(b"\r\n")), None
+        except ValueError as e:  # (the body is one line of the file: a position in it is a column)
+            yield n, None, str(e).replace(": line 1 column ", ": column ")
 
 
 def _fail(msg: str) -> int:
