@@ -102,7 +102,7 @@ def walk_images(top: str) -> Iterator[tuple[str, Any]]:
             yield top, BadSource(f"cannot read {top}: its folder tree is too deep to walk")
             return
         for e in errors:
-            yield e.filename or root, BadSource(f"cannot read directory {e.filename or root}: {e.strerror or e}")
+            yield _unlisted(e, root)
         for full in loops:
             yield full, BadSource(f"cannot read {full}: a symlink loop (it leads back to a folder it is in)")
         errors.clear()
@@ -117,7 +117,13 @@ def walk_images(top: str) -> Iterator[tuple[str, Any]]:
                 except OSError as e:
                     yield full, BadSource(f"cannot read {full}: {e.strerror or e} (a symlink)")
     for e in errors:  # (the top folder itself unreadable)
-        yield e.filename or top, BadSource(f"cannot read directory {e.filename or top}: {e.strerror or e}")
+        yield _unlisted(e, top)
+
+
+def _unlisted(e: OSError, where: str) -> tuple[str, BadSource]:
+    """The item of a folder that could not be listed (``e``, os.walk's error; ``where``: its folder)."""
+    path = e.filename or where
+    return path, BadSource(f"cannot read directory {path}: {e.strerror or e}")
 
 
 def glob_match(parts: list[str], pattern: list[str]) -> bool:
