@@ -108,3 +108,40 @@ def test_gpu_monitor_samples_the_jpeg_engines_where_nvml_reports_them(monkeypatc
         assert m.to_dict()["jpeg_engines_util_mean_pct"] == want
         line = Report(items=1, ok=1, wall_s=1.0, gpu_util_pct=60.0, jpeg_engines_util_pct=want).format()
         assert ("GPU utilisation (NVML): 60%; JPEG engines busy 37%" in line) == (want is not None), line
+
+
+def test_latency_histogram_percentiles_within_half_a_percent_in_constant_memory():
+    import numpy as np
+
+    from fullthrottle.core.latency import LatencyHistogram
+
+    rng = np.random.default_rng(0)
+    ms = rng.lognormal(mean=2.0, sigma=1.5, size=200_000)  # ~0.01 ms .. ~1 s
+    h = LatencyHistogram()
+    size = h.counts.nbytes
+    for chunk in np.array_split(ms, 1000):
+        h.add(chunk.tolist())
+    assert len(h) == ms.size and h.counts.nbytes == size
+    for q in (0, 1, 50, 90, 99, 99.9, 100):
+        exact = float(np.percentile(ms, q, method="inverted_cdf"))  # nearest rank
+        assert abs(h.percentile(q) - exact) <= 0.005 * exact, (q, h.percentile(q), exact)
+    h.remove(ms[:100_000].tolist())  # taken back: the rest's percentiles
+    assert len(h) == 100_000
+    exact = float(np.percentile(ms[100_000:], 99, method="inverted_cdf"))
+    assert abs(h.percentile(99) - exact) <= 0.005 * exact
+    assert LatencyHistogram().percentile(50) == 0.0 and not LatencyHistogram()
+
+
+def test_a_report_gives_the_latency_percentiles_of_its_run(samples):
+    import fullthrottle as ft
+
+    pipe = ft.Pipeline(ft.Config(model="resnet18", device="cpu", threads=1))
+    try:
+        results = pipe.classify([p.read_bytes() for p in samples[:6]])
+    finally:
+        pipe.close()
+    lat = sorted(r.latency_ms for r in results)
+    rep = pipe.last_report
+    assert len(rep.latencies_ms) == 6
+    assert abs(rep.latency_ms(50) - lat[2]) <= 0.005 * lat[2]  # nearest rank: the 3rd of 6
+    assert abs(rep.to_dict()["latency_p99_ms"] - lat[5]) <= 0.005 * lat[5]

@@ -6,7 +6,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
+from .latency import LatencyHistogram
 
 STAGES = ("load", "preprocess", "batch", "compute", "decode")
 
@@ -127,7 +127,8 @@ class Report:
     ok: int = 0
     failed: int = 0
     wall_s: float = 0.0
-    latencies_ms: list[float] = field(default_factory=list, repr=False)
+    #: per-item latencies (ms), as counts in log-spaced buckets (constant memory)
+    latencies_ms: LatencyHistogram = field(default_factory=LatencyHistogram, repr=False)
     stages: list[dict] = field(default_factory=list)
     batches: int = 0
     mean_batch_size: float = 0.0
@@ -165,7 +166,7 @@ class Report:
 
     def latency_ms(self, q: float) -> float:
         """The ``q``-th percentile (0..100) of per-item latency (ms) from load start to result."""
-        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else 0.0
+        return self.latencies_ms.percentile(q)
 
     def to_dict(self) -> dict:
         d = self._dict()

@@ -27,6 +27,7 @@ import torch
 from ...core.batch import Batcher
 from ...core.config import Config
 from ...core.gpumon import GpuMonitor
+from ...core.latency import LatencyHistogram
 from ...core.report import Report, StageStats
 from ...data.cpu_feed import feed_cpu_decoders
 from ...data.gpu_decode import gpu_eligible
@@ -187,7 +188,7 @@ class Run:
             ),
             threading.Thread(target=self._guard(functools.partial(decode_thread, self)), name="ft-decode", daemon=True),
         ]
-        self.latencies: list[float] = []
+        self.latencies = LatencyHistogram()  # (constant memory: a server's run never ends)
         self.gpumon = GpuMonitor((engine.device.index or 0) if engine.cuda else None)
         self.t0 = 0.0
         self.t_end = 0.0
@@ -334,7 +335,7 @@ class Run:
             self.done = True
             self.stop()
             raise PipelineError(f"pipeline stage failed: {type(err).__name__}: {err}") from err
-        self.latencies += [r.latency_ms for r in out]
+        self.latencies.add([r.latency_ms for r in out])
         if finished:
             self.done = True
             self.t_end = time.perf_counter()
@@ -364,7 +365,7 @@ class Run:
             if owed:
                 self.window.release(owed)
             if given < len(results):  # the caller stopped: latencies only of the results it got
-                del self.latencies[len(self.latencies) - (len(results) - given) :]
+                self.latencies.remove([r.latency_ms for r in results[given:]])
 
     def raise_source_error(self) -> None:
         """After the last result: if the inputs iterable raised, raise that now (every item it

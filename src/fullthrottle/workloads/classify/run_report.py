@@ -19,7 +19,7 @@ def run_report(run) -> Report:
         ok=run.ok,
         failed=run.failed,
         wall_s=wall,
-        latencies_ms=list(run.latencies),
+        latencies_ms=run.latencies.copy(),
         stages=[s.snapshot(wall) for s in run.stats.values()],
         batches=batches,
         mean_batch_size=run.batcher.batched_items / batches if batches else 0.0,
