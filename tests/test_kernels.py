@@ -103,6 +103,23 @@ CHECK = textwrap.dedent("""
                 assert not counters.any()              # left zero for the next call
             o = K.decode_attention(q, kc, vc, pos, 1, kv_len, counters, block_t=32, warps=4)  # other splits
             assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (o.float() - ref).abs().max()
+        # paged decode attention: the same rows as pages of 16 positions, in scattered pages, found
+        # through a block table; unused entries point to page 0, which holds noise never read
+        page, P = 16, 10
+        pages_k, pages_v = rnd(40, Hkv, page, D), rnd(40, Hkv, page, D)
+        table = torch.zeros(5, P, dtype=torch.long, device=device)
+        table[1:4] = torch.randperm(39, generator=g)[: 3 * P].view(3, P).to(device) + 1
+        kc = pages_k[table].permute(0, 2, 1, 3, 4).reshape(5, Hkv, P * page, D)   # (rows, Hkv, T, D)
+        vc = pages_v[table].permute(0, 2, 1, 3, 4).reshape(5, Hkv, P * page, D)
+        rows = torch.tensor([1, 2, 3], device=device)
+        assert torch.equal(K.gather_pages(pages_k, table, rows, 150), kc[1:4, :, :150])
+        pos = torch.tensor([0, 64, 149], device=device)[:, None]
+        ref = K.decode_attention_ref(q.float(), kc.float(), vc.float(), pos, 1, 150)
+        counters = torch.zeros(B * H, dtype=torch.int32, device=device)
+        for merge in (None, counters):
+            o = K.paged_decode_attention(q, pages_k, pages_v, table, pos, 1, 150, merge)
+            assert o.shape == (B, H, 1, D) and o.dtype == dtype
+            assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (o.float() - ref).abs().max()
         # image normalisation from uint8 NHWC, a size not a multiple of the block, every byte value
         x8 = torch.arange(5 * 7 * 11 * 3, device=device).remainder(256).to(torch.uint8).view(5, 7, 11, 3)
         scale = torch.tensor([0.0171, 0.0175, 0.0174], device=device).to(dtype)

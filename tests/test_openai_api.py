@@ -35,9 +35,11 @@ def test_text_stream_gives_whole_characters_and_ends_before_the_first_stop(tiny_
     assert out == TEXT[: -len("fox")] and out + ts.flush() == TEXT and not ts.stopped
 
 
-@pytest.fixture
-def llm(make_tiny_llama, tiny_text):
-    """(server, ``alone(ids, n)``: the greedy tokens of a prompt run alone, the LlmText)."""
+@pytest.fixture(params=[0, 6], ids=["static-kv", "paged-kv"])
+def llm(make_tiny_llama, tiny_text, request):
+    """(server, ``alone(ids, n)``: the greedy tokens of a prompt run alone, the LlmText); the server's
+    KV memory a static row per request, or 6 pages of 64 tokens for its 4 rows (requests of 128
+    positions take 2: three fit at once)."""
     model = make_tiny_llama(vocab_size=tiny_text.tokenizer.get_vocab_size(), max_position_embeddings=128)
     ref = Generator(model, max_batch=1, max_seq_len=128, graphs=False)
     refs = {}  # ref's answers, made before the server's Generator takes the model's KV cache
@@ -53,7 +55,7 @@ def llm(make_tiny_llama, tiny_text):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
     cids = tiny_text.encode(tiny_text.chat_prompt(msgs), special=False)
     refs[tuple(cids), 16] = ref.generate([cids], 16)[0]
-    gen = Generator(model, max_batch=4, max_seq_len=128, graphs=False, check_every=4)
+    gen = Generator(model, max_batch=4, max_seq_len=128, graphs=False, check_every=4, kv_pages=request.param)
     with pytest.raises(RuntimeError, match="took its KV cache"):
         ref.generate([ids], 4)
     with Server(Tiny(), ServeOptions(llm=(gen, tiny_text), llm_name="tiny")) as s:

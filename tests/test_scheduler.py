@@ -142,7 +142,8 @@ def test_eos_ends_a_request_and_frees_its_row(tiny_llama):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_steps_equal_each_request_alone(tiny_llama):
+@pytest.mark.parametrize("kv_pages", [0, 12])  # the static cache; paged KV memory (2 pages a row)
+def test_cuda_graph_steps_equal_each_request_alone(tiny_llama, kv_pages):
     model = tiny_llama.cuda()
     rng = random.Random(1)
     reqs = [
@@ -151,10 +152,11 @@ def test_cuda_graph_steps_equal_each_request_alone(tiny_llama):
     ]
     alone = Generator(model, max_batch=1, max_seq_len=96, graphs=False)
     refs = [alone.generate([r["prompt"]], max_new_tokens=r["max_new_tokens"])[0] for r in reqs]
-    gen = Generator(model, max_batch=8, max_seq_len=96, graphs=True, attn_buckets=(32, 64))
+    gen = Generator(model, max_batch=8, max_seq_len=96, graphs=True, attn_buckets=(32, 64), kv_pages=kv_pages)
     sched = Scheduler(gen)
     assert sched.run(reqs) == refs  # replays switch batch bucket and KV bucket as rows join, grow, leave
     assert sorted(sched.free) == list(range(8)) and not sched.running
+    assert gen.kv is None or gen.kv.pages_used == 0
 
 
 def test_prompts_admitted_together_are_prefilled_by_length_with_little_padding(tiny_llama, monkeypatch):
@@ -175,3 +177,41 @@ def test_prompts_admitted_together_are_prefilled_by_length_with_little_padding(t
     assert first == refs
     assert sorted(shapes) == [(2, 4), (2, 30)]  # in the order given: (2, 30) and (2, 28), 116 tokens
     assert gen.pos[[3, 0, 2, 1], 0].tolist() == lengths
+
+
+def test_paged_kv_memory_gives_each_request_its_tokens_alone_and_admits_what_fits(tiny_llama):
+    """Paged KV memory of 6 pages of 64 positions under 4 rows: requests of up to 150 positions
+    (3 pages) wait for pages, not only for rows; prompts longer than the prefill budget go in chunks
+    that read their earlier pages. Greedy and seeded sampled requests get exactly their tokens alone
+    (static cache); every page comes back; a request larger than the whole pool is refused."""
+    rng = random.Random(4)
+    reqs = [
+        {
+            "prompt": [rng.randrange(97) for _ in range(rng.choice([2, 30, 70, 110]))],
+            "max_new_tokens": rng.randint(2, 40),
+            "temperature": rng.choice([0.0, 0.8]),
+            "seed": i,
+        }
+        for i in range(10)
+    ]
+    alone = Generator(tiny_llama, max_batch=1, max_seq_len=192, graphs=False)
+    refs = [alone.generate([r["prompt"]], r["max_new_tokens"], r["temperature"], seed=[r["seed"]])[0] for r in reqs]
+    greedy5 = [alone.generate([r["prompt"]], 5)[0] for r in reqs[:2]]
+    gen = Generator(tiny_llama, max_batch=4, max_seq_len=192, graphs=False, max_prefill_tokens=48, kv_pages=6)
+    sched = Scheduler(gen)
+    seqs = [sched.submit(**r) for r in reqs]
+    most_pages, waited_for_memory = 0, 0
+    while sched.busy:
+        sched.step()
+        most_pages = max(most_pages, gen.kv.pages_used)
+        waited_for_memory += bool(sched.waiting and sched.free and sched.prefilling is None)
+    assert [s.tokens for s in seqs] == refs
+    assert most_pages <= 6 and waited_for_memory > 0
+    assert gen.kv.pages_used == 0 and not gen.model.block_table.any()  # every page given back
+    # the static-batch call on the same pages, and one that does not fit
+    assert gen.generate([r["prompt"] for r in reqs[:2]], 5) == greedy5 and gen.kv.pages_used == 0
+    with pytest.raises(ValueError, match="KV pages"):
+        gen.generate([[1] * 100] * 4, 60)  # 4 x 3 pages
+    small = Scheduler(Generator(tiny_llama, max_batch=2, max_seq_len=192, graphs=False, kv_pages=2))
+    with pytest.raises(ValueError, match="more KV memory than there is"):
+        small.submit([1] * 100, max_new_tokens=50)  # 3 pages: more than the pool holds

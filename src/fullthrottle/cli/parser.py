@@ -218,6 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="let requests ask for logprobs: each token's and the top N (0-20; default: off, no extra work per step)",
     )
     v.add_argument(
+        "--llm-kv-pages",
+        type=int,
+        default=LlmSettings.kv_pages,
+        metavar="N",
+        help="paged KV memory: N pages of 64 tokens shared by all requests, each holding the pages its prompt "
+        "+ max_tokens need (requests wait for pages); default 0: a static --llm-max-seq-len row per request",
+    )
+    v.add_argument(
         "--llm-max-seq-len",
         type=positive_int,
         default=None,

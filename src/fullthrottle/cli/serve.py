@@ -155,7 +155,8 @@ def cmd_serve(args) -> int:
             return 2
         try:
             seq = args.llm_max_seq_len or min(model.cfg.max_position_embeddings, 4096)
-            llm = (Generator(model, args.llm_max_batch, seq, graphs=args.graphs, logprobs=args.llm_logprobs), tok)
+            kw = dict(graphs=args.graphs, logprobs=args.llm_logprobs, kv_pages=args.llm_kv_pages)
+            llm = (Generator(model, args.llm_max_batch, seq, **kw), tok)
         except ValueError as e:
             print(f"fullthrottle: error: {e}", file=sys.stderr)
             return 2

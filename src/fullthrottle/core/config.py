@@ -110,6 +110,9 @@ class LlmSettings:
     max_prefill_tokens: int = field(default=8192, metadata={"help": "prefill tokens per step, padding included"})
     prefill_graph_tokens: int = field(default=2048, metadata={"help": "prefills up to this size replay graphs"})
     logprobs: int = field(default=0, metadata={"help": "top tokens a step can report (0-20; 0: off)"})
+    kv_pages: int = field(
+        default=0, metadata={"help": "paged KV memory: pages of 64 tokens for all requests (0: a static row each)"}
+    )
 
 
 @dataclass

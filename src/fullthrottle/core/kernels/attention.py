@@ -20,6 +20,16 @@ def decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len):
     return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
 
 
+def gather_pages(pages: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """The first ``kv_len`` positions of rows ``rows`` ``(B,)`` of paged KV memory (``pages``
+    ``(num_pages, Hkv, PAGE, D)``, ``table`` ``(rows, P)`` int64) as one contiguous ``(B, Hkv, kv_len, D)``
+    (a copy: the reference path)."""
+    B, (_, hkv, page, d) = rows.shape[0], pages.shape
+    n = -(-kv_len // page)
+    got = pages[table[rows, :n]]  # (B, n, Hkv, PAGE, D)
+    return got.permute(0, 2, 1, 3, 4).reshape(B, hkv, n * page, d)[:, :, :kv_len]
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -112,6 +122,8 @@ def decode_attention(
         part,
         o,
         counters if merge else part,
+        pos,  # (no block table: never read)
+        0,
         row0,
         kv_len,
         H,
@@ -125,6 +137,91 @@ def decode_attention(
         BLOCK_T=BLOCK_T,
         MERGE=merge,
         BLOCK_S=BLOCK_S,
+        PAGED=False,
+        num_warps=warps,
+    )
+    if not merge:
+        _attention_merge_kernel[(B * H,)](part, o, splits, D=D, BLOCK_S=BLOCK_S, num_warps=4)
+    return o
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    table: torch.Tensor,
+    pos: torch.Tensor,
+    row0: int,
+    kv_len: int,
+    counters: torch.Tensor | None = None,
+    warps: int = 2,
+) -> torch.Tensor:
+    """:func:`decode_attention` over paged KV memory (PagedAttention, Kwon et al., 2023): row ``b``'s
+    positions ``[i*PAGE, (i+1)*PAGE)`` are in page ``table[row0 + b, i]``. The Triton kernel's splits
+    are one page each, read in place; the reference gathers the pages into one contiguous cache.
+
+    Args:
+        q: ``(B, H, S, D)``. k_pages, v_pages: ``(num_pages, Hkv, PAGE, D)``, PAGE a power of two >= 16.
+        table: ``(rows, P)`` int64 page numbers, ``P * PAGE >= kv_len``. pos, row0, kv_len, counters,
+            warps: as :func:`decode_attention`.
+
+    Returns:
+        ``(B, H, S, D)`` in ``q``'s dtype.
+
+    Raises:
+        ValueError: shapes that do not fit.
+    """
+    B, H, S, D = q.shape
+    _check(
+        k_pages.dim() == 4 and v_pages.shape == k_pages.shape and table.dim() == 2 and pos.shape == (B, S),
+        f"paged_decode_attention: pages must be (num_pages, Hkv, PAGE, D) and the table (rows, P), got "
+        f"{tuple(k_pages.shape)}, {tuple(v_pages.shape)}, {tuple(table.shape)}, pos {tuple(pos.shape)}",
+    )
+    page, hkv = k_pages.shape[2], k_pages.shape[1]
+    _check(
+        k_pages.shape[-1] == D and H % hkv == 0 and table.dtype == torch.long,
+        f"paged_decode_attention: head dim / head counts / table dtype do not fit: q {tuple(q.shape)}, "
+        f"pages {tuple(k_pages.shape)}, table {table.dtype}",
+    )
+    _check(
+        _is_int(row0) and 0 <= row0 and row0 + B <= table.shape[0] and 0 < kv_len <= table.shape[1] * page,
+        f"paged_decode_attention: rows {row0}..{row0 + B} or kv_len {kv_len} past the table {tuple(table.shape)}",
+    )
+    _same_device("paged_decode_attention", q=q, k_pages=k_pages, v_pages=v_pages, table=table, pos=pos)
+    triton_ok = S == 1 and use_triton(q) and not D & (D - 1) and page >= 16 and not page & (page - 1)
+    if not triton_ok or k_pages.stride(-1) != 1 or v_pages.stride() != k_pages.stride() or q.dtype != k_pages.dtype:
+        rows = torch.arange(row0, row0 + B, device=q.device)
+        kc, vc = gather_pages(k_pages, table, rows, kv_len), gather_pages(v_pages, table, rows, kv_len)
+        return decode_attention_ref(q, kc, vc, pos, 0, kv_len)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    splits = triton.cdiv(kv_len, page)
+    part = torch.empty((B * H, splits, D + 2), dtype=torch.float32, device=q.device)
+    merge = counters is not None and counters.dtype == torch.int32 and counters.numel() >= B * H
+    BLOCK_S = triton.next_power_of_2(splits)
+    _attention_part_kernel[(B * H, splits)](
+        q.contiguous(),
+        k_pages,
+        v_pages,
+        pos.contiguous(),
+        part,
+        o,
+        counters if merge else part,
+        table,
+        table.stride(0),
+        row0,
+        kv_len,
+        H,
+        H // hkv,
+        splits,
+        k_pages.stride(0),
+        k_pages.stride(1),
+        k_pages.stride(2),
+        D**-0.5,
+        D=D,
+        BLOCK_T=page,
+        MERGE=merge,
+        BLOCK_S=BLOCK_S,
+        PAGED=True,
         num_warps=warps,
     )
     if not merge:
@@ -143,6 +240,8 @@ if triton is not None:
         part_ptr,
         o_ptr,
         cnt_ptr,
+        table_ptr,
+        table_stride,
         row0,
         T,
         H,
@@ -156,9 +255,11 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         MERGE: tl.constexpr,
         BLOCK_S: tl.constexpr,
+        PAGED: tl.constexpr,
     ):
         # split-KV decode attention, part 1: program (row*head, split) takes cache slots
-        # [split*BLOCK_T, (split+1)*BLOCK_T) of the valid 0..pos and leaves (acc[D], max, sum)
+        # [split*BLOCK_T, (split+1)*BLOCK_T) of the valid 0..pos and leaves (acc[D], max, sum);
+        # PAGED: those slots are page table[row, split] (BLOCK_T == PAGE), c_b its stride
         bh = tl.program_id(0)
         sp = tl.program_id(1)
         b = bh // H
@@ -168,7 +269,12 @@ if triton is not None:
         n = tl.minimum(tl.load(pos_ptr + b) + 1, T)  # valid slots: 0..pos
         t = sp * BLOCK_T + tl.arange(0, BLOCK_T)
         mt = t < n
-        off = (row0 + b).to(tl.int64) * c_b + (h // REP) * c_h + t[:, None].to(tl.int64) * c_t + d[None, :]
+        if PAGED:
+            page = tl.load(table_ptr + (row0 + b).to(tl.int64) * table_stride + sp)
+            slot = tl.arange(0, BLOCK_T)
+            off = page * c_b + (h // REP) * c_h + slot[:, None].to(tl.int64) * c_t + d[None, :]
+        else:
+            off = (row0 + b).to(tl.int64) * c_b + (h // REP) * c_h + t[:, None].to(tl.int64) * c_t + d[None, :]
         k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)  # (BLOCK_T, D)
         sc = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
         m = tl.max(sc, axis=0)

@@ -20,35 +20,12 @@ import torch
 
 from ...core.config import LlmSettings, Runtime, default_buckets
 from ...core.report import StageStats
+from .kv_pages import PagedKV
 from .llama import Llama
 from .sampling import GOLDEN, check_sampling, row_seeds, sample, seeded_noise, token_logprobs
+from .shapes import kv_buckets, prefill_shapes
 
 DEFAULT_BUCKETS = default_buckets(256)
-
-
-def prefill_shapes(buckets: Sequence[int], max_seq_len: int, tokens: int) -> list[tuple[int, int]]:
-    """The (batch bucket, length bucket) shapes to capture prefill graphs for: lengths 16, 32, 64, ...
-    up to ``max_seq_len``, every pair of at most ``tokens`` tokens, most tokens first (0: none).
-
-    >>> prefill_shapes((1, 2, 4), 64, 64)
-    [(1, 64), (2, 32), (4, 16), (1, 32), (2, 16), (1, 16)]
-    """
-    lengths = [16 * 2**i for i in range(16) if 16 * 2**i <= max_seq_len]
-    pairs = [(b, s) for b in buckets for s in lengths if b * s <= tokens]
-    return sorted(pairs, key=lambda p: (-p[0] * p[1], -p[1]))
-
-
-def kv_buckets(max_seq_len: int) -> tuple[int, ...]:
-    """Attention lengths to capture decode graphs for: 256, 1024, 4096, ... below ``max_seq_len``, and it.
-
-    A step whose longest row is at position ``p`` replays the graph of the smallest length > ``p``, so
-    attention reads that much of the static KV cache, not all of it (at large batches, reading the
-    whole cache makes attention a large share of the step: see docs/performance.md).
-
-    >>> kv_buckets(328), kv_buckets(4096)
-    ((256, 328), (256, 1024, 4096))
-    """
-    return tuple(sorted({min(max_seq_len, 256 * 4**k) for k in range(8)}))
 
 
 @dataclass
@@ -85,9 +62,13 @@ class Generator:
             row. 0: prefill eager only (and on the CPU).
         logprobs: 0, or how many most likely tokens (up to 20) each step also reports, with the
             chosen token's log-probability (:attr:`lp`, :attr:`lp_ids`, per row; in the graphs).
+        kv_pages: 0: the static KV cache, a ``max_seq_len`` row per sequence; N: paged KV memory of N
+            pages of :data:`~fullthrottle.workloads.llm.kv_pages.PAGE` tokens shared by all rows
+            (:attr:`kv`), each sequence holding the pages its prompt + new tokens need.
 
     Raises:
-        ValueError: on :meth:`generate`, a prompt + max_new_tokens longer than ``max_seq_len``.
+        ValueError: on :meth:`generate`, a prompt + max_new_tokens longer than ``max_seq_len``, or
+            (paged) more than the free pages hold.
         RuntimeError: on :meth:`generate`, a later Generator on the same model took its KV cache.
     """
 
@@ -103,6 +84,7 @@ class Generator:
         max_prefill_tokens: int = LlmSettings.max_prefill_tokens,
         prefill_graph_tokens: int = LlmSettings.prefill_graph_tokens,
         logprobs: int = LlmSettings.logprobs,
+        kv_pages: int = LlmSettings.kv_pages,
     ):
         self.model = model
         #: tokens (padding included) one prefill forward takes at most; a longer prompt goes alone
@@ -129,7 +111,16 @@ class Generator:
         self.prefill_shapes = prefill_shapes(self.buckets, max_seq_len, prefill_graph_tokens if use_graphs else 0)
         #: the spare cache row that a prefill graph's padding rows write into (when there are graphs)
         self.spare_row = self.max_batch
-        model.setup_cache(self.max_batch + bool(self.prefill_shapes), max_seq_len, owner=self)
+        rows = self.max_batch + bool(self.prefill_shapes)
+        #: paged KV memory's free and held pages (None: the static cache)
+        self.kv: PagedKV | None = None
+        if kv_pages < 0:
+            raise ValueError(f"kv_pages must be 0 (a static cache) or a number of pages, got {kv_pages}")
+        if kv_pages:
+            model.setup_paged_cache(rows, max_seq_len, kv_pages, owner=self)
+            self.kv = PagedKV(model.block_table, kv_pages)
+        else:
+            model.setup_cache(rows, max_seq_len, owner=self)
         B, V = self.max_batch, model.cfg.vocab_size
         # static inputs of the decode step (views [:b] serve every bucket)
         self.tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
@@ -333,6 +324,16 @@ class Generator:
                     f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceeds "
                     f"max_seq_len {self.max_seq_len} (the static KV cache's length)"
                 )
+        if self.kv is not None:  # (paged: rows 0..n-1 get their pages for the whole call)
+            self.kv.reserve_rows([len(p) + max_new_tokens for p in prompts])
+        try:
+            return self._generate(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, stats, on_tokens)
+        finally:
+            for i in range(n if self.kv is not None else 0):
+                self.kv.release(i)
+
+    def _generate(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, stats, on_tokens):
+        n = len(prompts)
         seeds = self.row_seeds(seed, n)
         b = next(x for x in self.buckets if x >= n)
         greedy = all(t == 0 for t in (temperature if isinstance(temperature, (list, tuple)) else [temperature]))

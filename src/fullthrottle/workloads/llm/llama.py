@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...core import kernels
+from .kv_pages import PAGE, gather_pages, write_pages
 
 
 @dataclass
@@ -124,10 +125,13 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # (maxB, Hkv, T, D)
         self.v_cache: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None  # (maxB * H,) int32: decode attention's merge counts
+        self.block_table: torch.Tensor | None = None  # paged KV memory: (rows, P) int64 (kv_pages.py)
 
     def forward(self, x, cos, sin, pos, row0, mask, kv_len):
         if isinstance(row0, torch.Tensor):  # batched prefill into cache rows ``row0`` (B,)
             return self.prefill(x, cos, sin, pos, row0)
+        if self.block_table is not None:
+            return self.forward_paged(x, cos, sin, pos, row0, mask, kv_len)
         B, S, _ = x.shape  # x: (B, S, dim)
         h, hkv, d = self.h, self.hkv, self.d
         # the q/k/v projection (B, S, (H+2*Hkv)*D), RoPE on q and k, k and v written into the cache at
@@ -158,11 +162,39 @@ class Attention(nn.Module):
         q = kernels.linear_rope_qkv_into_cache(
             x, self.qkv_proj.weight, cos, sin, pos, kt, vt, 0, h, hkv
         )  # (B, H, S, D)
-        self.k_cache[:, :, :S].index_copy_(0, rows, kt)
-        self.v_cache[:, :, :S].index_copy_(0, rows, vt)
+        if self.block_table is not None:  # paged: into the rows' pages
+            write_pages(self.k_cache, self.v_cache, self.block_table, rows, pos, kt, vt)
+        else:
+            self.k_cache[:, :, :S].index_copy_(0, rows, kt)
+            self.v_cache[:, :, :S].index_copy_(0, rows, vt)
         if h // hkv > 1:  # grouped-query attention
             kt, vt = kt.repeat_interleave(h // hkv, dim=1), vt.repeat_interleave(h // hkv, dim=1)
         y = F.scaled_dot_product_attention(q, kt, vt, is_causal=True)  # (B, H, S, D)
+        return kernels.linear(y.transpose(1, 2).reshape(B, S, h * d), self.o_proj.weight)
+
+    def forward_paged(self, x, cos, sin, pos, row0, mask, kv_len):
+        # as forward, over paged KV memory (kv_pages.py): the pages are k_cache, v_cache
+        # (num_pages + 1, Hkv, PAGE, D), found through the block table (rows, P)
+        B, S, _ = x.shape  # x: (B, S, dim); pos: (B, S); rows row0..row0+B
+        h, hkv, d = self.h, self.hkv, self.d
+        kt = torch.empty(B, hkv, S, d, dtype=self.k_cache.dtype, device=x.device)
+        vt = torch.empty_like(kt)
+        slots = torch.arange(S, device=x.device).expand(B, S)
+        q = kernels.linear_rope_qkv_into_cache(
+            x, self.qkv_proj.weight, cos, sin, slots, kt, vt, 0, h, hkv
+        )  # (B, H, S, D); kt, vt: (B, Hkv, S, D)
+        rows = torch.arange(row0, row0 + B, device=x.device)
+        write_pages(self.k_cache, self.v_cache, self.block_table, rows, pos, kt, vt)
+        if mask is None:  # decode step: split-KV Triton kernels read each row's pages in place
+            y = kernels.paged_decode_attention(
+                q, self.k_cache, self.v_cache, self.block_table, pos, row0, kv_len, self.counters
+            )  # (B, H, 1, D)
+        else:  # (a copy of the rows' first kv_len positions)
+            kc = gather_pages(self.k_cache, self.block_table, rows, kv_len)  # (B, Hkv, T, D)
+            vc = gather_pages(self.v_cache, self.block_table, rows, kv_len)
+            if h // hkv > 1:
+                kc, vc = kc.repeat_interleave(h // hkv, dim=1), vc.repeat_interleave(h // hkv, dim=1)
+            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)  # mask: (B, 1, S, T) additive
         return kernels.linear(y.transpose(1, 2).reshape(B, S, h * d), self.o_proj.weight)
 
 
@@ -218,6 +250,7 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.max_seq_len = 0
         self.kv_len = 0  # cache slots attention reads (a static length per captured graph)
+        self.block_table: torch.Tensor | None = None  # paged KV memory's (rows, P) int64, or None
 
     def setup_cache(self, max_batch: int, max_seq_len: int, owner=None) -> None:
         """Preallocate the static KV cache: per layer ``(max_batch, Hkv, max_seq_len, D)``, zeros.
@@ -233,13 +266,31 @@ class Llama(nn.Module):
         for blk in self.layers:
             blk.self_attn.counters = counters
         self.max_seq_len = self.kv_len = max_seq_len
+        self.block_table = None
+        for blk in self.layers:
+            blk.self_attn.block_table = None
+
+    def setup_paged_cache(self, rows: int, max_seq_len: int, num_pages: int, owner=None) -> None:
+        """Paged KV memory (:mod:`~fullthrottle.workloads.llm.kv_pages`) instead of the static cache:
+        per layer ``(num_pages + 1, Hkv, PAGE, D)`` zeros (page 0: where unused entries point) and one
+        block table ``(rows, ceil(max_seq_len / PAGE))`` int64, zeros, shared by every layer."""
+        self.setup_cache(rows, 1, owner)  # (the merge counters; its one-slot caches are replaced)
+        p = next(self.parameters())
+        self.block_table = torch.zeros(rows, -(-max_seq_len // PAGE), dtype=torch.long, device=p.device)
+        for blk in self.layers:
+            a = blk.self_attn
+            a.k_cache = torch.zeros(num_pages + 1, a.hkv, PAGE, a.d, dtype=p.dtype, device=p.device)
+            a.v_cache = torch.zeros_like(a.k_cache)
+            a.block_table = self.block_table
+        self.max_seq_len = self.kv_len = max_seq_len
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, row0: int = 0) -> torch.Tensor:
         x = self.embed_tokens(tokens)  # (B, S, dim)
         freqs = pos[..., None].float() * self.inv_freq  # (B, S, D/2) float32
         cos, sin = freqs.cos(), freqs.sin()
         B, S = tokens.shape
-        if S == 1 and B <= DECODE_ATTENTION_MAX_BATCH and kernels.use_triton(x):
+        paged = self.block_table is not None  # (paged: the kernel at every batch size)
+        if S == 1 and (paged or B <= DECODE_ATTENTION_MAX_BATCH) and kernels.use_triton(x):
             mask = None  # decode step: the attention kernel bounds each row by its own position
         else:
             t = torch.arange(self.kv_len, device=tokens.device)

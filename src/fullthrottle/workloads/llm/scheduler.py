@@ -16,7 +16,11 @@ discarded). Tokens are read back once per step.
 Each request samples with its own seed (:func:`~fullthrottle.workloads.llm.sampling.seeded_noise`): its
 tokens depend on its prompt, sampling values and seed, not on which requests run beside it.
 
-Not yet (issue 14): variable-length attention (no padding), paged KV memory.
+With paged KV memory (the Generator's ``kv_pages``) a request is admitted only when the pages for
+its prompt + ``max_new_tokens`` are free, and holds them until it ends: requests wait for memory, and
+a running request never runs short of it.
+
+Not yet (issue 14): variable-length attention (no padding).
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ class Scheduler:
     The scheduler owns the Generator's state while it runs: do not call ``gen.generate`` in between.
 
     Raises:
-        ValueError (:meth:`submit`): an empty prompt, or prompt + max_new_tokens over the cache length.
+        ValueError (:meth:`submit`): an empty prompt, or prompt + max_new_tokens over the cache length
+            (or, paged, over all the KV pages there are).
     """
 
     def __init__(self, gen, eos_id: int | None = None):
@@ -110,6 +115,12 @@ class Scheduler:
                 f"{len(prompt)} prompt tokens + max_new_tokens {max_new_tokens} must fit the KV cache's "
                 f"{self.gen.max_seq_len} (and max_new_tokens be >= 1)"
             )
+        kv = self.gen.kv
+        if kv is not None and kv.pages_for(len(prompt) + max_new_tokens) > kv.num_pages:
+            raise ValueError(
+                f"{len(prompt)} prompt tokens + max_new_tokens {max_new_tokens} need more KV memory than there "
+                f"is ({kv.num_pages} pages of {kv.page} tokens)"
+            )
         (seed,) = self.gen.row_seeds(seed, 1)
         s = Request(list(prompt), max_new_tokens, float(temperature), int(top_k), float(top_p), seed, logprobs)
         self.waiting.append(s)
@@ -120,9 +131,27 @@ class Scheduler:
         if (self.eos_id is not None and tok == self.eos_id) or len(s.tokens) >= s.max_new_tokens:
             s.done = True
             del self.running[s.row]
-            self.free.append(s.row)
+            self._free_row(s.row)
             self.gen.done[s.row] = True
         return s.done
+
+    def _free_row(self, row: int) -> None:
+        self.free.append(row)
+        if self.gen.kv is not None:
+            self.gen.kv.release(row)
+
+    def _take_row(self, s: Request) -> None:
+        """The lowest free row for ``s`` (the decode bucket stays small), its pages, its sampling values."""
+        self.free.sort()
+        s.row = self.free.pop(0)
+        if self.gen.kv is not None:
+            self.gen.kv.reserve(s.row, len(s.prompt) + s.max_new_tokens)
+        self._set_row(s)
+
+    def _fits(self, s: Request, pages_taken: int = 0) -> bool:
+        """Whether the KV pages ``s`` needs are free (beside ``pages_taken`` planned); always without paging."""
+        kv = self.gen.kv
+        return kv is None or kv.pages_for(len(s.prompt) + s.max_new_tokens) + pages_taken <= len(kv.free)
 
     def cancel(self, s: Request) -> None:
         """End ``s`` now (its client went away): out of the queue, or its row freed at once."""
@@ -131,10 +160,10 @@ class Scheduler:
         s.done = True
         if s is self.prefilling:
             self.prefilling = None
-            self.free.append(s.row)
+            self._free_row(s.row)
         elif s.row in self.running and self.running[s.row] is s:
             del self.running[s.row]
-            self.free.append(s.row)
+            self._free_row(s.row)
             self.gen.done[s.row] = True
         else:
             try:
@@ -151,11 +180,10 @@ class Scheduler:
         g, finished = self.gen, []
         budget = g.max_prefill_tokens
         t0, tokens = time.perf_counter(), 0
-        if self.prefilling is None and self.waiting and self.free and len(self.waiting[0].prompt) > budget:
+        head = self.waiting[0] if self.waiting else None
+        if self.prefilling is None and head and self.free and len(head.prompt) > budget and self._fits(head):
             s = self.prefilling = self.waiting.popleft()  # too long for one step: chunks, in a row of its own
-            self.free.sort()
-            s.row = self.free.pop(0)
-            self._set_row(s)
+            self._take_row(s)
         if self.prefilling is not None:
             s = self.prefilling
             stop = min(len(s.prompt), s.prefilled + budget)
@@ -164,22 +192,22 @@ class Scheduler:
             if first is not None:
                 self.prefilling = None
                 finished += self._start([s], first)
-        admitted = []
-        if self.free and budget > 0:
+        admitted, pages = [], 0
+        if self.free and budget > 0:  # (oldest first: one that does not fit holds the others back)
             batch = OpenBatch(len(self.free), budget)
             while (
                 self.waiting
                 and len(self.waiting[0].prompt) <= budget
                 and batch.fits(tokens=len(self.waiting[0].prompt))
+                and self._fits(self.waiting[0], pages)
             ):
                 s = self.waiting.popleft()
                 batch.add(s, tokens=len(s.prompt))
+                pages += self.gen.kv.pages_for(len(s.prompt) + s.max_new_tokens) if self.gen.kv is not None else 0
             admitted = batch.take()
         if admitted:
-            self.free.sort()
-            for s in admitted:  # the lowest free rows: the decode bucket stays small
-                s.row = self.free.pop(0)
-                self._set_row(s)
+            for s in admitted:
+                self._take_row(s)
             first = g._prefill_rows([s.row for s in admitted], [s.prompt for s in admitted])
             finished += self._start(admitted, first)
             tokens += sum(len(s.prompt) for s in admitted)

@@ -1,0 +1,92 @@
+"""Paged KV memory (after vLLM's PagedAttention, Kwon et al., 2023): the keys and values of every
+sequence live in fixed-size pages of one pool per layer, found through a block table, so that a
+sequence holds the pages its own tokens need, not a whole ``max_seq_len`` row of a static cache.
+
+Layout, per layer: ``pages (num_pages + 1, Hkv, PAGE, D)``; page 0 is never handed out: the block
+table's unused entries point to it, so writes of padding and of idle rows land there harmlessly
+(nothing reads it unmasked). ``table (rows, P)`` int64, ``P = ceil(max_seq_len / PAGE)``: entry
+``[row, i]`` is the page holding the row's positions ``[i*PAGE, (i+1)*PAGE)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...core.kernels import gather_pages  # noqa: F401 - (the reference read, with the kernel)
+
+#: tokens per page: the Triton decode-attention kernel's split size, so a split reads one page
+PAGE = 64
+
+
+class PagedKV:
+    """The host side of the page pool: which pages are free, which rows hold which.
+
+    Args:
+        table: the model's block table ``(rows, P)`` int64 (on its device; rows' entries are set
+            here, all 0 when the row holds nothing).
+        num_pages: pages that can be handed out (page 0 excluded).
+        page: tokens per page.
+
+    A row's pages are reserved whole for its request (prompt + new tokens) when it is admitted, so
+    that a running request never runs short: a request that does not fit waits.
+    """
+
+    def __init__(self, table: torch.Tensor, num_pages: int, page: int = PAGE):
+        self.table, self.page, self.num_pages = table, page, num_pages
+        self.free = list(range(num_pages, 0, -1))  # (popped from the end: page 1 first)
+        self.held: dict[int, list[int]] = {}
+
+    def pages_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.page)
+
+    def fits(self, tokens: int) -> bool:
+        """Whether ``tokens`` positions could be reserved now."""
+        return self.pages_for(tokens) <= len(self.free)
+
+    def reserve(self, row: int, tokens: int) -> None:
+        """Pages for positions ``[0, tokens)`` of ``row`` (which holds none).
+
+        Raises:
+            RuntimeError: not enough free pages (check :meth:`fits` first).
+        """
+        n = self.pages_for(tokens)
+        if n > len(self.free) or row in self.held:
+            raise RuntimeError(f"row {row}: {n} KV pages asked, {len(self.free)} free (or the row holds some)")
+        got = [self.free.pop() for _ in range(n)]
+        self.held[row] = got
+        self.table[row, :n] = torch.tensor(got, dtype=self.table.dtype)
+
+    def reserve_rows(self, tokens: list[int]) -> None:
+        """Rows ``0..len(tokens)-1``, row ``i`` the pages of ``tokens[i]`` positions.
+
+        Raises:
+            ValueError: they do not fit in the free pages (nothing is reserved then).
+        """
+        need = sum(self.pages_for(t) for t in tokens)
+        if need > len(self.free):
+            raise ValueError(f"these prompts need {need} KV pages of {self.page} tokens, {len(self.free)} are free")
+        for row, t in enumerate(tokens):
+            self.reserve(row, t)
+
+    def release(self, row: int) -> None:
+        """``row``'s pages back to the pool (nothing if it holds none)."""
+        got = self.held.pop(row, None)
+        if got:
+            self.free += reversed(got)
+            self.table[row, : len(got)] = 0
+
+    @property
+    def pages_used(self) -> int:
+        return self.num_pages - len(self.free)
+
+
+def write_pages(k_pages, v_pages, table, rows, pos, k, v) -> None:
+    """New keys and values into their pages: ``k``, ``v`` ``(B, Hkv, S, D)`` of rows ``rows`` ``(B,)``
+    int64 at positions ``pos`` ``(B, S)`` int64 (graph-safe: no host sync)."""
+    page = k_pages.shape[2]
+    where = table[rows[:, None], pos // page]  # (B, S): each token's page
+    off = pos % page  # (B, S): its slot in the page
+    k_pages[where, :, off] = k.transpose(1, 2)  # (B, S, Hkv, D)
+    v_pages[where, :, off] = v.transpose(1, 2)
