@@ -108,41 +108,7 @@ def decode_attention(
     _same_device("decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, pos=pos, counters=counters)
     if S != 1 or not use_triton(q) or D & (D - 1) or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
         return decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len)
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    BLOCK_T = block_t
-    splits = triton.cdiv(kv_len, BLOCK_T)  # static per captured graph (kv_len is)
-    part = torch.empty((B * H, splits, D + 2), dtype=torch.float32, device=q.device)
-    merge = counters is not None
-    BLOCK_S = triton.next_power_of_2(splits)
-    _attention_part_kernel[(B * H, splits)](
-        q.contiguous(),
-        k_cache,
-        v_cache,
-        pos.contiguous(),
-        part,
-        o,
-        counters if merge else part,
-        pos,  # (no block table: never read)
-        0,
-        row0,
-        kv_len,
-        H,
-        H // hkv,
-        splits,
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        D**-0.5,
-        D=D,
-        BLOCK_T=BLOCK_T,
-        MERGE=merge,
-        BLOCK_S=BLOCK_S,
-        PAGED=False,
-        num_warps=warps,
-    )
-    if not merge:
-        _attention_merge_kernel[(B * H,)](part, o, splits, D=D, BLOCK_S=BLOCK_S, num_warps=4)
-    return o
+    return _split_kv(q, k_cache, v_cache, pos, counters, None, row0, kv_len, block_t, warps)
 
 
 def paged_decode_attention(
@@ -193,35 +159,43 @@ def paged_decode_attention(
         rows = torch.arange(row0, row0 + B, device=q.device)
         kc, vc = gather_pages(k_pages, table, rows, kv_len), gather_pages(v_pages, table, rows, kv_len)
         return decode_attention_ref(q, kc, vc, pos, 0, kv_len)
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    splits = triton.cdiv(kv_len, page)
-    part = torch.empty((B * H, splits, D + 2), dtype=torch.float32, device=q.device)
     merge = counters is not None and counters.dtype == torch.int32 and counters.numel() >= B * H
+    return _split_kv(q, k_pages, v_pages, pos, counters if merge else None, table, row0, kv_len, page, warps)
+
+
+def _split_kv(q, k, v, pos, counters, table, row0: int, kv_len: int, block_t: int, warps: int) -> torch.Tensor:
+    # the Triton launch of both: splits of block_t slots (paged: a page each, through ``table``)
+    B, H, _, D = q.shape
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    splits = triton.cdiv(kv_len, block_t)  # static per captured graph (kv_len is)
+    part = torch.empty((B * H, splits, D + 2), dtype=torch.float32, device=q.device)
+    merge = counters is not None
     BLOCK_S = triton.next_power_of_2(splits)
+    paged = table is not None
     _attention_part_kernel[(B * H, splits)](
         q.contiguous(),
-        k_pages,
-        v_pages,
+        k,
+        v,
         pos.contiguous(),
         part,
         o,
         counters if merge else part,
-        table,
-        table.stride(0),
+        table if paged else pos,  # (no table: never read)
+        table.stride(0) if paged else 0,
         row0,
         kv_len,
         H,
-        H // hkv,
+        H // k.shape[1],
         splits,
-        k_pages.stride(0),
-        k_pages.stride(1),
-        k_pages.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
         D**-0.5,
         D=D,
-        BLOCK_T=page,
+        BLOCK_T=block_t,
         MERGE=merge,
         BLOCK_S=BLOCK_S,
-        PAGED=True,
+        PAGED=paged,
         num_warps=warps,
     )
     if not merge:
