@@ -74,7 +74,7 @@ def offline(args) -> dict:
         g = torch.Generator().manual_seed(1)
         reqs = [(torch.randint(3, vocab, (p,), generator=g).tolist(), m) for _ in range(n // args.scale)]
         t0 = time.perf_counter()
-        gen = Generator(model, max_batch=args.rows, max_seq_len=p + m, graphs=True)
+        gen = Generator(model, max_batch=args.rows, max_seq_len=p + m, graphs=True, kv_pages=args.kv_pages)
         ready = time.perf_counter() - t0
         Scheduler(gen).run([{"prompt": r[0], "max_new_tokens": 4} for r in reqs[:8]])  # warm-up
         sync(dev)
@@ -242,6 +242,8 @@ def start_server(args, rows: int, seq: int, port: int):
         str(rows),
         "--llm-max-seq-len",
         str(seq),
+        "--llm-kv-pages",
+        str(args.kv_pages),
         "--device",
         args.device,
         "--port",
@@ -303,6 +305,7 @@ def main():
     ap.add_argument("--rows", type=int, default=256, help="KV-cache rows (fixed set, offline)")
     ap.add_argument("--mixed-rows", type=int, default=64, help="KV-cache rows for the mixed set (2560 slots each)")
     ap.add_argument("--hf-requests", type=int, default=64, help="requests given to transformers (0: skip it)")
+    ap.add_argument("--kv-pages", type=int, default=0, help="paged KV memory of N 64-token pages (0: static rows)")
     ap.add_argument("--concurrency", default="1,16,64,256")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--client-procs", type=int, default=4)
