@@ -320,3 +320,16 @@ def test_logprobs_through_the_openai_client(make_tiny_llama, tiny_text):
     with Server(Tiny(), ServeOptions(llm=(gen, tiny_text))) as s:
         with pytest.raises(openai.BadRequestError, match="logprobs are off on this server"):
             client(s).completions.create(model="llm", prompt="hi", logprobs=1)
+
+
+def test_a_request_larger_than_the_kv_pages_is_refused_with_400(make_tiny_llama, tiny_text):
+    model = make_tiny_llama(vocab_size=tiny_text.tokenizer.get_vocab_size(), max_position_embeddings=128)
+    gen = Generator(model, max_batch=2, max_seq_len=128, graphs=False, kv_pages=1)  # 64 tokens in all
+    with Server(Tiny(), ServeOptions(llm=(gen, tiny_text), llm_name="tiny")) as s:
+        c = client(s)
+        with pytest.raises(openai.BadRequestError, match="needs more KV memory than the server has"):
+            c.completions.create(model="tiny", prompt="hello world", max_tokens=100)
+        with pytest.raises(openai.BadRequestError, match="needs more KV memory"):
+            c.completions.create(model="tiny", prompt="hello world", max_tokens=100, stream=True)
+        ok = c.completions.create(model="tiny", prompt="hello world", max_tokens=8)  # fits: 1 page
+        assert ok.usage.completion_tokens == 8

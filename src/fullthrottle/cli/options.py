@@ -54,6 +54,14 @@ def positive_int(s: str) -> int:
     return v
 
 
+def nonnegative_int(s: str) -> int:
+    """An integer >= 0."""
+    v = _integer(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
 def add_gpu_decode_args(p: argparse.ArgumentParser) -> None:
     """--gpu-decode, --gpu-decoder and --gpu-decode-processes (classify and serve)."""
     p.add_argument(

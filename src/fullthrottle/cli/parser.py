@@ -8,7 +8,7 @@ from ..core.config import LlmSettings, usable_cores
 from ..core.env import describe as describe_env
 from ..server.options import MAX_CONNECTIONS, SERVE_DECODER_PROCESSES, SERVE_MAX_WAIT_MS, ServeOptions
 from .generate import RANDOM_SHAPES
-from .options import add_runtime_args, add_runtime_flags, port_number, positive_float, positive_int
+from .options import add_runtime_args, add_runtime_flags, nonnegative_int, port_number, positive_float, positive_int
 
 _SO = ServeOptions  # (its fields' defaults are serve's flags' defaults)
 
@@ -219,11 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument(
         "--llm-kv-pages",
-        type=int,
+        type=nonnegative_int,
         default=LlmSettings.kv_pages,
         metavar="N",
-        help="paged KV memory: N pages of 64 tokens shared by all requests, each holding the pages its prompt "
-        "+ max_tokens need (requests wait for pages); default 0: a static --llm-max-seq-len row per request",
+        help="paged KV memory: N pages of 64 tokens shared by all requests (at most what --llm-max-batch full "
+        "rows use). A request holds the pages of its prompt + max_tokens from its start; requests wait for "
+        "pages, oldest first, so one asking for a long max_tokens delays those behind it. Default 0: a "
+        "static --llm-max-seq-len row per request",
     )
     v.add_argument(
         "--llm-max-seq-len",

@@ -157,7 +157,7 @@ def cmd_serve(args) -> int:
             seq = args.llm_max_seq_len or min(model.cfg.max_position_embeddings, 4096)
             kw = dict(graphs=args.graphs, logprobs=args.llm_logprobs, kv_pages=args.llm_kv_pages)
             llm = (Generator(model, args.llm_max_batch, seq, **kw), tok)
-        except ValueError as e:
+        except (ValueError, RuntimeError, MemoryError) as e:  # (RuntimeError: torch's out of memory)
             print(f"fullthrottle: error: {e}", file=sys.stderr)
             return 2
     if args.ray:

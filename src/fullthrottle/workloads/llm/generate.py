@@ -20,7 +20,7 @@ import torch
 
 from ...core.config import LlmSettings, Runtime, default_buckets
 from ...core.report import StageStats
-from .kv_pages import PagedKV
+from .kv_pages import PAGE, PagedKV
 from .llama import Llama
 from .sampling import GOLDEN, check_sampling, row_seeds, sample, seeded_noise, token_logprobs
 from .shapes import kv_buckets, prefill_shapes
@@ -64,7 +64,8 @@ class Generator:
             chosen token's log-probability (:attr:`lp`, :attr:`lp_ids`, per row; in the graphs).
         kv_pages: 0: the static KV cache, a ``max_seq_len`` row per sequence; N: paged KV memory of N
             pages of :data:`~fullthrottle.workloads.llm.kv_pages.PAGE` tokens shared by all rows
-            (:attr:`kv`), each sequence holding the pages its prompt + new tokens need.
+            (:attr:`kv`), each sequence holding the pages its prompt + new tokens need (at most
+            as many as every row full would use are allocated).
 
     Raises:
         ValueError: on :meth:`generate`, a prompt + max_new_tokens longer than ``max_seq_len``, or
@@ -116,6 +117,7 @@ class Generator:
         self.kv: PagedKV | None = None
         if kv_pages < 0:
             raise ValueError(f"kv_pages must be 0 (a static cache) or a number of pages, got {kv_pages}")
+        kv_pages = min(kv_pages, rows * -(-max_seq_len // PAGE))  # (more could never be used)
         if kv_pages:
             model.setup_paged_cache(rows, max_seq_len, kv_pages, owner=self)
             self.kv = PagedKV(model.block_table, kv_pages)
