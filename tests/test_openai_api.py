@@ -327,7 +327,7 @@ def test_a_request_larger_than_the_kv_pages_is_refused_with_400(make_tiny_llama,
     gen = Generator(model, max_batch=2, max_seq_len=128, graphs=False, kv_pages=1)  # 64 tokens in all
     with Server(Tiny(), ServeOptions(llm=(gen, tiny_text), llm_name="tiny")) as s:
         c = client(s)
-        with pytest.raises(openai.BadRequestError, match="needs more KV memory than the server has"):
+        with pytest.raises(openai.BadRequestError, match="needs more KV memory than there is"):
             c.completions.create(model="tiny", prompt="hello world", max_tokens=100)
         with pytest.raises(openai.BadRequestError, match="needs more KV memory"):
             c.completions.create(model="tiny", prompt="hello world", max_tokens=100, stream=True)

@@ -117,11 +117,8 @@ def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None
         raise ValueError(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {gen.max_seq_len}"
         )
-    if gen.kv is not None and gen.kv.pages_for(len(ids) + max_tokens) > gen.kv.num_pages:
-        raise ValueError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs more KV memory than the server has "
-            f"({gen.kv.num_pages} pages of {gen.kv.page} tokens: at most {gen.kv.num_pages * gen.kv.page} tokens)"
-        )
+    if gen.kv is not None:
+        gen.kv.check_pool(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens})", len(ids) + max_tokens)
     if not isinstance(_get(p, "stream", False), bool):
         raise ValueError("stream must be true or false")
     opts = _get(p, "stream_options", {})

@@ -14,8 +14,6 @@ import math
 
 import torch
 
-from ...core.kernels import gather_pages  # noqa: F401 - (the reference read, with the kernel)
-
 #: tokens per page: the Triton decode-attention kernel's split size, so a split reads one page
 PAGE = 64
 
@@ -39,17 +37,23 @@ class PagedKV:
         self.held: dict[int, list[int]] = {}
 
     def pages_for(self, tokens: int) -> int:
+        """Pages that ``tokens`` positions take."""
         return math.ceil(tokens / self.page)
 
-    def fits(self, tokens: int) -> bool:
-        """Whether ``tokens`` positions could be reserved now."""
-        return self.pages_for(tokens) <= len(self.free)
+    def check_pool(self, what: str, tokens: int) -> None:
+        """Raises ValueError if ``tokens`` positions need more pages than the whole pool has (``what``:
+        the request, in words, for the message)."""
+        if self.pages_for(tokens) > self.num_pages:
+            raise ValueError(
+                f"{what} needs more KV memory than there is: {self.num_pages} pages of {self.page} tokens "
+                f"(at most {self.num_pages * self.page} tokens)"
+            )
 
     def reserve(self, row: int, tokens: int) -> None:
         """Pages for positions ``[0, tokens)`` of ``row`` (which holds none).
 
         Raises:
-            RuntimeError: not enough free pages (check :meth:`fits` first).
+            RuntimeError: not enough free pages (the caller checks :meth:`pages_for` against :attr:`free`).
         """
         n = self.pages_for(tokens)
         if n > len(self.free) or row in self.held:

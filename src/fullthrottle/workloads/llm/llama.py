@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...core import kernels
-from .kv_pages import PAGE, gather_pages, write_pages
+from .kv_pages import PAGE, write_pages
 
 
 @dataclass
@@ -190,8 +190,8 @@ class Attention(nn.Module):
                 q, self.k_cache, self.v_cache, self.block_table, pos, row0, kv_len, self.counters
             )  # (B, H, 1, D)
         else:  # (a copy of the rows' first kv_len positions)
-            kc = gather_pages(self.k_cache, self.block_table, rows, kv_len)  # (B, Hkv, T, D)
-            vc = gather_pages(self.v_cache, self.block_table, rows, kv_len)
+            kc = kernels.gather_pages(self.k_cache, self.block_table, rows, kv_len)  # (B, Hkv, T, D)
+            vc = kernels.gather_pages(self.v_cache, self.block_table, rows, kv_len)
             if h // hkv > 1:
                 kc, vc = kc.repeat_interleave(h // hkv, dim=1), vc.repeat_interleave(h // hkv, dim=1)
             y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)  # mask: (B, 1, S, T) additive

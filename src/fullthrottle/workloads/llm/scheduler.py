@@ -115,11 +115,9 @@ class Scheduler:
                 f"{len(prompt)} prompt tokens + max_new_tokens {max_new_tokens} must fit the KV cache's "
                 f"{self.gen.max_seq_len} (and max_new_tokens be >= 1)"
             )
-        kv = self.gen.kv
-        if kv is not None and kv.pages_for(len(prompt) + max_new_tokens) > kv.num_pages:
-            raise ValueError(
-                f"{len(prompt)} prompt tokens + max_new_tokens {max_new_tokens} need more KV memory than there "
-                f"is ({kv.num_pages} pages of {kv.page} tokens)"
+        if self.gen.kv is not None:
+            self.gen.kv.check_pool(
+                f"{len(prompt)} prompt tokens + max_new_tokens {max_new_tokens}", len(prompt) + max_new_tokens
             )
         (seed,) = self.gen.row_seeds(seed, 1)
         s = Request(list(prompt), max_new_tokens, float(temperature), int(top_k), float(top_p), seed, logprobs)
@@ -148,10 +146,13 @@ class Scheduler:
             self.gen.kv.reserve(s.row, len(s.prompt) + s.max_new_tokens)
         self._set_row(s)
 
+    def _pages(self, s: Request) -> int:
+        """The KV pages ``s`` takes from its admission to its end (0 without paging)."""
+        return 0 if self.gen.kv is None else self.gen.kv.pages_for(len(s.prompt) + s.max_new_tokens)
+
     def _fits(self, s: Request, pages_taken: int = 0) -> bool:
         """Whether the KV pages ``s`` needs are free (beside ``pages_taken`` planned); always without paging."""
-        kv = self.gen.kv
-        return kv is None or kv.pages_for(len(s.prompt) + s.max_new_tokens) + pages_taken <= len(kv.free)
+        return self.gen.kv is None or self._pages(s) + pages_taken <= len(self.gen.kv.free)
 
     def cancel(self, s: Request) -> None:
         """End ``s`` now (its client went away): out of the queue, or its row freed at once."""
@@ -203,7 +204,7 @@ class Scheduler:
             ):
                 s = self.waiting.popleft()
                 batch.add(s, tokens=len(s.prompt))
-                pages += self.gen.kv.pages_for(len(s.prompt) + s.max_new_tokens) if self.gen.kv is not None else 0
+                pages += self._pages(s)
             admitted = batch.take()
         if admitted:
             for s in admitted:
