@@ -180,10 +180,12 @@ def test_prompts_admitted_together_are_prefilled_by_length_with_little_padding(t
 
 
 def test_paged_kv_memory_gives_each_request_its_tokens_alone_and_admits_what_fits(tiny_llama):
-    """Paged KV memory of 6 pages of 64 positions under 4 rows: requests of up to 150 positions
-    (3 pages) wait for pages, not only for rows; prompts longer than the prefill budget go in chunks
-    that read their earlier pages. Greedy and seeded sampled requests get exactly their tokens alone
-    (static cache); every page comes back; a request larger than the whole pool is refused."""
+    """Paged KV memory of 3, then 6 pages of 64 positions under 4 rows: requests of up to 150
+    positions (3 pages) take pages as their tokens grow and wait for pages, not only for rows;
+    running requests are preempted when pages run out, and prefilled again later; prompts longer than the
+    prefill budget go in chunks that read their earlier pages. Greedy and seeded sampled requests
+    get exactly their tokens alone (static cache); every page comes back; a request larger than the
+    whole pool is refused."""
     rng = random.Random(4)
     reqs = [
         {
@@ -194,20 +196,26 @@ def test_paged_kv_memory_gives_each_request_its_tokens_alone_and_admits_what_fit
         }
         for i in range(10)
     ]
+    reqs[1:1] = [  # short prompts, long answers: admitted on one page, they grow to three
+        {"prompt": [5, 6], "max_new_tokens": 140, "temperature": 0.8, "seed": 99},
+        {"prompt": [7], "max_new_tokens": 130, "temperature": 0.0, "seed": 98},
+    ]
     alone = Generator(tiny_llama, max_batch=1, max_seq_len=192, graphs=False)
     refs = [alone.generate([r["prompt"]], r["max_new_tokens"], r["temperature"], seed=[r["seed"]])[0] for r in reqs]
     greedy5 = [alone.generate([r["prompt"]], 5)[0] for r in reqs[:2]]
-    gen = Generator(tiny_llama, max_batch=4, max_seq_len=192, graphs=False, max_prefill_tokens=48, kv_pages=6)
-    sched = Scheduler(gen)
-    seqs = [sched.submit(**r) for r in reqs]
-    most_pages, waited_for_memory = 0, 0
-    while sched.busy:
-        sched.step()
-        most_pages = max(most_pages, gen.kv.pages_used)
-        waited_for_memory += bool(sched.waiting and sched.free and sched.prefilling is None)
-    assert [s.tokens for s in seqs] == refs
-    assert most_pages <= 6 and waited_for_memory > 0
-    assert gen.kv.pages_used == 0 and not gen.model.block_table.any()  # every page given back
+    for pages in (3, 6):
+        gen = Generator(tiny_llama, max_batch=4, max_seq_len=192, graphs=False, max_prefill_tokens=48, kv_pages=pages)
+        sched = Scheduler(gen)
+        seqs = [sched.submit(**r) for r in reqs]
+        most_pages, waited_for_memory = 0, 0
+        while sched.busy:
+            sched.step()
+            most_pages = max(most_pages, gen.kv.pages_used)
+            waited_for_memory += bool(sched.waiting and sched.free and sched.prefilling is None)
+        assert [s.tokens for s in seqs] == refs, pages
+        assert most_pages <= pages and waited_for_memory > 0
+        assert sched.preemptions > 0  # (prefilled again later: the same tokens)
+        assert gen.kv.pages_used == 0 and not gen.model.block_table.any()  # every page given back
     # the static-batch call on the same pages, and one that does not fit
     assert gen.generate([r["prompt"] for r in reqs[:2]], 5) == greedy5 and gen.kv.pages_used == 0
     with pytest.raises(ValueError, match="KV pages"):

@@ -223,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=LlmSettings.kv_pages,
         metavar="N",
         help="paged KV memory: N pages of 64 tokens shared by all requests (at most what --llm-max-batch full "
-        "rows use). A request holds the pages of its prompt + max_tokens from its start; requests wait for "
-        "pages, oldest first, so one asking for a long max_tokens delays those behind it. Default 0: a "
+        "rows use); a request holds the pages of the tokens it has, requests wait for pages, and when "
+        "they run out the one admitted last is preempted and computed again later. Default 0: a "
         "static --llm-max-seq-len row per request",
     )
     v.add_argument(

@@ -27,8 +27,8 @@ class PagedKV:
         num_pages: pages that can be handed out (page 0 excluded).
         page: tokens per page.
 
-    A row's pages are reserved whole for its request (prompt + new tokens) when it is admitted, so
-    that a running request never runs short: a request that does not fit waits.
+    The scheduler gives a row the pages of its prompt when it admits it and more as its tokens grow
+    (:meth:`grow`); a static batch (``Generator.generate``) reserves each row's whole length at once.
     """
 
     def __init__(self, table: torch.Tensor, num_pages: int, page: int = PAGE):
@@ -61,6 +61,19 @@ class PagedKV:
         got = [self.free.pop() for _ in range(n)]
         self.held[row] = got
         self.table[row, :n] = torch.tensor(got, dtype=self.table.dtype)
+
+    def grow(self, row: int, tokens: int) -> bool:
+        """``row``'s pages extended to hold positions ``[0, tokens)``; False (none taken) if too few are free."""
+        got = self.held.setdefault(row, [])
+        n = self.pages_for(tokens) - len(got)
+        if n <= 0:
+            return True
+        if n > len(self.free):
+            return False
+        new = [self.free.pop() for _ in range(n)]
+        self.table[row, len(got) : len(got) + n] = torch.tensor(new, dtype=self.table.dtype)
+        got += new
+        return True
 
     def reserve_rows(self, tokens: list[int]) -> None:
         """Rows ``0..len(tokens)-1``, row ``i`` the pages of ``tokens[i]`` positions.

@@ -16,9 +16,12 @@ discarded). Tokens are read back once per step.
 Each request samples with its own seed (:func:`~fullthrottle.workloads.llm.sampling.seeded_noise`): its
 tokens depend on its prompt, sampling values and seed, not on which requests run beside it.
 
-With paged KV memory (the Generator's ``kv_pages``) a request is admitted only when the pages for
-its prompt + ``max_new_tokens`` are free, and holds them until it ends: requests wait for memory, and
-a running request never runs short of it.
+With paged KV memory (the Generator's ``kv_pages``) a request holds the pages of the tokens it has:
+it is admitted when the pages of its prompt (and one page to spare for each running request) are
+free, and takes a page more as its tokens cross into one. When none is free, the request admitted
+last is preempted, as vLLM does: its pages are given back and it waits first in line, to be prefilled
+again, prompt and tokens so far, and go on (recomputation; its seeded tokens do not change, since each
+token's noise depends on the seed and the position only).
 
 Not yet (issue 14): variable-length attention (no padding).
 """
@@ -54,6 +57,11 @@ class Request:
     done: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None  # when its first token was made (time to first token)
+    admitted: int = 0  # the order of its (latest) admission: the last admitted is preempted first
+
+    def context(self) -> list[int]:
+        """What its prefill takes: the prompt, and the tokens made before a preemption."""
+        return self.prompt + self.tokens if self.tokens else self.prompt
 
 
 class Scheduler:
@@ -79,6 +87,8 @@ class Scheduler:
         self.free = list(range(gen.max_batch))
         self.prefilling: Request | None = None  # the prompt being prefilled in chunks, in its row
         self.steps = 0
+        self.preemptions = 0  # requests preempted for KV pages
+        self._admissions = 0
         gen.eos.fill_(-1 if eos_id is None else eos_id)
         gen.done.fill_(True)  # rows not running
         gen.pos.zero_()
@@ -143,16 +153,41 @@ class Scheduler:
         self.free.sort()
         s.row = self.free.pop(0)
         if self.gen.kv is not None:
-            self.gen.kv.reserve(s.row, len(s.prompt) + s.max_new_tokens)
+            self.gen.kv.reserve(s.row, len(s.context()) + 1)
+        self._admissions += 1
+        s.admitted = self._admissions
         self._set_row(s)
 
     def _pages(self, s: Request) -> int:
-        """The KV pages ``s`` takes from its admission to its end (0 without paging)."""
-        return 0 if self.gen.kv is None else self.gen.kv.pages_for(len(s.prompt) + s.max_new_tokens)
+        """The KV pages ``s`` takes when admitted: its context and the first new token (0 without paging)."""
+        return 0 if self.gen.kv is None else self.gen.kv.pages_for(len(s.context()) + 1)
 
     def _fits(self, s: Request, pages_taken: int = 0) -> bool:
-        """Whether the KV pages ``s`` needs are free (beside ``pages_taken`` planned); always without paging."""
-        return self.gen.kv is None or self._pages(s) + pages_taken <= len(self.gen.kv.free)
+        """Whether the KV pages ``s`` needs are free, beside ``pages_taken`` planned and a page to spare for
+        each running request (so that admitting does not preempt at once); always without paging."""
+        spare = len(self.running) + (self.prefilling is not None)
+        return self.gen.kv is None or self._pages(s) + pages_taken + spare <= len(self.gen.kv.free)
+
+    def _grow_or_preempt(self) -> None:
+        """Before a decode step (paged): every running request holds the page its next token's slot is
+        in, oldest first; when no page is free, the request admitted last is preempted."""
+        kv = self.gen.kv
+        for s in sorted(self.running.values(), key=lambda r: r.admitted):
+            while s.row >= 0 and not kv.grow(s.row, len(s.prompt) + len(s.tokens)):
+                held = [*self.running.values(), *([self.prefilling] if self.prefilling else [])]
+                self._preempt(max(held, key=lambda r: r.admitted))
+
+    def _preempt(self, s: Request) -> None:
+        """``s`` gives its row and pages back and waits first in line, its tokens kept."""
+        if s is self.prefilling:
+            self.prefilling = None
+        else:
+            del self.running[s.row]
+            self.gen.done[s.row] = True
+        self._free_row(s.row)
+        s.row, s.prefilled = -1, 0
+        self.waiting.appendleft(s)
+        self.preemptions += 1
 
     def cancel(self, s: Request) -> None:
         """End ``s`` now (its client went away): out of the queue, or its row freed at once."""
@@ -182,13 +217,14 @@ class Scheduler:
         budget = g.max_prefill_tokens
         t0, tokens = time.perf_counter(), 0
         head = self.waiting[0] if self.waiting else None
-        if self.prefilling is None and head and self.free and len(head.prompt) > budget and self._fits(head):
+        if self.prefilling is None and head and self.free and len(head.context()) > budget and self._fits(head):
             s = self.prefilling = self.waiting.popleft()  # too long for one step: chunks, in a row of its own
             self._take_row(s)
         if self.prefilling is not None:
             s = self.prefilling
-            stop = min(len(s.prompt), s.prefilled + budget)
-            first = g._prefill_chunk(s.row, s.prompt, s.prefilled, stop)
+            ctx = s.context()
+            stop = min(len(ctx), s.prefilled + budget)
+            first = g._prefill_chunk(s.row, ctx, s.prefilled, stop)
             tokens, budget, s.prefilled = stop - s.prefilled, budget - (stop - s.prefilled), stop
             if first is not None:
                 self.prefilling = None
@@ -198,20 +234,21 @@ class Scheduler:
             batch = OpenBatch(len(self.free), budget)
             while (
                 self.waiting
-                and len(self.waiting[0].prompt) <= budget
-                and batch.fits(tokens=len(self.waiting[0].prompt))
+                and len(self.waiting[0].context()) <= budget
+                and batch.fits(tokens=len(self.waiting[0].context()))
                 and self._fits(self.waiting[0], pages)
             ):
                 s = self.waiting.popleft()
-                batch.add(s, tokens=len(s.prompt))
+                batch.add(s, tokens=len(s.context()))
                 pages += self._pages(s)
             admitted = batch.take()
         if admitted:
             for s in admitted:
                 self._take_row(s)
-            first = g._prefill_rows([s.row for s in admitted], [s.prompt for s in admitted])
+            ctxs = [s.context() for s in admitted]
+            first = g._prefill_rows([s.row for s in admitted], ctxs)
             finished += self._start(admitted, first)
-            tokens += sum(len(s.prompt) for s in admitted)
+            tokens += sum(map(len, ctxs))
         if tokens:
             dt = time.perf_counter() - t0  # (the Generator's stage counters: what reports and /metrics show)
             g.stats["prefill"].record(tokens, dt, dt)
@@ -239,8 +276,8 @@ class Scheduler:
         now, finished = time.perf_counter(), []
         self._keep_logprobs(started)
         for s, tok in zip(started, first.tolist()):
-            s.t_first = now
-            s.prefilled = len(s.prompt)
+            s.t_first = s.t_first or now
+            s.prefilled = len(s.context())
             self.running[s.row] = s
             if self._finish(s, tok):
                 finished.append(s)
@@ -251,6 +288,8 @@ class Scheduler:
         """Admit what fits, then decode one token for every running request. Returns the requests
         that ended in this step."""
         finished = self._admit()
+        if self.gen.kv is not None:
+            self._grow_or_preempt()
         if not self.running:
             return finished
         g, t0 = self.gen, time.perf_counter()
