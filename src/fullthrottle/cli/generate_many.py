@@ -72,7 +72,7 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
     # each request checked and tokenized once, against the longest cache the run may have; the
     # cache is then made as long as the longest request needs
     limit = args.max_seq_len or model.cfg.max_position_embeddings
-    checks = SimpleNamespace(model=model, max_seq_len=limit, check_sampling=check_sampling, logprobs=0)
+    checks = SimpleNamespace(model=model, max_seq_len=limit, check_sampling=check_sampling, logprobs=0, kv=None)
     parsed: list = []
     for i, r in enumerate(reqs):
         try:
