@@ -333,3 +333,8 @@ def test_a_request_larger_than_the_kv_pages_is_refused_with_400(make_tiny_llama,
             c.completions.create(model="tiny", prompt="hello world", max_tokens=100, stream=True)
         ok = c.completions.create(model="tiny", prompt="hello world", max_tokens=8)  # fits: 1 page
         assert ok.usage.completion_tokens == 8
+        import httpx
+
+        m = httpx.get(s.url + "/metrics").text
+        assert 'fullthrottle_kv_pages{state="total"} 1.0' in m and 'fullthrottle_kv_pages{state="used"} 0.0' in m
+        assert "fullthrottle_llm_preemptions 0.0" in m

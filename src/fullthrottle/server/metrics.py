@@ -69,6 +69,19 @@ class ServerMetrics:
             registry=reg,
             multiprocess_mode="livesum",
         )
+        self.kv_pages = Gauge(
+            "fullthrottle_kv_pages",
+            "the LLM's paged KV memory: pages of 64 tokens, used and in all (absent: a static cache)",
+            ["state"],
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
+        self.preempted = Gauge(
+            "fullthrottle_llm_preemptions",
+            "LLM requests preempted for KV pages since start (prefilled again later)",
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
         self.busy = Gauge(
             "fullthrottle_stage_busy_percent",
             "stage busy % since start, per workload (classify, embed, generate), replica and stage",
@@ -131,6 +144,11 @@ class ServerMetrics:
         if state.get("llm") is not None:
             self.requests_waiting.labels("generate").set(state["llm"].waiting)
             self.requests_running.labels("generate").set(state["llm"].running)
+            kv = state["llm"].gen.kv
+            if kv is not None:
+                self.kv_pages.labels("used").set(kv.pages_used)
+                self.kv_pages.labels("total").set(kv.num_pages)
+                self.preempted.set(state["llm"].preempted)
             wall = time.perf_counter() - state["t_ready"]
             for st in state["llm"].gen.stats.values():
                 self.busy.labels("generate", "0", st.name).set(st.snapshot(wall)["busy_pct"])

@@ -133,6 +133,7 @@ class CompletionService:
         self.q: queue.Queue = queue.Queue(max_queue)
         #: requests waiting for a KV-cache row (in the queue and the scheduler), and running (/metrics)
         self.waiting = self.running = 0
+        self.preempted = self._preempted_before = 0  # requests preempted for KV pages so far (/metrics)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ft-llm", daemon=True)
         self._thread.start()
@@ -183,6 +184,7 @@ class CompletionService:
             if sched is not None:
                 self.waiting = self.q.qsize() + len(sched.waiting)
                 self.running = len(sched.running) + (sched.prefilling is not None)
+                self.preempted = self._preempted_before + sched.preemptions
             if sched is None or not sched.busy:
                 continue
             try:
@@ -193,7 +195,7 @@ class CompletionService:
             except Exception as e:  # noqa: BLE001 - every request running gets the error; a fresh engine state
                 for _, loop, out, _ in live.values():
                     loop.call_soon_threadsafe(out.put_nowait, e)
-                live, sched = {}, None
+                live, sched, self._preempted_before = {}, None, self.preempted
                 continue
             for rec in list(live):
                 req, loop, out, sent = live[rec]
