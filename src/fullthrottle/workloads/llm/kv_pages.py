@@ -55,16 +55,13 @@ class PagedKV:
         Raises:
             RuntimeError: not enough free pages (the caller checks :meth:`pages_for` against :attr:`free`).
         """
-        n = self.pages_for(tokens)
-        if n > len(self.free) or row in self.held:
+        if row in self.held or not self.grow(row, tokens):
+            n = self.pages_for(tokens)
             raise RuntimeError(f"row {row}: {n} KV pages asked, {len(self.free)} free (or the row holds some)")
-        got = [self.free.pop() for _ in range(n)]
-        self.held[row] = got
-        self.table[row, :n] = torch.tensor(got, dtype=self.table.dtype)
 
     def grow(self, row: int, tokens: int) -> bool:
         """``row``'s pages extended to hold positions ``[0, tokens)``; False (none taken) if too few are free."""
-        got = self.held.setdefault(row, [])
+        got = self.held.get(row, [])
         n = self.pages_for(tokens) - len(got)
         if n <= 0:
             return True
@@ -72,7 +69,7 @@ class PagedKV:
             return False
         new = [self.free.pop() for _ in range(n)]
         self.table[row, len(got) : len(got) + n] = torch.tensor(new, dtype=self.table.dtype)
-        got += new
+        self.held[row] = got + new
         return True
 
     def reserve_rows(self, tokens: list[int]) -> None:
