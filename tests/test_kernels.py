@@ -120,6 +120,19 @@ CHECK = textwrap.dedent("""
             o = K.paged_decode_attention(q, pages_k, pages_v, table, pos, 1, 150, merge)
             assert o.shape == (B, H, 1, D) and o.dtype == dtype
             assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (o.float() - ref).abs().max()
+        # variable-length prefill attention: pieces packed end to end (5 tokens from position 0, an
+        # empty one, 70 from 0: two query blocks, 17 from position 20: a chunk reading earlier keys) and
+        # 6 padding tokens, over the static rows above and over the same rows as pages
+        cu = torch.tensor([0, 5, 5, 75, 92], device=device)
+        qp = rnd(98, H, D)
+        args = (torch.tensor([2, 1, 3, 1], device=device), torch.tensor([0, 3, 0, 20], device=device), cu)
+        ref = K.prefill_attention_ref(qp.float(), kc.float(), vc.float(), *args)
+        for bn in (16, 64):
+            o = K.prefill_attention(qp, kc, vc, *args, block_n=bn)
+            assert o.shape == qp.shape and o.dtype == dtype and not o[92:].any()
+            assert torch.allclose(o.float(), ref, atol=tol * 2, rtol=tol), (o.float() - ref).abs().max()
+        o = K.prefill_attention(qp, pages_k, pages_v, *args, table=table)
+        assert torch.allclose(o.float(), ref, atol=tol * 2, rtol=tol), (o.float() - ref).abs().max()
         # image normalisation from uint8 NHWC, a size not a multiple of the block, every byte value
         x8 = torch.arange(5 * 7 * 11 * 3, device=device).remainder(256).to(torch.uint8).view(5, 7, 11, 3)
         scale = torch.tensor([0.0171, 0.0175, 0.0174], device=device).to(dtype)

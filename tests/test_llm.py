@@ -7,8 +7,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from fullthrottle.core.kernels.varlen import query_blocks  # noqa: E402
 from fullthrottle.workloads.llm.generate import Generator  # noqa: E402
 from fullthrottle.workloads.llm.llama import LlamaConfig, load_hf  # noqa: E402
+from fullthrottle.workloads.llm.prefill import Packed  # noqa: E402
 from fullthrottle.workloads.llm.sampling import GOLDEN, sample, seed32, seeded_noise  # noqa: E402
 
 ROPE3 = {
@@ -54,29 +56,32 @@ def test_logits_equal_transformers(pair):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
 
 
-def test_batched_prefill_equals_each_prompt_alone(pair):
+def test_packed_prefill_equals_each_prompt_alone(pair):
+    """Prompts of 7, 1, 30 and 12 tokens packed end to end in one forward (no padding), into rows in any
+    order: each prompt's last logits equal transformers' on it alone, and each row holds the keys its
+    own forward writes."""
     hf, ours = pair
     ours.setup_cache(6, 64)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 256, (n,), generator=g) for n in (7, 1, 30, 12)]
-    ids = torch.zeros(4, 30, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = p
-    rows = torch.tensor([5, 0, 3, 1])  # any distinct rows, in any order
+    rows = [5, 0, 3, 1]  # any distinct rows, in any order
+    pieces = [(r, p.tolist(), 0, len(p)) for r, p in zip(rows, prompts)]
+    sizes = (50, 4, len(query_blocks([7, 1, 30, 12])[0]))
     with torch.no_grad():
-        got = ours.prefill(ids, torch.tensor([len(p) for p in prompts]), rows)
+        got = ours.prefill(Packed.view(Packed.build(pieces, *sizes, pad_row=0), *sizes))
         refs = torch.cat([hf(p[None]).logits[:, -1] for p in prompts])
-    torch.testing.assert_close(got, refs, atol=1e-4, rtol=0)  # the padding changes nothing
-    k_batched = [blk.self_attn.k_cache.clone() for blk in ours.layers]
-    for r, p in zip(rows.tolist(), prompts):  # the same keys as a prompt's own forward writes
+    torch.testing.assert_close(got, refs, atol=1e-4, rtol=0)
+    k_packed = [blk.self_attn.k_cache.clone() for blk in ours.layers]
+    for r, p in zip(rows, prompts):  # the same keys as a prompt's own forward writes
         ours(p[None], torch.arange(len(p))[None], row0=r)
-        for blk, kb in zip(ours.layers, k_batched):
+        for blk, kb in zip(ours.layers, k_packed):
             torch.testing.assert_close(kb[r, :, : len(p)], blk.self_attn.k_cache[r, :, : len(p)], atol=1e-5, rtol=0)
-    # a prefill budget smaller than the prompts together: several forwards, the same first tokens
+    # a prefill budget smaller than the prompts: several forwards, prompts cut into chunks, the same tokens
     gen = Generator(ours, max_batch=4, max_seq_len=64, graphs=False)
     ref = gen.generate([p.tolist() for p in prompts], max_new_tokens=6)
-    gen.max_prefill_tokens = 30
-    assert gen.generate([p.tolist() for p in prompts], max_new_tokens=6) == ref
+    for budget in (30, 7, 1):
+        gen.max_prefill_tokens = budget
+        assert gen.generate([p.tolist() for p in prompts], max_new_tokens=6) == ref, budget
 
 
 def test_greedy_tokens_equal_transformers(pair):
@@ -205,8 +210,8 @@ def test_graph_tokens_equal_eager_and_padding_rows_do_not_matter(pair):
     # attention lengths 32, 64, 96: replays switch graphs as the rows grow past 32 and 64
     graphed = Generator(model, max_batch=8, max_seq_len=96, graphs=True, attn_buckets=(32, 64))
     assert sorted(graphed.graphs) == [(b, g, kv) for b in (1, 2, 4, 8) for g in (False, True) for kv in (32, 64, 96)]
-    # prefill graphs: 3 prompts of up to 17 tokens replay the (4, 32) graph, its padding row the spare row
-    assert graphed._prefill_shape(3, 17) == (4, 32) and (4, 32) in graphed.prefill_set
+    # prefill graphs: 3 prompts of 31 tokens in all replay the graph of 32 tokens, its padding into the spare row
+    assert graphed.prefill.buckets[:3] == [16, 32, 64] and 32 in graphed.prefill.graphs
     assert model.layers[0].self_attn.k_cache.shape[0] == 8 + 1
     assert graphed.generate(prompts, max_new_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=7) == ref
     assert graphed.generate(prompts, max_new_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=8) != ref

@@ -159,24 +159,29 @@ def test_cuda_graph_steps_equal_each_request_alone(tiny_llama, kv_pages):
     assert gen.kv is None or gen.kv.pages_used == 0
 
 
-def test_prompts_admitted_together_are_prefilled_by_length_with_little_padding(tiny_llama, monkeypatch):
-    """Prompts prefilled in one step are grouped by length (30 beside 3 would pad 27 tokens): fewer
-    padded tokens, the same first tokens as each prompt alone, each for its own row and in the
-    order given."""
-    lengths = [30, 3, 28, 4]
+@pytest.mark.parametrize("kv_pages", [0, 8])
+def test_prompts_of_any_lengths_are_prefilled_in_one_packed_forward_without_padding(tiny_llama, monkeypatch, kv_pages):
+    """Prompts of 30, 3, 28 and 4 tokens and the last 8 tokens of a 20-token prompt whose first 12 are
+    already in its row (a chunk) go into one forward of exactly 73 tokens: each gets the first token
+    it gets alone, for its own row, in the order given; a piece that does not end its prompt gets none."""
+    lengths = [30, 3, 28, 4, 20]
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 97) for _ in range(n)] for n in lengths]
     alone = Generator(tiny_llama, max_batch=1, max_seq_len=64, graphs=False)
     refs = [alone.generate([p], max_new_tokens=1)[0][0] for p in prompts]
-    gen = Generator(tiny_llama, max_batch=4, max_seq_len=64, graphs=False, max_prefill_tokens=64)
-    shapes = []
+    gen = Generator(tiny_llama, max_batch=8, max_seq_len=64, graphs=False, kv_pages=kv_pages)
+    forwards = []
     real = tiny_llama.prefill
-    monkeypatch.setattr(tiny_llama, "prefill", lambda ids, n, r: shapes.append(tuple(ids.shape)) or real(ids, n, r))
+    monkeypatch.setattr(tiny_llama, "prefill", lambda pk: forwards.append(pk.ids.shape[0]) or real(pk))
     gen.temp.zero_()  # greedy rows
-    first = gen._prefill_rows([3, 0, 2, 1], prompts).tolist()
-    assert first == refs
-    assert sorted(shapes) == [(2, 4), (2, 30)]  # in the order given: (2, 30) and (2, 28), 116 tokens
-    assert gen.pos[[3, 0, 2, 1], 0].tolist() == lengths
+    rows = [3, 0, 2, 1, 6]
+    if gen.kv is not None:
+        for r, n in zip(rows, lengths):
+            gen.kv.reserve(r, n + 1)
+    assert gen._prefill([(6, prompts[4], 0, 12)]).tolist() == []  # the chunk: no first token
+    first = gen._prefill([(r, p, 12 if r == 6 else 0, len(p)) for r, p in zip(rows, prompts)]).tolist()
+    assert first == refs and forwards == [12, 30 + 3 + 28 + 4 + 8]
+    assert gen.pos[rows, 0].tolist() == lengths
 
 
 def test_paged_kv_memory_gives_each_request_its_tokens_alone_and_admits_what_fits(tiny_llama):
@@ -225,3 +230,41 @@ def test_paged_kv_memory_gives_each_request_its_tokens_alone_and_admits_what_fit
         small.submit([1] * 100, max_new_tokens=50)  # 3 pages: more than the pool holds
     big = Generator(tiny_llama, max_batch=2, max_seq_len=192, graphs=False, kv_pages=10**9)
     assert big.kv.num_pages == 2 * 3  # no more than two full rows could use
+
+
+INTERPRETED = """
+import os, random, torch
+from fullthrottle.workloads.llm.generate import Generator
+from fullthrottle.workloads.llm.llama import Llama, LlamaConfig
+from fullthrottle.workloads.llm.scheduler import Scheduler
+
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, eos_token_id=None, max_position_embeddings=256)
+model = Llama(cfg).eval()  # head dim 16: the Triton kernels' smallest
+rng = random.Random(6)
+reqs = [{"prompt": [rng.randrange(97) for _ in range(rng.choice([3, 20, 70]))],
+         "max_new_tokens": rng.randint(2, 8)} for _ in range(6)]
+os.environ["FULLTHROTTLE_TRITON"] = "0"  # the references
+refs = [Generator(model, max_batch=1, max_seq_len=128, graphs=False).generate([r["prompt"]], r["max_new_tokens"])[0]
+        for r in reqs]
+os.environ["FULLTHROTTLE_TRITON"] = "1"  # the kernels the GPU runs, in Triton's interpreter
+for pages in (0, 8):
+    gen = Generator(model, max_batch=4, max_seq_len=128, graphs=False, max_prefill_tokens=48, kv_pages=pages)
+    assert Scheduler(gen).run(reqs) == refs, pages
+print("ok")
+"""
+
+
+def test_packed_prefill_and_decode_kernels_in_the_interpreter_give_each_request_its_tokens():
+    """The scheduler on the Triton kernels the GPU runs (packed prefill attention with chunks, decode
+    attention; static cache and paged), in Triton's interpreter on CPU: every request's tokens equal
+    those of the plain-PyTorch references, request alone."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -22,8 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import machine_info, write_json  # noqa: E402
 
+from fullthrottle.core.kernels.varlen import query_blocks  # noqa: E402
 from fullthrottle.workloads.llm.generate import Generator  # noqa: E402
 from fullthrottle.workloads.llm.llama import Llama, LlamaConfig  # noqa: E402
+from fullthrottle.workloads.llm.prefill import Packed  # noqa: E402
 from fullthrottle.workloads.llm.scheduler import Scheduler  # noqa: E402
 
 
@@ -88,24 +90,25 @@ def main():
     model.setup_cache(1, max(lens))
     with torch.inference_mode():
         for n in lens:
-            ids = torch.randint(0, cfg.vocab_size, (1, n), device="cuda")
-            ln, r = torch.tensor([n], device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
+            ids = torch.randint(0, cfg.vocab_size, (n,)).tolist()
+            sizes = (n, 1, len(query_blocks([n])[0]))
+            pk = Packed.view(Packed.build([(0, ids, 0, n)], *sizes, pad_row=0).cuda(), *sizes)
             for _ in range(3):
-                model.prefill(ids, ln, r)
+                model.prefill(pk)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             for _ in range(10):
-                model.prefill(ids, ln, r)
+                model.prefill(pk)
             b.record()
             torch.cuda.synchronize()
             h0 = time.perf_counter()  # the host's time to issue one prefill (launch-bound if ~ the GPU's)
-            model.prefill(ids, ln, r)
+            model.prefill(pk)
             host_ms = (time.perf_counter() - h0) * 1e3
             torch.cuda.synchronize()
             with torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             ) as prof:
-                model.prefill(ids, ln, r)
+                model.prefill(pk)
                 torch.cuda.synchronize()
             top = [
                 {
@@ -120,28 +123,28 @@ def main():
             print({k: v for k, v in prefill[-1].items() if k != "ops"}, flush=True)
             for t in top[:12]:
                 print("   ", t, flush=True)
-    # the Generator's own prefill (a CUDA graph per shape up to prefill_graph_tokens), first token sampled
+    # the Generator's own prefill (a CUDA graph per token bucket up to prefill_graph_tokens), first token sampled
     one = Generator(model, max_batch=1, max_seq_len=max(lens) + 1, graphs=True)
     for n in lens:
         prompt = torch.randint(0, cfg.vocab_size, (n,)).tolist()
         for _ in range(3):
-            one._prefill_rows([0], [prompt])
+            one._prefill([(0, prompt, 0, n)])
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         h0 = time.perf_counter()
         a.record()
         for _ in range(10):
-            one._prefill_rows([0], [prompt])
+            one._prefill([(0, prompt, 0, n)])
         b.record()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - h0) * 100
-        graph = one._prefill_shape(1, n)
+        graph = next((x for x in one.prefill.buckets if x >= n), None)
         prefill.append(
             {
                 "prompt_tokens": n,
                 "generator_ms": a.elapsed_time(b) / 10,
                 "wall_ms": wall_ms,
-                "graph": list(graph) if graph else None,
+                "graph_tokens": graph,
             }
         )
         print(prefill[-1], flush=True)

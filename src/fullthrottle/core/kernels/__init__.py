@@ -11,6 +11,10 @@ docs/performance.md). Three kernels here replace them:
   as ``(B, H, S, D)`` for attention, k and v written into the static KV cache at their positions;
 - :func:`silu_mul` — SwiGLU's ``silu(gate) * up`` from the fused gate/up projection.
 
+then attention over the KV cache: :func:`decode_attention` and :func:`paged_decode_attention` (one new
+token per row, split along the cache) and :func:`prefill_attention` (prompts of any lengths packed
+end to end, each over its own cache row);
+
 and, for the image classifier, :func:`normalize_u8`: uint8 NHWC crops to the normalised half-precision
 input in one pass; and :func:`resize_crop_u8`: the GPU decode stage's resize + center crop of a batch
 of decoded images of any sizes, in two launches.
@@ -29,6 +33,7 @@ from .gemv import linear, linear_ref, linear_rope_qkv_into_cache, linear_silu_mu
 from .image import normalize_u8, normalize_u8_ref, resize_crop_u8
 from .layout import PAIRED_LAYOUT, deinterleave_pairs, interleave_pairs
 from .norm_rope import rms_norm, rms_norm_ref, rope_qkv_into_cache, rope_qkv_into_cache_ref, silu_mul, silu_mul_ref
+from .varlen import prefill_attention, prefill_attention_ref
 
 __all__ = [
     "rms_norm",
@@ -40,6 +45,8 @@ __all__ = [
     "decode_attention",
     "paged_decode_attention",
     "gather_pages",
+    "prefill_attention",
+    "prefill_attention_ref",
     "normalize_u8",
     "resize_crop_u8",
     "use_triton",

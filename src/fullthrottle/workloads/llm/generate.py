@@ -1,7 +1,7 @@
 """LLM decoding: prefill, then a decode step replayed as CUDA graphs per batch bucket, sampling on the GPU.
 
-Per ``generate`` call: the prompts are prefilled, many per forward, into their rows of the static KV
-cache; then every decode step runs all rows at once, padded to a batch bucket (1, 2, 4, ..., 256), as
+Per ``generate`` call: the prompts are prefilled, many per forward and packed with no padding
+(:mod:`~fullthrottle.workloads.llm.prefill`), into their rows of the KV cache; then every decode step runs all rows at once, padded to a batch bucket (1, 2, 4, ..., 256), as
 one graph replay: model step + sampling (greedy / temperature / top-k / top-p, per row, branch-free,
 with each row's own seed) + the stop mask. Nothing in a step waits for the host; the host looks at
 the stop mask every ``check_every`` steps.
@@ -18,12 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ...core import kernels
 from ...core.config import LlmSettings, Runtime, default_buckets
 from ...core.report import StageStats
 from .kv_pages import PAGE, PagedKV
 from .llama import Llama
+from .prefill import Piece, Prefill, plan
 from .sampling import GOLDEN, check_sampling, row_seeds, sample, seeded_noise, token_logprobs
-from .shapes import kv_buckets, prefill_shapes
+from .shapes import kv_buckets
 
 DEFAULT_BUCKETS = default_buckets(256)
 
@@ -42,8 +44,8 @@ class GenerateStats:
 
 
 class Generator:
-    """Batched generation with a static KV cache: prompts prefilled many per forward
-    (:meth:`~fullthrottle.workloads.llm.llama.Llama.prefill`), then one decode step per token for
+    """Batched generation with a static KV cache: prompts prefilled many per forward, packed
+    (:class:`~fullthrottle.workloads.llm.prefill.Prefill`), then one decode step per token for
     every row, replayed as the CUDA graph of its batch bucket and attention length.
 
     Args:
@@ -54,12 +56,12 @@ class Generator:
         buckets: decode batch sizes to capture.
         attn_buckets: attention lengths (cache slots read) to capture per batch bucket; default
             :func:`kv_buckets` of ``max_seq_len``. The largest is always ``max_seq_len``.
-        max_prefill_tokens: tokens one prefill forward takes at most, padding to the group's longest
-            prompt included (a longer prompt goes alone): bounds the activations' memory.
-        prefill_graph_tokens: prefill forwards of up to this many (padded) tokens replay CUDA graphs,
-            one per (batch bucket, length bucket 16, 32, 64, ...): short prompts are bound by the
-            host's kernel launches, not by the GPU. Their padding rows write into one spare KV-cache
-            row. 0: prefill eager only (and on the CPU).
+        max_prefill_tokens: tokens one prefill forward takes at most (a longer prompt is prefilled
+            in chunks, over several forwards): bounds the activations' memory.
+        prefill_graph_tokens: prefill forwards of up to this many tokens replay CUDA graphs, one per
+            token bucket (16, 32, 64, ...): short prompts are bound by the host's kernel launches, not
+            by the GPU. Their padding tokens write into one spare KV-cache row. 0: prefill eager only
+            (and on the CPU, or without Triton).
         logprobs: 0, or how many most likely tokens (up to 20) each step also reports, with the
             chosen token's log-probability (:attr:`lp`, :attr:`lp_ids`, per row; in the graphs).
         kv_pages: 0: the static KV cache, a ``max_seq_len`` row per sequence; N: paged KV memory of N
@@ -88,7 +90,9 @@ class Generator:
         kv_pages: int = LlmSettings.kv_pages,
     ):
         self.model = model
-        #: tokens (padding included) one prefill forward takes at most; a longer prompt goes alone
+        #: tokens one prefill forward takes at most; a longer prompt is prefilled in chunks
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
         p = next(model.parameters())
         self.device = p.device
@@ -108,11 +112,10 @@ class Generator:
             )
         dev = self.device
         use_graphs = graphs and dev.type == "cuda"
-        #: (batch bucket, length bucket) shapes of the prefill graphs, largest first
-        self.prefill_shapes = prefill_shapes(self.buckets, max_seq_len, prefill_graph_tokens if use_graphs else 0)
-        #: the spare cache row that a prefill graph's padding rows write into (when there are graphs)
+        pf_graph_tokens = prefill_graph_tokens if use_graphs and kernels.use_triton(p) else 0
+        #: the spare cache row that a prefill graph's padding tokens write into (when there are graphs)
         self.spare_row = self.max_batch
-        rows = self.max_batch + bool(self.prefill_shapes)
+        rows = self.max_batch + bool(pf_graph_tokens)
         #: paged KV memory's free and held pages (None: the static cache)
         self.kv: PagedKV | None = None
         if kv_pages < 0:
@@ -148,7 +151,8 @@ class Generator:
         # (batch bucket, greedy, kv length) -> graph and its output; greedy graphs skip the sampler
         self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = 0.0
-        self.prefill_set = None  # the prefill graphs' GraphSet, keyed (batch bucket, length bucket)
+        #: packed prefill forwards (graphs keyed by token bucket when captured)
+        self.prefill = Prefill(model, self.max_batch, pf_graph_tokens, pad_row=self.spare_row)
         if use_graphs:
             self._capture()
 
@@ -189,72 +193,25 @@ class Generator:
             self.pos.copy_(saved[1])
             self.done.copy_(saved[2])
         self.graphs = self.graph_set.graphs
-        if self.prefill_shapes:  # static inputs; padding rows (and the warm-up) write the spare row
-            pb, ps = max(b for b, _ in self.prefill_shapes), max(s for _, s in self.prefill_shapes)
-            self.pf_ids = torch.zeros(pb, ps, dtype=torch.long, device=self.device)
-            self.pf_len = torch.ones(pb, dtype=torch.long, device=self.device)
-            self.pf_rows = torch.full((pb,), self.spare_row, dtype=torch.long, device=self.device)
-            self.prefill_set = GraphSet(self.device)
-            for b, s in self.prefill_shapes:
-                self.prefill_set.capture(
-                    (b, s), lambda b=b, s=s: self.model.prefill(self.pf_ids[:b, :s], self.pf_len[:b], self.pf_rows[:b])
-                )
+        if self.prefill.buckets:
+            self.prefill.capture()
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
 
     @torch.inference_mode()
-    def _prefill_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Prefill ``prompts[j]`` into KV-cache row ``rows[j]`` (their sampling values already in those
-        rows), as few forwards as :attr:`max_prefill_tokens` allows (prompts by length, so that each
-        forward, right-padded to its longest, pads little): the first new tokens ``(len(rows),)``, in
-        the order given; each row's position becomes its prompt's length."""
+    def _prefill(self, pieces: Sequence[Piece]) -> torch.Tensor:
+        """One packed prefill forward of ``pieces`` (:data:`~fullthrottle.workloads.llm.prefill.Piece`:
+        row, context, start, stop; at most one per row, their sampling values already in the rows):
+        the first new tokens ``(k,)`` of the k pieces that end their context, in the order given; the
+        row of each becomes positioned at its context's length."""
         self.check_cache()
-        dev, out = self.device, []
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # (each prompt's prefill is its own)
-        rows, prompts = [rows[i] for i in order], [prompts[i] for i in order]
-        j = 0
-        while j < len(prompts):
-            k, longest = j + 1, len(prompts[j])  # a group: as many as fit the budget, padded
-            while k < len(prompts) and max(longest, len(prompts[k])) * (k + 1 - j) <= self.max_prefill_tokens:
-                longest = max(longest, len(prompts[k]))
-                k += 1
-            group = prompts[j:k]
-            ids = torch.zeros(len(group), longest, dtype=torch.long)
-            for i, p in enumerate(group):
-                ids[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-            r = torch.as_tensor(rows[j:k], dtype=torch.long, device=dev)
-            n = torch.as_tensor([len(p) for p in group], dtype=torch.long, device=dev)
-            b = len(group)
-            shape = self._prefill_shape(b, longest)
-            if shape is not None:  # a graph: real rows first, padding rows into the spare row
-                self.pf_ids[:b, :longest] = ids.to(dev, non_blocking=True)
-                self.pf_len[:b], self.pf_len[b : shape[0]] = n, 1
-                self.pf_rows[:b], self.pf_rows[b : shape[0]] = r, self.spare_row
-                logits = self.prefill_set.replay(shape)[:b]  # (b, V)
-            else:
-                logits = self.model.prefill(ids.to(dev, non_blocking=True), n, r)  # (b, V)
-            out.append(self._first_tokens(r, n, logits))
-            j = k
-        firsts = torch.cat(out)  # (by length)
-        if order != sorted(order):
-            firsts = firsts[torch.as_tensor(sorted(range(len(order)), key=order.__getitem__), device=firsts.device)]
-        return firsts
-
-    @torch.inference_mode()
-    def _prefill_chunk(self, row: int, prompt: Sequence[int], start: int, stop: int) -> torch.Tensor | None:
-        """Tokens ``prompt[start:stop]`` into cache row ``row`` at slots ``[start, stop)``, attending to
-        the row's slots before them (chunked prefill: a long prompt over several steps). At the
-        prompt's end (``stop == len(prompt)``) the first new token ``(1,)``, sampled with the row's
-        values, and the row's position set to the prompt's length; else None."""
-        self.check_cache()
-        dev = self.device
-        ids = torch.as_tensor(prompt[start:stop], dtype=torch.long).to(dev, non_blocking=True)[None]  # (1, C)
-        pos = torch.arange(start, stop, device=dev)[None]  # (1, C)
-        self.model.kv_len = stop  # attend to slots [0, stop): causal within the chunk
-        logits = self.model(ids, pos, row)[:, -1]  # (1, V)
-        if stop < len(prompt):
-            return None
-        return self._first_tokens(torch.tensor([row], device=dev), torch.tensor([stop], device=dev), logits)
+        logits = self.prefill(pieces)  # (len(pieces), V)
+        ends = [j for j, (_, ctx, _, stop) in enumerate(pieces) if stop == len(ctx)]
+        if len(ends) < len(pieces):
+            logits = logits[torch.tensor(ends, dtype=torch.long, device=self.device)]
+        r = torch.tensor([pieces[j][0] for j in ends], dtype=torch.long, device=self.device)
+        n = torch.tensor([len(pieces[j][1]) for j in ends], dtype=torch.long, device=self.device)
+        return self._first_tokens(r, n, logits)
 
     def _first_tokens(self, r: torch.Tensor, n: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Rows ``r`` ``(b,)`` prefilled to lengths ``n`` ``(b,)``: their first new tokens ``(b,)``,
@@ -270,11 +227,6 @@ class Generator:
     def _keep_logprobs(self, rows, logits: torch.Tensor, chosen: torch.Tensor) -> None:
         lp, top, ids = token_logprobs(logits, chosen, self.logprobs)
         self.lp[rows, 0], self.lp[rows, 1:], self.lp_ids[rows] = lp, top, ids
-
-    def _prefill_shape(self, b: int, longest: int) -> tuple[int, int] | None:
-        """The smallest captured prefill shape holding ``b`` prompts of up to ``longest`` tokens."""
-        fits = [(pb * ps, pb, ps) for pb, ps in self.prefill_shapes if pb >= b and ps >= longest]
-        return min(fits)[1:] if fits else None
 
     def check_cache(self) -> None:
         """Raises RuntimeError when a later Generator on the same model has replaced its KV cache
@@ -355,7 +307,8 @@ class Generator:
         self.done[n:] = True  # padding rows
         self.tok.zero_()
         self.pos.zero_()
-        nxt = self._prefill_rows(range(n), prompts)  # each prompt into its cache row
+        fws = plan([len(p) for p in prompts], self.max_prefill_tokens)  # prompt i into cache row i
+        nxt = torch.cat([self._prefill([(i, prompts[i], a, b) for i, a, b in fw]) for fw in fws])
         self.tok[:n, 0] = nxt
         self.done[:n] = nxt == self.eos
         out = torch.empty(b, max_new_tokens, dtype=torch.long, device=dev)

@@ -128,8 +128,8 @@ class Attention(nn.Module):
         self.block_table: torch.Tensor | None = None  # paged KV memory: (rows, P) int64 (kv_pages.py)
 
     def forward(self, x, cos, sin, pos, row0, mask, kv_len):
-        if isinstance(row0, torch.Tensor):  # batched prefill into cache rows ``row0`` (B,)
-            return self.prefill(x, cos, sin, pos, row0)
+        if not isinstance(row0, int):  # a packed prefill (prefill.Packed)
+            return self.prefill(x, cos, sin, row0)
         if self.block_table is not None:
             return self.forward_paged(x, cos, sin, pos, row0, mask, kv_len)
         B, S, _ = x.shape  # x: (B, S, dim)
@@ -151,26 +151,37 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)  # mask: (B, 1, S, T) additive
         return kernels.linear(y.transpose(1, 2).reshape(B, S, h * d), self.o_proj.weight)
 
-    def prefill(self, x, cos, sin, pos, rows):
-        # B whole prompts, right-padded to S, from position 0: attention is causal within each prompt
-        # (the cache's older contents are not read), so it runs on the prompts' own k and v, and they
-        # are copied into cache rows ``rows`` (B,) at slots [0, S)
-        B, S, _ = x.shape  # x: (B, S, dim); pos: (B, S) = 0..S-1
+    def prefill(self, x, cos, sin, pk):
+        # packed prompts (prefill.Packed): T tokens of N pieces end to end, each piece's k and v written
+        # into its row at its positions, then each token attends to its row's positions up to its own
+        _, T, _ = x.shape  # x: (1, T, dim); cos, sin: (1, T, D/2)
         h, hkv, d = self.h, self.hkv, self.d
-        kt = torch.empty(B, hkv, S, d, dtype=self.k_cache.dtype, device=x.device)
+        kt = torch.empty(1, hkv, T, d, dtype=self.k_cache.dtype, device=x.device)
         vt = torch.empty_like(kt)
+        slots = torch.arange(T, device=x.device)[None]
         q = kernels.linear_rope_qkv_into_cache(
-            x, self.qkv_proj.weight, cos, sin, pos, kt, vt, 0, h, hkv
-        )  # (B, H, S, D)
+            x, self.qkv_proj.weight, cos, sin, slots, kt, vt, 0, h, hkv
+        )  # (1, H, T, D); kt, vt: (1, Hkv, T, D)
+        k, v = kt[0].transpose(0, 1), vt[0].transpose(0, 1)  # (T, Hkv, D)
         if self.block_table is not None:  # paged: into the rows' pages
-            write_pages(self.k_cache, self.v_cache, self.block_table, rows, pos, kt, vt)
+            write_pages(
+                self.k_cache, self.v_cache, self.block_table, pk.tok_rows, pk.pos[:, None], k[:, :, None], v[:, :, None]
+            )
         else:
-            self.k_cache[:, :, :S].index_copy_(0, rows, kt)
-            self.v_cache[:, :, :S].index_copy_(0, rows, vt)
-        if h // hkv > 1:  # grouped-query attention
-            kt, vt = kt.repeat_interleave(h // hkv, dim=1), vt.repeat_interleave(h // hkv, dim=1)
-        y = F.scaled_dot_product_attention(q, kt, vt, is_causal=True)  # (B, H, S, D)
-        return kernels.linear(y.transpose(1, 2).reshape(B, S, h * d), self.o_proj.weight)
+            self.k_cache[pk.tok_rows, :, pk.pos] = k
+            self.v_cache[pk.tok_rows, :, pk.pos] = v
+        y = kernels.prefill_attention(
+            q[0].transpose(0, 1),
+            self.k_cache,
+            self.v_cache,
+            pk.rows,
+            pk.start,
+            pk.cu,
+            pk.blk_seg,
+            pk.blk_m0,
+            self.block_table,
+        )  # (T, H, D)
+        return kernels.linear(y.reshape(1, T, h * d), self.o_proj.weight)
 
     def forward_paged(self, x, cos, sin, pos, row0, mask, kv_len):
         # as forward, over paged KV memory (kv_pages.py): the pages are k_cache, v_cache
@@ -303,25 +314,21 @@ class Llama(nn.Module):
         xn = self.norm(x) if r is None else self.norm(x, residual=r)[1]  # the last block's add, fused
         return kernels.linear(xn, self.lm_head.weight).float()  # (B, S, vocab)
 
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Whole prompts into the KV cache, many at once: ``tokens (B, S)`` int64, each row a prompt
-        right-padded to ``S`` (any padding id), ``lengths (B,)`` int64 (1..S), ``rows (B,)`` int64, the
-        distinct cache rows they go to. Returns the logits of each prompt's last token ``(B, vocab)``
-        float32. Attention is causal within each prompt, from position 0 (earlier cache contents are
-        neither read nor kept); the padding's keys land in slots ``[length, S)`` of its row, which a
-        decode step writes before any attention reads them."""
-        B, S = tokens.shape
-        pos = torch.arange(S, device=tokens.device).expand(B, S)
-        x = self.embed_tokens(tokens)  # (B, S, dim)
-        freqs = pos[..., None].float() * self.inv_freq  # (B, S, D/2) float32
+    def prefill(self, pk) -> torch.Tensor:
+        """Prompts (or chunks of them) into the KV cache, packed with no padding: ``pk`` a
+        :class:`~fullthrottle.workloads.llm.prefill.Packed` of N pieces, T tokens. Each piece's keys and
+        values go into its cache row at its positions and its tokens attend causally to the row's
+        positions up to theirs (earlier chunks included). Returns the logits of each piece's last
+        token ``(N, vocab)`` float32. Graph-safe (no host sync) on CUDA with Triton."""
+        freqs = pk.pos[None, :, None].float() * self.inv_freq  # (1, T, D/2) float32
         cos, sin = freqs.cos(), freqs.sin()
+        x = self.embed_tokens(pk.ids[None])  # (1, T, dim)
         r = None
         for blk in self.layers:
-            x, r = blk(x, r, cos, sin, pos, rows, None, S)
-        last = (lengths - 1)[:, None, None].expand(B, 1, x.shape[-1])  # each prompt's last token
-        x, r = x.gather(1, last), r.gather(1, last)  # (B, 1, dim)
+            x, r = blk(x, r, cos, sin, pk.pos, pk, None, 0)
+        x, r = x[:, pk.last], r[:, pk.last]  # (1, N, dim): each piece's last token
         xn = self.norm(x, residual=r)[1]
-        return kernels.linear(xn, self.lm_head.weight).float()[:, 0]  # (B, vocab)
+        return kernels.linear(xn, self.lm_head.weight).float()[0]  # (N, vocab)
 
 
 def fuse_hf_projections(sd: dict, head_dim: int) -> dict:

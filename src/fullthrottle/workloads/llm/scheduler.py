@@ -5,9 +5,9 @@ leave when done, instead of a batch running until its longest request ends.
 Each running request holds one row of the cache from its prefill to its last token. A step
 (:meth:`Scheduler.step`) first does at most the Generator's ``max_prefill_tokens`` of prefill work:
 the next chunk of a prompt too long for one step (chunked prefill: it goes on over several steps,
-in its own row, while the others decode), then waiting requests into free rows, oldest first, their
-prompts prefilled together, grouped by length and each group right-padded to its longest
-(:meth:`~fullthrottle.workloads.llm.llama.Llama.prefill`); then it decodes one token for every running
+in its own row, while the others decode), then waiting requests into free rows, oldest first, all
+in one forward, packed with no padding (variable-length attention:
+:mod:`~fullthrottle.workloads.llm.prefill`); then it decodes one token for every running
 request as one replay of the decode graph of the batch bucket holding the highest row in use and
 of the attention length holding the longest sequence (the Generator's graphs; eager without them).
 Rows between running ones that are free ride along masked (their position held at 0, their token
@@ -22,8 +22,6 @@ free, and takes a page more as its tokens cross into one. When none is free, the
 last is preempted, as vLLM does: its pages are given back and it waits first in line, to be prefilled
 again, prompt and tokens so far, and go on (recomputation; its seeded tokens do not change, since each
 token's noise depends on the seed and the position only).
-
-Not yet (issue 14): variable-length attention (no padding).
 """
 
 from __future__ import annotations
@@ -209,27 +207,21 @@ class Scheduler:
 
     @torch.inference_mode()
     def _admit(self) -> list[Request]:
-        """Prefill work of one step, at most the Generator's ``max_prefill_tokens``: the next chunk of
-        the prompt being prefilled in chunks, if any; then waiting requests into free rows, oldest
-        first, whole prompts prefilled together as the budget allows. A prompt longer than the whole
-        budget is prefilled in chunks, one per step, in a row of its own (decoding goes on meanwhile)."""
+        """Prefill work of one step, one packed forward of at most the Generator's ``max_prefill_tokens``:
+        the next chunk of the prompt being prefilled in chunks, if any; then waiting requests into
+        free rows, oldest first, whole, as the budget allows; then, if the next one's prompt is longer
+        than what is left, its first chunk (it goes on in the next steps, in its own row, while the
+        others decode; one such at a time)."""
         g, finished = self.gen, []
         budget = g.max_prefill_tokens
-        t0, tokens = time.perf_counter(), 0
-        head = self.waiting[0] if self.waiting else None
-        if self.prefilling is None and head and self.free and len(head.context()) > budget and self._fits(head):
-            s = self.prefilling = self.waiting.popleft()  # too long for one step: chunks, in a row of its own
-            self._take_row(s)
+        t0 = time.perf_counter()
+        work: list[tuple[Request, int, int]] = []  # (request, start, stop) of its context
         if self.prefilling is not None:
             s = self.prefilling
-            ctx = s.context()
-            stop = min(len(ctx), s.prefilled + budget)
-            first = g._prefill_chunk(s.row, ctx, s.prefilled, stop)
-            tokens, budget, s.prefilled = stop - s.prefilled, budget - (stop - s.prefilled), stop
-            if first is not None:
-                self.prefilling = None
-                finished += self._start([s], first)
-        admitted, pages = [], 0
+            stop = min(len(s.context()), s.prefilled + budget)
+            work.append((s, s.prefilled, stop))
+            budget -= stop - s.prefilled
+        pages = 0
         if self.free and budget > 0:  # (oldest first: one that does not fit holds the others back)
             batch = OpenBatch(len(self.free), budget)
             while (
@@ -241,17 +233,28 @@ class Scheduler:
                 s = self.waiting.popleft()
                 batch.add(s, tokens=len(s.context()))
                 pages += self._pages(s)
-            admitted = batch.take()
-        if admitted:
-            for s in admitted:
+            for s in batch.take():
                 self._take_row(s)
-            ctxs = [s.context() for s in admitted]
-            first = g._prefill_rows([s.row for s in admitted], ctxs)
-            finished += self._start(admitted, first)
-            tokens += sum(map(len, ctxs))
-        if tokens:
-            dt = time.perf_counter() - t0  # (the Generator's stage counters: what reports and /metrics show)
-            g.stats["prefill"].record(tokens, dt, dt)
+                work.append((s, 0, len(s.context())))
+                budget -= len(s.context())
+        head = self.waiting[0] if self.waiting else None
+        if self.prefilling is None and head and self.free and budget > 0 and self._fits(head, pages):
+            s = self.prefilling = self.waiting.popleft()  # too long for what is left: chunks, in a row of its own
+            self._take_row(s)
+            work.append((s, 0, budget))
+        if not work:
+            return finished
+        ctxs = [s.context() for s, _, _ in work]
+        first = g._prefill([(s.row, ctx, a, b) for (s, a, b), ctx in zip(work, ctxs)])
+        ended = [s for (s, _, b), ctx in zip(work, ctxs) if b == len(ctx)]
+        for s, _, b in work:
+            s.prefilled = b
+        if self.prefilling in ended:
+            self.prefilling = None
+        if ended:
+            finished += self._start(ended, first)
+        dt = time.perf_counter() - t0  # (the Generator's stage counters: what reports and /metrics show)
+        g.stats["prefill"].record(sum(b - a for _, a, b in work), dt, dt)
         return finished
 
     def _keep_logprobs(self, reqs) -> None:
