@@ -175,8 +175,9 @@ async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, 
     life = _Lifespan(app)
     starting = asyncio.ensure_future(life.startup())
     code, quick_exits = 0, 0
+    stopped = asyncio.ensure_future(stop.wait())  # (one waiter: a new one per round would pile up)
     while not (stop.is_set() and starting.done()):
-        await asyncio.wait([starting, asyncio.ensure_future(stop.wait())], timeout=0.2)
+        await asyncio.wait([starting, stopped], timeout=0.2)
         if starting.done() and starting.result() is not None:
             msg = starting.result()
             msg = msg.split("StartupError: ", 1)[1].rstrip() if "StartupError: " in msg else msg
@@ -200,6 +201,7 @@ async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, 
                 stop.set()
                 break
             workers[i] = _Worker(w.slot, listen, settings, engine)
+    stopped.cancel()
     # drain: every worker finishes its in-flight requests (they need the engine) and exits; each
     # closes its listening socket at once, and this process's copy goes first, so that a new
     # connection is refused instead of waiting unaccepted in the backlog until it is reset
