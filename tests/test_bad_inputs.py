@@ -1,4 +1,4 @@
-"""Every file in ../shared/data/bad-inputs gives what that folder's README says."""
+"""Every file in tests/data/bad-inputs gives what that folder's README says."""
 
 import resource
 

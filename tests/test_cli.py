@@ -550,7 +550,7 @@ def test_generate_many_with_text_prompts_gives_a_bad_line_its_own_error(tmp_path
 
 USER_MODEL = '''
 import torch
-from fullthrottle.workloads.classify.models import Transform
+from fullthrottle.workloads.classify.transform import Transform
 
 
 class ColourNet(torch.nn.Module):

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from fullthrottle.workloads.classify.models import TORCHVISION_IMAGENET
+from fullthrottle.workloads.classify.transform import TORCHVISION_IMAGENET
 
 CHECK = textwrap.dedent("""
     import torch

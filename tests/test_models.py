@@ -14,16 +14,8 @@ from fullthrottle import Config, Pipeline
 from fullthrottle.cli import main
 from fullthrottle.data.preprocess import preprocess
 from fullthrottle.workloads.classify.efficientnet import EfficientNetLite0, reference_to_ours
-from fullthrottle.workloads.classify.models import (
-    EFFICIENTNET_LITE,
-    MOBILENET_V3,
-    MODELS,
-    TORCHVISION_IMAGENET,
-    Transform,
-    build_model,
-    load_model,
-    transform_of,
-)
+from fullthrottle.workloads.classify.models import MODELS, build_model, load_model, transform_of
+from fullthrottle.workloads.classify.transform import EFFICIENTNET_LITE, MOBILENET_V3, TORCHVISION_IMAGENET, Transform
 
 
 def normalise(arrays, t: Transform) -> torch.Tensor:
@@ -101,7 +93,9 @@ def test_each_model_declares_its_transform():
     m.input_transform = Transform(160, 128, (0.5,) * 3, (0.25,) * 3)
     assert Config().for_model(m).transform == m.input_transform
     m.input_transform = {"resize": 160}
-    with pytest.raises(TypeError, match="input_transform must be a fullthrottle.workloads.classify.models.Transform"):
+    with pytest.raises(
+        TypeError, match="input_transform must be a fullthrottle.workloads.classify.transform.Transform"
+    ):
         Config().for_model(m)
     with pytest.raises(ValueError, match="interpolation"):
         Transform(256, 224, (0.5,) * 3, (0.5,) * 3, "lanczos")

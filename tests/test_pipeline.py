@@ -10,7 +10,8 @@ from torchvision.transforms import v2
 
 from fullthrottle import Config, Pipeline, PipelineError
 from fullthrottle.data.preprocess import preprocess
-from fullthrottle.workloads.classify.models import TORCHVISION_IMAGENET, WeightsError
+from fullthrottle.workloads.classify.models import WeightsError
+from fullthrottle.workloads.classify.transform import TORCHVISION_IMAGENET
 
 LABELS = [f"class{i}" for i in range(10)]
 

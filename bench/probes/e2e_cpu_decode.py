@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fullthrottle.workloads.classify.models import TORCHVISION_IMAGENET
+from fullthrottle.workloads.classify.transform import TORCHVISION_IMAGENET
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import jpegs_640x480, machine_info, mps_clients, mps_pipe_listing, mps_servers, sample_jpegs, write_json  # noqa: E402

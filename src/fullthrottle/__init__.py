@@ -18,9 +18,9 @@ if TYPE_CHECKING:  # (for type checkers and IDEs; at run time the names come fro
     from .core.report import StageStats
     from .core.workload import ItemError, Workload
     from .data.image_header import ImageError
-    from .workloads.classify.models import Transform
     from .workloads.classify.pipeline import Pipeline, PipelineError, classify
     from .workloads.classify.result import Result
+    from .workloads.classify.transform import Transform
 
 _WHERE = {
     "Config": ".core.config",
@@ -32,7 +32,7 @@ _WHERE = {
     "Workload": ".core.workload",
     "ItemError": ".core.workload",
     "StageStats": ".core.report",
-    "Transform": ".workloads.classify.models",
+    "Transform": ".workloads.classify.transform",
 }
 
 __all__ = [

@@ -27,7 +27,7 @@ import time
 import torch
 
 from ..data.preprocess import preprocess
-from ..workloads.classify.models import TORCHVISION_IMAGENET
+from ..workloads.classify.transform import TORCHVISION_IMAGENET
 
 # the baselines run torchvision ResNets, so they normalise as torchvision's recipe does
 MEAN, STD = TORCHVISION_IMAGENET.mean, TORCHVISION_IMAGENET.std

@@ -253,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE:CLASS",
         help="also serve a workload of your own (a fullthrottle.Workload subclass: setup, decode_request, "
         "predict, encode_response) at POST /v1/<its name>, batched across requests; repeatable; "
-        "MODULE is imported from the current folder or the Python path",
+        "MODULE is imported from the current folder or the Python path; the image model is served "
+        "beside it unless --no-classify",
     )
     g = sub.add_parser(
         "generate",

@@ -6,7 +6,7 @@ import importlib.util
 import os
 import sys
 
-from ..workloads.classify.models import MODELS, spec
+from ..workloads.classify.models import spec
 from .common import _gpu_decode_settings, _input_limits
 
 
@@ -55,7 +55,7 @@ def cmd_serve(args) -> int:
             **_input_limits(args),
             preprocess=args.preprocess,
         )
-        model_spec = spec(args.model)  # (a MODULE:CLASS is imported now: its errors before anything starts)
+        spec(args.model)  # (a MODULE:CLASS is imported now: its errors before anything starts)
         if args.weights is not None and not os.path.isfile(args.weights):
             raise FileNotFoundError(f"weights file not found: {args.weights}")
         if args.weights is not None and args.classify:  # weights that do not fit: an error before anything starts
@@ -128,11 +128,6 @@ def cmd_serve(args) -> int:
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         print(f"note: serving on {args.host} without --api-key: anyone who can reach it may use it", file=sys.stderr)
-    if args.weights is None and model_spec.bundled_weights is None and args.model in MODELS:  # (not MODULE:CLASS)
-        print(
-            f"WARNING: no --weights given: {args.model} is randomly initialised, labels are meaningless",
-            file=sys.stderr,
-        )
     llm = None
     if args.llm_model_dir or args.llm_random:
         import torch

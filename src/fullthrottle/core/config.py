@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ..workloads.classify.models import DEFAULT_MODEL, INTERPOLATIONS, Transform, check_channels, transform_of
+from ..workloads.classify.models import DEFAULT_MODEL, transform_of
+from ..workloads.classify.transform import INTERPOLATIONS, Transform, check_channels
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: the compute dtype on CUDA when none is given (image models, LLMs; the CPU computes in float32)
@@ -350,7 +351,7 @@ class Config:
 
     @property
     def transform(self) -> Transform:
-        """The input transform as a :class:`~fullthrottle.workloads.classify.models.Transform` (after :meth:`for_model`).
+        """The input transform as a :class:`~fullthrottle.workloads.classify.transform.Transform` (after :meth:`for_model`).
 
         Raises:
             ValueError: a field still ``None`` (call :meth:`for_model` first) or a bad combination.

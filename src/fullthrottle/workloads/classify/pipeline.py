@@ -33,9 +33,9 @@ from ...core.report import Report
 from ...data.preprocess import allow_pillow_pixels
 from ...data.preprocess_procs import DecoderPool
 from .compute import Engine
-from .models import GPU_INTERPOLATIONS
 from .result import Result
 from .run import PipelineError, Run, limit_heap_fragmentation  # noqa: F401 - (PipelineError: the public name lives here)
+from .transform import GPU_INTERPOLATIONS
 
 
 class Pipeline:
@@ -48,7 +48,7 @@ class Pipeline:
         config: a :class:`~fullthrottle.core.config.Config`; keyword arguments override its fields.
         model: optional ``nn.Module`` (float ``(B, 3, crop, crop)`` -> logits ``(B, C)``) instead of a
             named model; its input transform is its ``input_transform`` attribute (a
-            :class:`~fullthrottle.workloads.classify.models.Transform`) or torchvision's ImageNet recipe, unless
+            :class:`~fullthrottle.workloads.classify.transform.Transform`) or torchvision's ImageNet recipe, unless
             ``config`` sets the fields.
 
     Example::

@@ -38,7 +38,7 @@ def run_report(run) -> Report:
 
 def gpu_decode_summary(run) -> str:
     """One line: which GPU JPEG decoder ran where, and the share of eligible JPEGs it decoded."""
-    from .models import GPU_INTERPOLATIONS
+    from .transform import GPU_INTERPOLATIONS
 
     eng = run.engine
     if eng.cuda and eng.config.interpolation not in GPU_INTERPOLATIONS:
