@@ -374,6 +374,15 @@ def test_flag_defaults_are_the_dataclasses_defaults():
             Config.top_k,
         )
     assert c.batch_size == v.max_batch_size == Config.max_batch_size
+    from fullthrottle.core.config import LlmSettings
+
+    assert (v.llm_max_batch, v.llm_kv_pages, v.llm_max_prefill_tokens, v.llm_logprobs) == (
+        LlmSettings.max_batch,
+        LlmSettings.kv_pages,
+        LlmSettings.max_prefill_tokens,
+        LlmSettings.logprobs,
+    )
+    assert p.parse_args(["serve", "--llm-max-prefill-tokens", "7"]).llm_max_prefill_tokens == 7
     o = ServeOptions()
     assert (v.max_queue, v.timeout_s, v.body_timeout_s, v.header_timeout_s, v.max_images) == (
         o.max_queue,
@@ -445,6 +454,10 @@ def test_serve_numbers_must_be_finite_and_an_output_may_not_overwrite_an_input(s
             with pytest.raises(SystemExit) as e:
                 main(["serve", flag, bad])
             assert e.value.code == 2 and f"argument {flag}: must be a finite number > 0" in capsys.readouterr().err
+    for bad in ("0", "1.5", "nan"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--llm-max-prefill-tokens", bad])
+        assert e.value.code == 2 and "argument --llm-max-prefill-tokens" in capsys.readouterr().err
     for bad in ("nan", "-1"):
         with pytest.raises(SystemExit) as e:
             main(["serve", "--max-wait-ms", bad])

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from fullthrottle.workloads.llm.generate import Generator
+from fullthrottle.workloads.llm.prefill import plan
 from fullthrottle.workloads.llm.scheduler import Scheduler
 
 
@@ -135,10 +136,57 @@ def test_eos_ends_a_request_and_frees_its_row(tiny_llama):
     assert all(s.done for s in seqs) and sorted(sched.free) == [0, 1]
     with pytest.raises(ValueError, match="must fit the KV cache"):
         sched.submit([1] * 60, 10)
-    with pytest.raises(ValueError, match="empty prompt"):
-        sched.submit([], 3)
+    for prompt, n, msg in (
+        ([], 3, "prompt is empty"),
+        ([5, 97], 3, r"token ids must be integers in \[0, 97\), got 97"),  # (vocab 97)
+        ([5, -1], 3, "got -1"),
+        ([5, 2.0], 3, "got 2.0"),
+        ([5, True], 3, "got True"),
+        ([5], 0, "max_new_tokens must be an integer >= 1, got 0"),
+        ([5], 2.5, "got 2.5"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            sched.submit(prompt, n)
     with pytest.raises(ValueError, match="temperature"):
         sched.submit([1], 3, temperature=-1)
+    assert not sched.busy and sorted(sched.free) == [0, 1]  # nothing taken by the refused ones
+
+
+def test_bad_settings_and_prompts_are_clear_errors_and_a_new_scheduler_starts_clean(tiny_llama):
+    """The Generator refuses settings that are not integers in range, and a KV cache larger than the
+    free memory (before allocating it); generate refuses bad token ids and max_new_tokens; a Scheduler
+    built on an engine whose last owner failed mid-step finds every KV page free."""
+    for kw, msg in (
+        ({"max_prefill_tokens": float("nan")}, "max_prefill_tokens must be an integer >= 1, got nan"),
+        ({"max_prefill_tokens": 1.5}, "max_prefill_tokens"),
+        ({"max_prefill_tokens": 0}, "max_prefill_tokens"),
+        ({"kv_pages": 2.5}, "kv_pages must be an integer >= 0"),
+        ({"kv_pages": "3"}, "kv_pages"),
+        ({"max_batch": 0}, "max_batch must be an integer >= 1"),
+        ({"max_seq_len": 10**9}, "max_position_embeddings"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            Generator(tiny_llama, **{"max_batch": 2, "max_seq_len": 64, "graphs": False, **kw})
+    big = tiny_llama.cfg.max_position_embeddings
+    with pytest.raises(ValueError, match=r"the KV cache \(10000000 rows x .* GiB free: take fewer rows"):
+        Generator(tiny_llama, max_batch=10**7, max_seq_len=big, graphs=False)
+    gen = Generator(tiny_llama, max_batch=2, max_seq_len=64, graphs=False, kv_pages=4)
+    for prompts, n, msg in (
+        ([[5, 300]], 2, r"prompt 0: token ids must be integers in \[0, 97\)"),
+        ([[5], [10**20]], 2, "prompt 1: token ids"),
+        ([[5]], 0, "max_new_tokens must be an integer >= 1"),
+        ([[5]], -5, "max_new_tokens"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            gen.generate(prompts, n)
+    sched = Scheduler(gen)
+    sched.submit([5, 6, 7], 4)
+    sched.step()
+    assert gen.kv.pages_used == 1  # (a step that raised here would leave it held)
+    again = Scheduler(gen)  # (what the server does after a failed step)
+    assert gen.kv.pages_used == 0 and again.run([{"prompt": [5, 6, 7], "max_new_tokens": 4}])
+    with pytest.raises(ValueError, match="budget must be >= 1"):
+        plan([3], 0)
 
 
 @pytest.mark.gpu
@@ -235,6 +283,7 @@ def test_paged_kv_memory_gives_each_request_its_tokens_alone_and_admits_what_fit
 INTERPRETED = """
 import os, random, torch
 from fullthrottle.workloads.llm.generate import Generator
+from fullthrottle.workloads.llm.prefill import plan
 from fullthrottle.workloads.llm.llama import Llama, LlamaConfig
 from fullthrottle.workloads.llm.scheduler import Scheduler
 

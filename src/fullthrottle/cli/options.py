@@ -7,8 +7,9 @@ import argparse
 import dataclasses
 import math
 
-from ..core.config import DTYPES, GPU_DECODERS, Config, Runtime
+from ..core.config import DTYPES, GPU_DECODERS, Config, LlmSettings, Runtime
 from ..workloads.classify.models import DEFAULT_MODEL, MODELS
+from .generate import RANDOM_SHAPES
 
 
 def _integer(s: str) -> int:
@@ -200,3 +201,57 @@ def add_runtime_args(
         "checked on the header before decoding (default: %(default).1f, Pillow's bomb threshold)",
     )
     add_gpu_decode_args(p)
+
+
+def add_llm_serve_args(v: argparse.ArgumentParser) -> None:
+    """``serve``'s ``--llm-*`` flags: the LLM engine's settings (defaults from
+    :class:`~fullthrottle.core.config.LlmSettings`)."""
+    v.add_argument(
+        "--llm-model-dir",
+        default=None,
+        metavar="DIR",
+        help="also serve /v1/completions and /v1/chat/completions with this Hugging Face Llama folder",
+    )
+    v.add_argument(
+        "--llm-random",
+        choices=RANDOM_SHAPES,
+        default=None,
+        help="serve an LLM of this shape with random weights instead (token ids only: for benchmarks)",
+    )
+    v.add_argument(
+        "--llm-max-batch",
+        type=positive_int,
+        default=LlmSettings.max_batch,
+        help="LLM KV-cache rows: requests decoded at once (default: %(default)s)",
+    )
+    v.add_argument(
+        "--llm-logprobs",
+        type=int,
+        default=LlmSettings.logprobs,
+        metavar="N",
+        help="let requests ask for logprobs: each token's and the top N (0-20; default: off, no extra work per step)",
+    )
+    v.add_argument(
+        "--llm-kv-pages",
+        type=nonnegative_int,
+        default=LlmSettings.kv_pages,
+        metavar="N",
+        help="paged KV memory: N pages of 64 tokens shared by all requests (at most what --llm-max-batch full "
+        "rows use); a request holds the pages of the tokens it has, requests wait for pages, and when "
+        "they run out the one admitted last is preempted and computed again later. Default 0: a "
+        "static --llm-max-seq-len row per request",
+    )
+    v.add_argument(
+        "--llm-max-prefill-tokens",
+        type=positive_int,
+        default=LlmSettings.max_prefill_tokens,
+        metavar="N",
+        help="LLM prompt tokens prefilled per step, in one forward (longer prompts go in chunks, while the "
+        "others decode; default: %(default)s)",
+    )
+    v.add_argument(
+        "--llm-max-seq-len",
+        type=positive_int,
+        default=None,
+        help="LLM context (KV cache) length (default: the model's, at most 4096)",
+    )

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.config import LlmSettings, usable_cores
+from ..core.config import usable_cores
 from ..core.env import describe as describe_env
 from ..server.options import MAX_CONNECTIONS, SERVE_DECODER_PROCESSES, SERVE_MAX_WAIT_MS, ServeOptions
 from .generate import RANDOM_SHAPES
-from .options import add_runtime_args, add_runtime_flags, nonnegative_int, port_number, positive_float, positive_int
+from .options import (
+    add_llm_serve_args,
+    add_runtime_args,
+    add_runtime_flags,
+    port_number,
+    positive_float,
+    positive_int,
+)
 
 _SO = ServeOptions  # (its fields' defaults are serve's flags' defaults)
 
@@ -192,47 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--replicas", type=positive_int, default=1, help="Ray Serve replicas (with --ray; default: %(default)s)"
     )
-    v.add_argument(
-        "--llm-model-dir",
-        default=None,
-        metavar="DIR",
-        help="also serve /v1/completions and /v1/chat/completions with this Hugging Face Llama folder",
-    )
-    v.add_argument(
-        "--llm-random",
-        choices=RANDOM_SHAPES,
-        default=None,
-        help="serve an LLM of this shape with random weights instead (token ids only: for benchmarks)",
-    )
-    v.add_argument(
-        "--llm-max-batch",
-        type=positive_int,
-        default=LlmSettings.max_batch,
-        help="LLM KV-cache rows: requests decoded at once (default: %(default)s)",
-    )
-    v.add_argument(
-        "--llm-logprobs",
-        type=int,
-        default=LlmSettings.logprobs,
-        metavar="N",
-        help="let requests ask for logprobs: each token's and the top N (0-20; default: off, no extra work per step)",
-    )
-    v.add_argument(
-        "--llm-kv-pages",
-        type=nonnegative_int,
-        default=LlmSettings.kv_pages,
-        metavar="N",
-        help="paged KV memory: N pages of 64 tokens shared by all requests (at most what --llm-max-batch full "
-        "rows use); a request holds the pages of the tokens it has, requests wait for pages, and when "
-        "they run out the one admitted last is preempted and computed again later. Default 0: a "
-        "static --llm-max-seq-len row per request",
-    )
-    v.add_argument(
-        "--llm-max-seq-len",
-        type=positive_int,
-        default=None,
-        help="LLM context (KV cache) length (default: the model's, at most 4096)",
-    )
+    add_llm_serve_args(v)
     v.add_argument(
         "--embed-model",
         default=None,

@@ -151,6 +151,7 @@ def cmd_serve(args) -> int:
         try:
             seq = args.llm_max_seq_len or min(model.cfg.max_position_embeddings, 4096)
             kw = dict(graphs=args.graphs, logprobs=args.llm_logprobs, kv_pages=args.llm_kv_pages)
+            kw.update(max_prefill_tokens=args.llm_max_prefill_tokens)
             llm = (Generator(model, args.llm_max_batch, seq, **kw), tok)
         except (ValueError, RuntimeError, MemoryError) as e:  # (RuntimeError: torch's out of memory)
             print(f"fullthrottle: error: {e}", file=sys.stderr)

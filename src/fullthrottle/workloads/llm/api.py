@@ -104,13 +104,13 @@ def chat_request(p: dict, gen, tok) -> dict:
     top = _integer(p, "top_logprobs", 0)
     if top and not on:
         raise ValueError("top_logprobs needs logprobs: true")
-    return _request(p, gen, ids, _integer(p, key, 16), top if on else None)
+    return _request(p, gen, ids, _integer(p, key, 16), top if on else None, key)
 
 
-def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None = None) -> dict:
+def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None = None, key="max_tokens") -> dict:
     vocab = gen.model.cfg.vocab_size
     if max_tokens < 1:
-        raise ValueError("max_tokens must be a positive integer")
+        raise ValueError(f"{key} must be a positive integer")
     if any(i < 0 or i >= vocab for i in ids):
         raise ValueError(f"token ids must be in [0, {vocab})")
     if len(ids) + max_tokens > gen.max_seq_len:

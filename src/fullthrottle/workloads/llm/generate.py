@@ -21,6 +21,7 @@ import torch
 from ...core import kernels
 from ...core.config import LlmSettings, Runtime, default_buckets
 from ...core.report import StageStats
+from .checks import check_int, check_kv_memory, check_prompt
 from .kv_pages import PAGE, PagedKV
 from .llama import Llama
 from .prefill import Piece, Prefill, plan
@@ -90,9 +91,16 @@ class Generator:
         kv_pages: int = LlmSettings.kv_pages,
     ):
         self.model = model
+        for name, v, lowest in (
+            ("max_batch", max_batch, 1),
+            ("max_seq_len", max_seq_len, 1),
+            ("check_every", check_every, 1),
+            ("max_prefill_tokens", max_prefill_tokens, 1),
+            ("prefill_graph_tokens", prefill_graph_tokens, 0),
+            ("kv_pages", kv_pages, 0),
+        ):
+            check_int(name, v, lowest)
         #: tokens one prefill forward takes at most; a longer prompt is prefilled in chunks
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
         p = next(model.parameters())
         self.device = p.device
@@ -118,13 +126,14 @@ class Generator:
         rows = self.max_batch + bool(pf_graph_tokens)
         #: paged KV memory's free and held pages (None: the static cache)
         self.kv: PagedKV | None = None
-        if kv_pages < 0:
-            raise ValueError(f"kv_pages must be 0 (a static cache) or a number of pages, got {kv_pages}")
         kv_pages = min(kv_pages, rows * -(-max_seq_len // PAGE))  # (more could never be used)
         if kv_pages:
+            check_kv_memory(model, (kv_pages + 1) * PAGE, f"{kv_pages} pages of {PAGE} tokens", "take fewer kv_pages")
             model.setup_paged_cache(rows, max_seq_len, kv_pages, owner=self)
             self.kv = PagedKV(model.block_table, kv_pages)
         else:
+            hint = "take fewer rows (max_batch), a shorter max_seq_len, or paged KV memory (kv_pages)"
+            check_kv_memory(model, rows * max_seq_len, f"{rows} rows x {max_seq_len} positions", hint)
             model.setup_cache(rows, max_seq_len, owner=self)
         B, V = self.max_batch, model.cfg.vocab_size
         # static inputs of the decode step (views [:b] serve every bucket)
@@ -264,21 +273,23 @@ class Generator:
         True, generation stops there (every caller has gone): the rows end with what they have.
 
         Raises:
-            ValueError: empty prompt, too many prompts, or prompt + max_new_tokens > max_seq_len.
+            ValueError: an empty prompt or token ids outside the vocabulary, too many prompts,
+                max_new_tokens < 1, or prompt + max_new_tokens > max_seq_len.
         """
         self.check_sampling(temperature, top_k, top_p)
+        check_int("max_new_tokens", max_new_tokens, 1)
         n = len(prompts)
         if n == 0 or n > self.max_batch:
             raise ValueError(f"between 1 and {self.max_batch} prompts per call, got {n}")
         for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
+            check_prompt(p, self.model.cfg.vocab_size, f"prompt {i}")
             if len(p) + max_new_tokens > self.max_seq_len:
                 raise ValueError(
                     f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceeds "
                     f"max_seq_len {self.max_seq_len} (the static KV cache's length)"
                 )
-        if self.kv is not None:  # (paged: rows 0..n-1 get their pages for the whole call)
+        if self.kv is not None:  # (paged: rows 0..n-1 get their pages for the whole call; the call owns them all)
+            self.kv.reset()
             self.kv.reserve_rows([len(p) + max_new_tokens for p in prompts])
         try:
             return self._generate(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, stats, on_tokens)

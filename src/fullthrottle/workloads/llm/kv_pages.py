@@ -91,6 +91,12 @@ class PagedKV:
             self.free += reversed(got)
             self.table[row, : len(got)] = 0
 
+    def reset(self) -> None:
+        """Every page back to the pool (whoever held them: a new owner of the engine starts clean)."""
+        self.free = list(range(self.num_pages, 0, -1))
+        self.held.clear()
+        self.table.zero_()
+
     @property
     def pages_used(self) -> int:
         return self.num_pages - len(self.free)

@@ -34,6 +34,8 @@ def plan(lengths: Sequence[int], budget: int, done: Sequence[int] | None = None)
     >>> plan([3, 5, 2], 4)
     [[(0, 0, 3), (1, 0, 1)], [(1, 1, 5)], [(2, 0, 2)]]
     """
+    if budget < 1:
+        raise ValueError(f"a prefill budget must be >= 1 token, got {budget}")
     forwards, cur, used = [], [], 0
     for i, n in enumerate(lengths):
         a = done[i] if done else 0

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...core.batch import OpenBatch, bucket_for
+from .checks import check_int, check_prompt
 
 
 @dataclass(eq=False)  # (compared and hashed by identity: a request is its own key)
@@ -74,8 +75,9 @@ class Scheduler:
     The scheduler owns the Generator's state while it runs: do not call ``gen.generate`` in between.
 
     Raises:
-        ValueError (:meth:`submit`): an empty prompt, or prompt + max_new_tokens over the cache length
-            (or, paged, over all the KV pages there are).
+        ValueError (:meth:`submit`): an empty prompt, token ids outside the vocabulary, max_new_tokens
+            not an integer >= 1, or prompt + max_new_tokens over the cache length (or, paged, over all
+            the KV pages there are).
     """
 
     def __init__(self, gen, eos_id: int | None = None):
@@ -87,6 +89,8 @@ class Scheduler:
         self.steps = 0
         self.preemptions = 0  # requests preempted for KV pages
         self._admissions = 0
+        if gen.kv is not None:  # (pages a previous owner left held, if it failed mid-step)
+            gen.kv.reset()
         gen.eos.fill_(-1 if eos_id is None else eos_id)
         gen.done.fill_(True)  # rows not running
         gen.pos.zero_()
@@ -116,12 +120,12 @@ class Scheduler:
                 f"logprobs must be between 0 and {self.gen.logprobs}"
                 + (" (this engine reports none: build its Generator with logprobs=N)" if not self.gen.logprobs else "")
             )
-        if not prompt:
-            raise ValueError("empty prompt")
-        if max_new_tokens < 1 or len(prompt) + max_new_tokens > self.gen.max_seq_len:
+        check_prompt(prompt, self.gen.model.cfg.vocab_size)
+        check_int("max_new_tokens", max_new_tokens, 1)
+        if len(prompt) + max_new_tokens > self.gen.max_seq_len:
             raise ValueError(
                 f"{len(prompt)} prompt tokens + max_new_tokens {max_new_tokens} must fit the KV cache's "
-                f"{self.gen.max_seq_len} (and max_new_tokens be >= 1)"
+                f"{self.gen.max_seq_len}"
             )
         if self.gen.kv is not None:
             self.gen.kv.check_pool(
