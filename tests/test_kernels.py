@@ -337,3 +337,33 @@ def test_resize_crop_u8_rejects_bad_arguments():
         K.resize_crop_u8([img[:1]], out, resize=6, crop=4)
     with pytest.raises(ValueError, match="not a dense CHW or HWC block"):
         K.resize_crop_u8([torch.zeros((3, 8, 16), dtype=torch.uint8)[:, :, ::2]], out, resize=6, crop=4)
+
+
+def test_llm_attention_kernels_compile_for_the_h200_without_a_gpu():
+    """Triton compiles the prefill (variable-length) and decode attention kernels, static and paged,
+    down to an sm_90 cubin on a machine without a GPU: errors of types, shapes or control flow that
+    the interpreter lets through would fail here, before a GPU run."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fullthrottle.core.kernels import attention, varlen
+
+    ptrs = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "o_ptr"), "*bf16")
+    ptrs |= dict.fromkeys(("rows_ptr", "start_ptr", "cu_ptr", "blk_seg_ptr", "blk_m0_ptr", "table_ptr"), "*i64")
+    ints = dict.fromkeys(("table_stride", "q_t", "q_h", "o_t", "c_b", "c_h", "c_t"), "i64")
+    prefill = {**ptrs, **ints, "REP": "i32", "qk_scale": "fp32"}
+    decode = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "pos_ptr": "*i64", "part_ptr": "*fp32"}
+    decode |= {"o_ptr": "*bf16", "cnt_ptr": "*i32", "table_ptr": "*i64", "table_stride": "i64"}
+    decode |= dict.fromkeys(("row0", "T", "H", "REP", "SPLITS"), "i32") | dict.fromkeys(("c_b", "c_h", "c_t"), "i64")
+    decode |= {"sm_scale": "fp32"}
+    for paged in (False, True):
+        consts = {"D": 128, "BLOCK_M": 64, "BLOCK_N": 64, "PAGE": 64, "PAGED": paged, "PRECISION": "tf32"}
+        sig = prefill | dict.fromkeys(consts, "constexpr")
+        src = ASTSource(fn=varlen._prefill_kernel, signature=sig, constexprs=consts)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
+        consts = {"D": 128, "BLOCK_T": 64, "MERGE": True, "BLOCK_S": 64, "PAGED": paged}
+        sig = decode | dict.fromkeys(consts, "constexpr")
+        src = ASTSource(fn=attention._attention_part_kernel, signature=sig, constexprs=consts)
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["cubin"]

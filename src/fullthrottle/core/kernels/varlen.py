@@ -208,7 +208,7 @@ if triton is not None:
         q_off = (q0 + m)[:, None].to(tl.int64) * q_t + h * q_h + d[None, :]
         q = tl.load(q_ptr + q_off, mask=mm[:, None], other=0.0)  # (BLOCK_M, D)
         qpos = first + m
-        kv_end = first + tl.minimum(m0 + BLOCK_M, length)  # keys this block reads: positions [0, kv_end)
+        kv_end = (first + tl.minimum(m0 + BLOCK_M, length)).to(tl.int32)  # keys this block reads: [0, kv_end)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
