@@ -104,6 +104,7 @@ def cmd_generate(args) -> int:
 
     with held_sigint():  # (a Ctrl-C is taken once the native libraries have imported)
         from ..core.device import resolve_device
+        from ..workloads.llm.checks import check_prompt
         from ..workloads.llm.generate import GenerateStats, Generator
         from ..workloads.llm.llama import load_hf
         from ..workloads.llm.text import LlmText, TextStream
@@ -147,8 +148,7 @@ def cmd_generate(args) -> int:
             ids = tok.encode(args.prompt)
         else:
             raise ValueError("give --prompt TEXT or --tokens IDS")
-        if any(i < 0 or i >= model.cfg.vocab_size for i in ids):
-            raise ValueError(f"token ids must be in [0, {model.cfg.vocab_size})")
+        check_prompt(ids, model.cfg.vocab_size)
         context = model.cfg.max_position_embeddings
         if args.max_seq_len is None and len(ids) + args.max_new_tokens > context:
             raise ValueError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ...core import env
 from ...core.config import LlmSettings
 from ...core.workload import Workload
+from .checks import check_prompt
 from .text import MAX_STOPS, LlmText, TextStream
 
 #: OpenAI options this server does not implement: a request setting one to anything but its
@@ -111,8 +112,7 @@ def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None
     vocab = gen.model.cfg.vocab_size
     if max_tokens < 1:
         raise ValueError(f"{key} must be a positive integer")
-    if any(i < 0 or i >= vocab for i in ids):
-        raise ValueError(f"token ids must be in [0, {vocab})")
+    check_prompt(ids, vocab)
     if len(ids) + max_tokens > gen.max_seq_len:
         raise ValueError(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {gen.max_seq_len}"
