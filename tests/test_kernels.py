@@ -133,6 +133,11 @@ CHECK = textwrap.dedent("""
             assert torch.allclose(o.float(), ref, atol=tol * 2, rtol=tol), (o.float() - ref).abs().max()
         o = K.prefill_attention(qp, pages_k, pages_v, *args, table=table)
         assert torch.allclose(o.float(), ref, atol=tol * 2, rtol=tol), (o.float() - ref).abs().max()
+        from fullthrottle.core.kernels.varlen import query_blocks
+        seg, m0 = query_blocks([5, 0, 70, 17])   # the grid as a graph's static buffer holds it: unused blocks -1
+        grid = [torch.tensor(v + [f] * 4, device=device) for v, f in ((seg, -1), (m0, 0))]
+        o = K.prefill_attention(qp, pages_k, pages_v, *args, *grid, table=table)
+        assert torch.allclose(o.float(), ref, atol=tol * 2, rtol=tol), (o.float() - ref).abs().max()
         # image normalisation from uint8 NHWC, a size not a multiple of the block, every byte value
         x8 = torch.arange(5 * 7 * 11 * 3, device=device).remainder(256).to(torch.uint8).view(5, 7, 11, 3)
         scale = torch.tensor([0.0171, 0.0175, 0.0174], device=device).to(dtype)

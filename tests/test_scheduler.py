@@ -317,3 +317,42 @@ def test_packed_prefill_and_decode_kernels_in_the_interpreter_give_each_request_
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kv_pages", [0, 8])
+def test_a_padded_pack_as_a_prefill_graph_holds_it_gives_the_same_logits_and_writes_only_the_spare_row(
+    tiny_llama, kv_pages
+):
+    """What a prefill graph replays, checked on the CPU: pieces packed into the static sizes of a token
+    bucket (padding tokens, empty padding pieces, unused kernel blocks) give the logits of the exact
+    pack, and the padding writes the spare row only (static cache) or page 0 (paged)."""
+    import torch
+
+    from fullthrottle.workloads.llm.kv_pages import PagedKV
+    from fullthrottle.workloads.llm.prefill import Packed, Prefill
+
+    kv = None  # 4 rows and the spare row 4, as a Generator with prefill graphs has
+    if kv_pages:
+        tiny_llama.setup_paged_cache(5, 64, kv_pages)
+        kv = PagedKV(tiny_llama.block_table, kv_pages)
+    else:
+        tiny_llama.setup_cache(5, 64)
+    pf = Prefill(tiny_llama, max_pieces=4, graph_tokens=64, pad_row=4)  # (its sizes; no graphs on CPU)
+    rng = random.Random(8)
+    pieces = [(r, [rng.randrange(97) for _ in range(n)], 0, n) for r, n in ((2, 9), (0, 1), (3, 20))]
+    for r, _, _, n in pieces if kv is not None else []:
+        kv.reserve(r, n)
+    exact = (30, 3, 3)
+    with torch.inference_mode():
+        want = tiny_llama.prefill(Packed.view(Packed.build(pieces, *exact, pad_row=4), *exact))
+        cache = [blk.self_attn.k_cache.clone() for blk in tiny_llama.layers]
+        sizes = pf._sizes(32)  # the bucket of 32 tokens: 2 padding tokens, 1 padding piece
+        assert sizes == (32, 4, 1 + 4)
+        got = tiny_llama.prefill(Packed.view(Packed.build(pieces, *sizes, pad_row=4), *sizes))
+    torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=0)
+    for blk, before in zip(tiny_llama.layers, cache):
+        k = blk.self_attn.k_cache
+        if kv is None:  # rows 0..3 as the exact pack left them; row 4 (the spare) took the padding
+            torch.testing.assert_close(k[:4], before[:4], atol=1e-6, rtol=0)
+        else:  # pages 1.. as the exact pack left them; page 0 took the padding
+            torch.testing.assert_close(k[1:], before[1:], atol=1e-6, rtol=0)
