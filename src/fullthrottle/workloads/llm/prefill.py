@@ -13,7 +13,6 @@ cache row, its padding pieces are empty.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -125,7 +124,6 @@ class Prefill:
         #: token buckets with a captured graph, smallest first
         self.buckets = token_buckets(graph_tokens) if graph_tokens else []
         self.graphs = None  # GraphSet keyed by token bucket
-        self.capture_s = 0.0
 
     def _sizes(self, T: int) -> tuple[int, int, int]:
         N = min(self.max_pieces, T)
@@ -136,7 +134,6 @@ class Prefill:
         """Capture a graph per token bucket, largest first, into one pool."""
         from ...core.graphs import GraphSet
 
-        t0 = time.perf_counter()
         self.graphs = GraphSet(self.device)
         top = self._sizes(self.buckets[-1])
         self.flat = Packed.build([], *top, self.pad_row).to(self.device)  # all padding: a valid empty pack
@@ -144,7 +141,6 @@ class Prefill:
             pk = Packed.view(self.flat, *self._sizes(T))
             self.graphs.capture(T, lambda pk=pk: self.model.prefill(pk))
         torch.cuda.synchronize(self.device)
-        self.capture_s = time.perf_counter() - t0
 
     @torch.inference_mode()
     def __call__(self, pieces: Sequence[Piece]) -> torch.Tensor:
