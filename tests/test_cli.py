@@ -383,6 +383,8 @@ def test_flag_defaults_are_the_dataclasses_defaults():
         LlmSettings.logprobs,
     )
     assert p.parse_args(["serve", "--llm-max-prefill-tokens", "7"]).llm_max_prefill_tokens == 7
+    assert p.parse_args(["serve", "--llm-kv-pages", "auto"]).llm_kv_pages == "auto"
+    assert p.parse_args(["serve", "--llm-kv-pages", "12"]).llm_kv_pages == 12
     o = ServeOptions()
     assert (v.max_queue, v.timeout_s, v.body_timeout_s, v.header_timeout_s, v.max_images) == (
         o.max_queue,
@@ -454,10 +456,10 @@ def test_serve_numbers_must_be_finite_and_an_output_may_not_overwrite_an_input(s
             with pytest.raises(SystemExit) as e:
                 main(["serve", flag, bad])
             assert e.value.code == 2 and f"argument {flag}: must be a finite number > 0" in capsys.readouterr().err
-    for bad in ("0", "1.5", "nan"):
+    for flag, bad in (("--llm-max-prefill-tokens", "0"), ("--llm-max-prefill-tokens", "1.5"), ("--llm-kv-pages", "-1")):
         with pytest.raises(SystemExit) as e:
-            main(["serve", "--llm-max-prefill-tokens", bad])
-        assert e.value.code == 2 and "argument --llm-max-prefill-tokens" in capsys.readouterr().err
+            main(["serve", flag, bad])
+        assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
     for bad in ("nan", "-1"):
         with pytest.raises(SystemExit) as e:
             main(["serve", "--max-wait-ms", bad])

@@ -189,6 +189,24 @@ def test_bad_settings_and_prompts_are_clear_errors_and_a_new_scheduler_starts_cl
         plan([3], 0)
 
 
+def test_kv_pages_auto_sizes_the_pool_to_the_free_memory(make_tiny_llama, monkeypatch):
+    """``serve --llm-kv-pages auto``: as many pages as fit in 90% of the free memory, the model's own
+    KV cache counted as free; a clear error when none fits or the free memory cannot be read."""
+    from fullthrottle.workloads.llm import checks
+
+    model = make_tiny_llama()  # 2 layers x (k, v) x 2 kv heads x head dim 8 x 4 bytes: 256 bytes a position
+    monkeypatch.setattr(checks, "free_bytes", lambda device: 2**20)
+    assert checks.pages_that_fit(model, 64) == int(0.9 * 2**20 // (64 * 256)) - 1 == 56
+    Generator(model, max_batch=2, max_seq_len=64, graphs=False)  # a static cache of 2 x 64 positions (32 KiB)
+    assert checks.pages_that_fit(model, 64) == int(0.9 * (2**20 + 2 * 64 * 256) // (64 * 256)) - 1
+    monkeypatch.setattr(checks, "free_bytes", lambda device: 10_000)
+    with pytest.raises(ValueError, match="no KV page of 64 tokens fits"):
+        checks.pages_that_fit(make_tiny_llama(), 64)
+    monkeypatch.setattr(checks, "free_bytes", lambda device: None)
+    with pytest.raises(ValueError, match="give the number of KV pages"):
+        checks.pages_that_fit(model, 64)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_pages", [0, 12])  # the static cache; paged KV memory (2 pages a row)
 def test_cuda_graph_steps_equal_each_request_alone(tiny_llama, kv_pages):

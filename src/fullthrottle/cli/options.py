@@ -203,6 +203,11 @@ def add_runtime_args(
     add_gpu_decode_args(p)
 
 
+def kv_pages_arg(s: str) -> int | str:
+    """``--llm-kv-pages``: an integer >= 0, or ``auto``."""
+    return "auto" if s.strip().lower() == "auto" else nonnegative_int(s)
+
+
 def add_llm_serve_args(v: argparse.ArgumentParser) -> None:
     """``serve``'s ``--llm-*`` flags: the LLM engine's settings (defaults from
     :class:`~fullthrottle.core.config.LlmSettings`)."""
@@ -233,13 +238,13 @@ def add_llm_serve_args(v: argparse.ArgumentParser) -> None:
     )
     v.add_argument(
         "--llm-kv-pages",
-        type=nonnegative_int,
+        type=kv_pages_arg,
         default=LlmSettings.kv_pages,
-        metavar="N",
+        metavar="N|auto",
         help="paged KV memory: N pages of 64 tokens shared by all requests (at most what --llm-max-batch full "
-        "rows use); a request holds the pages of the tokens it has, requests wait for pages, and when "
-        "they run out the one admitted last is preempted and computed again later. Default 0: a "
-        "static --llm-max-seq-len row per request",
+        "rows use; 'auto': as many as fit in 90%% of the device's free memory); a request holds the pages "
+        "of the tokens it has, requests wait for pages, and when they run out the one admitted last is "
+        "preempted and computed again later. Default 0: a static --llm-max-seq-len row per request",
     )
     v.add_argument(
         "--llm-max-prefill-tokens",

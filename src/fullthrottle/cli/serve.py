@@ -150,9 +150,18 @@ def cmd_serve(args) -> int:
             return 2
         try:
             seq = args.llm_max_seq_len or min(model.cfg.max_position_embeddings, 4096)
-            kw = dict(graphs=args.graphs, logprobs=args.llm_logprobs, kv_pages=args.llm_kv_pages)
+            pages = args.llm_kv_pages
+            if pages == "auto":
+                from ..workloads.llm.checks import pages_that_fit
+                from ..workloads.llm.kv_pages import PAGE
+
+                pages = pages_that_fit(model, PAGE)
+            kw = dict(graphs=args.graphs, logprobs=args.llm_logprobs, kv_pages=pages)
             kw.update(max_prefill_tokens=args.llm_max_prefill_tokens)
             llm = (Generator(model, args.llm_max_batch, seq, **kw), tok)
+            if args.llm_kv_pages == "auto":
+                n = llm[0].kv.num_pages
+                print(f"note: --llm-kv-pages auto: {n} pages ({n * PAGE} token positions)", file=sys.stderr)
         except (ValueError, RuntimeError, MemoryError) as e:  # (RuntimeError: torch's out of memory)
             print(f"fullthrottle: error: {e}", file=sys.stderr)
             return 2

@@ -38,20 +38,49 @@ def free_bytes(device: torch.device) -> int | None:
     return None
 
 
+#: the share of a device's free memory a KV cache may take (the rest: activations, graphs, the allocator's slack)
+KV_MEMORY_SHARE = 0.9
+
+
+def _kv_bytes_and_free(model) -> tuple[int, int | None]:
+    """Bytes of keys and values per token position of ``model`` (a Llama: every layer, its dtype), and
+    its device's free memory counting the KV cache it holds now as free (a new one replaces it)."""
+    cfg, p = model.cfg, next(model.parameters())
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * p.dtype.itemsize
+    free = free_bytes(p.device)
+    if free is not None:
+        for blk in model.layers:
+            for t in (blk.self_attn.k_cache, blk.self_attn.v_cache):
+                free += 0 if t is None else t.numel() * t.element_size()
+    return per_token, free
+
+
 def check_kv_memory(model, slots: int, what: str, hint: str) -> None:
     """ValueError when a KV cache of ``slots`` token positions in all (keys and values of every layer
-    of ``model``, a Llama, in its dtype) needs more than 90% of its device's free memory, counting the
-    cache it holds now as free (a new one replaces it); ``what``: the cache's shape in words, ``hint``:
+    of ``model``, a Llama, in its dtype) needs more than :data:`KV_MEMORY_SHARE` of its device's free
+    memory, counting the cache it holds now as free; ``what``: the cache's shape in words, ``hint``:
     what to ask for instead, for the message. Nothing is allocated here."""
-    cfg, p = model.cfg, next(model.parameters())
-    need = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * cfg.head_dim * p.dtype.itemsize
-    free = free_bytes(p.device)
-    if free is None:
-        return
-    for blk in model.layers:
-        for t in (blk.self_attn.k_cache, blk.self_attn.v_cache):
-            free += 0 if t is None else t.numel() * t.element_size()
-    if need > 0.9 * free:
+    per_token, free = _kv_bytes_and_free(model)
+    need = slots * per_token
+    if free is not None and need > KV_MEMORY_SHARE * free:
         raise ValueError(
-            f"the KV cache ({what}) needs {need / 2**30:.1f} GiB and {p.device} has {free / 2**30:.1f} GiB free: {hint}"
+            f"the KV cache ({what}) needs {need / 2**30:.1f} GiB and {next(model.parameters()).device} has "
+            f"{free / 2**30:.1f} GiB free: {hint}"
         )
+
+
+def pages_that_fit(model, page: int) -> int:
+    """How many KV pages of ``page`` tokens fit in :data:`KV_MEMORY_SHARE` of the free memory of
+    ``model``'s device (its current KV cache counted as free; one page of the pool is never handed
+    out), as vLLM sizes its pool by ``gpu_memory_utilization``.
+
+    Raises:
+        ValueError: the free memory cannot be read, or not even one page fits.
+    """
+    per_token, free = _kv_bytes_and_free(model)
+    if free is None:
+        raise ValueError("the free memory of this device cannot be read: give the number of KV pages")
+    pages = int(KV_MEMORY_SHARE * free // (page * per_token)) - 1
+    if pages < 1:
+        raise ValueError(f"no KV page of {page} tokens fits in {free / 2**30:.2f} GiB free")
+    return pages
