@@ -63,7 +63,9 @@ def offline(args) -> dict:
     import torch
 
     from fullthrottle.cli.generate import random_llama
+    from fullthrottle.workloads.llm.checks import pages_that_fit
     from fullthrottle.workloads.llm.generate import Generator
+    from fullthrottle.workloads.llm.kv_pages import PAGE
     from fullthrottle.workloads.llm.scheduler import Scheduler
 
     res = {}
@@ -74,7 +76,8 @@ def offline(args) -> dict:
         g = torch.Generator().manual_seed(1)
         reqs = [(torch.randint(3, vocab, (p,), generator=g).tolist(), m) for _ in range(n // args.scale)]
         t0 = time.perf_counter()
-        gen = Generator(model, max_batch=args.rows, max_seq_len=p + m, graphs=True, kv_pages=args.kv_pages)
+        pages = pages_that_fit(model, PAGE) if args.kv_pages == "auto" else int(args.kv_pages)
+        gen = Generator(model, max_batch=args.rows, max_seq_len=p + m, graphs=True, kv_pages=pages)
         ready = time.perf_counter() - t0
         Scheduler(gen).run([{"prompt": r[0], "max_new_tokens": 4} for r in reqs[:8]])  # warm-up
         sync(dev)
@@ -305,7 +308,7 @@ def main():
     ap.add_argument("--rows", type=int, default=256, help="KV-cache rows (fixed set, offline)")
     ap.add_argument("--mixed-rows", type=int, default=64, help="KV-cache rows for the mixed set (2560 slots each)")
     ap.add_argument("--hf-requests", type=int, default=64, help="requests given to transformers (0: skip it)")
-    ap.add_argument("--kv-pages", type=int, default=0, help="paged KV memory of N 64-token pages (0: static rows)")
+    ap.add_argument("--kv-pages", default="0", help="paged KV memory: N 64-token pages, or auto (0: static rows)")
     ap.add_argument("--concurrency", default="1,16,64,256")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--client-procs", type=int, default=4)
