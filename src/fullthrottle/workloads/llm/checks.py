@@ -25,7 +25,7 @@ def check_prompt(prompt, vocab_size: int, what: str = "prompt") -> None:
 def free_bytes(device: torch.device) -> int | None:
     """Memory free for a new allocation on ``device`` (bytes): the GPU's free memory and the unused
     part of PyTorch's cache on it, or the host's MemAvailable (Linux); None where it cannot be read."""
-    if device.type == "cuda":  # (and what PyTorch's caching allocator holds unused: it gives that back first)
+    if device.type == "cuda":  # (the caching allocator gives its unused blocks back before failing)
         unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + unused
     try:

@@ -1,7 +1,8 @@
 """LLM decoding: prefill, then a decode step replayed as CUDA graphs per batch bucket, sampling on the GPU.
 
 Per ``generate`` call: the prompts are prefilled, many per forward and packed with no padding
-(:mod:`~fullthrottle.workloads.llm.prefill`), into their rows of the KV cache; then every decode step runs all rows at once, padded to a batch bucket (1, 2, 4, ..., 256), as
+(:mod:`~fullthrottle.workloads.llm.prefill`), into their rows of the KV cache; then every decode
+step runs all rows at once, padded to a batch bucket (1, 2, 4, ..., 256), as
 one graph replay: model step + sampling (greedy / temperature / top-k / top-p, per row, branch-free,
 with each row's own seed) + the stop mask. Nothing in a step waits for the host; the host looks at
 the stop mask every ``check_every`` steps.
