@@ -6,7 +6,6 @@ import random
 import pytest
 
 from fullthrottle.workloads.llm.generate import Generator
-from fullthrottle.workloads.llm.prefill import plan
 from fullthrottle.workloads.llm.scheduler import Scheduler
 
 
@@ -185,8 +184,6 @@ def test_bad_settings_and_prompts_are_clear_errors_and_a_new_scheduler_starts_cl
     assert gen.kv.pages_used == 1  # (a step that raised here would leave it held)
     again = Scheduler(gen)  # (what the server does after a failed step)
     assert gen.kv.pages_used == 0 and again.run([{"prompt": [5, 6, 7], "max_new_tokens": 4}])
-    with pytest.raises(ValueError, match="budget must be >= 1"):
-        plan([3], 0)
 
 
 def test_kv_pages_auto_sizes_the_pool_to_the_free_memory(make_tiny_llama, monkeypatch):
@@ -219,10 +216,11 @@ def test_cuda_graph_steps_equal_each_request_alone(tiny_llama, kv_pages):
     alone = Generator(model, max_batch=1, max_seq_len=96, graphs=False)
     refs = [alone.generate([r["prompt"]], max_new_tokens=r["max_new_tokens"])[0] for r in reqs]
     gen = Generator(model, max_batch=8, max_seq_len=96, graphs=True, attn_buckets=(32, 64), kv_pages=kv_pages)
-    sched = Scheduler(gen)
-    assert sched.run(reqs) == refs  # replays switch batch bucket and KV bucket as rows join, grow, leave
-    assert sorted(sched.free) == list(range(8)) and not sched.running
-    assert gen.kv is None or gen.kv.pages_used == 0
+    for ahead in (1, 8):  # a read back per token; up to 8 replays per read back once nothing waits
+        sched = Scheduler(gen, ahead=ahead)
+        assert sched.run(reqs) == refs, ahead  # replays switch batch and KV bucket as rows join, grow, leave
+        assert sorted(sched.free) == list(range(8)) and not sched.running
+        assert gen.kv is None or gen.kv.pages_used == 0
 
 
 @pytest.mark.parametrize("kv_pages", [0, 8])
@@ -287,10 +285,10 @@ def test_paged_kv_memory_gives_each_request_its_tokens_alone_and_admits_what_fit
         assert most_pages <= pages and waited_for_memory > 0
         assert sched.preemptions > 0  # (prefilled again later: the same tokens)
         assert gen.kv.pages_used == 0 and not gen.model.block_table.any()  # every page given back
-    # the static-batch call on the same pages, and one that does not fit
+    # the library's call on the same pages, and one whose prompts do not fit at once: they take turns
     assert gen.generate([r["prompt"] for r in reqs[:2]], 5) == greedy5 and gen.kv.pages_used == 0
-    with pytest.raises(ValueError, match="KV pages"):
-        gen.generate([[1] * 100] * 4, 60)  # 4 x 3 pages
+    long = [[1 + i] * 100 for i in range(4)]  # 4 x 3 pages, in a pool of fewer
+    assert gen.generate(long, 60) == [gen.generate([p], 60)[0] for p in long] and gen.kv.pages_used == 0
     small = Scheduler(Generator(tiny_llama, max_batch=2, max_seq_len=192, graphs=False, kv_pages=2))
     with pytest.raises(ValueError, match="more KV memory than there is"):
         small.submit([1] * 100, max_new_tokens=50)  # 3 pages: more than the pool holds
@@ -298,10 +296,53 @@ def test_paged_kv_memory_gives_each_request_its_tokens_alone_and_admits_what_fit
     assert big.kv.num_pages == 2 * 3  # no more than two full rows could use
 
 
+@pytest.mark.parametrize("kv_pages", [0, 5])
+def test_decode_steps_ahead_give_every_request_the_same_tokens_in_fewer_reads(tiny_llama, kv_pages):
+    """``Scheduler(ahead=8)``: while nothing waits for admission, up to 8 decode replays run per read
+    back. Every request's tokens (greedy and seeded sampled; some ended by EOS inside such a run; paged
+    ones crossing page boundaries, with preemptions in a pool of 5 pages) equal those of ``ahead=1``,
+    in fewer steps; a request asking for logprobs gets one per token."""
+    rng = random.Random(9)
+    reqs = [
+        {
+            "prompt": [rng.randrange(97) for _ in range(rng.choice([1, 9, 40, 70]))],
+            "max_new_tokens": rng.randint(1, 90),
+            "temperature": rng.choice([0.0, 0.9]),
+            "seed": i,
+        }
+        for i in range(12)
+    ]
+
+    def run(ahead, eos=None, logprobs=0, reqs=reqs):
+        gen = Generator(tiny_llama, max_batch=4, max_seq_len=192, graphs=False, kv_pages=kv_pages, logprobs=logprobs)
+        sched = Scheduler(gen, eos_id=eos, ahead=ahead)
+        seqs = [sched.submit(**r, logprobs=logprobs or None) for r in reqs]
+        calls = 0
+        while sched.busy:
+            sched.step()
+            calls += 1
+        return [s.tokens for s in seqs], calls, seqs
+
+    free, _, _ = run(1)
+    long = max(free, key=len)
+    eos = long[len(long) // 2]  # a token some request makes midway
+    one, calls1, _ = run(1, eos)
+    eight, calls8, _ = run(8, eos)
+    assert eight == one and calls8 < calls1, (calls1, calls8)
+    four = [dict(r, max_new_tokens=80, temperature=0.0) for r in reqs[:4]]  # all in at once
+    alone, calls1, _ = run(1, reqs=four)
+    got, calls8, _ = run(8, reqs=four)
+    assert got == alone and calls1 >= 79  # (the first token from the prefill, then a step a token)
+    assert calls8 == 10 if not kv_pages else calls8 < calls1 / 2  # (79 decode tokens, 8 a read back)
+    ended = [t for t, r in zip(one, reqs) if t[-1] == eos and len(t) < r["max_new_tokens"]]
+    assert ended and one != free  # (EOS did cut some requests short)
+    with_lp, _, seqs = run(8, eos, logprobs=2)
+    assert with_lp == one and all(len(s.lps) == len(s.tokens) for s in seqs)
+
+
 INTERPRETED = """
 import os, random, torch
 from fullthrottle.workloads.llm.generate import Generator
-from fullthrottle.workloads.llm.prefill import plan
 from fullthrottle.workloads.llm.llama import Llama, LlamaConfig
 from fullthrottle.workloads.llm.scheduler import Scheduler
 

@@ -1,11 +1,11 @@
-"""Continuous batching on the static KV cache (issue 14): the Scheduler against static batches of the
-same Generator, Llama-2-7B shape bf16, random weights, all requests given at once.
+"""Continuous batching (issue 14): the Scheduler with a read back per decode step (``ahead`` 1, as the
+server runs it) and with up to 8 decode replays per read back (``ahead`` 8, as ``Generator.generate``
+and offline runs), Llama-2-7B shape bf16, random weights, all requests given at once.
 
-Rows: ``static``: ``Generator.generate`` on consecutive batches of ``--max-batch`` (what a static server
-does); ``scheduler``: ``Scheduler.run`` on all of them through ``--max-batch`` KV-cache rows (a comma
-list: one Generator each, in turn). Output tokens per second over the whole workload, and the
-prefill/decode seconds from the Generator's stages. Then one prompt's prefill alone (``--prefill-lens``),
-timed with CUDA events.
+Rows: ``Scheduler.run`` on all requests through ``--max-batch`` KV-cache rows (a comma list: one
+Generator each, in turn), then one request alone (batch-1 decode). Output tokens per second over the
+whole workload, and the prefill/decode seconds from the Generator's stages. Then one prompt's
+prefill alone (``--prefill-lens``), timed with CUDA events.
 
 Usage: python bench/probes/scheduler_probe.py --requests 256 --prompt 128 --new 128 --out probe.json
 """
@@ -57,16 +57,16 @@ def main():
         gen = Generator(model, max_batch=mb, max_seq_len=args.prompt + args.new, graphs=True)
         capture_s = time.perf_counter() - t0
         gen.generate(prompts[:2], max_new_tokens=4)  # warm-up
-        for kind in ("static", "scheduler"):
+        for kind, ahead, reqs in (
+            ("all", 1, prompts),
+            ("all", 8, prompts),
+            ("batch 1", 1, prompts[:1]),
+            ("batch 1", 8, prompts[:1]),
+        ):
             before = stage_s(gen)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            if kind == "static":
-                out = []
-                for i in range(0, len(prompts), mb):
-                    out += gen.generate(prompts[i : i + mb], max_new_tokens=args.new)
-            else:
-                out = Scheduler(gen).run([{"prompt": p, "max_new_tokens": args.new} for p in prompts])
+            out = Scheduler(gen, ahead=ahead).run([{"prompt": p, "max_new_tokens": args.new} for p in reqs])
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
             after = stage_s(gen)
@@ -74,6 +74,7 @@ def main():
             rows.append(
                 {
                     "kind": kind,
+                    "ahead": ahead,
                     "max_batch": mb,
                     "capture_s": capture_s,
                     "output_tokens": n,

@@ -1,11 +1,11 @@
 """LLM decoding: prefill, then a decode step replayed as CUDA graphs per batch bucket, sampling on the GPU.
 
-Per ``generate`` call: the prompts are prefilled, many per forward and packed with no padding
-(:mod:`~fullthrottle.workloads.llm.prefill`), into their rows of the KV cache; then every decode
-step runs all rows at once, padded to a batch bucket (1, 2, 4, ..., 256), as
-one graph replay: model step + sampling (greedy / temperature / top-k / top-p, per row, branch-free,
-with each row's own seed) + the stop mask. Nothing in a step waits for the host; the host looks at
-the stop mask every ``check_every`` steps.
+The :class:`Generator` holds the engine: the KV cache (static rows or paged), the decode step for rows
+``[:b]`` padded to a batch bucket (1, 2, 4, ..., 256) as one graph replay (model step + sampling:
+greedy / temperature / top-k / top-p, per row, branch-free, with each row's own seed + the stop mask;
+nothing in a step waits for the host), and the packed prefill forwards
+(:mod:`~fullthrottle.workloads.llm.prefill`). :meth:`Generator.generate` runs prompts through the
+:class:`~fullthrottle.workloads.llm.scheduler.Scheduler`, the step loop the server uses too.
 
 Graphs are captured largest bucket first into one pool; positions, sampling parameters, seeds and
 the stop mask are static device tensors the host fills before replaying.
@@ -25,7 +25,7 @@ from ...core.report import StageStats
 from .checks import check_int, check_kv_memory, check_prompt
 from .kv_pages import PAGE, PagedKV
 from .llama import Llama
-from .prefill import Piece, Prefill, plan
+from .prefill import Piece, Prefill
 from .sampling import GOLDEN, check_sampling, row_seeds, sample, seeded_noise, token_logprobs
 from .shapes import kv_buckets
 
@@ -46,16 +46,19 @@ class GenerateStats:
 
 
 class Generator:
-    """Batched generation with a static KV cache: prompts prefilled many per forward, packed
+    """The generation engine: prompts prefilled many per forward, packed
     (:class:`~fullthrottle.workloads.llm.prefill.Prefill`), then one decode step per token for
-    every row, replayed as the CUDA graph of its batch bucket and attention length.
+    every running row, replayed as the CUDA graph of its batch bucket and attention length; its
+    rows are handed out by a :class:`~fullthrottle.workloads.llm.scheduler.Scheduler`.
 
     Args:
         model: a :class:`~fullthrottle.workloads.llm.llama.Llama` on its device and dtype.
-        max_batch: most prompts per call (rounded up to a bucket).
+        max_batch: KV-cache rows: most sequences decoded at once (rounded up to a bucket).
         max_seq_len: prompt + new tokens, per row; the KV cache is allocated for it.
         graphs: capture the decode step (CUDA only; CPU runs eager).
         buckets: decode batch sizes to capture.
+        check_every: decode steps :meth:`generate` runs between reads of the tokens back (the
+            Scheduler's ``ahead``).
         attn_buckets: attention lengths (cache slots read) to capture per batch bucket; default
             :func:`kv_buckets` of ``max_seq_len``. The largest is always ``max_seq_len``.
         max_prefill_tokens: tokens one prefill forward takes at most (a longer prompt is prefilled
@@ -263,103 +266,64 @@ class Generator:
         stats: GenerateStats | None = None,
         on_tokens=None,
     ) -> list[list[int]]:
-        """Token ids in, new token ids out (one list per prompt, stopped after EOS, which is kept).
+        """Token ids in, new token ids out (one list per prompt, stopped after EOS, which is kept), through
+        the :class:`~fullthrottle.workloads.llm.scheduler.Scheduler` (the server's engine) with up to
+        ``check_every`` decode steps per read back: more prompts than ``max_batch`` (or, paged, than
+        the KV pages hold at once) join as rows free up.
 
         ``temperature``, ``top_k`` and ``top_p`` may be one value or a list with one per prompt.
         ``seed``: the sampling seed of each prompt (a list), or an int (prompt ``i`` gets ``seed + i``),
         or None (drawn from torch's global generator: ``torch.manual_seed`` makes a call repeatable).
         A prompt's sampled tokens depend on its own seed only, not on the other prompts of the call.
-        ``on_tokens(chunks)``, if given, is called every ``check_every`` steps with each row's new
-        tokens since the last call (streaming; rows past their EOS keep repeating it). If it returns
-        True, generation stops there (every caller has gone): the rows end with what they have.
+        ``on_tokens(chunks)``, if given, is called after each read back with every prompt's new tokens
+        since the last call (an empty list for one with none; streaming). If it returns True,
+        generation stops there (every caller has gone): the prompts end with what they have.
 
         Raises:
-            ValueError: an empty prompt or token ids outside the vocabulary, too many prompts,
-                max_new_tokens < 1, or prompt + max_new_tokens > max_seq_len.
+            ValueError: no prompt, an empty prompt or token ids outside the vocabulary, max_new_tokens
+                < 1, prompt + max_new_tokens > max_seq_len (or, paged, over all the KV pages).
+            RuntimeError: a later Generator on the same model took its KV cache.
         """
+        from .scheduler import Scheduler
+
         self.check_sampling(temperature, top_k, top_p)
         check_int("max_new_tokens", max_new_tokens, 1)
         n = len(prompts)
-        if n == 0 or n > self.max_batch:
-            raise ValueError(f"between 1 and {self.max_batch} prompts per call, got {n}")
+        if n == 0:
+            raise ValueError("no prompt given")
+        per = {}
+        for name, val in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+            if isinstance(val, (list, tuple)) and len(val) != n:
+                raise ValueError(f"{len(val)} sampling values for {n} prompts")
+            per[name] = list(val) if isinstance(val, (list, tuple)) else [val] * n
+        seeds = self.row_seeds(seed, n)
         for i, p in enumerate(prompts):
             check_prompt(p, self.model.cfg.vocab_size, f"prompt {i}")
             if len(p) + max_new_tokens > self.max_seq_len:
                 raise ValueError(
                     f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceeds "
-                    f"max_seq_len {self.max_seq_len} (the static KV cache's length)"
+                    f"max_seq_len {self.max_seq_len} (the KV cache's length)"
                 )
-        if self.kv is not None:  # (paged: rows 0..n-1 get their pages for the whole call; the call owns them all)
-            self.kv.reset()
-            self.kv.reserve_rows([len(p) + max_new_tokens for p in prompts])
-        try:
-            return self._generate(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, stats, on_tokens)
-        finally:
-            for i in range(n if self.kv is not None else 0):
-                self.kv.release(i)
-
-    def _generate(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, stats, on_tokens):
-        n = len(prompts)
-        seeds = self.row_seeds(seed, n)
-        b = next(x for x in self.buckets if x >= n)
-        greedy = all(t == 0 for t in (temperature if isinstance(temperature, (list, tuple)) else [temperature]))
-        dev = self.device
+        self.check_cache()
         st = stats or GenerateStats()
-        t0 = time.perf_counter()
-        for buf, val in ((self.temp, temperature), (self.topk, top_k), (self.topp, top_p)):
-            if isinstance(val, (list, tuple)):  # one value per prompt
-                if len(val) != n:
-                    raise ValueError(f"{len(val)} sampling values for {n} prompts")
-                buf[:n, 0] = torch.tensor(val, dtype=buf.dtype)
-            else:
-                buf.fill_(val)
-        self.seed[:n, 0] = torch.tensor(seeds, dtype=torch.int32)
-        self.eos.fill_(-1 if eos_id is None else eos_id)
-        self.done.zero_()
-        self.done[n:] = True  # padding rows
-        self.tok.zero_()
-        self.pos.zero_()
-        fws = plan([len(p) for p in prompts], self.max_prefill_tokens)  # prompt i into cache row i
-        nxt = torch.cat([self._prefill([(i, prompts[i], a, b) for i, a, b in fw]) for fw in fws])
-        self.tok[:n, 0] = nxt
-        self.done[:n] = nxt == self.eos
-        out = torch.empty(b, max_new_tokens, dtype=torch.long, device=dev)
-        out[:n, 0] = nxt
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t1 = time.perf_counter()
-        st.prefill_s += t1 - t0
-        self.stats["prefill"].record(sum(len(p) for p in prompts), t1 - t0, t1 - t0)
-        steps, sent = 1, 0
-        longest = max(len(p) for p in prompts)
-        for t in range(1, max_new_tokens):
-            # this step feeds positions up to longest + t - 1: attend to the smallest length above
-            kv = next(x for x in self.kv_buckets if x >= longest + t)
-            if (b, greedy, kv) in self.graphs:
-                out[:, t] = self.graph_set.replay((b, greedy, kv))
-            else:
-                out[:, t] = self._step(b, greedy, kv)
-            steps += 1
-            if t % self.check_every == 0:
-                if on_tokens is not None:  # streaming: hand over what is new (one host read per chunk)
-                    stop = on_tokens(out[:n, sent:steps].tolist())
-                    sent = steps
-                    if stop is True:
-                        break
-                if bool(self.done[:n].all()):
+        busy0 = {k: v.busy_s for k, v in self.stats.items()}
+        sched = Scheduler(self, eos_id=eos_id, ahead=self.check_every)
+        reqs = [
+            sched.submit(p, max_new_tokens, per["temperature"][i], per["top_k"][i], per["top_p"][i], seeds[i])
+            for i, p in enumerate(prompts)
+        ]
+        sent = [0] * n
+        while sched.busy:
+            sched.step()
+            if on_tokens is not None and any(len(r.tokens) > k for r, k in zip(reqs, sent)):
+                stop = on_tokens([r.tokens[k:] for r, k in zip(reqs, sent)])
+                sent = [len(r.tokens) for r in reqs]
+                if stop is True:
+                    for r in reqs:
+                        sched.cancel(r)
                     break
-        rows = out[:n, :steps].tolist()
-        if on_tokens is not None and sent < steps:
-            on_tokens([r[sent:] for r in rows])
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t2 = time.perf_counter()
-        st.decode_s += t2 - t1
-        result = []
-        for r in rows:
-            if eos_id is not None and eos_id in r:
-                r = r[: r.index(eos_id) + 1]
-            result.append(r)
-        st.new_tokens += sum(len(r) for r in result)
-        self.stats["decode"].record(sum(len(r) for r in result), t2 - t1, t2 - t1)
-        return result
+        # (each stage's time is up to its own read back of the device's results)
+        st.prefill_s += self.stats["prefill"].busy_s - busy0["prefill"]
+        st.decode_s += self.stats["decode"].busy_s - busy0["decode"]
+        st.new_tokens += sum(len(r.tokens) for r in reqs)
+        return [r.tokens for r in reqs]

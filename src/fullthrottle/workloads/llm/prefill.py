@@ -25,29 +25,6 @@ from ...core.kernels.varlen import max_query_blocks, query_blocks
 Piece = tuple[int, Sequence[int], int, int]
 
 
-def plan(lengths: Sequence[int], budget: int, done: Sequence[int] | None = None) -> list[list[tuple[int, int, int]]]:
-    """Contexts of ``lengths`` tokens (``done[i]`` of them already prefilled) into forwards of at most
-    ``budget`` tokens, in order, a context cut where a forward fills up: per forward, ``(index, start,
-    stop)`` pieces. A context's last piece comes in the last forward that holds any of it.
-
-    >>> plan([3, 5, 2], 4)
-    [[(0, 0, 3), (1, 0, 1)], [(1, 1, 5)], [(2, 0, 2)]]
-    """
-    if budget < 1:
-        raise ValueError(f"a prefill budget must be >= 1 token, got {budget}")
-    forwards, cur, used = [], [], 0
-    for i, n in enumerate(lengths):
-        a = done[i] if done else 0
-        while a < n:
-            take = min(n - a, budget - used)
-            cur.append((i, a, a + take))
-            a, used = a + take, used + take
-            if used == budget:
-                forwards.append(cur)
-                cur, used = [], 0
-    return forwards + ([cur] if cur else [])
-
-
 def token_buckets(graph_tokens: int) -> list[int]:
     """The token counts prefill graphs are captured for: 16, 32, 64, ... up to ``graph_tokens``."""
     return [16 * 2**i for i in range(20) if 16 * 2**i <= graph_tokens]

@@ -11,7 +11,9 @@ in one forward, packed with no padding (variable-length attention:
 request as one replay of the decode graph of the batch bucket holding the highest row in use and
 of the attention length holding the longest sequence (the Generator's graphs; eager without them).
 Rows between running ones that are free ride along masked (their position held at 0, their token
-discarded). Tokens are read back once per step.
+discarded). Tokens are read back once per step; with ``ahead`` > 1, a step in which no request waits
+for admission runs up to ``ahead`` decode replays back to back before that read (as vLLM's multi-step
+scheduling), so that the host's work between tokens does not leave the GPU idle.
 
 Each request samples with its own seed (:func:`~fullthrottle.workloads.llm.sampling.seeded_noise`): its
 tokens depend on its prompt, sampling values and seed, not on which requests run beside it.
@@ -71,6 +73,10 @@ class Scheduler:
         gen: the Generator whose cache rows, graphs and sampler the steps use (``gen.max_batch``
             requests run at once; more wait for a free row).
         eos_id: the token that ends a request (kept as its last token), or None.
+        ahead: decode steps a :meth:`step` may run before reading the tokens back, when no request waits
+            for admission, none is mid-prefill and none asks for logprobs (each request still stops at
+            its own end: rows past their EOS are masked). 1: a read back per token, for the least
+            delay to the requests that join; the Generator's ``check_every`` for offline work.
 
     The scheduler owns the Generator's state while it runs: do not call ``gen.generate`` in between.
 
@@ -80,8 +86,9 @@ class Scheduler:
             the KV pages there are).
     """
 
-    def __init__(self, gen, eos_id: int | None = None):
-        self.gen, self.eos_id = gen, eos_id
+    def __init__(self, gen, eos_id: int | None = None, ahead: int = 1):
+        check_int("ahead", ahead, 1)
+        self.gen, self.eos_id, self.ahead = gen, eos_id, ahead
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # row -> request
         self.free = list(range(gen.max_batch))
@@ -290,10 +297,25 @@ class Scheduler:
                 finished.append(s)
         return finished
 
+    def _steps_ahead(self) -> int:
+        """Decode replays the next step runs before its read back: ``ahead`` when nothing waits for
+        admission, no prompt is mid-prefill and no running request asks for logprobs (each step's
+        are kept), cut so that no request passes its max_new_tokens nor (paged) the pages it holds."""
+        if self.ahead == 1 or self.waiting or self.prefilling is not None:
+            return 1
+        k, kv = self.ahead, self.gen.kv
+        for s in self.running.values():
+            if s.logprobs is not None:
+                return 1
+            k = min(k, s.max_new_tokens - len(s.tokens))
+            if kv is not None:  # this step writes positions n-1 .. n+k-2
+                k = min(k, len(kv.held.get(s.row, ())) * kv.page - (len(s.prompt) + len(s.tokens)) + 1)
+        return max(k, 1)
+
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Admit what fits, then decode one token for every running request. Returns the requests
-        that ended in this step."""
+        """Admit what fits, then decode one token (or, see ``ahead``, several) for every running
+        request. Returns the requests that ended in this step."""
         finished = self._admit()
         if self.gen.kv is not None:
             self._grow_or_preempt()
@@ -304,31 +326,40 @@ class Scheduler:
         b = bucket_for(top, g.buckets)
         parked = self.prefilling.row if self.prefilling is not None else -1
         idle = [r for r in range(b) if r not in self.running and r != parked]
-        if idle:  # free rows in the bucket ride along at position 0 (their own row's slot 0)
+        if idle:  # free rows in the bucket ride along from position 0 (their own row's first slots)
             g.pos[idle] = 0
         if 0 <= parked < b:  # a row mid-prefill rides along at the cache's last slot, written before any read
             g.pos[parked] = g.max_seq_len - 1
+        k = self._steps_ahead()  # (1 whenever a row is parked: its position must not pass the cache)
         longest = max(len(s.prompt) + len(s.tokens) for s in self.running.values())
-        kv = next(x for x in g.kv_buckets if x >= longest)
+        kv = next(x for x in g.kv_buckets if x >= longest + k - 1)  # (the last replay reads that far)
         greedy = all(s.temperature == 0 for s in self.running.values())
-        if (b, greedy, kv) in g.graphs:
-            nxt = g.graph_set.replay((b, greedy, kv))
+        key = (b, greedy, kv)
+        if k == 1:
+            toks = [(g.graph_set.replay(key) if key in g.graphs else g._step(*key)).tolist()]
         else:
-            nxt = g._step(b, greedy, kv)
-        toks = nxt.tolist()  # one read back per step
-        self.steps += 1
-        dt = time.perf_counter() - t0
-        g.stats["decode"].record(len(self.running), dt, dt)
-        self._keep_logprobs(self.running.values())
+            out = torch.empty(k, b, dtype=torch.long, device=g.device)
+            for j in range(k):  # (each replay's tokens copied out before the next overwrites them)
+                out[j] = g.graph_set.replay(key) if key in g.graphs else g._step(*key)
+            toks = out.tolist()  # one read back for the k steps
+        self.steps += k
+        if k == 1:
+            self._keep_logprobs(self.running.values())
+        made = 0
         for row, s in list(self.running.items()):
-            if self._finish(s, toks[row]):
-                finished.append(s)
+            for step_toks in toks:
+                made += 1
+                if self._finish(s, step_toks[row]):
+                    finished.append(s)
+                    break
+        dt = time.perf_counter() - t0
+        g.stats["decode"].record(made, dt, dt)
         return finished
 
     def run(self, requests: Sequence[dict]) -> list[list[int]]:
         """Every request (``{"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-        "logprobs"}``) to its
-        end, joining as rows free up; each request's new tokens, in the order given."""
+        "logprobs"}``) to its end, joining as rows free up; each request's new tokens, in the order
+        given."""
         seqs = [self.submit(**r) for r in requests]
         while self.busy:
             self.step()
