@@ -1,7 +1,8 @@
 """LLM serving as a user runs it (issue 14), Llama-2-7B shape, bf16, random weights, one JSON:
 
 - **offline**, all requests given at once, in this process: fullthrottle's ``Scheduler`` (continuous
-  batching on the static KV cache, ``--rows`` rows) against transformers' ``generate_batch``
+  batching on ``--rows`` rows, up to ``check_every`` decode steps per read back, as ``generate
+  --prompts`` runs it) against transformers' ``generate_batch``
   (continuous batching, its paged cache, SDPA attention) on the same requests (transformers on the first
   ``--hf-requests`` of them: its rate at that load; greedy, no EOS);
 - **online**, over HTTP: ``fullthrottle serve --no-classify --llm-random llama2-7b`` in a subprocess;
@@ -82,7 +83,7 @@ def offline(args) -> dict:
         Scheduler(gen).run([{"prompt": r[0], "max_new_tokens": 4} for r in reqs[:8]])  # warm-up
         sync(dev)
         t0 = time.perf_counter()
-        out = Scheduler(gen).run([{"prompt": r[0], "max_new_tokens": r[1]} for r in reqs])
+        out = Scheduler(gen, ahead=gen.check_every).run([{"prompt": r[0], "max_new_tokens": r[1]} for r in reqs])
         sync(dev)
         wall = time.perf_counter() - t0
         toks = sum(len(o) for o in out)

@@ -83,7 +83,7 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
             parsed.append(f"request {i}: {e}")
     need = max((len(c["ids"]) + c["max_tokens"] for c in parsed if isinstance(c, dict)), default=1)
     gen = Generator(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len or need, graphs=args.graphs)
-    sched = Scheduler(gen, eos_id=eos)
+    sched = Scheduler(gen, eos_id=eos, ahead=gen.check_every)  # (offline: up to check_every steps a read)
     recs = [
         (c, sched.submit(c["ids"], c["max_tokens"], c["temperature"], c["top_k"], c["top_p"], c["seed"]))
         if isinstance(c, dict)
