@@ -178,6 +178,14 @@ def test_bad_settings_and_prompts_are_clear_errors_and_a_new_scheduler_starts_cl
     ):
         with pytest.raises(ValueError, match=msg):
             gen.generate(prompts, n)
+    for eos in (40.5, -1, "40", 97, 2**70, True):  # (a float 40.5 would stop the device on 40, not the host)
+        with pytest.raises(ValueError, match="eos_id must be"):
+            gen.generate([[1, 2, 3]], 4, eos_id=eos)
+    with pytest.raises(ValueError, match="ahead must be an integer >= 1"):
+        Scheduler(gen, ahead=0)
+    with pytest.raises(ValueError, match="logprobs must be an integer between 0 and 20"):
+        Generator(tiny_llama, max_batch=2, max_seq_len=64, graphs=False, logprobs=21)
+    assert gen.generate([[1, 2, 3]], 2)  # (a Generator refused before its cache: the model's cache kept)
     sched = Scheduler(gen)
     sched.submit([5, 6, 7], 4)
     sched.step()

@@ -104,6 +104,10 @@ class Generator:
             ("kv_pages", kv_pages, 0),
         ):
             check_int(name, v, lowest)
+        if not isinstance(logprobs, int) or not 0 <= logprobs <= min(20, model.cfg.vocab_size):
+            raise ValueError(
+                f"logprobs must be an integer between 0 and {min(20, model.cfg.vocab_size)}, got {logprobs!r}"
+            )
         #: tokens one prefill forward takes at most; a longer prompt is prefilled in chunks
         self.max_prefill_tokens = max_prefill_tokens
         p = next(model.parameters())
@@ -150,8 +154,6 @@ class Generator:
         self.eos = torch.full((1,), -1, dtype=torch.long, device=dev)
         self.seed = torch.zeros(B, 1, dtype=torch.int32, device=dev)  # each row's sampling seed (seed32)
         self.vocab_mix = torch.arange(V, dtype=torch.int32, device=dev) * GOLDEN  # (see seeded_noise)
-        if not 0 <= logprobs <= min(20, V):
-            raise ValueError(f"logprobs must be between 0 and {min(20, V)}, got {logprobs}")
         self.logprobs = logprobs
         #: per row, after each step: the chosen token's log-probability, then the top ``logprobs``
         self.lp = torch.zeros(B, 1 + logprobs, device=dev)

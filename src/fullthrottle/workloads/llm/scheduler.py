@@ -81,6 +81,7 @@ class Scheduler:
     The scheduler owns the Generator's state while it runs: do not call ``gen.generate`` in between.
 
     Raises:
+        ValueError: ``eos_id`` not None or a token id of the vocabulary, ``ahead`` not an integer >= 1.
         ValueError (:meth:`submit`): an empty prompt, token ids outside the vocabulary, max_new_tokens
             not an integer >= 1, or prompt + max_new_tokens over the cache length (or, paged, over all
             the KV pages there are).
@@ -88,6 +89,10 @@ class Scheduler:
 
     def __init__(self, gen, eos_id: int | None = None, ahead: int = 1):
         check_int("ahead", ahead, 1)
+        if eos_id is not None:
+            check_int("eos_id", eos_id, 0)
+            if eos_id >= gen.model.cfg.vocab_size:
+                raise ValueError(f"eos_id must be a token id below {gen.model.cfg.vocab_size}, got {eos_id}")
         self.gen, self.eos_id, self.ahead = gen, eos_id, ahead
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # row -> request
