@@ -243,6 +243,40 @@ def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp
     assert len(got[4]["token_ids"]) == 3 and got[4]["finish_reason"] == "length"
     assert "2 request(s) failed" in capsys.readouterr().err
     assert main([*args, "--tokens", "1,2"]) == 2 and "not both" in capsys.readouterr().err
+    # a field given as null takes the command's flag (greedy, 6 tokens), as one left out does
+    src.write_text('{"prompt": [1, 2, 3], "temperature": null, "max_tokens": null, "top_p": null}\n')
+    assert main([*args, "--out", str(out), "--no-progress"]) == 0
+    assert json.loads(out.read_text())["token_ids"] == singles[0]
+    assert main([*args, "--out", str(tmp_path), "--no-progress"]) == 2  # a folder: a clear error, exit 2
+    assert "cannot write --out" in capsys.readouterr().err
+
+
+def test_generate_many_keeps_the_answers_done_when_stopped(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during ``generate --prompts``: the requests answered so far (in input order) are in
+    --out; the rest are not (exit 130)."""
+    import json
+
+    from fullthrottle.workloads.llm.scheduler import Scheduler
+
+    real, calls = Scheduler.step, []
+
+    def step(self):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(Scheduler, "step", step)
+    src, out = tmp_path / "reqs.jsonl", tmp_path / "out.jsonl"
+    lines = [
+        '{"prompt": [1, 2], "max_tokens": 1}',
+        '{"prompt": [3], "max_tokens": 1}',
+        '{"prompt": [4], "max_tokens": 90}',
+    ]
+    src.write_text("\n".join(lines) + "\n")
+    args = ["generate", "--random", "tiny", "--prompts", str(src), "--device", "cpu", "--max-batch", "1"]
+    assert main([*args, "--out", str(out), "--no-progress"]) == 130
+    assert [json.loads(x)["index"] for x in out.read_text().splitlines()] == [0, 1]
 
 
 def test_generate_names_what_a_cpu_run_leaves_out_and_the_context_it_exceeds(capsys):

@@ -186,6 +186,24 @@ def test_bad_settings_and_prompts_are_clear_errors_and_a_new_scheduler_starts_cl
     with pytest.raises(ValueError, match="logprobs must be an integer between 0 and 20"):
         Generator(tiny_llama, max_batch=2, max_seq_len=64, graphs=False, logprobs=21)
     assert gen.generate([[1, 2, 3]], 2)  # (a Generator refused before its cache: the model's cache kept)
+    for kw, msg in (
+        ({"temperature": "1"}, "temperature must be"),
+        ({"top_k": 2.5}, "top_k must be"),
+        ({"top_k": True}, "top_k must be"),
+        ({"top_p": None}, "top_p must be"),
+        ({"seed": 1.5}, "a seed must be an integer"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            gen.generate([[1, 2, 3]], 2, **kw)
+    ref = gen.generate([[1, 2, 3]], 6)
+    with pytest.raises(RuntimeError, match="inside a generate call"):  # (it would take the running call's rows)
+        gen.generate([[1, 2, 3]], 6, on_tokens=lambda chunks: gen.generate([[9, 9]], 2))
+    first = Scheduler(gen)
+    first.submit([1, 2, 3], 4)
+    assert Scheduler(gen).run([{"prompt": [4, 5], "max_new_tokens": 3}])
+    with pytest.raises(RuntimeError, match="a newer Scheduler took"):  # (its rows' state is gone)
+        first.step()
+    assert gen.generate([[1, 2, 3]], 6) == ref  # and the engine goes on as before
     sched = Scheduler(gen)
     sched.submit([5, 6, 7], 4)
     sched.step()

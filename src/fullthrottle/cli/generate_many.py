@@ -4,7 +4,8 @@
 FILE (or ``-``, stdin) holds one request per line: plain text (the prompt), or a JSON object with
 the fields of the server's ``POST /v1/completions`` (``prompt``: text or token ids, ``max_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``); fields a line leaves out take the
-command's flags. Output: one JSON line per request, in input order: ``{"index", "text",
+command's flags (as do fields given as null). Output: one JSON line per request, in input order
+(each written as soon as it and those before it are done): ``{"index", "text",
 "token_ids", "finish_reason", "prompt_tokens"}``, or ``{"index", "error"}`` for a line that is not a
 valid request (the others still run; exit status 1).
 """
@@ -44,7 +45,8 @@ def read_requests(path: str, args) -> list[dict | str]:
         if not isinstance(body, dict):
             out.append(f"line {n}: a JSON object or a line of text expected")
             continue
-        out.append({**defaults, **({"seed": args.seed + len(out)} if args.seed is not None else {}), **body})
+        given = {k: v for k, v in body.items() if v is not None}  # (null: left out, as OpenAI's API reads it)
+        out.append({**defaults, **({"seed": args.seed + len(out)} if args.seed is not None else {}), **given})
     return out
 
 
@@ -82,6 +84,10 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
         except ValueError as e:
             parsed.append(f"request {i}: {e}")
     need = max((len(c["ids"]) + c["max_tokens"] for c in parsed if isinstance(c, dict)), default=1)
+    try:
+        out = sys.stdout if args.out in (None, "-") else open(args.out, "w", encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot write --out {args.out}: {e.strerror or e}") from None
     gen = Generator(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len or need, graphs=args.graphs)
     sched = Scheduler(gen, eos_id=eos, ahead=gen.check_every)  # (offline: up to check_every steps a read)
     recs = [
@@ -90,34 +96,38 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
         else (None, c)
         for c in parsed
     ]
-    out = sys.stdout if args.out in (None, "-") else open(args.out, "w", encoding="utf-8")
     failed = sum(c is None for c, _ in recs)
     bar = tqdm(
         total=len(recs) - failed, unit="request", desc="generate", file=sys.stderr, disable=args.no_progress or None
     )
+    new, written = 0, 0
+
+    def write_done() -> None:  # the requests done so far, in input order (kept if the run is stopped)
+        nonlocal new, written
+        while written < len(recs) and (recs[written][0] is None or recs[written][1].done):
+            c, s = recs[written]
+            if c is None:
+                out.write(json.dumps({"index": written, "error": s}) + "\n")
+            else:
+                toks, text, reason = s.tokens, None, "stop" if eos is not None and s.tokens[-1:] == [eos] else "length"
+                if tok is not None:
+                    ts = TextStream(tok, c["stop"])
+                    text = ts.push(toks) + ts.flush()
+                    if ts.stopped:
+                        toks, reason = toks[: ts.used], "stop"
+                new += len(toks)
+                line = {"index": written, "text": text, "token_ids": toks, "finish_reason": reason}
+                out.write(json.dumps({**line, "prompt_tokens": len(c["ids"])}) + "\n")
+            written += 1
+        out.flush()
+
     try:
+        write_done()
         while sched.busy:
             bar.update(len(sched.step()))
+            write_done()
     finally:
         bar.close()
-    new = 0
-    for i, (c, s) in enumerate(recs):
-        if c is None:
-            out.write(json.dumps({"index": i, "error": s}) + "\n")
-            continue
-        toks, text, reason = s.tokens, None, "stop" if eos is not None and s.tokens[-1:] == [eos] else "length"
-        if tok is not None:
-            ts = TextStream(tok, c["stop"])
-            text = ts.push(toks) + ts.flush()
-            if ts.stopped:
-                toks, reason = toks[: ts.used], "stop"
-        new += len(toks)
-        out.write(
-            json.dumps(
-                {"index": i, "text": text, "token_ids": toks, "finish_reason": reason, "prompt_tokens": len(c["ids"])}
-            )
-            + "\n"
-        )
-    if out is not sys.stdout:
-        out.close()
+        if out is not sys.stdout:
+            out.close()
     return new, gen, failed

@@ -95,6 +95,8 @@ class Generator:
         kv_pages: int = LlmSettings.kv_pages,
     ):
         self.model = model
+        self.scheduler = None  # the Scheduler that owns the engine's state (the newest one built on it)
+        self._generating = False
         for name, v, lowest in (
             ("max_batch", max_batch, 1),
             ("max_seq_len", max_seq_len, 1),
@@ -284,7 +286,8 @@ class Generator:
         Raises:
             ValueError: no prompt, an empty prompt or token ids outside the vocabulary, max_new_tokens
                 < 1, prompt + max_new_tokens > max_seq_len (or, paged, over all the KV pages).
-            RuntimeError: a later Generator on the same model took its KV cache.
+            RuntimeError: a later Generator on the same model took its KV cache, or a call is already
+                running on this one (``generate`` from inside ``on_tokens``).
         """
         from .scheduler import Scheduler
 
@@ -307,6 +310,8 @@ class Generator:
                     f"max_seq_len {self.max_seq_len} (the KV cache's length)"
                 )
         self.check_cache()
+        if self._generating:  # (from inside on_tokens, say: a new call would take the running call's rows)
+            raise RuntimeError("this Generator is inside a generate call: one call at a time")
         st = stats or GenerateStats()
         busy0 = {k: v.busy_s for k, v in self.stats.items()}
         sched = Scheduler(self, eos_id=eos_id, ahead=self.check_every)
@@ -315,15 +320,19 @@ class Generator:
             for i, p in enumerate(prompts)
         ]
         sent = [0] * n
-        while sched.busy:
-            sched.step()
-            if on_tokens is not None and any(len(r.tokens) > k for r, k in zip(reqs, sent)):
-                stop = on_tokens([r.tokens[k:] for r, k in zip(reqs, sent)])
-                sent = [len(r.tokens) for r in reqs]
-                if stop is True:
-                    for r in reqs:
-                        sched.cancel(r)
-                    break
+        self._generating = True
+        try:
+            while sched.busy:
+                sched.step()
+                if on_tokens is not None and any(len(r.tokens) > k for r, k in zip(reqs, sent)):
+                    stop = on_tokens([r.tokens[k:] for r, k in zip(reqs, sent)])
+                    sent = [len(r.tokens) for r in reqs]
+                    if stop is True:
+                        for r in reqs:
+                            sched.cancel(r)
+                        break
+        finally:
+            self._generating = False
         # (each stage's time is up to its own read back of the device's results)
         st.prefill_s += self.stats["prefill"].busy_s - busy0["prefill"]
         st.decode_s += self.stats["decode"].busy_s - busy0["decode"]

@@ -81,7 +81,7 @@ def row_seeds(seed, n: int) -> list[int]:
     """``n`` sampling seeds (:func:`seed32`) from ``seed`` as ``Generator.generate`` takes it.
 
     Raises:
-        ValueError: a list whose length is not ``n``.
+        ValueError: a list whose length is not ``n``, a seed neither an integer nor None.
     """
     if isinstance(seed, (list, tuple)):
         if len(seed) != n:
@@ -89,6 +89,8 @@ def row_seeds(seed, n: int) -> list[int]:
         return [row_seeds(s, 1)[0] for s in seed]
     if seed is None:
         return torch.randint(-(1 << 31), 1 << 31, (n,)).tolist()
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"a seed must be an integer or None, got {seed!r}")
     return [seed32(seed + i) for i in range(n)]
 
 
@@ -97,15 +99,18 @@ def check_sampling(temperature, top_k, top_p) -> None:
     int64 (any top_k at or above the vocabulary is no cut), a top_p outside (0, 1]."""
     import math
 
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
     for t in temperature if isinstance(temperature, (list, tuple)) else [temperature]:
-        if not math.isfinite(t) or not 0 <= t <= 3e38:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
+        if not number(t) or not math.isfinite(t) or not 0 <= t <= 3e38:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
     for k in top_k if isinstance(top_k, (list, tuple)) else [top_k]:
-        if not 0 <= k < 2**63:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k}")
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < 2**63:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
     for p in top_p if isinstance(top_p, (list, tuple)) else [top_p]:
-        if not (0 < p <= 1):
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")
+        if not number(p) or not (0 < p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
 
 
 def token_logprobs(

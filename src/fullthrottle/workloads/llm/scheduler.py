@@ -78,7 +78,8 @@ class Scheduler:
             its own end: rows past their EOS are masked). 1: a read back per token, for the least
             delay to the requests that join; the Generator's ``check_every`` for offline work.
 
-    The scheduler owns the Generator's state while it runs: do not call ``gen.generate`` in between.
+    The newest Scheduler on a Generator owns its state: the steps of an older one raise RuntimeError
+    (as do ``gen.generate`` calls' steps after it: one engine, one step loop at a time).
 
     Raises:
         ValueError: ``eos_id`` not None or a token id of the vocabulary, ``ahead`` not an integer >= 1.
@@ -94,6 +95,7 @@ class Scheduler:
             if eos_id >= gen.model.cfg.vocab_size:
                 raise ValueError(f"eos_id must be a token id below {gen.model.cfg.vocab_size}, got {eos_id}")
         self.gen, self.eos_id, self.ahead = gen, eos_id, ahead
+        gen.scheduler = self  # (the engine's state is this one's: an older Scheduler's steps now raise)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # row -> request
         self.free = list(range(gen.max_batch))
@@ -321,6 +323,8 @@ class Scheduler:
     def step(self) -> list[Request]:
         """Admit what fits, then decode one token (or, see ``ahead``, several) for every running
         request. Returns the requests that ended in this step."""
+        if self.gen.scheduler is not self:
+            raise RuntimeError("a newer Scheduler took this Generator's engine: step that one (one at a time)")
         finished = self._admit()
         if self.gen.kv is not None:
             self._grow_or_preempt()
