@@ -24,6 +24,7 @@ if [[ -f .pack/minilm.tar.xz && ! -f .data/minilm/config.json ]]; then mkdir -p 
 [[ -f .data/minilm/config.json ]] && export FULLTHROTTLE_EMBED_MODEL=$PWD/.data/minilm
 gpu_sel=""; [[ -n ${FULLTHROTTLE_EMBED_MODEL:-} ]] || gpu_sel="--deselect tests/test_embed.py::test_gpu_half_precision_and_graphs"
 python3 -c "import uvicorn" 2>/dev/null || gpu_sel="$gpu_sel --ignore=tests/test_serve.py"   # no wheels carried
+python3 -c "import openai" 2>/dev/null || gpu_sel="$gpu_sel --ignore=tests/test_openai_api.py"   # (its client: CPU tests only)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; echo "wmem_max $(cat /proc/sys/net/core/wmem_max 2>/dev/null)"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip -e failed (using PYTHONPATH)"
 if [[ ,$parts, == *,gdtests,* ]]; then   # issue 04: the GPU decode tests only
