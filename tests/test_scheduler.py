@@ -318,6 +318,13 @@ def test_paged_kv_memory_gives_each_request_its_tokens_alone_and_admits_what_fit
     small = Scheduler(Generator(tiny_llama, max_batch=2, max_seq_len=192, graphs=False, kv_pages=2))
     with pytest.raises(ValueError, match="more KV memory than there is"):
         small.submit([1] * 100, max_new_tokens=50)  # 3 pages: more than the pool holds
+    live = small.submit([1, 2], max_new_tokens=3)
+    with pytest.raises(ValueError, match="prompt 0: 100 tokens .* more KV memory than there is"):
+        small.gen.generate([[1] * 100], 50)  # refused before it takes the engine from the live Scheduler
+    while small.busy:
+        small.step()
+    ref = Generator(tiny_llama, max_batch=1, max_seq_len=192, graphs=False).generate([[1, 2]], 3)[0]
+    assert live.done and live.tokens == ref
     big = Generator(tiny_llama, max_batch=2, max_seq_len=192, graphs=False, kv_pages=10**9)
     assert big.kv.num_pages == 2 * 3  # no more than two full rows could use
 

@@ -165,9 +165,9 @@ class CompletionService:
                 except queue.Empty:
                     break
                 idle = False
-                if sched is None:
-                    sched = Scheduler(self.gen, eos_id=req["eos"])
                 try:
+                    if sched is None:
+                        sched = Scheduler(self.gen, eos_id=req["eos"])
                     rec = sched.submit(
                         req["ids"],
                         req["max_tokens"],
@@ -177,7 +177,7 @@ class CompletionService:
                         req.get("seed"),
                         req.get("logprobs"),
                     )
-                except ValueError as e:  # (the route checks first: this is a caller of submit's own)
+                except ValueError as e:  # (the route checks first: a caller of submit's own, or a bad eos id)
                     loop.call_soon_threadsafe(out.put_nowait, e)
                     continue
                 live[rec] = [req, loop, out, 0]

@@ -33,7 +33,7 @@ from .gemv import linear, linear_ref, linear_rope_qkv_into_cache, linear_silu_mu
 from .image import normalize_u8, normalize_u8_ref, resize_crop_u8
 from .layout import PAIRED_LAYOUT, deinterleave_pairs, interleave_pairs
 from .norm_rope import rms_norm, rms_norm_ref, rope_qkv_into_cache, rope_qkv_into_cache_ref, silu_mul, silu_mul_ref
-from .varlen import prefill_attention, prefill_attention_ref
+from .varlen import prefill_attention, prefill_attention_ref, prefill_kernel_fits
 
 __all__ = [
     "rms_norm",
@@ -47,6 +47,7 @@ __all__ = [
     "gather_pages",
     "prefill_attention",
     "prefill_attention_ref",
+    "prefill_kernel_fits",
     "normalize_u8",
     "resize_crop_u8",
     "use_triton",

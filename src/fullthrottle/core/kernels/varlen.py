@@ -42,6 +42,13 @@ def max_query_blocks(tokens: int, segments: int, block_m: int = BLOCK_M) -> int:
     return -(-tokens // block_m) + min(segments, tokens)
 
 
+def prefill_kernel_fits(head_dim: int, page: int | None = None) -> bool:
+    """Whether :func:`prefill_attention`'s Triton kernel takes heads of ``head_dim`` (a power of two
+    >= 16) and, paged, pages of ``page`` tokens (a power of two); else the reference runs, which reads
+    the segments to the host and so cannot be captured in a CUDA graph."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1) and (page is None or not page & (page - 1))
+
+
 def prefill_attention_ref(q, k_cache, v_cache, rows, start, cu, table=None) -> torch.Tensor:
     """:func:`prefill_attention` in plain PyTorch, one segment at a time (reads its values to the host)."""
     T, H, D = q.shape
@@ -121,7 +128,7 @@ def prefill_attention(
     )
     _same_device("prefill_attention", q=q, k_cache=k_cache, v_cache=v_cache, rows=rows, cu=cu, table=table)
     page = k_cache.shape[2]
-    triton_ok = use_triton(q) and D >= 16 and not D & (D - 1) and (table is None or not page & (page - 1))
+    triton_ok = use_triton(q) and prefill_kernel_fits(D, None if table is None else page)
     if not triton_ok or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
         return prefill_attention_ref(q, k_cache, v_cache, rows, start, cu, table)
     if blk_seg is None:

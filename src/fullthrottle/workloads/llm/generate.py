@@ -130,7 +130,9 @@ class Generator:
             )
         dev = self.device
         use_graphs = graphs and dev.type == "cuda"
-        pf_graph_tokens = prefill_graph_tokens if use_graphs and kernels.use_triton(p) else 0
+        # (prefill graphs need the packed-attention kernel: its reference reads the pieces to the host)
+        fits = kernels.prefill_kernel_fits(model.cfg.head_dim, PAGE if kv_pages else None)
+        pf_graph_tokens = prefill_graph_tokens if use_graphs and kernels.use_triton(p) and fits else 0
         #: the spare cache row that a prefill graph's padding tokens write into (when there are graphs)
         self.spare_row = self.max_batch
         rows = self.max_batch + bool(pf_graph_tokens)
@@ -308,6 +310,10 @@ class Generator:
                 raise ValueError(
                     f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceeds "
                     f"max_seq_len {self.max_seq_len} (the KV cache's length)"
+                )
+            if self.kv is not None:  # (checked before the Scheduler takes the engine)
+                self.kv.check_pool(
+                    f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens}", len(p) + max_new_tokens
                 )
         self.check_cache()
         if self._generating:  # (from inside on_tokens, say: a new call would take the running call's rows)

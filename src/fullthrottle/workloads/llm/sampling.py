@@ -6,6 +6,8 @@ rows beside it.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 # murmur3's 32-bit finaliser and splitmix32's increment, as signed int32 (tensor arithmetic wraps)
@@ -89,8 +91,9 @@ def row_seeds(seed, n: int) -> list[int]:
         return [row_seeds(s, 1)[0] for s in seed]
     if seed is None:
         return torch.randint(-(1 << 31), 1 << 31, (n,)).tolist()
-    if not isinstance(seed, int) or isinstance(seed, bool):
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
         raise ValueError(f"a seed must be an integer or None, got {seed!r}")
+    seed = int(seed)
     return [seed32(seed + i) for i in range(n)]
 
 
@@ -99,14 +102,14 @@ def check_sampling(temperature, top_k, top_p) -> None:
     int64 (any top_k at or above the vocabulary is no cut), a top_p outside (0, 1]."""
     import math
 
-    def number(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    def number(x) -> bool:  # (Python's and numpy's)
+        return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
     for t in temperature if isinstance(temperature, (list, tuple)) else [temperature]:
         if not number(t) or not math.isfinite(t) or not 0 <= t <= 3e38:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
     for k in top_k if isinstance(top_k, (list, tuple)) else [top_k]:
-        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < 2**63:
+        if not isinstance(k, numbers.Integral) or isinstance(k, bool) or not 0 <= k < 2**63:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
     for p in top_p if isinstance(top_p, (list, tuple)) else [top_p]:
         if not number(p) or not (0 < p <= 1):
