@@ -9,6 +9,21 @@ from fullthrottle.workloads.llm.generate import Generator
 from fullthrottle.workloads.llm.scheduler import Scheduler
 
 
+def random_requests(seed: int, n: int, lengths, new: tuple[int, int], temperatures) -> list[dict]:
+    """``n`` requests of random prompts (their lengths drawn from ``lengths``), ``max_new_tokens`` in
+    ``new``, temperatures drawn from ``temperatures``, request ``i`` seeded ``i``."""
+    rng = random.Random(seed)
+    return [
+        {
+            "prompt": [rng.randrange(97) for _ in range(rng.choice(lengths))],
+            "max_new_tokens": rng.randint(*new),
+            "temperature": rng.choice(temperatures),
+            "seed": i,
+        }
+        for i in range(n)
+    ]
+
+
 def test_greedy_continuous_batching_equals_each_request_alone(tiny_llama):
     rng = random.Random(0)
     reqs = [
@@ -59,16 +74,7 @@ def test_chunked_prefill_gives_each_request_its_tokens_alone_and_decoding_goes_o
     """With a prefill budget of 8 tokens per step, prompts of up to 40 tokens are prefilled in chunks
     in their own row while the others decode: every request (greedy and seeded sampled) still gets
     exactly its tokens alone; a request cancelled mid-prefill gives its row back."""
-    rng = random.Random(3)
-    reqs = [
-        {
-            "prompt": [rng.randrange(97) for _ in range(rng.choice([3, 6, 19, 40]))],
-            "max_new_tokens": rng.randint(2, 12),
-            "temperature": rng.choice([0.0, 0.8]),
-            "seed": i,
-        }
-        for i in range(10)
-    ]
+    reqs = random_requests(3, 10, [3, 6, 19, 40], (2, 12), [0.0, 0.8])
     alone = Generator(tiny_llama, max_batch=1, max_seq_len=64, graphs=False)
     refs = [alone.generate([r["prompt"]], r["max_new_tokens"], r["temperature"], seed=[r["seed"]])[0] for r in reqs]
     gen = Generator(tiny_llama, max_batch=4, max_seq_len=64, graphs=False, max_prefill_tokens=8)
@@ -281,16 +287,7 @@ def test_paged_kv_memory_gives_each_request_its_tokens_alone_and_admits_what_fit
     prefill budget go in chunks that read their earlier pages. Greedy and seeded sampled requests
     get exactly their tokens alone (static cache); every page comes back; a request larger than the
     whole pool is refused."""
-    rng = random.Random(4)
-    reqs = [
-        {
-            "prompt": [rng.randrange(97) for _ in range(rng.choice([2, 30, 70, 110]))],
-            "max_new_tokens": rng.randint(2, 40),
-            "temperature": rng.choice([0.0, 0.8]),
-            "seed": i,
-        }
-        for i in range(10)
-    ]
+    reqs = random_requests(4, 10, [2, 30, 70, 110], (2, 40), [0.0, 0.8])
     reqs[1:1] = [  # short prompts, long answers: admitted on one page, they grow to three
         {"prompt": [5, 6], "max_new_tokens": 140, "temperature": 0.8, "seed": 99},
         {"prompt": [7], "max_new_tokens": 130, "temperature": 0.0, "seed": 98},
@@ -335,16 +332,7 @@ def test_decode_steps_ahead_give_every_request_the_same_tokens_in_fewer_reads(ti
     back. Every request's tokens (greedy and seeded sampled; some ended by EOS inside such a run; paged
     ones crossing page boundaries, with preemptions in a pool of 5 pages) equal those of ``ahead=1``,
     in fewer steps; a request asking for logprobs gets one per token."""
-    rng = random.Random(9)
-    reqs = [
-        {
-            "prompt": [rng.randrange(97) for _ in range(rng.choice([1, 9, 40, 70]))],
-            "max_new_tokens": rng.randint(1, 90),
-            "temperature": rng.choice([0.0, 0.9]),
-            "seed": i,
-        }
-        for i in range(12)
-    ]
+    reqs = random_requests(9, 12, [1, 9, 40, 70], (1, 90), [0.0, 0.9])
 
     def run(ahead, eos=None, logprobs=0, reqs=reqs):
         gen = Generator(tiny_llama, max_batch=4, max_seq_len=192, graphs=False, kv_pages=kv_pages, logprobs=logprobs)
