@@ -22,6 +22,22 @@ def check_prompt(prompt, vocab_size: int, what: str = "prompt") -> None:
             raise ValueError(f"{what}: token ids must be integers in [0, {vocab_size}), got {t!r}")
 
 
+def check_request(gen, prompt, max_new_tokens, what: str = "prompt") -> None:
+    """ValueError unless ``prompt`` (:func:`check_prompt`) and ``max_new_tokens`` (an integer >= 1)
+    fit the Generator ``gen``: its KV cache's length and, paged, all its KV pages (``what``: the
+    request, in words, for the messages)."""
+    check_prompt(prompt, gen.model.cfg.vocab_size, what)
+    check_int("max_new_tokens", max_new_tokens, 1)
+    n = len(prompt)
+    if n + max_new_tokens > gen.max_seq_len:
+        raise ValueError(
+            f"{what}: {n} tokens + max_new_tokens {max_new_tokens} exceeds max_seq_len {gen.max_seq_len}: "
+            "they must fit the KV cache"
+        )
+    if gen.kv is not None:
+        gen.kv.check_pool(f"{what}: {n} tokens + max_new_tokens {max_new_tokens}", n + max_new_tokens)
+
+
 def free_bytes(device: torch.device) -> int | None:
     """Memory free for a new allocation on ``device`` (bytes): the GPU's free memory and the unused
     part of PyTorch's cache on it, or the host's MemAvailable (Linux); None where it cannot be read."""

@@ -22,7 +22,7 @@ import torch
 from ...core import kernels
 from ...core.config import LlmSettings, Runtime, default_buckets
 from ...core.report import StageStats
-from .checks import check_int, check_kv_memory, check_prompt
+from .checks import check_int, check_kv_memory, check_request
 from .kv_pages import PAGE, PagedKV
 from .llama import Llama
 from .prefill import Piece, Prefill
@@ -294,7 +294,6 @@ class Generator:
         from .scheduler import Scheduler
 
         self.check_sampling(temperature, top_k, top_p)
-        check_int("max_new_tokens", max_new_tokens, 1)
         n = len(prompts)
         if n == 0:
             raise ValueError("no prompt given")
@@ -304,17 +303,8 @@ class Generator:
                 raise ValueError(f"{len(val)} sampling values for {n} prompts")
             per[name] = list(val) if isinstance(val, (list, tuple)) else [val] * n
         seeds = self.row_seeds(seed, n)
-        for i, p in enumerate(prompts):
-            check_prompt(p, self.model.cfg.vocab_size, f"prompt {i}")
-            if len(p) + max_new_tokens > self.max_seq_len:
-                raise ValueError(
-                    f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceeds "
-                    f"max_seq_len {self.max_seq_len} (the KV cache's length)"
-                )
-            if self.kv is not None:  # (checked before the Scheduler takes the engine)
-                self.kv.check_pool(
-                    f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens}", len(p) + max_new_tokens
-                )
+        for i, p in enumerate(prompts):  # (all checked before the Scheduler takes the engine)
+            check_request(self, p, max_new_tokens, f"prompt {i}")
         self.check_cache()
         if self._generating:  # (from inside on_tokens, say: a new call would take the running call's rows)
             raise RuntimeError("this Generator is inside a generate call: one call at a time")

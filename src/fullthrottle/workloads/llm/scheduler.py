@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...core.batch import OpenBatch, bucket_for
-from .checks import check_int, check_prompt
+from .checks import check_int, check_request
 
 
 @dataclass(eq=False)  # (compared and hashed by identity: a request is its own key)
@@ -134,17 +134,7 @@ class Scheduler:
                 f"logprobs must be between 0 and {self.gen.logprobs}"
                 + (" (this engine reports none: build its Generator with logprobs=N)" if not self.gen.logprobs else "")
             )
-        check_prompt(prompt, self.gen.model.cfg.vocab_size)
-        check_int("max_new_tokens", max_new_tokens, 1)
-        if len(prompt) + max_new_tokens > self.gen.max_seq_len:
-            raise ValueError(
-                f"{len(prompt)} prompt tokens + max_new_tokens {max_new_tokens} must fit the KV cache's "
-                f"{self.gen.max_seq_len}"
-            )
-        if self.gen.kv is not None:
-            self.gen.kv.check_pool(
-                f"{len(prompt)} prompt tokens + max_new_tokens {max_new_tokens}", len(prompt) + max_new_tokens
-            )
+        check_request(self.gen, prompt, max_new_tokens)
         (seed,) = self.gen.row_seeds(seed, 1)
         s = Request(list(prompt), max_new_tokens, float(temperature), int(top_k), float(top_p), seed, logprobs)
         self.waiting.append(s)
