@@ -8,8 +8,13 @@ at once, so an httpx load generator would measure itself.)
   answer arrives, for ``duration_s`` after ``warmup_s``. Counted: requests that start after the warm-up
   and end within the window.
 - :func:`open_loop`: requests sent at a fixed total rate (req/s), whatever the answers, for
-  ``duration_s``; each request waits at most ``timeout_s``. Goodput: images answered 200 within the
-  window, per second (every answer's status is counted, in the window or after it).
+  ``duration_s``; each request waits at most ``timeout_s``, counted from its due time (a wait for a
+  free connection counts). Goodput: images answered 200 within the window, per second (every
+  answer's status is counted, in the window or after it). The clients hold at most ``connections``
+  keep-alive connections in all: start the server with a connection cap above it, so that load past
+  its capacity meets its admission control (503 on the same connection) and not its connection cap
+  (whose refusals close the connection: every next request would open another, and the handshakes
+  would load both sides more than the requests).
 
 Both return per-status counts, images answered, p50/p99 latency of the 200s (ms), and the client
 processes' own CPU use (cores) and ``client_limited`` (those cores nearly full: the result then
@@ -31,6 +36,8 @@ import numpy as np
 
 #: share of the client processes' cores in use past which a result is marked ``client_limited``
 CLIENT_LIMITED = 0.85
+#: keep-alive connections of an open loop, all client processes together
+OPEN_LOOP_CONNECTIONS = 4096
 
 
 def multipart(blobs: list[bytes], field: str = "file") -> tuple[bytes, str]:
@@ -88,14 +95,14 @@ async def _closed(url, bodies, images, concurrency, duration_s, warmup_s) -> dic
     return {"codes": codes, "lat": lat, "images": ok_images}
 
 
-async def _open(url, bodies, images, rate, duration_s, timeout_s) -> dict:
+async def _open(url, bodies, images, rate, duration_s, timeout_s, connections) -> dict:
     codes, lat, ok_images, n = Counter(), [], 0, int(rate * duration_s)
-    async with _session(4096, timeout_s) as s:
+    async with _session(connections, timeout_s) as s:
 
         async def one(i):
             nonlocal ok_images
             body, ctype = bodies[i % len(bodies)]
-            t = time.perf_counter()
+            t = t0 + i / rate  # (its due time: a late send counts in its latency)
             code = await _post(s, url, body, ctype)
             codes[code] += 1
             if code == 200 and (t2 := time.perf_counter()) <= t_end:  # (goodput: answered in the window)
@@ -156,9 +163,18 @@ def closed_loop(url, bodies, images, concurrency, duration_s, warmup_s=3.0, proc
     return {"concurrency": concurrency, "img_per_s": out["images_ok"] / duration_s, **out}
 
 
-def open_loop(url, bodies, images, rate, duration_s, timeout_s=10.0, procs=4, cores=None) -> dict:
-    """``rate`` requests/s in all from ``procs`` client processes for ``duration_s``; adds
-    ``goodput_img_per_s`` (images answered 200 per second of the window)."""
+def open_loop(
+    url, bodies, images, rate, duration_s, timeout_s=10.0, procs=4, cores=None, connections=OPEN_LOOP_CONNECTIONS
+) -> dict:
+    """``rate`` requests/s in all from ``procs`` client processes for ``duration_s``, over at most
+    ``connections`` connections in all; adds ``goodput_img_per_s`` (images answered 200 per second
+    of the window)."""
     kw = {"url": url, "bodies": bodies, "images": images, "duration_s": duration_s, "timeout_s": timeout_s}
+    kw["connections"] = max(1, connections // procs)
     out = _run("open", procs, cores, [dict(kw, rate=rate / procs)] * procs)
-    return {"rate_req_per_s": rate, "goodput_img_per_s": out["images_ok"] / duration_s, **out}
+    return {
+        "rate_req_per_s": rate,
+        "connections": connections,
+        "goodput_img_per_s": out["images_ok"] / duration_s,
+        **out,
+    }

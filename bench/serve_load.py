@@ -10,8 +10,9 @@ img/s, p50/p99 ms, status counts, GPU busy (NVML), the server's CPU use (cores),
 - ``multi32``: 32 JPEGs per multipart request (fullthrottle and FastAPI);
 - LitServe: ``workers_per_device`` (and as many API server processes) swept at 64 clients, the best
   runs every point;
-- overload: after fullthrottle's points, an open loop at twice its best img/s: goodput, statuses,
-  and the server's resident memory before and after.
+- overload: after fullthrottle's points, an open loop at twice its best img/s over at most
+  ``load_client.OPEN_LOOP_CONNECTIONS`` connections: goodput, statuses, and the server's resident
+  memory before and after.
 
 Usage:
   python bench/serve_load.py --out bench/results/serve_load.json [--servers fullthrottle,litserve,...]
@@ -34,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import cpu_s, jpegs_640x480, machine_info, tree, write_json  # noqa: E402
-from load_client import closed_loop, multipart, open_loop  # noqa: E402
+from load_client import OPEN_LOOP_CONNECTIONS, closed_loop, multipart, open_loop  # noqa: E402
 
 
 def free_port() -> int:
@@ -99,9 +100,10 @@ def stop(p: subprocess.Popen) -> None:
 def servers(device: str, extra: list[str], litserve_workers: int) -> dict:
     """name -> (command without the port, readiness path, modes)."""
     # (the load comes from one address, as from a proxy: the per-client connection cap is raised, as
-    # serve --help says to do behind one)
+    # serve --help says to do behind one; the connection cap is raised above the overload's client
+    # connections, so that the overload meets the queue's admission control: load_client.open_loop)
     ft = [sys.executable, "-m", "fullthrottle.cli", "serve", "--device", device, "--model", "resnet18"]
-    ft += ["--max-connections-per-client", "100000", *extra]
+    ft += ["--max-connections-per-client", "100000", "--max-connections", str(2 * OPEN_LOOP_CONNECTIONS), *extra]
     peer = [sys.executable, str(HERE / "serve_peers.py")]
     return {
         "fullthrottle": (ft, "/readyz", ("single", "multi32")),
