@@ -228,6 +228,67 @@ def test_a_killed_http_worker_is_replaced_and_a_full_queue_says_503(samples):
     assert code == 0, "".join(log)[-3000:]
 
 
+def test_the_workers_link_reads_and_writes_what_a_connection_does():
+    """The worker's end of a link (an asyncio transport) speaks ``Connection``'s message format."""
+    import socket
+    import struct
+    from multiprocessing.connection import Connection
+
+    from fullthrottle.server import link as wire
+
+    a, b = socket.socketpair()
+    sender, msgs = Connection(a.detach()), [b"", b"x", bytes(range(256)) * 300, b"y" * 70000]
+    for m in msgs:
+        sender.send_bytes(m)
+    sender.close()
+    stream = b""
+    while chunk := b.recv(1 << 20):
+        stream += chunk
+    b.close()
+    assert stream == b"".join(wire.message_header(len(m)) + m for m in msgs)
+    reader, got = wire.MessageReader(), []
+    for k in range(0, len(stream), 977):  # in pieces that cut prefixes and messages
+        got += reader.feed(stream[k : k + 977])
+    assert got == msgs and not reader.buf
+    long_form = struct.pack("!i", -1) + struct.pack("!Q", 3) + b"abc"  # (how a message over 2 GiB starts)
+    assert wire.MessageReader().feed(long_form[:7]) == [] and wire.MessageReader().feed(long_form) == [b"abc"]
+    assert wire.message_header(1 << 31) == long_form[:4] + struct.pack("!Q", 1 << 31)
+
+
+def test_an_engine_that_does_not_read_stalls_only_the_requests_sent_to_it():
+    """The bodies a stopped engine does not read wait in the worker's link, not in its event loop:
+    the worker goes on answering what it answers itself."""
+    proc, url, log = start("--http-workers", "2", "--threads", "1")
+    sent = []
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)  # (the engine process: it reads no link)
+        try:
+
+            def big():  # passed on whole to the engine: 4 MiB each, far past a socket's buffer
+                try:
+                    sent.append(httpx.post(url + "/v1/not-a-route", content=b"x" * (4 << 20), timeout=60).status_code)
+                except httpx.HTTPError as e:
+                    sent.append(repr(e))
+
+            ts = [threading.Thread(target=big, daemon=True) for _ in range(6)]
+            for t in ts:
+                t.start()
+            time.sleep(1.5)  # (every worker has taken bodies in and sent them towards the engine)
+            assert not sent, sent
+            for _ in range(6):  # new connections, on either worker
+                t0 = time.perf_counter()
+                assert httpx.get(url + "/healthz", timeout=10).status_code == 200
+                assert time.perf_counter() - t0 < 2
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        for t in ts:
+            t.join(60)
+        assert sent == [404] * 6, sent  # (the engine answers them once it runs again)
+    finally:
+        code = stop(proc)
+    assert code == 0, "".join(log)[-3000:]
+
+
 def test_other_routes_pass_through_to_the_engine_and_stream():
     auth = {"authorization": "Bearer " + "k" * 20}
     proc, url, log = start(

@@ -22,8 +22,6 @@ import json
 import os
 import signal
 import sys
-import threading
-from multiprocessing.connection import Connection
 
 from ..core.errors import Overloaded
 from ..workloads.classify.result import Result
@@ -35,26 +33,52 @@ from .guard import HTTPError, authorised
 LOCAL_ROUTES = frozenset({"/healthz", "/v1/classify", "/metrics"})
 
 
-class EngineClient:
+class EngineClient(asyncio.Protocol):
     """A worker's end of its link: the classify backend of :mod:`~fullthrottle.server.classify_route`,
-    and the pass-through of every other request. Sends from the event loop's thread; a reader
-    thread hands each message's frames to the loop in one call."""
+    and the pass-through of every other request. The link is the event loop's own transport: a send
+    never blocks the loop (while the engine is slow to read, its requests wait, not the worker's
+    other connections), and answers are handed out where they arrive. Made by :meth:`connect`."""
 
-    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop, on_lost=None):
-        self.conn, self.loop, self.on_lost = conn, loop, on_lost
+    #: bytes the link may hold unsent before a request waits to send its own
+    WRITE_BUFFER_BYTES = 8 << 20
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_lost=None):
+        self.loop, self.on_lost = loop, on_lost
         self.pending: dict[int, object] = {}  # request id -> its future (classify) or queue (HTTP)
         self.lost = False
         self._ids = itertools.count(1)
-        threading.Thread(target=self._read, name="ft-link-in", daemon=True).start()
+        self._reader = wire.MessageReader()
+        self._transport: asyncio.Transport | None = None
+        self._writable = asyncio.Event()
+        self._writable.set()
 
-    def _read(self) -> None:
+    @classmethod
+    async def connect(cls, sock, on_lost=None) -> EngineClient:
+        """The client on the link socket ``sock`` (its end of the supervisor's socket pair)."""
+        loop = asyncio.get_running_loop()
+        client = cls(loop, on_lost)
+        await loop.create_unix_connection(lambda: client, sock=sock)
+        return client
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+        transport.set_write_buffer_limits(high=self.WRITE_BUFFER_BYTES)
+
+    def data_received(self, data: bytes) -> None:
         try:
-            while True:
-                msg = self.conn.recv_bytes()
-                self.loop.call_soon_threadsafe(self._deliver, [(k, r, bytes(p)) for k, r, p in wire.frames(msg)])
-        except (EOFError, OSError, ValueError):
-            pass
-        self.loop.call_soon_threadsafe(self._lose)
+            for msg in self._reader.feed(data):
+                self._deliver([(k, r, bytes(p)) for k, r, p in wire.frames(msg)])
+        except ValueError:  # (the engine writes these frames: a bug, not a client's doing)
+            self._transport.close()  # (-> connection_lost)
+
+    def connection_lost(self, exc) -> None:
+        self._lose()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
 
     def _deliver(self, got: list) -> None:
         for kind, req_id, payload in got:
@@ -68,7 +92,10 @@ class EngineClient:
                 waiter.put_nowait((kind, payload))
 
     def _lose(self) -> None:
+        if self.lost:
+            return
         self.lost = True
+        self._writable.set()  # (a request waiting to send finds the link gone)
         for waiter in self.pending.values():
             if isinstance(waiter, asyncio.Future):
                 if not waiter.done():
@@ -81,10 +108,12 @@ class EngineClient:
     def _send(self, pieces: list[bytes]) -> None:
         if self.lost:
             raise RuntimeError("the engine process has stopped")
-        try:
-            self.conn.send_bytes(b"".join(pieces))
-        except OSError:
-            raise RuntimeError("the engine process has stopped") from None
+        self._transport.writelines([wire.message_header(sum(map(len, pieces))), *pieces])
+
+    async def _send_when_writable(self, pieces: list[bytes]) -> None:
+        """:meth:`_send` once the link holds less than :attr:`WRITE_BUFFER_BYTES` unsent."""
+        await self._writable.wait()
+        self._send(pieces)
 
     async def classify(self, images: list[tuple[str, bytes | FetchError]]) -> list[Result]:
         """The results of a request's images (URLs that could not be fetched get their own error).
@@ -98,7 +127,7 @@ class EngineClient:
             req_id = next(self._ids)
             fut = self.pending[req_id] = self.loop.create_future()
             try:
-                self._send(wire.frame(wire.CLASSIFY, req_id, *wire.pack_images(sent)))
+                await self._send_when_writable(wire.frame(wire.CLASSIFY, req_id, *wire.pack_images(sent)))
                 got = await fut
             finally:
                 self.pending.pop(req_id, None)
@@ -138,7 +167,7 @@ class EngineClient:
         watcher = None
         started = False
         try:
-            self._send(wire.frame(wire.HTTP, req_id, *wire.pack_http(head, body)))
+            await self._send_when_writable(wire.frame(wire.HTTP, req_id, *wire.pack_http(head, body)))
             watcher = asyncio.ensure_future(watch())
             while True:
                 got = await q.get()
@@ -315,7 +344,6 @@ def main() -> None:
     server = uvicorn_server(
         create_front_app(opts, settings["max_image_pixels"], box), opts, settings["max_connections"]
     )
-    conn = Connection(link_fd)
 
     engine_pid = os.getppid()
 
@@ -325,7 +353,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     async def run():
-        box[0] = EngineClient(conn, asyncio.get_running_loop(), on_lost=lost)
+        box[0] = await EngineClient.connect(socket.socket(fileno=link_fd), on_lost=lost)
         await server.serve(sockets=[socket.socket(fileno=listen_fd)])
 
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:

@@ -1,8 +1,11 @@
 """The messages between a multi-process server's HTTP worker processes and its engine process.
 
-Each worker has one link to the engine: a socket pair made by the supervisor, each end wrapped in
-a :class:`multiprocessing.connection.Connection` (length-prefixed messages, ``send_bytes`` /
-``recv_bytes``: nothing is pickled). A message holds one or more frames; a frame is a 13-byte
+Each worker has one link to the engine: a socket pair made by the supervisor, carrying
+length-prefixed messages in the format of :class:`multiprocessing.connection.Connection`'s
+``send_bytes`` / ``recv_bytes`` (nothing is pickled). The engine's end is such a Connection, read
+and written by threads; the worker's end is its event loop's own non-blocking transport
+(:func:`message_header`, :class:`MessageReader`), so that a send never stalls the worker's other
+connections. A message holds one or more frames; a frame is a 13-byte
 header (kind: u8, request id: u64, payload length: u32; little-endian) and its payload:
 
 worker -> engine
@@ -30,6 +33,39 @@ RESULTS, START, BODY = 11, 12, 13
 _HEAD = struct.Struct("<BQI")
 _IMAGE = struct.Struct("<HI")
 _U32 = struct.Struct("<I")
+_LEN, _LEN64 = struct.Struct("!i"), struct.Struct("!Q")  # (Connection's message length prefixes)
+
+
+def message_header(n: int) -> bytes:
+    """The length prefix that ``Connection.send_bytes`` writes before a message of ``n`` bytes."""
+    return _LEN.pack(n) if n <= 0x7FFFFFFF else _LEN.pack(-1) + _LEN64.pack(n)
+
+
+class MessageReader:
+    """Cuts a byte stream written by ``Connection.send_bytes`` into its messages."""
+
+    def __init__(self):
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The messages that ``data`` completes, in order (the rest is kept for the next call)."""
+        self.buf += data
+        out, at = [], 0
+        while len(self.buf) - at >= _LEN.size:
+            (n,) = _LEN.unpack_from(self.buf, at)
+            start = at + _LEN.size
+            if n == -1:
+                if len(self.buf) - at < _LEN.size + _LEN64.size:
+                    break
+                (n,) = _LEN64.unpack_from(self.buf, start)
+                start += _LEN64.size
+            if len(self.buf) < start + n:
+                break
+            out.append(bytes(self.buf[start : start + n]))
+            at = start + n
+        if at:
+            del self.buf[:at]
+        return out
 
 
 def frame(kind: int, req_id: int, *parts: bytes) -> list[bytes]:
