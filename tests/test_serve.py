@@ -194,6 +194,37 @@ def test_a_model_that_fails_or_gives_nan_is_answered_500_and_counted(samples):
             assert httpx.get(s.url + "/healthz").status_code == 200
 
 
+class CountingSlowTiny(SlowTiny):
+    """SlowTiny that counts the images it is given."""
+
+    seen = 0
+
+    def forward(self, x):
+        CountingSlowTiny.seen += x.shape[0]
+        return super().forward(x)
+
+
+def test_a_client_that_hangs_up_takes_its_queued_images_with_it(samples):
+    files = [("f", (f"{i}.jpg", samples[i].read_bytes(), "image/jpeg")) for i in range(30)]
+    CountingSlowTiny.seen = 0
+    with Server(CountingSlowTiny(), max_batch_size=2, max_in_flight=4) as s:
+
+        def abandon():  # 30 images at 0.05 s each, and a client that waits 0.3 s
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(s.url + "/v1/classify", files=files, timeout=0.3)
+
+        ts = [threading.Thread(target=abandon) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        assert post_image(s.url, samples[0].read_bytes()).status_code == 200
+        # of the 121 images, those the pipeline had taken when their clients left, and the last one
+        assert CountingSlowTiny.seen <= 20, CountingSlowTiny.seen
+        text = httpx.get(s.url + "/metrics").text
+        assert re.search(r'fullthrottle_requests_total\{route="/v1/classify",status="499"\} 4\.0', text), text[-3000:]
+
+
 def test_deadline_504(samples):
     with Server(SlowTiny(), ServeOptions(timeout_s=0.05)) as s:
         r = post_image(s.url, samples[0].read_bytes())
@@ -337,6 +368,8 @@ def test_completions_route_batches_and_streams(tiny_llama):
         assert httpx.post(s.url + "/v1/completions", json={"prompt": [True, False]}).status_code == 400
         r = httpx.post(s.url + "/v1/completions", json={"prompt": [1], "top_p": 0})
         assert r.status_code == 400 and "top_p" in r.json()["detail"]
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1], "stop": ["a"]})  # (no tokenizer: no text)
+        assert r.status_code == 400 and "stop strings need the model's tokenizer" in r.json()["detail"]
         r = httpx.post(s.url + "/v1/completions", content=b'{"prompt": [1], "x": "' + b"a" * (2 << 20) + b'"}')
         assert r.status_code == 413  # the body limit holds here as on every route (--max-body-mb 1 below)
         metrics = httpx.get(s.url + "/metrics").text

@@ -310,6 +310,8 @@ def test_limits_per_request(samples):
     with Server(Tiny(), ServeOptions(max_images=2, max_request_pixels=300_000)) as s:
         r = httpx.post(s.url + "/v1/classify", files=files)
         assert r.status_code == 413 and "at most 2" in r.json()["detail"]
+        r = httpx.post(s.url + "/v1/classify", files=files * 3)  # (past the form parser's own file limit)
+        assert r.status_code == 413 and "more than 2 images" in r.json()["detail"]
         r = httpx.post(s.url + "/v1/classify", files=files[:2])
         assert r.status_code == 413 and "megapixels together" in r.json()["detail"]
         assert post_image(s.url, photos[0]).status_code == 200

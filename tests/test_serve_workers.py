@@ -228,6 +228,34 @@ def test_a_killed_http_worker_is_replaced_and_a_full_queue_says_503(samples):
     assert code == 0, "".join(log)[-3000:]
 
 
+def test_a_stopped_engine_gets_answers_from_the_workers_in_time():
+    """/readyz says 503 within seconds, /metrics answers, a passed-on request gets 504 at its
+    deadline; all is well again once the engine runs."""
+    proc, url, log = start("--http-workers", "2", "--threads", "1", "--timeout-s", "1")
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.perf_counter()
+            r = httpx.get(url + "/readyz", timeout=10)
+            assert r.status_code == 503 and "did not answer" in r.json()["detail"], r.text
+            assert time.perf_counter() - t0 < 4
+            t0 = time.perf_counter()
+            assert httpx.get(url + "/metrics", timeout=10).status_code == 200  # (the workers' counters)
+            assert time.perf_counter() - t0 < 4
+            t0 = time.perf_counter()
+            r = httpx.post(url + "/v1/not-a-route", content=b"{}", timeout=10)
+            assert r.status_code == 504 and time.perf_counter() - t0 < 5, r.text
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert httpx.get(url + "/readyz", timeout=10).status_code == 200
+        assert httpx.post(url + "/v1/not-a-route", content=b"{}", timeout=10).status_code == 404
+        text = httpx.get(url + "/metrics", timeout=10).text
+        assert re.search(r'fullthrottle_requests_total\{route="other",status="504"\} 1\.0', text), text[-3000:]
+    finally:
+        code = stop(proc)
+    assert code == 0, "".join(log)[-3000:]
+
+
 def test_the_workers_link_reads_and_writes_what_a_connection_does():
     """The worker's end of a link (an asyncio transport) speaks ``Connection``'s message format."""
     import socket
@@ -284,6 +312,49 @@ def test_an_engine_that_does_not_read_stalls_only_the_requests_sent_to_it():
         for t in ts:
             t.join(60)
         assert sent == [404] * 6, sent  # (the engine answers them once it runs again)
+    finally:
+        code = stop(proc)
+    assert code == 0, "".join(log)[-3000:]
+
+
+SLOW_MODEL = """
+import os, time, torch
+class Slow(torch.nn.Module):  # 0.05 s an image; appends a line per image to $SLOW_LOG
+    labels = ["a", "b"]
+    def forward(self, x):
+        with open(os.environ["SLOW_LOG"], "a") as f:
+            f.write("x\\n" * x.shape[0])
+        time.sleep(0.05 * x.shape[0])
+        return torch.zeros(x.shape[0], 2)
+"""
+
+
+def test_a_client_that_hangs_up_takes_its_queued_images_with_it_across_processes(samples, tmp_path, monkeypatch):
+    (tmp_path / "slowmod.py").write_text(SLOW_MODEL)
+    log_file = tmp_path / "seen.txt"
+    log_file.write_text("")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("SLOW_LOG", str(log_file))
+    files = [("f", (f"{i}.jpg", samples[i].read_bytes(), "image/jpeg")) for i in range(30)]
+    proc, url, log = start("--http-workers", "2", "--model", "slowmod:Slow", "--max-batch-size", "2", "--threads", "1")
+    try:
+        warm = len(log_file.read_text())  # (the images of the model's warm-up)
+
+        def abandon():
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url + "/v1/classify", files=files, timeout=1.0)
+
+        ts = [threading.Thread(target=abandon) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        r = httpx.post(url + "/v1/classify", content=samples[0].read_bytes(), timeout=60)
+        assert r.status_code == 200, r.text
+        seen = (len(log_file.read_text()) - warm) // 2
+        assert seen <= 60, seen  # of the 121 images: those in the pipeline when their clients left, and one
+        text = httpx.get(url + "/metrics", timeout=10).text
+        assert re.search(r'fullthrottle_requests_total\{route="/v1/classify",status="499"\} 4\.0', text), text[-3000:]
     finally:
         code = stop(proc)
     assert code == 0, "".join(log)[-3000:]

@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue",
         type=positive_int,
         default=_SO.max_queue,
-        help="images (or a workload's requests) waiting before 503; a request with more images than this "
+        help="images (or a workload's requests) waiting to enter the model's pipeline before 503 (the "
+        "pipeline holds more in flight besides, being decoded and batched: about 4 batches of "
+        "--max-batch-size, and 4 more per GPU decoder process); a request with more images than this "
         "can never fit (413) "
         "(default: %(default)s; --max-images is the usual per-request limit)",
     )

@@ -78,6 +78,8 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             try:
                 form = await _parse_form(request, body, opts.max_images)
             except Exception as e:  # noqa: BLE001 - starlette's MultiPartException and parser errors
+                if "too many files" in str(e).lower():  # (the parser stops one file past the limit)
+                    raise HTTPError(413, f"more than {opts.max_images} images in one request") from None
                 raise HTTPError(400, f"malformed multipart body: {e}") from None
             images = [(f.filename or f"file{i}", await f.read()) for i, f in enumerate(form)]
             boundary = request.headers.get("content-type", "").partition("boundary=")[2].split(";")[0].strip('"')
@@ -143,12 +145,20 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
                     f"{opts.max_queue} (--max-queue): send them in smaller requests",
                 )
             remaining = opts.timeout_s - (time.perf_counter() - t0)
+            work = asyncio.ensure_future(state["classifier"].classify(images))
+            gone = asyncio.ensure_future(_disconnected(request))
+            done, _ = await asyncio.wait({work, gone}, timeout=max(remaining, 0.001), return_when="FIRST_COMPLETED")
+            gone.cancel()
+            if work not in done:  # past the deadline, or the client left: its images are dropped
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                if gone in done:
+                    raise HTTPError(499, "the client closed the connection before its answer")
+                raise HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded")
             try:
-                results = await asyncio.wait_for(state["classifier"].classify(images), max(remaining, 0.001))
+                results = work.result()
             except Overloaded as e:
                 raise HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
-            except TimeoutError:
-                raise HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
             except RuntimeError as e:
                 raise HTTPError(503, str(e)) from None
             for r in results:
@@ -167,6 +177,12 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             return reply(ROUTE, e.status, {"detail": e.detail}, e.headers)
         finally:
             metrics.latency.labels(ROUTE).observe(time.perf_counter() - t0)
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client of ``request`` (its body read) hangs up."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _parse_form(request, body: bytes, max_files: int):

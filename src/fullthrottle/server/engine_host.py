@@ -36,6 +36,7 @@ class Link:
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = threading.Event()
         self.cancels: dict[int, asyncio.Event] = {}  # HTTP request id -> set on the client's disconnect
+        self.classifying: dict[int, _Gather] = {}  # classify request id -> its images in the pipeline
         self._reader = threading.Thread(target=self._read, name=f"ft-link-in-{name}", daemon=True)
         self._writer = threading.Thread(target=self._write, name=f"ft-link-out-{name}", daemon=True)
         self._reader.start()
@@ -75,8 +76,15 @@ class Link:
                         self.host.classify(self, req_id, wire.unpack_images(payload))
                     elif kind == wire.HTTP:
                         head, body = wire.unpack_http(payload)
-                        asyncio.run_coroutine_threadsafe(self.host.bridge(self, req_id, head, body), self.host.loop)
+                        # (its cancel event made here: a CANCEL read next finds it, even before it runs)
+                        cancel = self.cancels[req_id] = asyncio.Event()
+                        asyncio.run_coroutine_threadsafe(
+                            self.host.bridge(self, req_id, head, body, cancel), self.host.loop
+                        )
                     elif kind == wire.CANCEL:
+                        g = self.classifying.pop(req_id, None)
+                        if g is not None:  # (its client left: its images still queued are not decoded)
+                            g.cancel()
                         ev = self.cancels.get(req_id)
                         if ev is not None:
                             self.host.loop.call_soon_threadsafe(ev.set)
@@ -90,6 +98,8 @@ class Link:
         if not self.closed.is_set():
             self.closed.set()
             self.out.put(None)
+            for g in list(self.classifying.values()):  # (the worker is gone: nobody reads their answers)
+                g.cancel()
             for ev in list(self.cancels.values()):
                 self.host.loop.call_soon_threadsafe(ev.set)
             try:
@@ -106,6 +116,7 @@ class _Gather:
         self.rows: list = [None] * n
         self.lock = threading.Lock()
         self.failed = False
+        self.svc, self.indexes = None, []  # the replica and the images' indexes there
 
     def done(self, i: int, r) -> None:
         with self.lock:
@@ -118,11 +129,23 @@ class _Gather:
             self.left -= 1
             if self.left:
                 return
+        self.lk.classifying.pop(self.req_id, None)
         self.lk.send(wire.RESULTS, self.req_id, json.dumps({"results": self.rows}).encode())
 
     def fail(self, reason: str, overloaded: bool) -> None:
-        self.failed = True
+        """(Called with ``lock`` held.) The request's answer is this error; its other images are dropped."""
+        self.cancel(locked=True)
         self.lk.send(wire.RESULTS, self.req_id, json.dumps({"error": reason, "overloaded": overloaded}).encode())
+
+    def cancel(self, locked: bool = False) -> None:
+        """No answer for this request: its images still queued are not decoded."""
+        if not locked:
+            with self.lock:
+                return self.cancel(locked=True)
+        self.failed = True
+        self.lk.classifying.pop(self.req_id, None)
+        if self.svc is not None:
+            self.svc.cancel(self.indexes)
 
 
 class EngineHost:
@@ -148,10 +171,11 @@ class EngineHost:
         if not self.state.get("ready") or not self.state.get("services"):
             g.fail("model is loading" if not self.state.get("ready") else "classification is not served", False)
             return
-        svc = min(self.state["services"], key=lambda v: v.queued() + v.pending())
+        svc = g.svc = min(self.state["services"], key=lambda v: v.queued() + v.pending())
+        lk.classifying[req_id] = g
         try:
             for i, (item_id, data) in enumerate(images):
-                svc.submit_cb(item_id, data, lambda r, i=i: g.done(i, r))
+                g.indexes.append(svc.submit_cb(item_id, data, lambda r, i=i: g.done(i, r)))
         except Overloaded as e:
             with g.lock:
                 g.fail(str(e), True)
@@ -159,11 +183,12 @@ class EngineHost:
             with g.lock:
                 g.fail(str(e), False)
 
-    async def bridge(self, lk: Link, req_id: int, head: dict, body: bytes) -> None:
-        """Run one request through the app; its answer goes back as START and BODY frames."""
-        cancel = lk.cancels[req_id] = asyncio.Event()
-        if lk.closed.is_set():
-            cancel.set()
+    async def bridge(self, lk: Link, req_id: int, head: dict, body: bytes, cancel: asyncio.Event) -> None:
+        """Run one request through the app; its answer goes back as START and BODY frames.
+        ``cancel``: set when the worker drops the request (its client left, or it answered it)."""
+        if cancel.is_set() or lk.closed.is_set():  # (dropped before it ran: the app never sees it)
+            lk.cancels.pop(req_id, None)
+            return
         first = [True]
         started = [False]
 

@@ -31,6 +31,12 @@ from .guard import HTTPError, authorised
 
 #: the routes an HTTP worker answers itself; every other goes to the engine
 LOCAL_ROUTES = frozenset({"/healthz", "/v1/classify", "/metrics"})
+#: seconds the engine has to answer ``/readyz`` (else 503) and the worker's ``/metrics`` (else the
+#: engine's gauges are left as they were)
+ENGINE_PROBE_S = 2.0
+#: seconds past ``--timeout-s`` that a passed-on request waits for its answer to start before the
+#: worker answers 504 itself (the engine's own 504 comes first, unless it cannot run)
+ENGINE_GRACE_S = 1.0
 
 
 class EngineClient(asyncio.Protocol):
@@ -129,6 +135,10 @@ class EngineClient(asyncio.Protocol):
             try:
                 await self._send_when_writable(wire.frame(wire.CLASSIFY, req_id, *wire.pack_images(sent)))
                 got = await fut
+            except asyncio.CancelledError:  # (its client left, or its deadline passed)
+                if req_id in self.pending and not self.lost:
+                    self._send(wire.frame(wire.CANCEL, req_id))  # the engine drops its queued images
+                raise
             finally:
                 self.pending.pop(req_id, None)
             if "error" in got:
@@ -143,8 +153,12 @@ class EngineClient(asyncio.Protocol):
                 out.append(Result(i, rid, labels, class_ids, probs, error, latency_ms))
         return out
 
-    async def forward(self, scope, receive, send, body: bytes) -> None:
-        """Pass one request (its body already read) to the engine and stream its answer to the client."""
+    async def forward(self, scope, receive, send, body: bytes, first_byte_s: float, late=(504, "")) -> int | None:
+        """Pass one request (its body already read) to the engine and stream its answer to the client.
+        No start of an answer within ``first_byte_s``: ``late`` (status, detail) is the answer and
+        the engine is told to drop the request (a stopped or wedged engine; once an answer has
+        started, a stream runs as long as it lasts). Returns the status of an answer made here
+        (``late``, or 503: the engine is gone), None for the engine's own."""
         req_id = next(self._ids)
         q = self.pending[req_id] = asyncio.Queue()
         head = {
@@ -166,15 +180,23 @@ class EngineClient(asyncio.Protocol):
 
         watcher = None
         started = False
+        deadline = self.loop.time() + first_byte_s
         try:
             await self._send_when_writable(wire.frame(wire.HTTP, req_id, *wire.pack_http(head, body)))
             watcher = asyncio.ensure_future(watch())
             while True:
-                got = await q.get()
+                try:
+                    got = await (q.get() if started else asyncio.wait_for(q.get(), deadline - self.loop.time()))
+                except TimeoutError:
+                    if not self.lost:
+                        self._send(wire.frame(wire.CANCEL, req_id))
+                    await _json(send, late[0], {"detail": late[1] or f"no answer within {first_byte_s:g} s"})
+                    return late[0]
                 if got is None:  # the client or the engine went away
                     if not started and self.lost:
                         await _json(send, 503, {"detail": "the engine process has stopped"})
-                    return
+                        return 503
+                    return None
                 kind, payload = got
                 if kind == wire.START:
                     start = json.loads(payload)
@@ -185,17 +207,19 @@ class EngineClient(asyncio.Protocol):
                     more = payload[:1] == b"\x01"
                     await send({"type": "http.response.body", "body": payload[1:], "more_body": more})
                     if not more:
-                        return
+                        return None
         except RuntimeError as e:  # (the link is gone)
             if not started:
                 await _json(send, 503, {"detail": str(e)})
+                return 503
+            return None
         finally:
             self.pending.pop(req_id, None)
             if watcher is not None:
                 watcher.cancel()
 
-    async def get(self, path: str) -> tuple[int, bytes]:
-        """An internal GET through the engine's app (status, body)."""
+    async def get(self, path: str, timeout_s: float) -> tuple[int, bytes]:
+        """An internal GET through the engine's app (status, body; 504 past ``timeout_s``)."""
         chunks, status = [], [0]
 
         async def receive():
@@ -209,7 +233,7 @@ class EngineClient(asyncio.Protocol):
                 chunks.append(msg.get("body", b""))
 
         scope = {"type": "http", "method": "GET", "path": path, "headers": [], "client": None, "server": None}
-        await self.forward(scope, receive, send, b"")
+        await self.forward(scope, receive, send, b"", timeout_s)
         return status[0], b"".join(chunks)
 
 
@@ -281,7 +305,7 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
 
     @local.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
-        await client_box[0].get("/metrics")  # the engine sets its gauges (queues, stages, GPU)
+        await client_box[0].get("/metrics", ENGINE_PROBE_S)  # the engine sets its gauges (queues, stages, GPU)
         reg = CollectorRegistry()
         MultiProcessCollector(reg)  # every process's counters and histograms, summed
         return PlainTextResponse(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
@@ -310,8 +334,15 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
                     413, f"request body of {declared.decode()} bytes exceeds the limit of {opts.max_body_bytes}"
                 )
             body = await _read_body(receive, opts.max_body_bytes, opts.body_timeout_s)
-            if body is not None:
-                await client_box[0].forward(scope, receive, send, body)
+            if body is None:
+                return
+            if scope["path"] == "/readyz":  # (a probe: a stopped or wedged engine is not ready, at once)
+                late = (503, f"the engine process did not answer within {ENGINE_PROBE_S:g} s")
+                mine = await client_box[0].forward(scope, receive, send, body, ENGINE_PROBE_S, late)
+            else:  # (the engine answers 504 at the deadline itself; this one is for an engine that can't)
+                mine = await client_box[0].forward(scope, receive, send, body, opts.timeout_s + ENGINE_GRACE_S)
+            if mine is not None:
+                m.requests.labels(route, str(mine)).inc()
         except HTTPError as e:
             m.requests.labels(route, str(e.status)).inc()
             await _json(send, e.status, {"detail": e.detail}, e.headers)

@@ -41,7 +41,8 @@ class ServeOptions:
     """Server knobs (besides the pipeline's :class:`~fullthrottle.core.config.Config`).
 
     Attributes:
-        max_queue: images waiting before 503; a classify request with more images than this gets 413.
+        max_queue: images waiting to enter the pipeline before 503 (it holds more in flight besides:
+            ``Config.in_flight_limit``); a classify request with more images than this gets 413.
         timeout_s: per-request deadline (s) before 504.
         max_body_bytes: request body limit (bytes) before 413.
         retry_after_s: the Retry-After header sent with 503 (s).

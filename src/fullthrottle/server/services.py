@@ -35,6 +35,8 @@ class BatchingService:
         self._lock = threading.Lock()
         self._count = itertools.count()
         self._waiting: dict[int, object] = {}  # index -> its callback (a Result, or the pipeline's error)
+        self._cancelled: set[int] = set()  # indexes still in the queue whose callers left (not decoded)
+        self._taken = 0  # images the pipeline has taken from the queue (their indexes are below it)
         self._closing = threading.Event()
         self.error: BaseException | None = None
         self._results = pipeline.run(self._source())
@@ -44,10 +46,17 @@ class BatchingService:
     def _source(self):
         while True:
             try:
-                yield self.q.get(timeout=0.05)
+                item = self.q.get(timeout=0.05)
             except queue.Empty:
                 if self._closing.is_set():
                     return
+                continue
+            with self._lock:
+                if self._taken in self._cancelled:  # (its caller left: an item that fails at once, unread)
+                    self._cancelled.discard(self._taken)
+                    item = (item[0], None)
+                self._taken += 1
+            yield item
 
     def _dispatch(self) -> None:
         try:
@@ -71,13 +80,15 @@ class BatchingService:
         """
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self.submit_cb(item_id, data, lambda r: loop.call_soon_threadsafe(_settle, fut, r))
+        idx = self.submit_cb(item_id, data, lambda r: loop.call_soon_threadsafe(_settle, fut, r))
+        fut.add_done_callback(lambda f: self.cancel([idx]) if f.cancelled() else None)  # (a caller that left)
         return fut
 
-    def submit_cb(self, item_id: str, data: bytes, done) -> None:
+    def submit_cb(self, item_id: str, data: bytes, done) -> int:
         """Queue one image; ``done(result)`` is called from the service's dispatcher thread with its
         :class:`~fullthrottle.workloads.classify.decode.Result`, or with a ``RuntimeError`` if the
-        pipeline fails. ``done`` must return quickly (it holds up the other results).
+        pipeline fails. ``done`` must return quickly (it holds up the other results). Returns the
+        image's index (for :meth:`cancel`).
 
         Raises:
             Overloaded: the queue is full. RuntimeError: the service is shutting down or failed.
@@ -94,6 +105,15 @@ class BatchingService:
                 self._count = itertools.count(idx)  # the index was not used
                 raise Overloaded(f"queue full ({self.q.maxsize} images waiting)") from None
             self._waiting[idx] = done
+        return idx
+
+    def cancel(self, indexes) -> None:
+        """Forget the images of these indexes (their caller left): no callback for them, and those
+        still in the queue leave it undecoded. Images the pipeline has taken run on, unanswered."""
+        with self._lock:
+            for idx in indexes:
+                if self._waiting.pop(idx, None) is not None and idx >= self._taken:
+                    self._cancelled.add(idx)
 
     def queued(self) -> int:
         """Images waiting to enter the pipeline."""

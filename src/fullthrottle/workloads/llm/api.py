@@ -83,7 +83,10 @@ def completion_request(p: dict, gen, tok) -> dict:
     lp = p.get("logprobs")  # (completions: how many top tokens; 0: the chosen token's only)
     if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)):
         raise ValueError("logprobs must be an integer (how many most likely tokens per position)")
-    return _request(p, gen, ids, _integer(p, "max_tokens", 16), lp)
+    req = _request(p, gen, ids, _integer(p, "max_tokens", 16), lp)
+    if req["stop"] and tok is None:  # (a stop string is matched in the text: ids alone have none)
+        raise ValueError("stop strings need the model's tokenizer, and this model has none (token ids only)")
+    return req
 
 
 def chat_request(p: dict, gen, tok) -> dict:
