@@ -420,6 +420,32 @@ def test_completion_stops_generating_when_its_client_goes_away(make_tiny_llama):
     assert 0 < decoded.items - before < 2900, decoded.items - before
 
 
+def test_a_workload_client_that_hangs_up_leaves_the_queue_unpredicted():
+    from toy_workload import Summer
+
+    class Slow(Summer):  # one item a call, 0.5 s each
+        max_batch = 1
+
+        def predict(self, items):
+            time.sleep(0.5)
+            return super().predict(items)
+
+    w = Slow()
+    with Server(Tiny(), ServeOptions(workloads=(w,))) as s:
+
+        def abandon(k):
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(s.url + "/v1/sum", json={"inputs": [[k, 0, 0, 0]]}, timeout=0.3)
+
+        with cf.ThreadPoolExecutor(8) as ex:
+            list(ex.map(abandon, range(8)))
+        r = httpx.post(s.url + "/v1/sum", json={"inputs": [[1, 2, 3, 4]]}, timeout=30)
+        assert r.json()["results"] == [{"output": 10.0}]
+        assert len(w.calls) <= 4, w.calls  # those running when their clients left, and this one
+        text = httpx.get(s.url + "/metrics").text
+        assert re.search(r'fullthrottle_requests_total\{route="/v1/sum",status="499"\} 8\.0', text), text[-3000:]
+
+
 def test_a_workload_of_ones_own_is_served_batched_across_requests(caplog):
     """A fullthrottle.Workload subclass at POST /v1/<name>: the requests of 12 concurrent clients share
     predict() calls; an item that fails costs only itself; malformed requests get 400/413; the

@@ -22,7 +22,7 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 
 from ..core.errors import Overloaded
 from ..workloads.classify.result import Result
-from .guard import HTTPError, check_pixels, read_body
+from .guard import HTTPError, answer_unless_gone, check_pixels, read_body
 
 log = logging.getLogger("fullthrottle.server.classify")
 ROUTE = "/v1/classify"
@@ -145,18 +145,10 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
                     f"{opts.max_queue} (--max-queue): send them in smaller requests",
                 )
             remaining = opts.timeout_s - (time.perf_counter() - t0)
-            work = asyncio.ensure_future(state["classifier"].classify(images))
-            gone = asyncio.ensure_future(_disconnected(request))
-            done, _ = await asyncio.wait({work, gone}, timeout=max(remaining, 0.001), return_when="FIRST_COMPLETED")
-            gone.cancel()
-            if work not in done:  # past the deadline, or the client left: its images are dropped
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-                if gone in done:
-                    raise HTTPError(499, "the client closed the connection before its answer")
-                raise HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded")
-            try:
-                results = work.result()
+            try:  # (past the deadline, or its client gone: its images still queued are dropped)
+                results = await answer_unless_gone(
+                    request, state["classifier"].classify(images), remaining, opts.timeout_s
+                )
             except Overloaded as e:
                 raise HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
             except RuntimeError as e:
@@ -177,12 +169,6 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             return reply(ROUTE, e.status, {"detail": e.detail}, e.headers)
         finally:
             metrics.latency.labels(ROUTE).observe(time.perf_counter() - t0)
-
-
-async def _disconnected(request) -> None:
-    """Returns when the client of ``request`` (its body read) hangs up."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _parse_form(request, body: bytes, max_files: int):

@@ -95,6 +95,38 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
     return bytes(body)
 
 
+async def answer_unless_gone(request, work, timeout_s: float, deadline_s: float):
+    """The result of ``work`` (a coroutine or future) for ``request`` (its body read), unless its
+    client hangs up first or ``timeout_s`` passes: then ``work`` is cancelled (which drops what it
+    queued: a client that leaves costs only what was already running for it).
+
+    Raises:
+        HTTPError: 499 the client hung up, 504 past the deadline (``deadline_s``: the one to name).
+    """
+    work = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, timeout=max(timeout_s, 0.001), return_when="FIRST_COMPLETED")
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if work not in done:
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        if gone in done:
+            raise HTTPError(499, "the client closed the connection before its answer")
+        raise HTTPError(504, f"deadline of {deadline_s:g} s exceeded")
+    return work.result()
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client of ``request`` (its body read) hangs up."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def check_pixels(images: list[tuple[str, object]], max_pixels: int, max_image_pixels: int) -> None:
     """HTTPError 413 when the images (``(id, bytes)``; other entries skipped) hold more than
     ``max_pixels`` together, by their headers. An image that will fail alone (an unreadable header,

@@ -38,7 +38,7 @@ from ..core.workload import (
     user_traceback,
 )
 from ..core.workload import load_workload as load_any_workload
-from .guard import HTTPError, read_body
+from .guard import HTTPError, answer_unless_gone, read_body
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +220,10 @@ def add_workload_routes(app, workloads, state: dict, opts, reply, m_latency) -> 
                     fut = svc.submit(items)
                 except Overloaded as e:
                     raise HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
-                try:
-                    outs = await asyncio.wait_for(fut, opts.timeout_s)
-                except TimeoutError:
-                    raise HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
+                try:  # (past the deadline, or its client gone: the request leaves the queue unpredicted)
+                    outs = await answer_unless_gone(request, fut, opts.timeout_s, opts.timeout_s)
+                except HTTPError:
+                    raise
                 except Exception as e:  # noqa: BLE001 - cost() or predict() failed for the whole batch
                     raise HTTPError(500, f"{name}: {e}") from None
                 try:
