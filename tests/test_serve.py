@@ -222,7 +222,7 @@ def test_a_client_that_hangs_up_takes_its_queued_images_with_it(samples):
         # of the 121 images, those the pipeline had taken when their clients left, and the last one
         assert CountingSlowTiny.seen <= 20, CountingSlowTiny.seen
         text = httpx.get(s.url + "/metrics").text
-        assert re.search(r'fullthrottle_requests_total\{route="/v1/classify",status="499"\} 4\.0', text), text[-3000:]
+        assert 'fullthrottle_requests_total{route="/v1/classify",status="499"} 4.0' in text, text[-3000:]
 
 
 def test_deadline_504(samples):
@@ -443,7 +443,7 @@ def test_a_workload_client_that_hangs_up_leaves_the_queue_unpredicted():
         assert r.json()["results"] == [{"output": 10.0}]
         assert len(w.calls) <= 4, w.calls  # those running when their clients left, and this one
         text = httpx.get(s.url + "/metrics").text
-        assert re.search(r'fullthrottle_requests_total\{route="/v1/sum",status="499"\} 8\.0', text), text[-3000:]
+        assert 'fullthrottle_requests_total{route="/v1/sum",status="499"} 8.0' in text, text[-3000:]
 
 
 def test_a_workload_of_ones_own_is_served_batched_across_requests(caplog):

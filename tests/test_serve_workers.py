@@ -250,7 +250,7 @@ def test_a_stopped_engine_gets_answers_from_the_workers_in_time():
         assert httpx.get(url + "/readyz", timeout=10).status_code == 200
         assert httpx.post(url + "/v1/not-a-route", content=b"{}", timeout=10).status_code == 404
         text = httpx.get(url + "/metrics", timeout=10).text
-        assert re.search(r'fullthrottle_requests_total\{route="other",status="504"\} 1\.0', text), text[-3000:]
+        assert 'fullthrottle_requests_total{route="other",status="504"} 1.0' in text, text[-3000:]
     finally:
         code = stop(proc)
     assert code == 0, "".join(log)[-3000:]
@@ -354,7 +354,7 @@ def test_a_client_that_hangs_up_takes_its_queued_images_with_it_across_processes
         seen = (len(log_file.read_text()) - warm) // 2
         assert seen <= 60, seen  # of the 121 images: those in the pipeline when their clients left, and one
         text = httpx.get(url + "/metrics", timeout=10).text
-        assert re.search(r'fullthrottle_requests_total\{route="/v1/classify",status="499"\} 4\.0', text), text[-3000:]
+        assert 'fullthrottle_requests_total{route="/v1/classify",status="499"} 4.0' in text, text[-3000:]
     finally:
         code = stop(proc)
     assert code == 0, "".join(log)[-3000:]
