@@ -200,6 +200,22 @@ def test_async_iterator_results(samples):
     assert [r.class_ids for r in res] == [r.class_ids for r in sync]
 
 
+@pytest.mark.parametrize("preprocess", ["threads", "processes"])
+def test_drop_leaves_the_items_it_names_undecoded_and_the_others_as_they_were(samples, preprocess):
+    from fullthrottle.data.load import DROPPED
+
+    inputs = [p.read_bytes() for p in samples[:24]] + [str(p) for p in samples[24:36]]
+    with tiny_pipe(preprocess=preprocess) as pipe:
+        ref = pipe.classify(inputs)
+        got = list(pipe.run(inputs, drop=lambda i: i % 3 == 1))
+    assert [r.index for r in got] == list(range(36))
+    for r, want in zip(got, ref):
+        if r.index % 3 == 1:
+            assert r.error == DROPPED and not r.ok
+        else:
+            assert r.ok and r.class_ids == want.class_ids and r.probs == pytest.approx(want.probs, abs=1e-5)
+
+
 def test_backpressure_bounds_items_in_flight(samples):
     """With a slow consumer the loader never runs more than max_in_flight items ahead."""
     data = samples[0].read_bytes()

@@ -225,6 +225,29 @@ def test_a_client_that_hangs_up_takes_its_queued_images_with_it(samples):
         assert 'fullthrottle_requests_total{route="/v1/classify",status="499"} 4.0' in text, text[-3000:]
 
 
+def test_images_whose_client_left_take_no_place_in_the_queue(samples):
+    class Slower(Tiny):  # 0.3 s an image
+        def forward(self, x):
+            time.sleep(0.3 * x.shape[0])
+            return super().forward(x)
+
+    four = [("f", (f"{i}.jpg", samples[i].read_bytes(), "image/jpeg")) for i in range(4)]
+    with Server(Slower(), ServeOptions(max_queue=8), max_batch_size=1, max_in_flight=1) as s:
+
+        def abandon():
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(s.url + "/v1/classify", files=four, timeout=0.5)
+
+        ts = [threading.Thread(target=abandon) for _ in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        # about 6 of their 8 images still queued, for 2 s of the model's time: they do not count
+        r = httpx.post(s.url + "/v1/classify", files=four, timeout=30)
+        assert r.status_code == 200, r.text
+
+
 def test_deadline_504(samples):
     with Server(SlowTiny(), ServeOptions(timeout_s=0.05)) as s:
         r = post_image(s.url, samples[0].read_bytes())

@@ -25,6 +25,10 @@ from .sources import BadSource, expand
 LOAD_CHUNK = 32
 
 
+#: the error of an item the load stage's ``drop`` dropped
+DROPPED = "dropped: its caller no longer waits for it"
+
+
 @dataclass(slots=True)  # (no per-instance dict: made and read once per image, under the GIL)
 class Item:
     """One input on its way through the stages.
@@ -140,6 +144,8 @@ class Loader:
         defer_files: local files are not read here: each item carries its path (``is_path``) and the
             decoder process it goes to reads it (:func:`read_local`), so no file's bytes pass through
             this process. URLs are still fetched here.
+        drop: ``drop(index) -> bool``, asked in :meth:`take` for each item not failed yet: an item it
+            drops is not decoded, and ends with the error :data:`DROPPED` (a server's caller that left).
     """
 
     def __init__(
@@ -156,12 +162,13 @@ class Loader:
         n_end: int,
         end,
         defer_files: bool = False,
+        drop=None,
     ):
         self.inputs, self.out, self.put = inputs, out, put
         self.window, self.stop, self.stats = window, stop, stats
         self.concurrency, self.timeout_s, self.max_bytes = concurrency, timeout_s, max_bytes
         self.n_end, self.end = n_end, end
-        self.defer_files = defer_files
+        self.defer_files, self.drop = defer_files, drop
         self.error: BaseException | None = None
         #: what the inputs iterable raised: the stream ends there, every item before it is answered
         self.source_error: Exception | None = None
@@ -177,6 +184,10 @@ class Loader:
         with self._open_lock:
             if self._open is chunk:
                 self._open = None
+        if self.drop is not None:
+            for it in chunk:
+                if it.error is None and self.drop(it.index):
+                    it.error, it.data = DROPPED, None
         return chunk
 
     def _chunk_for(self, item: Item) -> list | None:

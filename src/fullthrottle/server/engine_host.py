@@ -70,13 +70,19 @@ class Link:
     def _read(self) -> None:
         try:
             while True:
-                msg = self.conn.recv_bytes()
-                for kind, req_id, payload in wire.frames(msg):
+                msgs = [self.conn.recv_bytes()]
+                while self.conn.poll(0):  # every message there already: a request cancelled among them never runs
+                    msgs.append(self.conn.recv_bytes())
+                frames = [f for m in msgs for f in wire.frames(m)]
+                dropped = {req_id for kind, req_id, _ in frames if kind == wire.CANCEL}
+                for kind, req_id, payload in frames:
+                    if kind in (wire.CLASSIFY, wire.HTTP) and req_id in dropped:
+                        continue  # (answered by the worker already: its deadline passed, or its client left)
                     if kind == wire.CLASSIFY:
                         self.host.classify(self, req_id, wire.unpack_images(payload))
                     elif kind == wire.HTTP:
                         head, body = wire.unpack_http(payload)
-                        # (its cancel event made here: a CANCEL read next finds it, even before it runs)
+                        # (its cancel event made here: a CANCEL read later finds it, even before it runs)
                         cancel = self.cancels[req_id] = asyncio.Event()
                         asyncio.run_coroutine_threadsafe(
                             self.host.bridge(self, req_id, head, body, cancel), self.host.loop

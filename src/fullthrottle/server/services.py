@@ -30,16 +30,18 @@ class BatchingService:
     """
 
     def __init__(self, pipeline: Pipeline, max_queue: int = 256):
-        self.pipeline = pipeline
-        self.q: queue.Queue = queue.Queue(max_queue)
+        self.pipeline, self.max_queue = pipeline, max_queue
+        self.q: queue.Queue = queue.Queue()  # (bounded by submit_cb: its cancelled images do not count)
         self._lock = threading.Lock()
         self._count = itertools.count()
         self._waiting: dict[int, object] = {}  # index -> its callback (a Result, or the pipeline's error)
-        self._cancelled: set[int] = set()  # indexes still in the queue whose callers left (not decoded)
+        self._cancelled: set[int] = set()  # indexes whose callers left, until their results come out
         self._taken = 0  # images the pipeline has taken from the queue (their indexes are below it)
+        self._cancelled_queued = 0  # of _cancelled, those still in the queue
         self._closing = threading.Event()
         self.error: BaseException | None = None
-        self._results = pipeline.run(self._source())
+        # (a cancelled image leaves the load stage undecoded: the pipeline drops it)
+        self._results = pipeline.run(self._source(), drop=self._cancelled.__contains__)
         self._thread = threading.Thread(target=self._dispatch, name="ft-dispatch", daemon=True)
         self._thread.start()
 
@@ -52,9 +54,7 @@ class BatchingService:
                     return
                 continue
             with self._lock:
-                if self._taken in self._cancelled:  # (its caller left: an item that fails at once, unread)
-                    self._cancelled.discard(self._taken)
-                    item = (item[0], None)
+                self._cancelled_queued -= self._taken in self._cancelled
                 self._taken += 1
             yield item
 
@@ -63,6 +63,7 @@ class BatchingService:
             for r in self._results:
                 with self._lock:
                     done = self._waiting.pop(r.index, None)
+                    self._cancelled.discard(r.index)
                 if done is not None:
                     done(r)
         except BaseException as e:  # noqa: BLE001 - the pipeline died: fail every waiter
@@ -98,26 +99,25 @@ class BatchingService:
                 "the service is shutting down" if self.error is None else f"the pipeline failed: {self.error}"
             )
         with self._lock:  # index order == queue order, as the loader enumerates the source
+            if self.q.qsize() - self._cancelled_queued >= self.max_queue:
+                raise Overloaded(f"queue full ({self.max_queue} images waiting)")
             idx = next(self._count)
-            try:
-                self.q.put_nowait((item_id, data))
-            except queue.Full:
-                self._count = itertools.count(idx)  # the index was not used
-                raise Overloaded(f"queue full ({self.q.maxsize} images waiting)") from None
+            self.q.put_nowait((item_id, data))
             self._waiting[idx] = done
         return idx
 
     def cancel(self, indexes) -> None:
-        """Forget the images of these indexes (their caller left): no callback for them, and those
-        still in the queue leave it undecoded. Images the pipeline has taken run on, unanswered."""
+        """Forget the images of these indexes (their caller left): no callback for them, no place in
+        the queue, and no decoding unless it has begun (those then run on, unanswered)."""
         with self._lock:
             for idx in indexes:
-                if self._waiting.pop(idx, None) is not None and idx >= self._taken:
+                if self._waiting.pop(idx, None) is not None:
                     self._cancelled.add(idx)
+                    self._cancelled_queued += idx >= self._taken
 
     def queued(self) -> int:
-        """Images waiting to enter the pipeline."""
-        return self.q.qsize()
+        """Images waiting to enter the pipeline (their callers still waiting)."""
+        return max(0, self.q.qsize() - self._cancelled_queued)
 
     def pending(self) -> int:
         """Images submitted and not yet answered."""

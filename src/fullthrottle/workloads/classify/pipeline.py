@@ -173,7 +173,7 @@ class Pipeline:
         if getattr(self, "engine", None) is not None:
             self.engine.slots.clear()
 
-    def _begin(self, inputs: Iterable) -> Run:
+    def _begin(self, inputs: Iterable, drop=None) -> Run:
         if isinstance(inputs, (str, bytes)) or hasattr(inputs, "__fspath__"):
             inputs = [inputs]
         if not isinstance(inputs, Iterable):  # (a clear error now, not a stage failure once running)
@@ -189,7 +189,7 @@ class Pipeline:
             raise RuntimeError(
                 "this Pipeline is already running a stream; finish it first (or build a second Pipeline)"
             )
-        run = Run(self.engine, self.config, inputs, self.decoders, self.gpu_decoders)
+        run = Run(self.engine, self.config, inputs, self.decoders, self.gpu_decoders, drop)
         run.batcher.on_batch = self.on_batch
         self.current_run = run
         run.start()
@@ -202,12 +202,16 @@ class Pipeline:
         finally:
             self._busy.release()
 
-    def run(self, inputs: Iterable) -> Iterator[Result]:
+    def run(self, inputs: Iterable, drop=None) -> Iterator[Result]:
         """Classify ``inputs`` and yield one :class:`~fullthrottle.workloads.classify.decode.Result` per item.
 
         ``inputs``: paths, directories, globs, URLs, ``bytes``, or ``(id, bytes)`` pairs (see
         :func:`fullthrottle.data.sources.expand`). Results come in input order unless ``ordered=False``.
         Breaking out of the loop (or Ctrl-C) stops every stage and joins its threads.
+        ``drop``: ``drop(index) -> bool``, asked for each item (its place in ``inputs``) as it leaves
+        the load stage, from the preprocess threads: an item it drops is not decoded, and its result
+        carries the error :data:`~fullthrottle.data.load.DROPPED` (a server drops the images of a
+        client that left).
 
         Raises:
             PipelineError: a stage failed for a reason that belongs to no single item, or the
@@ -215,7 +219,7 @@ class Pipeline:
             TypeError: ``inputs`` is not iterable (an async iterable included).
             RuntimeError: the Pipeline is closed, or running another stream.
         """
-        run = self._begin(inputs)
+        run = self._begin(inputs, drop)
         try:
             while not run.done:
                 got = run.get_many(0.1)

@@ -76,7 +76,7 @@ class Run:
 
     END = _END  #: the end-of-stream marker in the stages' queues
 
-    def __init__(self, engine: Engine, config: Config, inputs: Iterable, decoders=None, gpu_decoders=None):
+    def __init__(self, engine: Engine, config: Config, inputs: Iterable, decoders=None, gpu_decoders=None, drop=None):
         self.engine, self.config = engine, config
         self.decoders = decoders  # a DecoderPool (one worker process per preprocess thread) or None
         # GpuDecoderProcess workers (nvJPEG in processes, with decoder processes) or none
@@ -123,6 +123,7 @@ class Run:
             nthreads,
             _END,
             defer_files=defer,
+            drop=drop,
         )
         # with decoder processes one dispatcher thread feeds them all (cpu_feed): each image costs it a
         # few microseconds of Python, and more threads only mean more GIL hand-offs for compute to wait in
