@@ -248,6 +248,52 @@ def test_images_whose_client_left_take_no_place_in_the_queue(samples):
         assert r.status_code == 200, r.text
 
 
+def test_cancelled_images_leave_the_queue_count_and_are_bounded(samples):
+    """The queue's count leaves out images whose callers left, and the queue holds at most
+    CANCELLED_QUEUE_FACTOR x max_queue entries counting those (each cancelled one lets its bytes go)."""
+    from fullthrottle.core.errors import Overloaded
+    from fullthrottle.server.services import CANCELLED_QUEUE_FACTOR, BatchingService
+
+    class Stuck(Tiny):  # holds the pipeline until released: everything else stays queued
+        gate = threading.Event()
+
+        def forward(self, x):
+            Stuck.gate.wait(30)
+            return super().forward(x)
+
+    data = samples[0].read_bytes()
+    Stuck.gate.set()  # (the pipeline's start-up forward passes)
+    pipe = Pipeline(
+        Config(labels=LABELS, device="cpu", max_batch_size=1, max_in_flight=1, ordered=False), model=Stuck()
+    )
+    svc = BatchingService(pipe, max_queue=4)
+    Stuck.gate.clear()
+    try:
+        got = []
+        first = svc.submit_cb("a", data, got.append)  # taken by the pipeline, held in forward()
+        time.sleep(0.5)
+        idx = [svc.submit_cb(f"q{i}", data, got.append) for i in range(4)]
+        assert svc.queued() == 4
+        with pytest.raises(Overloaded):
+            svc.submit_cb("over", data, got.append)
+        svc.cancel(idx[:3])
+        assert svc.queued() == 1 and svc.pending() == 2
+        n = 0
+        with pytest.raises(Overloaded):  # submit and cancel, again and again: the bound holds
+            for n in range(1000):
+                svc.cancel([svc.submit_cb(f"c{n}", data, got.append)])
+        assert 4 + n <= CANCELLED_QUEUE_FACTOR * 4 and not got
+        Stuck.gate.set()
+        deadline = time.time() + 30
+        while len(got) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert sorted(r.id for r in got) == ["a", "q3"] and all(r.ok for r in got), got
+        assert first == 0
+    finally:
+        Stuck.gate.set()
+        svc.close()
+
+
 def test_deadline_504(samples):
     with Server(SlowTiny(), ServeOptions(timeout_s=0.05)) as s:
         r = post_image(s.url, samples[0].read_bytes())

@@ -19,6 +19,9 @@ from ..core.errors import Overloaded
 from ..workloads.classify.pipeline import Pipeline
 from ..workloads.classify.result import Result
 
+#: the queue may hold this many times ``max_queue`` images counting those whose callers left
+CANCELLED_QUEUE_FACTOR = 8
+
 
 class BatchingService:
     """One pipeline run fed by many concurrent callers; thread-safe, asyncio-friendly.
@@ -37,7 +40,8 @@ class BatchingService:
         self._waiting: dict[int, object] = {}  # index -> its callback (a Result, or the pipeline's error)
         self._cancelled: set[int] = set()  # indexes whose callers left, until their results come out
         self._taken = 0  # images the pipeline has taken from the queue (their indexes are below it)
-        self._cancelled_queued = 0  # of _cancelled, those still in the queue
+        self._queued: dict[int, list] = {}  # index -> its [id, bytes] entry, while in the queue
+        self._cancelled_queued = 0  # of _cancelled, those still in the queue (their bytes let go)
         self._closing = threading.Event()
         self.error: BaseException | None = None
         # (a cancelled image leaves the load stage undecoded: the pipeline drops it)
@@ -54,9 +58,10 @@ class BatchingService:
                     return
                 continue
             with self._lock:
+                self._queued.pop(self._taken, None)
                 self._cancelled_queued -= self._taken in self._cancelled
                 self._taken += 1
-            yield item
+            yield item[0], item[1]
 
     def _dispatch(self) -> None:
         try:
@@ -99,10 +104,13 @@ class BatchingService:
                 "the service is shutting down" if self.error is None else f"the pipeline failed: {self.error}"
             )
         with self._lock:  # index order == queue order, as the loader enumerates the source
-            if self.q.qsize() - self._cancelled_queued >= self.max_queue:
+            # (cancelled images hold no place, only a few bytes each, up to a bound of their own)
+            waiting = self.q.qsize() - self._cancelled_queued
+            if waiting >= self.max_queue or self.q.qsize() >= CANCELLED_QUEUE_FACTOR * self.max_queue:
                 raise Overloaded(f"queue full ({self.max_queue} images waiting)")
             idx = next(self._count)
-            self.q.put_nowait((item_id, data))
+            entry = self._queued[idx] = [item_id, data]
+            self.q.put_nowait(entry)
             self._waiting[idx] = done
         return idx
 
@@ -113,7 +121,10 @@ class BatchingService:
             for idx in indexes:
                 if self._waiting.pop(idx, None) is not None:
                     self._cancelled.add(idx)
-                    self._cancelled_queued += idx >= self._taken
+                    entry = self._queued.pop(idx, None)
+                    if entry is not None:  # still queued: its bytes go now (it leaves as an error item)
+                        entry[1] = None
+                        self._cancelled_queued += 1
 
     def queued(self) -> int:
         """Images waiting to enter the pipeline (their callers still waiting)."""
