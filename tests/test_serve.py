@@ -204,10 +204,12 @@ class CountingSlowTiny(SlowTiny):
         return super().forward(x)
 
 
-def test_a_client_that_hangs_up_takes_its_queued_images_with_it(samples):
+@pytest.mark.parametrize("preprocess", ["threads", "processes"])
+def test_a_client_that_hangs_up_takes_its_queued_images_with_it(samples, preprocess):
     files = [("f", (f"{i}.jpg", samples[i].read_bytes(), "image/jpeg")) for i in range(30)]
     CountingSlowTiny.seen = 0
-    with Server(CountingSlowTiny(), max_batch_size=2, max_in_flight=4) as s:
+    # (a window of 36 images: most of them decoded at once, then dropped before the model)
+    with Server(CountingSlowTiny(), max_batch_size=8, preprocess=preprocess) as s:
 
         def abandon():  # 30 images at 0.05 s each, and a client that waits 0.3 s
             with pytest.raises(httpx.ReadTimeout):
@@ -219,10 +221,13 @@ def test_a_client_that_hangs_up_takes_its_queued_images_with_it(samples):
         for t in ts:
             t.join(30)
         assert post_image(s.url, samples[0].read_bytes()).status_code == 200
-        # of the 121 images, those the pipeline had taken when their clients left, and the last one
+        # of the 121 images: the batches computing when their clients left, and the last one
         assert CountingSlowTiny.seen <= 20, CountingSlowTiny.seen
         text = httpx.get(s.url + "/metrics").text
         assert 'fullthrottle_requests_total{route="/v1/classify",status="499"} 4.0' in text, text[-3000:]
+        if preprocess == "processes":  # every crop-pool row back, those of the dropped crops too
+            crops = s.server.config.app.state.ft["services"][0].pipeline.decoders.crops
+            assert crops.free_rows() == crops.rows
 
 
 def test_images_whose_client_left_take_no_place_in_the_queue(samples):

@@ -10,7 +10,7 @@ import numpy as np
 
 from ...core.batch import Batch
 from ...core.gpumon import nvtx_range
-from ...data.load import Item
+from ...data.load import DROPPED, Item
 from ...data.preprocess import ImageError, preprocess
 from .result import Result
 
@@ -72,6 +72,10 @@ def compute_thread(run) -> None:
         if isinstance(obj, Item):  # an item that failed earlier: pass it on
             run._put(run.q4, obj)
             continue
+        if run.loader.drop is not None:
+            obj.items = _drop_decoded(run, obj.items)
+            if not obj.items:
+                continue
         st.waited(time.perf_counter() - obj.t_queued, len(obj))
         slot = eng.acquire(run.stop_event.is_set)
         if slot is None:
@@ -92,6 +96,23 @@ def compute_thread(run) -> None:
             it.array = it.data = it.gpu_crop = None
         st.end(len(obj))
         run._put(run.q4, (obj, slot, time.perf_counter()))
+
+
+def _drop_decoded(run, items: list) -> list:
+    """The items of a batch that the run's ``drop`` keeps; the others end here, decoded but not
+    computed, with the error :data:`~fullthrottle.data.load.DROPPED` (their crops let go)."""
+    keep = []
+    for it in items:
+        if not run.loader.drop(it.index):
+            keep.append(it)
+            continue
+        if it.pool_row >= 0:
+            run.engine.crops.release([it.pool_row])
+            it.pool_row = -1
+        it.array = it.data = it.gpu_crop = None
+        it.error = DROPPED
+        run._put(run.q4, it)
+    return keep
 
 
 def decode_thread(run) -> None:
