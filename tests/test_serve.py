@@ -204,12 +204,13 @@ class CountingSlowTiny(SlowTiny):
         return super().forward(x)
 
 
-@pytest.mark.parametrize("preprocess", ["threads", "processes"])
+@pytest.mark.parametrize("preprocess", ["threads", "processes", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_a_client_that_hangs_up_takes_its_queued_images_with_it(samples, preprocess):
     files = [("f", (f"{i}.jpg", samples[i].read_bytes(), "image/jpeg")) for i in range(30)]
     CountingSlowTiny.seen = 0
     # (a window of 36 images: most of them decoded at once, then dropped before the model)
-    with Server(CountingSlowTiny(), max_batch_size=8, preprocess=preprocess) as s:
+    where = {"device": "cuda", "gpu_decode": True} if preprocess == "gpu" else {"preprocess": preprocess}
+    with Server(CountingSlowTiny(), max_batch_size=8, **where) as s:
 
         def abandon():  # 30 images at 0.05 s each, and a client that waits 0.3 s
             with pytest.raises(httpx.ReadTimeout):
