@@ -57,6 +57,20 @@ def post_image(url, data, timeout=30):
     return httpx.post(url + "/v1/classify", content=data, headers={"content-type": "image/jpeg"}, timeout=timeout)
 
 
+def abandon(n: int, url: str, timeout: float, **post) -> None:
+    """``n`` clients at once each POST to ``url`` and hang up after ``timeout`` s, unanswered."""
+
+    def one():
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, timeout=timeout, **post)
+
+    ts = [threading.Thread(target=one) for _ in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+
+
 def test_concurrent_clients_get_library_results_and_share_batches(samples):
     ref = {
         r.id: r
@@ -211,16 +225,7 @@ def test_a_client_that_hangs_up_takes_its_queued_images_with_it(samples, preproc
     # (a window of 36 images: most of them decoded at once, then dropped before the model)
     where = {"device": "cuda", "gpu_decode": True} if preprocess == "gpu" else {"preprocess": preprocess}
     with Server(CountingSlowTiny(), max_batch_size=8, **where) as s:
-
-        def abandon():  # 30 images at 0.05 s each, and a client that waits 0.3 s
-            with pytest.raises(httpx.ReadTimeout):
-                httpx.post(s.url + "/v1/classify", files=files, timeout=0.3)
-
-        ts = [threading.Thread(target=abandon) for _ in range(4)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(30)
+        abandon(4, s.url + "/v1/classify", 0.3, files=files)  # 30 images at 0.05 s each, a client that waits 0.3 s
         assert post_image(s.url, samples[0].read_bytes()).status_code == 200
         # of the 121 images: the batches computing when their clients left, and the last one
         assert CountingSlowTiny.seen <= 20, CountingSlowTiny.seen
@@ -239,16 +244,7 @@ def test_images_whose_client_left_take_no_place_in_the_queue(samples):
 
     four = [("f", (f"{i}.jpg", samples[i].read_bytes(), "image/jpeg")) for i in range(4)]
     with Server(Slower(), ServeOptions(max_queue=8), max_batch_size=1, max_in_flight=1) as s:
-
-        def abandon():
-            with pytest.raises(httpx.ReadTimeout):
-                httpx.post(s.url + "/v1/classify", files=four, timeout=0.5)
-
-        ts = [threading.Thread(target=abandon) for _ in range(2)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(30)
+        abandon(2, s.url + "/v1/classify", 0.5, files=four)
         # about 6 of their 8 images still queued, for 2 s of the model's time: they do not count
         r = httpx.post(s.url + "/v1/classify", files=four, timeout=30)
         assert r.status_code == 200, r.text
@@ -507,13 +503,7 @@ def test_a_workload_client_that_hangs_up_leaves_the_queue_unpredicted():
 
     w = Slow()
     with Server(Tiny(), ServeOptions(workloads=(w,))) as s:
-
-        def abandon(k):
-            with pytest.raises(httpx.ReadTimeout):
-                httpx.post(s.url + "/v1/sum", json={"inputs": [[k, 0, 0, 0]]}, timeout=0.3)
-
-        with cf.ThreadPoolExecutor(8) as ex:
-            list(ex.map(abandon, range(8)))
+        abandon(8, s.url + "/v1/sum", 0.3, json={"inputs": [[7, 0, 0, 0]]})
         r = httpx.post(s.url + "/v1/sum", json={"inputs": [[1, 2, 3, 4]]}, timeout=30)
         assert r.json()["results"] == [{"output": 10.0}]
         assert len(w.calls) <= 4, w.calls  # those running when their clients left, and this one

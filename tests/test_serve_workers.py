@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 from procs import alive, children
+from test_serve import abandon
 
 import fullthrottle
 
@@ -341,16 +342,7 @@ def test_a_client_that_hangs_up_takes_its_queued_images_with_it_across_processes
     proc, url, log = start("--http-workers", "2", "--model", "slowmod:Slow", "--max-batch-size", "2", "--threads", "1")
     try:
         warm = len(log_file.read_text())  # (the images of the model's warm-up)
-
-        def abandon():
-            with pytest.raises(httpx.ReadTimeout):
-                httpx.post(url + "/v1/classify", files=files, timeout=1.0)
-
-        ts = [threading.Thread(target=abandon) for _ in range(4)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(30)
+        abandon(4, url + "/v1/classify", 1.0, files=files)
         r = httpx.post(url + "/v1/classify", content=samples[0].read_bytes(), timeout=60)
         assert r.status_code == 200, r.text
         seen = (len(log_file.read_text()) - warm) // 2
