@@ -372,8 +372,8 @@ cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidde
                   num_attention_heads=4, num_key_value_heads=2, eos_token_id=None, max_position_embeddings=256)
 model = Llama(cfg).eval()  # head dim 16: the Triton kernels' smallest
 rng = random.Random(6)
-reqs = [{"prompt": [rng.randrange(97) for _ in range(rng.choice([3, 20, 70]))],
-         "max_new_tokens": rng.randint(2, 8)} for _ in range(6)]
+reqs = [{"prompt": [rng.randrange(97) for _ in range(n)], "max_new_tokens": rng.randint(2, 6)}
+        for n in (3, 52, 20, 3, 12)]  # (52 > 48: a prompt prefilled in two chunks; 5 > 4 rows: one waits)
 os.environ["FULLTHROTTLE_TRITON"] = "0"  # the references
 refs = [Generator(model, max_batch=1, max_seq_len=128, graphs=False).generate([r["prompt"]], r["max_new_tokens"])[0]
         for r in reqs]
