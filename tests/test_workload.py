@@ -194,3 +194,55 @@ def _nest(depth: int):
     for _ in range(depth):
         x = [x]
     return x
+
+
+def test_the_server_runs_a_large_request_in_calls_of_its_budget_and_drops_it_once_its_caller_left():
+    """A request of more items than the budget holds runs in calls of the budget's size; a request
+    answered as soon as its last call is done; the calls of one whose caller left are not made, so a
+    request that comes after it is answered after the call in progress only."""
+    import asyncio
+    import time
+
+    from toy_workload import Summer
+
+    from fullthrottle.server.workload_routes import WorkloadService
+
+    class Slow(Summer):
+        name = "slow"
+        max_batch = 64
+        max_batch_cost = 12  # tokens per call
+        max_items_per_request = 64
+        max_wait_ms = 20.0
+
+        def cost(self, item):
+            return 3  # 4 items per call
+
+        def predict(self, items):
+            time.sleep(0.05)
+            return super().predict(items)
+
+    w = Slow()
+    w.setup("cpu")
+    svc = WorkloadService(w)
+
+    async def main():
+        small = svc.submit([[1, 1, 1, 1]] * 2)
+        got = await asyncio.wait_for(small, 5)
+        assert got == [4.0, 4.0] and w.calls == [2]
+        both = [svc.submit([[1, 0, 0, 0]] * 10), svc.submit([[0, 0, 0, 2]])]
+        assert await asyncio.wait_for(both[0], 5) == [1.0] * 10 and await both[1] == [2.0]
+        assert w.calls[1:] == [4, 4, 2, 1]  # (calls of at most 12 tokens; the second request, over the
+        # budget beside the first, in a batch of its own)
+        del w.calls[:]
+        big = svc.submit([[1, 1, 1, 1]] * 64)  # 16 calls of 0.05 s
+        await asyncio.sleep(0.12)
+        big.cancel()  # its caller left (a deadline, a client that hung up)
+        t0 = time.perf_counter()
+        assert await asyncio.wait_for(svc.submit([[2, 2, 2, 2]]), 5) == [8.0]
+        waited = time.perf_counter() - t0
+        assert len(w.calls) <= 5 and w.calls[-1] == 1 and waited < 0.4, (w.calls, waited)
+
+    try:
+        asyncio.run(main())
+    finally:
+        svc.close()

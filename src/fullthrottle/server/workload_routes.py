@@ -62,6 +62,9 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     fut: asyncio.Future
     error: BaseException | None = None  # cost() failed for it
+    costs: list | None = None  # each item's cost() (None: 1 each)
+    outs: list | None = None  # its outputs so far
+    left: int = 0  # its items not yet predicted
 
 
 class WorkloadService:
@@ -104,26 +107,70 @@ class WorkloadService:
         return fut
 
     def _cost(self, r: _Request) -> int:
-        """The request's cost in the batch budget; 0 with its error kept when ``cost()`` failed."""
+        """The request's cost in the batch budget (each item's kept on it); 0 with its error kept when
+        ``cost()`` failed."""
         if not self.workload.max_batch_cost or r.fut.done():
             return 0
         try:
-            return sum(cost_of(self.workload, x) for x in r.items)
+            r.costs = [cost_of(self.workload, x) for x in r.items]
         except ContractError as e:  # the workload's bug costs this request, not the service
             r.error = e
             return 0
+        return sum(r.costs)
 
-    def _predict(self, items: list) -> list:
-        """``predict`` on ``items``, in calls of at most ``max_batch`` (one request may hold more)."""
-        w, outs = self.workload, []
-        for i in range(0, len(items), w.max_batch):
-            part = items[i : i + w.max_batch]
-            outs += outputs_of(w, part)
-            self.batches += 1
-        return outs
+    def _calls(self, reqs: list) -> list:
+        """The batch's items as ``predict`` calls, in order: lists of (request, item index), each of
+        at most ``max_batch`` items and ``max_batch_cost`` (an item over the budget alone: a call of
+        its own), so that one large request runs in calls of the size the budget allows."""
+        w, calls, call, cost = self.workload, [], [], 0
+        for r in reqs:
+            for i in range(len(r.items)):
+                c = r.costs[i] if r.costs is not None else 1
+                if call and (len(call) == w.max_batch or (w.max_batch_cost and cost + c > w.max_batch_cost)):
+                    calls.append(call)
+                    call, cost = [], 0
+                call.append((r, i))
+                cost += c
+        return calls + [call] if call else calls
+
+    def _run(self, reqs: list) -> None:
+        """Predict every item of ``reqs`` in :meth:`_calls`; a request is answered as soon as its last
+        item is done, and the items of a request whose caller left (its deadline passed, its client
+        hung up) are not predicted. A call that raises fails the requests with items in it."""
+        st = self.stats["predict"]
+        for r in reqs:
+            r.outs, r.left = [None] * len(r.items), len(r.items)
+        for call in self._calls(reqs):
+            call = [(r, i) for r, i in call if not r.fut.done()]
+            if not call:
+                continue
+            st.begin()
+            try:
+                outs = outputs_of(self.workload, [r.items[i] for r, i in call])
+                self.batches += 1
+            except BaseException as e:  # noqa: BLE001 - every request of the call is answered, and the
+                # service lives on (a SystemExit or KeyboardInterrupt raised in predict() included)
+                err = RuntimeError(f"predict() failed: {type(e).__name__}: {e}")
+                log.error(
+                    "workload %s: predict() failed on a batch of %d:\n%s",
+                    self.workload.name,
+                    len(call),
+                    user_traceback(e),
+                )
+                for r in {id(r): r for r, _ in call}.values():
+                    r.left = -1  # (answered: its other items are not predicted)
+                    r.loop.call_soon_threadsafe(_set, r.fut, None, err)
+                continue
+            finally:
+                st.end(len(call))
+            for (r, i), o in zip(call, outs):
+                if r.left > 0:
+                    r.outs[i] = o
+                    r.left -= 1
+                    if r.left == 0:
+                        r.loop.call_soon_threadsafe(_set, r.fut, r.outs, None)
 
     def _loop(self) -> None:
-        st = self.stats["predict"]
         while not self._stop.is_set():
             reqs = []
             for r in self.batcher.next():
@@ -131,32 +178,10 @@ class WorkloadService:
                     r.loop.call_soon_threadsafe(_set, r.fut, None, r.error)
                 elif not r.fut.done():  # (skip callers that gave up)
                     reqs.append(r)
-            if not reqs:
-                continue
-            items = [x for r in reqs for x in r.items]
-            if self.on_batch is not None:
-                self.on_batch(len(items))
-            st.begin()
-            try:
-                outs = self._predict(items)
-            except BaseException as e:  # noqa: BLE001 - every request of the batch is answered, and the
-                # service lives on (a SystemExit or KeyboardInterrupt raised in predict() included)
-                err = RuntimeError(f"predict() failed: {type(e).__name__}: {e}")
-                log.error(
-                    "workload %s: predict() failed on a batch of %d:\n%s",
-                    self.workload.name,
-                    len(items),
-                    user_traceback(e),
-                )
-                for r in reqs:
-                    r.loop.call_soon_threadsafe(_set, r.fut, None, err)
-                continue
-            finally:
-                st.end(len(items))
-            k = 0
-            for r in reqs:
-                r.loop.call_soon_threadsafe(_set, r.fut, outs[k : k + len(r.items)], None)
-                k += len(r.items)
+            if reqs:
+                if self.on_batch is not None:
+                    self.on_batch(sum(len(r.items) for r in reqs))
+                self._run(reqs)
 
     @property
     def alive(self) -> bool:
