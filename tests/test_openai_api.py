@@ -59,6 +59,7 @@ def llm(make_tiny_llama, tiny_text, request):
     with pytest.raises(RuntimeError, match="took its KV cache"):
         ref.generate([ids], 4)
     with Server(Tiny(), ServeOptions(llm=(gen, tiny_text), llm_name="tiny")) as s:
+        s.gen = gen
         yield s, alone, tiny_text
 
 
@@ -338,3 +339,66 @@ def test_a_request_larger_than_the_kv_pages_is_refused_with_400(make_tiny_llama,
         m = httpx.get(s.url + "/metrics").text
         assert 'fullthrottle_kv_pages{state="total"} 1.0' in m and 'fullthrottle_kv_pages{state="used"} 0.0' in m
         assert "fullthrottle_llm_preemptions 0.0" in m
+
+
+def test_stop_token_ids_several_eos_ids_and_the_chat_replys_default_length(llm):
+    """A request ends at any of its stop token ids: the model's end-of-sequence ids (a list in
+    config.json, as Llama 3's), unless ``ignore_eos``, and its own ``stop_token_ids`` (vLLM's);
+    a chat reply without max_tokens may take the rest of the context; vLLM's sampling options this
+    server does not apply are refused."""
+    from fullthrottle.workloads.llm.api import completion_request
+
+    s, ref, text = llm
+    c = client(s)
+    prompt = "the quick brown fox"
+    toks = ref(text.encode(prompt), 20)
+    k = next(i for i in range(3, 20) if toks[i] not in toks[:i])  # a token made first at step k
+    r = c.completions.create(
+        model="tiny", prompt=prompt, max_tokens=20, temperature=0, extra_body={"stop_token_ids": [toks[k]]}
+    )
+    assert r.choices[0].token_ids == toks[: k + 1] and r.choices[0].finish_reason == "stop"
+    streamed = list(
+        c.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            extra_body={"stop_token_ids": [toks[k]]},
+        )
+    )
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    assert "".join(ch.choices[0].text for ch in streamed) == text.decode(toks[: k + 1])
+    for bad, msg in (
+        ({"stop_token_ids": [10**9]}, "stop_token_ids must be token ids below"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+        ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
+        ({"repetition_penalty": 1.3}, "repetition_penalty is not supported"),
+        ({"min_tokens": 4}, "min_tokens is not supported"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=msg):
+            c.completions.create(model="tiny", prompt=prompt, max_tokens=4, extra_body=bad)
+
+    gen = s.gen
+    cfg = gen.model.cfg
+    saved = cfg.eos_token_id
+    try:
+        cfg.eos_token_id = [1, 7]  # (what the route reads for each request)
+        req = completion_request({"prompt": [3, 4], "stop_token_ids": [9, 7]}, gen, None)
+        assert req["stop_ids"] == (1, 7, 9)
+        assert completion_request({"prompt": [3, 4], "ignore_eos": True}, gen, None)["stop_ids"] == ()
+        cfg.eos_token_id = [toks[k + 2], toks[k]]  # several end-of-sequence ids: the first made ends it
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+        assert r.choices[0].token_ids == toks[: k + 1] and r.choices[0].finish_reason == "stop"
+        r = c.completions.create(
+            model="tiny", prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert r.choices[0].token_ids == toks and r.choices[0].finish_reason == "length"
+    finally:
+        cfg.eos_token_id = saved
+
+    msgs = [{"role": "user", "content": "tell me a long story"}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, temperature=0)
+    n_prompt = r.usage.prompt_tokens
+    assert r.usage.completion_tokens == 128 - n_prompt or r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens > 16

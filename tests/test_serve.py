@@ -462,7 +462,7 @@ def test_completion_stops_generating_when_its_client_goes_away(make_tiny_llama):
     svc = CompletionService(gen)
 
     async def cancel_after_first_chunk():
-        req = {"ids": [1, 2, 3], "max_tokens": 2900, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "eos": None}
+        req = {"ids": [1, 2, 3], "max_tokens": 2900, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "stop_ids": ()}
         out = svc.submit(req)
         assert len(await out.get()) >= 1
         req["cancelled"] = True

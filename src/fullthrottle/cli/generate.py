@@ -129,8 +129,7 @@ def cmd_generate(args) -> int:
         else:
             model = random_llama(args.random, device, dtype)
             print("WARNING: random weights: the tokens are meaningless", file=sys.stderr)
-        eos = model.cfg.eos_token_id
-        eos = eos[0] if isinstance(eos, list) else eos
+        eos = model.cfg.eos_token_id  # (one token id, or several: any ends a prompt)
         if args.prompts is not None:
             if args.tokens is not None or args.prompt is not None:
                 raise ValueError("give --prompts FILE, or one --prompt / --tokens, not both")

@@ -90,8 +90,12 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
         raise ValueError(f"cannot write --out {args.out}: {e.strerror or e}") from None
     gen = Generator(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len or need, graphs=args.graphs)
     sched = Scheduler(gen, eos_id=eos, ahead=gen.check_every)  # (offline: up to check_every steps a read)
+
+    def ends(c: dict) -> dict:  # a request's own stop ids (the model's eos and its stop_token_ids); none: random
+        return {"stop_ids": c["stop_ids"]} if eos is not None else {}
+
     recs = [
-        (c, sched.submit(c["ids"], c["max_tokens"], c["temperature"], c["top_k"], c["top_p"], c["seed"]))
+        (c, sched.submit(c["ids"], c["max_tokens"], c["temperature"], c["top_k"], c["top_p"], c["seed"], **ends(c)))
         if isinstance(c, dict)
         else (None, c)
         for c in parsed
@@ -109,7 +113,7 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
             if c is None:
                 out.write(json.dumps({"index": written, "error": s}) + "\n")
             else:
-                toks, text, reason = s.tokens, None, "stop" if eos is not None and s.tokens[-1:] == [eos] else "length"
+                toks, text, reason = s.tokens, None, "stop" if s.tokens[-1:] and s.tokens[-1] in s.stop else "length"
                 if tok is not None:
                     ts = TextStream(tok, c["stop"])
                     text = ts.push(toks) + ts.flush()

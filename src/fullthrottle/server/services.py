@@ -170,7 +170,7 @@ class CompletionService:
         self._thread.start()
 
     def submit(self, req: dict) -> asyncio.Queue:
-        """Queue ``req`` (ids, max_tokens, temperature, top_k, top_p, eos, seed, logprobs); returns the
+        """Queue ``req`` (ids, max_tokens, temperature, top_k, top_p, stop_ids, seed, logprobs); returns the
         queue that receives :class:`TokenChunk` lists of new token ids, then None at the end (or an
         Exception). Setting
         ``req["cancelled"] = True`` (the client disconnected) frees its row at the next step.
@@ -198,7 +198,7 @@ class CompletionService:
                 idle = False
                 try:
                     if sched is None:
-                        sched = Scheduler(self.gen, eos_id=req["eos"])
+                        sched = Scheduler(self.gen)  # (each request ends at its own stop_ids)
                     rec = sched.submit(
                         req["ids"],
                         req["max_tokens"],
@@ -207,6 +207,7 @@ class CompletionService:
                         req["top_p"],
                         req.get("seed"),
                         req.get("logprobs"),
+                        req.get("stop_ids", ()),
                     )
                 except ValueError as e:  # (the route checks first: a caller of submit's own, or a bad eos id)
                     loop.call_soon_threadsafe(out.put_nowait, e)

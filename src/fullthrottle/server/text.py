@@ -111,8 +111,8 @@ class _Reply:
         return self.text is not None and self.text.stopped
 
     def finish_reason(self) -> str:
-        eos = self.req["eos"]
-        return "stop" if self.stopped or (eos is not None and self.tokens and self.tokens[-1] == eos) else "length"
+        ends = self.req.get("stop_ids", ())
+        return "stop" if self.stopped or (self.tokens and self.tokens[-1] in ends) else "length"
 
     def usage(self) -> dict:
         n, k = len(self.req["ids"]), len(self.tokens)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...core import env
 from ...core.config import LlmSettings
 from ...core.workload import Workload
-from .checks import check_prompt
+from .checks import check_prompt, stop_ids
 from .text import MAX_STOPS, LlmText, TextStream
 
 #: OpenAI options this server does not implement: a request setting one to anything but its
@@ -26,6 +26,8 @@ UNSUPPORTED = {
     "tools": None,
     "tool_choice": None,
     "response_format": None,
+    "repetition_penalty": 1.0,  # (vLLM's sampling extensions)
+    "min_tokens": 0,
 }
 #: characters of text per token of context a text prompt may have before it is refused untokenized
 #: (tokenizing a huge text only to refuse it would hold the server up)
@@ -63,8 +65,10 @@ def _text_ids(tok, text: str, gen, special: bool) -> list[int]:
 
 def completion_request(p: dict, gen, tok) -> dict:
     """A completions body checked against the generator ``gen`` and :class:`~.text.LlmText` ``tok``
-    (or None): ``{"ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "eos", "stop",
-    "include_usage", "logprobs"}`` (``logprobs``: None, or how many top tokens to report).
+    (or None): ``{"ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids", "stop",
+    "include_usage", "logprobs"}`` (``logprobs``: None, or how many top tokens to report;
+    ``stop_ids``: the token ids that end it: the model's end-of-sequence ids, unless ``ignore_eos``,
+    and the body's ``stop_token_ids``, as vLLM reads them).
 
     Raises:
         ValueError: the reason, as the client should read it (the server: 400).
@@ -91,7 +95,8 @@ def completion_request(p: dict, gen, tok) -> dict:
 
 def chat_request(p: dict, gen, tok) -> dict:
     """A chat completions body (``messages``): the prompt is the model's chat template applied to
-    them (:meth:`~.text.LlmText.chat_prompt`); otherwise as :func:`completion_request`.
+    them (:meth:`~.text.LlmText.chat_prompt`), and the reply may take the rest of the context unless
+    ``max_completion_tokens`` (or ``max_tokens``) says less; otherwise as :func:`completion_request`.
 
     Raises:
         ValueError: the reason (no tokenizer or chat template, malformed messages, limits).
@@ -108,7 +113,10 @@ def chat_request(p: dict, gen, tok) -> dict:
     top = _integer(p, "top_logprobs", 0)
     if top and not on:
         raise ValueError("top_logprobs needs logprobs: true")
-    return _request(p, gen, ids, _integer(p, key, 16), top if on else None, key)
+    room = gen.max_seq_len if gen.kv is None else min(gen.max_seq_len, gen.kv.num_pages * gen.kv.page)
+    if len(ids) >= room:
+        raise ValueError(f"the prompt ({len(ids)} tokens) leaves no room for a reply in the context of {room}")
+    return _request(p, gen, ids, _integer(p, key, room - len(ids)), top if on else None, key)
 
 
 def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None = None, key="max_tokens") -> dict:
@@ -146,7 +154,14 @@ def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None
         raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
     temperature, top_p, top_k = _number(p, "temperature", 1.0), _number(p, "top_p", 1.0), _integer(p, "top_k", 0)
     gen.check_sampling(temperature, top_k, top_p)
-    eos = gen.model.cfg.eos_token_id
+    ignore_eos = _get(p, "ignore_eos", False)
+    extra = _get(p, "stop_token_ids", [])
+    if not isinstance(ignore_eos, bool):
+        raise ValueError("ignore_eos must be true or false")
+    if not isinstance(extra, list):
+        raise ValueError("stop_token_ids must be a list of token ids")
+    eos = () if ignore_eos else stop_ids(gen.model.cfg.eos_token_id, vocab, "the model's eos_token_id")
+    ends = stop_ids([*eos, *extra], vocab, "stop_token_ids")
     return {
         "ids": ids,
         "max_tokens": max_tokens,
@@ -154,7 +169,7 @@ def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None
         "top_p": top_p,
         "top_k": top_k,
         "seed": seed,
-        "eos": eos[0] if isinstance(eos, list) else eos,
+        "stop_ids": ends,
         "stop": stop,
         "include_usage": _get(opts, "include_usage", False),
         "logprobs": logprobs,
@@ -218,12 +233,20 @@ class Completions(Workload):
         from ...core.workload import ItemError
         from .scheduler import Scheduler
 
-        sched = Scheduler(self.gen, eos_id=items[0]["eos"])  # (one model: one end-of-sequence id)
+        sched = Scheduler(self.gen)  # (each request ends at its own stop_ids)
         recs: list = []
         for r in items:
             try:
                 recs.append(
-                    sched.submit(r["ids"], r["max_tokens"], r["temperature"], r["top_k"], r["top_p"], r["seed"])
+                    sched.submit(
+                        r["ids"],
+                        r["max_tokens"],
+                        r["temperature"],
+                        r["top_k"],
+                        r["top_p"],
+                        r["seed"],
+                        stop_ids=r["stop_ids"],
+                    )
                 )
             except ValueError as e:  # (completion_request checks first: a caller of predict's own)
                 recs.append(ItemError(str(e)))
@@ -235,7 +258,7 @@ class Completions(Workload):
                 out.append(rec)
                 continue
             t = rec.tokens
-            reason = "stop" if r["eos"] is not None and t and t[-1] == r["eos"] else "length"
+            reason = "stop" if t and t[-1] in r["stop_ids"] else "length"
             out.append({"prompt_tokens": len(r["ids"]), "token_ids": t, "finish_reason": reason, "stop": r["stop"]})
         return out
 

@@ -22,6 +22,24 @@ def check_prompt(prompt, vocab_size: int, what: str = "prompt") -> None:
             raise ValueError(f"{what}: token ids must be integers in [0, {vocab_size}), got {t!r}")
 
 
+#: token ids that may end one request (the model's end-of-sequence ids and the request's own)
+MAX_STOP_IDS = 16
+
+
+def stop_ids(ids, vocab_size: int, what: str = "stop token ids") -> tuple[int, ...]:
+    """``ids`` (None, one token id, or a sequence of them, as ``eos_token_id`` in a Hugging Face
+    config.json) as a tuple without repeats, in order. ValueError unless each is a token id of the
+    vocabulary and there are at most :data:`MAX_STOP_IDS`."""
+    ids = () if ids is None else tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise ValueError(f"{what} must be token ids below {vocab_size}, got {t!r}")
+    ids = tuple(dict.fromkeys(ids))
+    if len(ids) > MAX_STOP_IDS:
+        raise ValueError(f"{what}: at most {MAX_STOP_IDS}, got {len(ids)}")
+    return ids
+
+
 def check_request(gen, prompt, max_new_tokens, what: str = "prompt") -> None:
     """ValueError unless ``prompt`` (:func:`check_prompt`) and ``max_new_tokens`` (an integer >= 1)
     fit the Generator ``gen``: its KV cache's length and, paged, all its KV pages (``what``: the

@@ -22,7 +22,7 @@ import torch
 from ...core import kernels
 from ...core.config import LlmSettings, Runtime, default_buckets
 from ...core.report import StageStats
-from .checks import check_int, check_kv_memory, check_request
+from .checks import MAX_STOP_IDS, check_int, check_kv_memory, check_request
 from .kv_pages import PAGE, PagedKV
 from .llama import Llama
 from .prefill import Piece, Prefill
@@ -155,7 +155,8 @@ class Generator:
         self.topk = torch.zeros(B, 1, dtype=torch.long, device=dev)
         self.topp = torch.ones(B, 1, device=dev)
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
-        self.eos = torch.full((1,), -1, dtype=torch.long, device=dev)
+        #: per row, the token ids that end it (-1: none); a finished row repeats the first
+        self.eos = torch.full((B, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)
         self.seed = torch.zeros(B, 1, dtype=torch.int32, device=dev)  # each row's sampling seed (seed32)
         self.vocab_mix = torch.arange(V, dtype=torch.int32, device=dev) * GOLDEN  # (see seeded_noise)
         self.logprobs = logprobs
@@ -191,8 +192,8 @@ class Generator:
             nxt = sample(logits, self.temp[:b], self.topk[:b], self.topp[:b], noise)
         if self.logprobs:
             self._keep_logprobs(slice(0, b), logits, nxt)
-        nxt = torch.where(self.done[:b], self.eos.clamp_min(0).expand(b), nxt)  # finished rows repeat EOS
-        self.done[:b] |= nxt == self.eos
+        nxt = torch.where(self.done[:b], self.eos[:b, 0].clamp_min(0), nxt)  # finished rows repeat EOS
+        self.done[:b] |= (nxt[:, None] == self.eos[:b]).any(-1)
         self.tok[:b, 0] = nxt
         self.pos[:b] += 1
         return nxt
@@ -268,11 +269,12 @@ class Generator:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | Sequence[int | None] | None = None,
-        eos_id: int | None = None,
+        eos_id: int | Sequence[int] | None = None,
         stats: GenerateStats | None = None,
         on_tokens=None,
     ) -> list[list[int]]:
-        """Token ids in, new token ids out (one list per prompt, stopped after EOS, which is kept), through
+        """Token ids in, new token ids out (one list per prompt, stopped after EOS, which is kept; ``eos_id``:
+        one token id or several, any of which ends a prompt), through
         the :class:`~fullthrottle.workloads.llm.scheduler.Scheduler` (the server's engine) with up to
         ``check_every`` decode steps per read back: more prompts than ``max_batch`` (or, paged, than
         the KV pages hold at once) join as rows free up.

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ...core.batch import OpenBatch, bucket_for
-from .checks import check_int, check_request
+from .checks import MAX_STOP_IDS, check_int, check_request
+from .checks import stop_ids as check_stop_ids
 
 
 @dataclass(eq=False)  # (compared and hashed by identity: a request is its own key)
@@ -50,6 +51,7 @@ class Request:
     top_p: float = 1.0
     seed: int = 0  # its sampling seed (seed32)
     logprobs: int | None = None  # None: none; k: each token's log-probability and the top k
+    stop: tuple[int, ...] = ()  # the token ids that end it (kept as its last token)
     #: with ``logprobs``: per token, (its log-probability, the top k ids, their log-probabilities)
     lps: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
@@ -72,7 +74,8 @@ class Scheduler:
     Args:
         gen: the Generator whose cache rows, graphs and sampler the steps use (``gen.max_batch``
             requests run at once; more wait for a free row).
-        eos_id: the token that ends a request (kept as its last token), or None.
+        eos_id: the token that ends a request (kept as its last token), several (any one ends it), or
+            None: what a request ends at unless it names its own (:meth:`submit`'s ``stop_ids``).
         ahead: decode steps a :meth:`step` may run before reading the tokens back, when no request waits
             for admission, none is mid-prefill and none asks for logprobs (each request still stops at
             its own end: rows past their EOS are masked). 1: a read back per token, for the least
@@ -82,19 +85,17 @@ class Scheduler:
     (as do ``gen.generate`` calls' steps after it: one engine, one step loop at a time).
 
     Raises:
-        ValueError: ``eos_id`` not None or a token id of the vocabulary, ``ahead`` not an integer >= 1.
+        ValueError: ``eos_id`` not None or token ids of the vocabulary (at most
+            :data:`~fullthrottle.workloads.llm.checks.MAX_STOP_IDS`), ``ahead`` not an integer >= 1.
         ValueError (:meth:`submit`): an empty prompt, token ids outside the vocabulary, max_new_tokens
             not an integer >= 1, or prompt + max_new_tokens over the cache length (or, paged, over all
             the KV pages there are).
     """
 
-    def __init__(self, gen, eos_id: int | None = None, ahead: int = 1):
+    def __init__(self, gen, eos_id: int | Sequence[int] | None = None, ahead: int = 1):
         check_int("ahead", ahead, 1)
-        if eos_id is not None:
-            check_int("eos_id", eos_id, 0)
-            if eos_id >= gen.model.cfg.vocab_size:
-                raise ValueError(f"eos_id must be a token id below {gen.model.cfg.vocab_size}, got {eos_id}")
-        self.gen, self.eos_id, self.ahead = gen, eos_id, ahead
+        self.eos_ids = check_stop_ids(eos_id, gen.model.cfg.vocab_size, "eos_id")
+        self.gen, self.ahead = gen, ahead
         gen.scheduler = self  # (the engine's state is this one's: an older Scheduler's steps now raise)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # row -> request
@@ -105,7 +106,7 @@ class Scheduler:
         self._admissions = 0
         if gen.kv is not None:  # (pages a previous owner left held, if it failed mid-step)
             gen.kv.reset()
-        gen.eos.fill_(-1 if eos_id is None else eos_id)
+        gen.eos.fill_(-1)
         gen.done.fill_(True)  # rows not running
         gen.pos.zero_()
 
@@ -123,11 +124,13 @@ class Scheduler:
         top_p: float = 1.0,
         seed: int | None = None,
         logprobs: int | None = None,
+        stop_ids: Sequence[int] | None = None,
     ) -> Request:
         """Queue one request; it joins at the next step with a free row. Returns its record, whose
         ``tokens`` grow as it runs and whose ``done`` turns True at its end. ``seed``: its sampling
         seed (None: one drawn from torch's global generator). ``logprobs``: report each token's
-        log-probability and the top ``logprobs`` (``lps``; up to the Generator's ``logprobs``)."""
+        log-probability and the top ``logprobs`` (``lps``; up to the Generator's ``logprobs``).
+        ``stop_ids``: the token ids that end this request (None: the Scheduler's ``eos_id``)."""
         self.gen.check_sampling(temperature, top_k, top_p)
         if logprobs is not None and not 0 <= logprobs <= self.gen.logprobs:
             raise ValueError(
@@ -135,14 +138,17 @@ class Scheduler:
                 + (" (this engine reports none: build its Generator with logprobs=N)" if not self.gen.logprobs else "")
             )
         check_request(self.gen, prompt, max_new_tokens)
+        stop = self.eos_ids if stop_ids is None else check_stop_ids(stop_ids, self.gen.model.cfg.vocab_size)
         (seed,) = self.gen.row_seeds(seed, 1)
-        s = Request(list(prompt), max_new_tokens, float(temperature), int(top_k), float(top_p), seed, logprobs)
+        s = Request(
+            list(prompt), max_new_tokens, float(temperature), int(top_k), float(top_p), seed, logprobs, stop=stop
+        )
         self.waiting.append(s)
         return s
 
     def _finish(self, s: Request, tok: int) -> bool:
         s.tokens.append(tok)
-        if (self.eos_id is not None and tok == self.eos_id) or len(s.tokens) >= s.max_new_tokens:
+        if tok in s.stop or len(s.tokens) >= s.max_new_tokens:
             s.done = True
             del self.running[s.row]
             self._free_row(s.row)
@@ -277,6 +283,7 @@ class Scheduler:
     def _set_row(self, s: Request) -> None:
         g, row = self.gen, s.row
         g.temp[row, 0], g.topk[row, 0], g.topp[row, 0], g.seed[row, 0] = s.temperature, s.top_k, s.top_p, s.seed
+        g.eos[row] = torch.tensor([*s.stop, *[-1] * (MAX_STOP_IDS - len(s.stop))])
 
     def _start(self, started: list[Request], first: torch.Tensor) -> list[Request]:
         """``started`` requests, prefilled, begin decoding with their first tokens ``(len(started),)``
