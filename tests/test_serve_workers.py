@@ -40,7 +40,7 @@ def start(*args, timeout=120, headers=None, device="cpu"):
     while url is None and time.time() < deadline and proc.poll() is None:
         line = proc.stderr.readline()
         lines.append(line)
-        m = re.search(r"running on (http://127\.0\.0\.1:\d+) with (\d+) HTTP worker", line)
+        m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)  # (one process, or N HTTP workers)
         url = m.group(1) if m else None
     assert url, "".join(lines)
     log: list[str] = []
@@ -377,6 +377,44 @@ def test_other_routes_pass_through_to_the_engine_and_stream():
     finally:
         code = stop(proc)
     assert code == 0, "".join(log)[-3000:]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sigterm_ends_the_streams_still_open_with_a_last_chunk_and_done(workers):
+    """Streams that would outlast the drain (``--timeout-s``) end a second before it runs out, each
+    with a last chunk saying why and ``data: [DONE]``, also those still waiting for a row; exit 0."""
+    import concurrent.futures as cf
+
+    proc, url, log = start(
+        "--http-workers", workers, "--no-classify", "--llm-random", "tiny", "--llm-max-batch", "2", "--timeout-s", "3"
+    )
+    body = {"prompt": [1, 2, 3], "max_tokens": 2000, "temperature": 0, "stream": True}
+    started = threading.Semaphore(0)
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            started.release()  # (the answer's head: the stream is the server's)
+            return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    try:
+        with cf.ThreadPoolExecutor(3) as ex:  # 2 rows: the third stream waits for one
+            futs = [ex.submit(stream) for _ in range(3)]
+            for _ in futs:
+                assert started.acquire(timeout=60)
+            t0 = time.time()
+            proc.send_signal(signal.SIGTERM)
+            got = [f.result(timeout=30) for f in futs]
+        assert proc.wait(30) == 0, "".join(log)[-3000:]
+        assert time.time() - t0 < 6
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for events in got:
+        assert events[-1] == "data: [DONE]", events[-3:]
+        last = json.loads(events[-2][6:])
+        assert last["choices"][0]["finish_reason"] == "error", last
+        assert "the server is shutting down" in last["error"]["message"]
 
 
 def test_http_workers_flag_is_checked_before_anything_loads(capsys):

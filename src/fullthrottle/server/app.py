@@ -14,6 +14,7 @@ SIGTERM (uvicorn's graceful shutdown) stops accepting, lets in-flight requests f
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -28,7 +29,7 @@ from .metrics import ServerMetrics
 from .options import MAX_CONNECTIONS, ServeOptions
 from .services import BatchingService, CompletionService
 from .startup import StartupError
-from .text import add_text_routes
+from .text import add_text_routes, end_streams_in
 from .workload_routes import WorkloadService, add_workload_routes
 
 log = logging.getLogger("fullthrottle.server.app")
@@ -179,4 +180,6 @@ def run_server(
     ``limit_concurrency``); idle keep-alive connections close after 5 s; a request head must arrive
     whole within ``options.header_timeout_s`` and is limited to 16 KiB (h11's default)."""
     opts = options or ServeOptions()
-    uvicorn_server(create_app(config, opts), opts, max_connections, host=host, port=port).run()
+    app = create_app(config, opts)
+    drain = functools.partial(end_streams_in, app.state.ft)  # (streams end cleanly before the drain does)
+    uvicorn_server(app, opts, max_connections, on_drain=drain, host=host, port=port).run()

@@ -88,12 +88,13 @@ def _not_a_dropped_request(record: logging.LogRecord) -> bool:
     return not (msg.startswith("Traceback") and msg.rstrip().endswith("CancelledError"))
 
 
-def uvicorn_server(app, opts: ServeOptions, max_connections: int, **where):
+def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None, **where):
     """A uvicorn server for ``app`` with the guard's limits (``where``: ``host`` and ``port``, or
     nothing when the caller passes its sockets to ``run``). Its first SIGTERM or SIGINT drains
     in-flight requests (each within ``opts.timeout_s``), the second stops waiting; ``run`` then
     returns normally (exit status 0). Requests the HTTP parser refuses (400) are counted in
-    ``app.requests_counter`` (route ``other``), where ``app`` has one (:func:`add_basics`)."""
+    ``app.requests_counter`` (route ``other``), where ``app`` has one (:func:`add_basics`).
+    ``on_drain(seconds)``, if given, is called (in the event loop) as the drain starts, with its length."""
     import contextlib
     import signal
 
@@ -108,6 +109,8 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, **where):
             super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets=None):
+            if on_drain is not None:
+                on_drain(opts.timeout_s)
             await super().shutdown(sockets)
             if self.force_exit:  # requests still in flight are dropped: their connections close unanswered
                 dropped = list(self.server_state.connections)

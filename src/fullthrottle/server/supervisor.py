@@ -140,6 +140,7 @@ async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, 
 
     from .app import create_app
     from .engine_host import EngineHost
+    from .text import end_streams_in
 
     loop = asyncio.get_running_loop()
     app = create_app(config, opts)
@@ -202,6 +203,7 @@ async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, 
                 break
             workers[i] = _Worker(w.slot, listen, settings, engine)
     stopped.cancel()
+    end_streams_in(app.state.ft, opts.timeout_s)  # (the workers drain as long: streams end cleanly before)
     # drain: every worker finishes its in-flight requests (they need the engine) and exits; each
     # closes its listening socket at once, and this process's copy goes first, so that a new
     # connection is refused instead of waiting unaccepted in the backlog until it is reset

@@ -10,7 +10,10 @@ Both generation routes take ``max_tokens`` (chat: also ``max_completion_tokens``
 ``stop`` (up to 4 strings: the text ends before the first, and generation stops there),
 ``stream`` (server-sent events, one chunk per few tokens, ending in ``data: [DONE]``) and
 ``stream_options.include_usage`` (a last chunk with the token counts). A client that disconnects
-frees its KV-cache row at the next step. Without a model both answer 404.
+frees its KV-cache row at the next step. Without a model both answer 404. When the server stops
+(SIGTERM), streams still open :data:`STREAM_END_MARGIN_S` before its drain ends
+(:func:`end_streams_in`) end with a last chunk whose finish_reason is ``"error"`` (the reason in its
+``error``), then ``data: [DONE]``, rather than being cut off mid-body.
 :func:`add_text_routes` adds them to the app of :func:`~fullthrottle.server.app.create_app`.
 """
 
@@ -33,6 +36,23 @@ from .guard import read_body
 #: how often (s) a non-streaming request checks, between its tokens, whether its client went away
 DISCONNECT_CHECK_S = 0.5
 _ERROR_TYPES = {404: "model_not_found", 500: "server_error", 503: "overloaded_error", 504: "timeout_error"}
+#: how long (s) before the end of the server's drain its open streams are ended, each with its last chunk
+STREAM_END_MARGIN_S = 1.0
+
+
+class ShuttingDown(Exception):
+    """What ends a stream still open as the server's drain runs out (the last chunk's error)."""
+
+
+def end_streams_in(state: dict, drain_s: float) -> None:
+    """Called as the server starts to drain (from its event loop): the streams open
+    ``drain_s - STREAM_END_MARGIN_S`` seconds later end then, with their last chunk and [DONE]."""
+
+    def end():
+        for out in list(state.get("streams", ())):
+            out.put_nowait(ShuttingDown("the server is shutting down: the stream ends here"))
+
+    asyncio.get_running_loop().call_later(max(drain_s - STREAM_END_MARGIN_S, 0.0), end)
 
 
 class _Reply:
@@ -209,7 +229,9 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
             r = _Reply(chat, req, svc.name, svc.tok)
             if p.get("stream"):
                 m_requests.labels(route, "200").inc()
-                return StreamingResponse(_events(r, out), media_type="text/event-stream")
+                return StreamingResponse(
+                    _events(r, out, state.setdefault("streams", set())), media_type="text/event-stream"
+                )
             texts: list[str] = []
             deadline = t0 + opts.timeout_s
             try:
@@ -244,9 +266,10 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
             m_latency.labels(route).observe(time.perf_counter() - t0)
 
 
-async def _events(r: _Reply, out: asyncio.Queue):
-    """The server-sent events of one streaming request."""
+async def _events(r: _Reply, out: asyncio.Queue, streams: set):
+    """The server-sent events of one streaming request (its queue in ``streams`` while it runs)."""
     item, first = None, True
+    streams.add(out)
     try:
         while not r.stopped:
             item = await out.get()
@@ -258,10 +281,12 @@ async def _events(r: _Reply, out: asyncio.Queue):
                 first = False
     finally:  # also when the client disconnects mid-stream: stop generating for it
         r.req["cancelled"] = True
+        streams.discard(out)
     finish = "error" if isinstance(item, Exception) else r.finish_reason()
     last = r.chunk([], r.rest() if finish != "error" else "", finish, first=first)
     if finish == "error":  # (the stream has sent 200 already: the reason goes in its last chunk)
-        last["error"] = {"message": f"generation failed: {item}", "type": "server_error"}
+        why = str(item) if isinstance(item, ShuttingDown) else f"generation failed: {item}"
+        last["error"] = {"message": why, "type": "server_error"}
     yield f"data: {json.dumps(last)}\n\n"
     if r.req["include_usage"]:
         yield f"data: {json.dumps(r.usage_chunk())}\n\n"
