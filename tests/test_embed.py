@@ -225,6 +225,6 @@ def test_embeddings_workload_keeps_to_its_token_budget_and_fails_only_the_bad_re
             with pytest.raises(ValueError, match="text 0 is not valid Unicode"):
                 api.encode_response(g)
         else:
-            vecs = np.stack([v for v, _, _ in g])
+            vecs = np.stack([v for v, *_ in g])
             np.testing.assert_allclose(vecs, emb.embed(r).vectors, atol=1e-5)
             assert api.encode_response(g)["usage"]["prompt_tokens"] == sum(len(e.ids) for e in emb.tokenize(r))

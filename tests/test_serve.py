@@ -385,9 +385,26 @@ def test_embeddings_route_matches_library():
         got = np.array([r.json()["data"][0]["embedding"] for r in resps], dtype=np.float32)
         assert all(r.status_code == 200 for r in resps)
         assert cosine(got, ref).min() >= 0.99999
-        r = httpx.post(s.url + "/v1/embeddings", json={"input": texts, "model": "<script>"}, timeout=30).json()
+        r = httpx.post(s.url + "/v1/embeddings", json={"input": texts, "model": "all-MiniLM-L6-v2"}, timeout=30).json()
         assert [d["index"] for d in r["data"]] == [0, 1, 2, 3] and r["usage"]["prompt_tokens"] > 0
-        assert r["model"] == "all-MiniLM-L6-v2"  # the model that answered, not what the client wrote
+        assert r["model"] == "all-MiniLM-L6-v2"
+        # the openai client (it asks for base64 vectors), and its errors' messages
+        import openai
+
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        got = np.array([d.embedding for d in c.embeddings.create(model="all-MiniLM-L6-v2", input=texts).data])
+        assert cosine(got.astype(np.float32), ref).min() >= 0.99999
+        fl = c.embeddings.create(model="all-MiniLM-L6-v2", input=texts, encoding_format="float", dimensions=384)
+        np.testing.assert_array_equal(np.array([d.embedding for d in fl.data]), got)
+        for kw, msg in (
+            ({"model": "text-embedding-3-small"}, "'text-embedding-3-small' is not served here"),
+            ({"input": []}, "input is an empty list"),
+            ({"dimensions": 8}, "this model's vectors have 384"),
+            ({"encoding_format": "xml"}, "encoding_format must be 'float' or 'base64'"),
+        ):
+            with pytest.raises(openai.APIStatusError, match=msg) as e:
+                c.embeddings.create(**{"model": "all-MiniLM-L6-v2", "input": "x", **kw})
+            assert e.value.status_code == (404 if "model" in kw else 400)
         assert httpx.post(s.url + "/v1/embeddings", json={"input": [1, 2]}).status_code == 400
         assert httpx.post(s.url + "/v1/embeddings", json={"input": ["a"] * 2049}).status_code == 413
         metrics = httpx.get(s.url + "/metrics").text  # the same stage metric as classify's, its own stages

@@ -62,6 +62,8 @@ class Workload:
             runs by itself (bound it with :attr:`max_items_per_request`).
         max_wait_ms: how long a batch waits for more requests once its first has arrived.
         max_items_per_request: a request with more items gets 413.
+        openai: the server's error answers carry OpenAI's ``{"error": {"message", ...}}`` beside
+            ``detail`` (for a workload in OpenAI's request shapes, whose clients read that).
         stats: stage counters (``fullthrottle.StageStats``) the workload keeps, by name, shown in
             ``/metrics`` and reports; assign your own dict (in ``__init__`` or :meth:`setup`: the class
             default is an empty read-only mapping, shared). The service adds its own ``"predict"`` stage.
@@ -72,6 +74,7 @@ class Workload:
     max_batch_cost: int | None = None
     max_wait_ms: float = 2.0
     max_items_per_request: int = 1024
+    openai: bool = False
     stats: Mapping[str, StageStats] = MappingProxyType({})
 
     def setup(self, device: str) -> None:
@@ -153,6 +156,11 @@ class TooManyItems(ValueError):
     """A request with more items than the workload's ``max_items_per_request`` (the server: 413)."""
 
 
+class NotServed(ValueError):
+    """Raised by ``decode_request`` for a request naming a model the workload does not serve (the
+    server: 404, as OpenAI's API answers)."""
+
+
 def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
@@ -179,14 +187,16 @@ def items_of(workload, body) -> list:
     """``decode_request(body)`` checked: the request's items.
 
     Raises:
-        ValueError: the client's fault (not a JSON object, the workload's own ValueError, no items);
-            TooManyItems: over ``max_items_per_request``; ContractError: decode_request raised
+        ValueError: the client's fault (not a JSON object, the workload's own ValueError, no items;
+            NotServed: a model not served); TooManyItems: over ``max_items_per_request``; ContractError: decode_request raised
             something else or did not return a list.
     """
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
     try:
         items = workload.decode_request(body)
+    except NotServed:
+        raise
     except ValueError as e:
         raise ValueError(str(e) or "bad request") from None
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the workload's bug

@@ -24,6 +24,7 @@ from ..workloads.classify.pipeline import Pipeline
 from ..workloads.embed_api import EmbeddingsAPI
 from .classify_route import LocalClassifier, add_classify_route
 from .fetch import FetchPolicy
+from .guard import error_body
 from .http_layer import add_basics, uvicorn_server
 from .metrics import ServerMetrics
 from .options import MAX_CONNECTIONS, ServeOptions
@@ -157,9 +158,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
 
         @app.post("/v1/embeddings")
         async def embeddings_off():
-            return reply(
-                "/v1/embeddings", 404, {"detail": "embeddings are not enabled (start the server with --embed-model)"}
-            )
+            why = "embeddings are not enabled (start the server with --embed-model)"
+            return reply("/v1/embeddings", 404, error_body(404, why, openai=True))
 
     add_classify_route(app, state, opts, policy, reply, m, cfg.max_image_pixels)
     app.state.ft = state  # (the engine process of a multi-process server serves from it)

@@ -29,6 +29,18 @@ class HTTPError(Exception):
         self.status, self.detail, self.headers = status, detail, headers
 
 
+_OPENAI_ERROR_TYPES = {404: "model_not_found", 500: "server_error", 503: "overloaded_error", 504: "timeout_error"}
+
+
+def error_body(status: int, detail: str, openai: bool = False) -> dict:
+    """An error answer's JSON: ``{"detail": ...}``, and with ``openai`` also OpenAI's ``{"error":
+    {"message", "type", "param", "code"}}`` (what its client shows)."""
+    if not openai:
+        return {"detail": detail}
+    kind = _OPENAI_ERROR_TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": detail, "type": kind, "param": None, "code": status}, "detail": detail}
+
+
 def load_keys(keys=(), key_file: str | None = None, environ=os.environ) -> tuple[str, ...]:
     """Every API key from ``keys``, ``key_file`` (one per line; blank lines and ``#`` comments
     skipped) and :data:`API_KEY_ENV`.

@@ -31,11 +31,10 @@ from ..core.workload import parse_body
 from ..workloads.llm.api import chat_request, completion_request
 from ..workloads.llm.text import TextStream
 from .guard import HTTPError as _HTTPError
-from .guard import read_body
+from .guard import error_body, read_body
 
 #: how often (s) a non-streaming request checks, between its tokens, whether its client went away
 DISCONNECT_CHECK_S = 0.5
-_ERROR_TYPES = {404: "model_not_found", 500: "server_error", 503: "overloaded_error", 504: "timeout_error"}
 #: how long (s) before the end of the server's drain its open streams are ended, each with its last chunk
 STREAM_END_MARGIN_S = 1.0
 
@@ -259,9 +258,7 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
             text = "".join(texts) + (r.rest() or "") if svc.tok is not None else None
             return reply(route, 200, r.whole(text))
         except _HTTPError as e:  # OpenAI's error shape (its client reads error.message), and the server's own
-            kind = _ERROR_TYPES.get(e.status, "invalid_request_error")
-            body = {"error": {"message": e.detail, "type": kind, "param": None, "code": e.status}, "detail": e.detail}
-            return reply(route, e.status, body, e.headers)
+            return reply(route, e.status, error_body(e.status, e.detail, openai=True), e.headers)
         finally:
             m_latency.labels(route).observe(time.perf_counter() - t0)
 

@@ -27,6 +27,7 @@ from ..core.errors import Overloaded
 from ..core.report import StageStats
 from ..core.workload import (
     ContractError,
+    NotServed,
     TooManyItems,
     Workload,
     cost_of,
@@ -38,7 +39,7 @@ from ..core.workload import (
     user_traceback,
 )
 from ..core.workload import load_workload as load_any_workload
-from .guard import HTTPError, answer_unless_gone, read_body
+from .guard import HTTPError, answer_unless_gone, error_body, read_body
 
 log = logging.getLogger(__name__)
 
@@ -223,48 +224,59 @@ def add_workload_routes(app, workloads, state: dict, opts, reply, m_latency) -> 
         m_latency: the app's latency histogram (prometheus-client).
     """
     for w in workloads:
-        route = f"/v1/{w.name}"
+        app.add_api_route(
+            f"/v1/{w.name}", _handler(w.name, state, opts, reply, m_latency), methods=["POST"], name=w.name
+        )
 
-        async def handle(request: Request, name=w.name, route=route):
-            t0 = time.perf_counter()
+
+def _handler(name: str, state: dict, opts, reply, m_latency):
+    """The route of the workload ``name`` (a closure: FastAPI would read a default argument as a
+    query parameter)."""
+    route = f"/v1/{name}"
+
+    async def handle(request: Request):
+        t0 = time.perf_counter()
+        try:
+            svc = state.get("workloads", {}).get(name)
+            if svc is None:
+                raise HTTPError(503, "loading", {"Retry-After": str(opts.retry_after_s)})
+            w = svc.workload
+            body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
             try:
-                svc = state.get("workloads", {}).get(name)
-                if svc is None:
-                    raise HTTPError(503, "loading", {"Retry-After": str(opts.retry_after_s)})
-                w = svc.workload
-                body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
-                try:
-                    items = items_of(w, parse_body(body))
-                except ContractError as e:  # the workload's bug: say so, as JSON
-                    raise HTTPError(500, str(e)) from None
-                except TooManyItems as e:
-                    raise HTTPError(413, str(e)) from None
-                except ValueError as e:
-                    raise HTTPError(400, str(e)) from None
-                try:
-                    fut = svc.submit(items)
-                except Overloaded as e:
-                    raise HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
-                try:  # (past the deadline, or its client gone: the request leaves the queue unpredicted)
-                    outs = await answer_unless_gone(request, fut, opts.timeout_s, opts.timeout_s)
-                except HTTPError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - cost() or predict() failed for the whole batch
-                    raise HTTPError(500, f"{name}: {e}") from None
-                try:
-                    answer = response_of(w, outs, check_json=False)  # (JSON: checked as it is sent)
-                except ContractError as e:
-                    raise HTTPError(500, str(e)) from None
-                except ValueError as e:
-                    raise HTTPError(422, str(e)) from None
-                status = 422 if every_item_failed(outs) else 200
-                try:
-                    return reply(route, status, answer)
-                except (TypeError, ValueError, RecursionError) as e:  # not JSON (a tensor, NaN, too deep)
-                    raise HTTPError(500, f"the response is not JSON: {type(e).__name__}: {e}") from None
-            except HTTPError as e:
-                return reply(route, e.status, {"detail": e.detail}, e.headers)
-            finally:
-                m_latency.labels(route).observe(time.perf_counter() - t0)
+                items = items_of(w, parse_body(body))
+            except ContractError as e:  # the workload's bug: say so, as JSON
+                raise HTTPError(500, str(e)) from None
+            except TooManyItems as e:
+                raise HTTPError(413, str(e)) from None
+            except NotServed as e:
+                raise HTTPError(404, str(e)) from None
+            except ValueError as e:
+                raise HTTPError(400, str(e)) from None
+            try:
+                fut = svc.submit(items)
+            except Overloaded as e:
+                raise HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
+            try:  # (past the deadline, or its client gone: the request leaves the queue unpredicted)
+                outs = await answer_unless_gone(request, fut, opts.timeout_s, opts.timeout_s)
+            except HTTPError:
+                raise
+            except Exception as e:  # noqa: BLE001 - cost() or predict() failed for the whole batch
+                raise HTTPError(500, f"{name}: {e}") from None
+            try:
+                answer = response_of(w, outs, check_json=False)  # (JSON: checked as it is sent)
+            except ContractError as e:
+                raise HTTPError(500, str(e)) from None
+            except ValueError as e:
+                raise HTTPError(422, str(e)) from None
+            status = 422 if every_item_failed(outs) else 200
+            try:
+                return reply(route, status, answer)
+            except (TypeError, ValueError, RecursionError) as e:  # not JSON (a tensor, NaN, too deep)
+                raise HTTPError(500, f"the response is not JSON: {type(e).__name__}: {e}") from None
+        except HTTPError as e:  # (a workload in OpenAI's shapes answers errors in its shape too)
+            body = error_body(e.status, e.detail, getattr(svc.workload if svc else None, "openai", False))
+            return reply(route, e.status, body, e.headers)
+        finally:
+            m_latency.labels(route).observe(time.perf_counter() - t0)
 
-        app.add_api_route(route, handle, methods=["POST"], name=w.name)
+    return handle

@@ -5,10 +5,11 @@ budget, as text-embeddings-inference forms its batches (``--max-batch-tokens``).
 
 from __future__ import annotations
 
+import base64
 import os
 from dataclasses import dataclass
 
-from ..core.workload import ItemError, Workload
+from ..core.workload import ItemError, NotServed, Workload
 
 #: texts one embeddings request may carry (413 beyond)
 MAX_TEXTS_PER_REQUEST = 2048
@@ -18,13 +19,17 @@ MAX_TEXTS_PER_REQUEST = 2048
 class _Text:
     index: int  # its place in its request
     text: str
+    b64: bool = False  # its vector as base64 of little-endian float32 (encoding_format "base64")
     enc: object = None  # its tokenizer encoding, once the batcher has costed it
     error: str | None = None  # why it could not be tokenised
 
 
 class EmbeddingsAPI(Workload):
-    """``{"input": "text" | ["text", ...], "model": ...}`` -> ``{"object": "list", "data": [{"index",
-    "embedding", "truncated"}, ...], "model", "usage"}``.
+    """``{"input": "text" | ["text", ...], "model", "encoding_format", "dimensions"}`` -> ``{"object":
+    "list", "data": [{"index", "embedding", "truncated"}, ...], "model", "usage"}``, as OpenAI's API:
+    ``encoding_format`` ``"float"`` (a list) or ``"base64"`` (little-endian float32 bytes, what the
+    ``openai`` client asks for); ``model``, if given, must be this model's name (404 otherwise);
+    ``dimensions``, if given, must be the model's (this model's vectors are not shortened).
 
     Args:
         path: a sentence-transformers folder (None: all-MiniLM-L6-v2, :func:`~fullthrottle.workloads.embed.default_model_dir`).
@@ -37,6 +42,7 @@ class EmbeddingsAPI(Workload):
     name = "embeddings"
     max_items_per_request = MAX_TEXTS_PER_REQUEST
     max_wait_ms = 0.0  # (what is queued when a batch starts joins it; no waiting for more)
+    openai = True
 
     def __init__(self, path: str | None = None, max_batch: int = 1024, max_batch_tokens: int = 32768):
         self.path, self.max_batch, self.max_batch_cost = path, max_batch, max_batch_tokens
@@ -54,9 +60,20 @@ class EmbeddingsAPI(Workload):
     def decode_request(self, body: dict) -> list:
         texts = body.get("input")
         texts = [texts] if isinstance(texts, str) else texts
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        if texts == []:
+            raise ValueError("input is an empty list: give at least one text")
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise ValueError('JSON body must be {"input": "text" | ["text", ...]}')
-        return [_Text(i, t) for i, t in enumerate(texts)]
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise NotServed(f"the model {model!r} is not served here; this server embeds with {self.model_name!r}")
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise ValueError(f"encoding_format must be 'float' or 'base64', got {fmt!r}")
+        dims = body.get("dimensions")
+        if dims is not None and dims != self.embedder.dim:
+            raise ValueError(f"dimensions: this model's vectors have {self.embedder.dim} (they are not shortened)")
+        return [_Text(i, t, fmt == "base64") for i, t in enumerate(texts)]
 
     def cost(self, item: _Text) -> int:
         """Its token count (tokenised here, on the batching thread; the encoding kept on it)."""
@@ -74,7 +91,7 @@ class EmbeddingsAPI(Workload):
         k = 0
         for j, it in enumerate(items):
             if it.error is None:
-                out[j] = (res.vectors[k], bool(res.truncated[k]), int(res.tokens[k]))
+                out[j] = (res.vectors[k], bool(res.truncated[k]), int(res.tokens[k]), it.b64)
                 k += 1
         return out
 
@@ -82,13 +99,19 @@ class EmbeddingsAPI(Workload):
         bad = [str(o) for o in outputs if isinstance(o, ItemError)]
         if bad:  # (OpenAI's shape has no per-text error: the request fails, naming its texts)
             raise ValueError("; ".join(bad))
-        n_tok = sum(t for _, _, t in outputs)
+        n_tok = sum(t for _, _, t, _ in outputs)
         return {
             "object": "list",
             "data": [
-                {"object": "embedding", "index": i, "embedding": v.tolist(), "truncated": tr}
-                for i, (v, tr, _) in enumerate(outputs)
+                {"object": "embedding", "index": i, "embedding": _encoded(v, b64), "truncated": tr}
+                for i, (v, tr, _, b64) in enumerate(outputs)
             ],
             "model": self.model_name,
             "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok},
         }
+
+
+def _encoded(v, b64: bool):
+    """One vector (float32 numpy) as OpenAI's ``embedding``: a list of floats, or base64 of its
+    little-endian float32 bytes."""
+    return base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") if b64 else v.tolist()
