@@ -155,3 +155,61 @@ def test_read_local_reads_whole_files_up_to_the_limit_and_names_each_refusal(tmp
     ]:
         with pytest.raises(LoadError, match=want):
             read_local(str(tmp_path / name), limit)
+
+
+def test_an_extreme_aspect_ratio_is_too_many_pixels_at_preprocess():
+    """A 60000x1 strip, which resized to a shorter side of 256 would be 3932 megapixels, is refused
+    before decoding as preprocess / too_many_pixels."""
+    import io
+
+    from fullthrottle.core.errors import error_info
+
+    buf = io.BytesIO()
+    Image.new("RGB", (60000, 1)).save(buf, "PNG")
+    with pytest.raises(ImageError, match="extreme aspect ratio: 60000x1") as e:
+        preprocess(buf.getvalue())
+    assert error_info(f"wide.png: {e.value}") == ("preprocess", "too_many_pixels")
+
+
+def test_a_header_past_pillows_bomb_limit_gets_our_message_and_no_warning(monkeypatch):
+    """WebP and TIFF over Pillow's decompression-bomb threshold (lowered here to 1000 pixels: 40x40 is
+    over it, 60x60 over twice it, where Pillow raises) and a WebP header claiming 16383x16383: each is
+    refused on its header with the product's message (naming --max-image-megapixels, kind
+    too_many_pixels), and no Pillow warning is issued."""
+    import io
+    import warnings
+
+    from fullthrottle.core.errors import error_info
+
+    def encoded(size, fmt):
+        buf = io.BytesIO()
+        Image.new("RGB", size, (10, 200, 10)).save(buf, fmt)
+        return buf.getvalue()
+
+    # a VP8X chunk: flags, then canvas width - 1 and height - 1 as 24-bit little-endian
+    vp8x = b"VP8X" + (10).to_bytes(4, "little") + bytes(4) + (16382).to_bytes(3, "little") * 2
+    claim = b"RIFF" + (4 + len(vp8x)).to_bytes(4, "little") + b"WEBP" + vp8x
+    cases = [(claim, 89_478_485, "16383x16383")]
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    cases += [(encoded((n, n), fmt), 1000, f"{n}x{n}") for fmt in ("WEBP", "TIFF") for n in (40, 60)]
+    for data, limit, size in cases:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with pytest.raises(ImageError) as e:
+                decode(data, 256, max_pixels=limit)
+        msg = str(e.value)
+        assert msg.startswith(f"image too large: {size} = ") and "--max-image-megapixels" in msg, msg
+        assert error_info(msg) == ("preprocess", "too_many_pixels")
+        assert not [w for w in seen if issubclass(w.category, Image.DecompressionBombWarning)], size
+
+
+def test_opencv_log_lines_are_silenced_by_the_decoder_setup():
+    """Importing the decoders sets OpenCV's log level to silent (its "[ WARN:0@...] grfmt_tiff.cpp"
+    lines would only repeat an item's own error), unless $OPENCV_LOG_LEVEL asks for them."""
+    import os
+
+    import cv2  # (imported after fullthrottle.data.preprocess, at this file's top: the setup under test)
+
+    if "OPENCV_LOG_LEVEL" in os.environ:
+        pytest.skip("OPENCV_LOG_LEVEL is set: left as asked")
+    assert cv2.utils.logging.getLogLevel() == cv2.utils.logging.LOG_LEVEL_SILENT

@@ -370,8 +370,8 @@ def test_help_imports_no_torch_and_ctrl_c_while_starting_is_clean(samples):
 
 
 def test_odd_file_names_stay_on_one_line_and_empty_out_is_refused(samples, tmp_path, capsys, monkeypatch):
-    """A file name with a newline prints escaped, on its own line; --out '' and --report-json '-' (stdout
-    carries the results) are usage errors."""
+    """A file name with a newline prints escaped, on its own line; --out '' and --report-json '-' while
+    stdout carries the results are usage errors."""
     odd = tmp_path / "new\nline.jpg"
     odd.write_bytes(samples[0].read_bytes())
     rc = main(["classify", str(odd), "--device", "cpu", "--no-progress", "--threads", "1"])
@@ -381,10 +381,10 @@ def test_odd_file_names_stay_on_one_line_and_empty_out_is_refused(samples, tmp_p
     assert "--out needs a file name ('-' for stdout)" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)  # (a file named '-' would land here)
     assert main(["classify", str(odd), "--device", "cpu", "--report-json", "-"]) == 2
-    assert "--report-json a file name (stdout carries the results)" in capsys.readouterr().err
+    assert "--report-json - would write the report to stdout, which carries the results" in capsys.readouterr().err
     if os.path.exists("/dev/stdout"):
         assert main(["classify", str(odd), "--device", "cpu", "--report-json", "/dev/stdout"]) == 2
-        assert "(stdout carries the results)" in capsys.readouterr().err
+        assert "stdout, which carries the results" in capsys.readouterr().err
     assert main(["embed", "-", "--out", str(tmp_path / "v.npy"), "--report-json", "-"]) == 2
     assert not (tmp_path / "-").exists()
 
@@ -794,3 +794,77 @@ def test_an_output_may_not_overwrite_an_image_reached_through_a_symlinked_folder
     (tmp_path / "old.jsonl").write_text('{"index": 0}\n')
     assert main(["classify", *run, "--out", str(tmp_path / "old.jsonl")]) == 0
     assert json.loads((tmp_path / "old.jsonl").read_text().splitlines()[0])["id"].endswith("sub/b.jpg")
+
+
+def test_a_top_k_past_the_model_s_classes_is_clamped_before_anything_is_allocated(tmp_path, monkeypatch, capsys):
+    """--top-k of any size over the model's classes lists them all, with the note --top-k 2000 gets,
+    whatever its size: the output buffers are as wide as the model's classes, never as the flag."""
+    from PIL import Image
+
+    (tmp_path / "colour_models.py").write_text(USER_MODEL)
+    monkeypatch.chdir(tmp_path)
+    Image.new("RGB", (64, 50), (230, 20, 20)).save(tmp_path / "r.jpg")
+    run = ["r.jpg", "--model", "colour_models:ColourNet", "--device", "cpu", "--threads", "1", "--no-progress"]
+    for k in ("99999999999999999999", "100000000", "4"):
+        rc = main(["classify", *run, "--out", "-", "--top-k", k])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        labels = [t["label"] for t in json.loads(out)["top_k"]]
+        assert labels[0] == "red" and sorted(labels) == ["blue", "green", "red"], out
+        assert f"note: --top-k {k} is more than the model's 3 classes: each result lists all 3" in err, err
+
+
+@pytest.mark.parametrize(
+    "command,flag", [("classify", "--max-image-megapixels"), ("serve", "--max-request-megapixels")]
+)
+def test_a_megapixel_limit_past_any_pixel_count_is_a_usage_error(command, flag, capsys):
+    """A megapixel limit whose count of pixels is no number (1e308 x 1e6 is infinite) or under one pixel
+    is refused as nan, 0 and -1 are: one line, exit 2, before anything starts."""
+    for bad in ("1e308", "1e-7"):
+        with pytest.raises(SystemExit) as e:
+            main([command, "--device", "cpu", flag, bad])
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]  # (after argparse's usage lines)
+        assert e.value.code == 2 and "Traceback" not in err, err
+        assert last.startswith(f"fullthrottle {command}: error: argument {flag}: must be a finite number > 0 of"), err
+
+
+def test_a_folder_passes_over_broken_links_without_an_image_name_and_a_dangling_link_is_not_found(
+    samples, tmp_path, capsys
+):
+    """A folder gives only the files named like images (README): a link loop (l1 -> l2 -> l1) and a
+    dangling link without an image extension are passed over, as the plain file notes is; a dangling
+    link named like an image is not_found, in the folder as when given itself."""
+    import shutil
+
+    d = tmp_path / "photos"
+    d.mkdir()
+    shutil.copy(samples[0], d / "a.jpg")
+    (d / "notes").write_text("not an image")
+    (d / "l1").symlink_to("l2")
+    (d / "l2").symlink_to("l1")
+    (d / "dangling_noext").symlink_to(tmp_path / "nowhere")
+    run = ["--device", "cpu", "--model", "resnet18", "--threads", "1", "--no-progress", "--out", "-"]
+    assert main(["classify", str(d), *run]) == 0
+    assert [json.loads(line)["id"] for line in capsys.readouterr().out.splitlines()] == [str(d / "a.jpg")]
+    (d / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    assert main(["classify", str(d), str(d / "gone.jpg"), *run]) == 1
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["id"] for r in rows] == [str(d / "a.jpg"), str(d / "gone.jpg"), str(d / "gone.jpg")], rows
+    assert [r.get("error_kind") for r in rows] == [None, "not_found", "not_found"], rows
+
+
+def test_the_report_json_goes_to_stdout_when_the_results_go_to_a_file(samples, tmp_path, capsys):
+    """--out FILE --report-json - (or /dev/stdout): stdout carries the report's JSON and nothing else;
+    with the results on stdout, --report-json - is refused, naming --report-json and why."""
+    out = tmp_path / "r.jsonl"
+    run = [str(samples[0]), "--device", "cpu", "--model", "resnet18", "--threads", "1", "--no-progress"]
+    for report in ["-"] + (["/dev/stdout"] if os.path.exists("/dev/stdout") else []):
+        rc = main(["classify", *run, "--out", str(out), "--report-json", report])
+        stdout, err = capsys.readouterr()
+        assert rc == 0, err
+        assert json.loads(stdout)["ok"] == 1 and json.loads(out.read_text())["id"] == str(samples[0])
+    for results in ([], ["--out", "-"]):
+        assert main(["classify", *run, *results, "--report-json", "-"]) == 2
+        stdout, err = capsys.readouterr()
+        assert not stdout and "--report-json - would write the report to stdout, which carries the results" in err

@@ -161,27 +161,35 @@ def cmd_classify(args) -> int:
     inputs = args.inputs
     if args.ray is not None:
         return _classify_ray(args)
-    to_stdout = args.report_json and os.path.realpath(args.report_json) == os.path.realpath("/dev/stdout")
-    if args.out == "" or args.report_json in ("", "-") or to_stdout:
-        print(
-            "fullthrottle: error: --out needs a file name ('-' for stdout), --report-json a file name "
-            "(stdout carries the results)",
-            file=sys.stderr,
-        )
+    report = args.report_json  # ("-": stdout, which then carries the report alone)
+    to_stdout = report == "-" or bool(report) and os.path.realpath(report) == os.path.realpath("/dev/stdout")
+    usage = (
+        "--out needs a file name ('-' for stdout)"
+        if args.out == ""
+        else "--report-json needs a file name ('-' for stdout, with --out FILE)"
+        if report == ""
+        else f"--report-json {report} would write the report to stdout, which carries the results: "
+        "give --out FILE for the results, or --report-json FILE"
+        if to_stdout and args.out in (None, "-")
+        else None
+    )
+    if usage:
+        print(f"fullthrottle: error: {usage}", file=sys.stderr)
         return 2
-    clash = _output_among_inputs(inputs, args.out, args.report_json)
+    clash = _output_among_inputs(inputs, args.out, "/dev/stdout" if to_stdout else report)
     if clash:
         print(f"fullthrottle: error: {clash}", file=sys.stderr)
         return 2
-    for path in (args.out, args.report_json):
+    report = "-" if to_stdout else report
+    for path in (args.out, report):
         if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             print(f"fullthrottle: error: cannot write {path}: its folder does not exist", file=sys.stderr)
             return 2
-    if args.report_json:
-        is_dir = os.path.isdir(args.report_json)
-        if is_dir or not os.access(os.path.dirname(os.path.abspath(args.report_json)), os.W_OK):
+    if report and report != "-":
+        is_dir = os.path.isdir(report)
+        if is_dir or not os.access(os.path.dirname(os.path.abspath(report)), os.W_OK):
             why = "Is a directory" if is_dir else "its folder is not writable"
-            print(f"fullthrottle: error: cannot write {args.report_json}: {why}", file=sys.stderr)
+            print(f"fullthrottle: error: cannot write {report}: {why}", file=sys.stderr)
             return 2
     out = None
     if args.out == "-":
@@ -305,6 +313,10 @@ def cmd_classify(args) -> int:
     print(rep.format(), file=sys.stderr)
     if device.type == "cuda":
         print(f"GPU: {torch.cuda.get_device_name(device)}", file=sys.stderr)
-    if not write_report_json(rep, args.report_json):
-        return 2
+    try:
+        if not write_report_json(rep, report):
+            return 2
+    except BrokenPipeError:  # (the report on stdout, whose reader went away)
+        _silence_stdout()
+        return 1
     return 1 if failed else 0

@@ -60,8 +60,8 @@ def sample_photos() -> list[str]:
 
 
 def _input_limits(args) -> dict:
-    """``Config`` fields of the input limits' flags."""
-    return {"max_image_pixels": int(args.max_image_megapixels * 1e6)}
+    """``Config`` fields of the input limits' flags (``--max-image-megapixels``: see ``options.megapixels``)."""
+    return {"max_image_pixels": max(1, round(args.max_image_megapixels * 1e6))}
 
 
 def _gpu_decode_settings(args) -> dict:
@@ -109,16 +109,27 @@ def _close_out(out) -> str | None:
 
 
 def write_report_json(rep, path: str | None) -> bool:
-    """Write a run's :class:`~fullthrottle.core.report.Report` as JSON to ``path`` (None: nothing);
-    False (the reason printed) when it cannot be written."""
+    """Write a run's :class:`~fullthrottle.core.report.Report` as JSON to ``path`` (None: nothing;
+    ``"-"``: stdout); False (the reason printed) when it cannot be written.
+
+    Raises:
+        BrokenPipeError: ``"-"``, and stdout's reader went away (the caller's exit status says so).
+    """
     import json
 
     if path is None or path == "":
         return True
     try:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(rep.to_dict(), f, indent=2)
+        if path == "-":
+            sys.stdout.write(json.dumps(rep.to_dict(), indent=2) + "\n")
+            sys.stdout.flush()
+        else:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(rep.to_dict(), f, indent=2)
     except OSError as e:
-        print(f"fullthrottle: error: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        if path == "-" and isinstance(e, BrokenPipeError):
+            raise
+        where = "stdout" if path == "-" else path
+        print(f"fullthrottle: error: cannot write {where}: {e.strerror or e}", file=sys.stderr)
         return False
     return True

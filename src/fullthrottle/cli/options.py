@@ -47,6 +47,21 @@ def nonnegative_float(s: str) -> float:
     return _finite(s, zero_ok=True)
 
 
+#: the largest image limit in megapixels a flag takes: 1e18 pixels, a count that fits in 64 bits
+MAX_MEGAPIXELS = 1e12
+
+
+def megapixels(s: str) -> float:
+    """A number of megapixels from 0.000001 (one pixel) to :data:`MAX_MEGAPIXELS` (``nan``, ``inf``
+    and ``1e308``, whose count of pixels is infinite, refused)."""
+    v = _finite(s, zero_ok=False)
+    if not 1e-6 <= v <= MAX_MEGAPIXELS:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number > 0 of megapixels, from 0.000001 (one pixel) to {MAX_MEGAPIXELS:g}, got {s}"
+        )
+    return v
+
+
 def positive_int(s: str) -> int:
     """An integer >= 1."""
     v = _integer(s)
@@ -195,7 +210,7 @@ def add_runtime_args(
     p.add_argument("--top-k", type=positive_int, default=Config.top_k, help="classes per image (default: %(default)s)")
     p.add_argument(
         "--max-image-megapixels",
-        type=positive_float,
+        type=megapixels,
         default=Config.max_image_pixels / 1e6,
         help="largest image (width x height, in millions of pixels) decoded; larger ones fail alone, "
         "checked on the header before decoding (default: %(default).1f, Pillow's bomb threshold)",

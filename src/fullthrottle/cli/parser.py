@@ -12,6 +12,7 @@ from .options import (
     add_llm_serve_args,
     add_runtime_args,
     add_runtime_flags,
+    megapixels,
     port_number,
     positive_float,
     positive_int,
@@ -65,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="write one JSON line per item to this file ('-' for stdout)")
     c.add_argument("--unordered", action="store_true", help="emit results in completion order")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
-    c.add_argument("--report-json", help="write the run summary (rates, latency, stages) as JSON here")
+    c.add_argument(
+        "--report-json",
+        help="write the run summary (rates, latency, stages) as JSON here ('-': stdout, when --out is a file)",
+    )
     c.add_argument(
         "--ray",
         nargs="?",
@@ -155,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument(
         "--max-request-megapixels",
-        type=positive_float,
+        type=megapixels,
         default=_SO.max_request_pixels / 1e6,
         help="most pixels the images of one request hold together, else 413 (default: %(default)s)",
     )

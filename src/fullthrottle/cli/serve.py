@@ -124,7 +124,7 @@ def cmd_serve(args) -> int:
         header_timeout_s=args.header_timeout_s,
         max_connections_per_client=args.max_connections_per_client,
         max_images=args.max_images,
-        max_request_pixels=int(args.max_request_megapixels * 1e6),
+        max_request_pixels=max(1, round(args.max_request_megapixels * 1e6)),
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         print(f"note: serving on {args.host} without --api-key: anyone who can reach it may use it", file=sys.stderr)

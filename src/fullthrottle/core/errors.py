@@ -10,8 +10,9 @@ results). The kinds, by stage:
   ``fetch_failed`` (HTTP status, timeout, connection), ``unsupported_input`` (a URL scheme or an
   object that names no image);
 - ``preprocess``: ``empty``, ``corrupt`` (truncated, bad header), ``unsupported_format``,
-  ``too_many_pixels`` (over ``max_image_pixels``), ``decoder_crashed``, ``decode_timeout``,
-  ``gpu_decode_failed``, ``cannot_decode`` (the decoder raised);
+  ``too_many_pixels`` (over ``max_image_pixels``, as decoded or once resized: an extreme aspect
+  ratio), ``decoder_crashed``, ``decode_timeout``, ``gpu_decode_failed``, ``cannot_decode`` (the
+  decoder raised);
 - ``compute``: ``compute_failed`` (the model raised on the item's batch), ``non_finite`` (the
   model's output for the item holds NaN or Inf): faults of the model, not of the input (the server
   answers them 500);
@@ -35,7 +36,7 @@ KINDS: tuple[tuple[str, str, str], ...] = (
     ("unsupported_input", "load", r"unsupported URL scheme |cannot load an input of type |invalid URL "),
     ("unreadable", "load", r"cannot read "),
     ("empty", "preprocess", r"empty file \(0 bytes\)"),
-    ("too_many_pixels", "preprocess", r"image too large: "),
+    ("too_many_pixels", "preprocess", r"image too large: |extreme aspect ratio: "),
     ("corrupt", "preprocess", r"truncated or corrupt |corrupt .* header|corrupt or unsupported "),
     ("unsupported_format", "preprocess", r"not a supported image"),
     ("decoder_crashed", "preprocess", r"decoder process died on this "),

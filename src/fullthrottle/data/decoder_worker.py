@@ -46,15 +46,11 @@ def worker_main(argv: list[str]) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from .preprocess import allow_pillow_pixels  # (importing .preprocess set OpenCV to one thread)
+    # (importing .preprocess set OpenCV to one thread and silenced its log lines: an image's error
+    # goes back as its reply)
+    from .preprocess import allow_pillow_pixels
 
     allow_pillow_pixels(max_pixels)
-    try:  # an image's error goes back as its reply; OpenCV's own log lines would only be noise
-        import cv2
-
-        cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
-    except AttributeError:
-        pass
 
     crops = np.frombuffer(mmap.mmap(pool_fd, pool_rows * crop_size * crop_size * 3), np.uint8).reshape(
         pool_rows, crop_size, crop_size, 3

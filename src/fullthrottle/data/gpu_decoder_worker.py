@@ -32,15 +32,9 @@ def gpu_worker_main(argv: list[str]) -> None:
     from .crop_pool import clear_cuda_error
     from .gpu_decode import decode_crops
     from .gpu_decoders import _test_jpeg, make_gpu_decoder
-    from .preprocess import ImageError, allow_pillow_pixels
+    from .preprocess import ImageError, allow_pillow_pixels  # (importing it silenced OpenCV's log lines)
 
     allow_pillow_pixels(max_pixels)
-    try:
-        import cv2
-
-        cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
-    except AttributeError:
-        pass
     dev = torch.device("cuda", device_index)
     torch.cuda.set_device(dev)
     size = pool_rows * crop_size * crop_size * 3

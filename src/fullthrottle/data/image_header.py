@@ -119,15 +119,60 @@ def header_size(data: bytes, fmt: str | None) -> tuple[int, int, str]:
         if hdr >= 40:  # BITMAPINFOHEADER and later: signed 32-bit, negative height = top-down
             w, h = struct.unpack("<ii", data[18:26])
             return w, abs(h), fmt
+    if fmt == "WEBP":
+        size = _webp_size(data)
+        if size is not None:
+            return *size, fmt
     try:
-        with Image.open(io.BytesIO(data)) as im:  # lazy: parses the header only
-            return im.width, im.height, fmt or (im.format or "unknown")
-    except Image.DecompressionBombError as e:
+        w, h, name = _pillow_header(data)
+        return w, h, fmt or name
+    except Image.DecompressionBombError as e:  # (a plugin's own check, e.g. on an animation's frame)
         raise ImageError(f"image too large: {e}") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, struct.error):
         if fmt is not None:  # the signature says what it is, its header does not parse: cut short
             raise ImageError(f"truncated or corrupt {fmt} (its header cannot be read)") from None
         raise ImageError("not a supported image (unrecognised format)") from None
+
+
+def _webp_size(data: bytes) -> tuple[int, int] | None:
+    """A WebP's canvas size from its first chunk (``VP8X``, ``VP8 `` or ``VP8L``), or None. Read here,
+    not by Pillow: its WebP reader sets up the whole decoder, canvas memory included, to say the size."""
+    chunk = data[12:16]
+    if chunk == b"VP8X" and len(data) >= 30:  # 24-bit width - 1, height - 1
+        return int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1
+    if chunk == b"VP8 " and len(data) >= 30 and data[23:26] == b"\x9d\x01\x2a":  # key frame start code
+        w, h = struct.unpack("<HH", data[26:30])
+        return w & 0x3FFF, h & 0x3FFF
+    if chunk == b"VP8L" and len(data) >= 25 and data[20] == 0x2F:  # 14-bit width - 1, height - 1
+        (bits,) = struct.unpack("<I", data[21:25])
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    return None
+
+
+def _pillow_header(data: bytes) -> tuple[int, int, str]:
+    """Width, height and format as Pillow's format readers parse the header (no pixel decoded), found
+    the way ``Image.open`` finds the reader, without ``Image.open``'s decompression-bomb check: its
+    warning would reach stderr and its error would replace the caller's limit, which the caller
+    checks on this size and names (:func:`~fullthrottle.data.preprocess.decode`).
+
+    Raises:
+        UnidentifiedImageError: no reader takes it; OSError, ValueError, ...: a reader's own error.
+    """
+    prefix, tried = data[:16], set()
+    for load in (Image.preinit, Image.init):  # (the common readers first, then every one not tried)
+        load()
+        for name in [n for n in Image.ID if n not in tried]:
+            tried.add(name)
+            factory, accept = Image.OPEN[name]
+            ok = not accept or accept(prefix)
+            if not ok or isinstance(ok, str):
+                continue
+            try:
+                with factory(io.BytesIO(data), None) as im:
+                    return im.width, im.height, im.format or name
+            except (SyntaxError, IndexError, TypeError, struct.error):  # (not this format: the next)
+                continue
+    raise UnidentifiedImageError("cannot identify image file")
 
 
 def resized_pixels(w: int, h: int, shorter: int) -> int:

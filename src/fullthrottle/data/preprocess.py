@@ -15,6 +15,7 @@ Decoding is chosen by content (magic bytes), never by file name:
 from __future__ import annotations
 
 import io
+import os
 import re
 import struct
 
@@ -28,6 +29,11 @@ from .image_header import ImageError, header_size, jpeg_is_complete, resized_pix
 
 # Our own threads do the parallelism; OpenCV's pool would only fight them for the cores.
 cv2.setNumThreads(1)
+# OpenCV's log lines ("[ WARN:0@1.3] global grfmt_tiff.cpp ...") only repeat on stderr what the item's own
+# error says; silenced unless $OPENCV_LOG_LEVEL asks for them
+_CV_LOG = getattr(getattr(cv2, "utils", None), "logging", None)
+if _CV_LOG is not None and "OPENCV_LOG_LEVEL" not in os.environ:
+    _CV_LOG.setLogLevel(_CV_LOG.LOG_LEVEL_SILENT)
 
 
 # OpenCV >= 4.10 decodes straight to RGB (one GIL-releasing call fewer per image); not combinable

@@ -86,10 +86,13 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
 def walk_images(top: str) -> Iterator[tuple[str, Any]]:
     """``(path, Path(path))`` for the image files under the folder ``top``, recursively, sorted, and
     ``(path, BadSource)`` for what the walk cannot enter: a folder that cannot be listed, a symlink
-    that leads back to a folder it sits in (a loop), a symlink that resolves to nothing (dangling,
-    or too many levels of links), a tree too deep to walk. Those are items with their own error,
-    not images dropped without a word. Symlinked folders are followed, as ``find -L`` does (the
-    link's path is the images' id); a folder reached by two links is walked twice, a loop once."""
+    that leads back to a folder it sits in (a loop), a tree too deep to walk. Those are items with
+    their own error, not images dropped without a word. Symlinked folders are followed, as ``find -L``
+    does (the link's path is the images' id); a folder reached by two links is walked twice, a loop
+    once. An image file is a name ending in :data:`IMAGE_SUFFIXES`, whatever it is: a symlink so named
+    that resolves to nothing (dangling, or a loop of links) is an item, whose read fails as it does
+    when the link is given itself (``not_found``, ``unreadable``); any other name is passed over,
+    links that resolve to nothing included."""
     errors: list[OSError] = []
     loops: list[str] = []
     walk = _walk_once(top, errors.append, loops)
@@ -108,14 +111,9 @@ def walk_images(top: str) -> Iterator[tuple[str, Any]]:
         errors.clear()
         loops.clear()
         for name in files:
-            full = os.path.join(root, name)
             if name.lower().endswith(IMAGE_SUFFIXES):
+                full = os.path.join(root, name)
                 yield full, Path(full)
-            elif os.path.islink(full):  # (one that resolves to nothing may be a folder: say why it is not)
-                try:
-                    os.stat(full)
-                except OSError as e:
-                    yield full, BadSource(f"cannot read {full}: {e.strerror or e} (a symlink)")
     for e in errors:  # (the top folder itself unreadable)
         yield _unlisted(e, top)
 

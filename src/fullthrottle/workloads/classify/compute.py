@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,28 +38,7 @@ from .decode import topk_probs
 from .labels import ClassLabels, ModelOutputError, check_logits, compute_failed
 from .model_forms import inference_forms
 from .models import MODELS, load_model, load_weights
-
-
-@dataclass
-class Slot:
-    """One entry of the staging ring: host and device buffers plus the events that order them."""
-
-    index: int
-    host_in: torch.Tensor  # (maxB, S, S, 3) uint8, pinned on CUDA
-    host_np: np.ndarray  # numpy view of host_in (filled without torch ops)
-    dev_in: torch.Tensor  # (maxB, S, S, 3) uint8 on the device (host_in itself on CPU)
-    out_probs: torch.Tensor  # (maxB, k) float32, pinned on CUDA
-    out_idx: torch.Tensor  # (maxB, k) int64, pinned on CUDA
-    copied: torch.cuda.Event | None = None
-    done: torch.cuda.Event | None = None
-    n: int = 0
-    k: int = 0
-    error: str | None = None
-    host_rows: torch.Tensor | None = None  # (maxB,) int64, pinned: crop-pool rows of this batch
-    dev_rows: torch.Tensor | None = None  # the same on the device (gather indices)
-    mapped_rows: torch.Tensor | None = None  # host_rows as the device reads it in place (zero-copy)
-    pool_rows: list | None = None  # crop-pool rows to give back when the slot is released
-    row_errors: dict | None = None  # row -> its error, when the batch failed and its rows ran one by one
+from .slot import Slot
 
 
 class Engine:
@@ -118,14 +96,11 @@ class Engine:
         self.slots = []
         for i in range(config.staging_slots):
             host_in = torch.empty((self.max_batch, s, s, 3), dtype=torch.uint8, pin_memory=self.cuda)
-            k = config.top_k
             slot = Slot(
                 index=i,
                 host_in=host_in,
                 host_np=host_in.numpy(),
                 dev_in=torch.empty_like(host_in, device=self.device) if self.cuda else host_in,
-                out_probs=torch.empty((self.max_batch, k), dtype=torch.float32, pin_memory=self.cuda),
-                out_idx=torch.empty((self.max_batch, k), dtype=torch.int64, pin_memory=self.cuda),
                 host_rows=torch.empty((self.max_batch,), dtype=torch.int64, pin_memory=self.cuda),
             )
             slot.dev_rows = slot.host_rows.to(self.device) if self.cuda else slot.host_rows
@@ -151,6 +126,7 @@ class Engine:
         self.pool_copies = 0
         self._forms = forms
         self._probe()
+        self._fit_outputs(1)  # (the top-k outputs: as wide as the model's classes, once it has run)
         if capture:
             self.capture()
         self.reset()
@@ -192,6 +168,14 @@ class Engine:
             for name, m in self._forms.candidates()
         }
         self.runner = GraphRunner(fns, (s, s, 3), torch.uint8, self.config.buckets, self.device)
+        self._fit_outputs(1)
+
+    def _fit_outputs(self, k: int) -> None:
+        """Every slot's top-k outputs at least ``min(top_k, C)`` wide when the model's classes ``C`` are
+        known (:meth:`_probe`, capture's warm-up), else ``k`` wide (a batch widens its slot's: submit)."""
+        k = min(self.config.top_k, self.num_classes) if self.num_classes else k
+        for slot in self.slots:
+            slot.fit_outputs(k, self.cuda)
 
     def reset(self) -> None:
         """Wait for outstanding device work and mark every slot free (start of a run)."""
@@ -328,6 +312,7 @@ class Engine:
                 staged = True
                 probs, idx = topk_probs(self.forward(slot.dev_in[:n]), k)
                 slot.k = probs.shape[1]
+                slot.fit_outputs(slot.k, pinned=False)
                 slot.out_probs[:n, : probs.shape[1]] = probs
                 slot.out_idx[:n, : idx.shape[1]] = idx
                 return slot
@@ -360,6 +345,7 @@ class Engine:
                 else:
                     probs, idx = topk_probs(self.forward(slot.dev_in[:n]), k)
                 slot.k = probs.shape[1]
+                slot.fit_outputs(slot.k, pinned=True)
                 copy_all([slot.out_probs[:n, : probs.shape[1]], slot.out_idx[:n, : idx.shape[1]]], [probs, idx])  # D2H
                 slot.done.record(self.compute_stream)
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - this batch's items', not the run's
@@ -380,6 +366,7 @@ class Engine:
                 try:
                     probs, idx = topk_probs(self.forward(slot.dev_in[i : i + 1]), k)
                     c = probs.shape[1]
+                    slot.fit_outputs(c, self.cuda)
                     copy_all([slot.out_probs[i : i + 1, :c], slot.out_idx[i : i + 1, :c]], [probs, idx])
                     slot.k = c
                 except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - this row's

@@ -178,10 +178,21 @@ def transform_of(model: Any) -> Transform:
     (:data:`TORCHVISION_IMAGENET`: what a model trained with torchvision's references expects).
 
     Raises:
-        ValueError: an unknown name; TypeError: an ``input_transform`` that is not a :class:`Transform`.
+        ValueError: an unknown name; TypeError: neither a name nor an ``nn.Module`` instance (a module
+            class is named, with the call that builds it: the library takes the module, the CLI's
+            ``--model MODULE:CLASS`` the class), or an ``input_transform`` that is not a :class:`Transform`.
     """
     if isinstance(model, str):
         return spec(model).transform
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        if isinstance(model, type) and issubclass(model, nn.Module):
+            raise TypeError(
+                f"model must be an nn.Module instance, got the class {model.__name__}: pass "
+                f"model={model.__name__}() (a built module; the CLI's --model MODULE:CLASS is what takes a class)"
+            )
+        raise TypeError(f"model must be a model name (str) or an nn.Module instance, got {type(model).__name__}")
     own = getattr(model, "input_transform", None)
     if own is not None and not isinstance(own, Transform):
         raise TypeError(
