@@ -35,6 +35,21 @@ def test_text_stream_gives_whole_characters_and_ends_before_the_first_stop(tiny_
     assert out == TEXT[: -len("fox")] and out + ts.flush() == TEXT and not ts.stopped
 
 
+def test_token_bytes_rebuild_the_text_a_piece_of_a_character_included(tiny_text):
+    """What chat logprobs' ``bytes`` hold: each token's own bytes (a token that is part of a UTF-8
+    character among them), byte-level BPE and SentencePiece's byte tokens alike."""
+    from tokenizers import Tokenizer, models
+
+    from fullthrottle.workloads.llm.text import LlmText
+
+    ids = tiny_text.encode(TEXT, special=False)
+    pieces = [tiny_text.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == TEXT.encode("utf-8")
+    assert any(p and "\ufffd" in tiny_text.decode([i]) for i, p in zip(ids, pieces))  # (parts of characters)
+    sp = LlmText(Tokenizer(models.WordLevel({"<0xE2>": 0, "<0x82>": 1, "hi": 2, "<unk>": 3}, unk_token="<unk>")))
+    assert [sp.token_bytes(i) for i in (0, 1, 2)] == [b"\xe2", b"\x82", b"hi"]
+
+
 @pytest.fixture(params=[0, 6], ids=["static-kv", "paged-kv"])
 def llm(make_tiny_llama, tiny_text, request):
     """(server, ``alone(ids, n)``: the greedy tokens of a prompt run alone, the LlmText); the server's
@@ -402,3 +417,27 @@ def test_stop_token_ids_several_eos_ids_and_the_chat_replys_default_length(llm):
     n_prompt = r.usage.prompt_tokens
     assert r.usage.completion_tokens == 128 - n_prompt or r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens > 16
+
+
+def test_a_streams_latency_is_counted_to_its_end(llm):
+    """/metrics' request latency of a streamed completion runs to its last chunk, not to its head."""
+    import time
+
+    import httpx
+
+    s, _, _ = llm
+
+    def latency_sum() -> float:
+        text = httpx.get(s.url + "/metrics").text
+        m = re.search(r'fullthrottle_request_latency_seconds_sum\{route="/v1/completions"\} (\S+)', text)
+        return float(m.group(1)) if m else 0.0
+
+    before = latency_sum()
+    body = {"prompt": "hello world", "max_tokens": 100, "temperature": 0, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+        t_head = time.perf_counter()
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        t_end = time.perf_counter()
+    assert events[-1] == "data: [DONE]" and t_end - t_head > 0.05
+    time.sleep(0.1)
+    assert latency_sum() - before >= 0.8 * (t_end - t_head), (latency_sum() - before, t_end - t_head)

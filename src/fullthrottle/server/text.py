@@ -101,12 +101,13 @@ class _Reply:
         rows = list(zip(self.tokens[start:stop], self.lps[start:stop]))
         if self.chat:
 
-            def item(t: str, lp: float) -> dict:
-                return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+            def item(i: int, lp: float) -> dict:  # (bytes: the token's own, a part of a character included)
+                b = self.tok.token_bytes(i) if self.tok is not None else self._token(i).encode("utf-8")
+                return {"token": self._token(i), "logprob": lp, "bytes": list(b)}
 
             return {
                 "content": [
-                    {**item(self._token(i), lp), "top_logprobs": [item(self._token(j), v) for j, v in zip(ids, vals)]}
+                    {**item(i, lp), "top_logprobs": [item(j, v) for j, v in zip(ids, vals)]}
                     for i, (lp, ids, vals) in rows
                 ]
             }
@@ -203,7 +204,7 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
         from fastapi.responses import StreamingResponse
 
         route = "/v1/chat/completions" if chat else "/v1/completions"
-        t0 = time.perf_counter()
+        t0, timed, observe = time.perf_counter(), True, m_latency.labels(route).observe
         try:
             svc = state.get("llm")
             if svc is None:
@@ -228,9 +229,9 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
             r = _Reply(chat, req, svc.name, svc.tok)
             if p.get("stream"):
                 m_requests.labels(route, "200").inc()
-                return StreamingResponse(
-                    _events(r, out, state.setdefault("streams", set())), media_type="text/event-stream"
-                )
+                timed = False  # (a stream's latency is observed as it ends: its last chunk sent)
+                events = _events(r, out, state.setdefault("streams", set()), lambda: observe(time.perf_counter() - t0))
+                return StreamingResponse(events, media_type="text/event-stream")
             texts: list[str] = []
             deadline = t0 + opts.timeout_s
             try:
@@ -260,11 +261,13 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
         except _HTTPError as e:  # OpenAI's error shape (its client reads error.message), and the server's own
             return reply(route, e.status, error_body(e.status, e.detail, openai=True), e.headers)
         finally:
-            m_latency.labels(route).observe(time.perf_counter() - t0)
+            if timed:
+                observe(time.perf_counter() - t0)
 
 
-async def _events(r: _Reply, out: asyncio.Queue, streams: set):
-    """The server-sent events of one streaming request (its queue in ``streams`` while it runs)."""
+async def _events(r: _Reply, out: asyncio.Queue, streams: set, ended):
+    """The server-sent events of one streaming request (its queue in ``streams`` while it runs;
+    ``ended()`` called as it ends, whichever way)."""
     item, first = None, True
     streams.add(out)
     try:
@@ -279,6 +282,7 @@ async def _events(r: _Reply, out: asyncio.Queue, streams: set):
     finally:  # also when the client disconnects mid-stream: stop generating for it
         r.req["cancelled"] = True
         streams.discard(out)
+        ended()
     finish = "error" if isinstance(item, Exception) else r.finish_reason()
     last = r.chunk([], r.rest() if finish != "error" else "", finish, first=first)
     if finish == "error":  # (the stream has sent 200 already: the reason goes in its last chunk)

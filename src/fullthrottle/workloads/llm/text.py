@@ -101,6 +101,20 @@ class LlmText:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token ``i`` stands for, a piece of a UTF-8 character included (what OpenAI's
+        logprobs ``bytes`` hold): a byte-level BPE token (GPT-2's, Llama 3's) through its byte
+        alphabet, a SentencePiece byte token ``<0xNN>`` as its byte, any other as its decoded text."""
+        piece = self.tokenizer.id_to_token(i) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if type(self.tokenizer.decoder).__name__ == "ByteLevel" and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return self.decode([i]).encode("utf-8")
+
     def chat_prompt(self, messages: list[dict]) -> str:
         """The prompt text of ``messages``, ending where the assistant's reply begins.
 
@@ -221,3 +235,23 @@ class TextStream:
         if self._read < len(self.tokens):
             self._pending += self._new_text(final=True)
         return self._cut(final=True)
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's ``bytes_to_unicode``), reversed: character -> the byte it stands for."""
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_OF = _byte_alphabet()
