@@ -246,3 +246,11 @@ def test_the_server_runs_a_large_request_in_calls_of_its_budget_and_drops_it_onc
         asyncio.run(main())
     finally:
         svc.close()
+
+
+def test_calls_cut_items_by_count_and_budget_and_an_item_over_the_budget_runs_alone():
+    from fullthrottle.core.workload import calls
+
+    assert calls([3, 3, 3, 3, 9, 1], 64, 6) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert calls([1] * 10, 4, None) == [(0, 4), (4, 8), (8, 10)]
+    assert calls([5, 1, 1], 2, 100) == [(0, 2), (2, 3)] and calls([], 4, 10) == []

@@ -267,6 +267,27 @@ def every_item_failed(outputs: list) -> bool:
     return bool(outputs) and all(isinstance(o, ItemError) for o in outputs)
 
 
+def calls(costs: list[int], max_batch: int, max_cost: int | None) -> list[tuple[int, int]]:
+    """Items with ``costs``, in order, cut into ``predict`` calls: ``(start, end)`` ranges of at most
+    ``max_batch`` items and ``max_cost`` cost (None: no budget); an item over the budget alone is a
+    call of its own.
+
+    >>> calls([3, 3, 3, 3, 9, 1], 64, 6)
+    [(0, 2), (2, 4), (4, 5), (5, 6)]
+    """
+    out, start = [], 0
+    while start < len(costs):
+        end, total = start, 0
+        while end < len(costs) and end - start < max_batch:
+            if end > start and max_cost and total + costs[end] > max_cost:
+                break
+            total += costs[end]
+            end += 1
+        out.append((start, end))
+        start = end
+    return out
+
+
 def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
     """Requests answered without a server, through the same contract and checks as ``POST /v1/<name>``
     (:func:`items_of`, :func:`cost_of`, :func:`response_of`): the items of all requests run in batches
@@ -302,14 +323,7 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
             errors[j] = str(e)
             costs.append(0)
     outs: list = [None] * len(items)
-    start = 0
-    while start < len(items):  # batches by count and cost budget; the first item always fits
-        end, total = start, 0
-        while end < len(items) and end - start < workload.max_batch:
-            if end > start and workload.max_batch_cost and total + costs[end] > workload.max_batch_cost:
-                break
-            total += costs[end]
-            end += 1
+    for start, end in calls(costs, workload.max_batch, workload.max_batch_cost):
         part = [k for k in range(start, end) if errors[owner[k]] is None]
         if part:
             try:
@@ -318,7 +332,6 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
             except (Exception, SystemExit) as e:  # noqa: BLE001 - every request with an item in this call
                 for k in part:
                     errors[owner[k]] = errors[owner[k]] or f"predict() failed: {type(e).__name__}: {e}"
-        start = end
     by_request: dict[int, list] = {}
     for k, j in enumerate(owner):
         by_request.setdefault(j, []).append(outs[k])

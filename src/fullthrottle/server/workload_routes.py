@@ -30,6 +30,7 @@ from ..core.workload import (
     NotServed,
     TooManyItems,
     Workload,
+    calls,
     cost_of,
     every_item_failed,
     items_of,
@@ -123,16 +124,10 @@ class WorkloadService:
         """The batch's items as ``predict`` calls, in order: lists of (request, item index), each of
         at most ``max_batch`` items and ``max_batch_cost`` (an item over the budget alone: a call of
         its own), so that one large request runs in calls of the size the budget allows."""
-        w, calls, call, cost = self.workload, [], [], 0
-        for r in reqs:
-            for i in range(len(r.items)):
-                c = r.costs[i] if r.costs is not None else 1
-                if call and (len(call) == w.max_batch or (w.max_batch_cost and cost + c > w.max_batch_cost)):
-                    calls.append(call)
-                    call, cost = [], 0
-                call.append((r, i))
-                cost += c
-        return calls + [call] if call else calls
+        w = self.workload
+        work = [(r, i) for r in reqs for i in range(len(r.items))]
+        costs = [r.costs[i] if r.costs is not None else 1 for r, i in work]
+        return [work[a:b] for a, b in calls(costs, w.max_batch, w.max_batch_cost)]
 
     def _run(self, reqs: list) -> None:
         """Predict every item of ``reqs`` in :meth:`_calls`; a request is answered as soon as its last
