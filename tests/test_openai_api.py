@@ -368,20 +368,10 @@ def test_stop_token_ids_several_eos_ids_and_the_chat_replys_default_length(llm):
     prompt = "the quick brown fox"
     toks = ref(text.encode(prompt), 20)
     k = next(i for i in range(3, 20) if toks[i] not in toks[:i])  # a token made first at step k
-    r = c.completions.create(
-        model="tiny", prompt=prompt, max_tokens=20, temperature=0, extra_body={"stop_token_ids": [toks[k]]}
-    )
+    kw = dict(model="tiny", prompt=prompt, max_tokens=20, temperature=0, extra_body={"stop_token_ids": [toks[k]]})
+    r = c.completions.create(**kw)
     assert r.choices[0].token_ids == toks[: k + 1] and r.choices[0].finish_reason == "stop"
-    streamed = list(
-        c.completions.create(
-            model="tiny",
-            prompt=prompt,
-            max_tokens=20,
-            temperature=0,
-            stream=True,
-            extra_body={"stop_token_ids": [toks[k]]},
-        )
-    )
+    streamed = list(c.completions.create(**kw, stream=True))
     assert streamed[-1].choices[0].finish_reason == "stop"
     assert "".join(ch.choices[0].text for ch in streamed) == text.decode(toks[: k + 1])
     for bad, msg in (
