@@ -213,3 +213,20 @@ def test_opencv_log_lines_are_silenced_by_the_decoder_setup():
     if "OPENCV_LOG_LEVEL" in os.environ:
         pytest.skip("OPENCV_LOG_LEVEL is set: left as asked")
     assert cv2.utils.logging.getLogLevel() == cv2.utils.logging.LOG_LEVEL_SILENT
+
+
+def test_an_image_past_opencvs_own_pixel_cap_goes_to_pillow_not_opencvs_message(monkeypatch):
+    """With a pixel limit above OpenCV's own cap (2**30 pixels), an image between the two is decoded
+    by Pillow: a header-only 100000x100000 TIFF gets Pillow's 'truncated' error, no OpenCV text."""
+    import struct
+
+    from PIL import Image
+
+    from fullthrottle.data.preprocess import ImageError, decode
+
+    tags = [(256, 4, 100000), (257, 4, 100000), (258, 3, 8), (259, 3, 1), (262, 3, 1), (273, 4, 8), (278, 4, 100000)]
+    ifd = struct.pack("<H", len(tags)) + b"".join(struct.pack("<HHII", t, k, 1, v) for t, k, v in tags) + bytes(4)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # (what --max-image-megapixels 1e12 sets)
+    with pytest.raises(ImageError) as e:
+        decode(b"II*\x00" + struct.pack("<I", 8) + ifd, 224, max_pixels=10**18)
+    assert "OpenCV" not in str(e.value) and "truncated" in str(e.value), e.value

@@ -97,14 +97,17 @@ def decode(data: bytes, min_side: int = 0, max_pixels: int = 89_478_485) -> np.n
             while factor < 8 and min(w, h) // (factor * 2) >= 2 * min_side:
                 factor *= 2
         buf = np.frombuffer(data, np.uint8)
-        if factor == 1 and _RGB is not None:
-            rgb = cv2.imdecode(buf, _RGB)
-            if rgb is not None and rgb.ndim == 3 and rgb.shape[2] == 3:
-                return rgb
-        else:
-            bgr = cv2.imdecode(buf, _REDUCED[factor])
-            if bgr is not None and bgr.ndim == 3 and bgr.shape[2] == 3:
-                return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+        try:  # (OpenCV refuses with an error what it will not decode, past its own pixel cap say: Pillow then)
+            if factor == 1 and _RGB is not None:
+                rgb = cv2.imdecode(buf, _RGB)
+                if rgb is not None and rgb.ndim == 3 and rgb.shape[2] == 3:
+                    return rgb
+            else:
+                bgr = cv2.imdecode(buf, _REDUCED[factor])
+                if bgr is not None and bgr.ndim == 3 and bgr.shape[2] == 3:
+                    return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+        except cv2.error:
+            pass
     return _decode_pil(data, fmt)
 
 
