@@ -45,6 +45,7 @@ def test_token_bytes_rebuild_the_text_a_piece_of_a_character_included(tiny_text)
     ids = tiny_text.encode(TEXT, special=False)
     pieces = [tiny_text.token_bytes(i) for i in ids]
     assert b"".join(pieces) == TEXT.encode("utf-8")
+    assert tiny_text.token_bytes(tiny_text.tokenizer.token_to_id("</s>")) == b""  # (not in the reply's text)
     assert any(p and "\ufffd" in tiny_text.decode([i]) for i, p in zip(ids, pieces))  # (parts of characters)
     sp = LlmText(Tokenizer(models.WordLevel({"<0xE2>": 0, "<0x82>": 1, "hi": 2, "<unk>": 3}, unk_token="<unk>")))
     assert [sp.token_bytes(i) for i in (0, 1, 2)] == [b"\xe2", b"\x82", b"hi"]

@@ -104,7 +104,11 @@ class LlmText:
     def token_bytes(self, i: int) -> bytes:
         """The bytes token ``i`` stands for, a piece of a UTF-8 character included (what OpenAI's
         logprobs ``bytes`` hold): a byte-level BPE token (GPT-2's, Llama 3's) through its byte
-        alphabet, a SentencePiece byte token ``<0xNN>`` as its byte, any other as its decoded text."""
+        alphabet, a SentencePiece byte token ``<0xNN>`` as its byte, any other as its decoded text; a
+        special token (end of sequence, say: not in the reply's text) none."""
+        text = self.decode([i])
+        if text == "":
+            return b""
         piece = self.tokenizer.id_to_token(i) or ""
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             try:
@@ -113,7 +117,7 @@ class LlmText:
                 pass
         if type(self.tokenizer.decoder).__name__ == "ByteLevel" and all(c in _BYTE_OF for c in piece):
             return bytes(_BYTE_OF[c] for c in piece)
-        return self.decode([i]).encode("utf-8")
+        return text.encode("utf-8")
 
     def chat_prompt(self, messages: list[dict]) -> str:
         """The prompt text of ``messages``, ending where the assistant's reply begins.
