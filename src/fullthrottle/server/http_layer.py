@@ -88,13 +88,19 @@ def _not_a_dropped_request(record: logging.LogRecord) -> bool:
     return not (msg.startswith("Traceback") and msg.rstrip().endswith("CancelledError"))
 
 
+#: at a second SIGTERM, how long (s) what ``on_drain(0)`` ended has to send its last bytes before the
+#: connections close
+FORCED_END_S = 0.3
+
+
 def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None, **where):
     """A uvicorn server for ``app`` with the guard's limits (``where``: ``host`` and ``port``, or
     nothing when the caller passes its sockets to ``run``). Its first SIGTERM or SIGINT drains
     in-flight requests (each within ``opts.timeout_s``), the second stops waiting; ``run`` then
     returns normally (exit status 0). Requests the HTTP parser refuses (400) are counted in
     ``app.requests_counter`` (route ``other``), where ``app`` has one (:func:`add_basics`).
-    ``on_drain(seconds)``, if given, is called (in the event loop) as the drain starts, with its length."""
+    ``on_drain(seconds)``, if given, is called (in the event loop) as the drain starts, with its length,
+    and with 0 at a second signal, :data:`FORCED_END_S` before the connections close."""
     import contextlib
     import signal
 
@@ -106,6 +112,8 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
         def handle_exit(self, sig, frame):
             if self.should_exit:  # a second SIGTERM or SIGINT: stop waiting for in-flight requests
                 self.force_exit = True
+                if on_drain is not None:  # (what can end cleanly at once does: streams send their last chunk)
+                    asyncio.get_event_loop().call_soon_threadsafe(on_drain, 0.0)
             super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets=None):
@@ -113,8 +121,10 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
                 on_drain(opts.timeout_s)
             await super().shutdown(sockets)
             if self.force_exit:  # requests still in flight are dropped: their connections close unanswered
-                dropped = list(self.server_state.connections)
-                for c in dropped:
+                await asyncio.sleep(FORCED_END_S)  # (first the streams' last chunks go out)
+                conns = list(self.server_state.connections)
+                dropped = [c for c in conns if not getattr(getattr(c, "cycle", None), "response_complete", True)]
+                for c in conns:
                     if getattr(c, "transport", None) is not None:
                         c.transport.close()
                 if dropped:

@@ -140,6 +140,7 @@ async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, 
 
     from .app import create_app
     from .engine_host import EngineHost
+    from .http_layer import FORCED_END_S
     from .text import end_streams_in
 
     loop = asyncio.get_running_loop()
@@ -155,13 +156,17 @@ async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, 
     stop, signals = asyncio.Event(), [0]
     workers: list[_Worker] = []
 
+    def forward_signal():
+        for w in workers:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGTERM)
+
     def on_signal():
         signals[0] += 1
         stop.set()
-        if signals[0] > 1:  # the second: the workers stop waiting for in-flight requests
-            for w in workers:
-                if w.proc.poll() is None:
-                    w.proc.send_signal(signal.SIGTERM)
+        if signals[0] > 1:  # the second: streams end now, then the workers stop waiting for in-flight requests
+            end_streams_in(app.state.ft, 0.0)
+            loop.call_later(FORCED_END_S / 2, forward_signal)  # (the ends reach the workers first)
 
     for s in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(s, on_signal)
