@@ -381,6 +381,7 @@ def test_stop_token_ids_several_eos_ids_and_the_chat_replys_default_length(llm):
         ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
         ({"repetition_penalty": 1.3}, "repetition_penalty is not supported"),
         ({"min_tokens": 4}, "min_tokens is not supported"),
+        ({"min_p": 0.1}, "min_p is not supported"),
     ):
         with pytest.raises(openai.BadRequestError, match=msg):
             c.completions.create(model="tiny", prompt=prompt, max_tokens=4, extra_body=bad)

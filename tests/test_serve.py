@@ -401,11 +401,14 @@ def test_embeddings_route_matches_library():
             ({"input": []}, "input is an empty list"),
             ({"dimensions": 8}, "this model's vectors have 384"),
             ({"encoding_format": "xml"}, "encoding_format must be 'float' or 'base64'"),
+            ({"dimensions": "384"}, "dimensions must be an integer"),
+            ({"input": [[1, 2, 3]]}, "input as token ids is not taken here"),
         ):
             with pytest.raises(openai.APIStatusError, match=msg) as e:
                 c.embeddings.create(**{"model": "all-MiniLM-L6-v2", "input": "x", **kw})
             assert e.value.status_code == (404 if "model" in kw else 400)
         assert httpx.post(s.url + "/v1/embeddings", json={"input": [1, 2]}).status_code == 400
+        assert [m.id for m in c.models.list()] == ["all-MiniLM-L6-v2"]  # (the name requests may give)
         assert httpx.post(s.url + "/v1/embeddings", json={"input": ["a"] * 2049}).status_code == 413
         metrics = httpx.get(s.url + "/metrics").text  # the same stage metric as classify's, its own stages
         busy = dict(re.findall(r'stage_busy_percent\{replica="0",stage="(\w+)",workload="embeddings"\} (\S+)', metrics))

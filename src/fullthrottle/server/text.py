@@ -3,7 +3,7 @@
 
 - ``POST /v1/completions``: ``prompt`` (text, or a list of token ids);
 - ``POST /v1/chat/completions``: ``messages``, made into a prompt by the model's chat template;
-- ``GET /v1/models``: the model served.
+- ``GET /v1/models``: the models served (the LLM's, the embeddings model's).
 
 Both generation routes take ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``top_k``, ``seed`` (a request's own: its tokens do not depend on other requests),
@@ -186,8 +186,9 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
-        svc = state.get("llm")
-        data = [] if svc is None else [{"id": svc.name, "object": "model", "created": 0, "owned_by": "fullthrottle"}]
+        svc, emb = state.get("llm"), state.get("workloads", {}).get("embeddings")
+        names = ([svc.name] if svc is not None else []) + ([emb.workload.model_name] if emb is not None else [])
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "fullthrottle"} for n in names]
         return reply("/v1/models", 200, {"object": "list", "data": data})
 
     @app.post("/v1/completions")

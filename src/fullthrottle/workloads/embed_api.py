@@ -62,6 +62,8 @@ class EmbeddingsAPI(Workload):
         texts = [texts] if isinstance(texts, str) else texts
         if texts == []:
             raise ValueError("input is an empty list: give at least one text")
+        if isinstance(texts, list) and texts and all(isinstance(t, (int, list)) for t in texts):
+            raise ValueError("input as token ids is not taken here (they would be another tokenizer's): send the text")
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise ValueError('JSON body must be {"input": "text" | ["text", ...]}')
         model = body.get("model")
@@ -71,6 +73,8 @@ class EmbeddingsAPI(Workload):
         if fmt not in ("float", "base64"):
             raise ValueError(f"encoding_format must be 'float' or 'base64', got {fmt!r}")
         dims = body.get("dimensions")
+        if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool)):
+            raise ValueError(f"dimensions must be an integer, got {dims!r}")
         if dims is not None and dims != self.embedder.dim:
             raise ValueError(f"dimensions: this model's vectors have {self.embedder.dim} (they are not shortened)")
         return [_Text(i, t, fmt == "base64") for i, t in enumerate(texts)]

@@ -28,6 +28,16 @@ UNSUPPORTED = {
     "response_format": None,
     "repetition_penalty": 1.0,  # (vLLM's sampling extensions)
     "min_tokens": 0,
+    "min_p": 0.0,
+    "typical_p": 1.0,
+    "length_penalty": 1.0,
+    "use_beam_search": False,
+    "include_stop_str_in_output": False,
+    "prompt_logprobs": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
 }
 #: characters of text per token of context a text prompt may have before it is refused untokenized
 #: (tokenizing a huge text only to refuse it would hold the server up)
