@@ -412,19 +412,19 @@ def test_stop_token_ids_several_eos_ids_and_the_chat_replys_default_length(llm):
 
 
 def test_a_streams_latency_is_counted_to_its_end(llm):
-    """/metrics' request latency of a streamed completion runs to its last chunk, not to its head."""
+    """/metrics' request latency of a streamed completion runs to its last chunk, not to its head; its
+    time to first token is counted apart, once."""
     import time
 
     import httpx
 
     s, _, _ = llm
 
-    def latency_sum() -> float:
-        text = httpx.get(s.url + "/metrics").text
-        m = re.search(r'fullthrottle_request_latency_seconds_sum\{route="/v1/completions"\} (\S+)', text)
+    def latency_sum(what=r'request_latency_seconds_sum\{route="/v1/completions"\}') -> float:
+        m = re.search(rf"fullthrottle_{what} (\S+)", httpx.get(s.url + "/metrics").text)
         return float(m.group(1)) if m else 0.0
 
-    before = latency_sum()
+    before, ttft = latency_sum(), [latency_sum("llm_time_to_first_token_seconds_" + k) for k in ("count", "sum")]
     body = {"prompt": "hello world", "max_tokens": 100, "temperature": 0, "stream": True}
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
         t_head = time.perf_counter()
@@ -433,3 +433,5 @@ def test_a_streams_latency_is_counted_to_its_end(llm):
     assert events[-1] == "data: [DONE]" and t_end - t_head > 0.05
     time.sleep(0.1)
     assert latency_sum() - before >= 0.8 * (t_end - t_head), (latency_sum() - before, t_end - t_head)
+    assert latency_sum("llm_time_to_first_token_seconds_count") == ttft[0] + 1
+    assert 0 < latency_sum("llm_time_to_first_token_seconds_sum") - ttft[1] < t_end - t_head

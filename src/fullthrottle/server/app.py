@@ -152,7 +152,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
     async def metrics():
         return PlainTextResponse(m.render(state), media_type=CONTENT_TYPE_LATEST)
 
-    add_text_routes(app, state, opts, reply, m.requests, m.latency)
+    add_text_routes(app, state, opts, reply, m.requests, m.latency, m.ttft)
     add_workload_routes(app, workloads, state, opts, reply, m.latency)
     if opts.embed_model is None:
 

@@ -34,6 +34,12 @@ class ServerMetrics:
             registry=reg,
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
         )
+        self.ttft = Histogram(
+            "fullthrottle_llm_time_to_first_token_seconds",
+            "LLM requests: time from a request's arrival to its first token (s), streamed or not",
+            registry=reg,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
         self.batch = Histogram(
             "fullthrottle_batch_size",
             "batch sizes formed by the batcher, per workload (classify, embeddings, a workload's name)",

@@ -57,8 +57,8 @@ def end_streams_in(state: dict, drain_s: float) -> None:
 class _Reply:
     """One request's answer being built: its ids, the text so far and the OpenAI shapes of it."""
 
-    def __init__(self, chat: bool, req: dict, model: str, tok):
-        self.chat, self.req, self.model = chat, req, model
+    def __init__(self, chat: bool, req: dict, model: str, tok, on_first=None):
+        self.chat, self.req, self.model, self.on_first = chat, req, model, on_first  # on_first(): its first token came
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.tok = tok
@@ -72,6 +72,8 @@ class _Reply:
         final text."""
         if self.text is not None and self.text.stopped:
             return [], ""
+        if new and not self.tokens and self.on_first is not None:
+            self.on_first()
         before = len(self.tokens)
         self.tokens += new
         self.lps += getattr(new, "logprobs", None) or []
@@ -173,7 +175,7 @@ class _Reply:
         return {**self._head("text_completion"), "choices": [choice], "usage": self.usage()}
 
 
-def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> None:
+def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency, m_ttft) -> None:
     """Add the LLM routes to ``app``.
 
     Args:
@@ -181,7 +183,8 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
             set in the app's lifespan).
         opts: the :class:`~fullthrottle.server.app.ServeOptions` (body limit, deadline, Retry-After).
         reply: ``reply(route, status, body, headers=None)``: the JSON response, counted in the metrics.
-        m_requests, m_latency: the app's request counter and latency histogram (prometheus-client).
+        m_requests, m_latency: the app's request counter and latency histogram (prometheus-client);
+        m_ttft: its histogram of the time to first token (from the request's arrival).
     """
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
@@ -227,7 +230,7 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency) -> Non
                 out = svc.submit(req)
             except Overloaded as e:
                 raise _HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
-            r = _Reply(chat, req, svc.name, svc.tok)
+            r = _Reply(chat, req, svc.name, svc.tok, lambda: m_ttft.observe(time.perf_counter() - t0))
             if p.get("stream"):
                 m_requests.labels(route, "200").inc()
                 timed = False  # (a stream's latency is observed as it ends: its last chunk sent)
