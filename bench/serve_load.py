@@ -4,7 +4,9 @@ on, same model (ResNet18, random weights, bf16 on CUDA), same 640x480 JPEGs, sam
 
 Each server runs as its own process tree pinned to the server cores; the load comes from client
 processes on the client cores (``load_client.py``: aiohttp, keep-alive, closed loop). Per point:
-img/s, p50/p99 ms, status counts, GPU busy (NVML), the server's CPU use (cores), the clients' CPU use.
+img/s, p50/p99 ms, status counts, GPU busy (NVML), the server's CPU use (cores), the clients' CPU use;
+fullthrottle's also where an image's time went inside the server (``where_time_goes``, from two scrapes
+of its /metrics: each stage's mean queue wait, the engine's and the HTTP worker's mean latency).
 
 - ``single``: one JPEG per request (LitServe: as a one-file multipart form, its way for files);
 - ``multi32``: 32 JPEGs per multipart request (fullthrottle and FastAPI);
@@ -34,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import cpu_s, jpegs_640x480, machine_info, tree, write_json  # noqa: E402
+from common import cpu_s, jpegs_640x480, machine_info, scrape, tree, where_time_goes, write_json  # noqa: E402
 from load_client import OPEN_LOOP_CONNECTIONS, closed_loop, multipart, open_loop  # noqa: E402
 
 
@@ -129,7 +131,11 @@ def bodies_for(mode: str, name: str, blobs: list[bytes]) -> tuple[list[tuple[byt
     return [(b, "image/jpeg") for b in blobs], 1
 
 
-def measure(proc, url, bodies, images, conc, args, client_cores, gpu) -> dict:
+def measure(proc, url, bodies, images, conc, args, client_cores, gpu, ours=False) -> dict:
+    """One closed-loop point; for fullthrottle (``ours``), where an image's time went in the server
+    over it, from its /metrics (the stages' queue waits, the engine's and the HTTP worker's latency)."""
+    base = url.rsplit("/v1/", 1)[0]
+    m0 = scrape(base) if ours else None
     cpu0, t0 = tree_cpu_s(proc.pid), time.perf_counter()
     mon = None
     if gpu:
@@ -143,6 +149,8 @@ def measure(proc, url, bodies, images, conc, args, client_cores, gpu) -> dict:
             mon.__exit__(None, None, None)
     r["server_cores"] = (tree_cpu_s(proc.pid) - cpu0) / (time.perf_counter() - t0)
     r["gpu_busy_pct"] = mon.mean_util_pct if mon is not None else None
+    if ours:
+        r["where_time_goes"] = where_time_goes(m0, scrape(base))
     print(
         f"  {conc:4d} clients: {r['img_per_s']:8.0f} img/s  p50 {r['p50_ms']} p99 {r['p99_ms']}  {r['statuses']}",
         flush=True,
@@ -160,7 +168,8 @@ def run_server(name, cmd, ready, modes, args, blobs, server_cores, client_cores,
             bodies, images = bodies_for(mode, name, blobs)
             print(f"{name} {mode}", flush=True)
             out["points"][mode] = [
-                measure(proc, url, bodies, images, c, args, client_cores, gpu) for c in args.concurrency
+                measure(proc, url, bodies, images, c, args, client_cores, gpu, name.startswith("fullthrottle"))
+                for c in args.concurrency
             ]
         if overload:
             peak = max(p["img_per_s"] for p in out["points"]["single"])

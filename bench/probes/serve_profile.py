@@ -22,45 +22,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
-from common import cpu_by_kind, jpegs_640x480, machine_info, write_json  # noqa: E402
+from common import cpu_by_kind, jpegs_640x480, machine_info, scrape, where_time_goes, write_json  # noqa: E402
 from load_client import closed_loop  # noqa: E402
 from serve_load import bodies_for, free_port, servers, start, stop  # noqa: E402
-
-
-def scrape(base: str) -> dict[str, float]:
-    """The server's /metrics: every sample's value by its name and labels (summed over replicas)."""
-    import re
-
-    import httpx
-
-    out: dict[str, float] = collections.Counter()
-    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
-        m = re.match(r"^(fullthrottle_[a-z_]+)(\{[^}]*\})? (\S+)$", line)
-        if m:
-            labels = re.sub(r'replica="[^"]*",?', "", m.group(2) or "")
-            out[m.group(1) + labels] += float(m.group(3))
-    return out
-
-
-def where_time_goes(m0: dict, m1: dict) -> dict:
-    """Between two scrapes: the mean wait per image in each stage's input queue (ms), the mean
-    per-image latency in the engine's pipeline, and the mean request latency of /v1/classify (ms)."""
-    import re
-
-    d = {k: m1[k] - m0.get(k, 0.0) for k in m1}
-    out = {}
-    for k, v in d.items():
-        st = re.fullmatch(r'fullthrottle_stage_queue_wait_seconds\{stage="([^"]+)"\}', k)
-        n = d.get(f'fullthrottle_stage_queue_waits{{stage="{st.group(1)}"}}', 0.0) if st else 0.0
-        if st and n > 0:
-            out[f"queue_wait_ms {st.group(1)}"] = round(1e3 * v / n, 2)
-    n = d.get("fullthrottle_item_latency_seconds_count", 0.0)
-    if n > 0:
-        out["engine_latency_ms"] = round(1e3 * d["fullthrottle_item_latency_seconds_sum"] / n, 2)
-    k = 'fullthrottle_request_latency_seconds_{}{{route="/v1/classify"}}'
-    if d.get(k.format("count"), 0.0) > 0:
-        out["http_worker_latency_ms"] = round(1e3 * d[k.format("sum")] / d[k.format("count")], 2)
-    return out
 
 
 def summarize(collapsed: str, top: int = 40) -> dict:
