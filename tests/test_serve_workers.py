@@ -374,6 +374,9 @@ def test_other_routes_pass_through_to_the_engine_and_stream():
         bad = httpx.post(url + "/v1/completions", json=body | {"max_tokens": -1}, headers=auth, timeout=10)
         assert bad.status_code == 400 and "max_tokens" in bad.text
         assert httpx.post(url + "/v1/classify", content=b"x", headers=auth, timeout=10).status_code == 404
+        nokey = httpx.post(url + "/v1/classify", content=b"x", timeout=10)  # (the worker's own route: keys too)
+        assert nokey.status_code == 401 and nokey.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(url + "/v1/classify", headers=auth, timeout=10).status_code == 405
     finally:
         code = stop(proc)
     assert code == 0, "".join(log)[-3000:]

@@ -57,8 +57,9 @@ class LocalClassifier:
         return list(await asyncio.gather(*futs))
 
 
-def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image_pixels: int) -> None:
-    """Add ``POST /v1/classify`` to ``app``.
+def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image_pixels: int):
+    """Add ``POST /v1/classify`` to ``app``; returns its handler (``await handler(request)``: the
+    response, for a caller that routes to it itself).
 
     Args:
         state: the app's state: ``state["ready"]`` (503 until True), ``state["classifier"]`` (the
@@ -169,6 +170,8 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             return reply(ROUTE, e.status, {"detail": e.detail}, e.headers)
         finally:
             metrics.latency.labels(ROUTE).observe(time.perf_counter() - t0)
+
+    return classify
 
 
 async def _parse_form(request, body: bytes, max_files: int):

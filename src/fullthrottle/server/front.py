@@ -267,7 +267,8 @@ async def _read_body(receive, max_bytes: int, timeout_s: float) -> bytes | None:
 
 
 def create_front_app(opts, max_image_pixels: int, client_box: list):
-    """The worker's ASGI app: its own FastAPI app for :data:`LOCAL_ROUTES`, the engine for the rest.
+    """The worker's ASGI app: its own FastAPI app for :data:`LOCAL_ROUTES` (``POST /v1/classify``
+    straight to its route's handler, after the API-key check), the engine for the rest.
     ``client_box[0]`` is the :class:`EngineClient` (made once the event loop runs)."""
     import contextlib
 
@@ -276,7 +277,9 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
     from fastapi.responses import PlainTextResponse
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
+    from starlette.requests import Request
 
+    from .classify_route import ROUTE as CLASSIFY
     from .classify_route import add_classify_route
     from .fetch import FetchPolicy
     from .http_layer import ROUTES, add_basics
@@ -310,10 +313,11 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
         MultiProcessCollector(reg)  # every process's counters and histograms, summed
         return PlainTextResponse(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
 
-    add_classify_route(local, state, opts, policy, reply, m, max_image_pixels)
+    classify = add_classify_route(local, state, opts, policy, reply, m, max_image_pixels)
 
     async def app(scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in LOCAL_ROUTES:
+        hot = scope["type"] == "http" and scope["path"] == CLASSIFY and scope["method"] == "POST"
+        if not hot and (scope["type"] != "http" or scope["path"] in LOCAL_ROUTES):
             return await local(scope, receive, send)
         route = scope["path"] if scope["path"] in ROUTES else "other"
         try:
@@ -328,6 +332,9 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
                     {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
                     {"WWW-Authenticate": "Bearer", "Connection": "close"},
                 )
+            if hot:  # (classify straight to its handler: FastAPI's routing would cost as much as the handler)
+                response = await classify(Request(scope, receive))
+                return await response(scope, receive, send)
             declared = headers.get(b"content-length", b"")
             if declared.isdigit() and int(declared) > opts.max_body_bytes:
                 raise HTTPError(
