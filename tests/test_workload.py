@@ -254,3 +254,62 @@ def test_calls_cut_items_by_count_and_budget_and_an_item_over_the_budget_runs_al
     assert calls([3, 3, 3, 3, 9, 1], 64, 6) == [(0, 2), (2, 4), (4, 5), (5, 6)]
     assert calls([1] * 10, 4, None) == [(0, 4), (4, 8), (8, 10)]
     assert calls([5, 1, 1], 2, 100) == [(0, 2), (2, 3)] and calls([], 4, 10) == []
+
+
+def test_an_item_that_makes_predict_raise_fails_its_own_request_only_offline_and_served():
+    """A call that raises runs again item by item: the request of the item that raises alone fails,
+    the others of the call are answered (offline and in the server alike)."""
+    import asyncio
+
+    from toy_workload import Unlucky
+
+    from fullthrottle.server.workload_routes import WorkloadService
+
+    w = Unlucky()
+    w.setup("cpu")
+    got = run_offline(w, [{"inputs": [[1, 1, 1, 1]]}, {"inputs": [[13, 13, 13, 13]]}, {"inputs": [[2, 2, 2, 2]]}])
+    assert got == [
+        ({"results": [{"output": 4.0}]}, None),
+        (None, "predict() failed: RuntimeError: unlucky 13"),
+        ({"results": [{"output": 8.0}]}, None),
+    ]
+    assert w.calls == [3, 1, 1, 1]  # (the call, then its items one by one)
+    svc = WorkloadService(w)
+
+    async def main():
+        futs = [svc.submit([[k] * 4]) for k in (1, 13, 2)]
+        return await asyncio.gather(*futs, return_exceptions=True)
+
+    try:
+        a, b, c = asyncio.run(main())
+    finally:
+        svc.close()
+    assert a == [4.0] and c == [8.0] and isinstance(b, RuntimeError) and "unlucky 13" in str(b)
+
+
+def test_cli_run_writes_answers_as_they_come_and_ctrl_c_keeps_them(tmp_path):
+    """``fullthrottle run`` writes each few batches' answers as they end: a SIGINT midway exits 130
+    with the answered lines in --out."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src, out = tmp_path / "req.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(f'{{"inputs": [[{k}, 0, 0, 0]]}}\n' for k in range(80)))  # 20 calls of 0.3 s
+    here = os.path.dirname(__file__)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fullthrottle.cli", "run", str(src), "--workload", "toy_workload:Slow"]
+        + ["--device", "cpu", "--out", str(out)],
+        env=dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", "")),
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline and not (out.exists() and out.read_text().count("\n") >= 16):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 130, proc.stderr.read()[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 16 <= len(rows) < 80 and [r["line"] for r in rows] == list(range(1, len(rows) + 1))
+    assert rows[3]["response"] == {"results": [{"output": 3.0}]}

@@ -103,3 +103,28 @@ class NoPredict(Workload):
 
     def decode_request(self, body):
         return [body]
+
+
+class Unlucky(Summer):
+    """predict() raises on any batch holding the item [13, 13, 13, 13]."""
+
+    name = "unlucky"
+
+    def predict(self, items):
+        if [13, 13, 13, 13] in items:
+            self.calls.append(len(items))
+            raise RuntimeError("unlucky 13")
+        return super().predict(items)
+
+
+class Slow(Summer):
+    """0.3 s per predict() call, 4 items a call."""
+
+    name = "slow"
+    max_batch = 4
+
+    def predict(self, items):
+        import time
+
+        time.sleep(0.3)
+        return super().predict(items)

@@ -10,7 +10,8 @@ import sys
 
 from .common import _silence_stdout
 
-#: requests read and answered at a time (bounds memory on large files; batches form within a chunk)
+#: most requests read and answered at a time (bounds memory on large files; batches form within a
+#: chunk, of 4 batches' requests at least; each chunk's answers are written as it ends)
 CHUNK = 4096
 
 
@@ -58,7 +59,8 @@ def cmd_run(args) -> int:
     failed = total = 0
     try:
         with src:
-            for chunk in _chunks(_bodies(src), CHUNK if not args.ray else None):
+            size = min(CHUNK, max(16, 4 * workload.max_batch)) if not args.ray else None
+            for chunk in _chunks(_bodies(src), size):
                 for n, resp, err in _answer(workload, chunk, args, device):
                     failed += err is not None
                     total += 1
@@ -69,7 +71,7 @@ def cmd_run(args) -> int:
                     }
                     out.write(json.dumps(row))
                     out.write("\n")
-            out.flush()
+                out.flush()  # (what is answered is written: Ctrl-C keeps it)
         if out is not sys.stdout:
             out.close()
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly

@@ -94,7 +94,8 @@ class Workload:
     def predict(self, items: list) -> list:
         """One output per item, in order, for items of one or more requests; each output JSON-able
         (convert tensors: ``.tolist()``). An output that is an :class:`ItemError` fails its item only;
-        an exception raised fails every request of the batch (each gets 500 with the message). A
+        when the call raises (or returns another number of outputs), its items run again one at a
+        time, and an item whose call raises alone fails its own request (500 with the message). A
         request whose items all fail is answered 422 (its body as :meth:`encode_response` makes it);
         one with some items ok, 200. Items of one request need not be neighbours in ``items``: name
         an item in an error by its content, not by its place in the batch."""
@@ -227,6 +228,29 @@ def cost_of(workload, item) -> int:
     return c
 
 
+class PredictFailed:
+    """In :func:`predict_each`'s outputs: ``predict()`` raised on this item alone (``message``); its
+    request fails with the message (the server: 500)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def predict_each(workload, items: list, on_error=None) -> list:
+    """:func:`outputs_of` on ``items``; when that raises, each item alone, so that an item on which
+    ``predict()`` raises costs its own request only: its output is then a :class:`PredictFailed`.
+    ``on_error(exception, n_items)`` is told of the first failure of the call (a log line, say).
+    KeyboardInterrupt passes through."""
+    try:
+        return outputs_of(workload, items)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the workload's bug: it costs whom it hits
+        if on_error is not None:
+            on_error(e, len(items))
+        if len(items) == 1:
+            return [PredictFailed(f"predict() failed: {type(e).__name__}: {e}")]
+    return [o for x in items for o in predict_each(workload, [x])]
+
+
 def outputs_of(workload, items: list) -> list:
     """``predict(items)`` checked: one output per item.
 
@@ -297,8 +321,8 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
     Returns one ``(answer, None)`` or ``(None, error)`` per body, in order; a request whose items all
     failed (:class:`ItemError`) gets ``(answer, "unprocessable: every item failed")``, the answer the
     server sends with its 422. An error is that request's
-    alone: what the server answers 4xx or 500 for, or an exception of the ``predict()`` call that held
-    one of its items (which fails every request with items in that call, as in the server).
+    alone: what the server answers 4xx or 500 for, or an exception ``predict()`` raised on one of its
+    items run alone (:func:`predict_each`, as in the server).
     """
     n = len(bodies)
     answers: list = [None] * n
@@ -325,13 +349,11 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
     outs: list = [None] * len(items)
     for start, end in calls(costs, workload.max_batch, workload.max_batch_cost):
         part = [k for k in range(start, end) if errors[owner[k]] is None]
-        if part:
-            try:
-                for k, o in zip(part, outputs_of(workload, [items[k] for k in part])):
-                    outs[k] = o
-            except (Exception, SystemExit) as e:  # noqa: BLE001 - every request with an item in this call
-                for k in part:
-                    errors[owner[k]] = errors[owner[k]] or f"predict() failed: {type(e).__name__}: {e}"
+        for k, o in zip(part, predict_each(workload, [items[k] for k in part]) if part else ()):
+            if isinstance(o, PredictFailed):  # (its own item raised: its request fails, no other)
+                errors[owner[k]] = errors[owner[k]] or o.message
+            else:
+                outs[k] = o
     by_request: dict[int, list] = {}
     for k, j in enumerate(owner):
         by_request.setdefault(j, []).append(outs[k])

@@ -28,14 +28,15 @@ from ..core.report import StageStats
 from ..core.workload import (
     ContractError,
     NotServed,
+    PredictFailed,
     TooManyItems,
     Workload,
     calls,
     cost_of,
     every_item_failed,
     items_of,
-    outputs_of,
     parse_body,
+    predict_each,
     response_of,
     user_traceback,
 )
@@ -132,39 +133,39 @@ class WorkloadService:
     def _run(self, reqs: list) -> None:
         """Predict every item of ``reqs`` in :meth:`_calls`; a request is answered as soon as its last
         item is done, and the items of a request whose caller left (its deadline passed, its client
-        hung up) are not predicted. A call that raises fails the requests with items in it."""
+        hung up) are not predicted. A call that raises runs again item by item
+        (:func:`~fullthrottle.core.workload.predict_each`): an item that raises alone fails its
+        request, no other."""
         st = self.stats["predict"]
         for r in reqs:
             r.outs, r.left = [None] * len(r.items), len(r.items)
         for call in self._calls(reqs):
-            call = [(r, i) for r, i in call if not r.fut.done()]
+            call = [(r, i) for r, i in call if not r.fut.done() and r.left > 0]
             if not call:
                 continue
             st.begin()
             try:
-                outs = outputs_of(self.workload, [r.items[i] for r, i in call])
+                outs = predict_each(self.workload, [r.items[i] for r, i in call], self._log_failure)
                 self.batches += 1
-            except BaseException as e:  # noqa: BLE001 - every request of the call is answered, and the
-                # service lives on (a SystemExit or KeyboardInterrupt raised in predict() included)
-                err = RuntimeError(f"predict() failed: {type(e).__name__}: {e}")
-                log.error(
-                    "workload %s: predict() failed on a batch of %d:\n%s",
-                    self.workload.name,
-                    len(call),
-                    user_traceback(e),
-                )
-                for r in {id(r): r for r, _ in call}.values():
-                    r.left = -1  # (answered: its other items are not predicted)
-                    r.loop.call_soon_threadsafe(_set, r.fut, None, err)
-                continue
+            except BaseException as e:  # noqa: BLE001 - (a KeyboardInterrupt raised in predict()): every
+                # request of the call is answered, and the service lives on
+                outs = [PredictFailed(f"predict() failed: {type(e).__name__}: {e}")] * len(call)
             finally:
                 st.end(len(call))
             for (r, i), o in zip(call, outs):
-                if r.left > 0:
-                    r.outs[i] = o
-                    r.left -= 1
-                    if r.left == 0:
-                        r.loop.call_soon_threadsafe(_set, r.fut, r.outs, None)
+                if r.left <= 0:
+                    continue
+                if isinstance(o, PredictFailed):
+                    r.left = -1  # (answered: its other items are not predicted)
+                    r.loop.call_soon_threadsafe(_set, r.fut, None, RuntimeError(o.message))
+                    continue
+                r.outs[i] = o
+                r.left -= 1
+                if r.left == 0:
+                    r.loop.call_soon_threadsafe(_set, r.fut, r.outs, None)
+
+    def _log_failure(self, e: BaseException, n: int) -> None:
+        log.error("workload %s: predict() failed on a batch of %d:\n%s", self.workload.name, n, user_traceback(e))
 
     def _loop(self) -> None:
         while not self._stop.is_set():
