@@ -66,3 +66,15 @@ def test_e2e(tmp_path, samples):
 def test_out_in_a_missing_folder_is_refused_before_the_run(tmp_path, capsys):
     rc = main(["bench", "threads", "--quick", "--out", str(tmp_path / "no" / "such" / "b")])
     assert rc == 2 and "its folder does not exist" in capsys.readouterr().err
+
+
+def test_bench_flags_are_checked_before_anything_runs(capsys):
+    for argv, says in (
+        (["bench", "e2e", "--quick", "--model", "nosuch"], "'nosuch' is not one of torchvision's models"),
+        (["bench", "batch", "--quick", "--model", "efficientnet_lite0"], "not one of torchvision's models"),
+        (["bench", "threads", "--quick", "--seconds", "-1"], "must be a finite number > 0"),
+        (["bench", "threads", "--quick", "--seconds", "0"], "must be a finite number > 0"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err, argv

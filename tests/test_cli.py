@@ -249,6 +249,11 @@ def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp
     assert json.loads(out.read_text())["token_ids"] == singles[0]
     assert main([*args, "--out", str(tmp_path), "--no-progress"]) == 2  # a folder: a clear error, exit 2
     assert "cannot write --out" in capsys.readouterr().err
+    # stop_token_ids end a request of random weights too (which have no end-of-sequence token of their own)
+    src.write_text(json.dumps({"prompt": [1, 2, 3], "stop_token_ids": [singles[0][2]]}) + "\n")
+    assert main([*args, "--out", str(out), "--no-progress"]) == 0
+    got = json.loads(out.read_text())
+    assert got["token_ids"] == singles[0][: singles[0].index(singles[0][2]) + 1] and got["finish_reason"] == "stop"
 
 
 def test_generate_many_keeps_the_answers_done_when_stopped(tmp_path, monkeypatch, capsys):

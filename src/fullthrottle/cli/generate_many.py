@@ -30,6 +30,7 @@ def read_requests(path: str, args) -> list[dict | str]:
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
+        **({} if args.model_dir else {"ignore_eos": True}),  # (random weights: no end-of-sequence token)
     }
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -91,8 +92,8 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
     gen = Generator(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len or need, graphs=args.graphs)
     sched = Scheduler(gen, eos_id=eos, ahead=gen.check_every)  # (offline: up to check_every steps a read)
 
-    def ends(c: dict) -> dict:  # a request's own stop ids (the model's eos and its stop_token_ids); none: random
-        return {"stop_ids": c["stop_ids"]} if eos is not None else {}
+    def ends(c: dict) -> dict:  # a request's own stop ids: the model's eos (random weights: none), its stop_token_ids
+        return {"stop_ids": c["stop_ids"]}
 
     recs = [
         (c, sched.submit(c["ids"], c["max_tokens"], c["temperature"], c["top_k"], c["top_p"], c["seed"], **ends(c)))

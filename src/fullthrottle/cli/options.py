@@ -62,6 +62,17 @@ def megapixels(s: str) -> float:
     return v
 
 
+def torchvision_model(s: str) -> str:
+    """The name of one of torchvision's classification models (``resnet18``, ...)."""
+    import torchvision
+
+    if s not in torchvision.models.list_models(module=torchvision.models):
+        raise argparse.ArgumentTypeError(
+            f"{s!r} is not one of torchvision's models (resnet18, mobilenet_v3_small, ...)"
+        )
+    return s
+
+
 def positive_int(s: str) -> int:
     """An integer >= 1."""
     v = _integer(s)

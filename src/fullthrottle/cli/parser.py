@@ -16,6 +16,7 @@ from .options import (
     port_number,
     positive_float,
     positive_int,
+    torchvision_model,
 )
 
 _SO = ServeOptions  # (its fields' defaults are serve's flags' defaults)
@@ -348,10 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
             )
         if name == "threads":
             e.add_argument("--threads", default=None, help="comma list (default: 1,2,4,... up to 2x cores)")
-            e.add_argument("--seconds", type=float, default=2.0, help="per point (default: %(default)s)")
+            e.add_argument("--seconds", type=positive_float, default=2.0, help="per point (default: %(default)s)")
         if name in ("batch", "transfer"):
             e.add_argument("--batches", default=None, help="comma list of batch sizes")
-            e.add_argument("--model", default="resnet18", help="torchvision model (default: %(default)s)")
+            e.add_argument(
+                "--model", type=torchvision_model, default="resnet18", help="torchvision model (default: %(default)s)"
+            )
         if name == "batch":
             e.add_argument("--compile", action="store_true", help="also torch.compile + graphs (slow start)")
         if name == "e2e":
@@ -369,5 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
                 help="batch size, the same for every method (default: %(default)s)",
             )
             add_runtime_flags(e, "device")
-            e.add_argument("--model", default="resnet18", help="torchvision model (default: %(default)s)")
+            e.add_argument(
+                "--model", type=torchvision_model, default="resnet18", help="torchvision model (default: %(default)s)"
+            )
     return p
