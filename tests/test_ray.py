@@ -73,6 +73,13 @@ def test_any_workload_offline_on_ray_answers_as_in_one_process(cluster):
     assert all(r["node"] for r in rows)  # answered in Ray actors (which of the two nodes: Ray's choice)
     with pytest.raises(ValueError, match="cannot import"):
         list(workload_on_ray("no_such_module_x:Y", reqs))
+    from fullthrottle.ray_jobs import SetupFailed
+
+    with pytest.raises(SetupFailed) as e:  # the user's setup() failing in the actors: its message, not Ray's
+        list(workload_on_ray("toy_workload:BadSetup", reqs[:1], device="cpu"))
+    msg = str(e.value)
+    assert msg.startswith("workload 'badsetup': setup() failed:") and "/nonexistent/weights.pt" in msg, msg
+    assert "ray" not in msg.lower(), msg
 
 
 def test_ray_serve_same_answers_and_survives_a_killed_replica(cluster, tmp_path, samples):

@@ -138,6 +138,14 @@ def classify_on_ray(
         yield out[k]
 
 
+#: brackets the message of a workload whose setup() failed in an actor, for the driver to find it in Ray's error
+_SETUP_MARK = "[[fullthrottle: setup failed]]"
+
+
+class SetupFailed(RuntimeError):
+    """A workload's ``setup()`` raised in a Ray actor: the message (and the user's frames)."""
+
+
 class RayWorkload:
     """A callable class for ``Dataset.map_batches`` that answers requests of any workload through its
     contract (:func:`~fullthrottle.core.workload.run_offline`: decode, batches by count and cost,
@@ -154,10 +162,14 @@ class RayWorkload:
 
     def __init__(self, workload: str, device: str = "auto"):
         from .core.device import resolve_device
-        from .core.workload import load_workload
+        from .core.workload import load_workload, user_traceback
 
         self.workload = load_workload(workload)
-        self.workload.setup(str(resolve_device(device)))
+        try:
+            self.workload.setup(str(resolve_device(device)))
+        except Exception as e:  # noqa: BLE001 - the user's code: its own frames, marked for the driver to find
+            why = f"workload {self.workload.name!r}: setup() failed:\n{user_traceback(e)}".rstrip()
+            raise RuntimeError(f"{_SETUP_MARK}{why}{_SETUP_MARK}") from None
         self.node = _node_id()
 
     def __call__(self, batch):
@@ -200,6 +212,8 @@ def workload_on_ray(
 
     Raises:
         ImportError: Ray is not installed. ValueError: a bad ``workload`` spec (checked here first).
+        SetupFailed: the workload's ``setup()`` raised in an actor (its message and the user's frames,
+            without Ray's own).
     """
     import json
     import os
@@ -226,12 +240,18 @@ def workload_on_ray(
         batch_format="pandas",
         runtime_env={"env_vars": {"PYTHONPATH": path}},
     )
-    for row in ds.iter_rows():
-        yield {
-            "response": json.loads(row["response"]) if row["response"] else None,
-            "error": row["error"],
-            "node": row["node"],
-        }
+    try:
+        for row in ds.iter_rows():
+            yield {
+                "response": json.loads(row["response"]) if row["response"] else None,
+                "error": row["error"],
+                "node": row["node"],
+            }
+    except Exception as e:  # noqa: BLE001 - Ray wraps an actor's failed start in its own tracebacks
+        parts = str(e).split(_SETUP_MARK)
+        if len(parts) >= 3:
+            raise SetupFailed(parts[1]) from None
+        raise
 
 
 def _node_id() -> str:

@@ -77,6 +77,12 @@ def cmd_run(args) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly
         _silence_stdout()
         return 1
+    except RuntimeError as e:  # (--ray: the workload's setup() failed in the actors)
+        from ..ray_jobs import SetupFailed
+
+        if not isinstance(e, SetupFailed):
+            raise
+        return _fail(str(e))
     except OSError as e:  # (disk full)
         return _fail(f"--out: {e}")
     print(f"{total} requests: {total - failed} ok, {failed} failed ({workload.name})", file=sys.stderr)
