@@ -243,6 +243,8 @@ def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp
     assert len(got[4]["token_ids"]) == 3 and got[4]["finish_reason"] == "length"
     assert "2 request(s) failed" in capsys.readouterr().err
     assert main([*args, "--tokens", "1,2"]) == 2 and "not both" in capsys.readouterr().err
+    assert main(["generate", "--random", "tiny", "--tokens", "1,2", "--out", str(out)]) == 2
+    assert "--out is for --prompts FILE" in capsys.readouterr().err
     # a field given as null takes the command's flag (greedy, 6 tokens), as one left out does
     src.write_text('{"prompt": [1, 2, 3], "temperature": null, "max_tokens": null, "top_p": null}\n')
     assert main([*args, "--out", str(out), "--no-progress"]) == 0

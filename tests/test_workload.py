@@ -56,6 +56,7 @@ def test_cli_run_answers_a_jsonl_file_in_order(tmp_path, capsys):
     assert main(["run", str(src), "--workload", "toy_workload:Summer", "--out", str(src)]) == 2  # not the input
     assert "is the input file" in capsys.readouterr().err and src.read_text().startswith('{"inputs"')
     assert main(["run", str(tmp_path / "nope.jsonl"), "--workload", "toy_workload:Summer"]) == 2
+    assert "cannot read " + str(tmp_path / "nope.jsonl") + ": No such file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["run", str(src)])  # --workload is required
 
@@ -313,3 +314,12 @@ def test_cli_run_writes_answers_as_they_come_and_ctrl_c_keeps_them(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert 16 <= len(rows) < 80 and [r["line"] for r in rows] == list(range(1, len(rows) + 1))
     assert rows[3]["response"] == {"results": [{"output": 3.0}]}
+
+
+def test_cli_embed_names_a_model_folder_without_a_model(tmp_path, capsys):
+    from fullthrottle.cli import main
+
+    (tmp_path / "texts.txt").write_text("hello\n")
+    args = ["embed", "--model-dir", str(tmp_path), str(tmp_path / "texts.txt"), "--out", str(tmp_path / "v.npy")]
+    assert main([*args, "--device", "cpu"]) == 2
+    assert f"no sentence-transformers model in {tmp_path}: " in capsys.readouterr().err

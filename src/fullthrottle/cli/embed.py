@@ -84,7 +84,14 @@ def cmd_embed(args) -> int:
         return 2
     try:
         emb = Embedder(args.model_dir, args.device, args.dtype, args.graphs)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
+    except FileNotFoundError as e:  # (a folder without the model's files)
+        where = args.model_dir or "the default folder"
+        print(
+            f"fullthrottle: error: no sentence-transformers model in {where}: {e.filename or e} is missing",
+            file=sys.stderr,
+        )
+        return 2
+    except (ValueError, RuntimeError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - a broken model folder (tokenizer.json, safetensors)

@@ -102,6 +102,10 @@ def _many(args, model, tok, eos, device, dtype) -> int:
 def cmd_generate(args) -> int:
     from .common import held_sigint
 
+    if args.out is not None and args.prompts is None:  # (one prompt's tokens stream to stdout)
+        print("fullthrottle: error: --out is for --prompts FILE (one prompt's text goes to stdout)", file=sys.stderr)
+        return 2
+
     with held_sigint():  # (a Ctrl-C is taken once the native libraries have imported)
         from ..core.device import resolve_device
         from ..workloads.llm.checks import check_prompt

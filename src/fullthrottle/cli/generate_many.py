@@ -17,8 +17,9 @@ import sys
 from types import SimpleNamespace
 
 
-def read_requests(path: str, args) -> list[dict | str]:
-    """The requests of FILE: each line's body (a dict), or the error of a line that is not one."""
+def read_requests(path: str, args, eos=None) -> list[dict | str]:
+    """The requests of FILE: each line's body (a dict), or the error of a line that is not one
+    (``eos``: the model's end-of-sequence id(s); None: a request does not stop at the model's own)."""
     if path == "-":
         lines = sys.stdin.read().splitlines()
     else:
@@ -30,7 +31,7 @@ def read_requests(path: str, args) -> list[dict | str]:
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
-        **({} if args.model_dir else {"ignore_eos": True}),  # (random weights: no end-of-sequence token)
+        **({} if eos is not None else {"ignore_eos": True}),  # (random weights: no end-of-sequence token)
     }
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -67,7 +68,7 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
     from ..workloads.llm.text import TextStream
 
     try:
-        reqs = read_requests(args.prompts, args)
+        reqs = read_requests(args.prompts, args, eos)
     except OSError as e:
         raise ValueError(f"cannot read {args.prompts}: {e.strerror or e}") from None
     if not reqs:

@@ -42,9 +42,12 @@ def cmd_run(args) -> int:
     try:
         workload = load_workload(args.workload)
         device = args.device if args.ray else str(resolve_device(args.device))  # (Ray: the actors' own)
-        src = sys.stdin.buffer if args.file == "-" else open(args.file, "rb")
     except (ValueError, RuntimeError, OSError) as e:
         return _fail(str(e))
+    try:
+        src = sys.stdin.buffer if args.file == "-" else open(args.file, "rb")
+    except OSError as e:
+        return _fail(f"cannot read {args.file}: {e.strerror or e}")
     if args.out != "-" and args.file != "-" and os.path.exists(args.out) and os.path.samefile(args.file, args.out):
         return _fail(f"--out {args.out} is the input file")
     if not args.ray:
