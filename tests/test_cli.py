@@ -245,6 +245,12 @@ def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp
     assert main([*args, "--tokens", "1,2"]) == 2 and "not both" in capsys.readouterr().err
     assert main(["generate", "--random", "tiny", "--tokens", "1,2", "--out", str(out)]) == 2
     assert "--out is for --prompts FILE" in capsys.readouterr().err
+    sampled = ["generate", "--random", "tiny", "--tokens", "1,2", "--max-new-tokens", "12", "--temperature", "1"]
+    runs = []
+    for extra in ([], [], ["--seed", "3"], ["--seed", "3"]):  # no seed: a new draw each run; a seed: the same
+        assert main([*sampled, *extra, "--device", "cpu"]) == 0
+        runs.append(capsys.readouterr().out.split())
+    assert runs[0] != runs[1] and runs[2] == runs[3]
     # a field given as null takes the command's flag (greedy, 6 tokens), as one left out does
     src.write_text('{"prompt": [1, 2, 3], "temperature": null, "max_tokens": null, "top_p": null}\n')
     assert main([*args, "--out", str(out), "--no-progress"]) == 0

@@ -53,6 +53,8 @@ def test_cli_run_answers_a_jsonl_file_in_order(tmp_path, capsys):
     assert main(["run", str(src), "--workload", "toy_workload:BadSetup", "--device", "cpu", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "workload 'badsetup': setup() failed:" in err and "toy_workload.py" in err and out.read_text() == "kept"
+    assert main(["run", str(src), "--workload", "toy_workload:ExitInSetup", "--device", "cpu"]) == 2
+    assert "workload 'exitinsetup': setup() failed:" in (err := capsys.readouterr().err) and "SystemExit: 5" in err
     assert main(["run", str(src), "--workload", "toy_workload:Summer", "--out", str(src)]) == 2  # not the input
     assert "is the input file" in capsys.readouterr().err and src.read_text().startswith('{"inputs"')
     assert main(["run", str(tmp_path / "nope.jsonl"), "--workload", "toy_workload:Summer"]) == 2

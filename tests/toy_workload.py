@@ -128,3 +128,10 @@ class Slow(Summer):
 
         time.sleep(0.3)
         return super().predict(items)
+
+
+class ExitInSetup(Summer):
+    name = "exitinsetup"
+
+    def setup(self, device):
+        raise SystemExit(5)

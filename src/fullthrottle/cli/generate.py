@@ -66,9 +66,13 @@ def random_llama(shape: str, device, dtype):
         kw = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
         cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, **kw)
     _check_memory_for(cfg, device, dtype)
-    torch.manual_seed(0)
-    with torch.device(device):
-        return Llama(cfg).to(dtype).eval()
+    dev = torch.device(device)
+    # (the weights from seed 0; torch's global generator, which draws the seeds of requests that give
+    # none, is left as it was)
+    with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
+        torch.manual_seed(0)
+        with dev:
+            return Llama(cfg).to(dtype).eval()
 
 
 def _report(args, tokens: int, wall: float, gen, device, dtype):

@@ -53,7 +53,7 @@ def cmd_run(args) -> int:
     if not args.ray:
         try:
             workload.setup(device)
-        except Exception as e:  # noqa: BLE001 - the user's code: its own frames, then one clear line
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's code: its own frames, then one clear line
             return _fail(f"workload {workload.name!r}: setup() failed:\n{user_traceback(e)}")
     try:  # (opened once the workload is ready: a failed start leaves an existing file as it was)
         out = sys.stdout if args.out == "-" else open(args.out, "w", encoding="utf-8")
