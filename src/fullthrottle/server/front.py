@@ -27,7 +27,7 @@ from ..core.errors import Overloaded
 from ..workloads.classify.result import Result
 from . import link as wire
 from .classify_route import FetchError
-from .guard import HTTPError, authorised
+from .guard import NO_KEY, HTTPError, authorised
 
 #: the routes an HTTP worker answers itself; every other goes to the engine
 LOCAL_ROUTES = frozenset({"/healthz", "/v1/classify", "/metrics"})
@@ -322,16 +322,10 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
         route = scope["path"] if scope["path"] in ROUTES else "other"
         try:
             headers = dict((k.lower(), v) for k, v in scope["headers"])
-            if opts.api_keys and not authorised(
-                (headers.get(b"authorization") or b"").decode("latin-1"), opts.api_keys
-            ):
+            key = (headers.get(b"authorization") or b"").decode("latin-1")
+            if opts.api_keys and not authorised(key, opts.api_keys):
                 m.requests.labels(route, "401").inc()
-                return await _json(
-                    send,
-                    401,
-                    {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
-                    {"WWW-Authenticate": "Bearer", "Connection": "close"},
-                )
+                return await _json(send, *NO_KEY)
             if hot:  # (classify straight to its handler: FastAPI's routing would cost as much as the handler)
                 response = await classify(Request(scope, receive))
                 return await response(scope, receive, send)

@@ -41,6 +41,15 @@ def error_body(status: int, detail: str, openai: bool = False) -> dict:
     return {"error": {"message": detail, "type": kind, "param": None, "code": status}, "detail": detail}
 
 
+#: the answer to a request without a valid API key: status, body, headers (the connection then closes,
+#: its body never read)
+NO_KEY = (
+    401,
+    {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
+    {"WWW-Authenticate": "Bearer", "Connection": "close"},
+)
+
+
 def load_keys(keys=(), key_file: str | None = None, environ=os.environ) -> tuple[str, ...]:
     """Every API key from ``keys``, ``key_file`` (one per line; blank lines and ``#`` comments
     skipped) and :data:`API_KEY_ENV`.

@@ -13,7 +13,7 @@ import time
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
-from .guard import authorised, head_deadline_protocol
+from .guard import NO_KEY, authorised, head_deadline_protocol
 from .options import ServeOptions
 from .startup import startup_error_only
 
@@ -39,12 +39,7 @@ def add_key_check(app, keys: tuple[str, ...], reply) -> None:
     @app.middleware("http")
     async def require_key(request: Request, call_next):
         if request.url.path != "/healthz" and not authorised(request.headers.get("authorization"), keys):
-            return reply(
-                request.url.path if request.url.path in ROUTES else "other",
-                401,
-                {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
-                {"WWW-Authenticate": "Bearer", "Connection": "close"},
-            )
+            return reply(request.url.path if request.url.path in ROUTES else "other", *NO_KEY)
         return await call_next(request)
 
 
