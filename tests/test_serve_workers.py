@@ -377,6 +377,9 @@ def test_other_routes_pass_through_to_the_engine_and_stream():
         nokey = httpx.post(url + "/v1/classify", content=b"x", timeout=10)  # (the worker's own route: keys too)
         assert nokey.status_code == 401 and nokey.headers["www-authenticate"] == "Bearer"
         assert httpx.get(url + "/v1/classify", headers=auth, timeout=10).status_code == 405
+        for _ in range(2):  # (the worker asks the engine for its gauges with the server's key: no 401 counted)
+            metrics = httpx.get(url + "/metrics", headers=auth, timeout=10).text
+        assert "fullthrottle_requests_waiting" in metrics and 'route="/metrics",status="401"' not in metrics
     finally:
         code = stop(proc)
     assert code == 0, "".join(log)[-3000:]

@@ -218,8 +218,9 @@ class EngineClient(asyncio.Protocol):
             if watcher is not None:
                 watcher.cancel()
 
-    async def get(self, path: str, timeout_s: float) -> tuple[int, bytes]:
-        """An internal GET through the engine's app (status, body; 504 past ``timeout_s``)."""
+    async def get(self, path: str, timeout_s: float, key: str | None = None) -> tuple[int, bytes]:
+        """An internal GET through the engine's app (status, body; 504 past ``timeout_s``), with the
+        API ``key`` where the server has keys."""
         chunks, status = [], [0]
 
         async def receive():
@@ -232,7 +233,8 @@ class EngineClient(asyncio.Protocol):
             else:
                 chunks.append(msg.get("body", b""))
 
-        scope = {"type": "http", "method": "GET", "path": path, "headers": [], "client": None, "server": None}
+        auth = [(b"authorization", f"Bearer {key}".encode("latin-1"))] if key else []
+        scope = {"type": "http", "method": "GET", "path": path, "headers": auth, "client": None, "server": None}
         await self.forward(scope, receive, send, b"", timeout_s)
         return status[0], b"".join(chunks)
 
@@ -308,7 +310,8 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
 
     @local.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
-        await client_box[0].get("/metrics", ENGINE_PROBE_S)  # the engine sets its gauges (queues, stages, GPU)
+        key = opts.api_keys[0] if opts.api_keys else None  # (the engine sets its gauges: queues, stages, GPU)
+        await client_box[0].get("/metrics", ENGINE_PROBE_S, key)
         reg = CollectorRegistry()
         MultiProcessCollector(reg)  # every process's counters and histograms, summed
         return PlainTextResponse(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
