@@ -253,6 +253,18 @@ def test_cuda_graph_steps_equal_each_request_alone(tiny_llama, kv_pages):
         assert sched.run(reqs) == refs, ahead  # replays switch batch and KV bucket as rows join, grow, leave
         assert sorted(sched.free) == list(range(8)) and not sched.running
         assert gen.kv is None or gen.kv.pages_used == 0
+    # each row's own stop ids, inside the decode graphs: request i stops at the first of its 1-3 ids
+    # (taken from its own tokens, and ids it never makes); a row that stopped inside a run of 8
+    # replays makes nothing more
+    stops = [[r[len(r) // 2], 96 - i % 3] if len(r) > 2 and i % 2 else [96, 95, 94 - i % 2] for i, r in enumerate(refs)]
+    cut = [next((r[: j + 1] for j, t in enumerate(r) if t in st), r) for r, st in zip(refs, stops)]
+    assert cut != refs  # (some of them stop early)
+    for ahead in (1, 8):
+        sched = Scheduler(gen, ahead=ahead)
+        recs = [sched.submit(r["prompt"], r["max_new_tokens"], stop_ids=st) for r, st in zip(reqs, stops)]
+        while sched.busy:
+            sched.step()
+        assert [s.tokens for s in recs] == cut, ahead
 
 
 @pytest.mark.parametrize("kv_pages", [0, 8])
