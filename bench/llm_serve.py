@@ -272,8 +272,10 @@ def start_server(args, rows: int, seq: int, port: int):
     raise RuntimeError("server did not become ready")
 
 
-def online(args) -> dict:
-    out = {}
+def online(args, res: dict) -> None:
+    """The online sets into ``res["online"]``; ``res`` is written to ``args.out`` after each point, so
+    that a run cut short keeps what it measured."""
+    out = res["online"] = {}
     for kind, rows, seq in (("fixed", args.rows, 256), ("mixed", args.mixed_rows, 2560)):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -284,12 +286,6 @@ def online(args) -> dict:
             reqs = requests_of(kind, 4096, VOCAB[args.shape])
             load_point(url, reqs[:8], 4, 3, 1)  # warm-up
             pts = []
-            for conc in [int(c) for c in args.concurrency.split(",")]:
-                c0, t0 = cpu_s(p.pid), time.perf_counter()
-                pts.append(load_point(url, reqs, conc, args.seconds, args.client_procs))
-                c1 = cpu_s(p.pid)  # the server process's cores over the point (its event loop and engine thread)
-                pts[-1]["server_cores"] = (c1 - c0) / (time.perf_counter() - t0) if c0 is not None and c1 else None
-                print(kind, pts[-1], flush=True)
             out[kind] = {
                 "server": " ".join(cmd[1:]),
                 "rows": rows,
@@ -297,10 +293,16 @@ def online(args) -> dict:
                 "ready_s": ready_s,
                 "points": pts,
             }
+            for conc in [int(c) for c in args.concurrency.split(",")]:
+                c0, t0 = cpu_s(p.pid), time.perf_counter()
+                pts.append(load_point(url, reqs, conc, args.seconds, args.client_procs))
+                c1 = cpu_s(p.pid)  # the server process's cores over the point (its event loop and engine thread)
+                pts[-1]["server_cores"] = (c1 - c0) / (time.perf_counter() - t0) if c0 is not None and c1 else None
+                print(kind, pts[-1], flush=True)
+                write_json(args.out, res)
         finally:
             p.terminate()
             p.wait(60)
-    return out
 
 
 def main():
@@ -333,9 +335,9 @@ def main():
         part.unlink()
     elif "offline" in args.parts:
         res["offline"] = offline(args)
-    if "online" in args.parts:
-        res["online"] = online(args)
     write_json(args.out, res)
+    if "online" in args.parts:
+        online(args, res)
 
 
 if __name__ == "__main__":
