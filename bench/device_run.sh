@@ -34,7 +34,7 @@ if [[ ,$parts, == *,gpuquick,* ]]; then   # the classification GPU tests and the
   $TO python3 -m pytest -q -s -m "gpu or not gpu" tests/test_gpu.py tests/test_models.py 2>&1 | tee "$OUT/gpu_quick_tests.log" | grep -E "Error|error:|passed|failed|agreement|top-1" | tail -14
 fi
 if [[ ,$parts, == *,llmtests,* ]]; then   # issue 14: the LLM GPU tests only (graphs, kernels, scheduler)
-  $TO python3 -m pytest -q -s -m gpu tests/test_llm.py tests/test_scheduler.py tests/test_kernels.py 2>&1 | tee "$OUT/llm_tests.log" | grep -E "Error|error:|passed|failed" | tail -12
+  timeout ${LLMTESTS_TIMEOUT_S:-150} python3 -m pytest -q -s -m gpu tests/test_llm.py tests/test_scheduler.py tests/test_kernels.py 2>&1 | tee "$OUT/llm_tests.log" | grep -E "Error|error:|passed|failed" | tail -12
 fi
 if [[ $parts == *gputests* ]]; then
   $TO python3 -m pytest -q -s -m gpu $gpu_sel tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed|agreement" | tail -12
