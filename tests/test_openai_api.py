@@ -140,6 +140,13 @@ def test_stop_strings_seeds_and_refusals(llm):
         c.completions.create(model="tiny", prompt=prompt, max_tokens=60, temperature=0, stop=stop, stream=True)
     )
     assert "".join(ch.choices[0].text for ch in streamed) == cut and streamed[-1].choices[0].finish_reason == "stop"
+    # whatever the stop string, streamed text is the whole reply's, also where the stop string ends
+    # inside text held back so far (a part of a character, or what could begin the stop string)
+    stops = list(dict.fromkeys(full[i : i + k] for k in (1, 2) for i in range(len(full))))
+    for stop in [x for x in stops if "\ufffd" not in x][:40]:
+        kw = dict(model="tiny", prompt=prompt, max_tokens=60, temperature=0, stop=stop)
+        whole = c.completions.create(**kw).choices[0].text
+        assert "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw)) == whole, stop
 
     # a seeded, sampled request gets the same text alone and among others
     kw = dict(model="tiny", max_tokens=24, temperature=1.0, top_p=0.9)
@@ -329,6 +336,15 @@ def test_logprobs_through_the_openai_client(make_tiny_llama, tiny_text):
             for x in ((ch.choices[0].logprobs.content if ch.choices[0].logprobs else []) or [])
         ]
         assert [t.logprob for t in streamed] == [t.logprob for t in content]  # every token once, in order
+        for prompt in ("hello world", "café", "the quick brown fox"):  # (tokens that make no text yet included)
+            msgs = [{"role": "user", "content": prompt}]
+            kw = dict(model="llm", messages=msgs, max_tokens=40, temperature=0, logprobs=True)
+            content = c.chat.completions.create(**kw).choices[0].logprobs.content
+            chunks = list(c.chat.completions.create(stream=True, **kw))
+            streamed = [x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+            assert len(content) == 40 and [(t.token, t.logprob) for t in streamed] == [
+                (t.token, t.logprob) for t in content
+            ]
         with pytest.raises(openai.BadRequestError, match="between 0 and 5"):
             c.completions.create(model="llm", prompt="hi", logprobs=6)
         with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):

@@ -65,16 +65,16 @@ class _Reply:
         self.text = TextStream(tok, req["stop"]) if tok is not None else None
         self.tokens: list[int] = []
         self.lps: list = []  # per token, with logprobs: (its log-probability, top ids, top values)
+        self.sent = 0  # tokens already in a streamed chunk (their ids and logprobs)
         self._offset = 0  # characters of the completion's tokens so far (text_offset)
 
-    def take(self, new: list[int]) -> tuple[list[int], str | None]:
-        """New token ids (a TokenChunk) in: those that count (none after a stop string) and their
-        final text."""
+    def take(self, new: list[int]) -> str | None:
+        """New token ids (a TokenChunk) in (none count after a stop string); returns the text they
+        make final (None: no tokenizer)."""
         if self.text is not None and self.text.stopped:
-            return [], ""
+            return ""
         if new and not self.tokens and self.on_first is not None:
             self.on_first()
-        before = len(self.tokens)
         self.tokens += new
         self.lps += getattr(new, "logprobs", None) or []
         text = None
@@ -83,7 +83,12 @@ class _Reply:
             if self.text.stopped:  # the tokens after the one that completed the stop string do not count
                 self.tokens = self.tokens[: self.text.used]
                 self.lps = self.lps[: self.text.used]
-        return self.tokens[before:], text
+        return text
+
+    @property
+    def unsent(self) -> int:
+        """Tokens taken that no streamed chunk has carried yet."""
+        return max(len(self.tokens) - self.sent, 0)
 
     def _token(self, i: int) -> str:
         return self.tok.decode([i]) if self.tok is not None else f"token_id:{i}"
@@ -143,9 +148,12 @@ class _Reply:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, ids: list[int], text: str | None, finish: str | None = None, first: bool = False) -> dict:
-        """A streamed chunk of ``ids``, the last tokens taken."""
-        lp = self.logprobs(len(self.tokens) - len(ids), len(self.tokens)) if ids else None
+    def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> dict:
+        """A streamed chunk of ``text`` and of the tokens taken since the last chunk (their ids and
+        logprobs; none of those a stop string cut after a chunk had carried them)."""
+        ids = self.tokens[self.sent :]
+        lp = self.logprobs(self.sent, len(self.tokens)) if ids else None
+        self.sent = max(self.sent, len(self.tokens))
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else {"content": text} if text else {}
             choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
@@ -257,7 +265,7 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency, m_ttft
                         break
                     if isinstance(item, Exception):
                         raise _HTTPError(500, f"generation failed: {item}")
-                    texts.append(r.take(item)[1] or "")
+                    texts.append(r.take(item) or "")
             finally:  # answered, stopped, timed out (504) or cancelled: generate no more for it
                 req["cancelled"] = True
             text = "".join(texts) + (r.rest() or "") if svc.tok is not None else None
@@ -279,16 +287,18 @@ async def _events(r: _Reply, out: asyncio.Queue, streams: set, ended):
             item = await out.get()
             if item is None or isinstance(item, Exception):
                 break
-            ids, text = r.take(item)
-            if ids and (text or not r.chat or first):
-                yield f"data: {json.dumps(r.chunk(ids, text, first=first))}\n\n"
+            text = r.take(item)
+            # a chunk as soon as there is text, or tokens (completions; the first chat chunk); chat
+            # tokens of no text yet go with the next chunk, their logprobs too
+            if text or (r.unsent and (not r.chat or first)):
+                yield f"data: {json.dumps(r.chunk(text, first=first))}\n\n"
                 first = False
     finally:  # also when the client disconnects mid-stream: stop generating for it
         r.req["cancelled"] = True
         streams.discard(out)
         ended()
     finish = "error" if isinstance(item, Exception) else r.finish_reason()
-    last = r.chunk([], r.rest() if finish != "error" else "", finish, first=first)
+    last = r.chunk(r.rest() if finish != "error" else "", finish, first=first)
     if finish == "error":  # (the stream has sent 200 already: the reason goes in its last chunk)
         why = str(item) if isinstance(item, ShuttingDown) else f"generation failed: {item}"
         last["error"] = {"message": why, "type": "server_error"}
