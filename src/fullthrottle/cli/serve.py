@@ -159,9 +159,18 @@ def cmd_serve(args) -> int:
             kw = dict(graphs=args.graphs, logprobs=args.llm_logprobs, kv_pages=pages)
             kw.update(max_prefill_tokens=args.llm_max_prefill_tokens)
             llm = (Generator(model, args.llm_max_batch, seq, **kw), tok)
+            kv = llm[0].kv
             if args.llm_kv_pages == "auto":
-                n = llm[0].kv.num_pages
-                print(f"note: --llm-kv-pages auto: {n} pages ({n * PAGE} token positions)", file=sys.stderr)
+                print(
+                    f"note: --llm-kv-pages auto: {kv.num_pages} pages ({kv.num_pages * kv.page} token positions)",
+                    file=sys.stderr,
+                )
+            elif kv is not None and kv.num_pages < pages:  # (capped at what full rows can use)
+                print(
+                    f"note: --llm-kv-pages {pages}: {kv.num_pages} used, all that {args.llm_max_batch} rows of "
+                    f"{seq} positions can hold",
+                    file=sys.stderr,
+                )
         except (ValueError, RuntimeError, MemoryError) as e:  # (RuntimeError: torch's out of memory)
             print(f"fullthrottle: error: {e}", file=sys.stderr)
             return 2
