@@ -82,16 +82,24 @@ def offline(args) -> dict:
         ready = time.perf_counter() - t0
         Scheduler(gen).run([{"prompt": r[0], "max_new_tokens": 4} for r in reqs[:8]])  # warm-up
         sync(dev)
+        busy0 = {k: st.busy_s for k, st in gen.stats.items()}
         t0 = time.perf_counter()
-        out = Scheduler(gen, ahead=gen.check_every).run([{"prompt": r[0], "max_new_tokens": r[1]} for r in reqs])
+        sched = Scheduler(gen, ahead=gen.check_every)
+        out = sched.run([{"prompt": r[0], "max_new_tokens": r[1]} for r in reqs])
         sync(dev)
         wall = time.perf_counter() - t0
         toks = sum(len(o) for o in out)
         res[name] = {
             "requests": len(reqs),
             "rows": gen.max_batch,
+            "kv_pages": gen.kv.num_pages if gen.kv is not None else 0,
             "fullthrottle_tok_per_s": toks / wall,
             "wall_s": wall,
+            # the host's view of the steps (each ends in a read back): prefill and decode seconds
+            "prefill_s": gen.stats["prefill"].busy_s - busy0["prefill"],
+            "decode_s": gen.stats["decode"].busy_s - busy0["decode"],
+            "steps": sched.steps,
+            "preemptions": sched.preemptions,
             "output_tokens": toks,
             "capture_s": ready,
         }
