@@ -208,6 +208,9 @@ def test_a_full_admission_queue_answers_503_with_retry_after(make_tiny_llama):
         codes = sorted(r.status_code for r in got)
         busy = [r for r in got if r.status_code == 503]
         assert codes.count(200) >= 3 and busy and set(codes) == {200, 503}, codes
+        m = httpx.get(s.url + "/metrics").text  # every answer given: none running or waiting, at once
+        assert 'fullthrottle_requests_running{workload="generate"} 0.0' in m
+        assert 'fullthrottle_requests_waiting{workload="generate"} 0.0' in m
         assert busy[0].headers["retry-after"] == "3" and "queue full" in busy[0].json()["error"]["message"]
         assert all(len(r.json()["choices"][0]["token_ids"]) == 400 for r in got if r.status_code == 200)
 

@@ -214,9 +214,7 @@ class CompletionService:
                     continue
                 live[rec] = [req, loop, out, 0]
             if sched is not None:
-                self.waiting = self.q.qsize() + len(sched.waiting)
-                self.running = len(sched.running) + (sched.prefilling is not None)
-                self.preempted = self._preempted_before + sched.preemptions
+                self._gauges(sched)
             if sched is None or not sched.busy:
                 continue
             try:
@@ -224,6 +222,7 @@ class CompletionService:
                     if req.get("cancelled"):
                         sched.cancel(rec)
                 sched.step()
+                self._gauges(sched)  # (before the answers go out: the requests the step ended are gone)
             except Exception as e:  # noqa: BLE001 - every request running gets the error; a fresh engine state
                 for _, loop, out, _ in live.values():
                     loop.call_soon_threadsafe(out.put_nowait, e)
@@ -241,6 +240,12 @@ class CompletionService:
                 if rec.done:
                     loop.call_soon_threadsafe(out.put_nowait, None)
                     del live[rec]
+
+    def _gauges(self, sched) -> None:
+        """/metrics' view of the engine: requests waiting, running, preempted so far."""
+        self.waiting = self.q.qsize() + len(sched.waiting)
+        self.running = len(sched.running) + (sched.prefilling is not None)
+        self.preempted = self._preempted_before + sched.preemptions
 
     def close(self) -> None:
         self._stop.set()
