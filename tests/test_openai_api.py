@@ -35,6 +35,27 @@ def test_text_stream_gives_whole_characters_and_ends_before_the_first_stop(tiny_
     assert out == TEXT[: -len("fox")] and out + ts.flush() == TEXT and not ts.stopped
 
 
+def test_text_stream_counts_the_tokens_up_to_the_one_that_completes_the_stop(tiny_text):
+    """``used``: the token that completes the stop string's last character (one split over byte
+    tokens included), also when the stop is found in text held back over several pushes (bytes
+    that make no character) and only at the flush."""
+    ids = tiny_text.encode(TEXT, special=False)
+    j = next(j for j in range(len(ids)) if tiny_text.decode(ids[: j + 1]).endswith("\ufffd"))  # a split character
+    end = len(tiny_text.decode(ids[: j + 2]))  # (its last piece is token j + 1)
+    for step in (1, len(ids)):
+        ts = TextStream(tiny_text, [TEXT[end - 2 : end]])
+        out = "".join(ts.push(ids[i : i + step]) for i in range(0, len(ids), step)) + ts.flush()
+        assert ts.stopped and out == TEXT[: end - 2] and ts.used == j + 2, step
+    lone = tiny_text.tokenizer.token_to_id("©")  # byte 0xA9 alone: no character, ever
+    pieces = [tiny_text.encode("the quick", special=False) + [lone], tiny_text.encode(" brown", special=False) + [lone]]
+    ts = TextStream(tiny_text, ["ick"])
+    assert [ts.push(p) for p in pieces] == ["", ""] and not ts.stopped  # (all held back)
+    assert ts.flush() == "the qu" and ts.stopped
+    assert tiny_text.decode(pieces[0][: ts.used]).endswith("ick") and "ick" not in tiny_text.decode(
+        pieces[0][: ts.used - 1]
+    )
+
+
 def test_token_bytes_rebuild_the_text_a_piece_of_a_character_included(tiny_text):
     """What chat logprobs' ``bytes`` hold: each token's own bytes (a token that is part of a UTF-8
     character among them), byte-level BPE and SentencePiece's byte tokens alike."""
@@ -145,8 +166,14 @@ def test_stop_strings_seeds_and_refusals(llm):
     stops = list(dict.fromkeys(full[i : i + k] for k in (1, 2) for i in range(len(full))))
     for stop in [x for x in stops if "\ufffd" not in x][:40]:
         kw = dict(model="tiny", prompt=prompt, max_tokens=60, temperature=0, stop=stop)
-        whole = c.completions.create(**kw).choices[0].text
-        assert "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw)) == whole, stop
+        whole = c.completions.create(**kw)
+        chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text, stop
+        assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason == "stop", stop
+        n = whole.usage.completion_tokens  # the tokens up to the one that completes the stop string
+        toks = ref(text.encode(prompt), 60)
+        assert stop in text.decode(toks[:n]) and stop not in text.decode(toks[: n - 1]), stop
+        assert chunks[-1].usage.completion_tokens == n, stop
 
     # a seeded, sampled request gets the same text alone and among others
     kw = dict(model="tiny", max_tokens=24, temperature=1.0, top_p=0.9)

@@ -131,7 +131,13 @@ class _Reply:
         }
 
     def rest(self) -> str | None:
-        return self.text.flush() if self.text is not None else None
+        """The text held back, once no more tokens come (a stop string found in it cuts the tokens after it)."""
+        if self.text is None:
+            return None
+        out = self.text.flush()
+        if self.text.stopped:
+            self.tokens, self.lps = self.tokens[: self.text.used], self.lps[: self.text.used]
+        return out
 
     @property
     def stopped(self) -> bool:
@@ -297,9 +303,10 @@ async def _events(r: _Reply, out: asyncio.Queue, streams: set, ended):
         r.req["cancelled"] = True
         streams.discard(out)
         ended()
-    finish = "error" if isinstance(item, Exception) else r.finish_reason()
-    last = r.chunk(r.rest() if finish != "error" else "", finish, first=first)
-    if finish == "error":  # (the stream has sent 200 already: the reason goes in its last chunk)
+    failed = isinstance(item, Exception)
+    rest = "" if failed else r.rest()  # (before the finish reason: a stop string may be in it)
+    last = r.chunk(rest, "error" if failed else r.finish_reason(), first=first)
+    if failed:  # (the stream has sent 200 already: the reason goes in its last chunk)
         why = str(item) if isinstance(item, ShuttingDown) else f"generation failed: {item}"
         last["error"] = {"message": why, "type": "server_error"}
     yield f"data: {json.dumps(last)}\n\n"

@@ -180,7 +180,6 @@ class TextStream:
         self._prefix = self._read = 0  # the decode window: tokens[prefix:read] are already text
         self._pending = ""  # final text not yet handed out (it may begin a stop string)
         self._emitted = 0  # characters handed out so far
-        self._pushed_from = 0  # where the last push's tokens begin
         self.stopped = False
         #: tokens that count: all of them, or after a stop, those up to the one that completed it
         self.used = 0
@@ -215,18 +214,22 @@ class TextStream:
         return out
 
     def _used_through(self, chars: int) -> None:
-        """:attr:`used`: the fewest tokens whose text reaches ``chars`` characters (the stop's end)."""
-        for n in range(max(1, self._pushed_from), len(self.tokens) + 1):
-            if len(self.text.decode(self.tokens[:n])) >= chars:
-                self.used = n
-                return
-        self.used = len(self.tokens)
+        """:attr:`used`: the fewest tokens whose text has the first ``chars`` characters (the stop's
+        end) of the whole text (a character split over tokens counts once its last piece is in)."""
+        want = self.text.decode(self.tokens)[:chars]
+        lo, hi = 1, len(self.tokens)  # (bisected: the stop may lie in text held back over many pushes)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.text.decode(self.tokens[:mid])[:chars] == want:
+                hi = mid
+            else:
+                lo = mid + 1
+        self.used = hi
 
     def push(self, tokens: list[int]) -> str:
         """New token ids in; the text now final out ("" while held back, and after a stop)."""
         if self.stopped:
             return ""
-        self._pushed_from = len(self.tokens)
         self.tokens += tokens
         self.used = len(self.tokens)
         self._pending += self._new_text()
