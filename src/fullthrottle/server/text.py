@@ -80,10 +80,13 @@ class _Reply:
         text = None
         if self.text is not None:
             text = self.text.push(new)
-            if self.text.stopped:  # the tokens after the one that completed the stop string do not count
-                self.tokens = self.tokens[: self.text.used]
-                self.lps = self.lps[: self.text.used]
+            self._cut_at_stop()
         return text
+
+    def _cut_at_stop(self) -> None:
+        """After a stop string, the tokens after the one that completed it do not count."""
+        if self.text.stopped:
+            self.tokens, self.lps = self.tokens[: self.text.used], self.lps[: self.text.used]
 
     @property
     def unsent(self) -> int:
@@ -135,8 +138,7 @@ class _Reply:
         if self.text is None:
             return None
         out = self.text.flush()
-        if self.text.stopped:
-            self.tokens, self.lps = self.tokens[: self.text.used], self.lps[: self.text.used]
+        self._cut_at_stop()
         return out
 
     @property
