@@ -148,7 +148,7 @@ if [[ ,$parts, == *,llmserve,* ]]; then   # issue 14: offline and over HTTP, aga
   $TO python3 bench/llm_serve.py ${LLMSERVE_ARGS:-} --out "$OUT/llm_serve.json" 2>&1 | tee "$OUT/llm_serve.log" | grep -v "^ *$" | tail -20
 fi
 if [[ $parts == *llmprof* ]]; then     # issue 06: kernels of one decode step
-  $TO python3 bench/probes/llm_profile.py --out "$OUT/llm_profile.json" 2>&1 | tail -34
+  $TO python3 bench/probes/llm_profile.py ${LLMPROF_ARGS:-} --out "$OUT/llm_profile.json" 2>&1 | tail -34
 fi
 if [[ $parts == *soak* ]]; then        # issue 04: 100k images through nvJPEG, memory at start and end
   $TO python3 bench/gpu_decode_soak.py ${SOAK_ARGS:-} --out "$OUT/gpu_decode_soak.json" 2>&1 | tail -3

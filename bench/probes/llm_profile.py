@@ -1,11 +1,15 @@
 """Where an LLM decode step's time goes (issue 06): CUDA kernels of one step, by name, count and time.
 
-Llama-2-7B shape, bf16, random weights, static KV cache of 328 positions. For each batch: the
-decode step replayed as a CUDA graph (ms per step, CUDA events, median of 50) and the kernels of
-one eager step under ``torch.profiler`` (count and device time per kernel name), so the launch
-overhead (kernel count) and the bandwidth-bound matmuls can be told apart.
+Llama-2-7B shape, bf16, random weights, every row at position ``--pos`` (200), the static KV cache
+of ``--max-seq-len`` (328) positions per row or (``--paged``) paged KV memory, each row holding the
+pages of ``--max-seq-len`` positions. For each batch: the decode step replayed as a CUDA graph (ms
+per step, CUDA events, median of 50), the floor that the H200's memory bandwidth puts under it
+(weights + the keys and values read, at ``--bandwidth`` GB/s) and the kernels of one eager step
+under ``torch.profiler`` (count and device time per kernel name), so the launch overhead (kernel
+count), the bandwidth-bound matmuls and the attention can be told apart.
 
 Usage: python bench/probes/llm_profile.py --out bench/probes/results/llm_profile.json [--batches 1,8]
+    [--paged --batches 256,512 --pos 192 --max-seq-len 256]
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/probes/results/llm_profile.json")
     ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--pos", type=int, default=200, help="every row's position (tokens already cached)")
+    ap.add_argument("--max-seq-len", type=int, default=328)
+    ap.add_argument("--paged", action="store_true", help="paged KV memory instead of the static cache")
+    ap.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s for the floor (H200: 4,800)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
@@ -37,15 +45,23 @@ def main():
         model = Llama(LlamaConfig.llama2_7b()).eval()
     torch.set_default_dtype(torch.float32)
     model.inv_freq = model.inv_freq.float()
-    gen = Generator(model, max_batch=max(batches), max_seq_len=328, graphs=True)
-    gen.pos.fill_(200)
+    cfg, pos = model.cfg, args.pos
+    rows = max(batches)
+    pages = rows * -(-args.max_seq_len // 64) if args.paged else 0
+    gen = Generator(model, max_batch=rows, max_seq_len=args.max_seq_len, graphs=True, kv_pages=pages)
+    if gen.kv is not None:
+        gen.kv.reserve_rows([args.max_seq_len] * gen.max_batch)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # K and V of one token, every layer, bf16
+    kv_token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    gen.pos.fill_(pos)
     out = {}
     for b in batches:
-        kv = next(x for x in gen.kv_buckets if x > 200)  # the attention length a step at position 200 uses
+        kv = next(x for x in gen.kv_buckets if x > pos)  # the attention length a step at this position uses
         g, _ = gen.graphs[(b, True, kv)]
         times = []
         for _ in range(60):
-            gen.pos.fill_(200)
+            gen.pos.fill_(pos)
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
             g.replay()
@@ -53,11 +69,11 @@ def main():
             e1.synchronize()
             times.append(e0.elapsed_time(e1))
         step_ms = statistics.median(times[10:])
-        gen.pos.fill_(200)
+        gen.pos.fill_(pos)
         gen._step(b, True, kv)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            gen.pos.fill_(200)
+            gen.pos.fill_(pos)
             gen._step(b, True, kv)
             torch.cuda.synchronize()
         agg = defaultdict(lambda: [0, 0.0])
@@ -68,21 +84,24 @@ def main():
         kernels = sorted(({"name": k[:120], "count": v[0], "us": v[1]} for k, v in agg.items()), key=lambda r: -r["us"])
         total_n = sum(r["count"] for r in kernels)
         total_us = sum(r["us"] for r in kernels)
+        floor_ms = (weight_bytes + b * (pos + 1) * kv_token_bytes) / (args.bandwidth * 1e6)
         out[b] = {
             "graph_step_ms": step_ms,
+            "bandwidth_floor_ms": floor_ms,
             "tok_per_s_graph": b / step_ms * 1e3,
             "kernels_per_step": total_n,
             "kernel_time_us": total_us,
             "top": kernels[:30],
         }
         print(
-            f"batch {b}: graph step {step_ms:.3f} ms ({b / step_ms * 1e3:.0f} tok/s), {total_n} kernels, "
+            f"batch {b}: graph step {step_ms:.3f} ms ({b / step_ms * 1e3:.0f} tok/s; floor {floor_ms:.3f} ms), {total_n} kernels, "
             f"{total_us / 1e3:.3f} ms of kernel time",
             flush=True,
         )
         for r in kernels[:14]:
             print(f"   {r['count']:5d} {r['us']:9.1f} us  {r['name'][:90]}", flush=True)
-    write_json(args.out, {"benchmark": "llm_profile", "machine": machine_info(), "batches": out})
+    settings = {"pos": pos, "max_seq_len": args.max_seq_len, "paged": args.paged, "bandwidth_gb_s": args.bandwidth}
+    write_json(args.out, {"benchmark": "llm_profile", "machine": machine_info(), "settings": settings, "batches": out})
 
 
 if __name__ == "__main__":
