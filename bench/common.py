@@ -258,8 +258,9 @@ def scrape(base: str) -> dict[str, float]:
 
 
 def where_time_goes(m0: dict, m1: dict) -> dict:
-    """Between two scrapes: the mean wait per image in each stage's input queue (ms), the mean
-    per-image latency in the engine's pipeline, and the mean request latency of /v1/classify (ms)."""
+    """Between two scrapes: the mean wait per image in each stage's input queue and the mean work
+    per image in each stage (ms; a batch's work shared among its images), the mean per-image
+    latency in the engine's pipeline, and the mean request latency of /v1/classify (ms)."""
     import re
 
     d = {k: m1[k] - m0.get(k, 0.0) for k in m1}
@@ -269,6 +270,10 @@ def where_time_goes(m0: dict, m1: dict) -> dict:
         n = d.get(f'fullthrottle_stage_queue_waits{{stage="{st.group(1)}"}}', 0.0) if st else 0.0
         if st and n > 0:
             out[f"queue_wait_ms {st.group(1)}"] = round(1e3 * v / n, 2)
+        st = re.fullmatch(r'fullthrottle_stage_work_seconds\{stage="([^"]+)"\}', k)
+        n = d.get(f'fullthrottle_stage_items{{stage="{st.group(1)}"}}', 0.0) if st else 0.0
+        if st and n > 0:
+            out[f"work_ms {st.group(1)}"] = round(1e3 * v / n, 3)
     n = d.get("fullthrottle_item_latency_seconds_count", 0.0)
     if n > 0:
         out["engine_latency_ms"] = round(1e3 * d["fullthrottle_item_latency_seconds_sum"] / n, 2)

@@ -110,6 +110,21 @@ class ServerMetrics:
             registry=reg,
             multiprocess_mode="livesum",
         )
+        self.work = Gauge(
+            "fullthrottle_stage_work_seconds",
+            "classify: seconds each stage's workers have spent on items since start, summed over workers "
+            "(with fullthrottle_stage_items: the mean work per image between two scrapes)",
+            ["replica", "stage"],
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
+        self.items = Gauge(
+            "fullthrottle_stage_items",
+            "classify: images each stage has finished since start, per replica and stage",
+            ["replica", "stage"],
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
         self.gpu = Gauge(
             "fullthrottle_gpu_utilization_percent",
             "GPU utilisation (NVML)",
@@ -142,6 +157,8 @@ class ServerMetrics:
                     )
                     self.queue_wait.labels(rep, st.name).set(st.queue_wait_s)
                     self.queue_waits.labels(rep, st.name).set(st.queue_waits)
+                    self.work.labels(rep, st.name).set(st.work_s)
+                    self.items.labels(rep, st.name).set(st.items)
                 mon = run.gpumon
                 if mon.utils:
                     self.gpu.labels(rep).set(mon.utils[-1])
