@@ -147,6 +147,9 @@ fi
 if [[ ,$parts, == *,llmserve,* ]]; then   # issue 14: offline and over HTTP, against transformers
   $TO python3 bench/llm_serve.py ${LLMSERVE_ARGS:-} --out "$OUT/llm_serve.json" 2>&1 | tee "$OUT/llm_serve.log" | grep -v "^ *$" | tail -20
 fi
+if [[ ,$parts, == *,pattn,* ]]; then     # issue 14: paged decode attention by blocks per program, vs cuDNN
+  $TO python3 bench/probes/paged_attention_probe.py ${PATTN_ARGS:-} --out "$OUT/paged_attention_probe.json" 2>&1 | tail -8
+fi
 if [[ $parts == *llmprof* ]]; then     # issue 06: kernels of one decode step
   $TO python3 bench/probes/llm_profile.py ${LLMPROF_ARGS:-} --out "$OUT/llm_profile.json" 2>&1 | tail -34
 fi

@@ -103,6 +103,11 @@ CHECK = textwrap.dedent("""
                 assert not counters.any()              # left zero for the next call
             o = K.decode_attention(q, kc, vc, pos, 1, kv_len, counters, block_t=32, warps=4)  # other splits
             assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (o.float() - ref).abs().max()
+            for per in (2, 3):  # blocks of 64 per program: 2 splits (one empty for position 0); no split
+                for merge in (None, counters):
+                    o = K.decode_attention(q, kc, vc, pos, 1, kv_len, merge, per=per)
+                    assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (per, (o.float() - ref).abs().max())
+                    assert not counters.any()
         # paged decode attention: the same rows as pages of 16 positions, in scattered pages, found
         # through a block table; unused entries point to page 0, which holds noise never read
         page, P = 16, 10
@@ -117,9 +122,11 @@ CHECK = textwrap.dedent("""
         ref = K.decode_attention_ref(q.float(), kc.float(), vc.float(), pos, 1, 150)
         counters = torch.zeros(B * H, dtype=torch.int32, device=device)
         for merge in (None, counters):
-            o = K.paged_decode_attention(q, pages_k, pages_v, table, pos, 1, 150, merge)
-            assert o.shape == (B, H, 1, D) and o.dtype == dtype
-            assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (o.float() - ref).abs().max()
+            for per in (None, 4, 10):  # a page per program (10 splits), 4 (3 splits), every page (no split)
+                o = K.paged_decode_attention(q, pages_k, pages_v, table, pos, 1, 150, merge, per=per)
+                assert o.shape == (B, H, 1, D) and o.dtype == dtype
+                assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (per, (o.float() - ref).abs().max())
+        assert K.blocks_per_split(512, 7) == 1 and K.blocks_per_split(513, 7) == 7  # (vLLM's V1/V2 rule)
         # variable-length prefill attention: pieces packed end to end (5 tokens from position 0, an
         # empty one, 70 from 0: two query blocks, 17 from position 20: a chunk reading earlier keys) and
         # 6 padding tokens, over the static rows above and over the same rows as pages
@@ -368,7 +375,9 @@ def test_llm_attention_kernels_compile_for_the_h200_without_a_gpu():
         src = ASTSource(fn=varlen._prefill_kernel, signature=sig, constexprs=consts)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
-        consts = {"D": 128, "BLOCK_T": 64, "MERGE": True, "BLOCK_S": 64, "PAGED": paged}
-        sig = decode | dict.fromkeys(consts, "constexpr")
-        src = ASTSource(fn=attention._attention_part_kernel, signature=sig, constexprs=consts)
-        assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["cubin"]
+        for per, direct in ((1, False), (2, False), (4, True)):  # splits of a block, of 2; one program a pair
+            consts = {"D": 128, "BLOCK_T": 64, "PER": per, "MERGE": not direct, "DIRECT": direct}
+            consts |= {"BLOCK_S": 64, "PAGED": paged}
+            sig = decode | dict.fromkeys(consts, "constexpr")
+            src = ASTSource(fn=attention._attention_part_kernel, signature=sig, constexprs=consts)
+            assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["cubin"]

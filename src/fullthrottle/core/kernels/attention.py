@@ -40,15 +40,17 @@ def decode_attention(
     counters: torch.Tensor | None = None,
     block_t: int = 64,
     warps: int = 2,
+    per: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per row over its cached keys and values (decode step).
 
     Row ``b``'s query attends to cache slots ``0..pos[b]`` of cache row ``row0 + b`` (causal: its
     own slot included, written before this call), never past ``kv_len``. The Triton kernel reads only
-    those valid slots, split along the cache in blocks of 64 slots run side by side, whose partial
-    softmaxes are then merged (split-KV, "Flash-Decoding", Dao et al., 2023): with ``counters``, by
-    the last split of each (row, head) to finish, counted with an atomic (one kernel); without, by a
-    second kernel. Grouped-query
+    those valid slots. With few (row, head) pairs it splits them along the cache in blocks of 64 slots
+    run side by side, whose partial softmaxes are then merged (split-KV, "Flash-Decoding", Dao et al.,
+    2023): with ``counters``, by the last split of each (row, head) to finish, counted with an atomic
+    (one kernel); without, by a second kernel. With many (above :data:`UNSPLIT_ABOVE`), one program
+    reads a pair's whole cache, block by block with an online softmax, and writes its output. Grouped-query
     attention maps query head ``h`` to key/value head ``h // (H / Hkv)``, as ``repeat_interleave``
     does. Without Triton (or for more than one query per row) it is
     ``F.scaled_dot_product_attention`` with the causal mask.
@@ -60,8 +62,9 @@ def decode_attention(
         row0: first cache row. kv_len: slots that may be read (``<= T``).
         counters: optional ``(>= B*H,)`` int32 zeros on ``q``'s device, owned by the caller (the
             kernel leaves them zero again); calls that use one buffer must not run concurrently.
-        block_t, warps: cache slots per split (a power of two) and warps per program of the Triton
+        block_t, warps: cache slots per block (a power of two) and warps per program of the Triton
             kernel (64 and 2: the fastest for Llama-2-7B's heads on an H200, docs/performance.md).
+        per: blocks one program reads (None: :func:`blocks_per_split`; the whole cache: no split).
 
     Returns:
         ``(B, H, S, D)`` in ``q``'s dtype.
@@ -105,10 +108,13 @@ def decode_attention(
         _is_int(block_t) and block_t >= 16 and not block_t & (block_t - 1) and warps in (1, 2, 4, 8),
         f"decode_attention: block_t must be a power of two >= 16 and warps 1, 2, 4 or 8, got {block_t!r}, {warps!r}",
     )
+    _check(
+        per is None or (_is_int(per) and per >= 1), f"decode_attention: per must be None or an int >= 1, got {per!r}"
+    )
     _same_device("decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, pos=pos, counters=counters)
     if S != 1 or not use_triton(q) or D & (D - 1) or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
         return decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len)
-    return _split_kv(q, k_cache, v_cache, pos, counters, None, row0, kv_len, block_t, warps)
+    return _split_kv(q, k_cache, v_cache, pos, counters, None, row0, kv_len, block_t, warps, per)
 
 
 def paged_decode_attention(
@@ -121,15 +127,16 @@ def paged_decode_attention(
     kv_len: int,
     counters: torch.Tensor | None = None,
     warps: int = 2,
+    per: int | None = None,
 ) -> torch.Tensor:
     """:func:`decode_attention` over paged KV memory (PagedAttention, Kwon et al., 2023): row ``b``'s
-    positions ``[i*PAGE, (i+1)*PAGE)`` are in page ``table[row0 + b, i]``. The Triton kernel's splits
+    positions ``[i*PAGE, (i+1)*PAGE)`` are in page ``table[row0 + b, i]``. The Triton kernel's blocks
     are one page each, read in place; the reference gathers the pages into one contiguous cache.
 
     Args:
         q: ``(B, H, S, D)``. k_pages, v_pages: ``(num_pages, Hkv, PAGE, D)``, PAGE a power of two >= 16.
         table: ``(rows, P)`` int64 page numbers, ``P * PAGE >= kv_len``. pos, row0, kv_len, counters,
-            warps: as :func:`decode_attention`.
+            warps, per: as :func:`decode_attention`.
 
     Returns:
         ``(B, H, S, D)`` in ``q``'s dtype.
@@ -154,22 +161,45 @@ def paged_decode_attention(
         f"paged_decode_attention: rows {row0}..{row0 + B} or kv_len {kv_len} past the table {tuple(table.shape)}",
     )
     _same_device("paged_decode_attention", q=q, k_pages=k_pages, v_pages=v_pages, table=table, pos=pos)
+    _check(
+        per is None or (_is_int(per) and per >= 1),
+        f"paged_decode_attention: per must be None or an int >= 1, got {per!r}",
+    )
     triton_ok = S == 1 and use_triton(q) and not D & (D - 1) and page >= 16 and not page & (page - 1)
     if not triton_ok or k_pages.stride(-1) != 1 or v_pages.stride() != k_pages.stride() or q.dtype != k_pages.dtype:
         rows = torch.arange(row0, row0 + B, device=q.device)
         kc, vc = gather_pages(k_pages, table, rows, kv_len), gather_pages(v_pages, table, rows, kv_len)
         return decode_attention_ref(q, kc, vc, pos, 0, kv_len)
     merge = counters is not None and counters.dtype == torch.int32 and counters.numel() >= B * H
-    return _split_kv(q, k_pages, v_pages, pos, counters if merge else None, table, row0, kv_len, page, warps)
+    return _split_kv(q, k_pages, v_pages, pos, counters if merge else None, table, row0, kv_len, page, warps, per)
 
 
-def _split_kv(q, k, v, pos, counters, table, row0: int, kv_len: int, block_t: int, warps: int) -> torch.Tensor:
-    # the Triton launch of both: splits of block_t slots (paged: a page each, through ``table``)
+#: (row, head) pairs above which a decode step's attention reads each pair's whole cache in one
+#: program (no split, no merge): there is enough work to fill the GPU without splitting. vLLM's
+#: heuristic between its PagedAttention V1 and V2 (``num_seqs * num_heads > 512``).
+UNSPLIT_ABOVE = 512
+
+
+def blocks_per_split(pairs: int, blocks: int) -> int:
+    """Cache blocks one program of the decode-attention kernel reads, for ``pairs`` (rows x query
+    heads) over ``blocks`` blocks: all of them above :data:`UNSPLIT_ABOVE` pairs, else one (the most
+    splits, run side by side)."""
+    return blocks if pairs > UNSPLIT_ABOVE else 1
+
+
+def _split_kv(
+    q, k, v, pos, counters, table, row0: int, kv_len: int, block_t: int, warps: int, per: int | None = None
+) -> torch.Tensor:
+    # the Triton launch of both: splits of ``per`` blocks of block_t slots (paged: a page each,
+    # through ``table``); one split: the output written directly
     B, H, _, D = q.shape
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    splits = triton.cdiv(kv_len, block_t)  # static per captured graph (kv_len is)
-    part = torch.empty((B * H, splits, D + 2), dtype=torch.float32, device=q.device)
-    merge = counters is not None
+    blocks = triton.cdiv(kv_len, block_t)  # static per captured graph (kv_len is)
+    per = min(blocks, per or blocks_per_split(B * H, blocks))
+    splits = triton.cdiv(blocks, per)
+    direct = splits == 1
+    part = o if direct else torch.empty((B * H, splits, D + 2), dtype=torch.float32, device=q.device)
+    merge = counters is not None and not direct
     BLOCK_S = triton.next_power_of_2(splits)
     paged = table is not None
     _attention_part_kernel[(B * H, splits)](
@@ -193,12 +223,14 @@ def _split_kv(q, k, v, pos, counters, table, row0: int, kv_len: int, block_t: in
         D**-0.5,
         D=D,
         BLOCK_T=block_t,
+        PER=per,
         MERGE=merge,
+        DIRECT=direct,
         BLOCK_S=BLOCK_S,
         PAGED=paged,
         num_warps=warps,
     )
-    if not merge:
+    if not merge and not direct:
         _attention_merge_kernel[(B * H,)](part, o, splits, D=D, BLOCK_S=BLOCK_S, num_warps=4)
     return o
 
@@ -227,13 +259,16 @@ if triton is not None:
         sm_scale,
         D: tl.constexpr,
         BLOCK_T: tl.constexpr,
+        PER: tl.constexpr,
         MERGE: tl.constexpr,
+        DIRECT: tl.constexpr,
         BLOCK_S: tl.constexpr,
         PAGED: tl.constexpr,
     ):
-        # split-KV decode attention, part 1: program (row*head, split) takes cache slots
-        # [split*BLOCK_T, (split+1)*BLOCK_T) of the valid 0..pos and leaves (acc[D], max, sum);
-        # PAGED: those slots are page table[row, split] (BLOCK_T == PAGE), c_b its stride
+        # split-KV decode attention, part 1: program (row*head, split) takes the PER blocks of
+        # BLOCK_T cache slots [split*PER*BLOCK_T, (split+1)*PER*BLOCK_T) of the valid 0..pos, with
+        # an online softmax over them, and leaves (acc[D], max, sum); DIRECT (one split): the output.
+        # PAGED: block j is page table[row, j] (BLOCK_T == PAGE), c_b its stride
         bh = tl.program_id(0)
         sp = tl.program_id(1)
         b = bh // H
@@ -241,29 +276,42 @@ if triton is not None:
         d = tl.arange(0, D)
         q = tl.load(q_ptr + bh * D + d).to(tl.float32) * sm_scale
         n = tl.minimum(tl.load(pos_ptr + b) + 1, T)  # valid slots: 0..pos
-        t = sp * BLOCK_T + tl.arange(0, BLOCK_T)
-        mt = t < n
-        if PAGED:
-            page = tl.load(table_ptr + (row0 + b).to(tl.int64) * table_stride + sp)
-            slot = tl.arange(0, BLOCK_T)
-            off = page * c_b + (h // REP) * c_h + slot[:, None].to(tl.int64) * c_t + d[None, :]
+        first = sp * PER
+        blocks = tl.minimum(PER, tl.cdiv(n, BLOCK_T) - first)  # (<= 0: a split past the row's end)
+        m_i = tl.full((), float("-inf"), tl.float32)
+        l_i = tl.zeros((), tl.float32)
+        acc = tl.zeros((D,), tl.float32)
+        slot = tl.arange(0, BLOCK_T)
+        for j in range(0, blocks):
+            t = (first + j) * BLOCK_T + slot
+            mt = t < n
+            if PAGED:
+                page = tl.load(table_ptr + (row0 + b).to(tl.int64) * table_stride + first + j)
+                off = page * c_b + (h // REP) * c_h + slot[:, None].to(tl.int64) * c_t + d[None, :]
+            else:
+                off = (row0 + b).to(tl.int64) * c_b + (h // REP) * c_h + t[:, None].to(tl.int64) * c_t + d[None, :]
+            k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)  # (BLOCK_T, D)
+            v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)
+            sc = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=0))  # (finite: every block read holds a valid slot)
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new)  # 0 where masked
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            m_i = m_new
+        if DIRECT:
+            tl.store(o_ptr + bh * D + d, (acc / l_i).to(o_ptr.dtype.element_ty))
         else:
-            off = (row0 + b).to(tl.int64) * c_b + (h // REP) * c_h + t[:, None].to(tl.int64) * c_t + d[None, :]
-        k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)  # (BLOCK_T, D)
-        sc = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
-        m = tl.max(sc, axis=0)
-        p = tl.exp(sc - tl.where(m == float("-inf"), 0.0, m))  # 0 where masked
-        v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)
-        out = part_ptr + (bh * SPLITS + sp) * (D + 2)
-        tl.store(out + d, tl.sum(p[:, None] * v, axis=0))
-        tl.store(out + D, m)
-        tl.store(out + D + 1, tl.sum(p, axis=0))
-        if MERGE:  # the last split of this (row, head) to finish merges them all: no second kernel
-            tl.debug_barrier()  # every thread's partial is stored
-            done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")  # release ours, acquire the others'
-            if done == SPLITS - 1:
-                _merge_splits(part_ptr, o_ptr, bh, SPLITS, D, BLOCK_S)
-                tl.store(cnt_ptr + bh, 0)  # ready for the next call / replay
+            out = part_ptr + (bh * SPLITS + sp) * (D + 2)
+            tl.store(out + d, acc)
+            tl.store(out + D, m_i)
+            tl.store(out + D + 1, l_i)
+            if MERGE:  # the last split of this (row, head) to finish merges them all: no second kernel
+                tl.debug_barrier()  # every thread's partial is stored
+                done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")  # release ours, acquire the others'
+                if done == SPLITS - 1:
+                    _merge_splits(part_ptr, o_ptr, bh, SPLITS, D, BLOCK_S)
+                    tl.store(cnt_ptr + bh, 0)  # ready for the next call / replay
 
     @triton.jit
     def _merge_splits(part_ptr, o_ptr, bh, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
