@@ -291,11 +291,12 @@ if triton is not None:
             else:
                 off = (row0 + b).to(tl.int64) * c_b + (h // REP) * c_h + t[:, None].to(tl.int64) * c_t + d[None, :]
             k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)  # (BLOCK_T, D)
-            v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)
             sc = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=0))  # (finite: every block read holds a valid slot)
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(sc - m_new)  # 0 where masked
+            # (the values loaded once the keys are used: one (BLOCK_T, D) tile in registers at a time)
+            v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m_i = m_new
