@@ -57,7 +57,7 @@ def main() -> None:
         ref = K.paged_decode_attention(q, pk[0], pv[0], table, pos, 0, args.kv_len, cnt, per=1)
         row = {"batch": B, "pairs": B * H, "valid_mb": valid_bytes / 1e6, "auto_per": K.blocks_per_split(B * H, P)}
         for per in sorted({1, 2, P}):
-            for warps in (2, 4):
+            for warps in (2, 4, 8):
 
                 def call(i, per=per, warps=warps):
                     return K.paged_decode_attention(q, pk[i], pv[i], table, pos, 0, args.kv_len, cnt, warps, per)
