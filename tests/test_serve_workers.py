@@ -286,6 +286,43 @@ def test_the_workers_link_reads_and_writes_what_a_connection_does():
     assert wire.message_header(1 << 31) == long_form[:4] + struct.pack("!Q", 1 << 31)
 
 
+def test_the_engines_link_reader_cuts_a_stream_into_its_messages():
+    """The engine's end (a blocking socket, :class:`SocketReader`) gets every message whole, whatever
+    the pieces the stream arrives in: many in one read, one over several, one larger than its buffer,
+    the 64-bit length form; then EOFError."""
+    import socket
+    import struct
+    import threading
+    import time
+
+    from fullthrottle.server import link as wire
+
+    msgs = [b"", b"x", bytes(range(256)) * 300, b"y" * 70000, b"z" * 5000] * 3
+    stream = b"".join(wire.message_header(len(m)) + m for m in msgs)
+    stream += struct.pack("!i", -1) + struct.pack("!Q", 3) + b"abc"  # (how a message over 2 GiB starts)
+    msgs.append(b"abc")
+    a, b = socket.socketpair()
+
+    def send():  # in pieces that cut prefixes and messages, with pauses: the reader waits for the rest
+        for k in range(0, len(stream), 30011):
+            a.sendall(stream[k : k + 30011])
+            time.sleep(0.002)
+        a.close()
+
+    t = threading.Thread(target=send)
+    t.start()
+    reader, got, reads = wire.SocketReader(b, size=4096), [], 0
+    with pytest.raises(EOFError):
+        while True:
+            views = reader.read()
+            assert views and all(isinstance(v, memoryview) for v in views)
+            got += [bytes(v) for v in views]
+            reads += 1
+    t.join()
+    b.close()
+    assert got == msgs and reads < len(msgs)  # (some reads gave several messages)
+
+
 def test_an_engine_that_does_not_read_stalls_only_the_requests_sent_to_it():
     """The bodies a stopped engine does not read wait in the worker's link, not in its event loop:
     the worker goes on answering what it answers itself."""

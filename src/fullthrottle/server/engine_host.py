@@ -18,8 +18,8 @@ import asyncio
 import json
 import logging
 import queue
+import socket
 import threading
-from multiprocessing.connection import Connection
 
 from ..core.errors import Overloaded
 from . import link as wire
@@ -28,11 +28,13 @@ log = logging.getLogger("fullthrottle.server.engine")
 
 
 class Link:
-    """The engine's end of one HTTP worker's link: a reader thread (frames in) and a writer thread
+    """The engine's end of one HTTP worker's link (``sock``: its end of the supervisor's socket pair,
+    blocking): a reader thread (frames in, every message waiting read at once) and a writer thread
     (frames out, all that are ready sent as one message)."""
 
-    def __init__(self, conn: Connection, host: EngineHost, name: str):
-        self.conn, self.host, self.name = conn, host, name
+    def __init__(self, sock: socket.socket, host: EngineHost, name: str):
+        self.sock, self.host, self.name = sock, host, name
+        self._in = wire.SocketReader(sock)
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = threading.Event()
         self.cancels: dict[int, asyncio.Event] = {}  # HTTP request id -> set on the client's disconnect
@@ -61,8 +63,9 @@ class Link:
                     self.out.put(None)
                     break
                 more.append(nxt)
+            pieces = [p for f in more for p in f]
             try:
-                self.conn.send_bytes(b"".join(p for f in more for p in f))
+                self.sock.sendall(b"".join([wire.message_header(sum(map(len, pieces))), *pieces]))
             except OSError:
                 self.close()
                 return
@@ -70,10 +73,8 @@ class Link:
     def _read(self) -> None:
         try:
             while True:
-                msgs = [self.conn.recv_bytes()]
-                while self.conn.poll(0):  # every message there already: a request cancelled among them never runs
-                    msgs.append(self.conn.recv_bytes())
-                frames = [f for m in msgs for f in wire.frames(m)]
+                # every message there already: a request cancelled among them never runs
+                frames = [f for m in self._in.read() for f in wire.frames(m)]
                 dropped = {req_id for kind, req_id, _ in frames if kind == wire.CANCEL}
                 for kind, req_id, payload in frames:
                     if kind in (wire.CLASSIFY, wire.HTTP) and req_id in dropped:
@@ -109,9 +110,10 @@ class Link:
             for ev in list(self.cancels.values()):
                 self.host.loop.call_soon_threadsafe(ev.set)
             try:
-                self.conn.close()
+                self.sock.shutdown(socket.SHUT_RDWR)  # (wakes the reader thread, if it is not this one)
             except OSError:
                 pass
+            self.sock.close()
 
 
 class _Gather:
@@ -163,8 +165,8 @@ class EngineHost:
         self.state: dict = app.state.ft
         self.links: list[Link] = []
 
-    def add_link(self, conn: Connection, name: str) -> Link:
-        lk = Link(conn, self, name)
+    def add_link(self, sock: socket.socket, name: str) -> Link:
+        lk = Link(sock, self, name)
         self.links = [x for x in self.links if not x.closed.is_set()] + [lk]
         return lk
 

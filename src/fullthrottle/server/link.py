@@ -2,8 +2,8 @@
 
 Each worker has one link to the engine: a socket pair made by the supervisor, carrying
 length-prefixed messages in the format of :class:`multiprocessing.connection.Connection`'s
-``send_bytes`` / ``recv_bytes`` (nothing is pickled). The engine's end is such a Connection, read
-and written by threads; the worker's end is its event loop's own non-blocking transport
+``send_bytes`` / ``recv_bytes`` (nothing is pickled). The engine's end is a blocking socket, read
+(:class:`SocketReader`) and written by threads; the worker's end is its event loop's own non-blocking transport
 (:func:`message_header`, :class:`MessageReader`), so that a send never stalls the worker's other
 connections. A message holds one or more frames; a frame is a 13-byte
 header (kind: u8, request id: u64, payload length: u32; little-endian) and its payload:
@@ -65,6 +65,59 @@ class MessageReader:
             at = start + n
         if at:
             del self.buf[:at]
+        return out
+
+
+class SocketReader:
+    """Reads the messages of a blocking socket written as by ``Connection.send_bytes``, many per
+    ``recv_into`` when many are waiting, into one buffer: a message's bytes are copied once, from
+    the kernel, and handed out as memoryviews.
+
+    The views of one :meth:`read` stay valid until the next :meth:`read`'s (a new buffer is taken
+    when the old one fills up; the old stays alive while a view of it does)."""
+
+    def __init__(self, sock, size: int = 1 << 20):
+        self.sock, self.size = sock, size
+        self.buf = bytearray(size)
+        self.start = self.end = 0  # the bytes not handed out yet: buf[start:end]
+
+    def read(self) -> list[memoryview]:
+        """The messages complete now (at least one: blocks until there is). Raises EOFError when
+        the other end has closed (OSError: the socket failed)."""
+        while True:
+            out = self._messages()
+            if out:
+                return out
+            if self.end == len(self.buf):  # full: the unread tail goes to the front of a new buffer
+                nxt = self._next()
+                need = sum(nxt) if nxt else _LEN.size + _LEN64.size
+                tail = self.end - self.start
+                new = bytearray(max(self.size, 2 * need))
+                new[:tail] = self.buf[self.start : self.end]
+                self.buf, self.start, self.end = new, 0, tail
+            n = self.sock.recv_into(memoryview(self.buf)[self.end :])
+            if n == 0:
+                raise EOFError
+            self.end += n
+
+    def _next(self) -> tuple[int, int] | None:
+        """(length prefix's size, message's size) of the message at ``start``, once its prefix is in."""
+        have = self.end - self.start
+        if have < _LEN.size:
+            return None
+        (n,) = _LEN.unpack_from(self.buf, self.start)
+        if n != -1:
+            return _LEN.size, n
+        if have < _LEN.size + _LEN64.size:
+            return None
+        return _LEN.size + _LEN64.size, _LEN64.unpack_from(self.buf, self.start + _LEN.size)[0]
+
+    def _messages(self) -> list[memoryview]:
+        out, view = [], memoryview(self.buf)
+        while (nxt := self._next()) is not None and self.end - self.start >= sum(nxt):
+            head, n = nxt
+            out.append(view[self.start + head : self.start + head + n])
+            self.start += head + n
         return out
 
 

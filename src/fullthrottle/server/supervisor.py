@@ -61,9 +61,7 @@ class _Worker:
         theirs.close()
         self.proc.stdin.write(settings)
         self.proc.stdin.close()
-        from multiprocessing.connection import Connection
-
-        self.link = host.add_link(Connection(ours.detach()), f"{slot}")
+        self.link = host.add_link(ours, f"{slot}")
 
 
 class _Lifespan:
