@@ -55,7 +55,7 @@ def main() -> None:
         cnt = torch.zeros(B * H, dtype=torch.int32, device=dev)
         valid_bytes = int((pos + 1).sum()) * H * D * 2 * 2  # keys and values, bf16
         ref = K.paged_decode_attention(q, pk[0], pv[0], table, pos, 0, args.kv_len, cnt, per=1)
-        row = {"batch": B, "pairs": B * H, "valid_mb": valid_bytes / 1e6, "auto_per": K.blocks_per_split(B * H, P)}
+        row = {"batch": B, "pairs": B * H, "valid_mb": valid_bytes / 1e6}
         for per in sorted({1, 2, P}):
             for warps in (2, 4, 8):
 
@@ -77,7 +77,7 @@ def main() -> None:
         print(
             f"batch {B}: "
             + ", ".join(f"{k} {row[k]['us']:.1f} us" for k in row if isinstance(row[k], dict))
-            + f"; best {best} ({row[best]['gb_s']:.0f} GB/s), auto per {row['auto_per']}",
+            + f"; best {best} ({row[best]['gb_s']:.0f} GB/s)",
             flush=True,
         )
         del pk, pv, kc, vc

@@ -28,7 +28,6 @@ tensors (how CI checks their indexing without a GPU).
 """
 
 from .attention import (
-    blocks_per_split,
     decode_attention,
     decode_attention_ref,
     gather_pages,
@@ -50,7 +49,6 @@ __all__ = [
     "linear_rope_qkv_into_cache",
     "decode_attention",
     "paged_decode_attention",
-    "blocks_per_split",
     "gather_pages",
     "prefill_attention",
     "prefill_attention_ref",

@@ -40,17 +40,17 @@ def decode_attention(
     counters: torch.Tensor | None = None,
     block_t: int = 64,
     warps: int = 2,
-    per: int | None = None,
+    per: int = 1,
 ) -> torch.Tensor:
     """Attention of one new token per row over its cached keys and values (decode step).
 
     Row ``b``'s query attends to cache slots ``0..pos[b]`` of cache row ``row0 + b`` (causal: its
     own slot included, written before this call), never past ``kv_len``. The Triton kernel reads only
-    those valid slots. With few (row, head) pairs it splits them along the cache in blocks of 64 slots
-    run side by side, whose partial softmaxes are then merged (split-KV, "Flash-Decoding", Dao et al.,
-    2023): with ``counters``, by the last split of each (row, head) to finish, counted with an atomic
-    (one kernel); without, by a second kernel. With many (above :data:`UNSPLIT_ABOVE`), one program
-    reads a pair's whole cache, block by block with an online softmax, and writes its output. Grouped-query
+    those valid slots, split along the cache in blocks of 64 slots run side by side (``per`` blocks
+    to a program, with an online softmax over them), whose partial softmaxes are then merged
+    (split-KV, "Flash-Decoding", Dao et al., 2023): with ``counters``, by the last split of each (row,
+    head) to finish, counted with an atomic (one kernel); without, by a second kernel. One split (all
+    blocks to a program) writes the output directly. Grouped-query
     attention maps query head ``h`` to key/value head ``h // (H / Hkv)``, as ``repeat_interleave``
     does. Without Triton (or for more than one query per row) it is
     ``F.scaled_dot_product_attention`` with the causal mask.
@@ -64,7 +64,9 @@ def decode_attention(
             kernel leaves them zero again); calls that use one buffer must not run concurrently.
         block_t, warps: cache slots per block (a power of two) and warps per program of the Triton
             kernel (64 and 2: the fastest for Llama-2-7B's heads on an H200, docs/performance.md).
-        per: blocks one program reads (None: :func:`blocks_per_split`; the whole cache: no split).
+        per: blocks one program reads: 1 (the most splits) was the fastest at every batch from 8 to
+            512 rows on an H200, also against one program per (row, head) reading its whole cache
+            (``bench/probes/paged_attention_probe.py``, docs/performance.md).
 
     Returns:
         ``(B, H, S, D)`` in ``q``'s dtype.
@@ -108,9 +110,7 @@ def decode_attention(
         _is_int(block_t) and block_t >= 16 and not block_t & (block_t - 1) and warps in (1, 2, 4, 8),
         f"decode_attention: block_t must be a power of two >= 16 and warps 1, 2, 4 or 8, got {block_t!r}, {warps!r}",
     )
-    _check(
-        per is None or (_is_int(per) and per >= 1), f"decode_attention: per must be None or an int >= 1, got {per!r}"
-    )
+    _check(_is_int(per) and per >= 1, f"decode_attention: per must be an int >= 1, got {per!r}")
     _same_device("decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, pos=pos, counters=counters)
     if S != 1 or not use_triton(q) or D & (D - 1) or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
         return decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len)
@@ -127,7 +127,7 @@ def paged_decode_attention(
     kv_len: int,
     counters: torch.Tensor | None = None,
     warps: int = 2,
-    per: int | None = None,
+    per: int = 1,
 ) -> torch.Tensor:
     """:func:`decode_attention` over paged KV memory (PagedAttention, Kwon et al., 2023): row ``b``'s
     positions ``[i*PAGE, (i+1)*PAGE)`` are in page ``table[row0 + b, i]``. The Triton kernel's blocks
@@ -161,10 +161,7 @@ def paged_decode_attention(
         f"paged_decode_attention: rows {row0}..{row0 + B} or kv_len {kv_len} past the table {tuple(table.shape)}",
     )
     _same_device("paged_decode_attention", q=q, k_pages=k_pages, v_pages=v_pages, table=table, pos=pos)
-    _check(
-        per is None or (_is_int(per) and per >= 1),
-        f"paged_decode_attention: per must be None or an int >= 1, got {per!r}",
-    )
+    _check(_is_int(per) and per >= 1, f"paged_decode_attention: per must be an int >= 1, got {per!r}")
     triton_ok = S == 1 and use_triton(q) and not D & (D - 1) and page >= 16 and not page & (page - 1)
     if not triton_ok or k_pages.stride(-1) != 1 or v_pages.stride() != k_pages.stride() or q.dtype != k_pages.dtype:
         rows = torch.arange(row0, row0 + B, device=q.device)
@@ -174,28 +171,15 @@ def paged_decode_attention(
     return _split_kv(q, k_pages, v_pages, pos, counters if merge else None, table, row0, kv_len, page, warps, per)
 
 
-#: (row, head) pairs above which a decode step's attention reads each pair's whole cache in one
-#: program (no split, no merge): there is enough work to fill the GPU without splitting. vLLM's
-#: heuristic between its PagedAttention V1 and V2 (``num_seqs * num_heads > 512``).
-UNSPLIT_ABOVE = 512
-
-
-def blocks_per_split(pairs: int, blocks: int) -> int:
-    """Cache blocks one program of the decode-attention kernel reads, for ``pairs`` (rows x query
-    heads) over ``blocks`` blocks: all of them above :data:`UNSPLIT_ABOVE` pairs, else one (the most
-    splits, run side by side)."""
-    return blocks if pairs > UNSPLIT_ABOVE else 1
-
-
 def _split_kv(
-    q, k, v, pos, counters, table, row0: int, kv_len: int, block_t: int, warps: int, per: int | None = None
+    q, k, v, pos, counters, table, row0: int, kv_len: int, block_t: int, warps: int, per: int
 ) -> torch.Tensor:
     # the Triton launch of both: splits of ``per`` blocks of block_t slots (paged: a page each,
     # through ``table``); one split: the output written directly
     B, H, _, D = q.shape
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     blocks = triton.cdiv(kv_len, block_t)  # static per captured graph (kv_len is)
-    per = min(blocks, per or blocks_per_split(B * H, blocks))
+    per = min(blocks, per)
     splits = triton.cdiv(blocks, per)
     direct = splits == 1
     part = o if direct else torch.empty((B * H, splits, D + 2), dtype=torch.float32, device=q.device)
