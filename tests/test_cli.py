@@ -348,6 +348,20 @@ def test_embed_input_lines_end_at_newline_and_jsonl_errors_name_their_line(tmp_p
         next(got)
 
 
+def test_the_library_names_of_the_readme_import_from_the_package():
+    """What the README's library lines use comes from ``fullthrottle`` itself, each the object of its module."""
+    import fullthrottle
+    from fullthrottle import Config, Embedder, Generator, Pipeline, load_hf
+    from fullthrottle.workloads.embed import Embedder as E
+    from fullthrottle.workloads.llm.generate import Generator as G
+    from fullthrottle.workloads.llm.llama import load_hf as L
+
+    assert (Embedder, Generator, load_hf) == (E, G, L) and Config and Pipeline
+    assert set(fullthrottle.__all__) <= set(dir(fullthrottle))
+    with pytest.raises(AttributeError, match="no attribute 'Embeder'"):
+        fullthrottle.Embeder  # noqa: B018
+
+
 def test_help_imports_no_torch_and_ctrl_c_while_starting_is_clean(samples):
     """``import fullthrottle`` (and so the CLI's --help) does not import torch; a Ctrl-C while
     ``classify`` starts (importing torch, building the model) ends it with 130 and one line, no

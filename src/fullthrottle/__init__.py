@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # (for type checkers and IDEs; at run time the names come fro
     from .workloads.classify.pipeline import Pipeline, PipelineError, classify
     from .workloads.classify.result import Result
     from .workloads.classify.transform import Transform
+    from .workloads.embed import Embedder
+    from .workloads.llm.generate import Generator
+    from .workloads.llm.llama import load_hf
 
 _WHERE = {
     "Config": ".core.config",
@@ -33,10 +36,15 @@ _WHERE = {
     "ItemError": ".core.workload",
     "StageStats": ".core.report",
     "Transform": ".workloads.classify.transform",
+    "Embedder": ".workloads.embed",
+    "Generator": ".workloads.llm.generate",
+    "load_hf": ".workloads.llm.llama",
 }
 
 __all__ = [
     "Config",
+    "Embedder",
+    "Generator",
     "ImageError",
     "ItemError",
     "Pipeline",
@@ -46,6 +54,7 @@ __all__ = [
     "Transform",
     "Workload",
     "classify",
+    "load_hf",
 ]
 __version__ = "0.1.0"
 
