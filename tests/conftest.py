@@ -137,3 +137,24 @@ def tiny_text():
     )
     tok.train_from_iterator(corpus, trainer)
     return LlmText(tok, CHAT_TEMPLATE, "<s>", "</s>")
+
+
+def post_chunked(url: str, path: str, n_bytes: int, headers: str = "") -> bytes:
+    """Everything a server at ``url`` sends back to ``POST path`` with a chunked body of ``n_bytes``
+    (10,000-byte chunks; ``headers``: extra header lines, each ending in CRLF), read until it closes."""
+    import socket
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as c:
+        c.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{headers}Transfer-Encoding: chunked\r\n\r\n".encode())
+        try:
+            for _ in range(n_bytes // 10_000):
+                c.sendall(b"2710\r\n" + b"\xff" * 10_000 + b"\r\n")
+            c.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # (the server may close before all is sent)
+        got = b""
+        while chunk := c.recv(65536):
+            got += chunk
+    return got

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 import uvicorn
+from conftest import post_chunked
 from test_pipeline import LABELS, Tiny
 
 from fullthrottle import Config, Pipeline
@@ -167,6 +168,12 @@ def test_body_limit_413(samples):
     with Server(Tiny(), ServeOptions(max_body_bytes=50_000)) as s:
         r = post_image(s.url, samples[0].read_bytes() + b"\0" * 60_000)
         assert r.status_code == 413 and "exceeds the limit" in r.json()["detail"]
+        # a chunked body over the limit: one answer, 413, and the connection closed (the rest of the
+        # body is never read as a request of its own)
+        got = post_chunked(s.url, "/v1/classify", 80_000, "Content-Type: image/jpeg\r\n")
+        head = got.split(b"\r\n\r\n", 1)[0].lower()
+        assert head.startswith(b"http/1.1 413") and b"connection: close" in head, got[:500]
+        assert got.count(b"HTTP/1.1") == 1, got[:1000]
 
 
 def test_flood_gets_503_then_serves_normally(samples):

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from conftest import post_chunked
 from procs import alive, children
 from test_serve import abandon
 
@@ -394,7 +395,16 @@ def test_a_client_that_hangs_up_takes_its_queued_images_with_it_across_processes
 def test_other_routes_pass_through_to_the_engine_and_stream():
     auth = {"authorization": "Bearer " + "k" * 20}
     proc, url, log = start(
-        "--http-workers", "2", "--no-classify", "--llm-random", "tiny", "--api-key", "k" * 20, headers=auth
+        "--http-workers",
+        "2",
+        "--no-classify",
+        "--llm-random",
+        "tiny",
+        "--api-key",
+        "k" * 20,
+        "--max-body-mb",
+        "1",
+        headers=auth,
     )
     try:
         assert httpx.get(url + "/readyz", timeout=10).status_code == 401  # keys checked in the worker
@@ -414,6 +424,10 @@ def test_other_routes_pass_through_to_the_engine_and_stream():
         nokey = httpx.post(url + "/v1/classify", content=b"x", timeout=10)  # (the worker's own route: keys too)
         assert nokey.status_code == 401 and nokey.headers["www-authenticate"] == "Bearer"
         assert httpx.get(url + "/v1/classify", headers=auth, timeout=10).status_code == 405
+        # a passed-on route's chunked body over the limit (1 MiB here): one answer, 413, connection closed
+        got = post_chunked(url, "/v1/completions", 1_100_000, "Authorization: Bearer " + "k" * 20 + "\r\n")
+        head = got.split(b"\r\n\r\n", 1)[0].lower()
+        assert head.startswith(b"http/1.1 413") and b"connection: close" in head and got.count(b"HTTP/1.1") == 1
         for _ in range(2):  # (the worker asks the engine for its gauges with the server's key: no 401 counted)
             metrics = httpx.get(url + "/metrics", headers=auth, timeout=10).text
         assert "fullthrottle_requests_waiting" in metrics and 'route="/metrics",status="401"' not in metrics

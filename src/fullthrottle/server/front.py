@@ -27,7 +27,7 @@ from ..core.errors import Overloaded
 from ..workloads.classify.result import Result
 from . import link as wire
 from .classify_route import FetchError
-from .guard import NO_KEY, HTTPError, authorised
+from .guard import NO_KEY, HTTPError, authorised, body_chunks, drain, read_asgi_body
 
 #: the routes an HTTP worker answers itself; every other goes to the engine
 LOCAL_ROUTES = frozenset({"/healthz", "/v1/classify", "/metrics"})
@@ -247,27 +247,6 @@ async def _json(send, status: int, body: dict, headers: dict | None = None) -> N
     await send({"type": "http.response.body", "body": data})
 
 
-async def _read_body(receive, max_bytes: int, timeout_s: float) -> bytes | None:
-    """A passed-on request's body (None: the client hung up). Raises HTTPError (413, 408)."""
-    body = bytearray()
-
-    async def read():
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return None
-            body.extend(msg.get("body", b""))
-            if len(body) > max_bytes:
-                raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes")
-            if not msg.get("more_body", False):
-                return bytes(body)
-
-    try:
-        return await asyncio.wait_for(read(), timeout_s)
-    except TimeoutError:
-        raise HTTPError(408, f"request body not received within {timeout_s:g} s", {"Connection": "close"}) from None
-
-
 def create_front_app(opts, max_image_pixels: int, client_box: list):
     """The worker's ASGI app: its own FastAPI app for :data:`LOCAL_ROUTES` (``POST /v1/classify``
     straight to its route's handler, after the API-key check), the engine for the rest.
@@ -334,10 +313,11 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
                 return await response(scope, receive, send)
             declared = headers.get(b"content-length", b"")
             if declared.isdigit() and int(declared) > opts.max_body_bytes:
-                raise HTTPError(
-                    413, f"request body of {declared.decode()} bytes exceeds the limit of {opts.max_body_bytes}"
-                )
-            body = await _read_body(receive, opts.max_body_bytes, opts.body_timeout_s)
+                if b"expect" not in headers:  # (a client waiting for 100-continue sends nothing more)
+                    await drain(body_chunks(receive), int(declared) - opts.max_body_bytes)
+                msg = f"request body of {declared.decode()} bytes exceeds the limit of {opts.max_body_bytes}"
+                raise HTTPError(413, msg, {"Connection": "close"})
+            body = await read_asgi_body(receive, opts.max_body_bytes, opts.body_timeout_s)
             if body is None:
                 return
             if scope["path"] == "/readyz":  # (a probe: a stopped or wedged engine is not ready, at once)

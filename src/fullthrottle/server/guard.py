@@ -86,6 +86,33 @@ def authorised(header: str | None, keys: tuple[str, ...]) -> bool:
     return ok
 
 
+#: a body over the limit is read on and dropped, up to this many bytes more and for this long, so that
+#: the 413 reaches a client still sending (a connection closed with bytes unread is reset, and the
+#: answer with it); past either, the connection closes regardless
+DRAIN_BYTES = 16 << 20
+DRAIN_S = 2.0
+
+
+async def drain(chunks, declared: int | None = None) -> None:
+    """Read and drop what is left of a request body (``chunks``: an async iterator of bytes), at most
+    :data:`DRAIN_BYTES` within :data:`DRAIN_S`; nothing when its declared length is past that."""
+    if declared is not None and declared > DRAIN_BYTES:
+        return
+    left = DRAIN_BYTES
+
+    async def go():
+        nonlocal left
+        async for c in chunks:
+            left -= len(c)
+            if left < 0:
+                return
+
+    try:
+        await asyncio.wait_for(go(), DRAIN_S)
+    except Exception:  # noqa: BLE001 - (timed out, or the client left: the connection closes anyway)
+        pass
+
+
 async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
     """The whole request body, within ``timeout_s`` and ``max_bytes``.
 
@@ -96,16 +123,22 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
     """
     from starlette.requests import ClientDisconnect
 
+    # (413s close the connection, the rest of the body drained first: it must not be read as a request)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise HTTPError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes}")
+        if "expect" not in request.headers:  # (a client waiting for 100-continue sends nothing more)
+            await drain(request.stream(), int(declared) - max_bytes)
+        msg = f"request body of {declared} bytes exceeds the limit of {max_bytes}"
+        raise HTTPError(413, msg, {"Connection": "close"})
     body = bytearray()
 
     async def read():
-        async for chunk in request.stream():
+        stream = request.stream()
+        async for chunk in stream:
             body.extend(chunk)
             if len(body) > max_bytes:
-                raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes")
+                await drain(stream)
+                raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes", {"Connection": "close"})
 
     try:
         await asyncio.wait_for(read(), timeout_s)
@@ -114,6 +147,41 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
     except ClientDisconnect:
         raise HTTPError(499, "the client disconnected before the end of its request body") from None
     return bytes(body)
+
+
+async def body_chunks(receive):
+    """A request body's pieces, as ASGI ``receive`` gives them, to its end or the client's leaving."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+        yield msg.get("body", b"")
+        if not msg.get("more_body", False):
+            return
+
+
+async def read_asgi_body(receive, max_bytes: int, timeout_s: float) -> bytes | None:
+    """:func:`read_body` from ASGI ``receive`` (an HTTP worker's passed-on request): the whole body, or
+    None if the client hung up. Raises HTTPError (413, 408)."""
+    body = bytearray()
+
+    async def read():
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            body.extend(msg.get("body", b""))
+            if len(body) > max_bytes:
+                if msg.get("more_body", False):
+                    await drain(body_chunks(receive))  # (then the connection closes)
+                raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes", {"Connection": "close"})
+            if not msg.get("more_body", False):
+                return bytes(body)
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except TimeoutError:
+        raise HTTPError(408, f"request body not received within {timeout_s:g} s", {"Connection": "close"}) from None
 
 
 async def answer_unless_gone(request, work, timeout_s: float, deadline_s: float):
