@@ -164,6 +164,24 @@ def test_bad_inputs_give_422_with_reason_and_server_survives(bad_dir, samples):
         assert post_image(s.url, samples[0].read_bytes()).status_code == 200
 
 
+def test_bodies_that_are_no_image_container_get_415(samples):
+    """A form-encoded body, another multipart kind, or a compressed body is refused as such, not
+    decoded as an image: 415 naming what is not accepted."""
+    import gzip
+
+    jpeg = samples[0].read_bytes()
+    with Server(Tiny(), ServeOptions()) as s:
+        for headers, body, named in (
+            ({"content-type": "application/x-www-form-urlencoded"}, b"a=b", "application/x-www-form-urlencoded"),
+            ({"content-type": "multipart/mixed; boundary=B"}, b"--B\r\n\r\nx\r\n--B--\r\n", "multipart/mixed"),
+            ({"content-type": "image/jpeg", "content-encoding": "gzip"}, gzip.compress(jpeg), "Content-Encoding gzip"),
+        ):
+            r = httpx.post(s.url + "/v1/classify", content=body, headers=headers, timeout=30)
+            assert r.status_code == 415 and named in r.json()["detail"], r.text
+        r = httpx.post(s.url + "/v1/classify", content=jpeg, headers={"content-type": "text/plain"}, timeout=30)
+        assert r.status_code == 200 and r.json()["results"][0]["top_k"]  # (a raw body: decoded by its content)
+
+
 def test_body_limit_413(samples):
     with Server(Tiny(), ServeOptions(max_body_bytes=50_000)) as s:
         r = post_image(s.url, samples[0].read_bytes() + b"\0" * 60_000)
