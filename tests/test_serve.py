@@ -178,6 +178,14 @@ def test_bodies_that_are_no_image_container_get_415(samples):
         ):
             r = httpx.post(s.url + "/v1/classify", content=body, headers=headers, timeout=30)
             assert r.status_code == 415 and named in r.json()["detail"], r.text
+        fields = b'--B\r\nContent-Disposition: form-data; name="a"\r\nContent-Type: image/jpeg\r\n\r\n'
+        r = httpx.post(
+            s.url + "/v1/classify",
+            content=fields + b"xyz\r\n--B--\r\n",
+            headers={"content-type": "multipart/form-data; boundary=B"},
+            timeout=30,
+        )
+        assert r.status_code == 400 and "(a) are fields, not files" in r.json()["detail"], r.text
         r = httpx.post(s.url + "/v1/classify", content=jpeg, headers={"content-type": "text/plain"}, timeout=30)
         assert r.status_code == 200 and r.json()["results"][0]["top_k"]  # (a raw body: decoded by its content)
 

@@ -90,6 +90,8 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
         if ctype == "multipart/form-data":
             try:
                 form = await _parse_form(request, body, opts.max_images)
+            except _FieldsOnly as e:
+                raise HTTPError(400, f"no image in the request: {e}") from None
             except Exception as e:  # noqa: BLE001 - starlette's MultiPartException and parser errors
                 if "too many files" in str(e).lower():  # (the parser stops one file past the limit)
                     raise HTTPError(413, f"more than {opts.max_images} images in one request") from None
@@ -186,6 +188,10 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
     return classify
 
 
+class _FieldsOnly(Exception):
+    """A multipart body whose parts are all form fields (no filename): no image."""
+
+
 async def _parse_form(request, body: bytes, max_files: int):
     """The uploaded files of a multipart body (already read and size-checked)."""
     from starlette.datastructures import UploadFile
@@ -197,4 +203,10 @@ async def _parse_form(request, body: bytes, max_files: int):
 
     parser = MultiPartParser(request.headers, stream(), max_files=max_files + 1, max_part_size=len(body) + 1)
     form = await parser.parse()
-    return [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
+    files = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
+    if not files and form:  # (parts with no plain filename= are fields, their bytes read as text)
+        names = ", ".join(sorted({k for k, _ in form.multi_items()}))[:200]
+        raise _FieldsOnly(
+            f"its parts ({names}) are fields, not files: give each image part a filename= (curl -F 'a=@x.jpg')"
+        )
+    return files
