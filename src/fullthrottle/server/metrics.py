@@ -95,35 +95,26 @@ class ServerMetrics:
             registry=reg,
             multiprocess_mode="livesum",
         )
-        self.queue_wait = Gauge(
+
+        def per_stage(name: str, doc: str) -> Gauge:  # (classify: one value per replica and stage)
+            return Gauge(name, doc, ["replica", "stage"], registry=reg, multiprocess_mode="livesum")
+
+        self.queue_wait = per_stage(
             "fullthrottle_stage_queue_wait_seconds",
             "classify: seconds images have waited in each stage's input queue since start, summed over "
             "images (with fullthrottle_stage_queue_waits: the mean wait per image between two scrapes)",
-            ["replica", "stage"],
-            registry=reg,
-            multiprocess_mode="livesum",
         )
-        self.queue_waits = Gauge(
+        self.queue_waits = per_stage(
             "fullthrottle_stage_queue_waits",
             "classify: images counted in fullthrottle_stage_queue_wait_seconds, per replica and stage",
-            ["replica", "stage"],
-            registry=reg,
-            multiprocess_mode="livesum",
         )
-        self.work = Gauge(
+        self.work = per_stage(
             "fullthrottle_stage_work_seconds",
             "classify: seconds each stage's workers have spent on items since start, summed over workers "
             "(with fullthrottle_stage_items: the mean work per image between two scrapes)",
-            ["replica", "stage"],
-            registry=reg,
-            multiprocess_mode="livesum",
         )
-        self.items = Gauge(
-            "fullthrottle_stage_items",
-            "classify: images each stage has finished since start, per replica and stage",
-            ["replica", "stage"],
-            registry=reg,
-            multiprocess_mode="livesum",
+        self.items = per_stage(
+            "fullthrottle_stage_items", "classify: images each stage has finished since start, per replica and stage"
         )
         self.gpu = Gauge(
             "fullthrottle_gpu_utilization_percent",
