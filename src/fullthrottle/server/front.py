@@ -314,7 +314,7 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
             declared = headers.get(b"content-length", b"")
             if declared.isdigit() and int(declared) > opts.max_body_bytes:
                 if b"expect" not in headers:  # (a client waiting for 100-continue sends nothing more)
-                    await drain(body_chunks(receive), int(declared) - opts.max_body_bytes)
+                    await drain(body_chunks(receive), int(declared))
                 msg = f"request body of {declared.decode()} bytes exceeds the limit of {opts.max_body_bytes}"
                 raise HTTPError(413, msg, {"Connection": "close"})
             body = await read_asgi_body(receive, opts.max_body_bytes, opts.body_timeout_s)

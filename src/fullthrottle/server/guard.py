@@ -127,7 +127,7 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         if "expect" not in request.headers:  # (a client waiting for 100-continue sends nothing more)
-            await drain(request.stream(), int(declared) - max_bytes)
+            await drain(request.stream(), int(declared))
         msg = f"request body of {declared} bytes exceeds the limit of {max_bytes}"
         raise HTTPError(413, msg, {"Connection": "close"})
     body = bytearray()
