@@ -100,6 +100,16 @@ def test_greedy_tokens_equal_transformers(pair):
         assert toks == ref[0, len(p) :].tolist()
 
 
+def test_load_hf_says_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model folder not found: .*nope"):
+        load_hf(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no config.json in"):
+        load_hf(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no .safetensors weights in"):
+        load_hf(tmp_path)
+
+
 def test_max_seq_len_is_a_clear_error(pair):
     _, ours = pair
     gen = Generator(ours, max_batch=2, max_seq_len=32, graphs=False)

@@ -350,11 +350,14 @@ def load_hf(path: str | Path, device="cpu", dtype=torch.float32) -> Llama:
     """A Hugging Face Llama folder (``config.json`` + ``*.safetensors``) -> :class:`Llama`.
 
     Raises:
-        FileNotFoundError: no config.json or no safetensors shard. ValueError: weights that do not fit.
+        FileNotFoundError: no such folder, no config.json or no safetensors shard. ValueError: weights
+            that do not fit.
     """
     from safetensors.torch import load_file
 
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder not found: {path}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {path}")
     shards = sorted(path.glob("*.safetensors"))
