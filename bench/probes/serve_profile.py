@@ -7,7 +7,8 @@ the last point of the first set a ``py-spy record`` of the engine process (colla
 summed by thread and by function).
 
 Usage: python bench/probes/serve_profile.py --variants "A;--max-wait-ms 1" --concurrency 64,256 \
-    [--py-spy PATH] --out serve_profile.json   ("A" alone: the defaults)
+    [--py-spy PATH] --out serve_profile.json   ("A" alone: the defaults; in a variant, SI=SECONDS:
+    the engine's sys.setswitchinterval, NAME=VALUE: an environment variable of the server)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import subprocess
 import sys
 import time
@@ -70,11 +72,14 @@ def main():
     for vi, variant in enumerate(args.variants.split(";")):
         words = [] if variant.strip() == "A" else variant.split()
         si = [w for w in words if w.startswith("SI=")]  # the engine's sys.setswitchinterval (s)
-        cmd, ready, _ = servers(args.device, [w for w in words if w not in si], 1)["fullthrottle"]
+        envs = [w for w in words if re.match(r"[A-Z][A-Z0-9_]*=", w) and w not in si]  # the server's environment
+        cmd, ready, _ = servers(args.device, [w for w in words if w not in si + envs], 1)["fullthrottle"]
         if si:
             wrap = f"import sys; sys.setswitchinterval({float(si[0][3:])}); from fullthrottle.cli import main; "
             wrap += "sys.argv = ['fullthrottle'] + sys.argv[1:]; sys.exit(main())"
             cmd = [cmd[0], "-c", wrap, *cmd[3:]]
+        if envs:
+            cmd = ["env", *envs, *cmd]  # (env execs the server: the same process id)
         port = free_port()
         proc = start(cmd + ["--port", str(port)], port, ready, server_cores)
         url = f"http://127.0.0.1:{port}/v1/classify"
