@@ -22,7 +22,7 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 
 from ..core.errors import Overloaded
 from ..workloads.classify.result import Result
-from .guard import HTTPError, answer_unless_gone, check_pixels, read_body
+from .guard import HTTPError, answer_unless_gone, check_pixels, overloaded, read_body
 
 log = logging.getLogger("fullthrottle.server.classify")
 ROUTE = "/v1/classify"
@@ -165,7 +165,7 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
                     request, state["classifier"].classify(images), remaining, opts.timeout_s
                 )
             except Overloaded as e:
-                raise HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
+                raise overloaded(e, opts.retry_after_s) from None
             except RuntimeError as e:
                 raise HTTPError(503, str(e)) from None
             for r in results:

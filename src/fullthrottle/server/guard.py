@@ -29,6 +29,12 @@ class HTTPError(Exception):
         self.status, self.detail, self.headers = status, detail, headers
 
 
+def overloaded(e: Exception, retry_after_s: float) -> HTTPError:
+    """The answer to a request refused by a full queue (``e``: the ``Overloaded`` raised): 503 with
+    ``Retry-After``."""
+    return HTTPError(503, f"overloaded: {e}", {"Retry-After": str(retry_after_s)})
+
+
 _OPENAI_ERROR_TYPES = {404: "model_not_found", 500: "server_error", 503: "overloaded_error", 504: "timeout_error"}
 
 

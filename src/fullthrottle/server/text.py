@@ -31,7 +31,7 @@ from ..core.workload import parse_body
 from ..workloads.llm.api import chat_request, completion_request
 from ..workloads.llm.text import TextStream
 from .guard import HTTPError as _HTTPError
-from .guard import error_body, read_body
+from .guard import error_body, overloaded, read_body
 
 #: how often (s) a non-streaming request checks, between its tokens, whether its client went away
 DISCONNECT_CHECK_S = 0.5
@@ -245,7 +245,7 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency, m_ttft
             try:
                 out = svc.submit(req)
             except Overloaded as e:
-                raise _HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
+                raise overloaded(e, opts.retry_after_s) from None
             r = _Reply(chat, req, svc.name, svc.tok, lambda: m_ttft.observe(time.perf_counter() - t0))
             if p.get("stream"):
                 m_requests.labels(route, "200").inc()

@@ -41,7 +41,7 @@ from ..core.workload import (
     user_traceback,
 )
 from ..core.workload import load_workload as load_any_workload
-from .guard import HTTPError, answer_unless_gone, error_body, read_body
+from .guard import HTTPError, answer_unless_gone, error_body, overloaded, read_body
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
             try:
                 fut = svc.submit(items)
             except Overloaded as e:
-                raise HTTPError(503, f"overloaded: {e}", {"Retry-After": str(opts.retry_after_s)}) from None
+                raise overloaded(e, opts.retry_after_s) from None
             try:  # (past the deadline, or its client gone: the request leaves the queue unpredicted)
                 outs = await answer_unless_gone(request, fut, opts.timeout_s, opts.timeout_s)
             except HTTPError:
