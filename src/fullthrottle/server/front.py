@@ -27,7 +27,7 @@ from ..core.errors import Overloaded
 from ..workloads.classify.result import Result
 from . import link as wire
 from .classify_route import FetchError
-from .guard import NO_KEY, HTTPError, authorised, body_chunks, drain, read_asgi_body
+from .guard import NO_KEY, HTTPError, authorised, read_asgi_body
 
 #: the routes an HTTP worker answers itself; every other goes to the engine
 LOCAL_ROUTES = frozenset({"/healthz", "/v1/classify", "/metrics"})
@@ -311,13 +311,7 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
             if hot:  # (classify straight to its handler: FastAPI's routing would cost as much as the handler)
                 response = await classify(Request(scope, receive))
                 return await response(scope, receive, send)
-            declared = headers.get(b"content-length", b"")
-            if declared.isdigit() and int(declared) > opts.max_body_bytes:
-                if b"expect" not in headers:  # (a client waiting for 100-continue sends nothing more)
-                    await drain(body_chunks(receive), int(declared))
-                msg = f"request body of {declared.decode()} bytes exceeds the limit of {opts.max_body_bytes}"
-                raise HTTPError(413, msg, {"Connection": "close"})
-            body = await read_asgi_body(receive, opts.max_body_bytes, opts.body_timeout_s)
+            body = await read_asgi_body(receive, headers, opts.max_body_bytes, opts.body_timeout_s)
             if body is None:
                 return
             if scope["path"] == "/readyz":  # (a probe: a stopped or wedged engine is not ready, at once)

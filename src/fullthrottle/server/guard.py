@@ -129,65 +129,65 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
     """
     from starlette.requests import ClientDisconnect
 
+    h = request.headers
+    try:
+        return await _read_limited(request.stream(), h.get("content-length"), "expect" in h, max_bytes, timeout_s)
+    except ClientDisconnect:
+        raise HTTPError(499, "the client disconnected before the end of its request body") from None
+
+
+async def read_asgi_body(receive, headers: dict, max_bytes: int, timeout_s: float) -> bytes | None:
+    """:func:`read_body` from ASGI ``receive`` and the request's ``headers`` (lower-case bytes names
+    to bytes values; an HTTP worker's passed-on request): the whole body, or None if the client hung
+    up. Raises HTTPError (413, 408)."""
+    from starlette.requests import ClientDisconnect
+
+    declared = headers.get(b"content-length", b"").decode("latin-1") or None
+    try:
+        return await _read_limited(body_chunks(receive), declared, b"expect" in headers, max_bytes, timeout_s)
+    except ClientDisconnect:
+        return None
+
+
+async def body_chunks(receive):
+    """A request body's pieces, as ASGI ``receive`` gives them, to its end. Raises starlette's
+    ``ClientDisconnect`` if the client leaves first."""
+    from starlette.requests import ClientDisconnect
+
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        yield msg.get("body", b"")
+        if not msg.get("more_body", False):
+            return
+
+
+async def _read_limited(chunks, declared: str | None, expecting: bool, max_bytes: int, timeout_s: float) -> bytes:
+    """The whole body from ``chunks`` (an async iterator of bytes; ``declared``: its Content-Length,
+    ``expecting``: the client waits for 100-continue). Raises HTTPError (413, 408), and what
+    ``chunks`` raises."""
     # (413s close the connection, the rest of the body drained first: it must not be read as a request)
-    declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        if "expect" not in request.headers:  # (a client waiting for 100-continue sends nothing more)
-            await drain(request.stream(), int(declared))
-        msg = f"request body of {declared} bytes exceeds the limit of {max_bytes}"
-        raise HTTPError(413, msg, {"Connection": "close"})
+        if not expecting:  # (a client waiting for 100-continue sends nothing more)
+            await drain(chunks, int(declared))
+        raise HTTPError(
+            413, f"request body of {declared} bytes exceeds the limit of {max_bytes}", {"Connection": "close"}
+        )
     body = bytearray()
 
     async def read():
-        stream = request.stream()
-        async for chunk in stream:
+        async for chunk in chunks:
             body.extend(chunk)
             if len(body) > max_bytes:
-                await drain(stream)
+                await drain(chunks)
                 raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes", {"Connection": "close"})
 
     try:
         await asyncio.wait_for(read(), timeout_s)
     except TimeoutError:
         raise HTTPError(408, f"request body not received within {timeout_s:g} s", {"Connection": "close"}) from None
-    except ClientDisconnect:
-        raise HTTPError(499, "the client disconnected before the end of its request body") from None
     return bytes(body)
-
-
-async def body_chunks(receive):
-    """A request body's pieces, as ASGI ``receive`` gives them, to its end or the client's leaving."""
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return
-        yield msg.get("body", b"")
-        if not msg.get("more_body", False):
-            return
-
-
-async def read_asgi_body(receive, max_bytes: int, timeout_s: float) -> bytes | None:
-    """:func:`read_body` from ASGI ``receive`` (an HTTP worker's passed-on request): the whole body, or
-    None if the client hung up. Raises HTTPError (413, 408)."""
-    body = bytearray()
-
-    async def read():
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return None
-            body.extend(msg.get("body", b""))
-            if len(body) > max_bytes:
-                if msg.get("more_body", False):
-                    await drain(body_chunks(receive))  # (then the connection closes)
-                raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes", {"Connection": "close"})
-            if not msg.get("more_body", False):
-                return bytes(body)
-
-    try:
-        return await asyncio.wait_for(read(), timeout_s)
-    except TimeoutError:
-        raise HTTPError(408, f"request body not received within {timeout_s:g} s", {"Connection": "close"}) from None
 
 
 async def answer_unless_gone(request, work, timeout_s: float, deadline_s: float):
