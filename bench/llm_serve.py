@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -104,9 +105,11 @@ def offline(args) -> dict:
             "capture_s": ready,
         }
         print(name, res[name], flush=True)
-        del gen
+        del gen, sched  # the scheduler holds the generator: both go before the next one is built
+        gc.collect()
         torch.cuda.empty_cache()
     del model
+    gc.collect()
     torch.cuda.empty_cache()
     if args.hf_requests and args.shape == "llama2-7b":
         try:
@@ -140,11 +143,11 @@ def hf_offline(args) -> dict:
         n = args.hf_requests
         g = torch.Generator().manual_seed(1)
         reqs = [torch.randint(3, VOCAB["llama2-7b"], (p,), generator=g).tolist() for _ in range(n)]
-        gc = GenerationConfig(max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)
-        model.generate_batch(reqs[:4], generation_config=gc, progress_bar=False)  # warm-up
+        gen_cfg = GenerationConfig(max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)
+        model.generate_batch(reqs[:4], generation_config=gen_cfg, progress_bar=False)  # warm-up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        res = model.generate_batch(reqs, generation_config=gc, progress_bar=False)
+        res = model.generate_batch(reqs, generation_config=gen_cfg, progress_bar=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         toks = sum(len(r.generated_tokens) for r in res.values())
