@@ -67,7 +67,7 @@ def offline(args) -> dict:
     from fullthrottle.cli.generate import random_llama
     from fullthrottle.workloads.llm.checks import pages_that_fit
     from fullthrottle.workloads.llm.generate import Generator
-    from fullthrottle.workloads.llm.kv_pages import PAGE
+    from fullthrottle.workloads.llm.kv_pages import PAGE, kv_dtype
     from fullthrottle.workloads.llm.scheduler import Scheduler
 
     res = {}
@@ -78,8 +78,11 @@ def offline(args) -> dict:
         g = torch.Generator().manual_seed(1)
         reqs = [(torch.randint(3, vocab, (p,), generator=g).tolist(), m) for _ in range(n // args.scale)]
         t0 = time.perf_counter()
-        pages = pages_that_fit(model, PAGE) if args.kv_pages == "auto" else int(args.kv_pages)
-        gen = Generator(model, max_batch=args.rows, max_seq_len=p + m, graphs=True, kv_pages=pages)
+        kv_type = kv_dtype(args.kv_dtype, next(model.parameters()).dtype)
+        pages = pages_that_fit(model, PAGE, kv_type) if args.kv_pages == "auto" else int(args.kv_pages)
+        gen = Generator(
+            model, max_batch=args.rows, max_seq_len=p + m, graphs=True, kv_pages=pages, kv_dtype=args.kv_dtype
+        )
         ready = time.perf_counter() - t0
         Scheduler(gen).run([{"prompt": r[0], "max_new_tokens": 4} for r in reqs[:8]])  # warm-up
         sync(dev)
@@ -94,6 +97,7 @@ def offline(args) -> dict:
             "requests": len(reqs),
             "rows": gen.max_batch,
             "kv_pages": gen.kv.num_pages if gen.kv is not None else 0,
+            "kv_dtype": args.kv_dtype,
             "fullthrottle_tok_per_s": toks / wall,
             "wall_s": wall,
             # the host's view of the steps (each ends in a read back): prefill and decode seconds
@@ -259,6 +263,8 @@ def start_server(args, rows: int, seq: int, port: int):
         str(seq),
         "--llm-kv-pages",
         str(args.kv_pages),
+        "--llm-kv-dtype",
+        args.kv_dtype,
         "--device",
         args.device,
         "--port",
@@ -323,6 +329,7 @@ def main():
     ap.add_argument("--mixed-rows", type=int, default=64, help="KV-cache rows for the mixed set (2560 slots each)")
     ap.add_argument("--hf-requests", type=int, default=64, help="requests given to transformers (0: skip it)")
     ap.add_argument("--kv-pages", default="0", help="paged KV memory: N 64-token pages, or auto (0: static rows)")
+    ap.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8"), help="paged KV memory's dtype")
     ap.add_argument("--concurrency", default="1,16,64,256")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--client-procs", type=int, default=4)

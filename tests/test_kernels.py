@@ -144,6 +144,19 @@ CHECK = textwrap.dedent("""
         grid = [torch.tensor(v + [f] * 4, device=device) for v, f in ((seg, -1), (m0, 0))]
         o = K.prefill_attention(qp, pages_k, pages_v, *args, *grid, table=table)
         assert torch.allclose(o.float(), ref, atol=tol * 2, rtol=tol), (o.float() - ref).abs().max()
+        # float8 e4m3 pages: the kernels read each key and value as float8 and compute as with the
+        # same values rounded to float8 and held in q's dtype
+        f8k, f8v = pages_k.to(torch.float8_e4m3fn), pages_v.to(torch.float8_e4m3fn)
+        assert (f8k.float() != pages_k.float()).any()                           # (the rounding is real)
+        r8k, r8v = f8k.to(dtype), f8v.to(dtype)
+        pos = torch.tensor([0, 64, 149], device=device)[:, None]
+        for per in (1, 4):
+            o = K.paged_decode_attention(q, f8k, f8v, table, pos, 1, 150, counters, per=per)
+            want = K.paged_decode_attention(q, r8k, r8v, table, pos, 1, 150, counters, per=per)
+            assert o.dtype == dtype and torch.allclose(o.float(), want.float(), atol=tol, rtol=tol), (o.float() - want.float()).abs().max()
+        o = K.prefill_attention(qp, f8k, f8v, *args, table=table)
+        want = K.prefill_attention(qp, r8k, r8v, *args, table=table)
+        assert o.dtype == dtype and torch.allclose(o.float(), want.float(), atol=tol * 2, rtol=tol), (o.float() - want.float()).abs().max()
         # image normalisation from uint8 NHWC, a size not a multiple of the block, every byte value
         x8 = torch.arange(5 * 7 * 11 * 3, device=device).remainder(256).to(torch.uint8).view(5, 7, 11, 3)
         scale = torch.tensor([0.0171, 0.0175, 0.0174], device=device).to(dtype)
@@ -380,3 +393,12 @@ def test_llm_attention_kernels_compile_for_the_h200_without_a_gpu():
             sig = decode | dict.fromkeys(consts, "constexpr")
             src = ASTSource(fn=attention._attention_part_kernel, signature=sig, constexprs=consts)
             assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["cubin"]
+    # float8 e4m3 pages (kv_dtype="fp8"): both kernels read them
+    consts = {"D": 128, "BLOCK_M": 64, "BLOCK_N": 64, "PAGE": 64, "PAGED": True, "PRECISION": "tf32"}
+    sig = prefill | {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} | dict.fromkeys(consts, "constexpr")
+    src = ASTSource(fn=varlen._prefill_kernel, signature=sig, constexprs=consts)
+    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
+    consts = {"D": 128, "BLOCK_T": 64, "PER": 1, "MERGE": True, "DIRECT": False, "BLOCK_S": 64, "PAGED": True}
+    sig = decode | {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"} | dict.fromkeys(consts, "constexpr")
+    src = ASTSource(fn=attention._attention_part_kernel, signature=sig, constexprs=consts)
+    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["cubin"]

@@ -448,3 +448,50 @@ def test_a_padded_pack_as_a_prefill_graph_holds_it_gives_the_same_logits_and_wri
             torch.testing.assert_close(k[:4], before[:4], atol=1e-6, rtol=0)
         else:  # pages 1.. as the exact pack left them; page 0 took the padding
             torch.testing.assert_close(k[1:], before[1:], atol=1e-6, rtol=0)
+
+
+def test_fp8_kv_memory_holds_float8_keys_and_values_and_gives_what_their_rounding_gives(tiny_llama, monkeypatch):
+    """kv_dtype="fp8": the pages are float8 e4m3 (a quarter of float32's bytes: four times the pages
+    in the same memory), and every request's tokens and logprobs are exactly those of model-dtype pages
+    holding the same keys and values rounded to float8 and back: the attention reads what was written.
+    The rounding changes the logprobs (so the float8 pages are what was read), by a little."""
+    import torch
+
+    from fullthrottle.workloads.llm import checks, kv_pages
+
+    reqs = random_requests(4, 9, (1, 7, 30, 61), (1, 24), (0.0, 0.8))
+    for r in reqs:
+        r["logprobs"] = 2
+
+    def run(kv_dtype):
+        gen = Generator(
+            tiny_llama, max_batch=4, max_seq_len=96, graphs=False, kv_pages=7, kv_dtype=kv_dtype, logprobs=2
+        )
+        sched = Scheduler(gen)
+        seqs = [sched.submit(**r) for r in reqs]
+        while sched.busy:
+            sched.step()
+        return gen, [(s.tokens, [x[0] for x in s.lps]) for s in seqs]
+
+    gen, fp8 = run("fp8")
+    assert all(blk.self_attn.k_cache.dtype == torch.float8_e4m3fn for blk in tiny_llama.layers)
+    assert gen.kv.num_pages == 7
+    rounded = kv_pages.to_kv
+
+    def through_fp8(x, dtype):  # model-dtype pages holding float8-rounded values
+        return rounded(x, torch.float8_e4m3fn).to(dtype)
+
+    monkeypatch.setattr(kv_pages, "to_kv", through_fp8)
+    _, same = run("auto")
+    assert same == fp8
+    monkeypatch.undo()
+    _, exact = run("auto")
+    diffs = [abs(a - b) for (ta, la), (tb, lb) in zip(fp8, exact) if ta == tb for a, b in zip(la, lb)]
+    assert diffs and 0 < max(diffs) < 0.05
+    per32, _ = checks._kv_bytes_and_free(tiny_llama)
+    per8, _ = checks._kv_bytes_and_free(tiny_llama, torch.float8_e4m3fn)
+    assert per32 == 4 * per8 == 4 * 2 * 2 * 2 * 8  # k and v, 2 layers, 2 heads of 8 dims
+    with pytest.raises(ValueError, match="kv_dtype 'fp8' needs paged KV memory: give kv_pages"):
+        Generator(tiny_llama, max_batch=2, max_seq_len=64, graphs=False, kv_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_dtype must be one of auto, fp8, got 'int4'"):
+        Generator(tiny_llama, max_batch=2, max_seq_len=64, graphs=False, kv_pages=4, kv_dtype="int4")

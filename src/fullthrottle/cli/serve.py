@@ -149,14 +149,18 @@ def cmd_serve(args) -> int:
             print(f"fullthrottle: error: {e}", file=sys.stderr)
             return 2
         try:
+            if args.llm_kv_dtype != "auto" and not args.llm_kv_pages:
+                raise ValueError(
+                    f"--llm-kv-dtype {args.llm_kv_dtype} needs paged KV memory: give --llm-kv-pages N or auto"
+                )
             seq = args.llm_max_seq_len or min(model.cfg.max_position_embeddings, 4096)
             pages = args.llm_kv_pages
             if pages == "auto":
                 from ..workloads.llm.checks import pages_that_fit
-                from ..workloads.llm.kv_pages import PAGE
+                from ..workloads.llm.kv_pages import PAGE, kv_dtype
 
-                pages = pages_that_fit(model, PAGE)
-            kw = dict(graphs=args.graphs, logprobs=args.llm_logprobs, kv_pages=pages)
+                pages = pages_that_fit(model, PAGE, kv_dtype(args.llm_kv_dtype, dtype))
+            kw = dict(graphs=args.graphs, logprobs=args.llm_logprobs, kv_pages=pages, kv_dtype=args.llm_kv_dtype)
             kw.update(max_prefill_tokens=args.llm_max_prefill_tokens)
             llm = (Generator(model, args.llm_max_batch, seq, **kw), tok)
             kv = llm[0].kv

@@ -116,6 +116,9 @@ class LlmSettings:
     kv_pages: int = field(
         default=0, metadata={"help": "paged KV memory: pages of 64 tokens for all requests (0: a static row each)"}
     )
+    kv_dtype: str = field(
+        default="auto", metadata={"help": "paged KV memory's dtype: auto (the model's) or fp8 (float8 e4m3)"}
+    )
 
 
 @dataclass

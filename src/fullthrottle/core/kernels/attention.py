@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import _FLOATS, _check, _is_int, _same_device, tl, triton, use_triton
+from .common import _FLOATS, _check, _is_int, _kv_dtype_ok, _same_device, tl, triton, use_triton
 
 
 def decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len):
     B, H, S, D = q.shape
     hkv = k_cache.shape[1]
     kc, vc = k_cache[row0 : row0 + B, :, :kv_len], v_cache[row0 : row0 + B, :, :kv_len]  # (B, Hkv, T, D)
+    kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # (float8 KV memory: computed in q's dtype)
     if H > hkv:
         kc, vc = kc.repeat_interleave(H // hkv, dim=1), vc.repeat_interleave(H // hkv, dim=1)
     t = torch.arange(kv_len, device=q.device)
@@ -134,7 +135,9 @@ def paged_decode_attention(
     are one page each, read in place; the reference gathers the pages into one contiguous cache.
 
     Args:
-        q: ``(B, H, S, D)``. k_pages, v_pages: ``(num_pages, Hkv, PAGE, D)``, PAGE a power of two >= 16.
+        q: ``(B, H, S, D)``. k_pages, v_pages: ``(num_pages, Hkv, PAGE, D)``, PAGE a power of two >= 16,
+            in ``q``'s dtype or float8 e4m3 (:data:`~fullthrottle.core.kernels.common.KV_FP8`: the
+            kernel converts each key and value to float32 as it reads it).
         table: ``(rows, P)`` int64 page numbers, ``P * PAGE >= kv_len``. pos, row0, kv_len, counters,
             warps, per: as :func:`decode_attention`.
 
@@ -160,10 +163,15 @@ def paged_decode_attention(
         _is_int(row0) and 0 <= row0 and row0 + B <= table.shape[0] and 0 < kv_len <= table.shape[1] * page,
         f"paged_decode_attention: rows {row0}..{row0 + B} or kv_len {kv_len} past the table {tuple(table.shape)}",
     )
+    _check(
+        q.dtype in _FLOATS and _kv_dtype_ok(k_pages, q) and v_pages.dtype == k_pages.dtype,
+        f"paged_decode_attention: the pages must be in q's dtype or float8_e4m3fn, got q {q.dtype}, "
+        f"pages {k_pages.dtype}, {v_pages.dtype}",
+    )
     _same_device("paged_decode_attention", q=q, k_pages=k_pages, v_pages=v_pages, table=table, pos=pos)
     _check(_is_int(per) and per >= 1, f"paged_decode_attention: per must be an int >= 1, got {per!r}")
     triton_ok = S == 1 and use_triton(q) and not D & (D - 1) and page >= 16 and not page & (page - 1)
-    if not triton_ok or k_pages.stride(-1) != 1 or v_pages.stride() != k_pages.stride() or q.dtype != k_pages.dtype:
+    if not triton_ok or k_pages.stride(-1) != 1 or v_pages.stride() != k_pages.stride():
         rows = torch.arange(row0, row0 + B, device=q.device)
         kc, vc = gather_pages(k_pages, table, rows, kv_len), gather_pages(v_pages, table, rows, kv_len)
         return decode_attention_ref(q, kc, vc, pos, 0, kv_len)

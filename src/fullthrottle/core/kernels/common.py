@@ -24,6 +24,14 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: the dtype of float8 paged KV memory (e4m3: 3 mantissa bits, finite values up to 448); the
+#: attention kernels read it and compute in float32
+KV_FP8 = torch.float8_e4m3fn
+
+
+def _kv_dtype_ok(cache: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether a KV cache's dtype goes with ``q``'s: the same, or float8 (:data:`KV_FP8`)."""
+    return cache.dtype in (q.dtype, KV_FP8)
 
 
 def _check(ok: bool, msg: str) -> None:

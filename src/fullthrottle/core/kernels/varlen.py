@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import gather_pages
-from .common import _FLOATS, _check, _same_device, tl, triton, use_triton
+from .common import _FLOATS, _check, _kv_dtype_ok, _same_device, tl, triton, use_triton
 
 #: queries per program of the Triton kernel (a segment's queries are cut into blocks of this many)
 BLOCK_M = 64
@@ -64,6 +64,7 @@ def prefill_attention_ref(q, k_cache, v_cache, rows, start, cu, table=None) -> t
         else:
             r = torch.tensor([row], device=q.device)
             kc, vc = gather_pages(k_cache, table, r, n)[0], gather_pages(v_cache, table, r, n)[0]
+        kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # (float8 KV memory: computed in q's dtype)
         if H > kc.shape[0]:  # grouped-query attention
             kc, vc = kc.repeat_interleave(H // kc.shape[0], dim=0), vc.repeat_interleave(H // kc.shape[0], dim=0)
         qpos = s + torch.arange(b - a, device=q.device)
@@ -90,7 +91,8 @@ def prefill_attention(
     Args:
         q: ``(T, H, D)`` queries, rotated (last dim contiguous; any other strides).
         k_cache, v_cache: static ``(rows, Hkv, S, D)``, or with ``table`` pages ``(num_pages, Hkv, PAGE, D)``;
-            each segment's keys and values already written at its positions.
+            each segment's keys and values already written at its positions; in ``q``'s dtype, or
+            float8 e4m3 (converted to ``q``'s dtype as they are read).
         rows: ``(N,)`` int cache row of each segment. start: ``(N,)`` int position of its first token.
         cu: ``(N+1,)`` int offsets of the segments in the packed sequence, ``cu[0] == 0``; tokens past
             ``cu[N]`` (a CUDA graph's padding) belong to none and their output is 0.
@@ -119,8 +121,9 @@ def prefill_attention(
         f"{tuple(k_cache.shape)}, rows {tuple(rows.shape)}, start {tuple(start.shape)}, cu {tuple(cu.shape)}",
     )
     _check(
-        q.dtype in _FLOATS and k_cache.dtype == q.dtype == v_cache.dtype,
-        f"prefill_attention: q and the caches must share a float dtype, got {q.dtype}, {k_cache.dtype}",
+        q.dtype in _FLOATS and _kv_dtype_ok(k_cache, q) and v_cache.dtype == k_cache.dtype,
+        f"prefill_attention: the caches must be in q's float dtype or float8_e4m3fn, got q {q.dtype}, "
+        f"caches {k_cache.dtype}, {v_cache.dtype}",
     )
     _check(
         table is None or (table.dim() == 2 and table.dtype == torch.long),
@@ -228,14 +231,14 @@ if triton is not None:
                 k_off = pg * c_b + hk + (kpos % PAGE).to(tl.int64) * c_t
             else:
                 k_off = row * c_b + hk + kpos.to(tl.int64) * c_t
-            k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=mk[:, None], other=0.0)  # (BLOCK_N, D)
+            k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=mk[:, None], other=0.0).to(q.dtype)  # (BLOCK_N, D)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 logits
             s = tl.where((kpos[None, :] <= qpos[:, None]) & mk[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (key 0 is in every block's first step: finite)
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + k_off[:, None] + d[None, :], mask=mk[:, None], other=0.0)
+            v = tl.load(v_ptr + k_off[:, None] + d[None, :], mask=mk[:, None], other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]

@@ -76,11 +76,12 @@ def free_bytes(device: torch.device) -> int | None:
 KV_MEMORY_SHARE = 0.9
 
 
-def _kv_bytes_and_free(model) -> tuple[int, int | None]:
-    """Bytes of keys and values per token position of ``model`` (a Llama: every layer, its dtype), and
-    its device's free memory counting the KV cache it holds now as free (a new one replaces it)."""
+def _kv_bytes_and_free(model, dtype: torch.dtype | None = None) -> tuple[int, int | None]:
+    """Bytes of keys and values per token position of ``model`` (a Llama: every layer, in ``dtype``,
+    default its own), and its device's free memory counting the KV cache it holds now as free (a new
+    one replaces it)."""
     cfg, p = model.cfg, next(model.parameters())
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * p.dtype.itemsize
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * (dtype or p.dtype).itemsize
     free = free_bytes(p.device)
     if free is not None:
         for blk in model.layers:
@@ -89,12 +90,12 @@ def _kv_bytes_and_free(model) -> tuple[int, int | None]:
     return per_token, free
 
 
-def check_kv_memory(model, slots: int, what: str, hint: str) -> None:
+def check_kv_memory(model, slots: int, what: str, hint: str, dtype: torch.dtype | None = None) -> None:
     """ValueError when a KV cache of ``slots`` token positions in all (keys and values of every layer
-    of ``model``, a Llama, in its dtype) needs more than :data:`KV_MEMORY_SHARE` of its device's free
+    of ``model``, a Llama, in ``dtype``, default its own) needs more than :data:`KV_MEMORY_SHARE` of its device's free
     memory, counting the cache it holds now as free; ``what``: the cache's shape in words, ``hint``:
     what to ask for instead, for the message. Nothing is allocated here."""
-    per_token, free = _kv_bytes_and_free(model)
+    per_token, free = _kv_bytes_and_free(model, dtype)
     need = slots * per_token
     if free is not None and need > KV_MEMORY_SHARE * free:
         raise ValueError(
@@ -103,15 +104,15 @@ def check_kv_memory(model, slots: int, what: str, hint: str) -> None:
         )
 
 
-def pages_that_fit(model, page: int) -> int:
-    """How many KV pages of ``page`` tokens fit in :data:`KV_MEMORY_SHARE` of the free memory of
+def pages_that_fit(model, page: int, dtype: torch.dtype | None = None) -> int:
+    """How many KV pages of ``page`` tokens (in ``dtype``, default the model's) fit in :data:`KV_MEMORY_SHARE` of the free memory of
     ``model``'s device (its current KV cache counted as free; one page of the pool is never handed
     out), as vLLM sizes its pool by ``gpu_memory_utilization``.
 
     Raises:
         ValueError: the free memory cannot be read, or not even one page fits.
     """
-    per_token, free = _kv_bytes_and_free(model)
+    per_token, free = _kv_bytes_and_free(model, dtype)
     if free is None:
         raise ValueError("the free memory of this device cannot be read: give the number of KV pages")
     pages = int(KV_MEMORY_SHARE * free // (page * per_token)) - 1

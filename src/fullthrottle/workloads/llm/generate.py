@@ -24,6 +24,7 @@ from ...core.config import LlmSettings, Runtime, default_buckets
 from ...core.report import StageStats
 from .checks import MAX_STOP_IDS, check_int, check_kv_memory, check_request
 from .kv_pages import PAGE, PagedKV
+from .kv_pages import kv_dtype as kv_dtype_of
 from .llama import Llama
 from .prefill import Piece, Prefill
 from .sampling import GOLDEN, check_sampling, row_seeds, sample, seeded_noise, token_logprobs
@@ -73,6 +74,11 @@ class Generator:
             pages of :data:`~fullthrottle.workloads.llm.kv_pages.PAGE` tokens shared by all rows
             (:attr:`kv`), each sequence holding the pages its prompt + new tokens need (at most
             as many as every row full would use are allocated).
+        kv_dtype: the paged KV memory's dtype: ``"auto"`` (the model's) or ``"fp8"`` (float8 e4m3:
+            half the bytes of bf16 per token, so twice the tokens per page pool and half the bytes a
+            decode step's attention reads; keys and values lose precision: 3 mantissa bits, saturated
+            at 448). ``"fp8"`` needs paged KV memory, and on CUDA a GPU of compute capability 8.9 or
+            newer.
 
     Raises:
         ValueError: on :meth:`generate`, a prompt + max_new_tokens longer than ``max_seq_len``, or
@@ -93,6 +99,7 @@ class Generator:
         prefill_graph_tokens: int = LlmSettings.prefill_graph_tokens,
         logprobs: int = LlmSettings.logprobs,
         kv_pages: int = LlmSettings.kv_pages,
+        kv_dtype: str = LlmSettings.kv_dtype,
     ):
         self.model = model
         self.scheduler = None  # the Scheduler that owns the engine's state (the newest one built on it)
@@ -106,6 +113,12 @@ class Generator:
             ("kv_pages", kv_pages, 0),
         ):
             check_int(name, v, lowest)
+        kv_type = kv_dtype_of(kv_dtype, next(model.parameters()).dtype)  # (ValueError: an unknown name)
+        if kv_dtype != "auto" and not kv_pages:
+            raise ValueError(f"kv_dtype {kv_dtype!r} needs paged KV memory: give kv_pages")
+        dev0 = next(model.parameters()).device
+        if kv_type == torch.float8_e4m3fn and dev0.type == "cuda" and torch.cuda.get_device_capability(dev0) < (8, 9):
+            raise ValueError(f"kv_dtype 'fp8' needs a GPU of compute capability 8.9 or newer; {dev0} is older")
         if not isinstance(logprobs, int) or not 0 <= logprobs <= min(20, model.cfg.vocab_size):
             raise ValueError(
                 f"logprobs must be an integer between 0 and {min(20, model.cfg.vocab_size)}, got {logprobs!r}"
@@ -140,8 +153,9 @@ class Generator:
         self.kv: PagedKV | None = None
         kv_pages = min(kv_pages, rows * -(-max_seq_len // PAGE))  # (more could never be used)
         if kv_pages:
-            check_kv_memory(model, (kv_pages + 1) * PAGE, f"{kv_pages} pages of {PAGE} tokens", "take fewer kv_pages")
-            model.setup_paged_cache(rows, max_seq_len, kv_pages, owner=self)
+            what = f"{kv_pages} pages of {PAGE} tokens"
+            check_kv_memory(model, (kv_pages + 1) * PAGE, what, "take fewer kv_pages", kv_type)
+            model.setup_paged_cache(rows, max_seq_len, kv_pages, owner=self, dtype=kv_type)
             self.kv = PagedKV(model.block_table, kv_pages)
         else:
             hint = "take fewer rows (max_batch), a shorter max_seq_len, or paged KV memory (kv_pages)"

@@ -156,7 +156,7 @@ class Attention(nn.Module):
         # into its row at its positions, then each token attends to its row's positions up to its own
         _, T, _ = x.shape  # x: (1, T, dim); cos, sin: (1, T, D/2)
         h, hkv, d = self.h, self.hkv, self.d
-        kt = torch.empty(1, hkv, T, d, dtype=self.k_cache.dtype, device=x.device)
+        kt = torch.empty(1, hkv, T, d, dtype=x.dtype, device=x.device)
         vt = torch.empty_like(kt)
         slots = torch.arange(T, device=x.device)[None]
         q = kernels.linear_rope_qkv_into_cache(
@@ -188,7 +188,7 @@ class Attention(nn.Module):
         # (num_pages + 1, Hkv, PAGE, D), found through the block table (rows, P)
         B, S, _ = x.shape  # x: (B, S, dim); pos: (B, S); rows row0..row0+B
         h, hkv, d = self.h, self.hkv, self.d
-        kt = torch.empty(B, hkv, S, d, dtype=self.k_cache.dtype, device=x.device)
+        kt = torch.empty(B, hkv, S, d, dtype=x.dtype, device=x.device)
         vt = torch.empty_like(kt)
         slots = torch.arange(S, device=x.device).expand(B, S)
         q = kernels.linear_rope_qkv_into_cache(
@@ -203,6 +203,7 @@ class Attention(nn.Module):
         else:  # (a copy of the rows' first kv_len positions)
             kc = kernels.gather_pages(self.k_cache, self.block_table, rows, kv_len)  # (B, Hkv, T, D)
             vc = kernels.gather_pages(self.v_cache, self.block_table, rows, kv_len)
+            kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # (float8 KV memory)
             if h // hkv > 1:
                 kc, vc = kc.repeat_interleave(h // hkv, dim=1), vc.repeat_interleave(h // hkv, dim=1)
             y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)  # mask: (B, 1, S, T) additive
@@ -281,16 +282,19 @@ class Llama(nn.Module):
         for blk in self.layers:
             blk.self_attn.block_table = None
 
-    def setup_paged_cache(self, rows: int, max_seq_len: int, num_pages: int, owner=None) -> None:
+    def setup_paged_cache(
+        self, rows: int, max_seq_len: int, num_pages: int, owner=None, dtype: torch.dtype | None = None
+    ) -> None:
         """Paged KV memory (:mod:`~fullthrottle.workloads.llm.kv_pages`) instead of the static cache:
-        per layer ``(num_pages + 1, Hkv, PAGE, D)`` zeros (page 0: where unused entries point) and one
-        block table ``(rows, ceil(max_seq_len / PAGE))`` int64, zeros, shared by every layer."""
+        per layer ``(num_pages + 1, Hkv, PAGE, D)`` zeros (page 0: where unused entries point) in
+        ``dtype`` (default: the model's; or float8 e4m3, :data:`~fullthrottle.workloads.llm.kv_pages.KV_DTYPES`)
+        and one block table ``(rows, ceil(max_seq_len / PAGE))`` int64, zeros, shared by every layer."""
         self.setup_cache(rows, 1, owner)  # (the merge counters; its one-slot caches are replaced)
         p = next(self.parameters())
         self.block_table = torch.zeros(rows, -(-max_seq_len // PAGE), dtype=torch.long, device=p.device)
         for blk in self.layers:
             a = blk.self_attn
-            a.k_cache = torch.zeros(num_pages + 1, a.hkv, PAGE, a.d, dtype=p.dtype, device=p.device)
+            a.k_cache = torch.zeros(num_pages + 1, a.hkv, PAGE, a.d, dtype=dtype or p.dtype, device=p.device)
             a.v_cache = torch.zeros_like(a.k_cache)
             a.block_table = self.block_table
         self.max_seq_len = self.kv_len = max_seq_len
