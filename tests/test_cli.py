@@ -437,11 +437,12 @@ def test_flag_defaults_are_the_dataclasses_defaults():
     assert c.batch_size == v.max_batch_size == Config.max_batch_size
     from fullthrottle.core.config import LlmSettings
 
-    assert (v.llm_max_batch, v.llm_kv_pages, v.llm_max_prefill_tokens, v.llm_logprobs) == (
+    assert (v.llm_max_batch, v.llm_kv_pages, v.llm_max_prefill_tokens, v.llm_logprobs, v.llm_kv_dtype) == (
         LlmSettings.max_batch,
         LlmSettings.kv_pages,
         LlmSettings.max_prefill_tokens,
         LlmSettings.logprobs,
+        LlmSettings.kv_dtype,
     )
     assert p.parse_args(["serve", "--llm-max-prefill-tokens", "7"]).llm_max_prefill_tokens == 7
     assert p.parse_args(["serve", "--llm-kv-pages", "auto"]).llm_kv_pages == "auto"
@@ -521,6 +522,11 @@ def test_serve_numbers_must_be_finite_and_an_output_may_not_overwrite_an_input(s
         with pytest.raises(SystemExit) as e:
             main(["serve", flag, bad])
         assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--llm-kv-dtype", "int8"])
+    assert e.value.code == 2 and "argument --llm-kv-dtype: invalid choice: 'int8'" in capsys.readouterr().err
+    assert main(["serve", "--no-classify", "--llm-random", "tiny", "--device", "cpu", "--llm-kv-dtype", "fp8"]) == 2
+    assert "--llm-kv-dtype fp8 needs paged KV memory: give --llm-kv-pages N or auto" in capsys.readouterr().err
     for bad in ("nan", "-1"):
         with pytest.raises(SystemExit) as e:
             main(["serve", "--max-wait-ms", bad])

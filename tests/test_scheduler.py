@@ -267,6 +267,24 @@ def test_cuda_graph_steps_equal_each_request_alone(tiny_llama, kv_pages):
         assert [s.tokens for s in recs] == cut, ahead
 
 
+@pytest.mark.gpu
+def test_fp8_kv_memory_graph_steps_equal_eager_steps_alone(tiny_llama):
+    """Float8 paged KV memory through the CUDA graphs (prefill and decode replays, the Triton kernels
+    reading float8 pages) gives each greedy request the tokens it gets alone, eagerly."""
+    import torch
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 KV memory needs compute capability 8.9")
+    model = tiny_llama.cuda()
+    reqs = random_requests(2, 13, (1, 9, 30), (1, 40), (0.0,))
+    alone = Generator(model, max_batch=1, max_seq_len=96, graphs=False, kv_pages=2, kv_dtype="fp8")
+    refs = [alone.generate([r["prompt"]], max_new_tokens=r["max_new_tokens"])[0] for r in reqs]
+    gen = Generator(model, max_batch=8, max_seq_len=96, graphs=True, attn_buckets=(32, 64), kv_pages=12, kv_dtype="fp8")
+    assert gen.graphs and model.layers[0].self_attn.k_cache.dtype == torch.float8_e4m3fn
+    for ahead in (1, 8):
+        assert Scheduler(gen, ahead=ahead).run(reqs) == refs, ahead
+
+
 @pytest.mark.parametrize("kv_pages", [0, 8])
 def test_prompts_of_any_lengths_are_prefilled_in_one_packed_forward_without_padding(tiny_llama, monkeypatch, kv_pages):
     """Prompts of 30, 3, 28 and 4 tokens and the last 8 tokens of a 20-token prompt whose first 12 are
