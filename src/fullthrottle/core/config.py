@@ -108,17 +108,13 @@ class LlmSettings:
 
     max_batch: int = field(default=8, metadata={"help": "KV-cache rows: requests decoded at once"})
     check_every: int = field(default=8, metadata={"help": "decode steps between looks at the stop mask"})
-    max_prefill_tokens: int = field(
-        default=8192, metadata={"help": "prefill tokens per forward (a step's prefill work)"}
-    )
+    max_prefill_tokens: int = field(default=8192, metadata={"help": "prefill tokens per forward (a step's work)"})
     prefill_graph_tokens: int = field(default=2048, metadata={"help": "prefills up to this size replay graphs"})
     logprobs: int = field(default=0, metadata={"help": "top tokens a step can report (0-20; 0: off)"})
     kv_pages: int = field(
         default=0, metadata={"help": "paged KV memory: pages of 64 tokens for all requests (0: a static row each)"}
     )
-    kv_dtype: str = field(
-        default="auto", metadata={"help": "paged KV memory's dtype: auto (the model's) or fp8 (float8 e4m3)"}
-    )
+    kv_dtype: str = field(default="auto", metadata={"help": "paged KV memory's dtype: auto (the model's), fp8"})
 
 
 @dataclass
