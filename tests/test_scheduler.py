@@ -2,6 +2,7 @@
 exactly the tokens it gets alone, whatever joins or leaves around it."""
 
 import random
+import re
 
 import pytest
 
@@ -511,5 +512,6 @@ def test_fp8_kv_memory_holds_float8_keys_and_values_and_gives_what_their_roundin
     assert per32 == 4 * per8 == 4 * 2 * 2 * 2 * 8  # k and v, 2 layers, 2 heads of 8 dims
     with pytest.raises(ValueError, match="kv_dtype 'fp8' needs paged KV memory: give kv_pages"):
         Generator(tiny_llama, max_batch=2, max_seq_len=64, graphs=False, kv_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_dtype must be one of auto, fp8, got 'int4'"):
-        Generator(tiny_llama, max_batch=2, max_seq_len=64, graphs=False, kv_pages=4, kv_dtype="int4")
+    for bad in ("int4", "FP8", ["fp8"], None):
+        with pytest.raises(ValueError, match=re.escape(f"kv_dtype must be one of auto, fp8, got {bad!r}")):
+            Generator(tiny_llama, max_batch=2, max_seq_len=64, graphs=False, kv_pages=4, kv_dtype=bad)

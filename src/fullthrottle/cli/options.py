@@ -278,8 +278,8 @@ def add_llm_serve_args(v: argparse.ArgumentParser) -> None:
         default=LlmSettings.kv_dtype,
         help="paged KV memory's dtype: auto, the model's; fp8, float8 e4m3: twice the tokens in the same "
         "memory and half the bytes each decode step reads, keys and values rounded to 3 mantissa bits "
-        "(needs --llm-kv-pages; a GPU of compute capability 8.9 or newer, such as H100, H200, L4; "
-        "default: %(default)s)",
+        "(needs --llm-kv-pages; on CUDA, a GPU of compute capability 8.9 or newer, such as H100, H200, L4; "
+        "on the CPU it saves memory, not time; default: %(default)s)",
     )
     v.add_argument(
         "--llm-max-prefill-tokens",

@@ -93,6 +93,8 @@ def cmd_serve(args) -> int:
         if args.llm_model_dir and args.llm_random:
             raise ValueError("give either --llm-model-dir or --llm-random, not both")
         llm = args.llm_model_dir or args.llm_random
+        if not llm and (unused := _llm_flags_given(args)):
+            print(f"note: {', '.join(unused)}: no LLM is served (--llm-model-dir or --llm-random)", file=sys.stderr)
         if not args.classify and not (workloads or args.embed_model or llm):
             raise ValueError("--no-classify leaves nothing to serve: add --workload, --embed-model or --llm-model-dir")
         em = args.embed_model
@@ -225,3 +227,13 @@ def cmd_serve(args) -> int:
             return 2
         raise
     return 0
+
+
+def _llm_flags_given(args) -> list[str]:
+    """The ``--llm-*`` engine settings given other than their defaults (they act only with an LLM)."""
+    from ..core.config import LlmSettings
+
+    names = ("max_batch", "logprobs", "kv_pages", "kv_dtype", "max_prefill_tokens")
+    given = [n for n in names if getattr(args, f"llm_{n}") != getattr(LlmSettings, n)]
+    given += ["max_seq_len"] if args.llm_max_seq_len is not None else []
+    return ["--llm-" + n.replace("_", "-") for n in given]

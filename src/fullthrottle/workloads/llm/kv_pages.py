@@ -50,7 +50,8 @@ class PagedKV:
         the request, in words, for the message)."""
         if self.pages_for(tokens) > self.num_pages:
             raise ValueError(
-                f"{what} needs more KV memory than there is: {self.num_pages} pages of {self.page} tokens "
+                f"{what} needs more KV memory than there is: {self.num_pages} page{'s' * (self.num_pages != 1)} "
+                f"of {self.page} tokens "
                 f"(at most {self.num_pages * self.page} tokens)"
             )
 
@@ -113,7 +114,7 @@ def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     Raises:
         ValueError: an unknown name.
     """
-    if name not in KV_DTYPES:
+    if not isinstance(name, str) or name not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {name!r}")
     return KV_DTYPES[name] or model_dtype
 
