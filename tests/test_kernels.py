@@ -87,6 +87,27 @@ CHECK = textwrap.dedent("""
         assert torch.allclose(vc.float(), vc_ref, atol=tol * 10, rtol=tol)
         changed = (kc != kc0).any(-1)                                        # (rows, Hkv, T)
         assert changed[2, :, 5].all() and changed.sum() == Hkv
+        # the same into paged KV memory: tokens of rows 3 and 1 at positions 5, 17 (pages of 16 through
+        # a table), in the model's dtype and as float8 (saturated: values past 448 stay finite)
+        qkv = rnd(2, 1, (H + 2 * Hkv) * D) * 1000
+        cos2, sin2 = torch.cat([cos, cos]), torch.cat([sin, sin])
+        pos2, rows2 = torch.tensor([[5], [17]], device=device), torch.tensor([[3], [1]], device=device)
+        table = torch.tensor([[0, 0], [4, 2], [0, 0], [1, 3]], device=device)
+        for pdt in (dtype, torch.float8_e4m3fn):
+            pk, pv = torch.zeros(5, Hkv, 16, D, device=device).to(pdt), torch.zeros(5, Hkv, 16, D, device=device).to(pdt)
+            rk, rv = pk.clone(), pv.clone()
+            q = K.rope_qkv_into_pages(qkv, cos2, sin2, pos2, pk, pv, table, rows2, H, Hkv)
+            q_ref = K.rope_qkv_into_pages_ref(qkv.float(), cos2, sin2, pos2, rk.float(), rv.float(), table, rows2, H, Hkv)
+            assert q.dtype == dtype and torch.allclose(q.float(), q_ref, atol=tol * 100, rtol=tol)
+            ref_k = K.rope_qkv_into_pages_ref(qkv, cos2, sin2, pos2, rk, rv, table, rows2, H, Hkv) is not None and rk
+            # (float8: a rotated value's rounding may differ by one step; Triton 3.8's interpreter rounds a
+            # value that rounds up to a power of two to half of it, 125.5 -> 64: exact on the GPU only)
+            ulp = tol * 4 if pdt == dtype else 0.13 if device != "cpu" else 0.51
+            assert torch.allclose(pk.float(), ref_k.float(), atol=tol * 100, rtol=ulp)
+            assert torch.allclose(pv.float(), rv.float(), atol=tol * 100, rtol=ulp)
+            written = (pk.float() != 0).any(-1)          # (pages, Hkv, 16): page 1 slot 5, page 2 slot 1 only
+            assert written[1, :, 5].all() and written[2, :, 1].all() and written.sum() == 2 * Hkv
+            assert pk.float().isfinite().all() and (pdt == dtype or pk.float().abs().max() == 448)
         # decode attention: 3 rows at cache rows 1..3, GQA (4 query heads over 2 kv heads); a short
         # cache (one split) and a long one (3 splits of 64 slots, positions on both sides of a split)
         B, H, Hkv, D = 3, 4, 2, 16
@@ -393,6 +414,17 @@ def test_llm_attention_kernels_compile_for_the_h200_without_a_gpu():
             sig = decode | dict.fromkeys(consts, "constexpr")
             src = ASTSource(fn=attention._attention_part_kernel, signature=sig, constexprs=consts)
             assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["cubin"]
+    # RoPE into the static cache, into paged bf16 pages and into float8 pages
+    from fullthrottle.core.kernels import norm_rope
+
+    rope = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "q_ptr": "*bf16"}
+    rope |= {"rows_ptr": "*i64", "table_ptr": "*i64", "table_stride": "i64", "S": "i32", "H": "i32", "HKV": "i32"}
+    rope |= {"row0": "i32", "qkv_tok_stride": "i64", "c_b": "i64", "c_h": "i64", "c_t": "i64"}
+    for paged, cache in ((False, "*bf16"), (True, "*bf16"), (True, "*fp8e4nv")):
+        consts = {"HALF": 64, "BLOCK": 64, "PAGED": paged, "PAGE": 64, "FP8": cache == "*fp8e4nv", "FP8_MAX": 448.0}
+        sig = rope | {"kc_ptr": cache, "vc_ptr": cache} | dict.fromkeys(consts, "constexpr")
+        src = ASTSource(fn=norm_rope._rope_qkv_kernel, signature=sig, constexprs=consts)
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["cubin"]
     # float8 e4m3 pages (kv_dtype="fp8"): both kernels read them
     consts = {"D": 128, "BLOCK_M": 64, "BLOCK_N": 64, "PAGE": 64, "PAGED": True, "PRECISION": "tf32"}
     sig = prefill | {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} | dict.fromkeys(consts, "constexpr")

@@ -408,10 +408,12 @@ reqs = [{"prompt": [rng.randrange(97) for _ in range(n)], "max_new_tokens": rng.
 os.environ["FULLTHROTTLE_TRITON"] = "0"  # the references
 refs = [Generator(model, max_batch=1, max_seq_len=128, graphs=False).generate([r["prompt"]], r["max_new_tokens"])[0]
         for r in reqs]
+fp8 = Generator(model, max_batch=4, max_seq_len=128, graphs=False, max_prefill_tokens=48, kv_pages=8, kv_dtype="fp8")
+refs8 = Scheduler(fp8).run(reqs)
 os.environ["FULLTHROTTLE_TRITON"] = "1"  # the kernels the GPU runs, in Triton's interpreter
-for pages in (0, 8):
-    gen = Generator(model, max_batch=4, max_seq_len=128, graphs=False, max_prefill_tokens=48, kv_pages=pages)
-    assert Scheduler(gen).run(reqs) == refs, pages
+for pages, dt, want in ((0, "auto", refs), (8, "auto", refs), (8, "fp8", refs8)):
+    gen = Generator(model, max_batch=4, max_seq_len=128, graphs=False, max_prefill_tokens=48, kv_pages=pages, kv_dtype=dt)
+    assert Scheduler(gen).run(reqs) == want, (pages, dt)
 print("ok")
 """
 
@@ -500,7 +502,10 @@ def test_fp8_kv_memory_holds_float8_keys_and_values_and_gives_what_their_roundin
     def through_fp8(x, dtype):  # model-dtype pages holding float8-rounded values
         return rounded(x, torch.float8_e4m3fn).to(dtype)
 
-    monkeypatch.setattr(kv_pages, "to_kv", through_fp8)
+    from fullthrottle.core.kernels import norm_rope
+
+    for module in (kv_pages, norm_rope):  # (the pages are written in both: one token; several)
+        monkeypatch.setattr(module, "to_kv", through_fp8)
     _, same = run("auto")
     assert same == fp8
     monkeypatch.undo()

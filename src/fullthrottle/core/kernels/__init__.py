@@ -8,7 +8,8 @@ docs/performance.md). Three kernels here replace them:
 
 - :func:`rms_norm` — RMSNorm of each row, optionally after adding a residual (one read, one write);
 - :func:`rope_qkv_into_cache` — RoPE on q and k straight from the fused qkv projection, q written out
-  as ``(B, H, S, D)`` for attention, k and v written into the static KV cache at their positions;
+  as ``(B, H, S, D)`` for attention, k and v written into the static KV cache at their positions
+  (:func:`rope_qkv_into_pages`: into paged KV memory, through the block table, float8 pages included);
 - :func:`silu_mul` — SwiGLU's ``silu(gate) * up`` from the fused gate/up projection.
 
 then attention over the KV cache: :func:`decode_attention` and :func:`paged_decode_attention` (one new
@@ -32,12 +33,22 @@ from .common import use_triton
 from .gemv import linear, linear_ref, linear_rope_qkv_into_cache, linear_silu_mul
 from .image import normalize_u8, normalize_u8_ref, resize_crop_u8
 from .layout import PAIRED_LAYOUT, deinterleave_pairs, interleave_pairs
-from .norm_rope import rms_norm, rms_norm_ref, rope_qkv_into_cache, rope_qkv_into_cache_ref, silu_mul, silu_mul_ref
+from .norm_rope import (
+    rms_norm,
+    rms_norm_ref,
+    rope_qkv_into_cache,
+    rope_qkv_into_cache_ref,
+    rope_qkv_into_pages,
+    rope_qkv_into_pages_ref,
+    silu_mul,
+    silu_mul_ref,
+)
 from .varlen import prefill_attention, prefill_attention_ref, prefill_kernel_fits
 
 __all__ = [
     "rms_norm",
     "rope_qkv_into_cache",
+    "rope_qkv_into_pages",
     "silu_mul",
     "linear",
     "linear_silu_mul",
@@ -56,6 +67,7 @@ __all__ = [
     "deinterleave_pairs",
     "rms_norm_ref",
     "rope_qkv_into_cache_ref",
+    "rope_qkv_into_pages_ref",
     "silu_mul_ref",
     "linear_ref",
     "decode_attention_ref",

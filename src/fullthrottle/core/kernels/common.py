@@ -24,9 +24,19 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-#: the dtype of float8 paged KV memory (e4m3: 3 mantissa bits, finite values up to 448); the
-#: attention kernels read it and compute in float32
+#: the dtype of float8 paged KV memory (e4m3: 3 mantissa bits, finite values up to :data:`FP8_MAX`);
+#: the attention kernels read it and compute in float32
 KV_FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def to_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in a KV memory's ``dtype`` (float8: saturated at +-:data:`FP8_MAX`, never NaN)."""
+    if x.dtype == dtype:
+        return x
+    if dtype == KV_FP8:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
 
 
 def _kv_dtype_ok(cache: torch.Tensor, q: torch.Tensor) -> bool:

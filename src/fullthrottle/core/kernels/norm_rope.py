@@ -1,12 +1,12 @@
-"""RMSNorm (optionally after a residual add), RoPE of q and k into the static KV cache, and SwiGLU's
-``silu(gate) * up``: Triton kernels with their plain-PyTorch references."""
+"""RMSNorm (optionally after a residual add), RoPE of q and k into the static KV cache or into paged
+KV memory, and SwiGLU's ``silu(gate) * up``: Triton kernels with their plain-PyTorch references."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .common import _FLOATS, _check, _same_device, tl, triton, use_triton
+from .common import _FLOATS, FP8_MAX, KV_FP8, _check, _kv_dtype_ok, _same_device, tl, to_kv, triton, use_triton
 from .layout import deinterleave_pairs
 
 
@@ -22,9 +22,9 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_qkv_into_cache_ref(qkv, cos, sin, pos, k_cache, v_cache, row0, h, hkv):
+def _rope_ref(qkv, cos, sin, h, hkv, d):
+    """q, k rotated and v: ``(B, H, S, D)``, ``(B, Hkv, S, D)``, ``(B, Hkv, S, D)``."""
     B, S, _ = qkv.shape
-    d = k_cache.shape[-1]
     qkv = deinterleave_pairs(qkv, d)  # each head: [x_0..x_D/2-1, x_D/2..]
     qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)  # (B, S, (H+Hkv)*D), (B, S, Hkv*D)
     c = torch.cat((cos, cos), dim=-1)[:, :, None].to(qkv.dtype)  # (B, S, 1, D)
@@ -32,10 +32,25 @@ def rope_qkv_into_cache_ref(qkv, cos, sin, pos, k_cache, v_cache, row0, h, hkv):
     qk = qk.view(B, S, h + hkv, d)
     qk = qk * c + _rotate_half(qk) * s  # RoPE on q and k at once
     q, k = qk.transpose(1, 2).split([h, hkv], dim=1)  # (B, H, S, D), (B, Hkv, S, D)
-    v = v.view(B, S, hkv, d).transpose(1, 2)  # (B, Hkv, S, D)
+    return q, k, v.view(B, S, hkv, d).transpose(1, 2)
+
+
+def rope_qkv_into_cache_ref(qkv, cos, sin, pos, k_cache, v_cache, row0, h, hkv):
+    B, S, _ = qkv.shape
+    d = k_cache.shape[-1]
+    q, k, v = _rope_ref(qkv, cos, sin, h, hkv, d)
     idx = pos[:, None, :, None].expand(B, hkv, S, d)  # where each new token goes
     k_cache[row0 : row0 + B].scatter_(2, idx, k)
     v_cache[row0 : row0 + B].scatter_(2, idx, v)
+    return q
+
+
+def rope_qkv_into_pages_ref(qkv, cos, sin, pos, k_pages, v_pages, table, rows, h, hkv):
+    q, k, v = _rope_ref(qkv, cos, sin, h, hkv, k_pages.shape[-1])
+    page = k_pages.shape[2]
+    where = table[rows, pos // page]  # (B, S): each token's page
+    k_pages[where, :, pos % page] = to_kv(k.transpose(1, 2), k_pages.dtype)  # (B, S, Hkv, D)
+    v_pages[where, :, pos % page] = to_kv(v.transpose(1, 2), v_pages.dtype)
     return q
 
 
@@ -148,9 +163,71 @@ def rope_qkv_into_cache(
     _same_device("rope_qkv_into_cache", qkv=qkv, cos=cos, sin=sin, pos=pos, k_cache=k_cache, v_cache=v_cache)
     if not use_triton(qkv):
         return rope_qkv_into_cache_ref(qkv, cos, sin, pos, k_cache, v_cache, row0, h, hkv)
+    assert k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride()
+    return _launch_rope(qkv, cos, sin, pos, k_cache, v_cache, row0, h, hkv)
+
+
+def rope_qkv_into_pages(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    h: int,
+    hkv: int,
+) -> torch.Tensor:
+    """:func:`rope_qkv_into_cache` into paged KV memory: token ``(b, s)``'s k and v go to position
+    ``pos[b, s]`` of cache row ``rows[b, s]``, in page ``table[row, pos // PAGE]`` at slot ``pos % PAGE``,
+    converted to the pages' dtype (float8 e4m3: saturated at 448), in the same kernel.
+
+    Args:
+        qkv, cos, sin, h, hkv: as :func:`rope_qkv_into_cache`. pos, rows: ``(B, S)`` int64 positions and
+            cache rows (a decode step: one row per b; a packed prefill: ``B == 1``, a row per token).
+        k_pages, v_pages: ``(num_pages, Hkv, PAGE, D)`` in ``qkv``'s dtype or float8 e4m3.
+        table: ``(rows, P)`` int64 page numbers. Positions and rows are not checked (no host sync).
+
+    Returns:
+        q: ``(B, H, S, D)`` in ``qkv``'s dtype, rotated.
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit together.
+    """
+    _check(qkv.dim() == 3, f"rope_qkv_into_pages: qkv must be (B, S, (H+2*Hkv)*D), got {tuple(qkv.shape)}")
+    B, S, F_ = qkv.shape
+    _check(
+        k_pages.dim() == 4 and v_pages.shape == k_pages.shape and k_pages.shape[1] == hkv and table.dim() == 2,
+        f"rope_qkv_into_pages: pages must be (num_pages, {hkv}, PAGE, D) and the table (rows, P), got "
+        f"{tuple(k_pages.shape)}, {tuple(v_pages.shape)}, {tuple(table.shape)}",
+    )
+    d, page = k_pages.shape[-1], k_pages.shape[2]
+    _check(
+        d % 2 == 0 and F_ == (h + 2 * hkv) * d,
+        f"rope_qkv_into_pages: qkv's last dim {F_} is not (H + 2*Hkv) * D = ({h} + 2*{hkv}) * {d}, D even",
+    )
+    _check(
+        qkv.dtype in _FLOATS and _kv_dtype_ok(k_pages, qkv) and v_pages.dtype == k_pages.dtype,
+        f"rope_qkv_into_pages: the pages must be in qkv's dtype or float8_e4m3fn, got {qkv.dtype}, {k_pages.dtype}",
+    )
+    _check(
+        cos.shape == sin.shape == (B, S, d // 2) and pos.shape == rows.shape == (B, S) and table.dtype == torch.long,
+        f"rope_qkv_into_pages: cos/sin must be ({B}, {S}, {d // 2}), pos and rows ({B}, {S}), the table int64",
+    )
+    _same_device("rope_qkv_into_pages", qkv=qkv, cos=cos, pos=pos, k_pages=k_pages, table=table, rows=rows)
+    if not use_triton(qkv) or k_pages.stride(-1) != 1 or v_pages.stride() != k_pages.stride():
+        return rope_qkv_into_pages_ref(qkv, cos, sin, pos, k_pages, v_pages, table, rows, h, hkv)
+    return _launch_rope(qkv, cos, sin, pos, k_pages, v_pages, 0, h, hkv, (table, rows.contiguous(), page))
+
+
+def _launch_rope(qkv, cos, sin, pos, k_cache, v_cache, row0, h, hkv, paged=None) -> torch.Tensor:
+    # the rope kernel's launch: into the static cache's rows row0.., or ``paged`` (table, rows, PAGE)
+    B, S, _ = qkv.shape
+    d = k_cache.shape[-1]
     qkv = qkv.contiguous()
     q = torch.empty((B, h, S, d), dtype=qkv.dtype, device=qkv.device)
-    assert k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride()
+    table, rows, page = paged or (pos, pos, 1)  # (static: never read)
     _rope_qkv_kernel[(B * S, h + 2 * hkv)](
         qkv,
         cos.contiguous(),
@@ -159,6 +236,9 @@ def rope_qkv_into_cache(
         q,
         k_cache,
         v_cache,
+        rows,
+        table,
+        table.stride(0),
         S,
         h,
         hkv,
@@ -169,6 +249,10 @@ def rope_qkv_into_cache(
         k_cache.stride(2),
         HALF=d // 2,
         BLOCK=triton.next_power_of_2(d // 2),
+        PAGED=paged is not None,
+        PAGE=page,
+        FP8=k_cache.dtype == KV_FP8,
+        FP8_MAX=FP8_MAX,
         num_warps=1,
     )
     return q
@@ -227,6 +311,9 @@ if triton is not None:
         q_ptr,
         kc_ptr,
         vc_ptr,
+        rows_ptr,
+        table_ptr,
+        table_stride,
         S,
         H,
         HKV,
@@ -237,7 +324,13 @@ if triton is not None:
         c_t,
         HALF: tl.constexpr,
         BLOCK: tl.constexpr,
+        PAGED: tl.constexpr,
+        PAGE: tl.constexpr,
+        FP8: tl.constexpr,
+        FP8_MAX: tl.constexpr,
     ):
+        # PAGED: token tok's k and v go to row rows[tok], page table[row, pos // PAGE], slot pos % PAGE
+        # (c_b: a page's stride); FP8: the caches are float8, the values saturated first
         tok = tl.program_id(0)  # b * S + s
         j = tl.program_id(1)  # head: q heads, then k heads, then v heads
         b = tok // S
@@ -256,15 +349,25 @@ if triton is not None:
             o1 = x1
             o2 = x2
         p = tl.load(pos_ptr + tok).to(tl.int64)
-        rb = (row0 + b).to(tl.int64)  # cache offsets can pass 2**31 elements
+        if PAGED:
+            rb = tl.load(rows_ptr + tok).to(tl.int64)
+            slot = tl.load(table_ptr + rb * table_stride + p // PAGE).to(tl.int64) * c_b + (p % PAGE) * c_t
+        else:
+            slot = (row0 + b).to(tl.int64) * c_b + p * c_t  # cache offsets can pass 2**31 elements
         if j < H:
             dst = q_ptr + ((b * H + j) * S + s) * 2 * HALF  # q: (B, H, S, D)
-        elif j < H + HKV:
-            dst = kc_ptr + rb * c_b + (j - H) * c_h + p * c_t  # k_cache[row0+b, j-H, p]
+            tl.store(dst + d, o1.to(q_ptr.dtype.element_ty), mask=m)
+            tl.store(dst + HALF + d, o2.to(q_ptr.dtype.element_ty), mask=m)
         else:
-            dst = vc_ptr + rb * c_b + (j - H - HKV) * c_h + p * c_t
-        tl.store(dst + d, o1.to(q_ptr.dtype.element_ty), mask=m)
-        tl.store(dst + HALF + d, o2.to(q_ptr.dtype.element_ty), mask=m)
+            if FP8:
+                o1 = tl.minimum(tl.maximum(o1, -FP8_MAX), FP8_MAX)
+                o2 = tl.minimum(tl.maximum(o2, -FP8_MAX), FP8_MAX)
+            if j < H + HKV:
+                kv = kc_ptr + slot + (j - H) * c_h  # k_cache[row, j-H, p]
+            else:
+                kv = vc_ptr + slot + (j - H - HKV) * c_h
+            tl.store(kv + d, o1.to(kc_ptr.dtype.element_ty), mask=m)
+            tl.store(kv + HALF + d, o2.to(kc_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):

@@ -14,13 +14,14 @@ import math
 
 import torch
 
+from ...core.kernels.common import KV_FP8, to_kv
+
 #: tokens per page: the Triton decode-attention kernel's split size, so a split reads one page
 PAGE = 64
 #: the KV memory's dtypes by name: ``auto`` the model's; ``fp8`` float8 e4m3, half the bytes of
 #: bf16 per token (as vLLM's ``--kv-cache-dtype fp8`` with its default scale of 1: values are stored
 #: as they are, saturated at e4m3's largest finite value, 448)
-KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
-FP8_MAX = 448.0
+KV_DTYPES = {"auto": None, "fp8": KV_FP8}
 
 
 class PagedKV:
@@ -117,15 +118,6 @@ def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if not isinstance(name, str) or name not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {name!r}")
     return KV_DTYPES[name] or model_dtype
-
-
-def to_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` in the KV memory's ``dtype`` (float8: saturated at +-:data:`FP8_MAX`, not NaN)."""
-    if x.dtype == dtype:
-        return x
-    if dtype == torch.float8_e4m3fn:
-        x = x.clamp(-FP8_MAX, FP8_MAX)
-    return x.to(dtype)
 
 
 def write_pages(k_pages, v_pages, table, rows, pos, k, v) -> None:

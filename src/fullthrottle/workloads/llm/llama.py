@@ -156,20 +156,32 @@ class Attention(nn.Module):
         # into its row at its positions, then each token attends to its row's positions up to its own
         _, T, _ = x.shape  # x: (1, T, dim); cos, sin: (1, T, D/2)
         h, hkv, d = self.h, self.hkv, self.d
+        if self.block_table is not None:  # paged: RoPE, then k and v into the tokens' pages, one kernel
+            q = kernels.rope_qkv_into_pages(
+                kernels.linear(x, self.qkv_proj.weight),
+                cos,
+                sin,
+                pk.pos[None],
+                self.k_cache,
+                self.v_cache,
+                self.block_table,
+                pk.tok_rows[None],
+                h,
+                hkv,
+            )  # (1, H, T, D)
+            return self._prefill_attention(q, pk, T)
         kt = torch.empty(1, hkv, T, d, dtype=x.dtype, device=x.device)
         vt = torch.empty_like(kt)
         slots = torch.arange(T, device=x.device)[None]
         q = kernels.linear_rope_qkv_into_cache(
             x, self.qkv_proj.weight, cos, sin, slots, kt, vt, 0, h, hkv
         )  # (1, H, T, D); kt, vt: (1, Hkv, T, D)
-        k, v = kt[0].transpose(0, 1), vt[0].transpose(0, 1)  # (T, Hkv, D)
-        if self.block_table is not None:  # paged: into the rows' pages
-            write_pages(
-                self.k_cache, self.v_cache, self.block_table, pk.tok_rows, pk.pos[:, None], k[:, :, None], v[:, :, None]
-            )
-        else:
-            self.k_cache[pk.tok_rows, :, pk.pos] = k
-            self.v_cache[pk.tok_rows, :, pk.pos] = v
+        self.k_cache[pk.tok_rows, :, pk.pos] = kt[0].transpose(0, 1)  # (T, Hkv, D)
+        self.v_cache[pk.tok_rows, :, pk.pos] = vt[0].transpose(0, 1)
+        return self._prefill_attention(q, pk, T)
+
+    def _prefill_attention(self, q, pk, T):
+        # each packed token over its row's keys up to its own position, then the output projection
         y = kernels.prefill_attention(
             q[0].transpose(0, 1),
             self.k_cache,
@@ -181,21 +193,33 @@ class Attention(nn.Module):
             pk.blk_m0,
             self.block_table,
         )  # (T, H, D)
-        return kernels.linear(y.reshape(1, T, h * d), self.o_proj.weight)
+        return kernels.linear(y.reshape(1, T, self.h * self.d), self.o_proj.weight)
 
     def forward_paged(self, x, cos, sin, pos, row0, mask, kv_len):
         # as forward, over paged KV memory (kv_pages.py): the pages are k_cache, v_cache
         # (num_pages + 1, Hkv, PAGE, D), found through the block table (rows, P)
         B, S, _ = x.shape  # x: (B, S, dim); pos: (B, S); rows row0..row0+B
         h, hkv, d = self.h, self.hkv, self.d
-        kt = torch.empty(B, hkv, S, d, dtype=x.dtype, device=x.device)
-        vt = torch.empty_like(kt)
-        slots = torch.arange(S, device=x.device).expand(B, S)
-        q = kernels.linear_rope_qkv_into_cache(
-            x, self.qkv_proj.weight, cos, sin, slots, kt, vt, 0, h, hkv
-        )  # (B, H, S, D); kt, vt: (B, Hkv, S, D)
         rows = torch.arange(row0, row0 + B, device=x.device)
-        write_pages(self.k_cache, self.v_cache, self.block_table, rows, pos, kt, vt)
+        if B * S == 1:  # one token: the q/k/v GEMV with RoPE in its epilogue, into a one-slot cache, then its page
+            kt = torch.empty(B, hkv, S, d, dtype=x.dtype, device=x.device)
+            vt = torch.empty_like(kt)
+            slots = torch.zeros(B, S, dtype=torch.long, device=x.device)
+            q = kernels.linear_rope_qkv_into_cache(x, self.qkv_proj.weight, cos, sin, slots, kt, vt, 0, h, hkv)
+            write_pages(self.k_cache, self.v_cache, self.block_table, rows, pos, kt, vt)
+        else:  # RoPE, then k and v into their pages in one kernel
+            q = kernels.rope_qkv_into_pages(
+                kernels.linear(x, self.qkv_proj.weight),
+                cos,
+                sin,
+                pos,
+                self.k_cache,
+                self.v_cache,
+                self.block_table,
+                rows[:, None].expand(B, S),
+                h,
+                hkv,
+            )  # (B, H, S, D)
         if mask is None:  # decode step: split-KV Triton kernels read each row's pages in place
             y = kernels.paged_decode_attention(
                 q, self.k_cache, self.v_cache, self.block_table, pos, row0, kv_len, self.counters
