@@ -478,7 +478,7 @@ def test_fp8_kv_memory_holds_float8_keys_and_values_and_gives_what_their_roundin
     The rounding changes the logprobs (so the float8 pages are what was read), by a little."""
     import torch
 
-    from fullthrottle.workloads.llm import checks, kv_pages
+    from fullthrottle.workloads.llm import checks
 
     reqs = random_requests(4, 9, (1, 7, 30, 61), (1, 24), (0.0, 0.8))
     for r in reqs:
@@ -497,15 +497,14 @@ def test_fp8_kv_memory_holds_float8_keys_and_values_and_gives_what_their_roundin
     gen, fp8 = run("fp8")
     assert all(blk.self_attn.k_cache.dtype == torch.float8_e4m3fn for blk in tiny_llama.layers)
     assert gen.kv.num_pages == 7
-    rounded = kv_pages.to_kv
+    from fullthrottle.core.kernels import norm_rope
+
+    rounded = norm_rope.to_kv
 
     def through_fp8(x, dtype):  # model-dtype pages holding float8-rounded values
         return rounded(x, torch.float8_e4m3fn).to(dtype)
 
-    from fullthrottle.core.kernels import norm_rope
-
-    for module in (kv_pages, norm_rope):  # (the pages are written in both: one token; several)
-        monkeypatch.setattr(module, "to_kv", through_fp8)
+    monkeypatch.setattr(norm_rope, "to_kv", through_fp8)  # (where every page write converts)
     _, same = run("auto")
     assert same == fp8
     monkeypatch.undo()

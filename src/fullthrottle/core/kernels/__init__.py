@@ -42,6 +42,7 @@ from .norm_rope import (
     rope_qkv_into_pages_ref,
     silu_mul,
     silu_mul_ref,
+    write_pages,
 )
 from .varlen import prefill_attention, prefill_attention_ref, prefill_kernel_fits
 
@@ -49,6 +50,7 @@ __all__ = [
     "rms_norm",
     "rope_qkv_into_cache",
     "rope_qkv_into_pages",
+    "write_pages",
     "silu_mul",
     "linear",
     "linear_silu_mul",

@@ -45,12 +45,20 @@ def rope_qkv_into_cache_ref(qkv, cos, sin, pos, k_cache, v_cache, row0, h, hkv):
     return q
 
 
-def rope_qkv_into_pages_ref(qkv, cos, sin, pos, k_pages, v_pages, table, rows, h, hkv):
-    q, k, v = _rope_ref(qkv, cos, sin, h, hkv, k_pages.shape[-1])
+def write_pages(k_pages, v_pages, table, rows, pos, k, v) -> None:
+    """New keys and values into their pages: ``k``, ``v`` ``(B, Hkv, S, D)`` at positions ``pos``
+    ``(B, S)`` int64 of cache rows ``rows`` ``(B, S)`` (or ``(B,)``: one row per b) int64, through the
+    block table ``(rows, P)``, in the pages' dtype (:func:`~fullthrottle.core.kernels.common.to_kv`;
+    graph-safe: no host sync)."""
     page = k_pages.shape[2]
-    where = table[rows, pos // page]  # (B, S): each token's page
+    where = table[rows if rows.dim() == 2 else rows[:, None], pos // page]  # (B, S): each token's page
     k_pages[where, :, pos % page] = to_kv(k.transpose(1, 2), k_pages.dtype)  # (B, S, Hkv, D)
     v_pages[where, :, pos % page] = to_kv(v.transpose(1, 2), v_pages.dtype)
+
+
+def rope_qkv_into_pages_ref(qkv, cos, sin, pos, k_pages, v_pages, table, rows, h, hkv):
+    q, k, v = _rope_ref(qkv, cos, sin, h, hkv, k_pages.shape[-1])
+    write_pages(k_pages, v_pages, table, rows, pos, k, v)
     return q
 
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ...core.kernels.common import KV_FP8, to_kv
+from ...core.kernels.common import KV_FP8
 
 #: tokens per page: the Triton decode-attention kernel's split size, so a split reads one page
 PAGE = 64
@@ -118,15 +118,3 @@ def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if not isinstance(name, str) or name not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {name!r}")
     return KV_DTYPES[name] or model_dtype
-
-
-def write_pages(k_pages, v_pages, table, rows, pos, k, v) -> None:
-    """New keys and values into their pages: ``k``, ``v`` ``(B, Hkv, S, D)`` of rows ``rows`` ``(B,)``
-    int64 at positions ``pos`` ``(B, S)`` int64, in the pages' dtype (:func:`to_kv`; graph-safe: no
-    host sync)."""
-    k, v = to_kv(k, k_pages.dtype), to_kv(v, v_pages.dtype)
-    page = k_pages.shape[2]
-    where = table[rows[:, None], pos // page]  # (B, S): each token's page
-    off = pos % page  # (B, S): its slot in the page
-    k_pages[where, :, off] = k.transpose(1, 2)  # (B, S, Hkv, D)
-    v_pages[where, :, off] = v.transpose(1, 2)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...core import kernels
-from .kv_pages import PAGE, write_pages
+from .kv_pages import PAGE
 
 
 @dataclass
@@ -157,19 +157,7 @@ class Attention(nn.Module):
         _, T, _ = x.shape  # x: (1, T, dim); cos, sin: (1, T, D/2)
         h, hkv, d = self.h, self.hkv, self.d
         if self.block_table is not None:  # paged: RoPE, then k and v into the tokens' pages, one kernel
-            q = kernels.rope_qkv_into_pages(
-                kernels.linear(x, self.qkv_proj.weight),
-                cos,
-                sin,
-                pk.pos[None],
-                self.k_cache,
-                self.v_cache,
-                self.block_table,
-                pk.tok_rows[None],
-                h,
-                hkv,
-            )  # (1, H, T, D)
-            return self._prefill_attention(q, pk, T)
+            return self._prefill_attention(self._qkv_into_pages(x, cos, sin, pk.pos[None], pk.tok_rows[None]), pk, T)
         kt = torch.empty(1, hkv, T, d, dtype=x.dtype, device=x.device)
         vt = torch.empty_like(kt)
         slots = torch.arange(T, device=x.device)[None]
@@ -179,6 +167,12 @@ class Attention(nn.Module):
         self.k_cache[pk.tok_rows, :, pk.pos] = kt[0].transpose(0, 1)  # (T, Hkv, D)
         self.v_cache[pk.tok_rows, :, pk.pos] = vt[0].transpose(0, 1)
         return self._prefill_attention(q, pk, T)
+
+    def _qkv_into_pages(self, x, cos, sin, pos, rows):
+        # x (B, S, dim) -> q (B, H, S, D), rotated; k, v into paged KV memory at pos, rows (B, S)
+        qkv = kernels.linear(x, self.qkv_proj.weight)
+        c, bt = (self.k_cache, self.v_cache), self.block_table
+        return kernels.rope_qkv_into_pages(qkv, cos, sin, pos, *c, bt, rows, self.h, self.hkv)
 
     def _prefill_attention(self, q, pk, T):
         # each packed token over its row's keys up to its own position, then the output projection
@@ -206,20 +200,9 @@ class Attention(nn.Module):
             vt = torch.empty_like(kt)
             slots = torch.zeros(B, S, dtype=torch.long, device=x.device)
             q = kernels.linear_rope_qkv_into_cache(x, self.qkv_proj.weight, cos, sin, slots, kt, vt, 0, h, hkv)
-            write_pages(self.k_cache, self.v_cache, self.block_table, rows, pos, kt, vt)
+            kernels.write_pages(self.k_cache, self.v_cache, self.block_table, rows, pos, kt, vt)
         else:  # RoPE, then k and v into their pages in one kernel
-            q = kernels.rope_qkv_into_pages(
-                kernels.linear(x, self.qkv_proj.weight),
-                cos,
-                sin,
-                pos,
-                self.k_cache,
-                self.v_cache,
-                self.block_table,
-                rows[:, None].expand(B, S),
-                h,
-                hkv,
-            )  # (B, H, S, D)
+            q = self._qkv_into_pages(x, cos, sin, pos, rows[:, None].expand(B, S))  # (B, H, S, D)
         if mask is None:  # decode step: split-KV Triton kernels read each row's pages in place
             y = kernels.paged_decode_attention(
                 q, self.k_cache, self.v_cache, self.block_table, pos, row0, kv_len, self.counters
