@@ -15,6 +15,9 @@
   (each streamed chunk's gap spread over its tokens), errors, the server process's CPU cores. The static cache holds ``rows`` x
   ``max_seq_len`` tokens whatever the requests' lengths, so the mixed set runs with fewer rows.
 
+With ``--kv-pages N|auto`` the engine uses paged KV memory; ``--kv-dtype auto,fp8`` runs the offline
+sets once per KV dtype (bf16, float8) in the same process, and the server with the last.
+
 Usage: python bench/llm_serve.py --out bench/results/llm_serve.json
 """
 
@@ -74,15 +77,17 @@ def offline(args) -> dict:
     dev = torch.device(args.device)
     model = random_llama(args.shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
     vocab = VOCAB[args.shape]
-    for name, n, p, m in (("128/128", 512, 128, 128), ("512/256", 256, 512, 256)):
+    dtypes = args.kv_dtype.split(",")
+    sets = (("128/128", 512, 128, 128), ("512/256", 256, 512, 256))
+    for (name, n, p, m), dt in ((s, dt) for dt in dtypes for s in sets):
+        if len(dtypes) > 1:  # each KV dtype's results under its own keys
+            name = f"{name}, kv {dt}"
         g = torch.Generator().manual_seed(1)
         reqs = [(torch.randint(3, vocab, (p,), generator=g).tolist(), m) for _ in range(n // args.scale)]
         t0 = time.perf_counter()
-        kv_type = kv_dtype(args.kv_dtype, next(model.parameters()).dtype)
+        kv_type = kv_dtype(dt, next(model.parameters()).dtype)
         pages = pages_that_fit(model, PAGE, kv_type) if args.kv_pages == "auto" else int(args.kv_pages)
-        gen = Generator(
-            model, max_batch=args.rows, max_seq_len=p + m, graphs=True, kv_pages=pages, kv_dtype=args.kv_dtype
-        )
+        gen = Generator(model, max_batch=args.rows, max_seq_len=p + m, graphs=True, kv_pages=pages, kv_dtype=dt)
         ready = time.perf_counter() - t0
         Scheduler(gen).run([{"prompt": r[0], "max_new_tokens": 4} for r in reqs[:8]])  # warm-up
         sync(dev)
@@ -97,7 +102,7 @@ def offline(args) -> dict:
             "requests": len(reqs),
             "rows": gen.max_batch,
             "kv_pages": gen.kv.num_pages if gen.kv is not None else 0,
-            "kv_dtype": args.kv_dtype,
+            "kv_dtype": dt,
             "fullthrottle_tok_per_s": toks / wall,
             "wall_s": wall,
             # the host's view of the steps (each ends in a read back): prefill and decode seconds
@@ -264,7 +269,7 @@ def start_server(args, rows: int, seq: int, port: int):
         "--llm-kv-pages",
         str(args.kv_pages),
         "--llm-kv-dtype",
-        args.kv_dtype,
+        args.kv_dtype.split(",")[-1],
         "--device",
         args.device,
         "--port",
@@ -329,7 +334,11 @@ def main():
     ap.add_argument("--mixed-rows", type=int, default=64, help="KV-cache rows for the mixed set (2560 slots each)")
     ap.add_argument("--hf-requests", type=int, default=64, help="requests given to transformers (0: skip it)")
     ap.add_argument("--kv-pages", default="0", help="paged KV memory: N 64-token pages, or auto (0: static rows)")
-    ap.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8"), help="paged KV memory's dtype")
+    ap.add_argument(
+        "--kv-dtype",
+        default="auto",
+        help="paged KV memory's dtype, auto or fp8; a list (auto,fp8): offline runs each, the server the last",
+    )
     ap.add_argument("--concurrency", default="1,16,64,256")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--client-procs", type=int, default=4)
