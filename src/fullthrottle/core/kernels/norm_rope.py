@@ -356,17 +356,17 @@ if triton is not None:
         else:
             o1 = x1
             o2 = x2
-        p = tl.load(pos_ptr + tok).to(tl.int64)
-        if PAGED:
-            rb = tl.load(rows_ptr + tok).to(tl.int64)
-            slot = tl.load(table_ptr + rb * table_stride + p // PAGE).to(tl.int64) * c_b + (p % PAGE) * c_t
-        else:
-            slot = (row0 + b).to(tl.int64) * c_b + p * c_t  # cache offsets can pass 2**31 elements
         if j < H:
             dst = q_ptr + ((b * H + j) * S + s) * 2 * HALF  # q: (B, H, S, D)
             tl.store(dst + d, o1.to(q_ptr.dtype.element_ty), mask=m)
             tl.store(dst + HALF + d, o2.to(q_ptr.dtype.element_ty), mask=m)
-        else:
+        else:  # k or v: into the cache at the token's position
+            p = tl.load(pos_ptr + tok).to(tl.int64)
+            if PAGED:
+                rb = tl.load(rows_ptr + tok).to(tl.int64)
+                slot = tl.load(table_ptr + rb * table_stride + p // PAGE).to(tl.int64) * c_b + (p % PAGE) * c_t
+            else:
+                slot = (row0 + b).to(tl.int64) * c_b + p * c_t  # cache offsets can pass 2**31 elements
             if FP8:
                 o1 = tl.minimum(tl.maximum(o1, -FP8_MAX), FP8_MAX)
                 o2 = tl.minimum(tl.maximum(o2, -FP8_MAX), FP8_MAX)
