@@ -278,6 +278,7 @@ def start_server(args, rows: int, seq: int, port: int):
         "1024",
         "--max-connections-per-client",  # every client process is 127.0.0.1: the default 64 would cap it
         "4096",
+        *args.server_args.split(),
     ]
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -338,6 +339,9 @@ def main():
         "--kv-dtype",
         default="auto",
         help="paged KV memory's dtype, auto or fp8; a list (auto,fp8): offline runs each, the server the last",
+    )
+    ap.add_argument(
+        "--server-args", default="", help="more serve arguments, e.g. --server-args='--llm-max-prefill-tokens 2048'"
     )
     ap.add_argument("--concurrency", default="1,16,64,256")
     ap.add_argument("--seconds", type=float, default=20.0)
