@@ -1,3 +1,4 @@
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -262,6 +263,55 @@ def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp
     assert main([*args, "--out", str(out), "--no-progress"]) == 0
     got = json.loads(out.read_text())
     assert got["token_ids"] == singles[0][: singles[0].index(singles[0][2]) + 1] and got["finish_reason"] == "stop"
+
+
+def test_generate_many_on_paged_kv_memory_gives_the_static_cache_tokens_and_refuses_what_never_fits(tmp_path, capsys):
+    """``generate --prompts FILE --kv-pages N|auto``: the same tokens as a static row per request (here
+    through 2 pages of 64 tokens for 3 requests: they wait for pages); a request longer than
+    the whole pool gets its own error; ``--kv-dtype fp8`` runs on float8 pages; the flags' misuses are
+    clear errors, exit 2."""
+    import json
+
+    src, out = tmp_path / "reqs.jsonl", tmp_path / "out.jsonl"
+    reqs = [
+        {"prompt": [1, 2, 3], "max_tokens": 40},
+        {"prompt": [5] * 30, "max_tokens": 60},
+        {"prompt": [7], "max_tokens": 9},
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in reqs) + json.dumps({"prompt": [4], "max_tokens": 200}) + "\n")
+    args = [
+        "generate",
+        "--random",
+        "tiny",
+        "--prompts",
+        str(src),
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
+    runs = {}
+    for extra in ([], ["--kv-pages", "2"], ["--kv-pages", "auto"], ["--kv-pages", "2", "--kv-dtype", "fp8"]):
+        assert main([*args, *extra]) == (1 if extra[1:2] == ["2"] else 0), extra
+        runs[" ".join(extra)] = [json.loads(x) for x in out.read_text().splitlines()]
+        capsys.readouterr()
+    static = runs[""]
+    assert [g["token_ids"] for g in runs["--kv-pages auto"]] == [g["token_ids"] for g in static]
+    paged = runs["--kv-pages 2"]
+    assert [g["token_ids"] for g in paged[:3]] == [g["token_ids"] for g in static[:3]]
+    assert "needs more KV memory than there is: 2 pages of 64 tokens" in paged[3]["error"]
+    fp8 = runs["--kv-pages 2 --kv-dtype fp8"]
+    assert [len(g["token_ids"]) for g in fp8[:3]] == [40, 60, 9] and "error" in fp8[3]
+    for bad, said in (
+        (["--kv-dtype", "fp8"], "--kv-dtype fp8 needs paged KV memory: give --kv-pages N or auto"),
+        (["--kv-pages", "-1"], "argument --kv-pages"),
+    ):
+        with pytest.raises(SystemExit) if bad[0] == "--kv-pages" else contextlib.nullcontext():
+            assert main([*args, *bad]) == 2
+        assert said in capsys.readouterr().err
+    assert main(["generate", "--random", "tiny", "--tokens", "1", "--kv-pages", "4", "--device", "cpu"]) == 2
+    assert "--kv-pages and --kv-dtype are for --prompts FILE" in capsys.readouterr().err
 
 
 def test_generate_many_keeps_the_answers_done_when_stopped(tmp_path, monkeypatch, capsys):
@@ -624,6 +674,8 @@ def test_generate_many_with_text_prompts_gives_a_bad_line_its_own_error(tmp_path
         max_seq_len=None,
         graphs=False,
         no_progress=True,
+        kv_pages=0,
+        kv_dtype="auto",
     )
     model = make_tiny_llama(vocab_size=tiny_text.tokenizer.get_vocab_size(), max_position_embeddings=64)
     new, gen, failed = generate_many(args, model, tiny_text, None)

@@ -109,6 +109,15 @@ def cmd_generate(args) -> int:
     if args.out is not None and args.prompts is None:  # (one prompt's tokens stream to stdout)
         print("fullthrottle: error: --out is for --prompts FILE (one prompt's text goes to stdout)", file=sys.stderr)
         return 2
+    if (args.kv_pages or args.kv_dtype != "auto") and args.prompts is None:
+        print("fullthrottle: error: --kv-pages and --kv-dtype are for --prompts FILE", file=sys.stderr)
+        return 2
+    if args.kv_dtype != "auto" and not args.kv_pages:
+        print(
+            f"fullthrottle: error: --kv-dtype {args.kv_dtype} needs paged KV memory: give --kv-pages N or auto",
+            file=sys.stderr,
+        )
+        return 2
 
     with held_sigint():  # (a Ctrl-C is taken once the native libraries have imported)
         from ..core.device import resolve_device

@@ -90,18 +90,29 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
         out = sys.stdout if args.out in (None, "-") else open(args.out, "w", encoding="utf-8")
     except OSError as e:
         raise ValueError(f"cannot write --out {args.out}: {e.strerror or e}") from None
-    gen = Generator(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len or need, graphs=args.graphs)
+    pages = args.kv_pages
+    if pages == "auto":
+        from ..workloads.llm.checks import pages_that_fit
+        from ..workloads.llm.kv_pages import PAGE, kv_dtype
+
+        pages = pages_that_fit(model, PAGE, kv_dtype(args.kv_dtype, next(model.parameters()).dtype))
+    seq = args.max_seq_len or need
+    gen = Generator(model, args.max_batch, seq, graphs=args.graphs, kv_pages=pages, kv_dtype=args.kv_dtype)
     sched = Scheduler(gen, eos_id=eos, ahead=gen.check_every)  # (offline: up to check_every steps a read)
 
     def ends(c: dict) -> dict:  # a request's own stop ids: the model's eos (random weights: none), its stop_token_ids
         return {"stop_ids": c["stop_ids"]}
 
-    recs = [
-        (c, sched.submit(c["ids"], c["max_tokens"], c["temperature"], c["top_k"], c["top_p"], c["seed"], **ends(c)))
-        if isinstance(c, dict)
-        else (None, c)
-        for c in parsed
-    ]
+    recs = []
+    for i, c in enumerate(parsed):
+        if not isinstance(c, dict):  # (its error already)
+            recs.append((None, c))
+            continue
+        try:  # (paged KV memory: a request longer than the whole pool is refused here, alone)
+            s = sched.submit(c["ids"], c["max_tokens"], c["temperature"], c["top_k"], c["top_p"], c["seed"], **ends(c))
+            recs.append((c, s))
+        except ValueError as e:
+            recs.append((None, f"request {i}: {e}"))
     failed = sum(c is None for c, _ in recs)
     bar = tqdm(
         total=len(recs) - failed, unit="request", desc="generate", file=sys.stderr, disable=args.no_progress or None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.config import usable_cores
+from ..core.config import LlmSettings, usable_cores
 from ..core.env import describe as describe_env
 from ..server.options import MAX_CONNECTIONS, SERVE_DECODER_PROCESSES, SERVE_MAX_WAIT_MS, ServeOptions
 from .generate import RANDOM_SHAPES
@@ -12,6 +12,7 @@ from .options import (
     add_llm_serve_args,
     add_runtime_args,
     add_runtime_flags,
+    kv_pages_arg,
     megapixels,
     port_number,
     positive_float,
@@ -255,6 +256,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=64,
         help="with --prompts: KV-cache rows, requests decoded at once (default: %(default)s)",
+    )
+    g.add_argument(
+        "--kv-pages",
+        type=kv_pages_arg,
+        default=LlmSettings.kv_pages,
+        metavar="N|auto",
+        help="with --prompts: paged KV memory, N pages of 64 tokens shared by the requests ('auto': as many as "
+        "fit in 90%% of the free memory), as serve's --llm-kv-pages (default 0: a static row per request)",
+    )
+    g.add_argument(
+        "--kv-dtype",
+        choices=("auto", "fp8"),
+        default=LlmSettings.kv_dtype,
+        help="with --kv-pages: the pages' dtype, as serve's --llm-kv-dtype (fp8: float8, lossy; default: %(default)s)",
     )
     g.add_argument("--no-progress", action="store_true", help="with --prompts: no progress bar")
     g.add_argument(
