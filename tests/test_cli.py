@@ -312,6 +312,9 @@ def test_generate_many_on_paged_kv_memory_gives_the_static_cache_tokens_and_refu
         assert said in capsys.readouterr().err
     assert main(["generate", "--random", "tiny", "--tokens", "1", "--kv-pages", "4", "--device", "cpu"]) == 2
     assert "--kv-pages and --kv-dtype are for --prompts FILE" in capsys.readouterr().err
+    out.write_text("kept\n")  # an engine that cannot be built: exit 2, and the --out already there is left as it was
+    assert main([*args, "--kv-pages", "2", "--max-seq-len", "5000"]) == 2
+    assert "exceeds the model's context" in capsys.readouterr().err and out.read_text() == "kept\n"
 
 
 def test_generate_many_keeps_the_answers_done_when_stopped(tmp_path, monkeypatch, capsys):

@@ -86,10 +86,16 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
         except ValueError as e:
             parsed.append(f"request {i}: {e}")
     need = max((len(c["ids"]) + c["max_tokens"] for c in parsed if isinstance(c, dict)), default=1)
-    try:
-        out = sys.stdout if args.out in (None, "-") else open(args.out, "w", encoding="utf-8")
-    except OSError as e:
-        raise ValueError(f"cannot write --out {args.out}: {e.strerror or e}") from None
+    to_stdout = args.out in (None, "-")
+
+    def open_out(mode: str):
+        try:
+            return open(args.out, mode, encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot write --out {args.out}: {e.strerror or e}") from None
+
+    if not to_stdout:  # writable? (appended to, not emptied: a file already there outlives a setup error below)
+        open_out("a").close()
     pages = args.kv_pages
     if pages == "auto":
         from ..workloads.llm.checks import pages_that_fit
@@ -99,6 +105,7 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
     seq = args.max_seq_len or need
     gen = Generator(model, args.max_batch, seq, graphs=args.graphs, kv_pages=pages, kv_dtype=args.kv_dtype)
     sched = Scheduler(gen, eos_id=eos, ahead=gen.check_every)  # (offline: up to check_every steps a read)
+    out = sys.stdout if to_stdout else open_out("w")
 
     def ends(c: dict) -> dict:  # a request's own stop ids: the model's eos (random weights: none), its stop_token_ids
         return {"stop_ids": c["stop_ids"]}
