@@ -192,7 +192,7 @@ def test_stop_strings_seeds_and_refusals(llm):
         c.completions.create(model="tiny", prompt=prompt, n=2)
     with pytest.raises(openai.BadRequestError, match="at most 4"):
         c.completions.create(model="tiny", prompt=prompt, stop=["a", "b", "c", "d", "e"])
-    with pytest.raises(openai.BadRequestError, match="logprobs are off on this server"):
+    with pytest.raises(openai.BadRequestError, match="logprobs are off on this engine"):
         c.completions.create(model="tiny", prompt=prompt, logprobs=2)
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\] must be an object with a string role"):
         c.chat.completions.create(model="tiny", messages=[{"content": "hi"}])
@@ -381,7 +381,7 @@ def test_logprobs_through_the_openai_client(make_tiny_llama, tiny_text):
             c.chat.completions.create(model="llm", messages=msgs, top_logprobs=2)
     gen = Generator(model, max_batch=1, max_seq_len=64, graphs=False)
     with Server(Tiny(), ServeOptions(llm=(gen, tiny_text))) as s:
-        with pytest.raises(openai.BadRequestError, match="logprobs are off on this server"):
+        with pytest.raises(openai.BadRequestError, match="logprobs are off on this engine"):
             client(s).completions.create(model="llm", prompt="hi", logprobs=1)
 
 

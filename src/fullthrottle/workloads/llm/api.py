@@ -151,13 +151,13 @@ def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None
     if _integer(p, "n", 1) != 1:
         raise ValueError("n must be 1 (one choice per request)")
     if logprobs is not None and not gen.logprobs:
-        raise ValueError("logprobs are off on this server (start it with --llm-logprobs N)")
+        raise ValueError("logprobs are off on this engine (serve turns them on with --llm-logprobs N)")
     if logprobs is not None and not 0 <= logprobs <= gen.logprobs:
         raise ValueError(f"logprobs (the top tokens per position) must be between 0 and {gen.logprobs}")
     for key, default in UNSUPPORTED.items():
         v = _get(p, key, default)
         if v != default and v not in ([], {}):
-            raise ValueError(f"{key} is not supported by this server")
+            raise ValueError(f"{key} is not supported")
     stop = _get(p, "stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and len(stop) <= MAX_STOPS and all(isinstance(x, str) and x for x in stop)):
