@@ -70,7 +70,7 @@ def offline(args) -> dict:
     from fullthrottle.cli.generate import random_llama
     from fullthrottle.workloads.llm.checks import pages_that_fit
     from fullthrottle.workloads.llm.generate import Generator
-    from fullthrottle.workloads.llm.kv_pages import PAGE, kv_dtype
+    from fullthrottle.workloads.llm.kv_pages import PAGE
     from fullthrottle.workloads.llm.scheduler import Scheduler
 
     res = {}
@@ -85,8 +85,7 @@ def offline(args) -> dict:
         g = torch.Generator().manual_seed(1)
         reqs = [(torch.randint(3, vocab, (p,), generator=g).tolist(), m) for _ in range(n // args.scale)]
         t0 = time.perf_counter()
-        kv_type = kv_dtype(dt, next(model.parameters()).dtype)
-        pages = pages_that_fit(model, PAGE, kv_type) if args.kv_pages == "auto" else int(args.kv_pages)
+        pages = pages_that_fit(model, PAGE, dt) if args.kv_pages == "auto" else int(args.kv_pages)
         gen = Generator(model, max_batch=args.rows, max_seq_len=p + m, graphs=True, kv_pages=pages, kv_dtype=dt)
         ready = time.perf_counter() - t0
         Scheduler(gen).run([{"prompt": r[0], "max_new_tokens": 4} for r in reqs[:8]])  # warm-up

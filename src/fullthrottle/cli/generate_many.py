@@ -99,9 +99,9 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
     pages = args.kv_pages
     if pages == "auto":
         from ..workloads.llm.checks import pages_that_fit
-        from ..workloads.llm.kv_pages import PAGE, kv_dtype
+        from ..workloads.llm.kv_pages import PAGE
 
-        pages = pages_that_fit(model, PAGE, kv_dtype(args.kv_dtype, next(model.parameters()).dtype))
+        pages = pages_that_fit(model, PAGE, args.kv_dtype)
     seq = args.max_seq_len or need
     gen = Generator(model, args.max_batch, seq, graphs=args.graphs, kv_pages=pages, kv_dtype=args.kv_dtype)
     sched = Scheduler(gen, eos_id=eos, ahead=gen.check_every)  # (offline: up to check_every steps a read)

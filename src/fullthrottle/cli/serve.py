@@ -159,9 +159,9 @@ def cmd_serve(args) -> int:
             pages = args.llm_kv_pages
             if pages == "auto":
                 from ..workloads.llm.checks import pages_that_fit
-                from ..workloads.llm.kv_pages import PAGE, kv_dtype
+                from ..workloads.llm.kv_pages import PAGE
 
-                pages = pages_that_fit(model, PAGE, kv_dtype(args.llm_kv_dtype, dtype))
+                pages = pages_that_fit(model, PAGE, args.llm_kv_dtype)
             kw = dict(graphs=args.graphs, logprobs=args.llm_logprobs, kv_pages=pages, kv_dtype=args.llm_kv_dtype)
             kw.update(max_prefill_tokens=args.llm_max_prefill_tokens)
             llm = (Generator(model, args.llm_max_batch, seq, **kw), tok)

@@ -104,15 +104,18 @@ def check_kv_memory(model, slots: int, what: str, hint: str, dtype: torch.dtype 
         )
 
 
-def pages_that_fit(model, page: int, dtype: torch.dtype | None = None) -> int:
-    """How many KV pages of ``page`` tokens (in ``dtype``, default the model's) fit in :data:`KV_MEMORY_SHARE` of the free memory of
-    ``model``'s device (its current KV cache counted as free; one page of the pool is never handed
-    out), as vLLM sizes its pool by ``gpu_memory_utilization``.
+def pages_that_fit(model, page: int, kv_dtype: str = "auto") -> int:
+    """How many KV pages of ``page`` tokens (of the KV dtype named ``kv_dtype``:
+    :data:`~fullthrottle.workloads.llm.kv_pages.KV_DTYPES`) fit in :data:`KV_MEMORY_SHARE` of the free
+    memory of ``model``'s device (its current KV cache counted as free; one page of the pool is never
+    handed out), as vLLM sizes its pool by ``gpu_memory_utilization``.
 
     Raises:
-        ValueError: the free memory cannot be read, or not even one page fits.
+        ValueError: the free memory cannot be read, not even one page fits, or an unknown ``kv_dtype``.
     """
-    per_token, free = _kv_bytes_and_free(model, dtype)
+    from .kv_pages import kv_dtype as dtype_of
+
+    per_token, free = _kv_bytes_and_free(model, dtype_of(kv_dtype, next(model.parameters()).dtype))
     if free is None:
         raise ValueError("the free memory of this device cannot be read: give the number of KV pages")
     pages = int(KV_MEMORY_SHARE * free // (page * per_token)) - 1

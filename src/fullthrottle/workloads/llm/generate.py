@@ -113,19 +113,18 @@ class Generator:
             ("kv_pages", kv_pages, 0),
         ):
             check_int(name, v, lowest)
-        kv_type = kv_dtype_of(kv_dtype, next(model.parameters()).dtype)  # (ValueError: an unknown name)
+        p = next(model.parameters())
+        kv_type = kv_dtype_of(kv_dtype, p.dtype)  # (ValueError: an unknown name)
         if kv_dtype != "auto" and not kv_pages:
             raise ValueError(f"kv_dtype {kv_dtype!r} needs paged KV memory: give kv_pages")
-        dev0 = next(model.parameters()).device
-        if kv_type == torch.float8_e4m3fn and dev0.type == "cuda" and torch.cuda.get_device_capability(dev0) < (8, 9):
-            raise ValueError(f"kv_dtype 'fp8' needs a GPU of compute capability 8.9 or newer; {dev0} is older")
+        if kv_type == torch.float8_e4m3fn and p.is_cuda and torch.cuda.get_device_capability(p.device) < (8, 9):
+            raise ValueError(f"kv_dtype 'fp8' needs a GPU of compute capability 8.9 or newer; {p.device} is older")
         if not isinstance(logprobs, int) or not 0 <= logprobs <= min(20, model.cfg.vocab_size):
             raise ValueError(
                 f"logprobs must be an integer between 0 and {min(20, model.cfg.vocab_size)}, got {logprobs!r}"
             )
         #: tokens one prefill forward takes at most; a longer prompt is prefilled in chunks
         self.max_prefill_tokens = max_prefill_tokens
-        p = next(model.parameters())
         self.device = p.device
         bs = sorted(set(buckets))
         top = next((x for x in bs if x >= max_batch), max_batch)  # smallest bucket holding max_batch
