@@ -790,33 +790,3 @@ def test_gpu_decode_processes_default_follows_the_mps_server(tmp_path, monkeypat
     for bad in (17, -1, True, "8", 2.0):
         with pytest.raises(ValueError, match="gpu_decode_processes must be None .* or an integer in 0..16"):
             Config(gpu_decode=True, gpu_decode_processes=bad)
-
-
-def test_decode_crops_leaves_the_largest_jpegs_to_the_cpu_when_asked(samples, monkeypatch):
-    """decode_crops(cpu_min_pixels=P): eligible JPEGs of P pixels or more get the CPU path's crop,
-    byte for byte, and never reach the GPU decoder; the smaller ones do. The GPU decoder processes
-    take P from FULLTHROTTLE_GPU_PROC_CPU_MIN_PIXELS, which must be an integer."""
-    from fullthrottle.core import env
-    from fullthrottle.data.gpu_decode import decode_crops
-    from fullthrottle.data.image_header import jpeg_info
-
-    blobs = [p.read_bytes() for p in samples[:8]]
-    pixels = [jpeg_info(b)["width"] * jpeg_info(b)["height"] for b in blobs]
-    cut = sorted(pixels)[4]  # the 4 largest (and any the same size as the 5th smallest) go to the CPU
-    dec = FakeGpuDecoder()
-    out = decode_crops(dec, blobs, check=True, cpu_min_pixels=cut)
-    assert dec.images == sum(px < cut for px in pixels) and 0 < dec.images < len(blobs)
-    for b, px, o in zip(blobs, pixels, out):
-        if px < cut:
-            rows, r = o
-            ref = torch.empty((1, 224, 224, 3), dtype=torch.uint8)
-            resize_crop_batch(FakeGpuDecoder()([b]), ref, 256, 224)
-            assert torch.equal(rows[r], ref[0])
-        else:
-            assert_cpu_path_result(b, o)
-    assert env.integer(env.GPU_PROC_CPU_MIN_PIXELS) == 0  # (unset: none)
-    monkeypatch.setenv(env.GPU_PROC_CPU_MIN_PIXELS, "2000000")
-    assert env.integer(env.GPU_PROC_CPU_MIN_PIXELS) == 2_000_000
-    monkeypatch.setenv(env.GPU_PROC_CPU_MIN_PIXELS, "2e6")
-    with pytest.raises(ValueError, match="FULLTHROTTLE_GPU_PROC_CPU_MIN_PIXELS must be an integer >= 0, got '2e6'"):
-        env.integer(env.GPU_PROC_CPU_MIN_PIXELS)

@@ -27,7 +27,6 @@ NVIMGCODEC_THREADS = "FULLTHROTTLE_NVIMGCODEC_THREADS"
 NVIMGCODEC_BACKENDS = "FULLTHROTTLE_NVIMGCODEC_BACKENDS"
 WORKER_STATS = "FULLTHROTTLE_WORKER_STATS"
 CPU_JPEG_WORKERS = "FULLTHROTTLE_CPU_JPEG_WORKERS"
-GPU_PROC_CPU_MIN_PIXELS = "FULLTHROTTLE_GPU_PROC_CPU_MIN_PIXELS"
 
 VARS: dict[str, Var] = {
     v.name: v
@@ -73,12 +72,6 @@ VARS: dict[str, Var] = {
             "the cores left by the GPU decoder processes and the main process, at least 1), for trials",
         ),
         Var(
-            GPU_PROC_CPU_MIN_PIXELS,
-            "0",
-            "with GPU decoder processes: JPEGs of at least this many pixels are decoded on the GPU decoder "
-            "process's CPU, at a reduced scale, instead of on the GPU's JPEG engines (0: none), for trials",
-        ),
-        Var(
             WORKER_STATS,
             "",
             "a path prefix: each CPU decoder process writes where its time went to "
@@ -95,19 +88,6 @@ def get(name: str) -> str:
         KeyError: ``name`` is not declared in :data:`VARS`.
     """
     return os.environ.get(name, VARS[name].default)
-
-
-def integer(name: str) -> int:
-    """The declared variable ``name`` as an integer >= 0 (its default when unset or empty).
-
-    Raises:
-        KeyError: ``name`` is not declared in :data:`VARS`.
-        ValueError: it is set to anything but an integer >= 0, naming the variable.
-    """
-    value = get(name).strip() or VARS[name].default
-    if not value.isdigit():
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    return int(value)
 
 
 def describe() -> str:

@@ -131,7 +131,6 @@ def decode_crops(
     max_pixels: int = 89_478_485,
     device: torch.device | None = None,
     check: bool = False,
-    cpu_min_pixels: int = 0,
 ) -> list:
     """Decode + resize + crop a batch on the GPU decoder, with the CPU path as the per-item fallback.
 
@@ -142,9 +141,7 @@ def decode_crops(
     :class:`~fullthrottle.data.preprocess.ImageError` the CPU path gave (the item's error).
     ``check``: the caller has not run :func:`gpu_eligible` on the blobs (the GPU decoder processes
     check here, off the main process's GIL). Runs on the current CUDA stream; the caller synchronises
-    before handing rows to another stream. ``cpu_min_pixels`` (with ``check``; 0: off): JPEGs of at
-    least this many pixels go to the CPU path, which decodes them at a reduced scale (DCT scaling)
-    while the GPU's JPEG engines decode every pixel: the largest images leave the engines to the rest.
+    before handing rows to another stream.
     """
     from .preprocess import ImageError, preprocess
 
@@ -155,7 +152,7 @@ def decode_crops(
             return e
 
     if check:
-        ok = [gpu_eligible(bytes(b), max_pixels, resize)[0] and not _cpu_first(b, cpu_min_pixels) for b in blobs]
+        ok = [gpu_eligible(bytes(b), max_pixels, resize)[0] for b in blobs]
         sent = [j for j, e in enumerate(ok) if e]
         decoded: list = [ValueError("not for the GPU decoder")] * len(blobs)
         for j, d in zip(sent, decoder([blobs[j] for j in sent]) if sent else ()):
@@ -181,14 +178,6 @@ def decode_crops(
         for r, j in enumerate(good):
             out[j] = (rows, r)
     return out
-
-
-def _cpu_first(blob, min_pixels: int) -> bool:
-    """Whether an eligible JPEG has ``min_pixels`` or more (0: never), so the CPU path takes it."""
-    if not min_pixels:
-        return False
-    info = jpeg_info(bytes(blob))
-    return info is not None and info["width"] * info["height"] >= min_pixels
 
 
 def crop_runs(crops: Sequence[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int, int]]:

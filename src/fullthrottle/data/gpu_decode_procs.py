@@ -37,7 +37,6 @@ import weakref
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
-from ..core import env
 from ..core.config import GPU_PROCESS_DEPTH
 from ..core.mps import mps_server_running
 from .crop_pool import CropPool
@@ -88,8 +87,6 @@ class GpuDecoderProcess:
             see :func:`~fullthrottle.data.gpu_decoders.make_gpu_decoder`.
         max_file_bytes: largest file the process reads for an item sent as a path (its row with
             :data:`~fullthrottle.data.preprocess_procs.PATH_BIT` set).
-        cpu_min_pixels: JPEGs of at least this many pixels are decoded on the process's CPU, at a
-            reduced scale (:func:`~fullthrottle.data.gpu_decode.decode_crops`; 0: none).
 
     Up to :data:`DEPTH` batches may be sent before the first answer (:meth:`send` with a free
     ``slot``); answers come in the order sent. Not thread-safe: one caller thread per process.
@@ -104,7 +101,6 @@ class GpuDecoderProcess:
         max_pixels: int = 89_478_485,
         decoder: str = "nvjpeg",
         max_file_bytes: int = 256 << 20,
-        cpu_min_pixels: int = 0,
     ):
         if pool.crop_size != crop_size:
             raise ValueError(f"pool rows are {pool.crop_size}px crops, the transform makes {crop_size}px")
@@ -119,7 +115,6 @@ class GpuDecoderProcess:
             pool.rows + pool.scratch,
             decoder,
             max_file_bytes,
-            cpu_min_pixels,
         )
         self.closed = False
         self.depth = DEPTH
@@ -289,16 +284,13 @@ class GpuDecoderPool:
         kinds = [decoder] * n if isinstance(decoder, str) else list(decoder)
         if len(kinds) != n:
             raise ValueError(f"{len(kinds)} decoder kinds for {n} GPU decoder processes")
-        cpu_min_pixels = env.integer(env.GPU_PROC_CPU_MIN_PIXELS)  # (trials: decode_crops' cpu_min_pixels)
         #: whether the processes start as clients of a CUDA MPS server (:func:`mps_server_running`)
         self.mps = mps_server_running()
         self.workers: list[GpuDecoderProcess] = []
         try:
             for kind in kinds:
                 self.workers.append(
-                    GpuDecoderProcess(
-                        pool, device_index, resize_size, crop_size, max_pixels, kind, max_file_bytes, cpu_min_pixels
-                    )
+                    GpuDecoderProcess(pool, device_index, resize_size, crop_size, max_pixels, kind, max_file_bytes)
                 )
             errs: list[BaseException] = []
 

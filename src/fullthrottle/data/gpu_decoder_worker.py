@@ -20,13 +20,11 @@ from .worker_procs import PATH_BIT
 
 def gpu_worker_main(argv: list[str]) -> None:
     """A GPU decoder process's main (``argv``: its socket, the crop pool's fd, the device, the transform,
-    the pool's rows, the decoder kind, the file size limit, the pixels from which a JPEG is decoded on
-    this CPU (decode_crops' ``cpu_min_pixels``) and the request arena, as
+    the pool's rows, the decoder kind, the file size limit and the request arena, as
     :class:`~fullthrottle.data.gpu_decode_procs.GpuDecoderProcess` starts it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; we end on EOF
     fd, pool_fd, device_index, resize_size, crop_size, max_pixels, pool_rows = (int(a) for a in argv[:7])
-    kind, max_file_bytes, cpu_min_pixels = argv[7], int(argv[8]), int(argv[9])
-    arena_fd, arena_bytes = int(argv[10]), int(argv[11])
+    kind, max_file_bytes, arena_fd, arena_bytes = argv[7], int(argv[8]), int(argv[9]), int(argv[10])
     arena = mmap.mmap(arena_fd, arena_bytes) if arena_fd >= 0 else None
     import torch
 
@@ -75,14 +73,7 @@ def gpu_worker_main(argv: list[str]) -> None:
                 for j, o in zip(
                     todo,
                     decode_crops(
-                        decoder,
-                        [items[j][0] for j in todo],
-                        resize_size,
-                        crop_size,
-                        max_pixels,
-                        dev,
-                        check=True,
-                        cpu_min_pixels=cpu_min_pixels,
+                        decoder, [items[j][0] for j in todo], resize_size, crop_size, max_pixels, dev, check=True
                     ),
                 ):
                     out[j] = o
