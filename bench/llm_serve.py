@@ -102,6 +102,7 @@ def offline(args) -> dict:
             "rows": gen.max_batch,
             "kv_pages": gen.kv.num_pages if gen.kv is not None else 0,
             "kv_dtype": dt,
+            "max_prefill_tokens": gen.max_prefill_tokens,
             "fullthrottle_tok_per_s": toks / wall,
             "wall_s": wall,
             # the host's view of the steps (each ends in a read back): prefill and decode seconds
@@ -168,14 +169,14 @@ def hf_offline(args) -> dict:
 async def _client(url: str, reqs, conc: int, seconds: float) -> dict:
     import httpx
 
-    ttft, itl, toks, errors = [], [], 0, 0
+    ttft, itl, toks, errors = [], [], 0, {}
     deadline = time.perf_counter() + seconds
     t_first = time.perf_counter()
     t_last = t_first
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=conc)) as c:
 
         async def worker(w: int):
-            nonlocal toks, errors, t_last
+            nonlocal toks, t_last
             i = w
             while time.perf_counter() < deadline:
                 ids, m = reqs[i % len(reqs)]
@@ -186,8 +187,9 @@ async def _client(url: str, reqs, conc: int, seconds: float) -> dict:
                 try:
                     async with c.stream("POST", url + "/v1/completions", json=body) as r:
                         if r.status_code != 200:
-                            errors += 1
-                            await r.aread()
+                            body = (await r.aread()).decode(errors="replace")[:120]
+                            key = f"HTTP {r.status_code}: {body}"
+                            errors[key] = errors.get(key, 0) + 1
                             continue
                         async for line in r.aiter_lines():
                             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -202,8 +204,9 @@ async def _client(url: str, reqs, conc: int, seconds: float) -> dict:
                                 itl.extend([(now - prev) / k] * k)
                             got += k
                             prev = now
-                except httpx.HTTPError:
-                    errors += 1
+                except httpx.HTTPError as e:
+                    key = f"{type(e).__name__}: {e}"[:160]
+                    errors[key] = errors.get(key, 0) + 1
                 toks += got
                 t_last = max(t_last, time.perf_counter())
 
@@ -242,7 +245,8 @@ def load_point(url, reqs, conc, seconds, procs) -> dict:
         "output_tok_per_s": sum(p["tokens"] for p in parts) / wall,
         "wall_s": wall,
         "requests": len(ttft),
-        "errors": sum(p["errors"] for p in parts),
+        "errors": sum(sum(p["errors"].values()) for p in parts),
+        "error_kinds": {k: sum(p["errors"].get(k, 0) for p in parts) for k in {k for p in parts for k in p["errors"]}},
         "ttft_ms_p50": pct(ttft, 50),
         "ttft_ms_p99": pct(ttft, 99),
         "itl_ms_p50": pct(itl, 50),
