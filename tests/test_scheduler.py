@@ -519,3 +519,27 @@ def test_fp8_kv_memory_holds_float8_keys_and_values_and_gives_what_their_roundin
     for bad in ("int4", "FP8", ["fp8"], None):
         with pytest.raises(ValueError, match=re.escape(f"kv_dtype must be one of auto, fp8, got {bad!r}")):
             Generator(tiny_llama, max_batch=2, max_seq_len=64, graphs=False, kv_pages=4, kv_dtype=bad)
+
+
+def test_first_tokens_are_handed_over_before_the_decode_of_their_step(tiny_llama):
+    """Scheduler(on_first=f): f runs in each step whose prefill made first tokens, when those requests
+    hold exactly their first token (the decode of that step has not run), and in no other step; the
+    tokens are those of a scheduler without it."""
+    from fullthrottle.workloads.llm.generate import Generator
+    from fullthrottle.workloads.llm.scheduler import Scheduler
+
+    gen = Generator(tiny_llama, max_batch=4, max_seq_len=64, graphs=False, max_prefill_tokens=16)
+    reqs = [{"prompt": list(range(3, 3 + n)), "max_new_tokens": 5} for n in (6, 12, 9)]
+    ref = Scheduler(gen).run(reqs)
+    seen: list[list[int]] = []
+    sched = Scheduler(gen, on_first=lambda: seen.append([len(s.tokens) for s in recs]))
+    recs = [sched.submit(**r) for r in reqs]
+    steps = 0
+    while sched.busy:
+        sched.step()
+        steps += 1
+    assert [s.tokens for s in recs] == ref
+    # (a budget of 16 tokens: the prompts are prefilled over several steps) each request holds exactly
+    # one token in one call, the one right after its prefill: had the call come after the decode, two
+    assert seen and all(1 in counts for counts in seen), seen
+    assert len(seen) < steps and sum(c.count(1) for c in seen) == len(reqs), seen

@@ -197,8 +197,8 @@ class CompletionService:
                     break
                 idle = False
                 try:
-                    if sched is None:
-                        sched = Scheduler(self.gen)  # (each request ends at its own stop_ids)
+                    if sched is None:  # (each request ends at its own stop_ids; first tokens go out at once)
+                        sched = Scheduler(self.gen, on_first=lambda: self._gauges(sched) or self._send(live, every))
                     rec = sched.submit(
                         req["ids"],
                         req["max_tokens"],
@@ -228,18 +228,23 @@ class CompletionService:
                     loop.call_soon_threadsafe(out.put_nowait, e)
                 live, sched, self._preempted_before = {}, None, self.preempted
                 continue
-            for rec in list(live):
-                req, loop, out, sent = live[rec]
-                new = TokenChunk(rec.tokens[sent:])
-                # the first token at once (time to first token), then every ``every`` tokens
-                if new and not req.get("cancelled") and (rec.done or sent == 0 or len(new) >= every):
-                    if rec.logprobs is not None:
-                        new.logprobs = rec.lps[sent : sent + len(new)]
-                    loop.call_soon_threadsafe(out.put_nowait, new)
-                    live[rec][3] = len(rec.tokens)
-                if rec.done:
-                    loop.call_soon_threadsafe(out.put_nowait, None)
-                    del live[rec]
+            self._send(live, every)
+
+    @staticmethod
+    def _send(live: dict, every: int) -> None:
+        """Each live request's new tokens to its queue: the first at once (after the prefill that made
+        it: time to first token), then every ``every`` tokens, the rest at its end (then None)."""
+        for rec in list(live):
+            req, loop, out, sent = live[rec]
+            new = TokenChunk(rec.tokens[sent:])
+            if new and not req.get("cancelled") and (rec.done or sent == 0 or len(new) >= every):
+                if rec.logprobs is not None:
+                    new.logprobs = rec.lps[sent : sent + len(new)]
+                loop.call_soon_threadsafe(out.put_nowait, new)
+                live[rec][3] = len(rec.tokens)
+            if rec.done:
+                loop.call_soon_threadsafe(out.put_nowait, None)
+                del live[rec]
 
     def _gauges(self, sched) -> None:
         """/metrics' view of the engine: requests waiting, running, preempted so far."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +80,9 @@ class Scheduler:
             for admission, none is mid-prefill and none asks for logprobs (each request still stops at
             its own end: rows past their EOS are masked). 1: a read back per token, for the least
             delay to the requests that join; the Generator's ``check_every`` for offline work.
+        on_first: called with no arguments in a :meth:`step` whose prefill made first tokens, after
+            they are in their requests' ``tokens`` and before the step's decode: a server sends them
+            then, so a request's time to first token does not include a decode step.
 
     The newest Scheduler on a Generator owns its state: the steps of an older one raise RuntimeError
     (as do ``gen.generate`` calls' steps after it: one engine, one step loop at a time).
@@ -92,10 +95,16 @@ class Scheduler:
             the KV pages there are).
     """
 
-    def __init__(self, gen, eos_id: int | Sequence[int] | None = None, ahead: int = 1):
+    def __init__(
+        self,
+        gen,
+        eos_id: int | Sequence[int] | None = None,
+        ahead: int = 1,
+        on_first: Callable[[], None] | None = None,
+    ):
         check_int("ahead", ahead, 1)
         self.eos_ids = check_stop_ids(eos_id, gen.model.cfg.vocab_size, "eos_id")
-        self.gen, self.ahead = gen, ahead
+        self.gen, self.ahead, self.on_first = gen, ahead, on_first
         gen.scheduler = self  # (the engine's state is this one's: an older Scheduler's steps now raise)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # row -> request
@@ -269,6 +278,8 @@ class Scheduler:
             finished += self._start(ended, first)
         dt = time.perf_counter() - t0  # (the Generator's stage counters: what reports and /metrics show)
         g.stats["prefill"].record(sum(b - a for _, a, b in work), dt, dt)
+        if ended and self.on_first is not None:
+            self.on_first()
         return finished
 
     def _keep_logprobs(self, reqs) -> None:
