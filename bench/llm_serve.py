@@ -19,6 +19,8 @@ With ``--kv-pages N|auto`` the engine uses paged KV memory; ``--kv-dtype auto,fp
 sets once per KV dtype (bf16, float8) in the same process, and the server with the last.
 
 Usage: python bench/llm_serve.py --out bench/results/llm_serve.json
+(or ``--parts offline`` and ``--parts online`` in two calls on one machine, then
+``python bench/llm_serve.py --merge OFFLINE.json ONLINE.json --out bench/results/llm_serve.json``)
 """
 
 from __future__ import annotations
@@ -331,6 +333,17 @@ def online(args, res: dict) -> None:
             p.wait(60)
 
 
+def merge(offline_json: str, online_json: str, out: str) -> None:
+    """The offline part of one result file and the online part of another, run on one machine, as one."""
+    a, b = (json.loads(Path(f).read_text()) for f in (offline_json, online_json))
+    if a["machine"]["gpu"] != b["machine"]["gpu"] or a["machine"]["host"] != b["machine"]["host"]:
+        raise SystemExit(f"not one machine: {a['machine']['gpu']} and {b['machine']['gpu']}")
+    res = {k: a[k] for k in ("benchmark", "machine", "model")}
+    res.update(command=" ; ".join((a["command"], b["command"])), args={"offline": a["args"], "online": b["args"]})
+    res.update(offline=a["offline"], online=b["online"], online_machine=b["machine"])
+    write_json(out, res)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/llm_serve.json")
@@ -353,7 +366,10 @@ def main():
     ap.add_argument("--shape", default="llama2-7b", choices=sorted(VOCAB), help="tiny: a CPU smoke run")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--scale", type=int, default=1, help="offline requests divided by this (smoke runs)")
+    ap.add_argument("--merge", nargs=2, metavar=("OFFLINE", "ONLINE"), help="one result of the two parts' files")
     args = ap.parse_args()
+    if args.merge:
+        return merge(*args.merge, out=args.out)
     res = {
         "benchmark": "llm_serve",
         "machine": machine_info(),

@@ -194,11 +194,12 @@ def _split_kv(
     merge = counters is not None and not direct
     BLOCK_S = triton.next_power_of_2(splits)
     paged = table is not None
+    pos = pos.contiguous()
     _attention_part_kernel[(B * H, splits)](
         q.contiguous(),
         k,
         v,
-        pos.contiguous(),
+        pos,
         part,
         o,
         counters if merge else part,
@@ -223,7 +224,9 @@ def _split_kv(
         num_warps=warps,
     )
     if not merge and not direct:
-        _attention_merge_kernel[(B * H,)](part, o, splits, D=D, BLOCK_S=BLOCK_S, num_warps=4)
+        _attention_merge_kernel[(B * H,)](
+            part, o, pos, kv_len, H, splits, D=D, BLOCK_T=block_t, PER=per, BLOCK_S=BLOCK_S, num_warps=4
+        )
     return o
 
 
@@ -265,11 +268,27 @@ if triton is not None:
         sp = tl.program_id(1)
         b = bh // H
         h = bh % H
+        n = tl.minimum(tl.load(pos_ptr + b) + 1, T)  # valid slots: 0..pos
+        # the splits that hold valid slots (>= 1); those past the row's end (the grid is sized for the
+        # longest row) store nothing and take no part in the merge
+        active = tl.cdiv(tl.cdiv(n, BLOCK_T), PER)
+        if sp < active:
+            _attention_split(
+                q_ptr, kc_ptr, vc_ptr, part_ptr, o_ptr, cnt_ptr, table_ptr, table_stride, row0, n, bh, sp, b, h,
+                REP, SPLITS, active, c_b, c_h, c_t, sm_scale, D, BLOCK_T, PER, MERGE, DIRECT, BLOCK_S, PAGED,
+            )  # fmt: skip
+
+    @triton.jit
+    def _attention_split(
+        q_ptr, kc_ptr, vc_ptr, part_ptr, o_ptr, cnt_ptr, table_ptr, table_stride, row0, n, bh, sp, b, h,
+        REP, SPLITS, active, c_b, c_h, c_t, sm_scale, D: tl.constexpr, BLOCK_T: tl.constexpr, PER: tl.constexpr,
+        MERGE: tl.constexpr, DIRECT: tl.constexpr, BLOCK_S: tl.constexpr, PAGED: tl.constexpr,
+    ):  # fmt: skip
+        # one split of a row's valid slots (``active`` of them hold some)
         d = tl.arange(0, D)
         q = tl.load(q_ptr + bh * D + d).to(tl.float32) * sm_scale
-        n = tl.minimum(tl.load(pos_ptr + b) + 1, T)  # valid slots: 0..pos
         first = sp * PER
-        blocks = tl.minimum(PER, tl.cdiv(n, BLOCK_T) - first)  # (<= 0: a split past the row's end)
+        blocks = tl.minimum(PER, tl.cdiv(n, BLOCK_T) - first)  # (>= 1: an active split)
         m_i = tl.full((), float("-inf"), tl.float32)
         l_i = tl.zeros((), tl.float32)
         acc = tl.zeros((D,), tl.float32)
@@ -302,16 +321,16 @@ if triton is not None:
             if MERGE:  # the last split of this (row, head) to finish merges them all: no second kernel
                 tl.debug_barrier()  # every thread's partial is stored
                 done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")  # release ours, acquire the others'
-                if done == SPLITS - 1:
-                    _merge_splits(part_ptr, o_ptr, bh, SPLITS, D, BLOCK_S)
+                if done == active - 1:
+                    _merge_splits(part_ptr, o_ptr, bh, SPLITS, active, D, BLOCK_S)
                     tl.store(cnt_ptr + bh, 0)  # ready for the next call / replay
 
     @triton.jit
-    def _merge_splits(part_ptr, o_ptr, bh, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
-        # merge the splits' partial softmaxes (Dao et al., 2023, "Flash-Decoding"); .cg: read the
-        # other programs' partials from L2, never a stale L1 line
+    def _merge_splits(part_ptr, o_ptr, bh, SPLITS, active, D: tl.constexpr, BLOCK_S: tl.constexpr):
+        # merge the ``active`` splits' partial softmaxes (Dao et al., 2023, "Flash-Decoding"); .cg: read
+        # the other programs' partials from L2, never a stale L1 line
         sidx = tl.arange(0, BLOCK_S)
-        ms = sidx < SPLITS
+        ms = sidx < active
         base = part_ptr + (bh * SPLITS + sidx) * (D + 2)
         m = tl.load(base + D, mask=ms, other=float("-inf"), cache_modifier=".cg")
         l_ = tl.load(base + D + 1, mask=ms, other=0.0, cache_modifier=".cg")
@@ -322,6 +341,11 @@ if triton is not None:
         tl.store(o_ptr + bh * D + d, o.to(o_ptr.dtype.element_ty))
 
     @triton.jit
-    def _attention_merge_kernel(part_ptr, o_ptr, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
-        # part 2 (when no counters are given): one program per (row, head)
-        _merge_splits(part_ptr, o_ptr, tl.program_id(0), SPLITS, D, BLOCK_S)
+    def _attention_merge_kernel(
+        part_ptr, o_ptr, pos_ptr, T, H, SPLITS, D: tl.constexpr, BLOCK_T: tl.constexpr, PER: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+    ):  # fmt: skip
+        # part 2 (when no counters are given): one program per (row, head), over the row's active splits
+        bh = tl.program_id(0)
+        n = tl.minimum(tl.load(pos_ptr + bh // H) + 1, T)
+        _merge_splits(part_ptr, o_ptr, bh, SPLITS, tl.cdiv(tl.cdiv(n, BLOCK_T), PER), D, BLOCK_S)
