@@ -507,36 +507,3 @@ def test_serve_defaults_are_its_own_where_a_server_needs_other_ones():
     assert serve_threads(None, "cuda", False, "auto") is None
     assert serve_threads(None, "cuda", True, "threads") is None
     assert serve_threads(None, "cpu", True, "auto") is None
-
-
-def test_each_http_worker_has_its_own_socket_the_connections_spread_and_a_taken_port_is_refused():
-    """listening_sockets: N sockets on one port (port 0: one chosen for all); 400 connections spread
-    over them, none holding more than twice its even share (on one shared socket the idlest worker
-    takes most); a port another socket listens on is refused, also one of SO_REUSEPORT."""
-    import socket
-
-    from fullthrottle.server.supervisor import listening_sockets
-
-    socks = listening_sockets("127.0.0.1", 0, 4)
-    other = socket.create_server(("127.0.0.1", 0), reuse_port=True)
-    conns = []
-    try:
-        port = socks[0].getsockname()[1]
-        assert [s.getsockname()[1] for s in socks] == [port] * 4 and len({id(s) for s in socks}) == 4
-        conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(400)]
-        counts = [0] * 4
-        for i, s in enumerate(socks):
-            s.settimeout(0.5)
-            try:
-                while True:
-                    s.accept()[0].close()
-                    counts[i] += 1
-            except TimeoutError:
-                pass
-        assert sum(counts) == 400 and max(counts) <= 200, counts
-        for taken in (port, other.getsockname()[1]):
-            with pytest.raises(OSError, match="in use"):
-                listening_sockets("127.0.0.1", taken, 4)
-    finally:
-        for s in [*socks, other, *conns]:
-            s.close()

@@ -1,6 +1,6 @@
 """An HTTP worker process of a multi-process server (``fullthrottle serve --http-workers N``).
 
-It accepts connections on its own listening socket (the port's others are its siblings'), parses,
+It accepts connections on the listening socket it shares with its sibling workers, parses,
 authenticates and checks every request (body limits and deadlines, multipart, pixel limits, URL
 fetching with ``--allow-fetch``) and answers it; the engine process (one per server: the model,
 the graphs, the decoders) only sees what passed. ``POST /v1/classify`` sends the request's images

@@ -4,9 +4,8 @@
         --one link each (server/link.py)--> this process: the engine (server/engine_host.py in
         front of the one-process app: every classification replica, embeddings, the LLM, workloads)
 
-This process holds the listening sockets (bound before the model loads, so the port is taken at
-once), one per worker with ``SO_REUSEPORT`` (:func:`listening_sockets`: the kernel spreads the
-connections evenly), and passes each worker its own. It runs the app's lifespan
+This process holds the listening socket (bound before the model loads, so the port is taken at
+once) and passes it to every worker, which accept on it together. It runs the app's lifespan
 (model load, graph capture), starts the workers and starts another in place of one that exits (its
 in-flight requests are lost with it, no other). SIGTERM or SIGINT: every worker drains (finishes
 its in-flight requests, each within its deadline) and exits, then the engine closes; exit status 0.
@@ -124,49 +123,17 @@ def run_multi(
     from prometheus_client import values
 
     values.ValueClass = values.get_value_class()  # this process's metrics go to the folder too
-    listens = listening_sockets(host, port, http_workers)
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    listen = socket.create_server((host, port), family=family, backlog=4096)
     try:
-        return asyncio.run(_supervise(config, opts, listens, http_workers, max_connections))
+        return asyncio.run(_supervise(config, opts, listen, http_workers, max_connections))
     finally:
-        for s in listens:
-            s.close()
+        listen.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
 
-def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
-    """One listening socket per HTTP worker on ``host:port`` (port 0: one port chosen for them all),
-        bound with ``SO_REUSEPORT``, so that the kernel spreads new connections evenly over the workers
-        (on one shared socket the idlest worker accepts most of them, and its share of
-        ``--max-connections`` runs out first). Without ``SO_REUSEPORT`` (not Linux or BSD): one socket,
-        shared. A worker's socket outlives it here: the connections queued on it wait for its
-        replacement. A port something already listens on is refused, also when that something has
-    ``SO_REUSEPORT`` set.
-
-        Raises:
-            OSError: ``host:port`` cannot be listened on."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-    reuse = hasattr(socket, "SO_REUSEPORT") and n > 1
-    if reuse and port:  # (a socket of another server with SO_REUSEPORT would let ours join it: refuse)
-        socket.create_server((host, port), family=family).close()
-    first = socket.create_server((host, port), family=family, backlog=4096, reuse_port=reuse)
-    out = [first]
-    try:
-        for _ in range(n - 1):
-            port = first.getsockname()[1]
-            out.append(
-                socket.create_server((host, port), family=family, backlog=4096, reuse_port=True) if reuse else first
-            )
-    except OSError:
-        for s in out:
-            s.close()
-        raise
-    return out
-
-
-async def _supervise(
-    config: Config, opts: ServeOptions, listens: list[socket.socket], n: int, max_connections: int
-) -> int:
+async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, n: int, max_connections: int) -> int:
     from prometheus_client.multiprocess import mark_process_dead
 
     from .app import create_app
@@ -201,8 +168,8 @@ async def _supervise(
 
     for s in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(s, on_signal)
-    workers = [_Worker(i, listens[i], settings, engine) for i in range(n)]
-    addr = listens[0].getsockname()
+    workers = [_Worker(i, listen, settings, engine) for i in range(n)]
+    addr = listen.getsockname()
     shown = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
     print(
         f"fullthrottle: running on http://{shown}:{addr[1]} with {n} HTTP worker processes (Ctrl-C or SIGTERM to stop)",
@@ -237,14 +204,13 @@ async def _supervise(
                 code = 3
                 stop.set()
                 break
-            workers[i] = _Worker(w.slot, listens[w.slot], settings, engine)
+            workers[i] = _Worker(w.slot, listen, settings, engine)
     stopped.cancel()
     end_streams_in(app.state.ft, opts.timeout_s)  # (the workers drain as long: streams end cleanly before)
     # drain: every worker finishes its in-flight requests (they need the engine) and exits; each
-    # closes its listening socket at once, and this process's copies go first, so that a new
+    # closes its listening socket at once, and this process's copy goes first, so that a new
     # connection is refused instead of waiting unaccepted in the backlog until it is reset
-    for s in listens:
-        s.close()
+    listen.close()
     for w in workers:
         if w.proc.poll() is None:
             w.proc.send_signal(signal.SIGTERM)
