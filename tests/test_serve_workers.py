@@ -507,3 +507,27 @@ def test_serve_defaults_are_its_own_where_a_server_needs_other_ones():
     assert serve_threads(None, "cuda", False, "auto") is None
     assert serve_threads(None, "cuda", True, "threads") is None
     assert serve_threads(None, "cpu", True, "auto") is None
+
+
+def test_max_connections_hold_per_http_worker():
+    """--max-connections N with HTTP workers: N keep-alive connections are all served whichever
+    worker accepts them (the workers share one socket and take uneven shares of the clients: an
+    even split of N among them refused connections while others had room)."""
+    import http.client
+
+    proc, url, log = start("--http-workers", "2", "--no-classify", "--llm-random", "tiny", "--max-connections", "3")
+    host, port = url.removeprefix("http://").split(":")
+    conns = [http.client.HTTPConnection(host, int(port), timeout=10) for _ in range(3)]
+    try:
+        codes = []
+        for c in conns:  # each stays open (keep-alive) while the next asks
+            c.request("GET", "/healthz")
+            r = c.getresponse()
+            r.read()
+            codes.append(r.status)
+        assert codes == [200, 200, 200], codes
+    finally:
+        for c in conns:
+            c.close()
+        code = stop(proc)
+    assert code == 0, "".join(log)[-3000:]

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections",
         type=positive_int,
         default=MAX_CONNECTIONS,
-        help="open connections beyond this get 503 at once (split among the HTTP workers) (default: %(default)s)",
+        help="open connections beyond this get 503 at once (per HTTP worker process) (default: %(default)s)",
     )
     v.add_argument(
         "--http-workers",

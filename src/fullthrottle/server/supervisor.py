@@ -111,8 +111,10 @@ def run_multi(
     status (0 after a graceful stop, 3 when the app could not start or its HTTP workers keep dying
     as they start).
 
-    ``max_connections`` is shared out among the workers (each takes its part); the per-client
-    connection cap (``options.max_connections_per_client``) holds per worker.
+    ``max_connections`` and the per-client connection cap (``options.max_connections_per_client``)
+    hold per worker, as uvicorn's ``--limit-concurrency`` does with its ``--workers``: the workers
+    accept on one shared socket, and the idlest takes most new connections, so an even share of the
+    limit would run out in one worker while the others had room.
 
     Raises:
         OSError: ``host:port`` cannot be listened on.
@@ -148,7 +150,7 @@ async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, 
         {
             "options": {k: getattr(opts, k) for k in _OPTION_FIELDS},
             "max_image_pixels": config.max_image_pixels,
-            "max_connections": -(-max_connections // n),  # (split among the workers, rounded up)
+            "max_connections": max_connections,  # (each worker's own: they take uneven shares of the clients)
         }
     ).encode()
     stop, signals = asyncio.Event(), [0]
