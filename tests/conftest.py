@@ -139,6 +139,18 @@ def tiny_text():
     return LlmText(tok, CHAT_TEMPLATE, "<s>", "</s>")
 
 
+def keep_alive_statuses(conns) -> list[int]:
+    """``GET /healthz`` on each ``http.client`` connection in turn, each kept open (keep-alive) while
+    the next asks: their statuses."""
+    codes = []
+    for c in conns:
+        c.request("GET", "/healthz")
+        r = c.getresponse()
+        r.read()
+        codes.append(r.status)
+    return codes
+
+
 def post_chunked(url: str, path: str, n_bytes: int, headers: str = "") -> bytes:
     """Everything a server at ``url`` sends back to ``POST path`` with a chunked body of ``n_bytes``
     (10,000-byte chunks; ``headers``: extra header lines, each ending in CRLF), read until it closes."""

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from conftest import keep_alive_statuses
 from procs import alive, children
 from test_serve import Server, Tiny, post_image
 
@@ -627,12 +628,7 @@ def test_max_connections_serves_that_many_and_refuses_the_next():
     port = server.servers[0].sockets[0].getsockname()[1]
     conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in range(4)]
     try:
-        codes = []
-        for c in conns:  # each stays open (keep-alive) while the next asks
-            c.request("GET", "/healthz")
-            r = c.getresponse()
-            r.read()
-            codes.append(r.status)
+        codes = keep_alive_statuses(conns)
         assert codes == [200, 200, 200, 503], codes
     finally:
         for c in conns:

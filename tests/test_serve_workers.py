@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from conftest import post_chunked
+from conftest import keep_alive_statuses, post_chunked
 from procs import alive, children
 from test_serve import abandon
 
@@ -519,12 +519,7 @@ def test_max_connections_hold_per_http_worker():
     host, port = url.removeprefix("http://").split(":")
     conns = [http.client.HTTPConnection(host, int(port), timeout=10) for _ in range(3)]
     try:
-        codes = []
-        for c in conns:  # each stays open (keep-alive) while the next asks
-            c.request("GET", "/healthz")
-            r = c.getresponse()
-            r.read()
-            codes.append(r.status)
+        codes = keep_alive_statuses(conns)
         assert codes == [200, 200, 200], codes
     finally:
         for c in conns:
