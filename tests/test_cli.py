@@ -499,6 +499,8 @@ def test_flag_defaults_are_the_dataclasses_defaults():
     )
     assert p.parse_args(["serve", "--llm-max-prefill-tokens", "7"]).llm_max_prefill_tokens == 7
     assert p.parse_args(["serve", "--llm-kv-pages", "auto"]).llm_kv_pages == "auto"
+    assert p.parse_args(["serve", "--llm-kv-pages", "AUTO", "--llm-kv-dtype", "FP8"]).llm_kv_dtype == "fp8"
+    assert p.parse_args(["generate", "--random", "tiny", "--prompts", "f", "--kv-dtype", "Fp8"]).kv_dtype == "fp8"
     assert p.parse_args(["serve", "--llm-kv-pages", "12"]).llm_kv_pages == 12
     o = ServeOptions()
     assert (v.max_queue, v.timeout_s, v.body_timeout_s, v.header_timeout_s, v.max_images) == (

@@ -274,6 +274,7 @@ def add_llm_serve_args(v: argparse.ArgumentParser) -> None:
     )
     v.add_argument(
         "--llm-kv-dtype",
+        type=str.lower,  # (as --llm-kv-pages takes AUTO)
         choices=("auto", "fp8"),
         default=LlmSettings.kv_dtype,
         help="paged KV memory's dtype: auto, the model's; fp8, float8 e4m3: twice the tokens in the same "

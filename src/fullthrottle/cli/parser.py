@@ -267,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--kv-dtype",
+        type=str.lower,  # (as --llm-kv-pages takes AUTO)
         choices=("auto", "fp8"),
         default=LlmSettings.kv_dtype,
         help="with --kv-pages: the pages' dtype, as serve's --llm-kv-dtype (fp8: float8, lossy; default: %(default)s)",
