@@ -238,9 +238,10 @@ def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp
     args = ["generate", "--random", "tiny", "--prompts", str(src), "--max-new-tokens", "6", "--device", "cpu"]
     assert main([*args, "--out", str(out), "--max-batch", "2", "--no-progress"]) == 1  # (some failed)
     got = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [g["index"] for g in got] == [0, 1, 2, 3, 4]
+    assert [g["index"] for g in got] == [0, 1, 2, 3, 4] and [g["line"] for g in got] == [1, 3, 4, 5, 6]
     assert got[0]["token_ids"] == singles[0] and got[2]["token_ids"] == singles[1]
-    assert "max_tokens must be a positive integer" in got[1]["error"] and "line 5: not valid JSON" in got[3]["error"]
+    assert got[1]["error"].startswith("line 3: ") and "max_tokens must be a positive integer" in got[1]["error"]
+    assert "line 5: not valid JSON" in got[3]["error"]
     assert len(got[4]["token_ids"]) == 3 and got[4]["finish_reason"] == "length"
     assert "2 request(s) failed" in capsys.readouterr().err
     assert main([*args, "--tokens", "1,2"]) == 2 and "not both" in capsys.readouterr().err

@@ -5,9 +5,10 @@ FILE (or ``-``, stdin) holds one request per line: plain text (the prompt), or a
 the fields of the server's ``POST /v1/completions`` (``prompt``: text or token ids, ``max_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``); fields a line leaves out take the
 command's flags (as do fields given as null). Output: one JSON line per request, in input order
-(each written as soon as it and those before it are done): ``{"index", "text",
-"token_ids", "finish_reason", "prompt_tokens"}``, or ``{"index", "error"}`` for a line that is not a
-valid request (the others still run; exit status 1).
+(each written as soon as it and those before it are done): ``{"index", "line", "text",
+"token_ids", "finish_reason", "prompt_tokens"}``, or ``{"index", "line", "error"}`` for a line that is
+not a valid request (the others still run; exit status 1). ``index`` counts the requests from 0,
+``line`` is the request's line in FILE from 1 (blank lines hold no request).
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import sys
 from types import SimpleNamespace
 
 
-def read_requests(path: str, args, eos=None) -> list[dict | str]:
-    """The requests of FILE: each line's body (a dict), or the error of a line that is not one
-    (``eos``: the model's end-of-sequence id(s); None: a request does not stop at the model's own)."""
+def read_requests(path: str, args, eos=None) -> list[tuple[int, dict | str]]:
+    """The requests of FILE: each non-blank line's number (from 1) and its body (a dict), or the
+    error of a line that is not one (``eos``: the model's end-of-sequence id(s); None: a request does
+    not stop at the model's own)."""
     if path == "-":
         lines = sys.stdin.read().splitlines()
     else:
         with open(path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
-    out: list[dict | str] = []
+    out: list[tuple[int, dict | str]] = []
     defaults = {
         "max_tokens": args.max_new_tokens,
         "temperature": args.temperature,
@@ -40,15 +42,15 @@ def read_requests(path: str, args, eos=None) -> list[dict | str]:
             try:
                 body = json.loads(line)
             except ValueError as e:
-                out.append(f"line {n}: not valid JSON: {e}")
+                out.append((n, f"line {n}: not valid JSON: {e}"))
                 continue
         else:
             body = {"prompt": line}
         if not isinstance(body, dict):
-            out.append(f"line {n}: a JSON object or a line of text expected")
+            out.append((n, f"line {n}: a JSON object or a line of text expected"))
             continue
         given = {k: v for k, v in body.items() if v is not None}  # (null: left out, as OpenAI's API reads it)
-        out.append({**defaults, **({"seed": args.seed + len(out)} if args.seed is not None else {}), **given})
+        out.append((n, {**defaults, **({"seed": args.seed + len(out)} if args.seed is not None else {}), **given}))
     return out
 
 
@@ -78,13 +80,13 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
     limit = args.max_seq_len or model.cfg.max_position_embeddings
     checks = SimpleNamespace(model=model, max_seq_len=limit, check_sampling=check_sampling, logprobs=0, kv=None)
     parsed: list = []
-    for i, r in enumerate(reqs):
+    for n, r in reqs:
         try:
             if isinstance(r, str):
                 raise ValueError(r)
             parsed.append(completion_request(r, checks, tok))
         except ValueError as e:
-            parsed.append(f"request {i}: {e}")
+            parsed.append(str(e) if isinstance(r, str) else f"line {n}: {e}")
     need = max((len(c["ids"]) + c["max_tokens"] for c in parsed if isinstance(c, dict)), default=1)
     to_stdout = args.out in (None, "-")
 
@@ -111,7 +113,7 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
         return {"stop_ids": c["stop_ids"]}
 
     recs = []
-    for i, c in enumerate(parsed):
+    for (n, _), c in zip(reqs, parsed):
         if not isinstance(c, dict):  # (its error already)
             recs.append((None, c))
             continue
@@ -119,7 +121,7 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
             s = sched.submit(c["ids"], c["max_tokens"], c["temperature"], c["top_k"], c["top_p"], c["seed"], **ends(c))
             recs.append((c, s))
         except ValueError as e:
-            recs.append((None, f"request {i}: {e}"))
+            recs.append((None, f"line {n}: {e}"))
     failed = sum(c is None for c, _ in recs)
     bar = tqdm(
         total=len(recs) - failed, unit="request", desc="generate", file=sys.stderr, disable=args.no_progress or None
@@ -130,8 +132,9 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
         nonlocal new, written
         while written < len(recs) and (recs[written][0] is None or recs[written][1].done):
             c, s = recs[written]
+            where = {"index": written, "line": reqs[written][0]}
             if c is None:
-                out.write(json.dumps({"index": written, "error": s}) + "\n")
+                out.write(json.dumps({**where, "error": s}) + "\n")
             else:
                 toks, text, reason = s.tokens, None, "stop" if s.tokens[-1:] and s.tokens[-1] in s.stop else "length"
                 if tok is not None:
@@ -140,7 +143,7 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
                     if ts.stopped:
                         toks, reason = toks[: ts.used], "stop"
                 new += len(toks)
-                line = {"index": written, "text": text, "token_ids": toks, "finish_reason": reason}
+                line = {**where, "text": text, "token_ids": toks, "finish_reason": reason}
                 out.write(json.dumps({**line, "prompt_tokens": len(c["ids"])}) + "\n")
             written += 1
         out.flush()
