@@ -5,6 +5,7 @@ never reach them."""
 
 import contextlib
 import http.server
+import json
 import logging
 import re
 import socket
@@ -610,7 +611,9 @@ def test_one_client_address_cannot_take_every_connection(samples):
 
 
 def test_max_connections_serves_that_many_and_refuses_the_next():
-    """``--max-connections 3``: three open keep-alive connections are all served, a fourth gets 503."""
+    """``--max-connections 3``: three open keep-alive connections are all served, a fourth gets 503
+    (Retry-After, a JSON reason, counted in /metrics) and is closed, and the three go on being served
+    while it is open (uvicorn's own limit refused every request while too many connections were open)."""
     import http.client
 
     from fullthrottle.core.config import Config
@@ -630,6 +633,20 @@ def test_max_connections_serves_that_many_and_refuses_the_next():
     try:
         codes = keep_alive_statuses(conns)
         assert codes == [200, 200, 200, 503], codes
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # open, asking nothing
+        assert keep_alive_statuses(conns[:3]) == [200, 200, 200]  # (the three before them go on)
+        for c in idle:
+            c.close()
+        conns[3].request("GET", "/v1/models")
+        r = conns[3].getresponse()
+        body = r.read()
+        assert (r.status, r.getheader("retry-after"), r.getheader("connection")) == (503, "1", "close"), r.status
+        assert "most connections (3)" in json.loads(body)["detail"]
+        metrics = keep_alive_statuses(conns[:1]) and conns[0]
+        metrics.request("GET", "/metrics")
+        text = metrics.getresponse().read().decode()
+        assert 'fullthrottle_requests_total{route="/healthz",status="503"} 1.0' in text
+        assert 'fullthrottle_requests_total{route="/v1/models",status="503"} 1.0' in text
     finally:
         for c in conns:
             c.close()

@@ -176,8 +176,8 @@ def run_server(
     """Serve until SIGINT/SIGTERM (graceful: in-flight requests finish, each within its deadline; a
     second signal stops waiting for them), then return (exit status 0).
 
-    ``max_connections``: open connections and requests beyond it get 503 at once (uvicorn's
-    ``limit_concurrency``); idle keep-alive connections close after 5 s; a request head must arrive
+    ``max_connections``: a connection opened while this many are open gets 503 (Retry-After) for its
+    requests and is closed; those open before it go on; idle keep-alive connections close after 5 s; a request head must arrive
     whole within ``options.header_timeout_s`` and is limited to 16 KiB (h11's default)."""
     opts = options or ServeOptions()
     app = create_app(config, opts)

@@ -254,7 +254,13 @@ MAX_HEAD_BYTES = 16384
 
 
 def head_deadline_protocol(
-    seconds: float, per_client: int | None = None, parser: str = "auto", on_refused=None, on_client_refused=None
+    seconds: float,
+    per_client: int | None = None,
+    parser: str = "auto",
+    on_refused=None,
+    on_client_refused=None,
+    max_connections: int | None = None,
+    busy_app=None,
 ):
     """uvicorn's HTTP/1.1 protocol with a deadline on every request head: a connection whose request
     line and headers are not complete ``seconds`` after it opened (or after its previous response) is
@@ -271,6 +277,12 @@ def head_deadline_protocol(
 
     ``parser``: ``"httptools"`` (uvicorn's C parser, llhttp), ``"h11"`` (pure Python: more CPU per
     request), or ``"auto"``: httptools where it is installed, as uvicorn itself picks.
+
+    ``max_connections``: a connection that opens while this many are open already has every request
+    answered by ``busy_app`` (an ASGI app: a 503 that closes it), as uvicorn's ``limit_concurrency``
+    does, but decided as the connection opens: uvicorn's refuses every request that arrives while too
+    many connections are open, those of clients connected long before included, so that a client
+    holding idle connections past the limit shut everyone else out.
 
     ``on_refused``: called with no arguments for each request the parser refuses (400: malformed, or
     a head over :data:`MAX_HEAD_BYTES`), which never reaches the app (so the caller can count it).
@@ -320,6 +332,8 @@ def head_deadline_protocol(
                     on_client_refused(self._peer, per_client)
                 transport.close()
                 return
+            if max_connections is not None and len(self.connections) > max_connections:
+                self.app = busy_app  # (this one's requests only: the connections open before go on)
             self._arm()
 
         def connection_lost(self, exc) -> None:

@@ -8,6 +8,7 @@ the engines nor torch (an HTTP worker process holds no model).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -72,6 +73,31 @@ def add_basics(app, requests_counter, keys: tuple[str, ...]):
         return reply("/healthz", 200, {"status": "alive"})
 
     return reply
+
+
+def busy_app(max_connections: int, retry_after_s: int, counter=None):
+    """The ASGI app that answers the requests of a connection opened past ``max_connections``: 503
+    with Retry-After and the server's JSON error shape, the connection closed after it, counted in
+    ``counter`` (by route and status) where one is given."""
+    body = json.dumps(
+        {"detail": f"the server holds its most connections ({max_connections}) open: retry later"}
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", str(retry_after_s).encode()),
+        (b"connection", b"close"),
+    ]
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        if counter is not None:
+            counter.labels(scope["path"] if scope["path"] in (*ROUTES, "/healthz") else "other", "503").inc()
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
 
 
 def _not_a_dropped_request(record: logging.LogRecord) -> bool:
@@ -162,13 +188,14 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
             **where,
             log_level="info",
             timeout_graceful_shutdown=opts.timeout_s,
-            limit_concurrency=max_connections + 1,  # (uvicorn counts the connection asking among them)
             timeout_keep_alive=5,
             http=head_deadline_protocol(
                 opts.header_timeout_s,
                 opts.max_connections_per_client,
                 on_refused=refused,
                 on_client_refused=client_refused,
+                max_connections=max_connections,
+                busy_app=busy_app(max_connections, opts.retry_after_s, counter),
             ),
         )
     )
