@@ -234,6 +234,10 @@ def kv_pages_arg(s: str) -> int | str:
     return "auto" if s.strip().lower() == "auto" else nonnegative_int(s)
 
 
+#: ``--llm-kv-dtype`` / ``generate --kv-dtype``: a KV dtype's name, in any case (as AUTO for the pages)
+KV_DTYPE_ARG = {"type": str.lower, "choices": ("auto", "fp8"), "default": LlmSettings.kv_dtype}
+
+
 def add_llm_serve_args(v: argparse.ArgumentParser) -> None:
     """``serve``'s ``--llm-*`` flags: the LLM engine's settings (defaults from
     :class:`~fullthrottle.core.config.LlmSettings`)."""
@@ -274,9 +278,7 @@ def add_llm_serve_args(v: argparse.ArgumentParser) -> None:
     )
     v.add_argument(
         "--llm-kv-dtype",
-        type=str.lower,  # (as --llm-kv-pages takes AUTO)
-        choices=("auto", "fp8"),
-        default=LlmSettings.kv_dtype,
+        **KV_DTYPE_ARG,
         help="paged KV memory's dtype: auto, the model's; fp8, float8 e4m3: twice the tokens in the same "
         "memory and half the bytes each decode step reads, keys and values rounded to 3 mantissa bits "
         "(needs --llm-kv-pages; on CUDA, a GPU of compute capability 8.9 or newer, such as H100, H200, L4; "

@@ -9,6 +9,7 @@ from ..core.env import describe as describe_env
 from ..server.options import MAX_CONNECTIONS, SERVE_DECODER_PROCESSES, SERVE_MAX_WAIT_MS, ServeOptions
 from .generate import RANDOM_SHAPES
 from .options import (
+    KV_DTYPE_ARG,
     add_llm_serve_args,
     add_runtime_args,
     add_runtime_flags,
@@ -268,9 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--kv-dtype",
-        type=str.lower,  # (as --llm-kv-pages takes AUTO)
-        choices=("auto", "fp8"),
-        default=LlmSettings.kv_dtype,
+        **KV_DTYPE_ARG,
         help="with --kv-pages: the pages' dtype, as serve's --llm-kv-dtype (fp8: float8, lossy; default: %(default)s)",
     )
     g.add_argument("--no-progress", action="store_true", help="with --prompts: no progress bar")

@@ -278,12 +278,8 @@ def head_deadline_protocol(
     ``parser``: ``"httptools"`` (uvicorn's C parser, llhttp), ``"h11"`` (pure Python: more CPU per
     request), or ``"auto"``: httptools where it is installed, as uvicorn itself picks.
 
-    ``max_connections``: a connection that opens while this many are open already has every request
-    answered by ``busy_app`` (an ASGI app: a 503 that closes it), as uvicorn's ``limit_concurrency``
-    does, but decided as the connection opens: uvicorn's refuses every request that arrives while too
-    many connections are open, those of clients connected long before included, so that a client
-    holding idle connections past the limit shut everyone else out.
-
+    ``max_connections``: a connection opened while this many are open gets ``busy_app`` (ASGI: 503,
+    then closed) for its requests (uvicorn's ``limit_concurrency`` would refuse the earlier ones too).
     ``on_refused``: called with no arguments for each request the parser refuses (400: malformed, or
     a head over :data:`MAX_HEAD_BYTES`), which never reaches the app (so the caller can count it).
     ``on_client_refused``: called with the client's address and ``per_client`` for each connection
