@@ -188,6 +188,11 @@ class CompletionService:
 
         sched, live = None, {}  # live: scheduler record -> [req, loop, out, tokens sent]
         every = max(1, self.gen.check_every)
+
+        def first_tokens() -> None:  # (a step's prefill made them: out before its decode)
+            self._gauges(sched)
+            self._send(live, every)
+
         while not self._stop.is_set():
             idle = sched is None or not sched.busy
             while sched is None or len(sched.waiting) < self.gen.max_batch:  # take what has arrived
@@ -197,8 +202,8 @@ class CompletionService:
                     break
                 idle = False
                 try:
-                    if sched is None:  # (each request ends at its own stop_ids; first tokens go out at once)
-                        sched = Scheduler(self.gen, on_first=lambda: self._gauges(sched) or self._send(live, every))
+                    if sched is None:  # (each request ends at its own stop_ids)
+                        sched = Scheduler(self.gen, on_first=first_tokens)
                     rec = sched.submit(
                         req["ids"],
                         req["max_tokens"],
