@@ -6,7 +6,8 @@
 - ``GET /v1/models``: the models served (the LLM's, the embeddings model's).
 
 Both generation routes take ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
-``top_p``, ``top_k``, ``seed`` (a request's own: its tokens do not depend on other requests),
+``top_p``, ``top_k``, ``seed`` (a request's own: its tokens do not depend on other requests; any
+integer, taken modulo 2**32, so seeds that differ by a multiple of 2**32 give the same tokens),
 ``stop`` (up to 4 strings: the text ends before the first, and generation stops there),
 ``stream`` (server-sent events, one chunk per few tokens, ending in ``data: [DONE]``) and
 ``stream_options.include_usage`` (a last chunk with the token counts). A client that disconnects
