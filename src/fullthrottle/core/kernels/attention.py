@@ -268,15 +268,20 @@ if triton is not None:
         sp = tl.program_id(1)
         b = bh // H
         h = bh % H
-        n = tl.minimum(tl.load(pos_ptr + b) + 1, T)  # valid slots: 0..pos
-        # the splits that hold valid slots (>= 1); those past the row's end (the grid is sized for the
-        # longest row) store nothing and take no part in the merge
-        active = tl.cdiv(tl.cdiv(n, BLOCK_T), PER)
+        # the splits past the row's end (the grid is sized for the longest row) store nothing and take
+        # no part in the merge
+        n, active = _row_splits(pos_ptr, b, T, BLOCK_T, PER)
         if sp < active:
             _attention_split(
                 q_ptr, kc_ptr, vc_ptr, part_ptr, o_ptr, cnt_ptr, table_ptr, table_stride, row0, n, bh, sp, b, h,
                 REP, SPLITS, active, c_b, c_h, c_t, sm_scale, D, BLOCK_T, PER, MERGE, DIRECT, BLOCK_S, PAGED,
             )  # fmt: skip
+
+    @triton.jit
+    def _row_splits(pos_ptr, b, T, BLOCK_T: tl.constexpr, PER: tl.constexpr):
+        # row b's valid slots (0..pos, never past T) and the splits that hold some (>= 1)
+        n = tl.minimum(tl.load(pos_ptr + b) + 1, T)
+        return n, tl.cdiv(tl.cdiv(n, BLOCK_T), PER)
 
     @triton.jit
     def _attention_split(
@@ -347,5 +352,5 @@ if triton is not None:
     ):  # fmt: skip
         # part 2 (when no counters are given): one program per (row, head), over the row's active splits
         bh = tl.program_id(0)
-        n = tl.minimum(tl.load(pos_ptr + bh // H) + 1, T)
-        _merge_splits(part_ptr, o_ptr, bh, SPLITS, tl.cdiv(tl.cdiv(n, BLOCK_T), PER), D, BLOCK_S)
+        _, active = _row_splits(pos_ptr, bh // H, T, BLOCK_T, PER)
+        _merge_splits(part_ptr, o_ptr, bh, SPLITS, active, D, BLOCK_S)
