@@ -58,7 +58,24 @@ class Svc:  # the replica's part: its dispatcher thread answers each image at on
             for done, iid, n in got:
                 done(Result(0, iid, LABELS, [281, 282, 285, 287, 283], [0.6123, 0.2011, 0.0912, 0.0453, 0.0101], None, 3.25))
 
-app = types.SimpleNamespace(state=types.SimpleNamespace(ft={"ready": True, "services": [Svc()]}))
+def pipeline_service():  # the real replica: a BatchingService over a CPU pipeline, decoder processes
+    import torch
+    from fullthrottle import Config, Pipeline
+    from fullthrottle.server.services import BatchingService
+    class Tiny(torch.nn.Module):  # (B, 3, 32, 32) -> (B, 1000): the model's own work next to nothing
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 1000)
+        def forward(self, x):
+            return self.fc(x.mean((2, 3)))
+    torch.manual_seed(0)
+    cfg = Config(device="cpu", preprocess="processes", threads=1, resize_size=32, crop_size=32,
+                 ordered=False, max_wait_ms=0.5)
+    return BatchingService(Pipeline(cfg, model=Tiny().eval()), 1024)
+
+svc = pipeline_service() if "--pipeline" in sys.argv else Svc()
+sys.argv = [a for a in sys.argv if a != "--pipeline"]
+app = types.SimpleNamespace(state=types.SimpleNamespace(ft={"ready": True, "services": [svc]}))
 host = EngineHost(app, asyncio.new_event_loop())
 import inspect
 from fullthrottle.server.engine_host import Link
@@ -74,6 +91,7 @@ import asyncio, socket, sys, time
 from fullthrottle.server.front import EngineClient
 
 fd, inflight, seconds, path = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+pipeline = sys.argv[5:] == ["--pipeline"]
 jpeg = open(path, "rb").read()
 
 async def main():
@@ -82,7 +100,7 @@ async def main():
     async def loop(end):
         while time.perf_counter() < end:
             (r,) = await client.classify([("img.jpg", jpeg)])
-            assert r.class_ids[0] == 281, r
+            assert r.error is None and (pipeline or r.class_ids[0] == 281), r
             done[0] += 1
     end = time.perf_counter() + 0.5
     await asyncio.gather(*(loop(end) for _ in range(inflight)))  # warm-up
@@ -101,12 +119,14 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_round(src: str, workers: int, inflight: int, seconds: float, jpeg_path: str, spy: str | None = None) -> dict:
+def one_round(
+    src: str, workers: int, inflight: int, seconds: float, jpeg_path: str, spy: str | None = None, pipeline=False
+) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     pairs = [socket.socketpair() for _ in range(workers)]
     fds = [a.fileno() for a, _ in pairs]
     engine = subprocess.Popen(
-        [sys.executable, "-c", ENGINE, *map(str, fds)],
+        [sys.executable, "-c", ENGINE, *map(str, fds), *(["--pipeline"] if pipeline else [])],
         pass_fds=fds,
         env=env,
         stdin=subprocess.PIPE,
@@ -120,7 +140,8 @@ def one_round(src: str, workers: int, inflight: int, seconds: float, jpeg_path: 
     for _, b in pairs:
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-c", WORKER, str(b.fileno()), str(inflight), str(seconds), jpeg_path],
+                [sys.executable, "-c", WORKER, str(b.fileno()), str(inflight), str(seconds), jpeg_path]
+                + (["--pipeline"] if pipeline else []),
                 pass_fds=(b.fileno(),),
                 env=env,
                 stdout=subprocess.PIPE,
@@ -165,6 +186,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--against", default=None, help="another checkout's src folder: the same rounds on it")
     ap.add_argument("--py-spy", default=None, help="py-spy executable: record the engine in the first round")
+    ap.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="the real service instead of the stand-in: a CPU Pipeline with a decoder process and a "
+        "model of next to no work, on 32x32 crops (then the engine's CPU is the link's and the pipeline's threads')",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     jpeg = jpegs_640x480()[0]
@@ -177,7 +204,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name, src in srcs.items():  # (alternating, so that drifts of the machine hit both)
             spy = args.py_spy if r == 0 else None
-            got = one_round(src, args.workers, args.inflight, args.seconds, str(path), spy)
+            got = one_round(src, args.workers, args.inflight, args.seconds, str(path), spy, args.pipeline)
             res.setdefault(name, []).append(got)
             print(name, r, {k: round(v, 1) for k, v in got.items() if k != "py_spy"}, flush=True)
             for kind in ("by_thread", "self") if "py_spy" in got else ():
