@@ -392,6 +392,94 @@ def test_a_client_that_hangs_up_takes_its_queued_images_with_it_across_processes
     assert code == 0, "".join(log)[-3000:]
 
 
+GATED_MODEL = """
+import os, time, torch
+class Gated(torch.nn.Module):  # holds every batch while the file $GATE exists
+    labels = ["a", "b"]
+    def forward(self, x):
+        while os.path.exists(os.environ["GATE"]):
+            time.sleep(0.01)
+        return torch.zeros(x.shape[0], 2)
+"""
+
+
+def test_workers_refuse_what_a_full_queue_cannot_take_without_asking_the_engine(samples, tmp_path, monkeypatch):
+    """With the engine's queue full, a worker answers 503 itself, at once, even while the engine
+    process is stopped (only one request per ``PROBE_EVERY_S`` per worker still goes to it); once the
+    queue drains, requests are taken again."""
+    (tmp_path / "gatedmod.py").write_text(GATED_MODEL)
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("GATE", str(gate))
+    photo = samples[0].read_bytes()
+    args = ("--http-workers", "2", "--model", "gatedmod:Gated", "--max-queue", "4", "--threads", "1")
+    proc, url, log = start(*args, "--max-batch-size", "1")
+    held, quick = [], []
+
+    def post(out, timeout):
+        t0 = time.perf_counter()
+        try:
+            r = httpx.post(url + "/v1/classify", content=photo, timeout=timeout)
+            out.append((r.status_code, time.perf_counter() - t0, r.headers.get("retry-after")))
+        except httpx.HTTPError as e:
+            out.append((repr(e), time.perf_counter() - t0, None))
+
+    try:
+        gate.write_text("")  # the model holds its batch: the pipeline fills, then the queue
+        ts = [threading.Thread(target=post, args=(held, 120), daemon=True) for _ in range(40)]
+        for t in ts:
+            t.start()
+        deadline = time.time() + 30
+        while time.time() < deadline and not any(h[0] == 503 for h in held):
+            time.sleep(0.05)
+        assert any(h[0] == 503 for h in held), held  # (the queue is full)
+        time.sleep(0.3)  # (past each worker's probe interval)
+        os.kill(proc.pid, signal.SIGSTOP)  # the engine process: it reads no link now
+        try:
+            qs = [threading.Thread(target=post, args=(quick, 3), daemon=True) for _ in range(8)]
+            for t in qs:
+                t.start()
+            for t in qs:
+                t.join(10)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        fast = [q for q in quick if q[0] == 503 and q[1] < 1.5 and q[2] == "1"]
+        assert len(fast) >= 5, quick  # (at most one probe per worker went to the stopped engine)
+        gate.unlink()  # the queue drains
+        for t in ts:
+            t.join(120)
+        assert {h[0] for h in held} <= {200, 503}, held
+        r = httpx.post(url + "/v1/classify", content=photo, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        gate.unlink(missing_ok=True)
+        code = stop(proc)
+    assert code == 0, "".join(log)[-3000:]
+
+
+def test_the_engines_backlog_is_what_the_workers_read(tmp_path):
+    """The depth the engine writes is what a worker process, given the fd, reads."""
+    from fullthrottle.server.link import Backlog
+
+    b = Backlog()
+    b.set(137)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from fullthrottle.server.link import Backlog; print(Backlog(int(sys.argv[1])).get())",
+            str(b.fd),
+        ],
+        pass_fds=(b.fd,),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "137", out.stderr
+    b.set(0)
+    assert b.get() == 0
+
+
 def test_other_routes_pass_through_to_the_engine_and_stream():
     auth = {"authorization": "Bearer " + "k" * 20}
     proc, url, log = start(

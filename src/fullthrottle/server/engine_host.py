@@ -92,6 +92,7 @@ class Link:
                         g = self.classifying.pop(req_id, None)
                         if g is not None:  # (its client left: its images still queued are not decoded)
                             g.cancel()
+                            self.host.publish_backlog()
                         ev = self.cancels.get(req_id)
                         if ev is not None:
                             self.host.loop.call_soon_threadsafe(ev.set)
@@ -107,6 +108,7 @@ class Link:
             self.out.put(None)
             for g in list(self.classifying.values()):  # (the worker is gone: nobody reads their answers)
                 g.cancel()
+            self.host.publish_backlog()
             for ev in list(self.cancels.values()):
                 self.host.loop.call_soon_threadsafe(ev.set)
             try:
@@ -160,10 +162,22 @@ class EngineHost:
     """Serves HTTP worker links from ``app`` (built by ``create_app``; its lifespan run by the
     caller) on ``loop`` (the engine's event loop, running in another thread or the caller's)."""
 
-    def __init__(self, app, loop: asyncio.AbstractEventLoop):
-        self.app, self.loop = app, loop
+    def __init__(self, app, loop: asyncio.AbstractEventLoop, backlog: wire.Backlog | None = None):
+        self.app, self.loop, self.backlog = app, loop, backlog
+        self._publishing = threading.Lock()
         self.state: dict = app.state.ft
         self.links: list[Link] = []
+
+    def publish_backlog(self) -> None:
+        """The images waiting in the least-loaded replica's queue, for the workers' own 503s
+        (:class:`~fullthrottle.server.link.Backlog`): written as images join a queue, leave it for
+        the pipeline (each replica's ``on_take``) or leave it with their client."""
+        services = self.state.get("services")
+        if self.backlog is not None and services:
+            # (read and written under one lock, so that the last write has the last change: a stale
+            # "full" left here would have the workers refuse every request, the queue being empty)
+            with self._publishing:
+                self.backlog.set(min(v.queued() for v in services))
 
     def add_link(self, sock: socket.socket, name: str) -> Link:
         lk = Link(sock, self, name)
@@ -180,6 +194,8 @@ class EngineHost:
             g.fail("model is loading" if not self.state.get("ready") else "classification is not served", False)
             return
         svc = g.svc = min(self.state["services"], key=lambda v: v.queued() + v.pending())
+        if self.backlog is not None and svc.on_take is None:
+            svc.on_take = self.publish_backlog
         lk.classifying[req_id] = g
         try:
             for i, (item_id, data) in enumerate(images):
@@ -190,6 +206,7 @@ class EngineHost:
         except RuntimeError as e:
             with g.lock:
                 g.fail(str(e), False)
+        self.publish_backlog()
 
     async def bridge(self, lk: Link, req_id: int, head: dict, body: bytes, cancel: asyncio.Event) -> None:
         """Run one request through the app; its answer goes back as START and BODY frames.

@@ -34,6 +34,9 @@ LOCAL_ROUTES = frozenset({"/healthz", "/v1/classify", "/metrics"})
 #: seconds the engine has to answer ``/readyz`` (else 503) and the worker's ``/metrics`` (else the
 #: engine's gauges are left as they were)
 ENGINE_PROBE_S = 2.0
+#: while the engine's queue reads full, a worker refuses classify requests itself (503) but for one
+#: per this many seconds, which goes to the engine: a depth that reads full by mistake cannot last
+PROBE_EVERY_S = 0.1
 #: seconds past ``--timeout-s`` that a passed-on request waits for its answer to start before the
 #: worker answers 504 itself (the engine's own 504 comes first, unless it cannot run)
 ENGINE_GRACE_S = 1.0
@@ -48,8 +51,11 @@ class EngineClient(asyncio.Protocol):
     #: bytes the link may hold unsent before a request waits to send its own
     WRITE_BUFFER_BYTES = 8 << 20
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_lost=None):
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_lost=None, backlog=None, max_queue: int = 0):
         self.loop, self.on_lost = loop, on_lost
+        # (the engine's queue as it last said, and its size: a request it cannot take is refused here)
+        self.backlog, self.max_queue = backlog, max_queue
+        self._probe_at = 0.0
         self.pending: dict[int, object] = {}  # request id -> its future (classify) or queue (HTTP)
         self.lost = False
         self._ids = itertools.count(1)
@@ -59,10 +65,12 @@ class EngineClient(asyncio.Protocol):
         self._writable.set()
 
     @classmethod
-    async def connect(cls, sock, on_lost=None) -> EngineClient:
-        """The client on the link socket ``sock`` (its end of the supervisor's socket pair)."""
+    async def connect(cls, sock, on_lost=None, backlog=None, max_queue: int = 0) -> EngineClient:
+        """The client on the link socket ``sock`` (its end of the supervisor's socket pair);
+        ``backlog``: the engine's :class:`~fullthrottle.server.link.Backlog` and ``max_queue`` its
+        queue's size (``--max-queue``), or None: every request goes to the engine."""
         loop = asyncio.get_running_loop()
-        client = cls(loop, on_lost)
+        client = cls(loop, on_lost, backlog, max_queue)
         await loop.create_unix_connection(lambda: client, sock=sock)
         return client
 
@@ -129,6 +137,11 @@ class EngineClient(asyncio.Protocol):
         """
         sent = [(iid, data) for iid, data in images if not isinstance(data, FetchError)]
         rows = []
+        if sent and self.backlog is not None and self.backlog.get() + len(sent) > self.max_queue:
+            # (one such request per PROBE_EVERY_S still goes: the engine's answer rewrites the depth)
+            if self.loop.time() < self._probe_at:
+                raise Overloaded(f"queue full ({self.max_queue} images waiting)")  # (as the engine says it)
+            self._probe_at = self.loop.time() + PROBE_EVERY_S
         if sent:
             req_id = next(self._ids)
             fut = self.pending[req_id] = self.loop.create_future()
@@ -340,13 +353,15 @@ def event_loop_factory():
 
 
 def main() -> None:
-    """The worker's entry point: ``argv``: listening socket fd, link fd; stdin: its settings (JSON)."""
+    """The worker's entry point: ``argv``: listening socket fd, link fd, and the engine's backlog's
+    fd (:class:`~fullthrottle.server.link.Backlog`) if it has one; stdin: its settings (JSON)."""
     import socket
 
     from .http_layer import uvicorn_server
     from .options import ServeOptions
 
     listen_fd, link_fd = int(sys.argv[1]), int(sys.argv[2])
+    backlog = wire.Backlog(int(sys.argv[3])) if len(sys.argv) > 3 else None
     settings = json.loads(sys.stdin.read())
     opts = ServeOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings["options"].items()})
     box: list = [None]
@@ -362,7 +377,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     async def run():
-        box[0] = await EngineClient.connect(socket.socket(fileno=link_fd), on_lost=lost)
+        box[0] = await EngineClient.connect(socket.socket(fileno=link_fd), lost, backlog, opts.max_queue)
         await server.serve(sockets=[socket.socket(fileno=listen_fd)])
 
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:

@@ -25,7 +25,10 @@ engine -> worker
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import struct
+import tempfile
 
 CLASSIFY, HTTP, CANCEL = 1, 2, 3
 RESULTS, START, BODY = 11, 12, 13
@@ -178,3 +181,28 @@ def pack_http(head: dict, body: bytes) -> list[bytes]:
 def unpack_http(payload: memoryview) -> tuple[dict, bytes]:
     (n,) = _U32.unpack_from(payload, 0)
     return json.loads(bytes(payload[4 : 4 + n])), bytes(payload[4 + n :])
+
+
+class Backlog:
+    """How many images wait in the engine's classification queue, shared by the engine and its HTTP
+    workers through one 4-byte file mapping (``fd``: inherited by the workers; None: a new one).
+    The engine writes it as images join the queue and as results come out; a worker reads it before
+    it sends a request, and refuses one that the queue cannot take (503) without a round trip to the
+    engine, which then spends no time on load it would refuse. The engine's own check stays the
+    authority: what a worker reads may be a moment old."""
+
+    _N = struct.Struct("i")  # (native: packed with one aligned store, which a reader never sees half done)
+
+    def __init__(self, fd: int | None = None):
+        if fd is None:
+            with tempfile.TemporaryFile() as f:
+                f.truncate(self._N.size)
+                fd = os.dup(f.fileno())
+        self.fd = fd
+        self._map = mmap.mmap(fd, self._N.size)
+
+    def set(self, images: int) -> None:
+        self._N.pack_into(self._map, 0, images)
+
+    def get(self) -> int:
+        return self._N.unpack_from(self._map, 0)[0]

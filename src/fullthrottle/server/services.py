@@ -44,6 +44,9 @@ class BatchingService:
         self._cancelled_queued = 0  # of _cancelled, those still in the queue (their bytes let go)
         self._closing = threading.Event()
         self.error: BaseException | None = None
+        #: called (no arguments, on the pipeline's load thread) after the pipeline takes an image from
+        #: the queue: the multi-process server's engine tells its HTTP workers the queue's new depth
+        self.on_take = None
         # (a cancelled image leaves the load stage undecoded: the pipeline drops it)
         self._results = pipeline.run(self._source(), drop=self._cancelled.__contains__)
         self._thread = threading.Thread(target=self._dispatch, name="ft-dispatch", daemon=True)
@@ -61,6 +64,8 @@ class BatchingService:
                 self._queued.pop(self._taken, None)
                 self._cancelled_queued -= self._taken in self._cancelled
                 self._taken += 1
+            if self.on_take is not None:
+                self.on_take()
             yield item[0], item[1]
 
     def _dispatch(self) -> None:

@@ -46,15 +46,10 @@ class _Worker:
     def __init__(self, slot: int, listen: socket.socket, settings: bytes, host):
         ours, theirs = socket.socketpair()
         self.slot, self.t0 = slot, time.monotonic()
+        fds = (listen.fileno(), theirs.fileno(), host.backlog.fd)  # (the queue's state: front.EngineClient)
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "from fullthrottle.server.front import main; main()",
-                str(listen.fileno()),
-                str(theirs.fileno()),
-            ],
-            pass_fds=(listen.fileno(), theirs.fileno()),
+            [sys.executable, "-c", "from fullthrottle.server.front import main; main()", *map(str, fds)],
+            pass_fds=fds,
             stdin=subprocess.PIPE,
             process_group=0,  # Ctrl-C reaches this process only; it stops the workers in order
         )
@@ -141,11 +136,12 @@ async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, 
     from .app import create_app
     from .engine_host import EngineHost
     from .http_layer import FORCED_END_S
+    from .link import Backlog
     from .text import end_streams_in
 
     loop = asyncio.get_running_loop()
     app = create_app(config, opts)
-    engine = EngineHost(app, loop)
+    engine = EngineHost(app, loop, Backlog())
     settings = json.dumps(
         {
             "options": {k: getattr(opts, k) for k in _OPTION_FIELDS},
