@@ -1,4 +1,5 @@
 import io
+import os
 
 import numpy as np
 import pytest
@@ -84,6 +85,32 @@ def test_files_cut_inside_their_header_are_called_truncated(samples):
         decode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 5)
     with pytest.raises(ImageError, match="not a supported image .unrecognised format"):
         decode(b"plain text, no signature")
+
+
+def test_only_the_documented_formats_are_read_and_no_other_program_runs(tmp_path, monkeypatch):
+    """EPS would go to Ghostscript through Pillow: refused unread, as every format outside
+    image_header.FORMATS is (a stand-in `gs` first on PATH records any call)."""
+    from fullthrottle.data.image_header import header_size
+
+    (tmp_path / "gs").write_text(f"#!/bin/sh\necho called >> {tmp_path / 'gs.log'}\n")
+    (tmp_path / "gs").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 100 100\nnewpath 0 0 moveto 9 9 lineto stroke\nshowpage\n"
+    others = [eps]
+    for fmt in ("PPM", "ICO", "TGA", "PCX"):
+        b = io.BytesIO()
+        Image.new("RGB", (50, 40), (10, 20, 30)).save(b, fmt)
+        others.append(b.getvalue())
+    for data in others:
+        with pytest.raises(ImageError, match="not a supported image .unrecognised format; read: JPEG, PNG, GIF"):
+            header_size(data, sniff(data))
+        with pytest.raises(ImageError, match="not a supported image"):
+            decode(data)
+    assert not (tmp_path / "gs.log").exists()
+    for fmt in ("PNG", "GIF", "BMP", "TIFF", "WEBP", "JPEG"):  # (what is read still is)
+        b = io.BytesIO()
+        Image.new("RGB", (50, 40), (10, 20, 30)).save(b, fmt)
+        assert decode(b.getvalue(), min_side=0).shape == (40, 50, 3), fmt
 
 
 def test_reduced_decode_for_large_jpeg():

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 
-from .image_header import ImageError, header_size, jpeg_is_complete, resized_pixels, sniff
+from .image_header import FORMATS, ImageError, header_size, jpeg_is_complete, resized_pixels, sniff
 
 # Our own threads do the parallelism; OpenCV's pool would only fight them for the cores.
 cv2.setNumThreads(1)
@@ -113,7 +113,7 @@ def decode(data: bytes, min_side: int = 0, max_pixels: int = 89_478_485) -> np.n
 
 def _decode_pil(data: bytes, fmt: str) -> np.ndarray:
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with Image.open(io.BytesIO(data), formats=FORMATS) as im:  # (no other reader: image_header.FORMATS)
             im.seek(0)  # first frame of an animation
             im = ImageOps.exif_transpose(im)
             if im.mode in ("I;16", "I;16B", "I;16L", "I"):
