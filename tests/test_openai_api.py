@@ -269,6 +269,19 @@ def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests
             body = json.dumps({"prompt": "hello", "max_tokens": 4, **extra})  # (ASCII: escapes lone surrogates)
             r = h.post(url, content=body, headers={"content-type": "application/json"})
             assert r.status_code == 400 and why in r.json()["error"]["message"], (extra, r.text)
+        chat = s.url + "/v1/chat/completions"
+        for msgs, why in (
+            ([{"role": "wizard", "content": "x"}], "messages[0].role must be one of system"),
+            ([{"role": "user"}], "messages[0].content is required"),
+            ([{"role": "system", "content": "be brief"}, {"role": "user", "content": None}], "messages[1].content"),
+        ):
+            r = h.post(chat, json={"messages": msgs, "max_tokens": 4})
+            assert r.status_code == 400 and why in r.json()["error"]["message"], (msgs, r.text)
+        import gzip
+
+        for body in (gzip.compress(json.dumps({"prompt": "hello"}).encode()), json.dumps({"prompt": "hello"}).encode()):
+            r = h.post(url, content=body, headers={"content-type": "application/json", "content-encoding": "gzip"})
+            assert r.status_code == 415 and "Content-Encoding gzip is not accepted" in r.json()["error"]["message"]
         r = h.post(url, json={"prompt": ids, "max_tokens": None, "stream": None, "n": None, "temperature": 0})
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 16  # null: the default
         tiny_p = h.post(url, json={"prompt": ids, "max_tokens": 20, "temperature": 1.0, "top_p": 1e-300})

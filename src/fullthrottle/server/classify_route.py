@@ -75,17 +75,13 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
         """(id, bytes) for every image in the request. Raises HTTPError."""
         body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        coding = request.headers.get("content-encoding", "identity").strip().lower()
-        if (
-            coding != "identity"
-            or ctype == "application/x-www-form-urlencoded"
-            or (ctype.startswith("multipart/") and ctype != "multipart/form-data")
+        if ctype == "application/x-www-form-urlencoded" or (
+            ctype.startswith("multipart/") and ctype != "multipart/form-data"
         ):
-            what = f"Content-Encoding {coding}" if coding != "identity" else f"Content-Type {ctype}"
             raise HTTPError(
                 415,
-                f"{what} is not accepted: send the image bytes as the body, as multipart/form-data "
-                'files, or {"urls": [...]} as application/json',
+                f"Content-Type {ctype} is not accepted: send the image bytes as the body, as "
+                'multipart/form-data files, or {"urls": [...]} as application/json',
             )
         if ctype == "multipart/form-data":
             try:

@@ -17,8 +17,7 @@ import os
 
 from ..core.env import API_KEY
 
-#: environment variable with API keys for ``fullthrottle serve`` (comma-separated), besides --api-key
-API_KEY_ENV = API_KEY  #: (declared in fullthrottle.core.env)
+API_KEY_ENV = API_KEY  #: API keys for ``serve`` (comma-separated), besides --api-key (core.env declares it)
 
 
 class HTTPError(Exception):
@@ -86,10 +85,7 @@ def authorised(header: str | None, keys: tuple[str, ...]) -> bool:
     if not header or not header.lower().startswith("bearer "):
         return False
     token = header[7:].strip().encode()
-    ok = False
-    for k in keys:
-        ok |= hmac.compare_digest(token, k.encode())
-    return ok
+    return [hmac.compare_digest(token, k.encode()) for k in keys].count(True) > 0
 
 
 #: a body over the limit is read on and dropped, up to this many bytes more and for this long, so that
@@ -120,20 +116,24 @@ async def drain(chunks, declared: int | None = None) -> None:
 
 
 async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
-    """The whole request body, within ``timeout_s`` and ``max_bytes``.
+    """The whole request body, within ``timeout_s`` and ``max_bytes``; none is taken encoded.
 
     Raises:
-        HTTPError: 413 over the limit (declared or read), 408 not received in time, 499 the client
-            hung up before the end of its body (nginx's "client closed request": nobody reads that
-            answer, and /metrics counts it apart from the clients' errors).
+        HTTPError: 415 a Content-Encoding but identity (nothing here inflates a body), 413 over the
+            limit (declared or read), 408 not received in time, 499 the client hung up before the end
+            of its body (nginx's "client closed request": nobody reads that answer, and /metrics
+            counts it apart from the clients' errors).
     """
     from starlette.requests import ClientDisconnect
 
     h = request.headers
-    try:
-        return await _read_limited(request.stream(), h.get("content-length"), "expect" in h, max_bytes, timeout_s)
+    try:  # (read first, also when refused: an answer to a client still sending is lost to a reset)
+        body = await _read_limited(request.stream(), h.get("content-length"), "expect" in h, max_bytes, timeout_s)
     except ClientDisconnect:
         raise HTTPError(499, "the client disconnected before the end of its request body") from None
+    if (coding := h.get("content-encoding", "identity").strip().lower()) not in ("", "identity"):
+        raise HTTPError(415, f"Content-Encoding {coding} is not accepted: send the body unencoded")
+    return body
 
 
 async def read_asgi_body(receive, headers: dict, max_bytes: int, timeout_s: float) -> bytes | None:

@@ -22,16 +22,25 @@ def _token_text(v) -> str | None:
     return v.get("content") if isinstance(v, dict) else v
 
 
+#: the roles of OpenAI's chat messages
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 def _role(i: int, m) -> str:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise ValueError(f"messages[{i}] must be an object with a string role")
+    if m["role"] not in ROLES:
+        raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, not {m['role'][:40]!r}")
     return m["role"]
 
 
 def _content(i: int, m: dict) -> str:
-    """A message's text: a string, null (an assistant turn with tool calls), or a list of text parts."""
+    """A message's text: a string, a list of text parts, or null or absent in an assistant turn (one
+    with tool calls) only."""
     c = m.get("content")
     if c is None:
+        if m["role"] != "assistant":
+            raise ValueError(f"messages[{i}].content is required (a string) in a {m['role']} message")
         return ""
     if isinstance(c, list) and all(
         isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c
