@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout-s",
         type=positive_float,
         default=_SO.timeout_s,
-        help="per-request deadline before 504 (default: %(default)s)",
+        help="per-request deadline before 504; a streamed completion, whose answer starts at once, "
+        "is not cut: it runs to its max_tokens, a stop or its client leaving (default: %(default)s)",
     )
     v.add_argument(
         "--max-body-mb",
@@ -186,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=_SO.max_connections_per_client,
         help="connections one client address may hold open (per HTTP worker); more are closed as "
-        "they open (behind a proxy every client has its address: raise this) (default: %(default)s)",
+        "they open, unanswered, and logged. Behind a proxy, or with a load generator on one machine, "
+        "all clients share one address: raise this (default: %(default)s)",
     )
     add_runtime_args(
         v,

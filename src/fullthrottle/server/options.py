@@ -43,7 +43,8 @@ class ServeOptions:
     Attributes:
         max_queue: images waiting to enter the pipeline before 503 (it holds more in flight besides:
             ``Config.in_flight_limit``); a classify request with more images than this gets 413.
-        timeout_s: per-request deadline (s) before 504.
+        timeout_s: per-request deadline (s) before 504 (a streamed completion is not cut: it runs to
+            its ``max_tokens``, a stop, or its client leaving).
         max_body_bytes: request body limit (bytes) before 413.
         retry_after_s: the Retry-After header sent with 503 (s).
         url_timeout_s: timeout (s) for fetching one image URL of a JSON request (redirects included).
