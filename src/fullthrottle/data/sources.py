@@ -88,8 +88,9 @@ def walk_images(top: str) -> Iterator[tuple[str, Any]]:
     ``(path, BadSource)`` for what the walk cannot enter: a folder that cannot be listed, a symlink
     that leads back to a folder it sits in (a loop), a tree too deep to walk. Those are items with
     their own error, not images dropped without a word. Symlinked folders are followed, as ``find -L``
-    does (the link's path is the images' id); a folder reached by two links is walked twice, a loop
-    once. An image file is a name ending in :data:`IMAGE_SUFFIXES`, whatever it is: a symlink so named
+    does (the link's path is the images' id), but a folder is walked once: reached again by another
+    path (links to one folder from two places), it is passed over, so that a few links cannot make
+    the walk exponential. An image file is a name ending in :data:`IMAGE_SUFFIXES`, whatever it is: a symlink so named
     that resolves to nothing (dangling, or a loop of links) is an item, whose read fails as it does
     when the link is given itself (``not_found``, ``unreadable``); any other name is passed over,
     links that resolve to nothing included."""
@@ -146,8 +147,9 @@ def glob_match(parts: list[str], pattern: list[str]) -> bool:
 def glob_files(pattern: str) -> list[str]:
     """The paths a glob pattern names, sorted, folders left out (a dangling link or a FIFO stays: it
     gets its own error). A pattern with ``**`` is matched over a walk of its fixed leading folder
-    that enters each symlink loop once (``glob`` itself would follow loops until the system's link
-    limit, once per loop and level: exponential)."""
+    that enters each folder once, by its first path in sorted order, and no symlink loop (``glob``
+    itself would follow loops until the system's link limit, once per loop and level, and links to
+    one folder from many places once per path: exponential)."""
     if "**" not in pattern:
         return sorted(p for p in glob.iglob(pattern) if not os.path.isdir(p))
     parts = pattern.split(os.sep)
@@ -166,11 +168,13 @@ def glob_files(pattern: str) -> list[str]:
 
 def _walk_once(top: str, onerror=None, loops: list | None = None):
     """``os.walk(top, onerror=onerror, followlinks=True)``, folders and files sorted, entering no folder
-    that one it sits in already is (a symlink loop): such a link's path goes into ``loops`` instead.
+    that one it sits in already is (a symlink loop: such a link's path goes into ``loops`` instead),
+    nor one walked already by another path (passed over).
 
     Raises:
         RecursionError: a tree too deep for ``os.walk`` (it recurses before Python 3.12)."""
     seen = {top: frozenset({_identity(top)})}  # folder -> its (device, inode) and its ancestors'
+    walked = {_identity(top)}  # every folder entered or to be entered, by (device, inode)
     for root, dirs, files in os.walk(top, onerror=onerror, followlinks=True):
         above = seen.pop(root, frozenset())
         keep = []
@@ -181,6 +185,9 @@ def _walk_once(top: str, onerror=None, loops: list | None = None):
                 if loops is not None:
                     loops.append(full)
                 continue
+            if ident is not None and ident in walked:  # (reached by another path: walked once)
+                continue
+            walked.add(ident)
             seen[full] = above | {ident}
             keep.append(d)
         dirs[:] = keep
