@@ -97,6 +97,8 @@ def test_bad_input_types(emb):
         emb.embed(["ok", 3])
     with pytest.raises(TypeError):
         emb.embed(None)
+    with pytest.raises(TypeError, match="embed.. takes a list of str: text 1 is NoneType"):
+        emb.embed(["a", None])
     assert emb.embed([]).vectors.shape == (0, 384)
     assert emb.embed(t for t in ["a", "b", "c"]).vectors.shape == (3, 384)  # a generator, read once
     with pytest.raises(ValueError, match="text 1 is not valid Unicode"):

@@ -118,6 +118,28 @@ def test_max_seq_len_is_a_clear_error(pair):
     assert len(gen.generate([[1] * 20], max_new_tokens=12)[0]) == 12
 
 
+def test_prompts_as_tokenizers_give_them_and_clear_errors_for_the_rest(pair):
+    """numpy and torch token ids are prompts like lists; a flat prompt, a string or a model that is
+    not a Llama get a ValueError/TypeError saying what is wanted."""
+    import numpy as np
+
+    _, ours = pair
+    gen = Generator(ours, max_batch=2, max_seq_len=32, graphs=False)
+    want = gen.generate([[1, 2, 3]], max_new_tokens=4)
+    assert gen.generate([np.array([1, 2, 3])], max_new_tokens=4) == want
+    assert gen.generate([torch.tensor([1, 2, 3])], max_new_tokens=4) == want
+    assert gen.generate([[np.int64(1), np.int32(2), torch.tensor(3)]], max_new_tokens=4) == want
+    for bad in ([1, 2, 3], ["hello"]):
+        with pytest.raises(
+            ValueError, match=r"prompt 0 must be a list of token ids, got \w+ .* one prompt alone is \[ids\]"
+        ):
+            gen.generate(bad, max_new_tokens=4)
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        gen.generate([np.array([1.5, 2.0])], max_new_tokens=4)
+    with pytest.raises(TypeError, match="model must be a built Llama"):
+        Generator("model")
+
+
 def test_sampling_values_are_checked(pair):
     _, ours = pair
     gen = Generator(ours, max_batch=1, max_seq_len=32, graphs=False)

@@ -690,6 +690,15 @@ def test_a_module_class_for_model_is_refused_naming_the_instance_wanted():
             make()
     with pytest.raises(TypeError, match="must be a model name .str. or an nn.Module instance, got int"):
         Pipeline(Config(device="cpu"), model=3)
+    with pytest.raises(ValueError, match="unsupported device None: use auto, cpu, cuda or cuda:N"):
+        Pipeline(Config(device=None), model=Tiny())
+
+
+def test_a_models_name_as_model_is_taken_as_config_model(samples):
+    with Pipeline(Config(device="cpu", threads=1), model="resnet18") as pipe:
+        assert pipe.engine.model_name == "resnet18"
+        (r,) = pipe.classify([samples[0]])
+    assert r.ok
 
 
 def test_a_top_k_of_any_size_is_clamped_to_the_model_s_classes(samples):

@@ -13,6 +13,8 @@ def resolve_device(spec: str) -> torch.device:
     """
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(spec, (str, torch.device)):
+        raise ValueError(f"unsupported device {spec!r}: use auto, cpu, cuda or cuda:N")
     try:
         dev = torch.device(spec)
     except RuntimeError:

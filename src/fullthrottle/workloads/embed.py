@@ -307,8 +307,9 @@ class Embedder:
         if isinstance(texts, (str, bytes)) or texts is None or isinstance(texts, dict):
             raise TypeError(f"embed() takes a list of texts, not {type(texts).__name__}")
         texts = list(texts)  # (a generator is read once, here)
-        if not all(isinstance(t, str) for t in texts):
-            raise TypeError("embed() takes a list of str")
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+        if bad is not None:
+            raise TypeError(f"embed() takes a list of str: text {bad} is {type(texts[bad]).__name__}")
         if len(texts) <= self.chunk:
             return self.embed_encoded(self.tokenize(texts) if texts else [])
         parts = list(self.embed_stream(texts, chunk=self.chunk))  # tokenising overlaps the compute

@@ -49,7 +49,7 @@ class Pipeline:
         model: optional ``nn.Module`` (float ``(B, 3, crop, crop)`` -> logits ``(B, C)``) instead of a
             named model; its input transform is its ``input_transform`` attribute (a
             :class:`~fullthrottle.workloads.classify.transform.Transform`) or torchvision's ImageNet recipe, unless
-            ``config`` sets the fields.
+            ``config`` sets the fields. A model's name (``"resnet18"``) is taken as ``Config(model=name)``.
 
     Example::
 
@@ -62,10 +62,12 @@ class Pipeline:
         ValueError / WeightsError / RuntimeError: bad config, weights that do not fit, no CUDA.
     """
 
-    def __init__(self, config: Config | None = None, model: nn.Module | None = None, **overrides):
+    def __init__(self, config: Config | None = None, model: nn.Module | str | None = None, **overrides):
         config = config or Config()
         if overrides:
             config = replace(config, **overrides)
+        if isinstance(model, str):  # (a model's name: as Config(model=name))
+            config, model = replace(config, model=model), None
         if config.gpu_decode and config.gpu_decode_processes is None:  # decided here, on this machine
             from ...core.mps import default_processes
 

@@ -18,6 +18,10 @@ INTERPOLATIONS = ("bilinear", "bicubic")
 GPU_INTERPOLATIONS = ("bilinear",)
 
 
+#: the largest ``resize`` (and so ``crop``) taken, in pixels: a model's input far past any in use
+MAX_SIDE = 4096
+
+
 @dataclass(frozen=True)
 class Transform:
     """How a model's input is made from a decoded RGB image (uint8).
@@ -31,7 +35,7 @@ class Transform:
             which every decode path has, or ``"bicubic"``: CPU decode paths only).
 
     Raises:
-        ValueError: sizes that are not integers with ``1 <= crop <= resize``, an unknown
+        ValueError: sizes that are not integers with ``1 <= crop <= resize <=`` :data:`MAX_SIDE`, an unknown
             interpolation, or mean/std that are not 3 finite numbers (std none zero).
     """
 
@@ -45,6 +49,8 @@ class Transform:
         ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (self.resize, self.crop))
         if not (ints and 1 <= self.crop <= self.resize):
             raise ValueError(f"need integers 1 <= crop <= resize, got crop={self.crop!r}, resize={self.resize!r}")
+        if self.resize > MAX_SIDE:  # (a batch of crops is allocated at start: 64 x 3 x crop**2 floats)
+            raise ValueError(f"resize {self.resize} is over the largest side taken, {MAX_SIDE} pixels")
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(
                 f"interpolation must be one of {INTERPOLATIONS} (what the decode paths "

@@ -3,6 +3,8 @@ the device's free memory before it is allocated."""
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 
@@ -11,6 +13,32 @@ def check_int(name: str, value, lowest: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
         raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}")
     return value
+
+
+def as_ids(prompt, what: str = "prompt") -> list:
+    """A prompt's token ids as a list: a list or tuple as it is, a 1-D integer array or tensor (numpy,
+    torch) as Python ints (:func:`check_prompt` then checks them).
+
+    Raises:
+        ValueError: anything else (a bare id, a string: ``generate`` takes a list of prompts)."""
+    if not isinstance(prompt, (list, tuple)) and hasattr(prompt, "tolist") and getattr(prompt, "ndim", 0) == 1:
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(
+            f"{what} must be a list of token ids, got {type(prompt).__name__} (prompts are a list of them: "
+            "one prompt alone is [ids])"
+        )
+    return [_index(t) for t in prompt]
+
+
+def _index(t):
+    """An integer-like id (numpy's, a 0-d tensor's) as an int; anything else as it is (for the check)."""
+    if isinstance(t, int):
+        return t
+    try:
+        return operator.index(t)
+    except TypeError:
+        return t
 
 
 def check_prompt(prompt, vocab_size: int, what: str = "prompt") -> None:

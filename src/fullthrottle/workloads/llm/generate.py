@@ -22,7 +22,7 @@ import torch
 from ...core import kernels
 from ...core.config import LlmSettings, Runtime, default_buckets
 from ...core.report import StageStats
-from .checks import MAX_STOP_IDS, check_int, check_kv_memory, check_request
+from .checks import MAX_STOP_IDS, as_ids, check_int, check_kv_memory, check_request
 from .kv_pages import PAGE, PagedKV
 from .kv_pages import kv_dtype as kv_dtype_of
 from .llama import Llama
@@ -101,6 +101,10 @@ class Generator:
         kv_pages: int = LlmSettings.kv_pages,
         kv_dtype: str = LlmSettings.kv_dtype,
     ):
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "cfg"):
+            raise TypeError(
+                f"model must be a built Llama (fullthrottle.workloads.llm.llama), got {type(model).__name__}"
+            )
         self.model = model
         self.scheduler = None  # the Scheduler that owns the engine's state (the newest one built on it)
         self._generating = False
@@ -300,8 +304,11 @@ class Generator:
         since the last call (an empty list for one with none; streaming). If it returns True,
         generation stops there (every caller has gone): the prompts end with what they have.
 
+        A prompt is a list of ints, or a 1-D integer array or tensor (what tokenizers return).
+
         Raises:
-            ValueError: no prompt, an empty prompt or token ids outside the vocabulary, max_new_tokens
+            ValueError: no prompt, a prompt that is not a list of token ids (one prompt alone is
+                ``[ids]``), an empty prompt or token ids outside the vocabulary, max_new_tokens
                 < 1, prompt + max_new_tokens > max_seq_len (or, paged, over all the KV pages).
             RuntimeError: a later Generator on the same model took its KV cache, or a call is already
                 running on this one (``generate`` from inside ``on_tokens``).
@@ -318,6 +325,7 @@ class Generator:
                 raise ValueError(f"{len(val)} sampling values for {n} prompts")
             per[name] = list(val) if isinstance(val, (list, tuple)) else [val] * n
         seeds = self.row_seeds(seed, n)
+        prompts = [as_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         for i, p in enumerate(prompts):  # (all checked before the Scheduler takes the engine)
             check_request(self, p, max_new_tokens, f"prompt {i}")
         self.check_cache()
