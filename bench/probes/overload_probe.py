@@ -47,7 +47,7 @@ class Held(torch.nn.Module):  # 20 ms a batch, no CPU
 if __name__ == "__main__":
     torch.manual_seed(0)
     cfg = Config(model=Held().eval(), device="cpu", preprocess="processes", threads=1, resize_size=32,
-                 crop_size=32, max_batch_size=8)
+                 crop_size=32, max_batch_size=8, torch_threads=1)
     opts = ServeOptions(max_queue=int(sys.argv[2]), max_connections_per_client=100000)
     sys.exit(run_multi(cfg, port=int(sys.argv[1]), options=opts, http_workers=2, max_connections=4096))
 """
