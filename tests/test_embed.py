@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 st = pytest.importorskip("sentence_transformers")
 
@@ -107,6 +108,8 @@ def test_bad_input_types(emb):
         Embedder(device="cpu", max_batch=0)
     with pytest.raises(ValueError, match="dtype"):
         Embedder(device="cpu", dtype="int8")
+    half = Embedder(device="cpu", dtype="float16")  # (the CPU computes in float32, as classify's does)
+    assert half.dtype == torch.float32 and np.array_equal(half.embed(["a b"]).vectors, emb.embed(["a b"]).vectors)
 
 
 def test_cli_embed_npy_and_jsonl(tmp_path, emb, capsys):
@@ -135,6 +138,9 @@ def test_cli_embed_npy_and_jsonl(tmp_path, emb, capsys):
     assert [(s["stage"], s["items"]) for s in rep["stages"]] == [("tokenize", 4), ("compute", 4), ("respond", 4)]
     assert rep["verdict"] and "text/s on cpu" in capsys.readouterr().err
     assert main([*args, "--report-json", str(tmp_path / "nowhere" / "r.json")]) == 2
+    capsys.readouterr()
+    assert main([*args, "--report-json", "-"]) == 0  # (stdout: the vectors go to a file)
+    assert json.loads(capsys.readouterr().out)["items"] == 4
     assert main(["embed", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x.npy")]) == 2
     assert main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "x.csv")]) == 2
     # a line that is not UTF-8 costs only itself: still one vector per line, the line named

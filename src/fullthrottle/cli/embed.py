@@ -70,8 +70,8 @@ def cmd_embed(args) -> int:
         why = "it is a directory" if os.path.isdir(args.out) else "permission denied"
         print(f"fullthrottle: error: cannot write {args.out}: {why}", file=sys.stderr)
         return 2
-    if args.report_json is not None and (
-        args.report_json in ("", "-")
+    if args.report_json not in (None, "-") and (  # ('-': stdout, free: the vectors go to a file)
+        args.report_json == ""
         or os.path.isdir(args.report_json)
         or not os.path.isdir(os.path.dirname(os.path.abspath(args.report_json)))
     ):

