@@ -290,9 +290,10 @@ def cmd_classify(args) -> int:
                 tqdm.write(_format_result(r), file=sys.stderr)
             bar.update(1)
     except KeyboardInterrupt:
-        results.close()  # stop every stage and join its thread before the interpreter exits
         bar.close()
-        print("interrupted", file=sys.stderr)
+        # (said first: a model's forward that runs on in Python holds up the stop until it returns)
+        print("interrupted: stopping (Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+        results.close()  # stop every stage and join its thread before the interpreter exits
         return 130
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, like other CLI tools
         results.close()
