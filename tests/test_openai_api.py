@@ -186,8 +186,10 @@ def test_stop_strings_seeds_and_refusals(llm):
         got = [f.result().choices[0].text for f in futs]
     assert got[0] == alone and got[3] != alone
 
-    with pytest.raises(openai.BadRequestError, match="exceeds the context of 128"):
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens \(126\) exceeds the context of 128"):
         c.completions.create(model="tiny", prompt=prompt, max_tokens=126)
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens \(not given: its default, 16\) exceeds the context"):
+        c.completions.create(model="tiny", prompt=[5] * 120)
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         c.completions.create(model="tiny", prompt=prompt, n=2)
     with pytest.raises(openai.BadRequestError, match="at most 4"):

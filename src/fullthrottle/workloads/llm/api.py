@@ -134,12 +134,11 @@ def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None
     if max_tokens < 1:
         raise ValueError(f"{key} must be a positive integer")
     check_prompt(ids, vocab)
+    said = f"{key} ({max_tokens})" if p.get(key) is not None else f"{key} (not given: its default, {max_tokens})"
     if len(ids) + max_tokens > gen.max_seq_len:
-        raise ValueError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {gen.max_seq_len}"
-        )
+        raise ValueError(f"prompt ({len(ids)} tokens) + {said} exceeds the context of {gen.max_seq_len}")
     if gen.kv is not None:
-        gen.kv.check_pool(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens})", len(ids) + max_tokens)
+        gen.kv.check_pool(f"prompt ({len(ids)} tokens) + {said}", len(ids) + max_tokens)
     if not isinstance(_get(p, "stream", False), bool):
         raise ValueError("stream must be true or false")
     opts = _get(p, "stream_options", {})
