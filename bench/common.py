@@ -257,6 +257,11 @@ def scrape(base: str) -> dict[str, float]:
     return out
 
 
+def _either(d: dict, name: str, stage: str) -> float:
+    """A per-stage total as a counter (``NAME_total``) or, from an older server, a gauge (``NAME``)."""
+    return d.get(f'{name}_total{{stage="{stage}"}}', d.get(f'{name}{{stage="{stage}"}}', 0.0))
+
+
 def where_time_goes(m0: dict, m1: dict) -> dict:
     """Between two scrapes: the mean wait per image in each stage's input queue and the mean work
     per image in each stage (ms; a batch's work shared among its images), the mean per-image
@@ -266,12 +271,12 @@ def where_time_goes(m0: dict, m1: dict) -> dict:
     d = {k: m1[k] - m0.get(k, 0.0) for k in m1}
     out = {}
     for k, v in d.items():
-        st = re.fullmatch(r'fullthrottle_stage_queue_wait_seconds\{stage="([^"]+)"\}', k)
-        n = d.get(f'fullthrottle_stage_queue_waits{{stage="{st.group(1)}"}}', 0.0) if st else 0.0
+        st = re.fullmatch(r'fullthrottle_stage_queue_wait_seconds(?:_total)?\{stage="([^"]+)"\}', k)
+        n = _either(d, "fullthrottle_stage_queue_waits", st.group(1)) if st else 0.0
         if st and n > 0:
             out[f"queue_wait_ms {st.group(1)}"] = round(1e3 * v / n, 2)
-        st = re.fullmatch(r'fullthrottle_stage_work_seconds\{stage="([^"]+)"\}', k)
-        n = d.get(f'fullthrottle_stage_items{{stage="{st.group(1)}"}}', 0.0) if st else 0.0
+        st = re.fullmatch(r'fullthrottle_stage_work_seconds(?:_total)?\{stage="([^"]+)"\}', k)
+        n = _either(d, "fullthrottle_stage_items", st.group(1)) if st else 0.0
         if st and n > 0:
             out[f"work_ms {st.group(1)}"] = round(1e3 * v / n, 3)
     n = d.get("fullthrottle_item_latency_seconds_count", 0.0)

@@ -415,7 +415,7 @@ def test_a_request_larger_than_the_kv_pages_is_refused_with_400(make_tiny_llama,
 
         m = httpx.get(s.url + "/metrics").text
         assert 'fullthrottle_kv_pages{state="total"} 1.0' in m and 'fullthrottle_kv_pages{state="used"} 0.0' in m
-        assert "fullthrottle_llm_preemptions 0.0" in m
+        assert "fullthrottle_llm_preemptions_total 0.0" in m
 
 
 def test_stop_token_ids_several_eos_ids_and_the_chat_replys_default_length(llm):

@@ -96,10 +96,10 @@ def test_concurrent_clients_get_library_results_and_share_batches(samples):
         total = float(re.search(r'fullthrottle_batch_size_sum\{workload="classify"\} (\S+)', metrics).group(1))
         assert total == 40 and count < 40 and ones < count  # some batches held more than one request
         assert 'fullthrottle_requests_total{route="/v1/classify",status="200"} 40.0' in metrics
-        waits = re.search(r'fullthrottle_stage_queue_waits\{replica="0",stage="batch"\} (\S+)', metrics)
+        waits = re.search(r'fullthrottle_stage_queue_waits_total\{replica="0",stage="batch"\} (\S+)', metrics)
         assert waits and float(waits.group(1)) == 40  # every image waited once in the batcher's queue
-        done = re.search(r'fullthrottle_stage_items\{replica="0",stage="compute"\} (\S+)', metrics)
-        work = re.search(r'fullthrottle_stage_work_seconds\{replica="0",stage="compute"\} (\S+)', metrics)
+        done = re.search(r'fullthrottle_stage_items_total\{replica="0",stage="compute"\} (\S+)', metrics)
+        work = re.search(r'fullthrottle_stage_work_seconds_total\{replica="0",stage="compute"\} (\S+)', metrics)
         assert done and float(done.group(1)) == 40 and work and float(work.group(1)) > 0  # the model ran on all 40
         r404, r405 = httpx.get(s.url + "/no/such/route"), httpx.post(s.url + "/healthz")
         assert (r404.status_code, r405.status_code) == (404, 405) and "GET" in r405.headers["allow"]

@@ -82,11 +82,10 @@ class ServerMetrics:
             registry=reg,
             multiprocess_mode="livesum",
         )
-        self.preempted = Gauge(
+        self.preempted = Counter(
             "fullthrottle_llm_preemptions",
-            "LLM requests preempted for KV pages since start (prefilled again later)",
+            "LLM requests preempted for KV pages (prefilled again later)",
             registry=reg,
-            multiprocess_mode="livesum",
         )
         self.busy = Gauge(
             "fullthrottle_stage_busy_percent",
@@ -96,26 +95,27 @@ class ServerMetrics:
             multiprocess_mode="livesum",
         )
 
-        def per_stage(name: str, doc: str) -> Gauge:  # (classify: one value per replica and stage)
-            return Gauge(name, doc, ["replica", "stage"], registry=reg, multiprocess_mode="livesum")
+        def per_stage(name: str, doc: str) -> Counter:  # (classify: one value per replica and stage)
+            return Counter(name, doc, ["replica", "stage"], registry=reg)
 
         self.queue_wait = per_stage(
             "fullthrottle_stage_queue_wait_seconds",
-            "classify: seconds images have waited in each stage's input queue since start, summed over "
-            "images (with fullthrottle_stage_queue_waits: the mean wait per image between two scrapes)",
+            "classify: seconds images have waited in each stage's input queue, summed over images (with "
+            "fullthrottle_stage_queue_waits_total: the mean wait per image between two scrapes)",
         )
         self.queue_waits = per_stage(
             "fullthrottle_stage_queue_waits",
-            "classify: images counted in fullthrottle_stage_queue_wait_seconds, per replica and stage",
+            "classify: images counted in fullthrottle_stage_queue_wait_seconds_total, per replica and stage",
         )
         self.work = per_stage(
             "fullthrottle_stage_work_seconds",
-            "classify: seconds each stage's workers have spent on items since start, summed over workers "
-            "(with fullthrottle_stage_items: the mean work per image between two scrapes)",
+            "classify: seconds each stage's workers have spent on items, summed over workers (with "
+            "fullthrottle_stage_items_total: the mean work per image between two scrapes)",
         )
         self.items = per_stage(
-            "fullthrottle_stage_items", "classify: images each stage has finished since start, per replica and stage"
+            "fullthrottle_stage_items", "classify: images each stage has finished, per replica and stage"
         )
+        self._counted: dict = {}  # (counter, labels) -> the running total it was last brought up to
         self.gpu = Gauge(
             "fullthrottle_gpu_utilization_percent",
             "GPU utilisation (NVML)",
@@ -130,6 +130,13 @@ class ServerMetrics:
             registry=reg,
             multiprocess_mode="livesum",
         )
+
+    def _count(self, counter: Counter, labels: tuple, total: float) -> None:
+        """Bring ``counter`` up to the running ``total`` an engine keeps (a total that went down
+        started again from zero: all of it is new)."""
+        last = self._counted.get((counter, labels), 0.0)
+        (counter.labels(*labels) if labels else counter).inc(total - last if total >= last else total)
+        self._counted[(counter, labels)] = total
 
     def render(self, state: dict) -> bytes:
         """The gauges set from ``state`` (the app's: classification services, the LLM service, the
@@ -146,10 +153,10 @@ class ServerMetrics:
                     self.busy.labels("classify", rep, snap["stage"]).set(
                         snap["worker_busy_pct"] if snap["stage"] == "preprocess" else snap["busy_pct"]
                     )
-                    self.queue_wait.labels(rep, st.name).set(st.queue_wait_s)
-                    self.queue_waits.labels(rep, st.name).set(st.queue_waits)
-                    self.work.labels(rep, st.name).set(st.work_s)
-                    self.items.labels(rep, st.name).set(st.items)
+                    self._count(self.queue_wait, (rep, st.name), st.queue_wait_s)
+                    self._count(self.queue_waits, (rep, st.name), st.queue_waits)
+                    self._count(self.work, (rep, st.name), st.work_s)
+                    self._count(self.items, (rep, st.name), st.items)
                 mon = run.gpumon
                 if mon.utils:
                     self.gpu.labels(rep).set(mon.utils[-1])
@@ -162,7 +169,7 @@ class ServerMetrics:
             if kv is not None:
                 self.kv_pages.labels("used").set(kv.pages_used)
                 self.kv_pages.labels("total").set(kv.num_pages)
-                self.preempted.set(state["llm"].preempted)
+                self._count(self.preempted, (), state["llm"].preempted)
             wall = time.perf_counter() - state["t_ready"]
             for st in state["llm"].gen.stats.values():
                 self.busy.labels("generate", "0", st.name).set(st.snapshot(wall)["busy_pct"])
