@@ -620,6 +620,16 @@ def test_folder_walk_follows_symlinked_folders_and_says_why_it_skips_one(samples
     assert loop.error_kind == "unreadable" and "symlink loop" in loop.error, loop.error
 
 
+def test_a_path_with_a_nul_and_a_url_without_a_host_are_the_users_input_errors(samples):
+    """Both are item errors of kind unsupported_input (load), and say what is wrong; the rest runs."""
+    with Pipeline(Config(device="cpu", model="resnet18", threads=1, preprocess="threads")) as pipe:
+        bad_path, no_host, ok = pipe.classify(["a\x00b.jpg", "https://", str(samples[0])])
+    assert (bad_path.error_stage, bad_path.error_kind) == ("load", "unsupported_input")
+    assert "it holds a NUL byte" in bad_path.error and "\x00" not in bad_path.id
+    assert (no_host.error_kind, no_host.error) == ("unsupported_input", "invalid URL 'https://': it names no host")
+    assert ok.ok
+
+
 def test_a_folder_reached_by_many_paths_is_walked_once(samples, tmp_path):
     """Two links from each of 18 folders to the next: 2**17 paths lead to the one image at the
     bottom. The walk enters each folder once (by its first path in sorted order): one item, at once."""

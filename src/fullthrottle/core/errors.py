@@ -33,7 +33,7 @@ KINDS: tuple[tuple[str, str, str], ...] = (
     ("not_a_file", "load", r"not a regular file: "),
     ("too_large", "load", r"file too large: |download too large: "),
     ("fetch_failed", "load", r"HTTP \d{3} .* for |timeout fetching |timeout after .* fetching |cannot fetch "),
-    ("unsupported_input", "load", r"unsupported URL scheme |cannot load an input of type |invalid URL "),
+    ("unsupported_input", "load", r"unsupported URL scheme |cannot load an input of type |invalid URL |invalid path "),
     ("unreadable", "load", r"cannot read "),
     ("empty", "preprocess", r"empty file \(0 bytes\)"),
     ("too_many_pixels", "preprocess", r"image too large: |extreme aspect ratio: "),

@@ -104,10 +104,12 @@ class LoadError(IOError):
 async def _fetch(client, url: str, max_bytes: int) -> bytes:
     import httpx
 
-    try:  # (a bad port or IPv6 address, IDNA, a NUL: refused before any connection)
-        port = httpx.URL(url).port
-        if port is not None and not 0 < port < 65536:  # (else an OverflowError deep in the connection)
-            raise ValueError(f"port {port} is not in 1..65535")
+    try:  # (a bad port or IPv6 address, IDNA, a NUL, no host: refused before any connection)
+        parsed = httpx.URL(url)
+        if not parsed.host:
+            raise ValueError("it names no host")
+        if parsed.port is not None and not 0 < parsed.port < 65536:  # (else an OverflowError deep in the connection)
+            raise ValueError(f"port {parsed.port} is not in 1..65535")
     except (httpx.InvalidURL, UnicodeError, ValueError) as e:
         raise LoadError(f"invalid URL {url!r}: {e}") from None
     try:

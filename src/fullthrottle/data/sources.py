@@ -48,6 +48,9 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
             if not s:
                 yield f"<input #{i}>", BadSource("empty path (an empty string names no file)")
                 continue
+            if "\0" in s:  # (no file can be named so: the system would refuse the path)
+                yield s.replace("\0", "\\0"), BadSource(f"invalid path {s!r}: it holds a NUL byte")
+                continue
             scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", s)
             if scheme and not os.path.exists(s):
                 yield (
