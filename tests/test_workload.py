@@ -136,7 +136,8 @@ def test_classification_through_the_contract_equals_the_library(samples, bad_dir
     assert [[t["class_id"] for t in r["top_k"]] for r in res] == [r.class_ids for r in ref]
     assert [r["index"] for r in got[1][0]["results"]] == [0, 1, 2, 3]
     bad = got[1][0]["results"][2:]
-    assert "not base64" in bad[0]["error"] and bad[1]["error_stage"] == "preprocess", bad
+    assert "not base64" in bad[0]["error"] and bad[0]["error_kind"] == "unsupported_input", bad
+    assert bad[1]["error_stage"] == "preprocess", bad
 
 
 def test_completions_through_the_contract_equal_each_prompt_alone(tiny_llama):

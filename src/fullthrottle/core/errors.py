@@ -7,8 +7,8 @@ results). The kinds, by stage:
 
 - ``load``: ``not_found`` (missing file, empty folder, pattern matching nothing), ``not_a_file``,
   ``too_large`` (over ``max_file_bytes``), ``unreadable`` (permission, symlink loop, ...),
-  ``fetch_failed`` (HTTP status, timeout, connection), ``unsupported_input`` (a URL scheme or an
-  object that names no image);
+  ``fetch_failed`` (HTTP status, timeout, connection), ``unsupported_input`` (a URL scheme, a URL
+  or path that cannot name a file, text that is not base64, an object that names no image);
 - ``preprocess``: ``empty``, ``corrupt`` (truncated, bad header), ``unsupported_format``,
   ``too_many_pixels`` (over ``max_image_pixels``, as decoded or once resized: an extreme aspect
   ratio), ``decoder_crashed``, ``decode_timeout``, ``gpu_decode_failed``, ``cannot_decode`` (the
@@ -33,7 +33,11 @@ KINDS: tuple[tuple[str, str, str], ...] = (
     ("not_a_file", "load", r"not a regular file: "),
     ("too_large", "load", r"file too large: |download too large: "),
     ("fetch_failed", "load", r"HTTP \d{3} .* for |timeout fetching |timeout after .* fetching |cannot fetch "),
-    ("unsupported_input", "load", r"unsupported URL scheme |cannot load an input of type |invalid URL |invalid path "),
+    (
+        "unsupported_input",
+        "load",
+        r"unsupported URL scheme |cannot load an input of type |invalid URL |invalid path |not base64: ",
+    ),
     ("unreadable", "load", r"cannot read "),
     ("empty", "preprocess", r"empty file \(0 bytes\)"),
     ("too_many_pixels", "preprocess", r"image too large: |extreme aspect ratio: "),
