@@ -569,9 +569,14 @@ def test_result_json_line_equals_json_dumps_of_its_dict():
         Result(11, "empty.jpg"),
         Result(12, "types.jpg", [5, "x"], [1.0, True], [1, 0.5]),  # (not from the pipeline: other types)
     ]
+    rs.append(Result(13, "dir/bad\udcffname.jpg", ["a"], [3], [0.5]))  # (a file name that is not UTF-8)
+    rs.append(Result(14, "dir/x\ud800.jpg", error="dir/x\ud800.jpg: file not found: dir/x\ud800.jpg"))
     for r in rs:
         assert r.to_json() == json.dumps(r.to_dict())
+        back = json.loads(r.to_json())  # (no lone surrogate in the JSON text: strict readers refuse them)
+        (back["id"] + back.get("error", "")).encode("utf-8")
     assert json.loads(rs[1].to_json())["top_k"][0]["prob"] == 0.333333
+    assert json.loads(rs[-2].to_json())["id"] == "dir/bad\\xffname.jpg"
 
 
 def test_a_closed_pipeline_refuses_to_run_instead_of_waiting(samples):

@@ -47,14 +47,14 @@ class Result:
         return error_info(self.error)[1]
 
     def to_dict(self) -> dict:
-        d = {"index": self.index, "id": self.id}
+        d = {"index": self.index, "id": utf8_text(self.id)}
         if self.error is None:
             d["top_k"] = [
                 {"label": lab, "class_id": c, "prob": round(p, 6)}
                 for lab, c, p in zip(self.labels, self.class_ids, self.probs)
             ]
         else:
-            d["error"] = self.error
+            d["error"] = utf8_text(self.error)
             d["error_stage"], d["error_kind"] = error_info(self.error)
         return d
 
@@ -71,10 +71,25 @@ class Result:
                     ]
                 )
                 if type(self.index) is int:
-                    return f'{{"index": {self.index}, "id": {encode_basestring_ascii(self.id)}, "top_k": [{top}]}}'
+                    return f'{{"index": {self.index}, "id": {encode_basestring_ascii(utf8_text(self.id))}, "top_k": [{top}]}}'
         except TypeError:  # (labels or id not str, class ids not int: the general encoder decides)
             pass
         return json.dumps(self.to_dict())
+
+
+def utf8_text(s):
+    """``s`` if it is a str UTF-8 can hold, else with the bytes a file name held that were not UTF-8
+    (read by Python as lone surrogates, which strict JSON readers refuse) written as ``\\xNN``."""
+    if type(s) is not str:
+        return s
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        try:
+            return s.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:
+            return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @lru_cache(maxsize=4096, typed=True)
