@@ -27,6 +27,39 @@ class SlowTiny(Tiny):
         return super().forward(x)
 
 
+class Fatal(BaseException):
+    """Not an Exception: what no stage catches as one item's error (the pipeline itself fails)."""
+
+
+class DiesOnRequest(Tiny):
+    die = False
+
+    def forward(self, x):
+        if self.die:
+            raise Fatal("boom")
+        return super().forward(x)
+
+
+def test_a_replica_whose_pipeline_died_is_not_ready(samples):
+    """The request in flight when a replica's pipeline dies is answered at once (it waited 20 s for
+    the stages' threads, the load stage's among them, held by the service's queue); then /readyz
+    says 503 "failed", naming the replica and why, and requests get 503 saying the pipeline failed."""
+    model = DiesOnRequest()
+    with Server(model, ServeOptions(), graphs=False) as s:
+        assert httpx.post(s.url + "/v1/classify", content=samples[0].read_bytes(), timeout=30).status_code == 200
+        s.server.config.app.state.ft["services"][0].pipeline.engine.model.die = True
+        t0 = time.perf_counter()
+        r = httpx.post(s.url + "/v1/classify", content=samples[1].read_bytes(), timeout=30)
+        assert r.status_code == 503 and "Fatal: boom" in r.text and time.perf_counter() - t0 < 5, r.text
+        deadline = time.time() + 10
+        while (ready := httpx.get(s.url + "/readyz")).status_code == 200 and time.time() < deadline:
+            time.sleep(0.05)
+        assert ready.status_code == 503 and ready.json()["status"] == "failed", ready.text
+        assert "boom" in ready.json()["classify_replicas_down"]["0"], ready.text
+        r = httpx.post(s.url + "/v1/classify", content=samples[2].read_bytes(), timeout=30)
+        assert r.status_code == 503 and "the pipeline failed" in r.text, r.text
+
+
 class Server:
     def __init__(self, model, options=None, uvicorn_kw=None, **cfg):
         cfg = {"labels": LABELS, "device": "cpu", "max_batch_size": 8, "threads": 2, **cfg}

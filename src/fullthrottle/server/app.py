@@ -135,6 +135,9 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         dead = sorted(n for n, svc in state.get("workloads", {}).items() if not svc.alive)
         if dead:  # (its batching thread ended: no request of it can be answered)
             return reply("/readyz", 503, {"status": "failed", "workloads_down": dead})
+        failed = {str(i): str(svc.error) for i, svc in enumerate(state["services"]) if svc.error is not None}
+        if failed:  # (a replica's pipeline died: its requests get 503 "the pipeline failed")
+            return reply("/readyz", 503, {"status": "failed", "classify_replicas_down": failed})
         engines = [svc.pipeline.engine for svc in state["services"]]
         body = {"status": "ready", "workloads": sorted(state.get("workloads", {}))}
         if state.get("llm") is not None:  # (the LLM routes served)

@@ -57,7 +57,8 @@ class BatchingService:
             try:
                 item = self.q.get(timeout=0.05)
             except queue.Empty:
-                if self._closing.is_set():
+                run = self.pipeline.current_run  # (stopped: a stage failed; its loader waits for this to end)
+                if self._closing.is_set() or (run is not None and run.stop_event.is_set()):
                     return
                 continue
             with self._lock:
