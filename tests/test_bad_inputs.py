@@ -1,6 +1,7 @@
 """Every file in tests/data/bad-inputs gives what that folder's README says."""
 
 import resource
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,3 +231,22 @@ def test_an_image_past_opencvs_own_pixel_cap_goes_to_pillow_not_opencvs_message(
     with pytest.raises(ImageError) as e:
         decode(b"II*\x00" + struct.pack("<I", 8) + ifd, 224, max_pixels=10**18)
     assert "OpenCV" not in str(e.value) and "truncated" in str(e.value), e.value
+
+
+def test_an_animated_png_with_a_damaged_frame_gives_its_first_image_and_harms_nothing(tmp_path):
+    """Decoded in a child process: OpenCV's APNG reader ends the process on this file (SIGSEGV), so
+    animated PNGs go to Pillow, whose first frame is the default image a viewer shows."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np; from fullthrottle.data.preprocess import decode; "
+        "np.save(sys.argv[2], decode(open(sys.argv[1], 'rb').read(), min_side=0))"
+    )
+    out, png = tmp_path / "a.npy", Path(__file__).parent / "data" / "crashers" / "apng-damaged-frame.png"
+    r = subprocess.run([sys.executable, "-c", code, str(png), str(out)], timeout=120)
+    assert r.returncode == 0, r.returncode
+    with Image.open(png) as im:
+        assert getattr(im, "is_animated", False)
+        ref = np.asarray(im.convert("RGB"))
+    np.testing.assert_array_equal(np.load(out), ref)

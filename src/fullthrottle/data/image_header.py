@@ -148,6 +148,20 @@ def header_size(data: bytes, fmt: str | None) -> tuple[int, int, str]:
         raise ImageError(f"not a supported image (unrecognised format; read: {', '.join(FORMATS)})") from None
 
 
+def png_is_animated(data: bytes) -> bool:
+    """Whether a PNG holds an animation (an ``acTL`` chunk before its first ``IDAT``: APNG). Read
+    from its chunk headers only."""
+    at = 8
+    while at + 8 <= len(data):
+        n, kind = struct.unpack(">I4s", data[at : at + 8])
+        if kind == b"acTL":
+            return True
+        if kind in (b"IDAT", b"IEND"):
+            return False
+        at += 12 + n
+    return False
+
+
 def _webp_size(data: bytes) -> tuple[int, int] | None:
     """A WebP's canvas size from its first chunk (``VP8X``, ``VP8 `` or ``VP8L``), or None. Read here,
     not by Pillow: its WebP reader sets up the whole decoder, canvas memory included, to say the size."""

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 
-from .image_header import FORMATS, ImageError, header_size, jpeg_is_complete, resized_pixels, sniff
+from .image_header import FORMATS, ImageError, header_size, jpeg_is_complete, png_is_animated, resized_pixels, sniff
 
 # Our own threads do the parallelism; OpenCV's pool would only fight them for the cores.
 cv2.setNumThreads(1)
@@ -91,7 +91,9 @@ def decode(data: bytes, min_side: int = 0, max_pixels: int = 89_478_485) -> np.n
         )
     if fmt == "JPEG" and not jpeg_is_complete(data):
         raise ImageError("truncated or corrupt JPEG (no end-of-image marker after the last scan)")
-    if fmt in ("JPEG", "PNG", "WEBP", "BMP", "TIFF"):
+    # (an animated PNG goes to Pillow: OpenCV's APNG reader crashes the process on some damaged frames,
+    # and Pillow's first frame is the image a viewer shows)
+    if fmt in ("JPEG", "PNG", "WEBP", "BMP", "TIFF") and not (fmt == "PNG" and png_is_animated(data)):
         factor = 1
         if fmt == "JPEG" and min_side > 0:
             while factor < 8 and min(w, h) // (factor * 2) >= 2 * min_side:
