@@ -103,6 +103,7 @@ def test_each_model_declares_its_transform():
         Config(interpolation="nearest")
     with pytest.raises(ValueError, match="crop_size <= resize_size"):
         Config(crop_size=300).for_model()
+    assert Transform(np.int64(160), np.int32(128), (0.5,) * 3, (0.25,) * 3).resize == 160  # (numpy's integers)
     with pytest.raises(ValueError, match="resize 100000 is over the largest side taken, 4096 pixels"):
         Config(resize_size=100_000, crop_size=100_000).for_model()  # (before a batch of crops is allocated)
     with pytest.raises(ValueError, match="for_model"):

@@ -672,11 +672,11 @@ def test_closing_a_pipeline_mid_stream_ends_the_stream(samples, preprocess, no_t
     assert time.perf_counter() - t0 < 30
 
 
-def test_a_recursive_glob_over_symlink_loops_lists_each_image_once_not_for_ever(samples, tmp_path):
-    """``DIR/**/*.jpg`` with two symlink loops and a link to a folder walked already: glob itself
-    follows each loop to the system's link limit, once per loop and level (exponential: it never
-    ends); the pattern lists each image once, by its first path in sorted order, skips hidden folders
-    as glob does, and leaves folders out."""
+def test_a_recursive_glob_over_symlink_loops_lists_each_image_once_per_path_not_for_ever(samples, tmp_path):
+    """``DIR/**/*.jpg`` with two symlink loops: glob itself follows each loop to the system's link
+    limit, once per loop and level (exponential: it never ends); the pattern lists each image once
+    per path that does not run through a loop (a pattern may match only one of them), skips hidden
+    folders as glob does, and leaves folders out."""
     import shutil
 
     from fullthrottle.data.sources import glob_files
@@ -690,7 +690,8 @@ def test_a_recursive_glob_over_symlink_loops_lists_each_image_once_not_for_ever(
     t0 = time.perf_counter()
     got = glob_files(str(tmp_path / "**" / "*.jpg"))
     assert time.perf_counter() - t0 < 5
-    assert [os.path.relpath(p, tmp_path) for p in got] == ["a/x.jpg", "b/y.jpg", "top.jpg"]
+    assert [os.path.relpath(p, tmp_path) for p in got] == ["a/x.jpg", "b/toa/x.jpg", "b/y.jpg", "top.jpg"]
+    assert glob_files(str(tmp_path / "**" / "toa" / "*.jpg")) == [str(tmp_path / "b" / "toa" / "x.jpg")]
     assert glob_files(str(tmp_path / "*" / "*.jpg")) == [str(tmp_path / "a" / "x.jpg"), str(tmp_path / "b" / "y.jpg")]
 
 
@@ -714,6 +715,8 @@ def test_a_models_name_as_model_is_taken_as_config_model(samples):
         assert pipe.engine.model_name == "resnet18"
         (r,) = pipe.classify([samples[0]])
     assert r.ok
+    with Pipeline("resnet18", device="cpu", threads=1) as pipe:  # (the name in config's place)
+        assert pipe.engine.model_name == "resnet18"
 
 
 def test_a_top_k_of_any_size_is_clamped_to_the_model_s_classes(samples):

@@ -84,6 +84,10 @@ def cmd_embed(args) -> int:
         return 2
     try:
         emb = Embedder(args.model_dir, args.device, args.dtype, args.graphs)
+        if emb.device.type != "cuda" and args.dtype not in (None, "float32"):  # (as classify: named, not ignored)
+            print(
+                f"note: --dtype {args.dtype} needs CUDA: this run on {emb.device} computes in float32", file=sys.stderr
+            )
     except FileNotFoundError as e:  # (a folder without the model's files)
         where = args.model_dir or "the default folder"
         print(

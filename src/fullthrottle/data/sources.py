@@ -91,9 +91,10 @@ def walk_images(top: str) -> Iterator[tuple[str, Any]]:
     ``(path, BadSource)`` for what the walk cannot enter: a folder that cannot be listed, a symlink
     that leads back to a folder it sits in (a loop), a tree too deep to walk. Those are items with
     their own error, not images dropped without a word. Symlinked folders are followed, as ``find -L``
-    does (the link's path is the images' id), but a folder is walked once: reached again by another
-    path (links to one folder from two places), it is passed over, so that a few links cannot make
-    the walk exponential. An image file is a name ending in :data:`IMAGE_SUFFIXES`, whatever it is: a symlink so named
+    does (the link's path is the images' id), but a folder is walked once, by the first path the
+    walk meets (top-down, each folder's entries in sorted order): reached again by another path
+    (links to one folder from two places), it is passed over, so that a few links cannot make the
+    walk exponential. An image file is a name ending in :data:`IMAGE_SUFFIXES`, whatever it is: a symlink so named
     that resolves to nothing (dangling, or a loop of links) is an item, whose read fails as it does
     when the link is given itself (``not_found``, ``unreadable``); any other name is passed over,
     links that resolve to nothing included."""
@@ -150,9 +151,9 @@ def glob_match(parts: list[str], pattern: list[str]) -> bool:
 def glob_files(pattern: str) -> list[str]:
     """The paths a glob pattern names, sorted, folders left out (a dangling link or a FIFO stays: it
     gets its own error). A pattern with ``**`` is matched over a walk of its fixed leading folder
-    that enters each folder once, by its first path in sorted order, and no symlink loop (``glob``
-    itself would follow loops until the system's link limit, once per loop and level, and links to
-    one folder from many places once per path: exponential)."""
+    that enters each symlink loop once (``glob`` itself would follow loops until the system's link
+    limit, once per loop and level: exponential), and a folder once per path that reaches it, as
+    ``glob`` does (a pattern may match one of those paths only)."""
     if "**" not in pattern:
         return sorted(p for p in glob.iglob(pattern) if not os.path.isdir(p))
     parts = pattern.split(os.sep)
@@ -161,7 +162,7 @@ def glob_files(pattern: str) -> list[str]:
     if not os.path.isdir(base):
         return []
     out, prefix = [], parts[:k]
-    for root, dirs, files in _walk_once(base):
+    for root, dirs, files in _walk_once(base, every_path=True):
         rel = [] if root == base else os.path.relpath(root, base).split(os.sep)
         for name in files + [d for d in dirs if not os.path.isdir(os.path.join(root, d))]:
             if glob_match(rel + [name], parts[k:]):
@@ -169,10 +170,11 @@ def glob_files(pattern: str) -> list[str]:
     return sorted(out)
 
 
-def _walk_once(top: str, onerror=None, loops: list | None = None):
+def _walk_once(top: str, onerror=None, loops: list | None = None, every_path: bool = False):
     """``os.walk(top, onerror=onerror, followlinks=True)``, folders and files sorted, entering no folder
     that one it sits in already is (a symlink loop: such a link's path goes into ``loops`` instead),
-    nor one walked already by another path (passed over).
+    nor, unless ``every_path``, one met already by another path (passed over: the walk is top-down,
+    each folder's entries in sorted order, so the path kept is the first the walk meets).
 
     Raises:
         RecursionError: a tree too deep for ``os.walk`` (it recurses before Python 3.12)."""
@@ -188,7 +190,7 @@ def _walk_once(top: str, onerror=None, loops: list | None = None):
                 if loops is not None:
                     loops.append(full)
                 continue
-            if ident is not None and ident in walked:  # (reached by another path: walked once)
+            if ident is not None and ident in walked and not every_path:  # (reached by another path)
                 continue
             walked.add(ident)
             seen[full] = above | {ident}

@@ -63,6 +63,8 @@ class Pipeline:
     """
 
     def __init__(self, config: Config | None = None, model: nn.Module | str | None = None, **overrides):
+        if isinstance(config, str):  # (a model's name in config's place: Pipeline("resnet18"))
+            config, model = Config(), config if model is None else model
         config = config or Config()
         if overrides:
             config = replace(config, **overrides)

@@ -7,6 +7,7 @@ A model module of its own (a named model's, or one given as ``MODULE:CLASS``) im
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,10 @@ class Transform:
     interpolation: str = "bilinear"
 
     def __post_init__(self) -> None:
-        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (self.resize, self.crop))
+        ints = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (self.resize, self.crop))
+        if ints:  # (numpy's integers too, kept as int)
+            object.__setattr__(self, "resize", int(self.resize))
+            object.__setattr__(self, "crop", int(self.crop))
         if not (ints and 1 <= self.crop <= self.resize):
             raise ValueError(f"need integers 1 <= crop <= resize, got crop={self.crop!r}, resize={self.resize!r}")
         if self.resize > MAX_SIDE:  # (a batch of crops is allocated at start: 64 x 3 x crop**2 floats)

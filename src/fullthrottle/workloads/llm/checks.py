@@ -3,16 +3,18 @@ the device's free memory before it is allocated."""
 
 from __future__ import annotations
 
+import numbers
 import operator
 
 import torch
 
 
 def check_int(name: str, value, lowest: int) -> int:
-    """``value`` if it is an int (not a bool) ``>= lowest``; else ValueError naming ``name``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+    """``value`` as an int if it is an integer (not a bool; numpy's too) ``>= lowest``; else
+    ValueError naming ``name``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < lowest:
         raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}")
-    return value
+    return int(value)
 
 
 def as_ids(prompt, what: str = "prompt") -> list:
