@@ -136,6 +136,10 @@ def test_prompts_as_tokenizers_give_them_and_clear_errors_for_the_rest(pair):
             gen.generate(bad, max_new_tokens=4)
     with pytest.raises(ValueError, match="token ids must be integers"):
         gen.generate([np.array([1.5, 2.0])], max_new_tokens=4)
+    assert gen.generate((p for p in [[1, 2, 3]]), max_new_tokens=4) == want  # (a generator of prompts)
+    assert gen.generate(np.array([[1, 2, 3]]), max_new_tokens=4) == want  # (a 2-D array: one row each)
+    with pytest.raises(ValueError, match=r"prompts is one flat sequence of token ids: pass a list of prompts"):
+        gen.generate(torch.tensor([1, 2, 3]), max_new_tokens=4)
     with pytest.raises(TypeError, match="model must be a built Llama"):
         Generator("model")
 
