@@ -92,7 +92,6 @@ class Link:
                         g = self.classifying.pop(req_id, None)
                         if g is not None:  # (its client left: its images still queued are not decoded)
                             g.cancel()
-                            self.host.publish_backlog()
                         ev = self.cancels.get(req_id)
                         if ev is not None:
                             self.host.loop.call_soon_threadsafe(ev.set)
@@ -108,7 +107,6 @@ class Link:
             self.out.put(None)
             for g in list(self.classifying.values()):  # (the worker is gone: nobody reads their answers)
                 g.cancel()
-            self.host.publish_backlog()
             for ev in list(self.cancels.values()):
                 self.host.loop.call_soon_threadsafe(ev.set)
             try:
@@ -156,6 +154,7 @@ class _Gather:
         self.lk.classifying.pop(self.req_id, None)
         if self.svc is not None:
             self.svc.cancel(self.indexes)
+            self.lk.host.publish_backlog()  # (its images left the queue)
 
 
 class EngineHost:

@@ -186,10 +186,10 @@ def unpack_http(payload: memoryview) -> tuple[dict, bytes]:
 class Backlog:
     """How many images wait in the engine's classification queue, shared by the engine and its HTTP
     workers through one 4-byte file mapping (``fd``: inherited by the workers; None: a new one).
-    The engine writes it as images join the queue and as results come out; a worker reads it before
-    it sends a request, and refuses one that the queue cannot take (503) without a round trip to the
-    engine, which then spends no time on load it would refuse. The engine's own check stays the
-    authority: what a worker reads may be a moment old."""
+    The engine writes it as images join the queue, leave it for the pipeline or leave with their
+    client; a worker reads it before it sends a request, and refuses one that the queue cannot take
+    (503) without a round trip to the engine, which then spends no time on load it would refuse. The
+    engine's own check stays the authority: what a worker reads may be a moment old."""
 
     _N = struct.Struct("i")  # (native: packed with one aligned store, which a reader never sees half done)
 

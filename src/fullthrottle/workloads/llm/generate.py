@@ -318,7 +318,7 @@ class Generator:
         self.check_sampling(temperature, top_k, top_p)
         if getattr(prompts, "ndim", None) == 1:  # (one flat array or tensor of ids)
             raise ValueError("prompts is one flat sequence of token ids: pass a list of prompts ([ids])")
-        prompts = prompts if getattr(prompts, "ndim", None) == 2 else list(prompts)  # (a generator: read once)
+        prompts = list(prompts)  # (a generator read once; a 2-D array's rows)
         n = len(prompts)
         if n == 0:
             raise ValueError("no prompt given")
