@@ -400,6 +400,9 @@ def test_embed_input_lines_end_at_newline_and_jsonl_errors_name_their_line(tmp_p
     assert next(got) == "a" and next(got) == "b" and next(got) == ""
     with pytest.raises(ValueError, match=r"line 4: not valid JSON \(Expecting value at character 10\)"):
         next(got)
+    errors: dict[int, str] = {}  # (the CLI's way: the line's error, and its place kept)
+    assert list(_read_texts(str(bad), bad=errors)) == ["a", "b", "", ""]
+    assert errors == {3: "line 4: not valid JSON (Expecting value at character 10)"}
 
 
 def test_the_library_names_of_the_readme_import_from_the_package():

@@ -154,6 +154,27 @@ def test_cli_embed_npy_and_jsonl(tmp_path, emb, capsys):
     assert main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "d.npy"), "--device", "cpu"]) == 2
 
 
+def test_cli_embed_a_bad_jsonl_line_costs_only_itself(tmp_path, emb, capsys):
+    """A .jsonl line that is not JSON, or an object without a string 'text', is that line's error
+    (exit 1, the report counts it); every other line gets its vector, at its own index."""
+    (tmp_path / "in.jsonl").write_text('{"text": "a cat"}\n{"text": oops}\n"a dog"\n{"txt": "x"}\n{"text": "a cow"}\n')
+    good = emb.embed(["a cat", "a dog", "a cow"]).vectors
+    args = ["embed", str(tmp_path / "in.jsonl"), "--device", "cpu", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "o.jsonl"), "--report-json", str(tmp_path / "r.json")]) == 1
+    rows = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[1] == {"index": 1, "error": "line 2: not valid JSON (Expecting value at character 10)"}
+    assert rows[3] == {"index": 3, "error": "line 4: a JSON object needs a string field 'text'"}
+    np.testing.assert_allclose([rows[k]["embedding"] for k in (0, 2, 4)], good, atol=1e-6)
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert (rep["items"], rep["ok"], rep["failed"]) == (5, 3, 2)
+    assert "error: " + str(tmp_path / "in.jsonl") + ": line 2: not valid JSON" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "o.npy")]) == 1
+    a = np.load(tmp_path / "o.npy")
+    assert a.shape == (5, emb.dim) and np.isnan(a[[1, 3]]).all()
+    np.testing.assert_allclose(a[[0, 2, 4]], good, atol=1e-6)
+
+
 @pytest.mark.gpu
 def test_gpu_half_precision_and_graphs():
     texts = varied_texts(500)

@@ -8,14 +8,17 @@ import sys
 import time
 
 
-def _read_texts(path: str, not_utf8: list[int] | None = None):
+def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str] | None = None):
     """One text per line of ``path`` ('-': stdin), UTF-8. Lines end at ``\n`` (or ``\r\n``) only: a
     lone ``\r`` inside a line is part of its text. ``.jsonl``: each line a JSON string or an object
     with a string field ``text``. A line that is not valid UTF-8 is still one text (each invalid byte
     read as U+FFFD, so the vectors stay one per line); its number is appended to ``not_utf8``.
 
+    A ``.jsonl`` line that is not valid JSON or lacks ``text`` is that line's error: it yields ``""``
+    in its place (the lines keep their indices) and ``bad[index] = message`` (index from 0).
+
     Raises:
-        ValueError: a ``.jsonl`` line that is not valid JSON or lacks ``text``, naming the line.
+        ValueError: such a line when ``bad`` is None, naming the line.
     """
     f = sys.stdin.buffer if path == "-" else open(path, "rb")
     try:
@@ -30,11 +33,17 @@ def _read_texts(path: str, not_utf8: list[int] | None = None):
             line = line[:-1] if line.endswith("\r") else line
             if path.endswith(".jsonl") and line.strip():
                 try:
-                    obj = json.loads(line)
+                    obj, why = json.loads(line), None
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"line {no}: not valid JSON ({e.msg} at character {e.pos + 1})") from None
-                if isinstance(obj, dict) and not isinstance(obj.get("text"), str):
-                    raise ValueError(f"line {no}: a JSON object needs a string field 'text'")
+                    obj, why = None, f"not valid JSON ({e.msg} at character {e.pos + 1})"
+                if why is None and isinstance(obj, dict) and not isinstance(obj.get("text"), str):
+                    why = "a JSON object needs a string field 'text'"
+                if why is not None:
+                    if bad is None:
+                        raise ValueError(f"line {no}: {why}")
+                    bad[no - 1] = f"line {no}: {why}"
+                    yield ""
+                    continue
                 yield obj["text"] if isinstance(obj, dict) else str(obj)
             else:
                 yield line
@@ -106,17 +115,23 @@ def cmd_embed(args) -> int:
         )
         return 2
     t0 = time.perf_counter()
-    vectors, n, n_trunc, not_utf8 = [], 0, 0, []
+    vectors, n, n_trunc, not_utf8, bad = [], 0, 0, [], {}
     respond = StageStats("respond")  # the vectors written out (the tokenize and compute stages: emb.stats)
     bar = tqdm(unit="text", desc="embed", disable=args.no_progress or None, file=sys.stderr)
     jsonl = open(args.out, "w", encoding="utf-8") if args.out.endswith(".jsonl") else None
     mon = GpuMonitor((emb.device.index or 0) if emb.device.type == "cuda" else None)
     try:
         mon.__enter__()
-        for block in emb.embed_stream(_read_texts(args.file, not_utf8)):
+        for block in emb.embed_stream(_read_texts(args.file, not_utf8, bad)):
             respond.begin()
+            failed = [k for k in range(len(block.vectors)) if n + k in bad]
+            if failed:  # (a bad line's row: NaN in the .npy, its error in the JSON lines)
+                block.vectors[failed] = np.nan
             if jsonl is not None:
                 for k in range(len(block.vectors)):
+                    if n + k in bad:
+                        jsonl.write(json.dumps({"index": n + k, "error": bad[n + k]}) + "\n")
+                        continue
                     jsonl.write(
                         json.dumps(
                             {
@@ -133,9 +148,6 @@ def cmd_embed(args) -> int:
             n_trunc += int(block.truncated.sum())
             respond.end(len(block.vectors))
             bar.update(len(block.vectors))
-    except ValueError as e:
-        print(f"fullthrottle: error: cannot read texts from {args.file}: {e}", file=sys.stderr)
-        return 2
     except OSError as e:
         print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
@@ -153,7 +165,8 @@ def cmd_embed(args) -> int:
     dt = time.perf_counter() - t0
     rep = Report(
         items=n,
-        ok=n,
+        ok=n - len(bad),
+        failed=len(bad),
         wall_s=dt,
         stages=[st.snapshot(dt) for st in (*emb.stats.values(), respond)],
         batches=emb.batches,
@@ -172,10 +185,16 @@ def cmd_embed(args) -> int:
             f"{len(not_utf8)} line{'s' * (len(not_utf8) > 1)} not valid UTF-8 (line {lines}): embedded "
             "with each invalid byte read as U+FFFD"
         )
+    for i in sorted(bad)[:10]:
+        print(f"error: {args.file}: {bad[i]}", file=sys.stderr)
+    if bad:
+        where = "a row of NaN in the .npy" if jsonl is None else 'an "error" field in its JSON line'
+        more = f" ({len(bad) - 10} more not shown)" if len(bad) > 10 else ""
+        rep.notes.append(f"{len(bad)} line{'s' * (len(bad) > 1)} not read as a text{more}: each has {where}")
     if n_trunc:
         rep.notes.append(f"{n_trunc} text{'s' * (n_trunc > 1)} truncated to {emb.max_seq_length} tokens")
     print(rep.format(), file=sys.stderr)
     if not write_report_json(rep, args.report_json):
         return 2
     print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+    return 1 if bad else 0
