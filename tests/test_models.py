@@ -15,7 +15,7 @@ from fullthrottle.cli import main
 from fullthrottle.data.preprocess import preprocess
 from fullthrottle.workloads.classify.efficientnet import EfficientNetLite0, reference_to_ours
 from fullthrottle.workloads.classify.models import MODELS, build_model, load_model, transform_of
-from fullthrottle.workloads.classify.transform import EFFICIENTNET_LITE, MOBILENET_V3, TORCHVISION_IMAGENET, Transform
+from fullthrottle.workloads.classify.transform import EFFICIENTNET_LITE, TORCHVISION_IMAGENET, Transform
 
 
 def normalise(arrays, t: Transform) -> torch.Tensor:
@@ -159,16 +159,24 @@ def test_a_modules_own_labels_and_name_are_used(samples):
 
 
 @pytest.mark.parametrize("pre", ["threads", "processes"])
-def test_mobilenet_v3_small_gets_its_own_bicubic_transform(samples, pre):
-    """mobilenet_v3_small by name: resize 232 (bicubic) + crop 224 and ImageNet mean/std reach the
-    model, equal to torchvision's own v2 transform of the same photos, on both CPU decode paths."""
+def test_a_bicubic_transform_reaches_the_model_as_torchvision_makes_it(samples, pre):
+    """mobilenet_v3_small by name gets torchvision's recipe for its weights (resize 256 bilinear, crop
+    224); a bicubic resize (232, as some torchvision weights use) set on the config reaches the model
+    equal to torchvision's own v2 transform of the same photos, on both CPU decode paths."""
     from PIL import Image
+    from torchvision.models import MobileNet_V3_Small_Weights
     from torchvision.transforms import v2
 
+    tv_recipe = MobileNet_V3_Small_Weights.IMAGENET1K_V1.transforms()
+    assert transform_of("mobilenet_v3_small") == TORCHVISION_IMAGENET
+    assert (tv_recipe.resize_size, tv_recipe.crop_size) == ([256], [224])
+    assert tv_recipe.interpolation == v2.InterpolationMode.BILINEAR
+    bicubic = dict(resize_size=232, interpolation="bicubic")
     with Pipeline(
-        Config(model="mobilenet_v3_small", device="cpu", threads=2, preprocess=pre, max_batch_size=4)
+        Config(model="mobilenet_v3_small", device="cpu", threads=2, preprocess=pre, max_batch_size=4, **bicubic)
     ) as pipe:
-        assert pipe.config.transform == MOBILENET_V3 and MOBILENET_V3.interpolation == "bicubic"
+        t = pipe.config.transform
+        assert (t.resize, t.crop, t.interpolation, t.mean) == (232, 224, "bicubic", TORCHVISION_IMAGENET.mean)
         assert pipe.engine.random_weights and not pipe.config.gpu_decode  # (the GPU paths are bilinear only)
         seen = []
         pipe.engine.model.register_forward_pre_hook(lambda m, args: seen.append(args[0].clone()))
@@ -183,8 +191,8 @@ def test_mobilenet_v3_small_gets_its_own_bicubic_transform(samples, pre):
             v2.CenterCrop(224),
         ]
     )
-    want = normalise([tv(Image.open(p).convert("RGB")).permute(1, 2, 0).numpy() for p in samples[:3]], MOBILENET_V3)
-    bilinear = normalise([preprocess(p.read_bytes(), 232, 224) for p in samples[:3]], MOBILENET_V3)
+    want = normalise([tv(Image.open(p).convert("RGB")).permute(1, 2, 0).numpy() for p in samples[:3]], t)
+    bilinear = normalise([preprocess(p.read_bytes(), 232, 224) for p in samples[:3]], t)
     for w, b in zip(want, bilinear):  # each image reached the model as torchvision makes it, not bilinear
         assert (seen - w).abs().flatten(1).max(1).values.min() < 1e-5
         assert (seen - b).abs().flatten(1).max(1).values.min() > 1e-2

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .transform import EFFICIENTNET_LITE, MOBILENET_V3, TORCHVISION_IMAGENET, Transform
+from .transform import EFFICIENTNET_LITE, TORCHVISION_IMAGENET, Transform
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,8 @@ MODELS: dict[str, ModelSpec] = {
         name: ModelSpec(
             _torchvision(name), TORCHVISION_IMAGENET, None, f"torchvision {name} (random weights unless --weights)"
         )
-        for name in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+        for name in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "mobilenet_v3_small")
     },
-    "mobilenet_v3_small": ModelSpec(
-        _torchvision("mobilenet_v3_small"),
-        MOBILENET_V3,
-        None,
-        "torchvision mobilenet_v3_small (random weights unless --weights; bicubic resize, CPU decoding only)",
-    ),
 }
 #: the model of ``fullthrottle classify`` and :class:`~fullthrottle.core.config.Config` when none is named
 DEFAULT_MODEL = "efficientnet_lite0"

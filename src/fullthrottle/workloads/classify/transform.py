@@ -76,13 +76,9 @@ def check_channels(name: str, v: Any) -> None:
         )
 
 
-#: torchvision's ImageNet eval recipe (its ResNet weights' ``transforms()``): resize 256, crop 224,
-#: ImageNet's channel mean and std
+#: torchvision's ImageNet eval recipe (the ``transforms()`` of its ResNet weights and of
+#: ``MobileNet_V3_Small_Weights.IMAGENET1K_V1``): resize 256 (bilinear), crop 224, ImageNet's channel mean and std
 TORCHVISION_IMAGENET = Transform(resize=256, crop=224, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
 #: EfficientNet-Lite's: ``(x - 127) / 128`` (tensorflow/tpu ``efficientnet_lite_builder.py``,
 #: ``MEAN_RGB`` / ``STDDEV_RGB``), resize 256 + center crop 224
 EFFICIENTNET_LITE = Transform(resize=256, crop=224, mean=(127 / 255,) * 3, std=(128 / 255,) * 3)
-#: MobileNetV3-Small's: resize 232 (bicubic), center crop 224, ImageNet's channel mean and std
-MOBILENET_V3 = Transform(
-    resize=232, crop=224, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), interpolation="bicubic"
-)
