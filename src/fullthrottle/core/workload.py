@@ -79,11 +79,16 @@ class Workload:
 
     def setup(self, device: str) -> None:
         """Load the model on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``), once, before the server
-        says it is ready. Raise to stop the server from starting (the message is shown)."""
+        says it is ready. Raise to stop the server from starting (the message is shown). On the CPU,
+        torch's intra-op threads spin between small batches and take cores from the HTTP side: a
+        model whose batches take well under a millisecond runs better after
+        ``torch.set_num_threads(1)`` here (process-wide)."""
 
     def decode_request(self, body: dict) -> list:
         """The items of one request's JSON body (a dict), as a list. Raise ``ValueError`` for a
-        malformed request: the client gets 400 with the message (any other exception: 500)."""
+        malformed request: the client gets 400 with the message (any other exception: 500). To fail
+        one item and not its whole request (an empty text, say), pass it on marked and answer it
+        with an :class:`ItemError` from :meth:`predict` (``workloads/embed_api.py`` does so)."""
         raise NotImplementedError
 
     def cost(self, item) -> int:
@@ -135,7 +140,8 @@ def check_workload(w) -> None:
 
 def load_workload(spec: str) -> Workload:
     """An instance of the class ``spec`` names (``package.module:Class``, constructed with no
-    arguments), checked (:func:`check_workload`). A module in the current folder is found.
+    arguments), or the instance it names (``package.module:my_workload``), checked
+    (:func:`check_workload`). A module in the current folder is found.
 
     Raises:
         ValueError: not ``MODULE:CLASS``, the module or class not found, or the class breaks the contract.

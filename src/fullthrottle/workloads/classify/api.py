@@ -24,7 +24,9 @@ class ClassifyImages(Workload):
     Args:
         config: keyword arguments of :class:`~fullthrottle.core.config.Config` (``model``, ``weights``,
             ``top_k``...); the device comes from :meth:`setup`. Default: EfficientNet-Lite0 with its
-            ImageNet weights.
+            ImageNet weights (serve's ``--model`` and ``--weights`` are for ``/v1/classify``, not for
+            this workload). Your own model: a module-level ``ClassifyImages(model="my_module:MyNet")``
+            (or a subclass with its own ``name``), named to ``--workload``.
 
     A string that is not base64, or an image that does not decode, fails that image alone.
     """
