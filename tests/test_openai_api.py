@@ -318,8 +318,10 @@ def test_a_non_streaming_client_that_hangs_up_frees_its_row(make_tiny_llama):
 
 def test_a_streaming_client_that_disconnects_mid_stream_frees_its_row(make_tiny_llama):
     """The OpenAI client reads a few chunks of a long stream and closes it: its request ends at the next
-    step, so the next request gets the only row at once."""
+    step, so the next request gets the only row at once; /metrics counts it 499, not 200."""
     import time
+
+    import httpx
 
     model = make_tiny_llama(max_position_embeddings=4096)
     gen = Generator(model, max_batch=1, max_seq_len=4096, graphs=False)
@@ -334,7 +336,15 @@ def test_a_streaming_client_that_disconnects_mid_stream_frees_its_row(make_tiny_
         t0 = time.time()
         r = c.completions.create(model="llm", prompt=[5, 6], max_tokens=5)  # waits for the only row
         assert len(r.choices[0].token_ids) == 5 and time.time() - t0 < 10
+        done = list(c.completions.create(model="llm", prompt=[5, 6], max_tokens=3, stream=True))
+        assert done[-1].choices[0].finish_reason == "length"
+        counts = {  # the dropped stream counted 499, the whole one 200, each once
+            line.split("}")[0]: float(line.split()[-1])
+            for line in httpx.get(f"{s.url}/metrics").text.splitlines()
+            if line.startswith("fullthrottle_requests_total") and "/v1/completions" in line
+        }
     assert decoded.items < 3900  # the closed stream stopped long before its 4000 tokens
+    assert {k.split('status="')[1].rstrip('"'): v for k, v in counts.items()} == {"200": 2.0, "499": 1.0}
 
 
 def test_chat_templates_that_do_not_compile_or_fail_give_clear_errors(tiny_text, tmp_path):

@@ -249,9 +249,13 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency, m_ttft
                 raise overloaded(e, opts.retry_after_s) from None
             r = _Reply(chat, req, svc.name, svc.tok, lambda: m_ttft.observe(time.perf_counter() - t0))
             if p.get("stream"):
-                m_requests.labels(route, "200").inc()
-                timed = False  # (a stream's latency is observed as it ends: its last chunk sent)
-                events = _events(r, out, state.setdefault("streams", set()), lambda: observe(time.perf_counter() - t0))
+                timed = False  # (a stream's latency is observed, and its status counted, as it ends)
+
+                def ended(status: str) -> None:  # "200": its [DONE] sent; "499": its client left first
+                    observe(time.perf_counter() - t0)
+                    m_requests.labels(route, status).inc()
+
+                events = _events(r, out, state.setdefault("streams", set()), ended)
                 return StreamingResponse(events, media_type="text/event-stream")
             texts: list[str] = []
             deadline = t0 + opts.timeout_s
@@ -288,31 +292,35 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency, m_ttft
 
 async def _events(r: _Reply, out: asyncio.Queue, streams: set, ended):
     """The server-sent events of one streaming request (its queue in ``streams`` while it runs;
-    ``ended()`` called as it ends, whichever way)."""
-    item, first = None, True
+    ``ended(status)`` called once as it ends: ``"200"`` with its ``[DONE]`` sent, ``"499"`` when
+    its client went away first)."""
+    item, first, status = None, True, "499"
     streams.add(out)
     try:
-        while not r.stopped:
-            item = await out.get()
-            if item is None or isinstance(item, Exception):
-                break
-            text = r.take(item)
-            # a chunk as soon as there is text, or tokens (completions; the first chat chunk); chat
-            # tokens of no text yet go with the next chunk, their logprobs too
-            if text or (r.unsent and (not r.chat or first)):
-                yield f"data: {json.dumps(r.chunk(text, first=first))}\n\n"
-                first = False
-    finally:  # also when the client disconnects mid-stream: stop generating for it
-        r.req["cancelled"] = True
-        streams.discard(out)
-        ended()
-    failed = isinstance(item, Exception)
-    rest = "" if failed else r.rest()  # (before the finish reason: a stop string may be in it)
-    last = r.chunk(rest, "error" if failed else r.finish_reason(), first=first)
-    if failed:  # (the stream has sent 200 already: the reason goes in its last chunk)
-        why = str(item) if isinstance(item, ShuttingDown) else f"generation failed: {item}"
-        last["error"] = {"message": why, "type": "server_error"}
-    yield f"data: {json.dumps(last)}\n\n"
-    if r.req["include_usage"]:
-        yield f"data: {json.dumps(r.usage_chunk())}\n\n"
-    yield "data: [DONE]\n\n"
+        try:
+            while not r.stopped:
+                item = await out.get()
+                if item is None or isinstance(item, Exception):
+                    break
+                text = r.take(item)
+                # a chunk as soon as there is text, or tokens (completions; the first chat chunk); chat
+                # tokens of no text yet go with the next chunk, their logprobs too
+                if text or (r.unsent and (not r.chat or first)):
+                    yield f"data: {json.dumps(r.chunk(text, first=first))}\n\n"
+                    first = False
+        finally:  # also when the client disconnects mid-stream: stop generating for it
+            r.req["cancelled"] = True
+            streams.discard(out)
+        failed = isinstance(item, Exception)
+        rest = "" if failed else r.rest()  # (before the finish reason: a stop string may be in it)
+        last = r.chunk(rest, "error" if failed else r.finish_reason(), first=first)
+        if failed:  # (the stream has sent 200 already: the reason goes in its last chunk)
+            why = str(item) if isinstance(item, ShuttingDown) else f"generation failed: {item}"
+            last["error"] = {"message": why, "type": "server_error"}
+        yield f"data: {json.dumps(last)}\n\n"
+        if r.req["include_usage"]:
+            yield f"data: {json.dumps(r.usage_chunk())}\n\n"
+        yield "data: [DONE]\n\n"
+        status = "200"
+    finally:
+        ended(status)
