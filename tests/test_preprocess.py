@@ -87,6 +87,23 @@ def test_files_cut_inside_their_header_are_called_truncated(samples):
         decode(b"plain text, no signature")
 
 
+def test_a_tiff_in_a_pixel_layout_no_reader_takes_is_unsupported_not_corrupt():
+    """A float32 RGB TIFF (a valid file) is refused as an unsupported format, not called corrupt; a
+    float32 grey one, which Pillow reads, is decoded."""
+    import cv2
+
+    from fullthrottle.core.errors import error_info
+
+    ok, tif = cv2.imencode(".tiff", np.random.default_rng(0).random((32, 40, 3), dtype=np.float32))
+    assert ok
+    with pytest.raises(ImageError, match="not a supported image: a TIFF in a pixel layout") as e:
+        decode(tif.tobytes())
+    assert error_info(str(e.value)) == ("preprocess", "unsupported_format")
+    grey = io.BytesIO()
+    Image.fromarray(np.full((32, 40), 0.5, np.float32)).save(grey, format="TIFF")
+    assert decode(grey.getvalue()).shape[:2] == (32, 40)
+
+
 def test_only_the_documented_formats_are_read_and_no_other_program_runs(tmp_path, monkeypatch):
     """EPS would go to Ghostscript through Pillow: refused unread, as every format outside
     image_header.FORMATS is (a stand-in `gs` first on PATH records any call)."""

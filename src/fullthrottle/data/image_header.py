@@ -142,6 +142,8 @@ def header_size(data: bytes, fmt: str | None) -> tuple[int, int, str]:
         return w, h, fmt or name
     except Image.DecompressionBombError as e:  # (a plugin's own check, e.g. on an animation's frame)
         raise ImageError(f"image too large: {e}") from None
+    except ImageError:
+        raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, struct.error):
         if fmt is not None:  # the signature says what it is, its header does not parse: cut short
             raise ImageError(f"truncated or corrupt {fmt} (its header cannot be read)") from None
@@ -196,7 +198,11 @@ def _pillow_header(data: bytes) -> tuple[int, int, str]:
         try:
             with factory(io.BytesIO(data), None) as im:
                 return im.width, im.height, im.format or name
-        except (SyntaxError, IndexError, TypeError, struct.error):  # (not this format: the next)
+        except SyntaxError as e:  # (not this format: the next; or this one in a layout it cannot read)
+            if str(e) == "unknown pixel mode":  # (a float32 or 64-bit-per-sample TIFF, say)
+                raise ImageError(f"not a supported image: a {name} in a pixel layout no reader here takes") from None
+            continue
+        except (IndexError, TypeError, struct.error):
             continue
     raise UnidentifiedImageError("cannot identify image file")
 
