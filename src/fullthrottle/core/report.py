@@ -16,7 +16,8 @@ class StageStats:
 
     Busy time is the union of the intervals in which at least one worker of the stage was working
     on an item (so a stage with 16 threads, all busy all the time, is 100% busy, not 1600%); it does
-    not include waiting on an input queue, or (for decode) waiting for the GPU to finish.
+    not include waiting on an input queue, or (for decode) waiting for the GPU to finish. It is wall
+    time, not CPU time: a worker waiting for a core or for the GIL while on an item counts as busy.
     """
 
     def __init__(self, name: str, workers: int = 1):
