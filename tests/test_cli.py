@@ -403,6 +403,17 @@ def test_embed_input_lines_end_at_newline_and_jsonl_errors_name_their_line(tmp_p
     errors: dict[int, str] = {}  # (the CLI's way: the line's error, and its place kept)
     assert list(_read_texts(str(bad), bad=errors)) == ["a", "b", "", ""]
     assert errors == {3: "line 4: not valid JSON (Expecting value at character 10)"}
+    odd = tmp_path / "odd.jsonl"  # a byte-order mark; JSON that is no text; a lone surrogate escape
+    odd.write_bytes(b'\xef\xbb\xbf{"text": "a"}\r\n5\nnull\n[1]\n{"text": "x\\ud800"}\n"ok"\n')
+    errors = {}
+    assert list(_read_texts(str(odd), bad=errors)) == ["a", "", "", "", "", "ok"]
+    want = "a line must be a JSON string or an object with a string field 'text', not "
+    assert errors == {
+        1: f"line 2: {want}a number",
+        2: f"line 3: {want}null",
+        3: f"line 4: {want}an array",
+        4: "line 5: not valid Unicode (a lone surrogate escape at character 2 of its text)",
+    }
 
 
 def test_the_library_names_of_the_readme_import_from_the_package():

@@ -88,8 +88,8 @@ def test_files_cut_inside_their_header_are_called_truncated(samples):
 
 
 def test_a_tiff_in_a_pixel_layout_no_reader_takes_is_unsupported_not_corrupt():
-    """A float32 RGB TIFF (a valid file) is refused as an unsupported format, not called corrupt; a
-    float32 grey one, which Pillow reads, is decoded."""
+    """A float32 RGB TIFF (a valid file) is refused as an unsupported format, not called corrupt; so
+    is a float32 grey one, which Pillow reads but would clip to black."""
     import cv2
 
     from fullthrottle.core.errors import error_info
@@ -99,9 +99,14 @@ def test_a_tiff_in_a_pixel_layout_no_reader_takes_is_unsupported_not_corrupt():
     with pytest.raises(ImageError, match="not a supported image: a TIFF in a pixel layout") as e:
         decode(tif.tobytes())
     assert error_info(str(e.value)) == ("preprocess", "unsupported_format")
-    grey = io.BytesIO()
-    Image.fromarray(np.full((32, 40), 0.5, np.float32)).save(grey, format="TIFF")
-    assert decode(grey.getvalue()).shape[:2] == (32, 40)
+    ramp = np.tile(np.linspace(0, 1, 40, dtype=np.float32), (32, 1))
+    for grey in (cv2.imencode(".tiff", ramp)[1].tobytes(), io.BytesIO()):
+        if isinstance(grey, io.BytesIO):
+            Image.fromarray(ramp).save(grey, format="TIFF")
+            grey = grey.getvalue()
+        with pytest.raises(ImageError, match="not a supported image: a TIFF of floating-point samples") as e:
+            decode(grey)
+        assert error_info(str(e.value)) == ("preprocess", "unsupported_format")
 
 
 def test_only_the_documented_formats_are_read_and_no_other_program_runs(tmp_path, monkeypatch):

@@ -117,6 +117,22 @@ def test_run_offline_holds_workloads_to_the_contract_as_the_server_does():
         cost_of(w, [9, 9, 9, 9])
 
 
+def test_load_workload_names_what_is_not_a_workload():
+    """A class or an instance of the contract loads; another object is named for what it is."""
+    from fullthrottle.core.workload import load_workload
+
+    assert isinstance(load_workload("toy_workload:Summer"), Summer)
+    with pytest.raises(ValueError, match="a OrderedDict is not a workload: subclass fullthrottle.Workload"):
+        load_workload("collections:OrderedDict")
+    from fullthrottle.core.workload import check_workload
+
+    class Nameless(Summer):
+        name = ""
+
+    with pytest.raises(ValueError, match="Nameless.name must be 1-64 of a-z"):
+        check_workload(Nameless())
+
+
 def test_classification_through_the_contract_equals_the_library(samples, bad_dir):
     """ClassifyImages (base64 images in JSON) answers as Pipeline.classify on the same bytes; a string
     that is not base64 and a corrupt image fail alone."""

@@ -11,7 +11,8 @@ import time
 def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str] | None = None):
     """One text per line of ``path`` ('-': stdin), UTF-8. Lines end at ``\n`` (or ``\r\n``) only: a
     lone ``\r`` inside a line is part of its text. ``.jsonl``: each line a JSON string or an object
-    with a string field ``text``. A line that is not valid UTF-8 is still one text (each invalid byte
+    with a string field ``text`` (stdin is read as plain text). A byte-order mark opening the file
+    is dropped. A line that is not valid UTF-8 is still one text (each invalid byte
     read as U+FFFD, so the vectors stay one per line); its number is appended to ``not_utf8``.
 
     A ``.jsonl`` line that is not valid JSON or lacks ``text`` is that line's error: it yields ``""``
@@ -31,20 +32,36 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
                     not_utf8.append(no)
             line = line[:-1] if line.endswith("\n") else line
             line = line[:-1] if line.endswith("\r") else line
+            if no == 1:
+                line = line.removeprefix("\ufeff")  # (a UTF-8 byte-order mark, as Windows editors write)
             if path.endswith(".jsonl") and line.strip():
+                why = None
                 try:
-                    obj, why = json.loads(line), None
+                    obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     obj, why = None, f"not valid JSON ({e.msg} at character {e.pos + 1})"
-                if why is None and isinstance(obj, dict) and not isinstance(obj.get("text"), str):
-                    why = "a JSON object needs a string field 'text'"
+                text = obj.get("text") if isinstance(obj, dict) else obj
+                if why is None and not isinstance(text, str):
+                    why = (
+                        "a JSON object needs a string field 'text'"
+                        if isinstance(obj, dict)
+                        else "a line must be a JSON string or an object with a string field 'text', not "
+                        + {bool: "true/false", int: "a number", float: "a number", list: "an array"}.get(
+                            type(obj), "null"
+                        )
+                    )
+                if why is None:
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        why = f"not valid Unicode (a lone surrogate escape at character {e.start + 1} of its text)"
                 if why is not None:
                     if bad is None:
                         raise ValueError(f"line {no}: {why}")
                     bad[no - 1] = f"line {no}: {why}"
                     yield ""
                     continue
-                yield obj["text"] if isinstance(obj, dict) else str(obj)
+                yield text
             else:
                 yield line
     finally:

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTTP API with cross-request dynamic batching, Prometheus metrics, overload control",
         description='Serve POST /v1/classify (raw image body, multipart files, or JSON {"urls": [...]}), '
         "GET /healthz, /readyz, /metrics. Concurrent requests share batches. Full queue: 503 "
-        "with Retry-After; past the deadline: 504; body too large: 413; undecodable image: 422. "
+        "with Retry-After; past the deadline: 504; body too large: 413; undecodable image: its own error (422 if no image of the request got a result). "
         "Also POST /v1/embeddings (--embed-model), OpenAI's /v1/completions, /v1/chat/completions and "
         "GET /v1/models (--llm-model-dir, or --llm-random for random weights) and a route per "
         "--workload (batched by the workload's own limits; the image flags below are classify's). "
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = sub.add_parser(
         "generate",
-        help="LLM text generation (Llama family) with a static KV cache and CUDA graphs",
+        help="LLM text generation (Llama family) with CUDA graphs; --prompts: continuous batching over paged KV memory",
         description="Generate from a Hugging Face Llama folder (config.json + safetensors, tokenizer.json "
         "for text), or from a randomly initialised config (--random) for benchmarks. One prompt: its "
         "tokens stream to stdout as they are produced. Many (--prompts FILE): they run together "
@@ -292,10 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser(
         "embed",
         help="text embeddings (sentence-transformers models; all-MiniLM-L6-v2 by default)",
-        description="Embed one text per line of FILE (or '-' for stdin; .jsonl lines may be "
-        '{"text": ...}). Writes JSON lines (text index, truncated flag, vector) or a .npy '
+        description="Embed one text per line of FILE (or '-': stdin, plain text; a .jsonl FILE's lines are "
+        'JSON strings or {"text": ...}). Writes JSON lines ({"index", "truncated", "embedding"}) or a .npy '
         "(N, dim) float32 array. Texts longer than the model's max_seq_length are truncated, "
-        "as sentence-transformers does, and flagged.",
+        'as sentence-transformers does, and flagged. A .jsonl line that is no text gets {"index", "error"} '
+        "(a row of NaN in a .npy). Exit status: 0, 1 if a line failed, 2 on a usage or model error.",
     )
     m.add_argument("file", metavar="FILE|-")
     m.add_argument("--model-dir", default=None, help="sentence-transformers folder (default: all-MiniLM-L6-v2)")

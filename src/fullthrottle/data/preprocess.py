@@ -118,6 +118,8 @@ def _decode_pil(data: bytes, fmt: str) -> np.ndarray:
         with Image.open(io.BytesIO(data), formats=FORMATS) as im:  # (no other reader: image_header.FORMATS)
             im.seek(0)  # first frame of an animation
             im = ImageOps.exif_transpose(im)
+            if im.mode == "F":  # (Pillow would clip them to 0 and 1 of 255: a black image)
+                raise ImageError(f"not a supported image: a {fmt} of floating-point samples (no agreed range)")
             if im.mode in ("I;16", "I;16B", "I;16L", "I"):
                 arr = np.asarray(im, dtype=np.float64)
                 hi = 65535.0 if im.mode.startswith("I;16") else max(float(arr.max()), 1.0)
@@ -128,6 +130,8 @@ def _decode_pil(data: bytes, fmt: str) -> np.ndarray:
             return np.array(im.convert("RGB"))  # a writable copy
     except Image.DecompressionBombError as e:
         raise ImageError(f"image too large: {e}") from None
+    except ImageError:
+        raise
     except (OSError, SyntaxError, ValueError, struct.error) as e:
         why = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(e))  # (Pillow names its buffer)
         raise ImageError(f"corrupt or unsupported {fmt} image: {why}") from None
