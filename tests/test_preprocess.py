@@ -109,6 +109,17 @@ def test_a_tiff_in_a_pixel_layout_no_reader_takes_is_unsupported_not_corrupt():
         assert error_info(str(e.value)) == ("preprocess", "unsupported_format")
 
 
+def test_a_frame_over_the_pixel_limit_is_named_in_the_limits_words():
+    """A GIF of 10x10 whose one frame claims 60000x60000: refused before decoding, in the words of
+    the pixel limit (not Pillow's own)."""
+    import struct
+
+    head = b"GIF89a" + struct.pack("<HH", 10, 10) + b"\x00\x00\x00"
+    frame = b"," + struct.pack("<HHHH", 0, 0, 60000, 60000) + b"\x00\x02\x02\x44\x01\x00;"
+    with pytest.raises(ImageError, match=r"^image too large: a frame of 3600.0 megapixels exceeds the limit of 89.5 m"):
+        decode(head + frame)
+
+
 def test_only_the_documented_formats_are_read_and_no_other_program_runs(tmp_path, monkeypatch):
     """EPS would go to Ghostscript through Pillow: refused unread, as every format outside
     image_header.FORMATS is (a stand-in `gs` first on PATH records any call)."""

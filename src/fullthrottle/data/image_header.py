@@ -7,6 +7,7 @@ request's images without importing the decoders or torch.
 from __future__ import annotations
 
 import io
+import re
 import struct
 
 from PIL import (  # noqa: F401 - the readers of FORMATS, registered with Image as they are imported
@@ -141,13 +142,26 @@ def header_size(data: bytes, fmt: str | None) -> tuple[int, int, str]:
         w, h, name = _pillow_header(data)
         return w, h, fmt or name
     except Image.DecompressionBombError as e:  # (a plugin's own check, e.g. on an animation's frame)
-        raise ImageError(f"image too large: {e}") from None
+        raise ImageError(bomb_message(e)) from None
     except ImageError:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, struct.error):
         if fmt is not None:  # the signature says what it is, its header does not parse: cut short
             raise ImageError(f"truncated or corrupt {fmt} (its header cannot be read)") from None
         raise ImageError(f"not a supported image (unrecognised format; read: {', '.join(FORMATS)})") from None
+
+
+def bomb_message(e: Exception) -> str:
+    """Pillow's decompression-bomb error (a reader's own check, on a frame say) in the words of the
+    pixel limit's other messages."""
+    m = re.search(r"\((\d+) pixels\) exceeds limit of (\d+) pixels", str(e))
+    if m is None:
+        return f"image too large: {e}"
+    size, limit = int(m[1]), int(m[2]) // 2  # (Pillow fails past twice its MAX_IMAGE_PIXELS: the limit set)
+    return (
+        f"image too large: a frame of {size / 1e6:.1f} megapixels exceeds the limit of {limit / 1e6:.3g} "
+        "megapixels (Config.max_image_pixels, --max-image-megapixels)"
+    )
 
 
 def png_is_animated(data: bytes) -> bool:

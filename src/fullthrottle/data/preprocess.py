@@ -25,7 +25,16 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 
-from .image_header import FORMATS, ImageError, header_size, jpeg_is_complete, png_is_animated, resized_pixels, sniff
+from .image_header import (
+    FORMATS,
+    ImageError,
+    bomb_message,
+    header_size,
+    jpeg_is_complete,
+    png_is_animated,
+    resized_pixels,
+    sniff,
+)
 
 # Our own threads do the parallelism; OpenCV's pool would only fight them for the cores.
 cv2.setNumThreads(1)
@@ -129,7 +138,7 @@ def _decode_pil(data: bytes, fmt: str) -> np.ndarray:
                 im = im.convert("RGBA")
             return np.array(im.convert("RGB"))  # a writable copy
     except Image.DecompressionBombError as e:
-        raise ImageError(f"image too large: {e}") from None
+        raise ImageError(bomb_message(e)) from None
     except ImageError:
         raise
     except (OSError, SyntaxError, ValueError, struct.error) as e:
