@@ -169,6 +169,7 @@ class Pipeline:
         self.closed = True
         run = getattr(self, "current_run", None)
         if run is not None and not run.done:  # its stages stop before the processes they feed
+            run.closed_early = True  # (before the stop: what the stop cuts short is never handed out)
             run.stop()
         if getattr(self, "gpu_decoders", None) is not None:
             self.gpu_decoders.close()
@@ -227,11 +228,13 @@ class Pipeline:
         try:
             while not run.done:
                 got = run.get_many(0.1)
+                if run.closed_early:
+                    raise RuntimeError("the Pipeline was closed while this stream ran")
                 if got is None:
                     break
                 yield from run.hand_out(got)
-                if self.closed and not run.done:
-                    raise RuntimeError("the Pipeline was closed while this stream ran")
+            if run.closed_early:
+                raise RuntimeError("the Pipeline was closed while this stream ran")
             run.raise_source_error()
         finally:
             self._finish(run)
@@ -243,16 +246,18 @@ class Pipeline:
         try:
             while not run.done:
                 got = await loop.run_in_executor(None, run.get_many, 0.1)
+                if run.closed_early:
+                    raise RuntimeError("the Pipeline was closed while this stream ran")
                 if got is None:
                     break
-                if self.closed and not run.done and not got:
-                    raise RuntimeError("the Pipeline was closed while this stream ran")
                 results = run.hand_out(got)
                 try:
                     for r in results:
                         yield r
                 finally:
                     results.close()  # (the permits of what was taken go back now, not at collection)
+            if run.closed_early:
+                raise RuntimeError("the Pipeline was closed while this stream ran")
             run.raise_source_error()
         finally:
             self._finish(run)

@@ -195,6 +195,7 @@ class Run:
         self.t_end = 0.0
         self.cpu0 = self.cpu_end = 0.0  # this process's CPU time (all its threads) at start and end
         self.done = False
+        self.closed_early = False  # (set by Pipeline.close while the stream runs: its reader must raise)
 
     # -- plumbing -------------------------------------------------------------------------------
     def _put(self, q: queue.Queue, obj, block: bool = True) -> bool:
