@@ -536,9 +536,11 @@ def test_flag_defaults_are_the_dataclasses_defaults():
         assert gen_defaults[f.name] == f.default, f.name
 
 
-def test_ctrl_c_mid_run_with_decoder_processes_leaves_no_process_and_no_shared_memory(samples, tmp_path):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_mid_run_with_decoder_processes_leaves_no_process_and_no_shared_memory(samples, tmp_path, sig):
     """A terminal's Ctrl-C (SIGINT to the foreground process group) in the middle of a run with
-    decoder processes: exit 130, every decoder process gone, no shared-memory file left behind."""
+    decoder processes: exit 130, every decoder process gone, no shared-memory file left behind.
+    SIGTERM to the command alone (a service manager's stop) does the same, exit 143."""
     import os
     import signal
     import time
@@ -566,9 +568,13 @@ def test_ctrl_c_mid_run_with_decoder_processes_leaves_no_process_and_no_shared_m
         time.sleep(0.1)  # until results flow: the decoder processes are working
     workers = children(p.pid)
     assert len(workers) >= 2, workers
-    os.killpg(p.pid, signal.SIGINT)
+    if sig == "SIGINT":
+        os.killpg(p.pid, signal.SIGINT)
+    else:
+        os.kill(p.pid, signal.SIGTERM)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err[-2000:]
+    assert p.returncode == (130 if sig == "SIGINT" else 143), err[-2000:]
+    assert ("interrupted: stopping" if sig == "SIGINT" else "terminated: stopping") in err
 
     time.sleep(0.5)
     assert not [w for w in workers if alive(w)]

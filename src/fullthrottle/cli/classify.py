@@ -9,6 +9,7 @@ import sys
 import time
 
 from .common import (
+    Terminated,
     _close_out,
     _gpu_decode_settings,
     _input_limits,
@@ -16,6 +17,7 @@ from .common import (
     freeze_startup_objects,
     held_sigint,
     sample_photos,
+    sigterm_as_interrupt,
     write_report_json,
 )
 
@@ -149,6 +151,11 @@ def _is_image_file(path: str) -> bool:
 
 
 def cmd_classify(args) -> int:
+    with sigterm_as_interrupt():  # (SIGTERM stops the run as a Ctrl-C does: exit 143)
+        return _classify(args)
+
+
+def _classify(args) -> int:
     with held_sigint():  # (a Ctrl-C is taken once the native libraries have imported)
         import torch
         from tqdm import tqdm
@@ -261,10 +268,10 @@ def cmd_classify(args) -> int:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
         _close_out(out)
         return 2
-    except KeyboardInterrupt:  # during start-up (model load, graph capture, decoder processes)
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # during start-up (model load, graph capture, decoder processes)
+        print("terminated" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)
         _close_out(out)
-        return 130
+        return 143 if isinstance(e, Terminated) else 130
     if pipe.engine.random_weights:
         print(
             f"WARNING: no --weights given: {args.model} is randomly initialised (fixed seed), labels are meaningless",
@@ -289,12 +296,15 @@ def cmd_classify(args) -> int:
             elif not r.ok and out is not sys.stdout:
                 tqdm.write(_format_result(r), file=sys.stderr)
             bar.update(1)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         bar.close()
         # (said first: a model's forward that runs on in Python holds up the stop until it returns)
-        print("interrupted: stopping (Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+        if isinstance(e, Terminated):
+            print("terminated: stopping", file=sys.stderr, flush=True)
+        else:
+            print("interrupted: stopping (Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
         results.close()  # stop every stage and join its thread before the interpreter exits
-        return 130
+        return 143 if isinstance(e, Terminated) else 130
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, like other CLI tools
         results.close()
         _silence_stdout()

@@ -31,6 +31,32 @@ def held_sigint():
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where a Ctrl-C would be: the command stops as it does for one (exit 143)."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM raises :class:`Terminated` in the main thread for the block (elsewhere: nothing
+    changes), so that a command stops its stages and child processes and says so, as on Ctrl-C,
+    instead of dying at once with its decoder processes left to notice."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise Terminated()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def freeze_startup_objects() -> None:
     """Exempt every object alive now (the model, its graphs, the imported libraries: a few hundred
     thousand) from the garbage collector's full passes (``gc.collect()`` then ``gc.freeze()``). Each
