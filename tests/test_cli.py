@@ -472,6 +472,11 @@ def test_odd_file_names_stay_on_one_line_and_empty_out_is_refused(samples, tmp_p
     rc = main(["classify", str(odd), "--device", "cpu", "--no-progress", "--threads", "1"])
     out = capsys.readouterr().out.splitlines()
     assert rc == 0 and len(out) == 1 and out[0].startswith(str(tmp_path) + "/new\\nline.jpg: "), out
+    latin = os.path.join(os.fsencode(tmp_path), b"caf\xe9.jpg")  # not UTF-8: shown as in the JSON lines
+    with open(latin, "wb") as f:
+        f.write(samples[0].read_bytes())
+    assert main(["classify", os.fsdecode(latin), "--device", "cpu", "--no-progress", "--threads", "1"]) == 0
+    assert capsys.readouterr().out.startswith(str(tmp_path) + "/caf\\xe9.jpg: ")
     assert main(["classify", str(odd), "--device", "cpu", "--out", ""]) == 2
     assert "--out needs a file name ('-' for stdout)" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)  # (a file named '-' would land here)

@@ -24,8 +24,12 @@ from .common import (
 
 def _shown(s: str) -> str:
     """``s`` with control characters and undecodable bytes escaped (a file name with a newline stays on
-    one line of the text output)."""
-    return s if s.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
+    one line of the text output; a byte that is not UTF-8 shows as ``\\xNN``, as in the JSON lines)."""
+    if s.isprintable():
+        return s
+    from ..workloads.classify.result import utf8_text
+
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in utf8_text(s))
 
 
 def _format_result(r) -> str:
