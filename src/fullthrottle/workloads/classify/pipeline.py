@@ -228,9 +228,7 @@ class Pipeline:
         try:
             while not run.done:
                 got = run.get_many(0.1)
-                if run.closed_early:
-                    raise RuntimeError("the Pipeline was closed while this stream ran")
-                if got is None:
+                if got is None or run.closed_early:
                     break
                 yield from run.hand_out(got)
             if run.closed_early:
@@ -246,9 +244,7 @@ class Pipeline:
         try:
             while not run.done:
                 got = await loop.run_in_executor(None, run.get_many, 0.1)
-                if run.closed_early:
-                    raise RuntimeError("the Pipeline was closed while this stream ran")
-                if got is None:
+                if got is None or run.closed_early:
                     break
                 results = run.hand_out(got)
                 try:
