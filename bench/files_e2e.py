@@ -258,7 +258,8 @@ def main():
         default=[],
         metavar="ARGS",
         help="also run the CLI with these arguments on the --try-folder (a trial, named try_N; repeatable); "
-        "leading NAME=VALUE words set that environment variable for the trial",
+        "leading NAME=VALUE words set that environment variable for the trial; a leading @FOLDER word "
+        "(@mixed, @640x480) reads that folder instead",
     )
     ap.add_argument(
         "--try-folder", default="640x480", choices=("640x480", "mixed"), help="the folder the --try runs read"
@@ -277,7 +278,11 @@ def main():
         RUNS["soak_resnet18_640x480"] = ("640x480", "--model resnet18")
         args.runs += ",soak_resnet18_640x480"
     for i, extra in enumerate(args.trials):
-        RUNS[f"try_{i}"] = (args.try_folder, extra)
+        folder, _, rest = extra.partition(" ")
+        if folder[1:] in ("640x480", "mixed") and folder.startswith("@"):
+            RUNS[f"try_{i}"] = (folder[1:], rest)
+        else:
+            RUNS[f"try_{i}"] = (args.try_folder, extra)
         args.runs += f",try_{i}"
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
