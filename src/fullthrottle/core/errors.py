@@ -53,15 +53,28 @@ KINDS: tuple[tuple[str, str, str], ...] = (
 _COMPILED = tuple((kind, stage, re.compile(p)) for kind, stage, p in KINDS)
 
 
-def error_info(message: str | None) -> tuple[str, str] | tuple[None, None]:
+def error_info(message: str | None, item_id: str | None = None) -> tuple[str, str] | tuple[None, None]:
     """``(stage, kind)`` of an item's error message; ``(None, None)`` for no error;
-    ``("pipeline", "other")`` for a message of no known kind."""
+    ``("pipeline", "other")`` for a message of no known kind.
+
+    ``item_id``: the item's id, which the message names. It is taken out before the message is
+    read, so that an id holding a kind's words (a file named ``cannot read this.jpg``, an id sent
+    by a client) does not set the kind; where taking it out leaves no kind (an id that is a part of
+    the message's own words, such as ``e``), the whole message is read."""
     if message is None:
         return None, None
+    if item_id and item_id in message:
+        found = _kind(message.replace(item_id, "\0"))
+        if found is not None:
+            return found
+    return _kind(message) or ("pipeline", "other")
+
+
+def _kind(message: str) -> tuple[str, str] | None:
     for kind, stage, pattern in _COMPILED:
         if pattern.search(message):
             return stage, kind
-    return "pipeline", "other"
+    return None
 
 
 class Overloaded(RuntimeError):

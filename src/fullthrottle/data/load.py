@@ -173,7 +173,10 @@ class Loader:
         self.defer_files, self.drop = defer_files, drop
         self.error: BaseException | None = None
         #: what the inputs iterable raised: the stream ends there, every item before it is answered
-        self.source_error: Exception | None = None
+        self.source_error: BaseException | None = None
+        #: True while this stage waits in the inputs iterable's ``next()`` (a generator waiting for
+        #: requests): nothing here can end that wait, so a stop does not join this thread then
+        self.in_source = False
         self.thread = threading.Thread(target=self._thread_main, name="ft-load", daemon=True)
         # the newest chunk handed to ``out``: items join it until a consumer takes it (take()), so an
         # item is never held back waiting for a chunk to fill, and a busy consumer gets many at once
@@ -286,11 +289,16 @@ class Loader:
         may_block = not isinstance(self.inputs, (list, tuple, str, bytes, os.PathLike))
         try:
             while True:
+                self.in_source = True
                 try:
                     nxt = await asyncio.to_thread(next, source, None) if tasks and may_block else next(source, None)
-                except Exception as e:  # noqa: BLE001 - the caller's iterable: what came before it still counts
-                    self.source_error = e
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as e:  # noqa: BLE001 - the caller's iterable (sys.exit() in a generator
+                    self.source_error = e  # too): what came before it still counts
                     break
+                finally:
+                    self.in_source = False
                 if nxt is None:
                     break
                 index, (item_id, src) = nxt

@@ -19,6 +19,7 @@ included: memory stays flat however long the input stream is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import warnings
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -126,6 +127,7 @@ class Pipeline:
         self.on_batch = None
         self._busy = threading.Lock()
         self.closed = False  # (close(): every later run raises)
+        self._life = threading.RLock()  # close() and a run's start, one at a time
 
     def _start_gpu_decoders(self, config: Config) -> None:
         from ...data.gpu_decode_procs import GpuDecoderPool
@@ -166,8 +168,9 @@ class Pipeline:
     def close(self) -> None:
         """Stop the decoder processes and release the device buffers (the pipeline cannot be used
         afterwards: :meth:`run` then raises RuntimeError, also one running now)."""
-        self.closed = True
-        run = getattr(self, "current_run", None)
+        with getattr(self, "_life", None) or contextlib.nullcontext():  # (a run starting now is stopped)
+            self.closed = True
+            run = getattr(self, "current_run", None)
         if run is not None and not run.done:  # its stages stop before the processes they feed
             run.closed_early = True  # (before the stop: what the stop cuts short is never handed out)
             run.stop()
@@ -188,17 +191,25 @@ class Pipeline:
                 else type(inputs).__name__
             )
             raise TypeError(f"inputs must be an iterable of paths, URLs, bytes or (id, bytes) pairs, got {what}")
-        if self.closed:
-            raise RuntimeError("this Pipeline is closed (its decoders and buffers are released): build a new one")
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(
-                "this Pipeline is already running a stream; finish it first (or build a second Pipeline)"
-            )
-        run = Run(self.engine, self.config, inputs, self.decoders, self.gpu_decoders, drop)
-        run.batcher.on_batch = self.on_batch
-        self.current_run = run
-        run.start()
-        return run
+        with self._life:
+            if self.closed:
+                raise RuntimeError("this Pipeline is closed (its decoders and buffers are released): build a new one")
+            if not self._busy.acquire(blocking=False):
+                raise RuntimeError(
+                    "this Pipeline is already running a stream; finish it first (or build a second Pipeline)"
+                )
+            run = None
+            try:
+                run = Run(self.engine, self.config, inputs, self.decoders, self.gpu_decoders, drop)
+                run.batcher.on_batch = self.on_batch
+                self.current_run = run
+                run.start()
+            except BaseException:  # (a run that could not start leaves the Pipeline usable)
+                if run is not None:
+                    run.stop()
+                self._busy.release()
+                raise
+            return run
 
     def _finish(self, run: Run) -> None:
         try:

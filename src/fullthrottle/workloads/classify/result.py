@@ -39,12 +39,12 @@ class Result:
     @property
     def error_stage(self) -> str | None:
         """The stage that failed the item (``load``, ``preprocess``, ``compute``, ``pipeline``), or None."""
-        return error_info(self.error)[0]
+        return error_info(self.error, self.id)[0]
 
     @property
     def error_kind(self) -> str | None:
         """The kind of failure (``not_found``, ``corrupt``, ... :data:`fullthrottle.core.errors.KINDS`), or None."""
-        return error_info(self.error)[1]
+        return error_info(self.error, self.id)[1]
 
     def to_dict(self) -> dict:
         d = {"index": self.index, "id": utf8_text(self.id)}
@@ -55,7 +55,7 @@ class Result:
             ]
         else:
             d["error"] = utf8_text(self.error)
-            d["error_stage"], d["error_kind"] = error_info(self.error)
+            d["error_stage"], d["error_kind"] = error_info(self.error, self.id)
         return d
 
     def to_json(self) -> str:

@@ -243,11 +243,17 @@ class Run:
             t.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop every stage and join its thread (at most ``timeout`` seconds in all)."""
+        """Stop every stage and join its thread (at most ``timeout`` seconds in all). The load stage's
+        thread is not waited for while it waits in the inputs iterable (a generator waiting for its
+        next item: it ends when that item comes), nor is the calling thread (a ``drop`` callback or
+        the inputs iterable that closed the Pipeline)."""
         self.stop_event.set()
         self.gpumon.__exit__(None, None, None)
         deadline = time.perf_counter() + timeout
+        me = threading.current_thread()
         for t in [self.loader.thread, *self.threads]:
+            if t is me or (t is self.loader.thread and self.loader.in_source):
+                continue
             if t.is_alive():
                 t.join(max(0.0, deadline - time.perf_counter()))
 

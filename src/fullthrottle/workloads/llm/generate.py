@@ -13,6 +13,7 @@ the stop mask are static device tensors the host fills before replaying.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,7 +108,7 @@ class Generator:
             )
         self.model = model
         self.scheduler = None  # the Scheduler that owns the engine's state (the newest one built on it)
-        self._generating = False
+        self._generating = threading.Lock()  # held by the generate call running (one at a time)
         for name, v, lowest in (
             ("max_batch", max_batch, 1),
             ("max_seq_len", max_seq_len, 1),
@@ -332,18 +333,18 @@ class Generator:
         for i, p in enumerate(prompts):  # (all checked before the Scheduler takes the engine)
             check_request(self, p, max_new_tokens, f"prompt {i}")
         self.check_cache()
-        if self._generating:  # (from inside on_tokens, say: a new call would take the running call's rows)
+        # (from inside on_tokens, or from another thread: a new call would take the running call's rows)
+        if not self._generating.acquire(blocking=False):
             raise RuntimeError("this Generator is inside a generate call: one call at a time")
-        st = stats or GenerateStats()
-        busy0 = {k: v.busy_s for k, v in self.stats.items()}
-        sched = Scheduler(self, eos_id=eos_id, ahead=self.check_every)
-        reqs = [
-            sched.submit(p, max_new_tokens, per["temperature"][i], per["top_k"][i], per["top_p"][i], seeds[i])
-            for i, p in enumerate(prompts)
-        ]
-        sent = [0] * n
-        self._generating = True
         try:
+            st = stats or GenerateStats()
+            busy0 = {k: v.busy_s for k, v in self.stats.items()}
+            sched = Scheduler(self, eos_id=eos_id, ahead=self.check_every)
+            reqs = [
+                sched.submit(p, max_new_tokens, per["temperature"][i], per["top_k"][i], per["top_p"][i], seeds[i])
+                for i, p in enumerate(prompts)
+            ]
+            sent = [0] * n
             while sched.busy:
                 sched.step()
                 if on_tokens is not None and any(len(r.tokens) > k for r, k in zip(reqs, sent)):
@@ -354,7 +355,7 @@ class Generator:
                             sched.cancel(r)
                         break
         finally:
-            self._generating = False
+            self._generating.release()
         # (each stage's time is up to its own read back of the device's results)
         st.prefill_s += self.stats["prefill"].busy_s - busy0["prefill"]
         st.decode_s += self.stats["decode"].busy_s - busy0["decode"]
