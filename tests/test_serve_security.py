@@ -344,7 +344,7 @@ def test_a_request_head_over_the_limit_is_refused_with_either_parser(samples, pa
     """A head of a few hundred KiB (one endless header) gets 400 and a closed connection, with
     uvicorn's C parser as with h11; a normal request on a new connection is then served."""
     pytest.importorskip(parser)
-    from fullthrottle.server.guard import MAX_HEAD_BYTES, head_deadline_protocol
+    from fullthrottle.server.connection import MAX_HEAD_BYTES, head_deadline_protocol
 
     with Server(Tiny(), uvicorn_kw={"http": head_deadline_protocol(30.0, parser=parser)}) as srv:
         sock = socket.create_connection(("127.0.0.1", srv.port))
@@ -375,7 +375,7 @@ def test_a_request_head_over_the_limit_is_refused_with_either_parser(samples, pa
 def test_a_client_trickling_its_request_head_is_disconnected(samples):
     """uvicorn times out only idle keep-alive connections; the head deadline closes a connection
     whose request line and headers do not arrive whole in time, also after a first request."""
-    from fullthrottle.server.guard import head_deadline_protocol
+    from fullthrottle.server.connection import head_deadline_protocol
 
     with Server(Tiny(), uvicorn_kw={"http": head_deadline_protocol(1.0)}) as srv:
         port = srv.port
@@ -587,7 +587,7 @@ def test_embed_that_cannot_start_leaves_no_file(tmp_path, capsys):
 def test_one_client_address_cannot_take_every_connection(samples):
     """Past its per-address limit a client's new connections are closed as they open, each reported
     to ``on_client_refused`` (the server logs it); a client at another address is served meanwhile."""
-    from fullthrottle.server.guard import head_deadline_protocol
+    from fullthrottle.server.connection import head_deadline_protocol
 
     socks, refused = [], []
     proto = head_deadline_protocol(30.0, per_client=5, on_client_refused=lambda *a: refused.append(a))

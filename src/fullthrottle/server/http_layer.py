@@ -14,7 +14,8 @@ import time
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
-from .guard import NO_KEY, authorised, head_deadline_protocol
+from .connection import head_deadline_protocol
+from .guard import NO_KEY, authorised
 from .options import ServeOptions
 from .startup import startup_error_only
 

@@ -1,0 +1,181 @@
+"""The server's HTTP/1.1 connections: uvicorn's protocol (httptools or h11) with a deadline and a size
+limit on every request head, a cap on the connections of one client address and on all of them, a
+bound on the requests one connection may pipeline, and a graceful shutdown that answers a request
+already on its way (:func:`head_deadline_protocol`)."""
+
+from __future__ import annotations
+
+#: at a graceful shutdown, how long an idle keep-alive connection stays open for a request that
+#: may already be on its way (it is answered, with ``Connection: close``), seconds
+SHUTDOWN_LINGER_S = 0.5
+#: most bytes of one request head (request line and headers) before the connection is answered 400
+#: and closed (h11 has the same limit of its own)
+MAX_HEAD_BYTES = 16384
+#: most requests one connection may have parsed and waiting behind the one being answered (HTTP/1.1
+#: pipelining, httptools); one more closes the connection: a client that pipelines without reading
+#: its answers would otherwise have the server queue requests, and their answers, without bound
+MAX_PIPELINED = 128
+
+
+def head_deadline_protocol(
+    seconds: float,
+    per_client: int | None = None,
+    parser: str = "auto",
+    on_refused=None,
+    on_client_refused=None,
+    max_connections: int | None = None,
+    busy_app=None,
+):
+    """uvicorn's HTTP/1.1 protocol with a deadline on every request head: a connection whose request
+    line and headers are not complete ``seconds`` after it opened (or after its previous response) is
+    closed. uvicorn itself times out only idle keep-alive connections, and any byte received
+    cancels that timer, so a client trickling a head could hold a connection for ever.
+
+    A connection may pipeline requests (send the next before the answer to the last): each one's head
+    is bounded as it comes, and at most :data:`MAX_PIPELINED` may wait (one more closes it).
+
+    ``per_client``: most connections open at once from one client address; one more is closed as
+    it opens, so that one client cannot take every connection the server allows (behind a proxy,
+    every client has the proxy's address: raise it, or let the proxy limit).
+
+    At a graceful shutdown an idle keep-alive connection is closed :data:`SHUTDOWN_LINGER_S` later,
+    not at once: a request the client sent just before is then answered (uvicorn would drop it
+    unread, and the client sees a connection closed without an answer).
+
+    ``parser``: ``"httptools"`` (uvicorn's C parser, llhttp), ``"h11"`` (pure Python: more CPU per
+    request), or ``"auto"``: httptools where it is installed, as uvicorn itself picks.
+
+    ``max_connections``: a connection opened while this many are open gets ``busy_app`` (ASGI: 503,
+    then closed) for its requests (uvicorn's ``limit_concurrency`` would refuse the earlier ones too).
+    ``on_refused``: called with no arguments for each request the parser refuses (400: malformed, or
+    a head over :data:`MAX_HEAD_BYTES`), which never reaches the app (so the caller can count it).
+    ``on_client_refused``: called with the client's address and ``per_client`` for each connection
+    closed because that address held ``per_client`` already."""
+    if parser == "auto":
+        import importlib.util
+
+        parser = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+    if parser == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    elif parser == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    else:
+        raise ValueError(f"parser must be auto, httptools or h11, got {parser!r}")
+
+    open_from: dict = {}  # client address -> its connections open now (one event loop: no lock)
+
+    class HeadDeadline(base):
+        _head_timer = None
+        _peer = None
+        _closing = False
+        _head_bytes: int | None = 0  # bytes received of the request head being read (None: it is whole)
+        _arm_after_body = False  # answered before its body came in: the next head's deadline starts after it
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_bytes = 0
+            self._head_timer = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _expired(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            peer = transport.get_extra_info("peername")
+            self._peer = peer[0] if isinstance(peer, tuple) and peer else None
+            n = open_from[self._peer] = open_from.get(self._peer, 0) + 1
+            if per_client is not None and n > per_client:
+                if on_client_refused is not None:
+                    on_client_refused(self._peer, per_client)
+                transport.close()
+                return
+            if max_connections is not None and len(self.connections) > max_connections:
+                self.app = busy_app  # (this one's requests only: the connections open before go on)
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            n = open_from.get(self._peer, 0) - 1
+            if n > 0:
+                open_from[self._peer] = n
+            else:
+                open_from.pop(self._peer, None)
+            super().connection_lost(exc)
+
+        def _head_arrived(self) -> None:
+            self._disarm()
+            self._head_bytes = None
+            self._arm_after_body = False
+            if self._closing and self.cycle is not None:
+                self.cycle.keep_alive = False  # answered, then closed
+
+        def handle_events(self) -> None:  # (h11: the parser's events)
+            before = self.cycle
+            super().handle_events()
+            if self.cycle is not before:  # a request head arrived whole
+                self._head_arrived()
+
+        def data_received(self, data: bytes) -> None:
+            if parser == "httptools" and self._head_bytes is not None:
+                self._head_bytes += len(data)  # (httptools buffers a head of any size: h11 stops at 16 KiB)
+            super().data_received(data)
+            if self._arm_after_body and self.cycle is not None and not self.cycle.more_body:
+                self._arm_after_body = False
+                if not self.transport.is_closing():
+                    self._arm()
+            if (
+                parser == "httptools"
+                and self._head_bytes is not None
+                and self._head_bytes > MAX_HEAD_BYTES
+                and not self.transport.is_closing()
+            ):
+                self.send_400_response(f"request head over {MAX_HEAD_BYTES} bytes")
+
+        def send_400_response(self, msg: str) -> None:
+            if on_refused is not None:
+                on_refused()
+            super().send_400_response(msg)
+
+        def on_headers_complete(self) -> None:  # (httptools: the parser's callback)
+            # (a head that arrived whole in one read: its size is the line's and headers' bytes)
+            size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
+            if size > MAX_HEAD_BYTES:
+                raise ValueError(f"request head over {MAX_HEAD_BYTES} bytes")  # (the parser: 400, closed)
+            before = self.cycle
+            super().on_headers_complete()
+            if self.cycle is not before:
+                self._head_arrived()
+            if len(self.pipeline) > MAX_PIPELINED and not self.transport.is_closing():
+                self.transport.close()  # (see MAX_PIPELINED)
+
+        def shutdown(self) -> None:
+            if self.cycle is None or self.cycle.response_complete:
+                self._closing = True
+                self.loop.call_later(SHUTDOWN_LINGER_S, self._shutdown_now)
+            else:
+                super().shutdown()
+
+        def _shutdown_now(self) -> None:
+            if not self.transport.is_closing():
+                super().shutdown()
+
+        def on_response_complete(self) -> None:
+            waiting = bool(getattr(self, "pipeline", None))  # (httptools: requests parsed ahead, one starts now)
+            before = self.cycle
+            super().on_response_complete()
+            if self.transport.is_closing() or waiting or self.cycle is not before:
+                return  # a request's head is here already (pipelined): its body is no head, no deadline runs
+            if self.cycle is not None and self.cycle.more_body:  # answered before its whole body came in
+                self._arm_after_body = True
+                return
+            self._arm()
+
+    HeadDeadline.__name__ = HeadDeadline.__qualname__ = f"HeadDeadline{base.__name__}"
+    return HeadDeadline

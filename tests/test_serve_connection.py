@@ -1,0 +1,70 @@
+"""HTTP/1.1 pipelining through the server's connection protocol (server/connection.py): a pipelined
+request's body is not read as a request head, nor timed by the next head's deadline; a connection
+that pipelines past MAX_PIPELINED requests without reading its answers is closed."""
+
+import socket
+import time
+
+import pytest
+from test_serve import Server, Tiny, post_image
+
+from fullthrottle.server.connection import MAX_PIPELINED, head_deadline_protocol
+
+
+def read_all(sock: socket.socket, idle_s: float = 2.0) -> tuple[bytes, bool]:
+    """Everything the server sends until it is quiet for ``idle_s``; whether it closed the connection."""
+    sock.settimeout(idle_s)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+        return got, True
+    except TimeoutError:
+        return got, False
+    except OSError:
+        return got, True
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_a_pipelined_requests_body_is_neither_a_head_nor_under_the_heads_deadline(samples, parser):
+    pytest.importorskip(parser)
+    img = samples[0].read_bytes()
+    assert len(img) > 20000  # (over the 16 KiB head limit)
+    post = b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nContent-Length: %d\r\n\r\n" % len(img)
+    with Server(Tiny(), uvicorn_kw={"http": head_deadline_protocol(1.0, parser=parser)}) as srv:
+        for pieces in (1, 4):  # the body at once after a pause, and trickled past the 1 s head deadline
+            sock = socket.create_connection(("127.0.0.1", srv.port))
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" + post)
+            step = len(img) // pieces + 1
+            for k in range(0, len(img), step):
+                time.sleep(0.5)
+                sock.sendall(img[k : k + step])
+            got, _ = read_all(sock)
+            sock.close()
+            assert got.count(b"HTTP/1.1 200") == 2 and b"HTTP/1.1 400" not in got, (pieces, got[:300])
+            assert b'"top_k"' in got or b'"results"' in got
+        # a route that answers before reading a large body: the body that follows is no head either
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(img))
+        time.sleep(0.3)
+        sock.sendall(img)
+        time.sleep(0.3)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        got, _ = read_all(sock)
+        sock.close()
+        assert got.startswith(b"HTTP/1.1 404") and b"HTTP/1.1 400" not in got, got[:300]
+
+
+def test_a_connection_pipelining_past_the_bound_without_reading_is_closed(samples):
+    pytest.importorskip("httptools")
+    one = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    with Server(Tiny(), uvicorn_kw={"http": head_deadline_protocol(10.0, parser="httptools")}) as srv:
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(one * 50)  # within the bound: every one answered, in order
+        got, closed = read_all(sock, 1.0)
+        assert got.count(b"HTTP/1.1 200") == 50 and not closed
+        sock.sendall(one * (4 * MAX_PIPELINED))  # in one send, no answer read: closed
+        got, closed = read_all(sock, 3.0)
+        sock.close()
+        assert closed and got.count(b"HTTP/1.1 200") <= MAX_PIPELINED + 2, got.count(b"HTTP/1.1 200")
+        assert post_image(srv.url, samples[0].read_bytes()).status_code == 200  # others are served
