@@ -1,6 +1,7 @@
 """HTTP/1.1 pipelining through the server's connection protocol (server/connection.py): a pipelined
 request's body is not read as a request head, nor timed by the next head's deadline; a connection
-that pipelines past MAX_PIPELINED requests without reading its answers is closed."""
+that pipelines past MAX_PIPELINED requests without reading its answers is closed; transfer codings, trailing
+slashes and JSON bodies over their limit."""
 
 import socket
 import time
@@ -68,3 +69,33 @@ def test_a_connection_pipelining_past_the_bound_without_reading_is_closed(sample
         sock.close()
         assert closed and got.count(b"HTTP/1.1 200") <= MAX_PIPELINED + 2, got.count(b"HTTP/1.1 200")
         assert post_image(srv.url, samples[0].read_bytes()).status_code == 200  # others are served
+
+
+def test_a_transfer_coding_but_chunked_is_501_and_a_trailing_slash_is_no_redirect(samples):
+    gz = (
+        b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+    )
+    with Server(Tiny()) as srv:
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(gz + b"5\r\nhello\r\n0\r\n\r\n")
+        got, _ = read_all(sock, 1.0)
+        sock.close()
+        assert got.startswith(b"HTTP/1.1 501") and b"Transfer-Encoding gzip, chunked" in got, got[:300]
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(b"GET /healthz/ HTTP/1.1\r\nHost: evil.example\r\n\r\n")
+        got, _ = read_all(sock, 1.0)
+        sock.close()
+        assert got.startswith(b"HTTP/1.1 404") and b"evil.example" not in got, got[:300]
+
+
+def test_a_json_body_of_urls_over_the_json_limit_is_413_unparsed():
+    import httpx
+
+    from fullthrottle.server.guard import MAX_JSON_BYTES
+
+    body = b'{"urls": [' + b"1," * (MAX_JSON_BYTES // 2) + b"1]}"
+    with Server(Tiny()) as srv:
+        r = httpx.post(srv.url + "/v1/classify", content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 413 and f"at most {MAX_JSON_BYTES}" in r.json()["detail"], r.text
+        r = httpx.post(srv.url + "/v1/classify", json={"urls": [1]}, timeout=30)
+        assert r.status_code == 400 and "the body must be" in r.json()["detail"], r.text  # (a small one is read)

@@ -124,6 +124,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         title="fullthrottle",
         lifespan=lifespan,
         description="Image classification with cross-request dynamic batching on the GPU.",
+        redirect_slashes=False,  # (/v1/classify/ is 404: a redirect would name the client's Host header)
     )
 
     reply = add_basics(app, m.requests, opts.api_keys)

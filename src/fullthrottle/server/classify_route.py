@@ -22,7 +22,7 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 
 from ..core.errors import Overloaded
 from ..workloads.classify.result import Result
-from .guard import HTTPError, answer_unless_gone, check_pixels, overloaded, read_body
+from .guard import HTTPError, answer_unless_gone, check_json_size, check_pixels, overloaded, read_body
 
 log = logging.getLogger("fullthrottle.server.classify")
 ROUTE = "/v1/classify"
@@ -108,6 +108,7 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
         return images
 
     async def fetch_urls(body: bytes) -> list[tuple[str, bytes | FetchError]]:
+        check_json_size(body)
         try:
             payload = json.loads(body)
             urls = payload.get("urls") if isinstance(payload, dict) else None

@@ -296,7 +296,7 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
         finally:
             await state["http"].aclose()
 
-    local = FastAPI(title="fullthrottle", lifespan=lifespan)
+    local = FastAPI(title="fullthrottle", lifespan=lifespan, redirect_slashes=False)
 
     reply = add_basics(local, m.requests, opts.api_keys)
 

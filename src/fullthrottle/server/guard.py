@@ -18,6 +18,16 @@ import os
 from ..core.env import API_KEY
 
 API_KEY_ENV = API_KEY  #: API keys for ``serve`` (comma-separated), besides --api-key (core.env declares it)
+#: most bytes of a JSON body of classify URLs or of an LLM request (413 past it): JSON is parsed on
+#: the event loop, which answers no other client meanwhile (tens of ms per MiB of numbers), and no
+#: such request needs more (64 URLs; a prompt of 64 characters per token of a 4k context, escaped)
+MAX_JSON_BYTES = 4 << 20
+
+
+def check_json_size(body: bytes) -> None:
+    """Raises HTTPError 413 for a JSON body over :data:`MAX_JSON_BYTES`."""
+    if len(body) > MAX_JSON_BYTES:
+        raise HTTPError(413, f"a JSON body of {len(body)} bytes; at most {MAX_JSON_BYTES} for this route")
 
 
 class HTTPError(Exception):
@@ -119,10 +129,10 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
     """The whole request body, within ``timeout_s`` and ``max_bytes``; none is taken encoded.
 
     Raises:
-        HTTPError: 415 a Content-Encoding but identity (nothing here inflates a body), 413 over the
-            limit (declared or read), 408 not received in time, 499 the client hung up before the end
-            of its body (nginx's "client closed request": nobody reads that answer, and /metrics
-            counts it apart from the clients' errors).
+        HTTPError: 415 a Content-Encoding but identity (nothing here inflates a body), 501 a
+            Transfer-Encoding but chunked, 413 over the limit (declared or read), 408 not received in
+            time, 499 the client hung up before the end of its body (nginx's "client closed
+            request": nobody reads that answer, and /metrics counts it apart from the clients' errors).
     """
     from starlette.requests import ClientDisconnect
 
@@ -133,6 +143,8 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
         raise HTTPError(499, "the client disconnected before the end of its request body") from None
     if (coding := h.get("content-encoding", "identity").strip().lower()) not in ("", "identity"):
         raise HTTPError(415, f"Content-Encoding {coding} is not accepted: send the body unencoded")
+    if [c for c in h.get("transfer-encoding", "").lower().replace(" ", "").split(",") if c not in ("", "chunked")]:
+        raise HTTPError(501, f"Transfer-Encoding {h['transfer-encoding']} is not implemented: only chunked")
     return body
 
 

@@ -32,7 +32,7 @@ from ..core.workload import parse_body
 from ..workloads.llm.api import chat_request, completion_request
 from ..workloads.llm.text import TextStream
 from .guard import HTTPError as _HTTPError
-from .guard import error_body, overloaded, read_body
+from .guard import check_json_size, error_body, overloaded, read_body
 
 #: how often (s) a non-streaming request checks, between its tokens, whether its client went away
 DISCONNECT_CHECK_S = 0.5
@@ -231,6 +231,7 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency, m_ttft
             if svc is None:
                 raise _HTTPError(404, "completions are not enabled (start the server with --llm-model-dir)")
             body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
+            check_json_size(body)
             try:
                 p = parse_body(body)
                 if not isinstance(p, dict):
