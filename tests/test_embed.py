@@ -91,6 +91,21 @@ def test_stream_equals_batch(emb):
     assert whole.truncated.sum() > 0
 
 
+def test_a_raising_stream_yields_every_text_it_gave_before_raising(emb):
+    texts = varied_texts(150)
+
+    def source():
+        yield from texts[:100]
+        raise OSError("the source broke")
+
+    blocks = []
+    with pytest.raises(OSError, match="the source broke"):
+        for b in emb.embed_stream(source(), chunk=64):
+            blocks.append(b)
+    assert [len(b.vectors) for b in blocks] == [64, 36]
+    np.testing.assert_allclose(np.concatenate([b.vectors for b in blocks]), emb.embed(texts[:100]).vectors, atol=1e-6)
+
+
 def test_bad_input_types(emb):
     with pytest.raises(TypeError):
         emb.embed("a single string")

@@ -280,6 +280,9 @@ class Embedder:
 
         Yields:
             one :class:`Embeddings` per chunk of up to ``chunk`` texts, in input order.
+
+        Raises:
+            what ``texts`` raised, once every text it gave before has been embedded and yielded.
         """
         from concurrent.futures import ThreadPoolExecutor
         from itertools import islice
@@ -288,17 +291,25 @@ class Embedder:
         chunk = chunk or self.chunk
 
         def next_chunk():
-            block = list(islice(it, chunk))
-            return block, (self.tokenize(block) if block else [])
+            block, err = [], None
+            try:
+                block.extend(islice(it, chunk))  # (what it gave before raising is kept)
+            except Exception as e:  # noqa: BLE001 - raised after the texts before it are embedded
+                err = e
+            return block, (self.tokenize(block) if block else []), err
 
         with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenize") as ex:
             fut = ex.submit(next_chunk)
             while True:
-                block, encs = fut.result()
+                block, encs, err = fut.result()
+                if block and err is None:
+                    fut = ex.submit(next_chunk)
+                if block:
+                    yield self.embed_encoded(encs)
+                if err is not None:
+                    raise err
                 if not block:
                     return
-                fut = ex.submit(next_chunk)
-                yield self.embed_encoded(encs)
 
     def embed(self, texts: list[str]) -> Embeddings:
         """Embed ``texts`` (any length list; empty strings allowed).
