@@ -224,9 +224,9 @@ class Pipeline:
         ``inputs``: paths, directories, globs, URLs, ``bytes``, or ``(id, bytes)`` pairs (see
         :func:`fullthrottle.data.sources.expand`). Results come in input order unless ``ordered=False``.
         Breaking out of the loop (or Ctrl-C) stops every stage and joins its threads.
-        ``drop``: ``drop(index) -> bool``, asked for each item (its place in ``inputs``) as it leaves
-        the load stage and again as its batch reaches the model (from those stages' threads): an
-        item it drops is not decoded, or not computed, and its result carries the error
+        ``drop``: ``drop(index) -> bool``, asked for each item (its result's ``index``: its place once
+        folders and globs are expanded) as it leaves the load stage and again as its batch reaches the
+        model (from those stages' threads): an item it drops is not decoded, or not computed, and its result carries the error
         :data:`~fullthrottle.data.load.DROPPED` (a server drops the images of a client that left).
 
         Raises:

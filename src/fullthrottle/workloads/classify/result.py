@@ -16,7 +16,7 @@ class Result:
     """The answer for one input item.
 
     Attributes:
-        index: position in the input stream (0-based).
+        index: position in the input stream once folders and globs are expanded into their files (0-based).
         id: the file path, URL, or ``<bytes #i>`` name of the item.
         labels / class_ids / probs: the top-k classes, most probable first (probs sum to <= 1).
         error: why this item failed (then the three lists are empty); :attr:`error_stage` and
