@@ -6,7 +6,7 @@ import json
 import pytest
 from toy_workload import Fragile, Summer
 
-from fullthrottle.core.workload import run_offline
+from fullthrottle.core.workload import parse_body, run_offline
 
 
 def test_run_offline_batches_across_requests_and_keeps_errors_per_request():
@@ -79,6 +79,8 @@ def test_cli_run_gives_each_bad_line_its_own_error(tmp_path):
     }
     assert "not UTF-8" in rows[1]["error"] and "NaN is not JSON" in rows[2]["error"]
     assert rows[3]["error"] == "malformed JSON body: nested too deep"
+    with pytest.raises(ValueError, match=r"^malformed JSON body: a number of more than \d+ digits$"):
+        parse_body(b'{"n": ' + b"9" * 5000 + b"}")  # (not Python's words naming its setting)
     # (a position inside a body is a column of its line: the row's "line" is the file's)
     assert rows[5]["line"] == 6 and rows[5]["error"].endswith("double quotes: column 2 (char 1)"), rows[5]
 

@@ -37,6 +37,7 @@ batch; ``predict`` runs one batch of items from many requests)::
 from __future__ import annotations
 
 import json
+import sys
 import traceback
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -189,6 +190,10 @@ def parse_body(body: bytes | str):
     except UnicodeDecodeError as e:
         raise ValueError(f"malformed JSON body: not UTF-8 ({e.reason} at byte {e.start})") from None
     except ValueError as e:
+        if "integer string conversion" in str(e):  # (Python's own words name its setting)
+            raise ValueError(
+                f"malformed JSON body: a number of more than {sys.get_int_max_str_digits()} digits"
+            ) from None
         raise ValueError(f"malformed JSON body: {e}") from None
 
 
