@@ -63,7 +63,7 @@ def error_info(message: str | None, item_id: str | None = None) -> tuple[str, st
     the message's own words, such as ``e``), the whole message is read."""
     if message is None:
         return None, None
-    if item_id and item_id in message:
+    if isinstance(item_id, str) and item_id and item_id in message:
         found = _kind(message.replace(item_id, "\0"))
         if found is not None:
             return found

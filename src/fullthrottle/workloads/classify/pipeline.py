@@ -226,8 +226,9 @@ class Pipeline:
         Breaking out of the loop (or Ctrl-C) stops every stage and joins its threads.
         ``drop``: ``drop(index) -> bool``, asked for each item (its result's ``index``: its place once
         folders and globs are expanded) as it leaves the load stage and again as its batch reaches the
-        model (from those stages' threads): an item it drops is not decoded, or not computed, and its result carries the error
-        :data:`~fullthrottle.data.load.DROPPED` (a server drops the images of a client that left).
+        model (from those stages' threads): an item it drops is not decoded, or not computed, and its
+        result carries the error :data:`~fullthrottle.data.load.DROPPED` (a server drops the images of
+        a client that left).
 
         Raises:
             PipelineError: a stage failed for a reason that belongs to no single item, or the
