@@ -99,3 +99,29 @@ def test_a_json_body_of_urls_over_the_json_limit_is_413_unparsed():
         assert r.status_code == 413 and f"at most {MAX_JSON_BYTES}" in r.json()["detail"], r.text
         r = httpx.post(srv.url + "/v1/classify", json={"urls": [1]}, timeout=30)
         assert r.status_code == 400 and "the body must be" in r.json()["detail"], r.text  # (a small one is read)
+
+
+def test_bodies_past_what_a_process_may_receive_at_once_get_503_and_the_room_comes_back(samples):
+    from fullthrottle.server.app import ServeOptions
+    from fullthrottle.server.guard import BODIES_AT_ONCE
+
+    limit, part = 100_000, 90_000
+    head = b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nContent-Length: %d\r\n\r\n" % limit
+    with Server(Tiny(), ServeOptions(max_body_bytes=limit)) as srv:
+        socks, answers = [], []
+        for _ in range(BODIES_AT_ONCE + 8):  # each holds 90% of a body at the limit, and waits
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(head + b"\0" * part)
+            socks.append(s)
+            time.sleep(0.05)
+        time.sleep(0.5)
+        for s in socks:
+            got, _ = read_all(s, 0.05)
+            answers.append(got)
+        refused = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
+        assert 1 <= len(refused) <= 9 and all(b"retry-after: 1" in a.lower() for a in refused), answers[-3:]
+        assert all(a == b"" for a in answers[: BODIES_AT_ONCE - 2]), answers[:3]  # (the first wait on)
+        for s in socks:
+            s.close()
+        time.sleep(0.5)
+        assert post_image(srv.url, samples[0].read_bytes()).status_code == 200  # the room came back

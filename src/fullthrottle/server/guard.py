@@ -105,6 +105,13 @@ DRAIN_BYTES = 16 << 20
 DRAIN_S = 2.0
 
 
+#: request bodies this process may be receiving at once, in bytes, as a multiple of the limit of
+#: one (``max_body_bytes``: 32 x 32 MiB by default); a body that would go past it gets 503 with
+#: Retry-After, so that slow or many large uploads cannot take the process's memory
+BODIES_AT_ONCE = 32
+_receiving = [0]  # bytes of the request bodies being received in this process now (one event loop)
+
+
 async def drain(chunks, declared: int | None = None) -> None:
     """Read and drop what is left of a request body (``chunks``: an async iterator of bytes), at most
     :data:`DRAIN_BYTES` within :data:`DRAIN_S`; nothing when its declared length is past that."""
@@ -131,7 +138,7 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
     Raises:
         HTTPError: 415 a Content-Encoding but identity (nothing here inflates a body), 501 a
             Transfer-Encoding but chunked, 413 over the limit (declared or read), 408 not received in
-            time, 499 the client hung up before the end of its body (nginx's "client closed
+            time, 503 past the bodies this process may receive at once (:data:`BODIES_AT_ONCE`), 499 the client hung up before the end of its body (nginx's "client closed
             request": nobody reads that answer, and /metrics counts it apart from the clients' errors).
     """
     from starlette.requests import ClientDisconnect
@@ -177,8 +184,8 @@ async def body_chunks(receive):
 
 async def _read_limited(chunks, declared: str | None, expecting: bool, max_bytes: int, timeout_s: float) -> bytes:
     """The whole body from ``chunks`` (an async iterator of bytes; ``declared``: its Content-Length,
-    ``expecting``: the client waits for 100-continue). Raises HTTPError (413, 408), and what
-    ``chunks`` raises."""
+    ``expecting``: the client waits for 100-continue). Raises HTTPError (413, 408, 503 past
+    :data:`BODIES_AT_ONCE`), and what ``chunks`` raises."""
     # (413s close the connection, the rest of the body drained first: it must not be read as a request)
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         if not expecting:  # (a client waiting for 100-continue sends nothing more)
@@ -187,18 +194,31 @@ async def _read_limited(chunks, declared: str | None, expecting: bool, max_bytes
             413, f"request body of {declared} bytes exceeds the limit of {max_bytes}", {"Connection": "close"}
         )
     body = bytearray()
+    budget = BODIES_AT_ONCE * max_bytes
+    busy = HTTPError(
+        503,
+        "the server is receiving too many large request bodies at once: retry",
+        {"Retry-After": "1", "Connection": "close"},
+    )
+    if declared is not None and declared.isdigit() and _receiving[0] + int(declared) > budget:
+        raise busy
 
     async def read():
         async for chunk in chunks:
             body.extend(chunk)
+            _receiving[0] += len(chunk)
             if len(body) > max_bytes:
                 await drain(chunks)
                 raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes", {"Connection": "close"})
+            if _receiving[0] > budget:
+                raise busy
 
     try:
         await asyncio.wait_for(read(), timeout_s)
     except TimeoutError:
         raise HTTPError(408, f"request body not received within {timeout_s:g} s", {"Connection": "close"}) from None
+    finally:
+        _receiving[0] -= len(body)
     return bytes(body)
 
 
