@@ -4,7 +4,9 @@ total-pixels limit of a classify request.
 - Keys: with any key configured, every route but ``/healthz`` needs ``Authorization: Bearer KEY``;
   keys are compared in constant time (``hmac.compare_digest``) so that timing tells nothing about them.
 - Bodies: read in full within ``body_timeout_s`` (a client trickling bytes is cut off with 408) and
-  at most ``max_body_bytes`` (413), whatever ``Content-Length`` claims.
+  at most ``max_body_bytes`` (413), whatever ``Content-Length`` claims; a process receives at most
+  :data:`BODIES_AT_ONCE` times that at once (503); a JSON body of URLs or of an LLM request holds at
+  most :data:`MAX_JSON_BYTES` (413, unparsed).
 - Pixels: the images of one request may hold at most ``max_request_pixels`` together (each image's
   own limit is the pipeline's ``max_image_pixels``), read from their headers before any decode.
 """
@@ -138,8 +140,9 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
     Raises:
         HTTPError: 415 a Content-Encoding but identity (nothing here inflates a body), 501 a
             Transfer-Encoding but chunked, 413 over the limit (declared or read), 408 not received in
-            time, 503 past the bodies this process may receive at once (:data:`BODIES_AT_ONCE`), 499 the client hung up before the end of its body (nginx's "client closed
-            request": nobody reads that answer, and /metrics counts it apart from the clients' errors).
+            time, 503 past the bodies this process may receive at once (:data:`BODIES_AT_ONCE`), 499
+            the client hung up before the end of its body (nginx's "client closed request": nobody
+            reads that answer, and /metrics counts it apart from the clients' errors).
     """
     from starlette.requests import ClientDisconnect
 
