@@ -1,3 +1,4 @@
+import gc
 import threading
 import time
 
@@ -5,7 +6,7 @@ import pytest
 import torch
 import torchvision
 
-from fullthrottle.core.graphs import GraphRunner, graph_module
+from fullthrottle.core.graphs import GraphRunner, GraphSet, graph_module
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 
@@ -175,6 +176,39 @@ def test_capture_while_another_thread_copies_pinned(resnet):
         ref = model(x)
     torch.testing.assert_close(runner(x), ref, rtol=2e-2, atol=2e-2)
     assert runner.info.total_capture_s > 0 and runner.info.pool_bytes > 0
+
+
+@pytest.mark.gpu
+def test_capture_survives_a_cycle_of_old_graphs_freed_meanwhile():
+    # an old GraphSet in a reference cycle becomes garbage while a new capture runs, and the
+    # allocations of the captured function would trigger a collection there: the capture must hold
+    x = torch.ones(64, device="cuda")
+    holder = []
+    for _ in range(4):
+        old = GraphSet("cuda")
+        old.capture(0, lambda: x * 3)
+        old.me = old  # a cycle: only the garbage collector frees it
+        holder.append(old)
+    del old
+    thresholds = gc.get_threshold()
+
+    def fn():
+        if torch.cuda.is_current_stream_capturing():
+            holder.clear()  # the old graphs are garbage now
+            _ = [[] for _ in range(5000)]  # container allocations: a collection unless it is off
+        return x * 2
+
+    gc.set_threshold(1, 1, 1)
+    try:
+        new = GraphSet("cuda")
+        _, out = new.capture("k", fn)
+    finally:
+        gc.set_threshold(*thresholds)
+    x.fill_(5)
+    new.replay("k")
+    torch.cuda.synchronize()
+    assert out.tolist() == [10.0] * 64
+    gc.collect()  # (the old graphs go now, outside any capture)
 
 
 def test_fold_batchnorm_matches_eager_and_leaves_untraceable_models_alone():

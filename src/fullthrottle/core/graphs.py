@@ -23,6 +23,7 @@ The rules followed here (PyTorch's CUDA graph notes, https://pytorch.org/docs/st
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,11 @@ class GraphSet:
                 fn()
         self.stream.synchronize()
         g = torch.cuda.CUDAGraph()
+        # no garbage collection while this thread captures: a cycle holding an old CUDAGraph, freed
+        # there, destroys it (cudaGraphExecDestroy), which is not permitted during a capture and
+        # invalidates it (torch's own gc.collect() before a capture is off by default)
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
                 out = fn()
@@ -112,6 +118,9 @@ class GraphSet:
                 "The captured function must not synchronise with the host "
                 "(.item(), .cpu(), printing) or use CPU tensors."
             ) from e
+        finally:
+            if collecting:
+                gc.enable()
         if keep:
             self.graphs[key] = (g, out)
         return g, out
