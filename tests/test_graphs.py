@@ -180,21 +180,26 @@ def test_capture_while_another_thread_copies_pinned(resnet):
 
 @pytest.mark.gpu
 def test_capture_survives_a_cycle_of_old_graphs_freed_meanwhile():
-    # an old GraphSet in a reference cycle becomes garbage while a new capture runs, and the
-    # allocations of the captured function would trigger a collection there: the capture must hold
+    # old graphs that only a reference cycle holds become garbage while a new capture runs, and the
+    # captured function's allocations would trigger a collection there (freeing them destroys their
+    # CUDA graphs and releases their memory pools, not permitted during a capture): no collection
+    # runs while capturing, and the capture holds
     x = torch.ones(64, device="cuda")
-    holder = []
-    for _ in range(4):
-        old = GraphSet("cuda")
+    olds = [GraphSet("cuda") for _ in range(4)]
+    for old in olds:
         old.capture(0, lambda: x * 3)
-        old.me = old  # a cycle: only the garbage collector frees it
-        holder.append(old)
     del old
     thresholds = gc.get_threshold()
+    collecting_while_capturing = []
 
     def fn():
         if torch.cuda.is_current_stream_capturing():
-            holder.clear()  # the old graphs are garbage now
+            collecting_while_capturing.append(gc.isenabled())
+        if torch.cuda.is_current_stream_capturing() and olds:
+            cycle = [olds[:]]
+            cycle.append(cycle)
+            olds.clear()  # the old graphs hang on a young cycle only
+            del cycle
             _ = [[] for _ in range(5000)]  # container allocations: a collection unless it is off
         return x * 2
 
@@ -204,6 +209,7 @@ def test_capture_survives_a_cycle_of_old_graphs_freed_meanwhile():
         _, out = new.capture("k", fn)
     finally:
         gc.set_threshold(*thresholds)
+    assert not olds and collecting_while_capturing == [False] and gc.isenabled()
     x.fill_(5)
     new.replay("k")
     torch.cuda.synchronize()
