@@ -281,6 +281,27 @@ def test_api_keys(samples):
     with pytest.raises(ValueError, match="shorter than 16"):
         load_keys(["short"], environ={})
     assert load_keys([key], environ={"FULLTHROTTLE_API_KEY": f"{'x' * 20},{key}"}) == (key, "x" * 20)
+    assert load_keys([key], environ={"FULLTHROTTLE_API_KEY": ""}) == (key,)  # set empty: as unset
+
+
+def test_a_key_file_or_key_variable_with_no_key_refuses_to_serve(tmp_path):
+    """Keys asked for but none found (a blank file, a failed secret mount, ``,``): exit 2, never a
+    server open to all."""
+    from fullthrottle.server.guard import load_keys
+
+    blank = tmp_path / "keys"
+    blank.write_text("\n   \n# a comment\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        load_keys((), str(blank), environ={})
+    with pytest.raises(ValueError, match="FULLTHROTTLE_API_KEY is set but holds no key"):
+        load_keys((), None, environ={"FULLTHROTTLE_API_KEY": " , "})
+    blank.write_bytes(b"\xff\xfe not utf-8")
+    with pytest.raises(ValueError, match="cannot read the API key file"):
+        load_keys((), str(blank), environ={})
+    blank.write_text("\n")
+    cmd = [sys.executable, "-m", "fullthrottle.cli", "serve", "--device", "cpu", "--port", "0", "--api-key-file"]
+    out = subprocess.run([*cmd, str(blank)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "holds no key" in out.stderr, out.stderr[-500:]
 
 
 def test_a_trickling_client_is_cut_off_while_others_are_served(samples):

@@ -71,17 +71,30 @@ def load_keys(keys=(), key_file: str | None = None, environ=os.environ) -> tuple
     """Every API key from ``keys``, ``key_file`` (one per line; blank lines and ``#`` comments
     skipped) and :data:`API_KEY_ENV`.
 
+    A key file, or a non-empty :data:`API_KEY_ENV`, that holds no key is an error, not a server
+    without keys: whoever passes one means keys to be required.
+
     Raises:
-        ValueError: an unreadable key file, or a key shorter than 16 characters.
+        ValueError: an unreadable key file, a key file or a non-empty :data:`API_KEY_ENV` with no
+            key in it, or a key shorter than 16 characters.
     """
     out = [k.strip() for k in keys]
     if key_file is not None:
         try:
             with open(key_file, encoding="utf-8") as f:
-                out += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
-        except OSError as e:
-            raise ValueError(f"cannot read the API key file {key_file}: {e.strerror or e}") from None
-    out += [k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+                found = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.reason if isinstance(e, UnicodeDecodeError) else e.strerror or e
+            raise ValueError(f"cannot read the API key file {key_file}: {reason}") from None
+        if not found:
+            raise ValueError(f"the API key file {key_file} holds no key (one per line)")
+        out += found
+    env = environ.get(API_KEY_ENV, "")
+    if env:  # (set to the empty string: as unset)
+        found = [k.strip() for k in env.split(",") if k.strip()]
+        if not found:
+            raise ValueError(f"${API_KEY_ENV} is set but holds no key (comma-separated keys; unset it for none)")
+        out += found
     short = [k for k in out if len(k) < 16]
     if short:
         raise ValueError(
