@@ -220,6 +220,31 @@ def test_generate_and_embed_name_a_missing_model_folder(tmp_path, capsys):
     assert f"--embed-model {missing}: no config.json there" in capsys.readouterr().err
 
 
+def test_embed_and_generate_refuse_to_write_over_their_input(tmp_path, capsys):
+    """An output that is the input (by name or by a link) or the other output: exit 2 before any
+    model loads, and the input left as it was."""
+    texts = tmp_path / "in.jsonl"
+    texts.write_text('{"text": "hello"}\n')
+    (tmp_path / "link.jsonl").symlink_to(texts)
+    for extra in (
+        ["--out", str(texts)],
+        ["--out", str(tmp_path / "link.jsonl")],
+        ["--out", str(tmp_path / "v.npy"), "--report-json", str(texts)],
+        ["--out", str(tmp_path / "v.jsonl"), "--report-json", str(tmp_path / "v.jsonl")],
+    ):
+        assert main(["embed", str(texts), "--device", "cpu", "--model-dir", str(tmp_path / "nope"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "is the same file as" in err and "writing it would destroy it" in err, (extra, err)
+        assert texts.read_text() == '{"text": "hello"}\n' and not (tmp_path / "v.jsonl").exists()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    assert (
+        main(["generate", "--random", "tiny", "--device", "cpu", "--prompts", str(prompts), "--out", str(prompts)]) == 2
+    )
+    assert f"--out {prompts} is the same file as --prompts" in capsys.readouterr().err
+    assert prompts.read_text() == '{"prompt": "a"}\n'
+
+
 def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp_path, capsys):
     """``generate --prompts FILE``: every line a request through the continuous-batching scheduler,
     answered in order with the tokens the single-prompt path gives it; a bad line gets its own error."""

@@ -134,6 +134,25 @@ def _close_out(out) -> str | None:
     return None
 
 
+def overwrites_an_input(outputs: dict, inputs: dict) -> str | None:
+    """The error for an output file that is also an input or another output (by the file itself:
+    links and other spellings count; a file not there yet by its real path), or None. ``outputs`` and ``inputs`` map a flag's name (as
+    the error names it) to its path; None and ``"-"`` (stdin, stdout) are skipped."""
+    seen = {}
+    for name, path in [*inputs.items(), *outputs.items()]:
+        if path in (None, "", "-"):
+            continue
+        try:
+            st = os.stat(path)
+            key = (st.st_dev, st.st_ino)
+        except OSError:  # (not there yet: two outputs to one new file are still one file)
+            key = os.path.realpath(path)
+        if key in seen and name in outputs:
+            return f"{name} {path} is the same file as {seen[key]}: writing it would destroy it"
+        seen.setdefault(key, name)
+    return None
+
+
 def write_report_json(rep, path: str | None) -> bool:
     """Write a run's :class:`~fullthrottle.core.report.Report` as JSON to ``path`` (None: nothing;
     ``"-"``: stdout); False (the reason printed) when it cannot be written.

@@ -70,7 +70,7 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
 
 
 def cmd_embed(args) -> int:
-    from .common import held_sigint, write_report_json
+    from .common import held_sigint, overwrites_an_input, write_report_json
 
     with held_sigint():  # (a Ctrl-C is taken once the native libraries have imported)
         import numpy as np
@@ -104,6 +104,10 @@ def cmd_embed(args) -> int:
         print(
             f"fullthrottle: error: cannot write {args.report_json}: not a file in a folder that exists", file=sys.stderr
         )
+        return 2
+    clash = overwrites_an_input({"--out": args.out, "--report-json": args.report_json}, {"the input": args.file})
+    if clash:
+        print(f"fullthrottle: error: {clash}", file=sys.stderr)
         return 2
     if args.model_dir and not os.path.isdir(args.model_dir):
         print(f"fullthrottle: error: model folder not found: {args.model_dir}", file=sys.stderr)

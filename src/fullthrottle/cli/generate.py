@@ -104,10 +104,14 @@ def _many(args, model, tok, eos, device, dtype) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .common import held_sigint
+    from .common import held_sigint, overwrites_an_input
 
     if args.out is not None and args.prompts is None:  # (one prompt's tokens stream to stdout)
         print("fullthrottle: error: --out is for --prompts FILE (one prompt's text goes to stdout)", file=sys.stderr)
+        return 2
+    clash = overwrites_an_input({"--out": args.out}, {"--prompts": args.prompts})
+    if clash:
+        print(f"fullthrottle: error: {clash}", file=sys.stderr)
         return 2
     if (args.kv_pages or args.kv_dtype != "auto") and args.prompts is None:
         print("fullthrottle: error: --kv-pages and --kv-dtype are for --prompts FILE", file=sys.stderr)
