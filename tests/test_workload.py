@@ -344,3 +344,40 @@ def test_cli_embed_names_a_model_folder_without_a_model(tmp_path, capsys):
     args = ["embed", "--model-dir", str(tmp_path), str(tmp_path / "texts.txt"), "--out", str(tmp_path / "v.npy")]
     assert main([*args, "--device", "cpu"]) == 2
     assert f"no sentence-transformers model in {tmp_path}: " in capsys.readouterr().err
+
+
+def test_a_slow_decode_request_or_encode_response_leaves_the_server_answering():
+    """The workload's own per-request code runs off the event loop: while three requests spend 1 s
+    each in decode_request, /healthz answers at once and the three overlap."""
+    import concurrent.futures as cf
+    import time
+
+    import httpx
+    from test_serve import Server, Tiny
+
+    from fullthrottle.server.app import ServeOptions
+
+    class SlowParse(Summer):
+        name = "slowparse"
+
+        def decode_request(self, body):
+            time.sleep(1.0)
+            return super().decode_request(body)
+
+        def encode_response(self, outputs):
+            time.sleep(0.5)
+            return super().encode_response(outputs)
+
+    with Server(Tiny(), ServeOptions(workloads=(SlowParse(),), classify=False)) as s:
+        ask = lambda k: httpx.post(s.url + "/v1/slowparse", json={"inputs": [[k, 0, 0, 0]]}, timeout=30)  # noqa: E731
+        with cf.ThreadPoolExecutor(3) as ex:
+            t0 = time.perf_counter()
+            futs = [ex.submit(ask, k) for k in range(3)]
+            time.sleep(0.3)
+            t1 = time.perf_counter()
+            assert httpx.get(s.url + "/healthz", timeout=30).status_code == 200
+            health_s = time.perf_counter() - t1
+            answers = [f.result().json()["results"] for f in futs]
+            wall = time.perf_counter() - t0
+    assert answers == [[{"output": float(k)}] for k in range(3)]
+    assert health_s < 0.5 and wall < 3.0, (health_s, wall)  # (on the event loop: ~0.7 s and 4.5 s)

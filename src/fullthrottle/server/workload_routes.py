@@ -225,6 +225,11 @@ def add_workload_routes(app, workloads, state: dict, opts, reply, m_latency) -> 
         )
 
 
+def _items(w, body: bytes) -> list:
+    """The items of one request body: JSON, then the workload's ``decode_request``."""
+    return items_of(w, parse_body(body))
+
+
 def _handler(name: str, state: dict, opts, reply, m_latency):
     """The route of the workload ``name`` (a closure: FastAPI would read a default argument as a
     query parameter)."""
@@ -238,8 +243,9 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
                 raise HTTPError(503, "loading", {"Retry-After": str(opts.retry_after_s)})
             w = svc.workload
             body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
-            try:
-                items = items_of(w, parse_body(body))
+            try:  # (in a thread, as is encode_response below: the workload's own code may take
+                # its time, and this event loop serves every other request meanwhile)
+                items = await asyncio.to_thread(_items, w, body)
             except ContractError as e:  # the workload's bug: say so, as JSON
                 raise HTTPError(500, str(e)) from None
             except TooManyItems as e:
@@ -259,7 +265,7 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
             except Exception as e:  # noqa: BLE001 - cost() or predict() failed for the whole batch
                 raise HTTPError(500, f"{name}: {e}") from None
             try:
-                answer = response_of(w, outs, check_json=False)  # (JSON: checked as it is sent)
+                answer = await asyncio.to_thread(response_of, w, outs, False)  # (JSON: checked as it is sent)
             except ContractError as e:
                 raise HTTPError(500, str(e)) from None
             except ValueError as e:
