@@ -126,6 +126,8 @@ def test_load_workload_names_what_is_not_a_workload():
     assert isinstance(load_workload("toy_workload:Summer"), Summer)
     with pytest.raises(ValueError, match="a OrderedDict is not a workload: subclass fullthrottle.Workload"):
         load_workload("collections:OrderedDict")
+    with pytest.raises(ValueError, match=r"NeedsArgs\(\) failed: TypeError: .*'scale'"):
+        load_workload("toy_workload:NeedsArgs")
     from fullthrottle.core.workload import check_workload
 
     class Nameless(Summer):

@@ -135,3 +135,10 @@ class ExitInSetup(Summer):
 
     def setup(self, device):
         raise SystemExit(5)
+
+
+class NeedsArgs(Summer):
+    name = "needsargs"
+
+    def __init__(self, scale):  # --workload builds a class with no arguments
+        super().__init__()

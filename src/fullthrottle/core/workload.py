@@ -89,7 +89,8 @@ class Workload:
         """The items of one request's JSON body (a dict), as a list. Raise ``ValueError`` for a
         malformed request: the client gets 400 with the message (any other exception: 500). To fail
         one item and not its whole request (an empty text, say), pass it on marked and answer it
-        with an :class:`ItemError` from :meth:`predict` (``workloads/embed_api.py`` does so)."""
+        with an :class:`ItemError` from :meth:`predict` (``workloads/embed_api.py`` does so).
+        The server calls it in worker threads, for concurrent requests at once: keep it thread-safe."""
         raise NotImplementedError
 
     def cost(self, item) -> int:
@@ -110,7 +111,7 @@ class Workload:
     def encode_response(self, outputs: list) -> dict:
         """The JSON answer of one request from its items' outputs (each a JSON-able value or an
         :class:`ItemError`). Default: ``{"results": [{"output": ...} | {"error": "..."}, ...]}``.
-        Raise ``ValueError`` to fail the request instead: the client gets 422 with the message."""
+        Raise ``ValueError`` to fail the request (422 with the message). Called in worker threads."""
         return {"results": [{"error": str(o)} if isinstance(o, ItemError) else {"output": o} for o in outputs]}
 
 
@@ -147,12 +148,17 @@ def load_workload(spec: str) -> Workload:
     (:func:`check_workload`). A module in the current folder is found.
 
     Raises:
-        ValueError: not ``MODULE:CLASS``, the module or class not found, or the class breaks the contract.
+        ValueError: not ``MODULE:CLASS``, the module or class not found, its constructor failed
+            (its error named), or the class breaks the contract.
     """
     from .imports import import_object
 
     obj = import_object(spec, "--workload", "my_package.my_module:MyWorkload")
-    w = obj() if isinstance(obj, type) else obj
+    try:
+        w = obj() if isinstance(obj, type) else obj
+    except (Exception, SystemExit) as e:  # the user's constructor: its own error, named
+        what = f"exit({e.code})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"--workload {spec}: {obj.__name__}() failed: {what} (built with no arguments)") from e
     check_workload(w)
     return w
 
