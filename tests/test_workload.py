@@ -311,6 +311,26 @@ def test_an_item_that_makes_predict_raise_fails_its_own_request_only_offline_and
     assert a == [4.0] and c == [8.0] and isinstance(b, RuntimeError) and "unlucky 13" in str(b)
 
 
+def test_predict_returning_no_list_of_outputs_is_the_workloads_error():
+    """A dict (its keys), a str (its characters) or None from predict() are no outputs: each
+    request's error, never keys answered as outputs."""
+
+    class Mapper(Summer):
+        name = "mapper"
+
+        def predict(self, items):
+            return {k: sum(x) for k, x in enumerate(items)} if items[0][0] == 1 else "ab"[: len(items)]
+
+    w = Mapper()
+    w.setup("cpu")
+    got = run_offline(w, [{"inputs": [[1, 1, 1, 1], [1, 2, 3, 4]]}])
+    assert got == [
+        (None, "predict() failed: RuntimeError: predict() returned a dict, not a list of one output per item")
+    ]
+    got = run_offline(w, [{"inputs": [[5, 5, 5, 5], [2, 2, 2, 2]]}])
+    assert got[0][1].endswith("predict() returned a str, not a list of one output per item")
+
+
 def test_cli_run_writes_answers_as_they_come_and_ctrl_c_keeps_them(tmp_path):
     """``fullthrottle run`` writes each few batches' answers as they end: a SIGINT midway exits 130
     with the answered lines in --out."""

@@ -31,9 +31,14 @@ def import_object(spec: str, flag: str, example: str):
     except SyntaxError as e:
         raise ValueError(f"{flag} {spec}: {module} has a syntax error: {e}") from None
     except (Exception, SystemExit) as e:  # the user's module failing at import: its own error, named
-        what = f"exit({e.code})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
-        raise ValueError(f"{flag} {spec}: importing {module} failed: {what}") from None
+        raise ValueError(f"{flag} {spec}: importing {module} failed: {raised(e)}") from None
     try:
         return getattr(mod, name)
     except AttributeError:
         raise ValueError(f"{flag} {spec}: {module} has no {name}") from None
+
+
+def raised(e: BaseException) -> str:
+    """What the user's code raised, in one phrase: ``"exit(3)"`` for ``sys.exit(3)``, else
+    ``"TypeError: message"``."""
+    return f"exit({e.code})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"

@@ -42,6 +42,7 @@ import traceback
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from .imports import import_object, raised
 from .report import StageStats
 
 
@@ -151,14 +152,11 @@ def load_workload(spec: str) -> Workload:
         ValueError: not ``MODULE:CLASS``, the module or class not found, its constructor failed
             (its error named), or the class breaks the contract.
     """
-    from .imports import import_object
-
     obj = import_object(spec, "--workload", "my_package.my_module:MyWorkload")
     try:
         w = obj() if isinstance(obj, type) else obj
     except (Exception, SystemExit) as e:  # the user's constructor: its own error, named
-        what = f"exit({e.code})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
-        raise ValueError(f"--workload {spec}: {obj.__name__}() failed: {what} (built with no arguments)") from e
+        raise ValueError(f"--workload {spec}: {obj.__name__}() failed: {raised(e)} (built with no arguments)") from e
     check_workload(w)
     return w
 
@@ -274,9 +272,12 @@ def outputs_of(workload, items: list) -> list:
     """``predict(items)`` checked: one output per item.
 
     Raises:
-        RuntimeError: predict() returned another number of outputs; whatever predict() raised.
+        RuntimeError: predict() returned no list (a dict, a str, a set) or another number of outputs.
     """
-    got = list(workload.predict(items))
+    got = workload.predict(items)
+    if got is None or isinstance(got, (dict, str, bytes, bytearray, set, frozenset)):  # (keys, characters)
+        raise RuntimeError(f"predict() returned a {type(got).__name__}, not a list of one output per item")
+    got = list(got)
     if len(got) != len(items):
         raise RuntimeError(f"predict() returned {len(got)} outputs for {len(items)} items")
     return got
@@ -294,7 +295,7 @@ def response_of(workload, outputs: list, check_json: bool = True) -> dict:
     except ValueError:
         raise
     except (Exception, SystemExit) as e:  # noqa: BLE001
-        raise ContractError(f"encode_response() failed: {type(e).__name__}: {e}") from None
+        raise ContractError(f"encode_response() failed: {raised(e)}") from None
     if not isinstance(answer, dict):
         raise ContractError(f"encode_response() must return a dict, got {type(answer).__name__}")
     if check_json:
@@ -339,9 +340,8 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
 
     Returns one ``(answer, None)`` or ``(None, error)`` per body, in order; a request whose items all
     failed (:class:`ItemError`) gets ``(answer, "unprocessable: every item failed")``, the answer the
-    server sends with its 422. An error is that request's
-    alone: what the server answers 4xx or 500 for, or an exception ``predict()`` raised on one of its
-    items run alone (:func:`predict_each`, as in the server).
+    server sends with its 422. An error is that request's alone: what the server answers 4xx or 500
+    for, or an exception ``predict()`` raised on one of its items run alone (:func:`predict_each`).
     """
     n = len(bodies)
     answers: list = [None] * n

@@ -132,7 +132,7 @@ def user_spec(name: str) -> ModelSpec:
     """
     import torch
 
-    from ...core.imports import import_object
+    from ...core.imports import import_object, raised
 
     obj = import_object(name, "--model", "my_package.my_models:MyNet")
     if isinstance(obj, ModelSpec):
@@ -146,9 +146,8 @@ def user_spec(name: str) -> ModelSpec:
         try:
             probe = obj()
         except (Exception, SystemExit) as e:  # the user's constructor: its own error, named
-            what = f"exit({e.code})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
             raise ValueError(
-                f"--model {name}: {obj.__name__}() failed: {what} (the class is built with no arguments; "
+                f"--model {name}: {obj.__name__}() failed: {raised(e)} (the class is built with no arguments; "
                 "weights come from --weights)"
             ) from None
     try:
