@@ -6,7 +6,8 @@ import json
 import pytest
 from toy_workload import Fragile, Summer
 
-from fullthrottle.core.workload import parse_body, run_offline
+from fullthrottle.core.json_body import parse_body
+from fullthrottle.core.workload import run_offline
 
 
 def test_run_offline_batches_across_requests_and_keeps_errors_per_request():
@@ -81,6 +82,9 @@ def test_cli_run_gives_each_bad_line_its_own_error(tmp_path):
     assert rows[3]["error"] == "malformed JSON body: nested too deep"
     with pytest.raises(ValueError, match=r"^malformed JSON body: a number of more than \d+ digits$"):
         parse_body(b'{"n": ' + b"9" * 5000 + b"}")  # (not Python's words naming its setting)
+    with pytest.raises(ValueError, match=r"^malformed JSON body: the number -1e999 is too large for a float$"):
+        parse_body(b'{"n": [1.5, -1e999]}')  # (float() makes it -inf: Infinity by the back door)
+    assert parse_body(b'{"n": [1.5, 1e308, -0.0, 2]}') == {"n": [1.5, 1e308, -0.0, 2]}
     # (a position inside a body is a column of its line: the row's "line" is the file's)
     assert rows[5]["line"] == 6 and rows[5]["error"].endswith("double quotes: column 2 (char 1)"), rows[5]
 

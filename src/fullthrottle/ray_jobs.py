@@ -177,7 +177,8 @@ class RayWorkload:
 
         import pandas as pd
 
-        from .core.workload import parse_body, run_offline
+        from .core.json_body import parse_body
+        from .core.workload import run_offline
 
         bodies, bad = [], {}
         for j, text in enumerate(batch["request"]):

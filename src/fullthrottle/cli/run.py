@@ -17,7 +17,7 @@ CHUNK = 4096
 
 def _bodies(f):
     """``(line number, body or None, error or None)`` per non-empty line of the binary file ``f``."""
-    from ..core.workload import parse_body
+    from ..core.json_body import parse_body
 
     for n, raw in enumerate(f, 1):
         if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark

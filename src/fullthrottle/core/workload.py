@@ -37,7 +37,6 @@ batch; ``predict`` runs one batch of items from many requests)::
 from __future__ import annotations
 
 import json
-import sys
 import traceback
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -173,32 +172,6 @@ class TooManyItems(ValueError):
 class NotServed(ValueError):
     """Raised by ``decode_request`` for a request naming a model the workload does not serve (the
     server: 404, as OpenAI's API answers)."""
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
-def parse_body(body: bytes | str):
-    """A request body as JSON (NaN and Infinity refused, as JSON has neither).
-
-    Raises:
-        ValueError: not UTF-8, not JSON, NaN/Infinity, or nested too deep, the reason named.
-    """
-    try:
-        if isinstance(body, (bytes, bytearray, memoryview)):
-            body = bytes(body).decode("utf-8")  # (json.loads would take UTF-16 and UTF-32 bytes too)
-        return json.loads(body, parse_constant=_no_constant)
-    except RecursionError:
-        raise ValueError("malformed JSON body: nested too deep") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"malformed JSON body: not UTF-8 ({e.reason} at byte {e.start})") from None
-    except ValueError as e:
-        if "integer string conversion" in str(e):  # (Python's own words name its setting)
-            raise ValueError(
-                f"malformed JSON body: a number of more than {sys.get_int_max_str_digits()} digits"
-            ) from None
-        raise ValueError(f"malformed JSON body: {e}") from None
 
 
 def items_of(workload, body) -> list:

@@ -28,7 +28,7 @@ import uuid
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
 from ..core.errors import Overloaded
-from ..core.workload import parse_body
+from ..core.json_body import parse_body
 from ..workloads.llm.api import chat_request, completion_request
 from ..workloads.llm.text import TextStream
 from .guard import HTTPError as _HTTPError

@@ -24,6 +24,7 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 
 from ..core.batch import RequestBatcher
 from ..core.errors import Overloaded
+from ..core.json_body import parse_body
 from ..core.report import StageStats
 from ..core.workload import (
     ContractError,
@@ -35,7 +36,6 @@ from ..core.workload import (
     cost_of,
     every_item_failed,
     items_of,
-    parse_body,
     predict_each,
     response_of,
     user_traceback,

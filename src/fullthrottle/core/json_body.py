@@ -1,0 +1,40 @@
+"""A request body as JSON, as every route reads one: UTF-8 only, no NaN or Infinity (JSON has
+neither), no float past the largest (``1e999``), every refusal a ``ValueError`` with its reason."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    if math.isinf(x := float(text)):  # (1e999: no NaN or Infinity in by the back door)
+        raise ValueError(f"the number {text[:40]} is too large for a float")
+    return x
+
+
+def parse_body(body: bytes | str):
+    """A request body as JSON (NaN and Infinity refused, as JSON has neither; 1e999 too).
+
+    Raises:
+        ValueError: not UTF-8, not JSON, NaN/Infinity, or nested too deep, the reason named.
+    """
+    try:
+        if isinstance(body, (bytes, bytearray, memoryview)):
+            body = bytes(body).decode("utf-8")  # (json.loads would take UTF-16 and UTF-32 bytes too)
+        return json.loads(body, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("malformed JSON body: nested too deep") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"malformed JSON body: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except ValueError as e:
+        if "integer string conversion" in str(e):  # (Python's own words name its setting)
+            raise ValueError(
+                f"malformed JSON body: a number of more than {sys.get_int_max_str_digits()} digits"
+            ) from None
+        raise ValueError(f"malformed JSON body: {e}") from None
