@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         "comes with its ImageNet weights; a model without bundled weights and without --weights is "
         "randomly initialised and its labels are meaningless (the output says so).",
         epilog="Exit status: 0 all items ok; 1 some item failed (see its error); 2 usage or "
-        "configuration error, or --out / --report-json cannot be written; 130 interrupted.",
+        "configuration error, or --out / --report-json cannot be written; 130 interrupted (Ctrl-C); 143 on SIGTERM.",
     )
     c.add_argument(
         "inputs", nargs="*", metavar="INPUT", help="image file, folder (recursive), glob pattern or http(s) URL"
