@@ -119,8 +119,9 @@ def test_bad_input_types(emb):
     assert emb.embed(t for t in ["a", "b", "c"]).vectors.shape == (3, 384)  # a generator, read once
     with pytest.raises(ValueError, match="text 1 is not valid Unicode"):
         emb.embed(["fine", "caf\udce9"])  # undecodable bytes read with surrogateescape
-    with pytest.raises(ValueError, match="max_batch"):
-        Embedder(device="cpu", max_batch=0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="max_batch"):
+            Embedder(device="cpu", max_batch=bad)
     with pytest.raises(ValueError, match="dtype"):
         Embedder(device="cpu", dtype="int8")
     half = Embedder(device="cpu", dtype="float16")  # (the CPU computes in float32, as classify's does)

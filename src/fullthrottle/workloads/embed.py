@@ -180,7 +180,7 @@ class Embedder:
 
         from ..core.device import resolve_device
 
-        if not isinstance(max_batch, int) or max_batch < 1:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
