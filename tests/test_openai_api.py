@@ -468,6 +468,9 @@ def test_stop_token_ids_several_eos_ids_and_the_chat_replys_default_length(llm):
         assert completion_request({"prompt": [3, 4], "top_k": -1}, gen, None)["top_k"] == 0  # (vLLM's "off")
         with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
             completion_request({"prompt": [3, 4], "top_k": -2}, gen, None)
+        for several in ([[3, 4], [5]], ["a", "b"]):
+            with pytest.raises(ValueError, match="prompt holds several prompts: send one per request"):
+                completion_request({"prompt": several}, gen, None)
         cfg.eos_token_id = [toks[k + 2], toks[k]]  # several end-of-sequence ids: the first made ends it
         r = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
         assert r.choices[0].token_ids == toks[: k + 1] and r.choices[0].finish_reason == "stop"
