@@ -57,7 +57,7 @@ def test_cli_run_answers_a_jsonl_file_in_order(tmp_path, capsys):
     assert main(["run", str(src), "--workload", "toy_workload:ExitInSetup", "--device", "cpu"]) == 2
     assert "workload 'exitinsetup': setup() failed:" in (err := capsys.readouterr().err) and "SystemExit: 5" in err
     assert main(["run", str(src), "--workload", "toy_workload:Summer", "--out", str(src)]) == 2  # not the input
-    assert "is the input file" in capsys.readouterr().err and src.read_text().startswith('{"inputs"')
+    assert "is the same file as the input" in capsys.readouterr().err and src.read_text().startswith('{"inputs"')
     assert main(["run", str(tmp_path / "nope.jsonl"), "--workload", "toy_workload:Summer"]) == 2
     assert "cannot read " + str(tmp_path / "nope.jsonl") + ": No such file" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -136,8 +136,9 @@ def _close_out(out) -> str | None:
 
 def overwrites_an_input(outputs: dict, inputs: dict) -> str | None:
     """The error for an output file that is also an input or another output (by the file itself:
-    links and other spellings count; a file not there yet by its real path), or None. ``outputs`` and ``inputs`` map a flag's name (as
-    the error names it) to its path; None and ``"-"`` (stdin, stdout) are skipped."""
+    links and other spellings count; a file not there yet by its real path), or None. ``outputs``
+    and ``inputs`` map a flag's name (as the error names it) to its path; None and ``"-"`` (stdin,
+    stdout) are skipped."""
     seen = {}
     for name, path in [*inputs.items(), *outputs.items()]:
         if path in (None, "", "-"):

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from .common import _silence_stdout
@@ -38,6 +37,7 @@ def _fail(msg: str) -> int:
 def cmd_run(args) -> int:
     from ..core.device import resolve_device
     from ..core.workload import load_workload, user_traceback
+    from .common import overwrites_an_input
 
     try:
         workload = load_workload(args.workload)
@@ -48,8 +48,9 @@ def cmd_run(args) -> int:
         src = sys.stdin.buffer if args.file == "-" else open(args.file, "rb")
     except OSError as e:
         return _fail(f"cannot read {args.file}: {e.strerror or e}")
-    if args.out != "-" and args.file != "-" and os.path.exists(args.out) and os.path.samefile(args.file, args.out):
-        return _fail(f"--out {args.out} is the input file")
+    clash = overwrites_an_input({"--out": args.out}, {"the input": args.file})
+    if clash:
+        return _fail(clash)
     if not args.ray:
         try:
             workload.setup(device)

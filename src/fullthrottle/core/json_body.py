@@ -22,7 +22,8 @@ def parse_body(body: bytes | str):
     """A request body as JSON (NaN and Infinity refused, as JSON has neither; 1e999 too).
 
     Raises:
-        ValueError: not UTF-8, not JSON, NaN/Infinity, or nested too deep, the reason named.
+        ValueError: not UTF-8, not JSON, NaN/Infinity, a float past the largest, an integer of
+            more digits than Python converts, or nested too deep: the reason named.
     """
     try:
         if isinstance(body, (bytes, bytearray, memoryview)):
