@@ -258,17 +258,20 @@ def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp
     src.write_text(
         '{"prompt": [1, 2, 3]}\n\n{"prompt": [1], "max_tokens": 0}\n{"prompt": [7, 8]}\n{not json\n'
         '{"prompt": [4, 5], "max_tokens": 3, "temperature": 0.7, "seed": 9}\n'
+        '{"prompt": [4], "temperature": NaN}\n{"prompt": [4], "seed": 1e999}\n'
     )
     out = tmp_path / "out.jsonl"
     args = ["generate", "--random", "tiny", "--prompts", str(src), "--max-new-tokens", "6", "--device", "cpu"]
     assert main([*args, "--out", str(out), "--max-batch", "2", "--no-progress"]) == 1  # (some failed)
     got = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [g["index"] for g in got] == [0, 1, 2, 3, 4] and [g["line"] for g in got] == [1, 3, 4, 5, 6]
+    assert [g["index"] for g in got] == [0, 1, 2, 3, 4, 5, 6] and [g["line"] for g in got] == [1, 3, 4, 5, 6, 7, 8]
     assert got[0]["token_ids"] == singles[0] and got[2]["token_ids"] == singles[1]
     assert got[1]["error"].startswith("line 3: ") and "max_tokens must be a positive integer" in got[1]["error"]
     assert "line 5: not valid JSON" in got[3]["error"]
     assert len(got[4]["token_ids"]) == 3 and got[4]["finish_reason"] == "length"
-    assert "2 request(s) failed" in capsys.readouterr().err
+    assert got[5]["error"] == "line 7: not valid JSON: NaN is not JSON"  # (as every route reads a body)
+    assert got[6]["error"] == "line 8: not valid JSON: the number 1e999 is too large for a float"
+    assert "4 request(s) failed" in capsys.readouterr().err
     assert main([*args, "--tokens", "1,2"]) == 2 and "not both" in capsys.readouterr().err
     assert main(["generate", "--random", "tiny", "--tokens", "1,2", "--out", str(out)]) == 2
     assert "--out is for --prompts FILE" in capsys.readouterr().err

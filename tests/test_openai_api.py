@@ -466,7 +466,7 @@ def test_stop_token_ids_several_eos_ids_and_the_chat_replys_default_length(llm):
         assert req["stop_ids"] == (1, 7, 9)
         assert completion_request({"prompt": [3, 4], "ignore_eos": True}, gen, None)["stop_ids"] == ()
         assert completion_request({"prompt": [3, 4], "top_k": -1}, gen, None)["top_k"] == 0  # (vLLM's "off")
-        with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
+        with pytest.raises(ValueError, match=r"top_k must be an integer >= 0, or -1 \(0 and -1: off\), got -2"):
             completion_request({"prompt": [3, 4], "top_k": -2}, gen, None)
         for several in ([[3, 4], [5]], ["a", "b"]):
             with pytest.raises(ValueError, match="prompt holds several prompts: send one per request"):

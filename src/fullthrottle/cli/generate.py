@@ -109,6 +109,10 @@ def cmd_generate(args) -> int:
     if args.out is not None and args.prompts is None:  # (one prompt's tokens stream to stdout)
         print("fullthrottle: error: --out is for --prompts FILE (one prompt's text goes to stdout)", file=sys.stderr)
         return 2
+    if args.top_k < -1:
+        print(f"fullthrottle: error: --top-k must be >= 0, or -1 (0 and -1: off), got {args.top_k}", file=sys.stderr)
+        return 2
+    args.top_k = max(args.top_k, 0)  # (-1: off, as in a request)
     clash = overwrites_an_input({"--out": args.out}, {"--prompts": args.prompts})
     if clash:
         print(f"fullthrottle: error: {clash}", file=sys.stderr)

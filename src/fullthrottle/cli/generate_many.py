@@ -17,6 +17,8 @@ import json
 import sys
 from types import SimpleNamespace
 
+from ..core.json_body import parse_body
+
 
 def read_requests(path: str, args, eos=None) -> list[tuple[int, dict | str]]:
     """The requests of FILE: each non-blank line's number (from 1) and its body (a dict), or the
@@ -40,9 +42,9 @@ def read_requests(path: str, args, eos=None) -> list[tuple[int, dict | str]]:
             continue
         if line.lstrip().startswith("{"):
             try:
-                body = json.loads(line)
+                body = parse_body(line)  # (as every route reads a body: no NaN, Infinity or 1e999)
             except ValueError as e:
-                out.append((n, f"line {n}: not valid JSON: {e}"))
+                out.append((n, f"line {n}: not valid JSON: {str(e).removeprefix('malformed JSON body: ')}"))
                 continue
         else:
             body = {"prompt": line}

@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default: %(default)s)"
     )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same tokens; taken modulo 2**32)")
     add_runtime_flags(g, "device", "dtype")

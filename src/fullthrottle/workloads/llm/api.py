@@ -164,7 +164,10 @@ def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None
     if not (isinstance(stop, list) and len(stop) <= MAX_STOPS and all(isinstance(x, str) and x for x in stop)):
         raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
     temperature, top_p, top_k = _number(p, "temperature", 1.0), _number(p, "top_p", 1.0), _integer(p, "top_k", 0)
-    top_k = 0 if top_k == -1 else top_k  # (-1: off, as vLLM's clients send it)
+    if isinstance(top_k, int) and top_k < 0:  # (-1: off, as vLLM's clients send it)
+        if top_k != -1:
+            raise ValueError(f"top_k must be an integer >= 0, or -1 (0 and -1: off), got {top_k}")
+        top_k = 0
     gen.check_sampling(temperature, top_k, top_p)
     ignore_eos = _get(p, "ignore_eos", False)
     extra = _get(p, "stop_token_ids", [])
