@@ -220,7 +220,7 @@ def test_generate_and_embed_name_a_missing_model_folder(tmp_path, capsys):
     assert f"--embed-model {missing}: no config.json there" in capsys.readouterr().err
 
 
-def test_embed_and_generate_refuse_to_write_over_their_input(tmp_path, capsys):
+def test_embed_and_generate_refuse_to_write_over_their_input(tmp_path, capsys, monkeypatch):
     """An output that is the input (by name or by a link) or the other output: exit 2 before any
     model loads, and the input left as it was."""
     texts = tmp_path / "in.jsonl"
@@ -243,6 +243,13 @@ def test_embed_and_generate_refuse_to_write_over_their_input(tmp_path, capsys):
     )
     assert f"--out {prompts} is the same file as --prompts" in capsys.readouterr().err
     assert prompts.read_text() == '{"prompt": "a"}\n'
+    for cmd, name in ((["embed", "-"], "the input"), (["generate", "--random", "tiny", "--prompts", "-"], "--prompts")):
+        target = texts if cmd[0] == "embed" else prompts
+        with open(target) as stdin:  # (a shell's < FILE)
+            monkeypatch.setattr(sys, "stdin", stdin)
+            assert main([*cmd, "--device", "cpu", "--out", str(target)]) == 2
+        assert f"is the same file as {name} (stdin)" in capsys.readouterr().err
+    assert texts.read_text() == '{"text": "hello"}\n' and prompts.read_text() == '{"prompt": "a"}\n'
 
 
 def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import stat
 import sys
 
 from ..core.config import Config
@@ -137,10 +138,18 @@ def _close_out(out) -> str | None:
 def overwrites_an_input(outputs: dict, inputs: dict) -> str | None:
     """The error for an output file that is also an input or another output (by the file itself:
     links and other spellings count; a file not there yet by its real path), or None. ``outputs``
-    and ``inputs`` map a flag's name (as the error names it) to its path; None and ``"-"`` (stdin,
-    stdout) are skipped."""
+    and ``inputs`` map a flag's name (as the error names it) to its path; an input ``"-"`` is the
+    file behind stdin, if it is one; None and an output ``"-"`` (stdout) are skipped."""
     seen = {}
     for name, path in [*inputs.items(), *outputs.items()]:
+        if path == "-" and name in inputs:  # stdin: the file behind it, if it is one (< FILE)
+            try:
+                st = os.fstat(sys.stdin.fileno())
+            except (OSError, ValueError, AttributeError):  # (closed, or replaced by a test)
+                continue
+            if stat.S_ISREG(st.st_mode):
+                seen.setdefault((st.st_dev, st.st_ino), f"{name} (stdin)")
+            continue
         if path in (None, "", "-"):
             continue
         try:
