@@ -296,8 +296,12 @@ def test_a_key_file_or_key_variable_with_no_key_refuses_to_serve(tmp_path):
     with pytest.raises(ValueError, match="FULLTHROTTLE_API_KEY is set but holds no key"):
         load_keys((), None, environ={"FULLTHROTTLE_API_KEY": " , "})
     blank.write_bytes(b"\xff\xfe not utf-8")
-    with pytest.raises(ValueError, match="cannot read the API key file"):
+    with pytest.raises(ValueError, match="cannot read the API key file .*: not UTF-8"):
         load_keys((), str(blank), environ={})
+    blank.write_bytes(b"\xef\xbb\xbfabcdefghijklmnop0123\r\n")  # (Notepad's UTF-8 with BOM, CRLF)
+    assert load_keys((), str(blank), environ={}) == ("abcdefghijklmnop0123",)
+    with pytest.raises(ValueError, match="API keys must be printable ASCII"):
+        load_keys(["clé-secrète-très-longue"], environ={})
     blank.write_text("\n")
     cmd = [sys.executable, "-m", "fullthrottle.cli", "serve", "--device", "cpu", "--port", "0", "--api-key-file"]
     out = subprocess.run([*cmd, str(blank)], capture_output=True, text=True, timeout=120)

@@ -76,15 +76,15 @@ def load_keys(keys=(), key_file: str | None = None, environ=os.environ) -> tuple
 
     Raises:
         ValueError: an unreadable key file, a key file or a non-empty :data:`API_KEY_ENV` with no
-            key in it, or a key shorter than 16 characters.
+            key in it, a key not of printable ASCII, or a key shorter than 16 characters.
     """
     out = [k.strip() for k in keys]
     if key_file is not None:
         try:
-            with open(key_file, encoding="utf-8") as f:
+            with open(key_file, encoding="utf-8-sig") as f:  # (a byte-order mark is no part of a key)
                 found = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
         except (OSError, UnicodeDecodeError) as e:
-            reason = e.reason if isinstance(e, UnicodeDecodeError) else e.strerror or e
+            reason = f"not UTF-8 ({e.reason})" if isinstance(e, UnicodeDecodeError) else e.strerror or e
             raise ValueError(f"cannot read the API key file {key_file}: {reason}") from None
         if not found:
             raise ValueError(f"the API key file {key_file} holds no key (one per line)")
@@ -95,6 +95,8 @@ def load_keys(keys=(), key_file: str | None = None, environ=os.environ) -> tuple
         if not found:
             raise ValueError(f"${API_KEY_ENV} is set but holds no key (comma-separated keys; unset it for none)")
         out += found
+    if not all(k.isascii() and k.isprintable() for k in out):  # (a header's bytes would never match)
+        raise ValueError("API keys must be printable ASCII characters")
     short = [k for k in out if len(k) < 16]
     if short:
         raise ValueError(
