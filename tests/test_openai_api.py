@@ -469,7 +469,9 @@ def test_stop_token_ids_several_eos_ids_and_the_chat_replys_default_length(llm):
         with pytest.raises(ValueError, match=r"top_k must be an integer >= 0, or -1 \(0 and -1: off\), got -2"):
             completion_request({"prompt": [3, 4], "top_k": -2}, gen, None)
         for several in ([[3, 4], [5]], ["a", "b"]):
-            with pytest.raises(ValueError, match="prompt holds several prompts: send one per request"):
+            with pytest.raises(
+                ValueError, match=r"prompt must be one prompt \(a string or a list of token ids\), not a list"
+            ):
                 completion_request({"prompt": several}, gen, None)
         cfg.eos_token_id = [toks[k + 2], toks[k]]  # several end-of-sequence ids: the first made ends it
         r = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)

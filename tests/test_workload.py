@@ -85,6 +85,8 @@ def test_cli_run_gives_each_bad_line_its_own_error(tmp_path):
     with pytest.raises(ValueError, match=r"^malformed JSON body: the number -1e999 is too large for a float$"):
         parse_body(b'{"n": [1.5, -1e999]}')  # (float() makes it -inf: Infinity by the back door)
     assert parse_body(b'{"n": [1.5, 1e308, -0.0, 2]}') == {"n": [1.5, 1e308, -0.0, 2]}
+    with pytest.raises(ValueError, match=r"the number 1000000000000000000000000000000000000\.\.\. is too large"):
+        parse_body(b"[1" + b"0" * 400 + b".5]")  # (cut, and said to be)
     # (a position inside a body is a column of its line: the row's "line" is the file's)
     assert rows[5]["line"] == 6 and rows[5]["error"].endswith("double quotes: column 2 (char 1)"), rows[5]
 
@@ -139,6 +141,13 @@ def test_load_workload_names_what_is_not_a_workload():
 
     with pytest.raises(ValueError, match="Nameless.name must be 1-64 of a-z"):
         check_workload(Nameless())
+
+    class Awaiting(Summer):
+        async def decode_request(self, body):
+            return [1]
+
+    with pytest.raises(ValueError, match=r"Awaiting.decode_request\(\) is async: the contract's methods are plain"):
+        check_workload(Awaiting())
 
 
 def test_classification_through_the_contract_equals_the_library(samples, bad_dir):

@@ -14,7 +14,7 @@ def _no_constant(name: str):
 
 def _finite(text: str) -> float:
     if math.isinf(x := float(text)):  # (1e999: no NaN or Infinity in by the back door)
-        raise ValueError(f"the number {text[:40]} is too large for a float")
+        raise ValueError(f"the number {text if len(text) <= 40 else text[:37] + '...'} is too large for a float")
     return x
 
 

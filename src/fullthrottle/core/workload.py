@@ -117,6 +117,7 @@ class Workload:
 
 def check_workload(w) -> None:
     """ValueError naming what is wrong with a workload object before it is served."""
+    import inspect
     import re
 
     if not hasattr(w, "name") and not any(callable(getattr(w, a, None)) for a in ("decode_request", "predict")):
@@ -127,6 +128,8 @@ def check_workload(w) -> None:
     for attr in ("decode_request", "predict", "encode_response", "setup", "cost"):
         if not callable(getattr(w, attr, None)):
             raise ValueError(f"{type(w).__name__} has no method {attr}() (subclass fullthrottle.Workload)")
+        if inspect.iscoroutinefunction(getattr(w, attr)):  # (its coroutine would never be awaited)
+            raise ValueError(f"{type(w).__name__}.{attr}() is async: the contract's methods are plain functions")
     for attr in ("decode_request", "predict"):  # (the two a workload must write itself)
         if getattr(type(w), attr, None) is getattr(Workload, attr):
             raise ValueError(f"{type(w).__name__} does not define {attr}()")
@@ -155,7 +158,8 @@ def load_workload(spec: str) -> Workload:
     try:
         w = obj() if isinstance(obj, type) else obj
     except (Exception, SystemExit) as e:  # the user's constructor: its own error, named
-        raise ValueError(f"--workload {spec}: {obj.__name__}() failed: {raised(e)} (built with no arguments)") from e
+        hint = " (the class is built with no arguments)" if isinstance(e, TypeError) else ""
+        raise ValueError(f"--workload {spec}: {obj.__name__}() failed: {raised(e)}{hint}") from e
     check_workload(w)
     return w
 

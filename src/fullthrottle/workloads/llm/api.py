@@ -93,7 +93,7 @@ def completion_request(p: dict, gen, tok) -> dict:
     elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         ids = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
-        raise ValueError("prompt holds several prompts: send one per request (a string or a list of token ids)")
+        raise ValueError("prompt must be one prompt (a string or a list of token ids), not a list of them")
     else:
         raise ValueError("prompt must be a string or a non-empty list of token ids")
     lp = p.get("logprobs")  # (completions: how many top tokens; 0: the chosen token's only)
