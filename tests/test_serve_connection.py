@@ -56,6 +56,26 @@ def test_a_pipelined_requests_body_is_neither_a_head_nor_under_the_heads_deadlin
         assert got.startswith(b"HTTP/1.1 404") and b"HTTP/1.1 400" not in got, got[:300]
 
 
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_a_request_before_bad_bytes_is_answered_then_the_400(samples, parser):
+    """A whole request, then bytes that are no request, in one send: the request is answered (and
+    counted 200, not as a client gone), then 400, then the connection closes."""
+    pytest.importorskip(parser)
+    img = samples[0].read_bytes()
+    post = b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nContent-Length: %d\r\n\r\n" % len(img)
+    with Server(Tiny(), uvicorn_kw={"http": head_deadline_protocol(5.0, parser=parser)}) as srv:
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(post + img + b"garbage\r\n\r\n")
+        got, closed = read_all(sock, 5.0)
+        sock.close()
+        assert got.startswith(b"HTTP/1.1 200") and b'"top_k"' in got, got[:300]
+        assert got.count(b"HTTP/1.1 400") == 1 and got.index(b"HTTP/1.1 400") > got.index(b'"top_k"') and closed
+        import httpx
+
+        metrics = httpx.get(f"http://127.0.0.1:{srv.port}/metrics").text
+        assert 'route="/v1/classify",status="200"} 1.0' in metrics and 'status="499"' not in metrics
+
+
 def test_a_connection_pipelining_past_the_bound_without_reading_is_closed(samples):
     pytest.importorskip("httptools")
     one = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"

@@ -70,6 +70,7 @@ def head_deadline_protocol(
         _closing = False
         _head_bytes: int | None = 0  # bytes received of the request head being read (None: it is whole)
         _arm_after_body = False  # answered before its body came in: the next head's deadline starts after it
+        _refusal: str | None = None  # a 400 held until the request in progress is answered
 
         def _arm(self) -> None:
             self._disarm()
@@ -139,8 +140,13 @@ def head_deadline_protocol(
                 self.send_400_response(f"request head over {MAX_HEAD_BYTES} bytes")
 
         def send_400_response(self, msg: str) -> None:
+            if self._refusal is not None:  # (refused already: what follows is not read)
+                return
             if on_refused is not None:
                 on_refused()
+            if self.cycle is not None and not self.cycle.response_complete and not self.transport.is_closing():
+                self._refusal = msg  # a request before the bad bytes is answered first, then the 400
+                return
             super().send_400_response(msg)
 
         def on_headers_complete(self) -> None:  # (httptools: the parser's callback)
@@ -170,6 +176,9 @@ def head_deadline_protocol(
             waiting = bool(getattr(self, "pipeline", None))  # (httptools: requests parsed ahead, one starts now)
             before = self.cycle
             super().on_response_complete()
+            if self._refusal is not None and not waiting and not self.transport.is_closing():
+                base.send_400_response(self, self._refusal)  # (the requests before it answered: closed)
+                return
             if self.transport.is_closing() or waiting or self.cycle is not before:
                 return  # a request's head is here already (pipelined): its body is no head, no deadline runs
             if self.cycle is not None and self.cycle.more_body:  # answered before its whole body came in
