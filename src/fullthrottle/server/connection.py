@@ -32,7 +32,8 @@ def head_deadline_protocol(
     cancels that timer, so a client trickling a head could hold a connection for ever.
 
     A connection may pipeline requests (send the next before the answer to the last): each one's head
-    is bounded as it comes, and at most :data:`MAX_PIPELINED` may wait (one more closes it).
+    is bounded as it comes, and at most :data:`MAX_PIPELINED` may wait (one more closes it). Bytes
+    that are no request get 400 and the close once the requests before them are answered.
 
     ``per_client``: most connections open at once from one client address; one more is closed as
     it opens, so that one client cannot take every connection the server allows (behind a proxy,
