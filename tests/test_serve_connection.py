@@ -145,3 +145,29 @@ def test_bodies_past_what_a_process_may_receive_at_once_get_503_and_the_room_com
             s.close()
         time.sleep(0.5)
         assert post_image(srv.url, samples[0].read_bytes()).status_code == 200  # the room came back
+
+
+def test_after_a_burst_of_bodies_the_heap_is_trimmed_once_quiet(samples, monkeypatch):
+    """Past TRIM_AFTER_BYTES of request bodies, glibc's malloc_trim runs once no body has come for
+    TRIM_AFTER_S (and only then: bodies still coming put it off)."""
+    from fullthrottle.server import guard
+
+    trims = []
+    monkeypatch.setattr(guard, "TRIM_AFTER_BYTES", 100_000)
+    monkeypatch.setattr(guard, "TRIM_AFTER_S", 0.8)
+    monkeypatch.setattr(guard, "malloc_trim", lambda: trims.append(time.perf_counter()))
+    img = samples[0].read_bytes()
+    with Server(Tiny()) as srv:
+        t0 = time.perf_counter()
+        assert len(img) < 100_000
+        post_image(srv.url, img)  # (under the threshold: nothing)
+        time.sleep(1.0)
+        assert trims == []
+        for _ in range(int(100_000 / len(img)) + 6):  # past it, a body every ~0.1 s: put off
+            time.sleep(0.1)
+            assert post_image(srv.url, img).status_code == 200
+        last = time.perf_counter()  # (the last body is in)
+        assert trims == []
+        time.sleep(1.5)
+        assert len(trims) == 1 and trims[0] - last >= 0.5, (trims, last - t0)
+    assert guard._receiving[0] == 0

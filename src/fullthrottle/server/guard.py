@@ -6,7 +6,8 @@ total-pixels limit of a classify request.
 - Bodies: read in full within ``body_timeout_s`` (a client trickling bytes is cut off with 408) and
   at most ``max_body_bytes`` (413), whatever ``Content-Length`` claims; a process receives at most
   :data:`BODIES_AT_ONCE` times that at once (503); a JSON body of URLs or of an LLM request holds at
-  most :data:`MAX_JSON_BYTES` (413, unparsed).
+  most :data:`MAX_JSON_BYTES` (413, unparsed); after a burst of bodies, once quiet, the freed heap
+  goes back to the system (:data:`TRIM_AFTER_BYTES`).
 - Pixels: the images of one request may hold at most ``max_request_pixels`` together (each image's
   own limit is the pipeline's ``max_image_pixels``), read from their headers before any decode.
 """
@@ -128,6 +129,43 @@ DRAIN_S = 2.0
 BODIES_AT_ONCE = 32
 _receiving = [0]  # bytes of the request bodies being received in this process now (one event loop)
 
+#: once this many bytes of request bodies came in, and then none for :data:`TRIM_AFTER_S` seconds,
+#: glibc is asked to give the freed heap back to the system (``malloc_trim``): without it, a burst of
+#: large bodies leaves the process at its peak size for good
+TRIM_AFTER_BYTES = 256 << 20
+TRIM_AFTER_S = 2.0
+_trim: dict = {"bytes": 0, "timer": None}
+
+
+def _trim_soon(n: int) -> None:
+    """Count ``n`` more body bytes; (re)start the quiet period after which the heap is trimmed."""
+    _trim["bytes"] += n
+    if _trim["bytes"] < TRIM_AFTER_BYTES:
+        return
+    if _trim["timer"] is not None:
+        _trim["timer"].cancel()
+    _trim["timer"] = asyncio.get_running_loop().call_later(TRIM_AFTER_S, _trim_if_quiet)
+
+
+def _trim_if_quiet() -> None:
+    _trim["timer"] = None
+    if _receiving[0] == 0:
+        _trim["bytes"] = 0
+        asyncio.get_running_loop().run_in_executor(None, malloc_trim)
+    else:  # (a body is coming in: wait for it)
+        _trim_soon(0)
+
+
+def malloc_trim() -> bool:
+    """glibc's ``malloc_trim(0)``: free heap pages back to the system; False where glibc is absent."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
 
 async def drain(chunks, declared: int | None = None) -> None:
     """Read and drop what is left of a request body (``chunks``: an async iterator of bytes), at most
@@ -237,6 +275,7 @@ async def _read_limited(chunks, declared: str | None, expecting: bool, max_bytes
         raise HTTPError(408, f"request body not received within {timeout_s:g} s", {"Connection": "close"}) from None
     finally:
         _receiving[0] -= len(body)
+        _trim_soon(len(body))
     return bytes(body)
 
 
