@@ -145,8 +145,9 @@ def head_deadline_protocol(
                 return
             if on_refused is not None:
                 on_refused()
-            if self.cycle is not None and not self.cycle.response_complete and not self.transport.is_closing():
-                self._refusal = msg  # a request before the bad bytes is answered first, then the 400
+            c = self.cycle
+            if c is not None and not c.more_body and not c.response_complete and not self.transport.is_closing():
+                self._refusal = msg  # a whole request before the bad bytes is answered first, then the 400
                 return
             super().send_400_response(msg)
 
