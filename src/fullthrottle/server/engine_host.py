@@ -23,6 +23,7 @@ import threading
 
 from ..core.errors import Overloaded
 from . import link as wire
+from .guard import trim_soon
 
 log = logging.getLogger("fullthrottle.server.engine")
 
@@ -75,6 +76,8 @@ class Link:
             while True:
                 # every message there already: a request cancelled among them never runs
                 frames = [f for m in self._in.read() for f in wire.frames(m)]
+                # (the bodies came in here: after a burst, the heap they took goes back once quiet)
+                self.host.loop.call_soon_threadsafe(trim_soon, sum(len(p) for _, _, p in frames))
                 dropped = {req_id for kind, req_id, _ in frames if kind == wire.CANCEL}
                 for kind, req_id, payload in frames:
                     if kind in (wire.CLASSIFY, wire.HTTP) and req_id in dropped:

@@ -137,8 +137,9 @@ TRIM_AFTER_S = 2.0
 _trim: dict = {"bytes": 0, "timer": None}
 
 
-def _trim_soon(n: int) -> None:
-    """Count ``n`` more body bytes; (re)start the quiet period after which the heap is trimmed."""
+def trim_soon(n: int) -> None:
+    """Count ``n`` more body bytes; (re)start the quiet period after which the heap is trimmed (call
+    it on the process's event loop)."""
     _trim["bytes"] += n
     if _trim["bytes"] < TRIM_AFTER_BYTES:
         return
@@ -153,7 +154,7 @@ def _trim_if_quiet() -> None:
         _trim["bytes"] = 0
         asyncio.get_running_loop().run_in_executor(None, malloc_trim)
     else:  # (a body is coming in: wait for it)
-        _trim_soon(0)
+        trim_soon(0)
 
 
 def malloc_trim() -> bool:
@@ -275,7 +276,7 @@ async def _read_limited(chunks, declared: str | None, expecting: bool, max_bytes
         raise HTTPError(408, f"request body not received within {timeout_s:g} s", {"Connection": "close"}) from None
     finally:
         _receiving[0] -= len(body)
-        _trim_soon(len(body))
+        trim_soon(len(body))
     return bytes(body)
 
 
