@@ -146,6 +146,15 @@ def mps_clients(enabled: bool):
         yield {"exe": control_binary(), "root": root}
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it; a server started next may take it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def rss_mib(pid: int) -> float | None:
     """Resident memory of process ``pid`` in MiB (``VmRSS`` in /proc; None if gone)."""
     from pathlib import Path

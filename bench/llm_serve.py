@@ -31,7 +31,6 @@ import gc
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_s, machine_info, write_json  # noqa: E402
+from common import cpu_s, free_port, machine_info, write_json  # noqa: E402
 
 VOCAB = {"llama2-7b": 32000, "tiny": 512}  # --shape's vocabulary
 
@@ -305,9 +304,7 @@ def online(args, res: dict) -> None:
     that a run cut short keeps what it measured."""
     out = res["online"] = {}
     for kind, rows, seq in (("fixed", args.rows, 256), ("mixed", args.mixed_rows, 2560)):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         p, ready_s, cmd = start_server(args, rows, seq, port)
         url = f"http://127.0.0.1:{port}"
         try:

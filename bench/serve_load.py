@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,14 +35,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import cpu_s, jpegs_640x480, machine_info, scrape, tree, where_time_goes, write_json  # noqa: E402
+from common import cpu_s, free_port, jpegs_640x480, machine_info, scrape, tree, where_time_goes, write_json  # noqa: E402
 from load_client import OPEN_LOOP_CONNECTIONS, closed_loop, multipart, open_loop  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tree_cpu_s(pid: int) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -24,13 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))  # bench/: common.py
-from common import machine_info, rss_mib, tree, write_json  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common import free_port, machine_info, rss_mib, tree, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +37,7 @@ def main() -> None:
     a = ap.parse_args()
     import httpx
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "fullthrottle.cli", "serve", "--device", "cpu", "--port", str(port), "--model",
            "resnet18", "--http-workers", str(a.http_workers), "--max-body-mb", str(a.body_mb + 4)]  # fmt: skip
     srv = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))

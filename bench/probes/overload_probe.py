@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))  # bench/: common.py, load_client.py
-from common import cpu_s, jpegs_640x480, machine_info, write_json  # noqa: E402
+from common import cpu_s, free_port, jpegs_640x480, machine_info, write_json  # noqa: E402
 from load_client import closed_loop  # noqa: E402
 
 SERVER = r"""
@@ -51,12 +50,6 @@ if __name__ == "__main__":
     opts = ServeOptions(max_queue=int(sys.argv[2]), max_connections_per_client=100000)
     sys.exit(run_multi(cfg, port=int(sys.argv[1]), options=opts, http_workers=2, max_connections=4096))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_round(src: str, args, bodies) -> dict:

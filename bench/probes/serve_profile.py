@@ -24,9 +24,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
-from common import cpu_by_kind, jpegs_640x480, machine_info, scrape, where_time_goes, write_json  # noqa: E402
+from common import cpu_by_kind, free_port, jpegs_640x480, machine_info, scrape, where_time_goes, write_json  # noqa: E402
 from load_client import closed_loop  # noqa: E402
-from serve_load import bodies_for, free_port, servers, start, stop  # noqa: E402
+from serve_load import bodies_for, servers, start, stop  # noqa: E402
 
 
 def summarize(collapsed: str, top: int = 40) -> dict:
