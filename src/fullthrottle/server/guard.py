@@ -129,32 +129,40 @@ DRAIN_S = 2.0
 BODIES_AT_ONCE = 32
 _receiving = [0]  # bytes of the request bodies being received in this process now (one event loop)
 
-#: once this many bytes of request bodies came in, and then none for :data:`TRIM_AFTER_S` seconds,
-#: glibc is asked to give the freed heap back to the system (``malloc_trim``): without it, a burst of
+#: once this many bytes of request bodies came in, and then none for a whole :data:`TRIM_AFTER_S`
+#: (checked once per that period: the heap goes back one to two periods after the last body), glibc
+#: is asked to give the freed heap back to the system (``malloc_trim``): without it, a burst of
 #: large bodies leaves the process at its peak size for good
 TRIM_AFTER_BYTES = 256 << 20
 TRIM_AFTER_S = 2.0
-_trim: dict = {"bytes": 0, "timer": None}
+_trim: dict = {"bytes": 0, "armed": False, "at_check": 0}
 
 
-def trim_soon(n: int) -> None:
-    """Count ``n`` more body bytes; (re)start the quiet period after which the heap is trimmed (call
-    it on the process's event loop)."""
+def trim_soon(n: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Count ``n`` more request-body bytes; past :data:`TRIM_AFTER_BYTES`, start the checks for a
+    quiet period. Without ``loop``: call it on the process's event loop; with it, from any thread
+    (the engine's link readers). Per body, an addition and a comparison: no timer, no wake-up."""
     _trim["bytes"] += n
-    if _trim["bytes"] < TRIM_AFTER_BYTES:
+    if _trim["armed"] or _trim["bytes"] < TRIM_AFTER_BYTES:
         return
-    if _trim["timer"] is not None:
-        _trim["timer"].cancel()
-    _trim["timer"] = asyncio.get_running_loop().call_later(TRIM_AFTER_S, _trim_if_quiet)
+    _trim["armed"] = True
+    if loop is None:
+        _check_later()
+    else:
+        loop.call_soon_threadsafe(_check_later)
+
+
+def _check_later() -> None:
+    _trim["at_check"] = _trim["bytes"]
+    asyncio.get_running_loop().call_later(TRIM_AFTER_S, _trim_if_quiet)
 
 
 def _trim_if_quiet() -> None:
-    _trim["timer"] = None
-    if _receiving[0] == 0:
-        _trim["bytes"] = 0
-        asyncio.get_running_loop().run_in_executor(None, malloc_trim)
-    else:  # (a body is coming in: wait for it)
-        trim_soon(0)
+    if _receiving[0] or _trim["bytes"] != _trim["at_check"]:  # bodies came meanwhile: another period
+        _check_later()
+        return
+    _trim["bytes"], _trim["armed"] = 0, False
+    asyncio.get_running_loop().run_in_executor(None, malloc_trim)
 
 
 def malloc_trim() -> bool:
