@@ -9,7 +9,7 @@ under ``torch.profiler`` (count and device time per kernel name), so the launch 
 count), the bandwidth-bound matmuls and the attention can be told apart.
 
 Usage: python bench/probes/llm_profile.py --out bench/probes/results/llm_profile.json [--batches 1,8]
-    [--paged --batches 256,512 --pos 192 --max-seq-len 256]
+    [--paged --batches 256,512 --pos 192 --max-seq-len 256 [--kv-dtype fp8]]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--pos", type=int, default=200, help="every row's position (tokens already cached)")
     ap.add_argument("--max-seq-len", type=int, default=328)
     ap.add_argument("--paged", action="store_true", help="paged KV memory instead of the static cache")
+    ap.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8"), help="paged KV memory's dtype")
     ap.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s for the floor (H200: 4,800)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -48,12 +49,16 @@ def main():
     cfg, pos = model.cfg, args.pos
     rows = max(batches)
     pages = rows * -(-args.max_seq_len // 64) if args.paged else 0
-    gen = Generator(model, max_batch=rows, max_seq_len=args.max_seq_len, graphs=True, kv_pages=pages)
+    gen = Generator(
+        model, max_batch=rows, max_seq_len=args.max_seq_len, graphs=True, kv_pages=pages, kv_dtype=args.kv_dtype
+    )
     if gen.kv is not None:
         gen.kv.reserve_rows([args.max_seq_len] * gen.max_batch)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # K and V of one token, every layer, bf16
-    kv_token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    # K and V of one token, every layer (bf16: 2 bytes an element, fp8: 1)
+    kv_token_bytes = (
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * (1 if args.kv_dtype == "fp8" else 2)
+    )
     gen.pos.fill_(pos)
     out = {}
     for b in batches:
@@ -100,7 +105,13 @@ def main():
         )
         for r in kernels[:14]:
             print(f"   {r['count']:5d} {r['us']:9.1f} us  {r['name'][:90]}", flush=True)
-    settings = {"pos": pos, "max_seq_len": args.max_seq_len, "paged": args.paged, "bandwidth_gb_s": args.bandwidth}
+    settings = {
+        "pos": pos,
+        "max_seq_len": args.max_seq_len,
+        "paged": args.paged,
+        "kv_dtype": args.kv_dtype,
+        "bandwidth_gb_s": args.bandwidth,
+    }
     write_json(args.out, {"benchmark": "llm_profile", "machine": machine_info(), "settings": settings, "batches": out})
 
 

@@ -4,7 +4,8 @@ most splits, merged after; all of them, no split) and warps per program, against
 (``F.scaled_dot_product_attention``) over the same keys and values held contiguously, as the static
 cache holds them.
 
-Llama-2-7B's attention shape (32 heads of 128, no grouping), bf16, pages of 64 positions; every
+Llama-2-7B's attention shape (32 heads of 128, no grouping), queries in bf16, keys and values in
+bf16 or float8 e4m3 (``--kv-dtypes``), pages of 64 positions; every
 row's position drawn uniformly from ``[--pos-lo, --pos-hi)``, the attention length ``--kv-len``
 (the step's bucket). Each call reads another of ``--layers`` copies of the pages, so that the L2
 cache holds little of what a call reads. Per setting: microseconds per call (``calls`` calls in one
@@ -39,35 +40,45 @@ def main() -> None:
     ap.add_argument("--pos-lo", type=int, default=128)
     ap.add_argument("--pos-hi", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--kv-dtypes", default="bf16", help="comma-separated: bf16, fp8 (float8 e4m3 pages)")
+    ap.add_argument("--pers", default="1,2,all", help="blocks per program to try (all: no split)")
+    ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--dots", default="0", help="comma-separated 0/1: the products on CUDA cores / tensor cores")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
     H, D, PAGE, dev, dt = 32, 128, 64, "cuda", torch.bfloat16
     P = -(-args.kv_len // PAGE)
     rows = []
-    for B in [int(b) for b in args.batches.split(",")]:
+    kv_types = {"bf16": dt, "fp8": torch.float8_e4m3fn}
+    for B, kvd in [(int(b), k) for b in args.batches.split(",") for k in args.kv_dtypes.split(",")]:
         n_pages = B * P
-        pk = torch.randn(args.layers, n_pages + 1, H, PAGE, D, device=dev, dtype=dt)
-        pv = torch.randn_like(pk)
+        pk = torch.randn(args.layers, n_pages + 1, H, PAGE, D, device=dev, dtype=dt).to(kv_types[kvd])
+        pv = torch.randn(args.layers, n_pages + 1, H, PAGE, D, device=dev, dtype=dt).to(kv_types[kvd])
         table = (torch.randperm(n_pages, device=dev) + 1).view(B, P)
         pos = torch.randint(args.pos_lo, args.pos_hi, (B, 1), device=dev).clamp_max(args.kv_len - 1)
         q = torch.randn(B, H, 1, D, device=dev, dtype=dt)
         cnt = torch.zeros(B * H, dtype=torch.int32, device=dev)
-        valid_bytes = int((pos + 1).sum()) * H * D * 2 * 2  # keys and values, bf16
+        valid_bytes = int((pos + 1).sum()) * H * D * 2 * pk.element_size()  # keys and values
         ref = K.paged_decode_attention(q, pk[0], pv[0], table, pos, 0, args.kv_len, cnt, per=1)
-        row = {"batch": B, "pairs": B * H, "valid_mb": valid_bytes / 1e6}
-        for per in sorted({1, 2, P}):
-            for warps in (2, 4, 8):
+        row = {"batch": B, "kv_dtype": kvd, "pairs": B * H, "valid_mb": valid_bytes / 1e6}
+        for per in sorted({P if x == "all" else int(x) for x in args.pers.split(",")}):
+            for warps, dot in [(int(w), int(x)) for w in args.warps.split(",") for x in args.dots.split(",")]:
 
-                def call(i, per=per, warps=warps):
-                    return K.paged_decode_attention(q, pk[i], pv[i], table, pos, 0, args.kv_len, cnt, warps, per)
+                def call(i, per=per, warps=warps, dot=dot):
+                    return K.paged_decode_attention(
+                        q, pk[i], pv[i], table, pos, 0, args.kv_len, cnt, warps, per, dot=bool(dot)
+                    )
 
                 diff = (call(0).float() - ref.float()).abs().max().item()
                 us = graph_time_us(call, args.layers)
-                row[f"per{per}_w{warps}"] = {"us": us, "gb_s": valid_bytes / us / 1e3, "max_abs_diff": diff}
+                name = f"per{per}_w{warps}" + ("_dot" if dot else "")
+                row[name] = {"us": us, "gb_s": valid_bytes / us / 1e3, "max_abs_diff": diff}
         # cuDNN over the same keys and values, contiguous (B, H, kv_len, D), as the static cache holds them
-        kc = torch.stack([K.gather_pages(pk[i], table, torch.arange(B, device=dev), args.kv_len) for i in range(2)])
-        vc = torch.stack([K.gather_pages(pv[i], table, torch.arange(B, device=dev), args.kv_len) for i in range(2)])
+        # (float8 pages: gathered in bf16, so cuDNN reads twice the bytes the kernel does)
+        every = torch.arange(B, device=dev)
+        kc = torch.stack([K.gather_pages(pk[i].to(dt), table, every, args.kv_len) for i in range(2)])
+        vc = torch.stack([K.gather_pages(pv[i].to(dt), table, every, args.kv_len) for i in range(2)])
         mask = torch.arange(args.kv_len, device=dev)[None, None, None, :] <= pos[:, None, :, None]
         diff = (F.scaled_dot_product_attention(q, kc[0], vc[0], attn_mask=mask).float() - ref.float()).abs().max()
         us = graph_time_us(lambda i: F.scaled_dot_product_attention(q, kc[i], vc[i], attn_mask=mask), 2)
@@ -75,14 +86,16 @@ def main() -> None:
         rows.append(row)
         best = min((k for k in row if k.startswith("per")), key=lambda k: row[k]["us"])
         print(
-            f"batch {B}: "
+            f"batch {B} {kvd}: "
             + ", ".join(f"{k} {row[k]['us']:.1f} us" for k in row if isinstance(row[k], dict))
             + f"; best {best} ({row[best]['gb_s']:.0f} GB/s)",
             flush=True,
         )
         del pk, pv, kc, vc
         torch.cuda.empty_cache()
-    settings = {k: getattr(args, k) for k in ("kv_len", "pos_lo", "pos_hi", "layers")}
+    settings = {
+        k: getattr(args, k) for k in ("kv_len", "pos_lo", "pos_hi", "layers", "kv_dtypes", "pers", "warps", "dots")
+    }
     write_json(
         args.out, {"probe": "paged_attention_probe", "machine": machine_info(), "settings": settings, "rows": rows}
     )
