@@ -42,7 +42,6 @@ def decode_attention(
     block_t: int = 64,
     warps: int = 2,
     per: int = 1,
-    dot: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per row over its cached keys and values (decode step).
 
@@ -116,7 +115,7 @@ def decode_attention(
     _same_device("decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, pos=pos, counters=counters)
     if S != 1 or not use_triton(q) or D & (D - 1) or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
         return decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len)
-    return _split_kv(q, k_cache, v_cache, pos, counters, None, row0, kv_len, block_t, warps, per, dot)
+    return _split_kv(q, k_cache, v_cache, pos, counters, None, row0, kv_len, block_t, warps, per)
 
 
 def paged_decode_attention(
@@ -130,7 +129,6 @@ def paged_decode_attention(
     counters: torch.Tensor | None = None,
     warps: int = 2,
     per: int = 1,
-    dot: bool = False,
 ) -> torch.Tensor:
     """:func:`decode_attention` over paged KV memory (PagedAttention, Kwon et al., 2023): row ``b``'s
     positions ``[i*PAGE, (i+1)*PAGE)`` are in page ``table[row0 + b, i]``. The Triton kernel's blocks
@@ -178,11 +176,11 @@ def paged_decode_attention(
         kc, vc = gather_pages(k_pages, table, rows, kv_len), gather_pages(v_pages, table, rows, kv_len)
         return decode_attention_ref(q, kc, vc, pos, 0, kv_len)
     merge = counters is not None and counters.dtype == torch.int32 and counters.numel() >= B * H
-    return _split_kv(q, k_pages, v_pages, pos, counters if merge else None, table, row0, kv_len, page, warps, per, dot)
+    return _split_kv(q, k_pages, v_pages, pos, counters if merge else None, table, row0, kv_len, page, warps, per)
 
 
 def _split_kv(
-    q, k, v, pos, counters, table, row0: int, kv_len: int, block_t: int, warps: int, per: int, dot: bool = False
+    q, k, v, pos, counters, table, row0: int, kv_len: int, block_t: int, warps: int, per: int
 ) -> torch.Tensor:
     # the Triton launch of both: splits of ``per`` blocks of block_t slots (paged: a page each,
     # through ``table``); one split: the output written directly
@@ -223,7 +221,6 @@ def _split_kv(
         DIRECT=direct,
         BLOCK_S=BLOCK_S,
         PAGED=paged,
-        DOT=dot and q.dtype != torch.float32,
         num_warps=warps,
     )
     if not merge and not direct:
@@ -262,7 +259,6 @@ if triton is not None:
         DIRECT: tl.constexpr,
         BLOCK_S: tl.constexpr,
         PAGED: tl.constexpr,
-        DOT: tl.constexpr,
     ):
         # split-KV decode attention, part 1: program (row*head, split) takes the PER blocks of
         # BLOCK_T cache slots [split*PER*BLOCK_T, (split+1)*PER*BLOCK_T) of the valid 0..pos, with
@@ -278,7 +274,7 @@ if triton is not None:
         if sp < active:
             _attention_split(
                 q_ptr, kc_ptr, vc_ptr, part_ptr, o_ptr, cnt_ptr, table_ptr, table_stride, row0, n, bh, sp, b, h,
-                REP, SPLITS, active, c_b, c_h, c_t, sm_scale, D, BLOCK_T, PER, MERGE, DIRECT, BLOCK_S, PAGED, DOT,
+                REP, SPLITS, active, c_b, c_h, c_t, sm_scale, D, BLOCK_T, PER, MERGE, DIRECT, BLOCK_S, PAGED,
             )  # fmt: skip
 
     @triton.jit
@@ -291,19 +287,10 @@ if triton is not None:
     def _attention_split(
         q_ptr, kc_ptr, vc_ptr, part_ptr, o_ptr, cnt_ptr, table_ptr, table_stride, row0, n, bh, sp, b, h,
         REP, SPLITS, active, c_b, c_h, c_t, sm_scale, D: tl.constexpr, BLOCK_T: tl.constexpr, PER: tl.constexpr,
-        MERGE: tl.constexpr, DIRECT: tl.constexpr, BLOCK_S: tl.constexpr, PAGED: tl.constexpr, DOT: tl.constexpr,
+        MERGE: tl.constexpr, DIRECT: tl.constexpr, BLOCK_S: tl.constexpr, PAGED: tl.constexpr,
     ):  # fmt: skip
-        # one split of a row's valid slots (``active`` of them hold some). DOT: both products on the
-        # tensor cores, the query as column 0 of a (D, 16) tile of zeros (tl.dot's smallest), keys
-        # in q's dtype (float8 converts exactly), the probabilities and values in float16 for float8
-        # pages (else in the pages' dtype), accumulated in float32
+        # one split of a row's valid slots (``active`` of them hold some)
         d = tl.arange(0, D)
-        if DOT:
-            c16 = tl.arange(0, 16)
-            qd = tl.load(q_ptr + bh * D + d)
-            q2 = tl.where(c16[None, :] == 0, qd[:, None], tl.zeros((D, 16), qd.dtype))  # (D, 16)
-            acc2 = tl.zeros((16, D), tl.float32)
-            vt = tl.float16 if vc_ptr.dtype.element_ty == tl.float8e4nv else vc_ptr.dtype.element_ty
         q = tl.load(q_ptr + bh * D + d).to(tl.float32) * sm_scale
         first = sp * PER
         blocks = tl.minimum(PER, tl.cdiv(n, BLOCK_T) - first)  # (>= 1: an active split)
@@ -319,27 +306,16 @@ if triton is not None:
                 off = page * c_b + (h // REP) * c_h + slot[:, None].to(tl.int64) * c_t + d[None, :]
             else:
                 off = (row0 + b).to(tl.int64) * c_b + (h // REP) * c_h + t[:, None].to(tl.int64) * c_t + d[None, :]
-            if DOT:
-                k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0).to(q2.dtype)  # (BLOCK_T, D)
-                sc = tl.where(mt, tl.sum(tl.dot(k, q2), axis=1) * sm_scale, float("-inf"))
-            else:
-                k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)  # (BLOCK_T, D)
-                sc = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
+            k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)  # (BLOCK_T, D)
+            sc = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=0))  # (finite: every block read holds a valid slot)
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(sc - m_new)  # 0 where masked
             # (the values loaded once the keys are used: one (BLOCK_T, D) tile in registers at a time)
-            if DOT:
-                v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0).to(vt)
-                p2 = tl.where(c16[:, None] == 0, p[None, :], 0.0).to(vt)  # (16, BLOCK_T)
-                acc2 = acc2 * alpha + tl.dot(p2, v)  # (16, D): row 0
-            else:
-                v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)
-                acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)
             l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m_i = m_new
-        if DOT:
-            acc = tl.sum(acc2, axis=0)
         if DIRECT:
             tl.store(o_ptr + bh * D + d, (acc / l_i).to(o_ptr.dtype.element_ty))
         else:
