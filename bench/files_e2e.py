@@ -165,7 +165,9 @@ def cores_by_kind_between(a: tuple, b: tuple) -> dict[str, float]:
 def cores_while_flowing(flow: list) -> dict | None:
     """Cores by kind of process (the CLI's main process, its GPU and CPU decoder processes) from the
     first sample with results written to the last before all of them were: the images' run,
-    start-up and close (decoder processes gone) left out. None when it spans fewer than two samples."""
+    start-up and close left out. A kind's processes that exit before that last sample (decoder
+    processes closing while the last results are written) count up to the last sample that saw
+    them. None when it spans fewer than two samples."""
     if not flow:
         return None
     final = flow[-1][1]
@@ -173,7 +175,12 @@ def cores_while_flowing(flow: list) -> dict | None:
     last = max((i for i, f in enumerate(flow) if f[1] < final), default=None)
     if first is None or last is None or last <= first:
         return None
-    return {"seconds": round(flow[last][0] - flow[first][0], 1), **cores_by_kind_between(flow[first], flow[last])}
+    out: dict = {"seconds": round(flow[last][0] - flow[first][0], 1)}
+    for k in flow[first][2]:
+        seen = max((i for i in range(first + 1, last + 1) if k in flow[i][2]), default=None)
+        if k != "gone" and seen is not None:
+            out[k] = cores_by_kind_between(flow[first], flow[seen]).get(k)
+    return out
 
 
 class Files(torch.utils.data.Dataset):

@@ -200,3 +200,32 @@ def test_efficientnet_lite0_fused_form_on_cuda_equals_the_module():
     assert out.argmax(1).tolist() == ref.argmax(1).tolist()
     with Pipeline(Config(device="cuda", max_batch_size=8)) as pipe:
         assert pipe.engine.model_fused is not None and pipe.engine.bn_folded
+
+
+def test_decoder_processes_sleep_while_waiting_for_the_gpu():
+    """``sleep_while_waiting`` (what a GPU decoder process calls first) sets CU_CTX_SCHED_BLOCKING_SYNC on
+    the primary context that torch then uses; a process that does not call it keeps CUDA's default."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import fullthrottle
+
+    env = {**os.environ, "PYTHONPATH": str(Path(fullthrottle.__file__).parents[1])}
+    code = """
+import ctypes, sys, torch
+from fullthrottle.core.device import sleep_while_waiting
+ok = sleep_while_waiting() if sys.argv[1] == "1" else None
+torch.zeros(1, device="cuda").sum().item()  # the primary context is created and used
+cuda, dev = ctypes.CDLL("libcuda.so.1"), ctypes.c_int()
+flags, active = ctypes.c_uint(), ctypes.c_int()
+assert cuda.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device()) == 0
+assert cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
+print(ok, flags.value & 7, active.value)
+"""
+    got = [
+        subprocess.run([sys.executable, "-c", code, a], capture_output=True, text=True, timeout=120, env=env)
+        for a in "10"
+    ]
+    assert [g.stdout.split() for g in got] == [["True", "4", "1"], ["None", "0", "1"]], [g.stderr[-800:] for g in got]

@@ -26,6 +26,11 @@ def gpu_worker_main(argv: list[str]) -> None:
     fd, pool_fd, device_index, resize_size, crop_size, max_pixels, pool_rows = (int(a) for a in argv[:7])
     kind, max_file_bytes, arena_fd, arena_bytes = argv[7], int(argv[8]), int(argv[9]), int(argv[10])
     arena = mmap.mmap(arena_fd, arena_bytes) if arena_fd >= 0 else None
+    from ..core.device import sleep_while_waiting
+
+    # (before any CUDA call: nvJPEG's stream synchronisations would spin this process's core for the
+    # whole decode, and a dozen such processes leave the machine's other work no cores)
+    sleep_while_waiting()
     import torch
 
     torch.set_num_threads(1)
