@@ -33,8 +33,9 @@ def cpu_jpeg_workers(workers: int, gpu_processes: int, cores: int | None = None)
     """How many of ``workers`` CPU decoder processes may decode JPEGs the GPU decoder processes could
     take: all of them without GPU decoder processes; else the cores left over by the
     ``gpu_processes`` and the main process (about two cores), at least one. Each GPU decoder process
-    needs a core to read its files and drive the GPU's decoders, and a CPU worker decoding a JPEG at
-    about 250 img/s keeps a whole core from them (see docs/performance.md). Other images (PNG,
+    needs CPU to read its files and drive the GPU's decoders, and a CPU worker decoding a JPEG at
+    about 250 img/s keeps a whole core from them; more CPU workers for JPEGs lowered the rate on
+    640x480 files (see docs/performance.md). Other images (PNG,
     WebP, CMYK or EXIF-rotated JPEGs, ...) may use every worker. ``FULLTHROTTLE_CPU_JPEG_WORKERS``
     sets the count instead (trials).
 
