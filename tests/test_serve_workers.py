@@ -17,6 +17,7 @@ from procs import alive, children
 from test_serve import abandon
 
 import fullthrottle
+from fullthrottle.server.front import PROBE_EVERY_S
 
 CLIENT = r"""
 import json, sys, httpx
@@ -416,8 +417,11 @@ def test_workers_refuse_what_a_full_queue_cannot_take_without_asking_the_engine(
     proc, url, log = start(*args, "--max-batch-size", "1")
     held, quick = [], []
 
+    sent = []  # when each request started
+
     def post(out, timeout):
         t0 = time.perf_counter()
+        sent.append(t0)
         try:
             r = httpx.post(url + "/v1/classify", content=photo, timeout=timeout)
             out.append((r.status_code, time.perf_counter() - t0, r.headers.get("retry-after")))
@@ -435,6 +439,7 @@ def test_workers_refuse_what_a_full_queue_cannot_take_without_asking_the_engine(
         assert any(h[0] == 503 for h in held), held  # (the queue is full)
         time.sleep(0.3)  # (past each worker's probe interval)
         os.kill(proc.pid, signal.SIGSTOP)  # the engine process: it reads no link now
+        sent.clear()
         try:
             qs = [threading.Thread(target=post, args=(quick, 3), daemon=True) for _ in range(8)]
             for t in qs:
@@ -444,7 +449,11 @@ def test_workers_refuse_what_a_full_queue_cannot_take_without_asking_the_engine(
         finally:
             os.kill(proc.pid, signal.SIGCONT)
         fast = [q for q in quick if q[0] == 503 and q[1] < 1.5 and q[2] == "1"]
-        assert len(fast) >= 5, quick  # (at most one probe per worker went to the stopped engine)
+        # at most one probe per worker and PROBE_EVERY_S went to the stopped engine (the 8 requests
+        # start within one such interval on an idle machine; on a busy one they spread over more), and
+        # one more to spare
+        windows = 1 + int((max(sent) - min(sent)) / PROBE_EVERY_S)
+        assert len(fast) >= max(1, len(quick) - 2 * windows - 1), (windows, quick)
         gate.unlink()  # the queue drains
         for t in ts:
             t.join(120)
