@@ -1022,3 +1022,54 @@ def test_the_report_json_goes_to_stdout_when_the_results_go_to_a_file(samples, t
         assert main(["classify", *run, *results, "--report-json", "-"]) == 2
         stdout, err = capsys.readouterr()
         assert not stdout and "--report-json - would write the report to stdout, which carries the results" in err
+
+
+@pytest.mark.parametrize("redirect", ["closed", "full"])
+def test_stdout_closed_or_full_exits_2_with_one_line(samples, tmp_path, redirect):
+    """Every command that writes to stdout (classify, run, generate, generate --prompts, embed's
+    report) says it cannot, in one line, and exits 2, whether stdout is closed (``1>&-``) or full."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import fullthrottle
+
+    if redirect == "full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi", "max_tokens": 3}\n')
+    (tmp_path / "r.jsonl").write_text('{"texts": ["good"]}\n')
+    examples = Path(fullthrottle.__file__).parents[2] / "examples"
+    env = {**os.environ, "PYTHONPATH": f"{Path(fullthrottle.__file__).parents[1]}{os.pathsep}{examples}"}
+    commands = [
+        (["classify", str(samples[0]), "--device", "cpu", "--no-progress"], None),
+        (["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--out", "-"], None),
+        (["run", "-", "--device", "cpu", "--workload", "word_workload:Sentiment"], tmp_path / "r.jsonl"),
+        (["generate", "--random", "tiny", "--device", "cpu", "--tokens", "1,2", "--max-new-tokens", "3"], None),
+        (["generate", "--random", "tiny", "--device", "cpu", "--prompts", str(tmp_path / "p.jsonl")], None),
+        (["embed", "-", "--device", "cpu", "--out", str(tmp_path / "e.npy"), "--report-json", "-"], "hi\n"),
+    ]
+    if redirect == "full":  # (classify on a full stdout: test_unwritable_out_exits_2_with_one_line)
+        commands = commands[2:5]
+    why = "No space left on device" if redirect == "full" else "stdout is closed"
+    with open("/dev/full" if redirect == "full" else os.devnull, "w") as sink:
+        procs = [  # (all at once: the imports overlap)
+            (
+                args,
+                stdin,
+                subprocess.Popen(
+                    [sys.executable, "-m", "fullthrottle.cli", *args],
+                    stdin=subprocess.PIPE,
+                    stdout=sink if redirect == "full" else None,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                    preexec_fn=None if redirect == "full" else lambda: os.close(1),
+                ),
+            )
+            for args, stdin in commands
+        ]
+        for args, stdin, p in procs:
+            _, err = p.communicate(stdin.read_text() if isinstance(stdin, Path) else stdin or "", timeout=300)
+            assert p.returncode == 2, (args, p.returncode, err[-600:])
+            assert f"fullthrottle: error: cannot write stdout: {why}" in err, (args, err[-600:])
+            assert "Traceback" not in err and "Exception ignored" not in err, (args, err[-600:])

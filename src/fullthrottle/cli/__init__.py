@@ -17,7 +17,7 @@ import sys
 from ..core.config import Config
 from .bench import cmd_bench
 from .classify import cmd_classify
-from .common import _close_out, _gpu_decode_settings, _silence_stdout, sample_photos
+from .common import _close_out, _gpu_decode_settings, _silence_stdout, sample_photos, with_stdout
 from .embed import _read_texts, cmd_embed
 from .generate import _check_memory_for, _llama_bytes, cmd_generate
 from .parser import build_parser
@@ -87,13 +87,13 @@ def _run_command(args, argv: list[str] | None) -> int:
     if args.command == "bench":
         return cmd_bench(args)
     if args.command == "run":
-        return cmd_run(args)
+        return with_stdout(cmd_run, args)
     if args.command == "serve":
         with _private_mps(args):
             return cmd_serve(args)
     if args.command in ("generate", "embed"):
         try:
-            return (cmd_generate if args.command == "generate" else cmd_embed)(args)
+            return with_stdout(cmd_generate if args.command == "generate" else cmd_embed, args)
         except KeyboardInterrupt:
             print("\ninterrupted", file=sys.stderr)
             return 130
@@ -103,7 +103,7 @@ def _run_command(args, argv: list[str] | None) -> int:
     if args.command == "classify":
         try:
             with _private_mps(args):
-                rc = cmd_classify(args)
+                rc = with_stdout(cmd_classify, args)
         except KeyboardInterrupt:  # (while cmd_classify imported torch: before its own handling)
             print("\ninterrupted", file=sys.stderr)
             rc = 130

@@ -116,6 +116,62 @@ def _gpu_decode_settings(args) -> dict:
     }  # (None: the Pipeline picks, by MPS)
 
 
+class StdoutUnwritable(OSError):
+    """stdout cannot take a command's output: it is closed (``1>&-``) or a write failed (disk full).
+    A reader gone away (``| head``) stays :class:`BrokenPipeError`."""
+
+
+class Stdout:
+    """What ``sys.stdout`` is while a command runs (``with_stdout``): the same stream, whose failed
+    writes raise :class:`StdoutUnwritable`, and a closed stdout (``sys.stdout`` None) one that refuses
+    every write, so that every command answers both with one error line and exit 2."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def _call(self, name: str, *a):
+        if self.stream is None:
+            if name == "flush":
+                return None
+            raise StdoutUnwritable(9, "stdout is closed")  # (EBADF)
+        try:
+            return getattr(self.stream, name)(*a)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutUnwritable(e.errno, e.strerror or str(e)) from None
+
+    def write(self, text: str):
+        return self._call("write", text)
+
+    def flush(self):
+        return self._call("flush")
+
+    def isatty(self) -> bool:
+        return self.stream is not None and self.stream.isatty()
+
+    def __getattr__(self, name: str):  # fileno, encoding, ...
+        if self.stream is None:
+            raise AttributeError(name)
+        return getattr(self.stream, name)
+
+
+def with_stdout(command, args) -> int:
+    """``command(args)`` with ``sys.stdout`` a :class:`Stdout` (put back after): output that cannot be
+    written to stdout ends the command with one error line and exit 2."""
+    saved = sys.stdout
+    sys.stdout = Stdout(saved)
+    try:
+        return command(args)
+    except StdoutUnwritable as e:
+        print(f"fullthrottle: error: cannot write stdout: {e.strerror}", file=sys.stderr)
+        sys.stdout = saved
+        _silence_stdout()  # (what the stream still holds goes nowhere at exit, quietly)
+        return 2
+    finally:
+        sys.stdout = saved
+
+
 def _silence_stdout() -> None:
     """After a broken pipe: point stdout at /dev/null, so the interpreter's final flush stays quiet."""
     try:

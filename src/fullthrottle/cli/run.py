@@ -87,8 +87,8 @@ def cmd_run(args) -> int:
         if not isinstance(e, SetupFailed):
             raise
         return _fail(str(e))
-    except OSError as e:  # (disk full)
-        return _fail(f"--out: {e}")
+    except OSError as e:  # (disk full, stdout closed)
+        return _fail(f"cannot write {'stdout' if out is sys.stdout else args.out}: {e.strerror or e}")
     print(f"{total} requests: {total - failed} ok, {failed} failed ({workload.name})", file=sys.stderr)
     return 1 if failed else 0
 
