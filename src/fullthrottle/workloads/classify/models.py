@@ -19,6 +19,7 @@ import functools
 import importlib.resources
 import importlib.util
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,7 +260,9 @@ def load_state_dict(path: str | Path) -> dict:
 
             sd = load_file(str(p), device="cpu")
         elif suffix in (".pth", ".pt", ".bin"):
-            sd = torch.load(str(p), map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # (torch warns of a legacy pickle it then refuses: said below)
+                warnings.simplefilter("ignore", UserWarning)
+                sd = torch.load(str(p), map_location="cpu", weights_only=True)
         else:
             raise WeightsError(f"unsupported weights format {suffix!r} (use .safetensors or .pth)")
     except WeightsError:
