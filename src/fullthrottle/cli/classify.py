@@ -290,6 +290,7 @@ def _classify(args) -> int:
         total=len(inputs) if all(os.path.isfile(str(i)) for i in inputs) else None,
     )
     results = pipe.run(inputs)
+    dest = args.out if args.out not in (None, "-") else "stdout"  # (where the results go, named in errors)
     try:
         for r in results:
             failed += not r.ok
@@ -315,20 +316,14 @@ def _classify(args) -> int:
         return 1
     except OSError as e:  # the output could not be written (disk full, ...): stop, say so
         results.close()
-        print(
-            f"fullthrottle: error: cannot write {args.out if args.out not in (None, '-') else 'stdout'}: {e.strerror or e}",
-            file=sys.stderr,
-        )
+        print(f"fullthrottle: error: cannot write {dest}: {e.strerror or e}", file=sys.stderr)
         return 2
     finally:
         bar.close()
         pipe.close()  # stops the decoder processes
         err = _close_out(out)
     if err is not None:
-        print(
-            f"fullthrottle: error: cannot write {args.out if args.out not in (None, '-') else 'stdout'}: {err}",
-            file=sys.stderr,
-        )
+        print(f"fullthrottle: error: cannot write {dest}: {err}", file=sys.stderr)
         return 2
     rep = pipe.last_report
     print(rep.format(), file=sys.stderr)
