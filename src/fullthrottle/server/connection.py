@@ -39,6 +39,10 @@ def head_deadline_protocol(
     it opens, so that one client cannot take every connection the server allows (behind a proxy,
     every client has the proxy's address: raise it, or let the proxy limit).
 
+    A client that shuts its side down once its request is sent (``shutdown(SHUT_WR)``, ``nc -N``) is
+    taken as gone, as uvicorn takes it: its FIN cannot be told from a hang-up until an answer is
+    written, and a hung-up client's queued work must leave at once (an LLM slot, images in a queue).
+
     At a graceful shutdown an idle keep-alive connection is closed :data:`SHUTDOWN_LINGER_S` later,
     not at once: a request the client sent just before is then answered (uvicorn would drop it
     unread, and the client sees a connection closed without an answer).
