@@ -1027,7 +1027,7 @@ def test_the_report_json_goes_to_stdout_when_the_results_go_to_a_file(samples, t
 @pytest.mark.parametrize("redirect", ["closed", "full"])
 def test_stdout_closed_or_full_exits_2_with_one_line(samples, tmp_path, redirect):
     """Every command that writes to stdout (classify, run, generate, generate --prompts, embed's
-    report) says it cannot, in one line, and exits 2, whether stdout is closed (``1>&-``) or full."""
+    report, bench) says it cannot, in one line, and exits 2, whether stdout is closed (``1>&-``) or full."""
     import os
     import sys
     from pathlib import Path
@@ -1047,9 +1047,10 @@ def test_stdout_closed_or_full_exits_2_with_one_line(samples, tmp_path, redirect
         (["generate", "--random", "tiny", "--device", "cpu", "--tokens", "1,2", "--max-new-tokens", "3"], None),
         (["generate", "--random", "tiny", "--device", "cpu", "--prompts", str(tmp_path / "p.jsonl")], None),
         (["embed", "-", "--device", "cpu", "--out", str(tmp_path / "e.npy"), "--report-json", "-"], "hi\n"),
+        (["bench", "threads", "--quick", "--out", str(tmp_path / "b")], None),
     ]
     if redirect == "full":  # (classify on a full stdout: test_unwritable_out_exits_2_with_one_line)
-        commands = commands[2:5]
+        commands = commands[2:5] + commands[6:]
     why = "No space left on device" if redirect == "full" else "stdout is closed"
     with open("/dev/full" if redirect == "full" else os.devnull, "w") as sink:
         procs = [  # (all at once: the imports overlap)

@@ -85,7 +85,7 @@ def _private_mps(args):
 
 def _run_command(args, argv: list[str] | None) -> int:
     if args.command == "bench":
-        return cmd_bench(args)
+        return with_stdout(cmd_bench, args)
     if args.command == "run":
         return with_stdout(cmd_run, args)
     if args.command == "serve":
