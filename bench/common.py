@@ -155,6 +155,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(url: str, proc=None, timeout_s: float = 120.0, every_s: float = 0.5) -> bool:
+    """Poll ``url`` (a server's readiness route) until it answers 200: True; False once ``timeout_s``
+    pass or the process ``proc`` (a Popen, optional) exits first."""
+    import time
+
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and (proc is None or proc.poll() is None):
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(every_s)
+    return False
+
+
 def rss_mib(pid: int) -> float | None:
     """Resident memory of process ``pid`` in MiB (``VmRSS`` in /proc; None if gone)."""
     from pathlib import Path

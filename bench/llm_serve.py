@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_s, free_port, machine_info, write_json  # noqa: E402
+from common import cpu_s, free_port, machine_info, wait_ready, write_json  # noqa: E402
 
 VOCAB = {"llama2-7b": 32000, "tiny": 512}  # --shape's vocabulary
 
@@ -256,8 +256,6 @@ def load_point(url, reqs, conc, seconds, procs) -> dict:
 
 
 def start_server(args, rows: int, seq: int, port: int):
-    import httpx
-
     cmd = [
         sys.executable,
         "-m",
@@ -286,15 +284,10 @@ def start_server(args, rows: int, seq: int, port: int):
     ]
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    while time.perf_counter() - t0 < 300:
-        if p.poll() is not None:
-            raise RuntimeError(f"server exited: {p.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                return p, time.perf_counter() - t0, cmd
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    if wait_ready(f"http://127.0.0.1:{port}/readyz", p, 300, every_s=1.0):
+        return p, time.perf_counter() - t0, cmd
+    if p.poll() is not None:
+        raise RuntimeError(f"server exited: {p.stderr.read()[-2000:]}")
     p.kill()
     raise RuntimeError("server did not become ready")
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import cpu_s, free_port, jpegs_640x480, machine_info, scrape, tree, where_time_goes, write_json  # noqa: E402
+from common import cpu_s, free_port, jpegs_640x480, machine_info, scrape, tree, wait_ready, where_time_goes, write_json  # noqa: E402
 from load_client import OPEN_LOOP_CONNECTIONS, closed_loop, multipart, open_loop  # noqa: E402
 
 
@@ -56,19 +56,11 @@ def tree_rss_mib(pid: int) -> float:
 def start(cmd: list[str], port: int, ready: str, cores: list[int] | None) -> subprocess.Popen:
     import tempfile
 
-    import httpx
-
     pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     log = tempfile.TemporaryFile("w+")  # (a pipe nobody reads would stall the server on its access log)
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, preexec_fn=pin)
-    deadline = time.time() + 400
-    while time.time() < deadline and p.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{ready}", timeout=2).status_code == 200:
-                return p
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    if wait_ready(f"http://127.0.0.1:{port}{ready}", p, 400):
+        return p
     p.kill()
     log.seek(0)
     raise RuntimeError(f"server did not start: {' '.join(cmd)}\n{log.read()[-3000:]}")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))  # bench/: common.py
-from common import free_port, machine_info, rss_mib, tree, write_json  # noqa: E402
+from common import free_port, machine_info, rss_mib, tree, wait_ready, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -51,14 +51,7 @@ def main() -> None:
         return {str(p): round(rss_mib(p) or 0.0, 1) for p in tree(srv.pid)}
 
     try:
-        for _ in range(240):
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
+        if not wait_ready(url + "/readyz", None, 120):
             raise SystemExit("the server did not become ready")
         points.append({"when": "ready", "rss_mib": mib(), "by_process": each()})
         body = os.urandom(a.body_mb << 20)

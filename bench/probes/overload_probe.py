@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))  # bench/: common.py, load_client.py
-from common import cpu_s, free_port, jpegs_640x480, machine_info, write_json  # noqa: E402
+from common import cpu_s, free_port, jpegs_640x480, machine_info, wait_ready, write_json  # noqa: E402
 from load_client import closed_loop  # noqa: E402
 
 SERVER = r"""
@@ -53,21 +53,13 @@ if __name__ == "__main__":
 
 
 def one_round(src: str, args, bodies) -> dict:
-    import httpx
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-c", SERVER, str(port), str(args.max_queue)]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_ready(f"http://127.0.0.1:{port}/readyz", None, 120, every_s=0.2)
         c0, t0 = cpu_s(proc.pid), time.perf_counter()
         url = f"http://127.0.0.1:{port}/v1/classify"
         r = closed_loop(url, bodies, 1, args.concurrency, args.seconds, 1.0, procs=1)
