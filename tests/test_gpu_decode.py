@@ -631,49 +631,6 @@ def test_decode_crops_checks_eligibility_itself_when_asked(samples, bad_dir):
         assert_cpu_path_result(b, o)
 
 
-def test_cpu_assist_takes_the_largest_jpegs_that_fit_its_budget(samples, monkeypatch):
-    """A GPU decoder process's CPU assist (FULLTHROTTLE_GPU_CPU_ASSIST) decodes the largest JPEGs of a
-    batch on the CPU path, largest first, within its share of the decoder's time per batch: they get
-    the CPU path's crop byte for byte, the GPU decoder never sees them, and images under 1 megapixel
-    always go to the GPU decoder. Nothing is taken before a batch is timed, or with share 0."""
-    from fullthrottle.data.gpu_decode import CpuAssist, decode_crops
-    from fullthrottle.data.preprocess import preprocess
-
-    def jpeg(path, w, h):
-        img = cv2.resize(cv2.imread(str(path)), (w, h))
-        return cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 90])[1].tobytes()
-
-    small = [p.read_bytes() for p in samples[:4]]
-    big = [jpeg(samples[4], 1600, 1200), jpeg(samples[5], 1200, 1000)]  # 1.92 and 1.2 megapixels
-    blobs = [small[0], big[1], small[1], big[0], small[2], small[3]]
-
-    def run(assist):
-        dec = FakeGpuDecoder()
-        return dec, decode_crops(dec, [memoryview(bytearray(b)) for b in blobs], check=True, assist=assist)
-
-    a = CpuAssist(1.0, s_per_mpx=0.01)  # 10 ms per megapixel: big[0] costs 19 ms, big[1] 12 ms
-    dec, _ = run(a)
-    assert dec.images == 6 and a.taken == 0 and a.gpu_s is not None  # not timed yet: all to the GPU
-    a.gpu_s, a.s_per_mpx = 0.025, 0.01  # room for the largest only
-    dec, out = run(a)
-    assert dec.images == 5 and a.taken == 1
-    assert isinstance(out[3], np.ndarray) and np.array_equal(out[3], preprocess(big[0]))
-    assert all(isinstance(o, tuple) for j, o in enumerate(out) if j != 3)
-    a.gpu_s, a.s_per_mpx, a.taken = 10.0, 0.01, 0  # room for all: still only the two large ones
-    dec, out = run(a)
-    assert dec.images == 4 and a.taken == 2
-    assert np.array_equal(out[1], preprocess(big[1])) and np.array_equal(out[3], preprocess(big[0]))
-    assert a.s_per_mpx != 0.01  # (measured on the way)
-    off = CpuAssist(0.0)
-    off.gpu_s = 10.0
-    assert run(off)[0].images == 6 and off.taken == 0
-    monkeypatch.setenv("FULLTHROTTLE_GPU_CPU_ASSIST", "lots")
-    with pytest.raises(ValueError, match="FULLTHROTTLE_GPU_CPU_ASSIST must be a number from 0 to 4, got 'lots'"):
-        CpuAssist.from_env()
-    monkeypatch.setenv("FULLTHROTTLE_GPU_CPU_ASSIST", "0.5")
-    assert CpuAssist.from_env().share == 0.5
-
-
 def test_gpu_process_send_reports_a_failed_copy_and_bounds(monkeypatch):
     """A failed copy into the arena is this process's error, raised at once (it used to pass for a dead
     worker: nothing sent, then a decode_timeout_s wait and a healthy worker killed); bytes that would

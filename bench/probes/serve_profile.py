@@ -60,6 +60,7 @@ def main():
     ap.add_argument("--client-cores", type=int, default=4)
     ap.add_argument("--py-spy", default=None, help="py-spy executable: record the engine at the last point")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--mode", default="single", choices=("single", "multi32"), help="request kind (serve_load's)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import os
@@ -67,7 +68,7 @@ def main():
     cores = sorted(os.sched_getaffinity(0))
     client_cores, server_cores = cores[-args.client_cores :], cores[: -args.client_cores]
     blobs = jpegs_640x480()
-    bodies, _ = bodies_for("single", "fullthrottle", blobs)
+    bodies, images = bodies_for(args.mode, "fullthrottle", blobs)
     res = {"probe": "serve_profile", "machine": machine_info(), "command": " ".join(sys.argv), "variants": {}}
     for vi, variant in enumerate(args.variants.split(";")):
         words = [] if variant.strip() == "A" else variant.split()
@@ -98,13 +99,15 @@ def main():
                     )
                 base = f"http://127.0.0.1:{port}"
                 m0, c0, t0 = scrape(base), cpu_by_kind(proc.pid), time.perf_counter()
-                r = closed_loop(url, bodies, 1, conc, args.duration_s, 3.0, args.client_procs, client_cores)
+                r = closed_loop(url, bodies, images, conc, args.duration_s, 3.0, args.client_procs, client_cores)
                 c1, dt = cpu_by_kind(proc.pid), time.perf_counter() - t0
                 r["where_time_goes"] = where_time_goes(m0, scrape(base))
                 r["cores_by_kind"] = {k: round((c1[k] - c0.get(k, 0.0)) / dt, 2) for k in c1}
                 if spy is not None:
                     err = spy.communicate(timeout=60)[1]
                     r["py_spy"] = summarize(spy_out.read_text()) if spy_out.exists() else {"error": err[-2000:]}
+                    # (--gil: a sample is taken only while some thread holds the GIL)
+                    r["py_spy"]["gil_held_pct"] = 100 * r["py_spy"].get("samples", 0) / (200 * int(args.duration_s))
                 print(variant, conc, round(r["img_per_s"]), r["p50_ms"], r["p99_ms"], r["cores_by_kind"], flush=True)
                 print(variant, conc, r["where_time_goes"], flush=True)
                 pts.append(r)

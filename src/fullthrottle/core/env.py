@@ -27,7 +27,6 @@ NVIMGCODEC_THREADS = "FULLTHROTTLE_NVIMGCODEC_THREADS"
 NVIMGCODEC_BACKENDS = "FULLTHROTTLE_NVIMGCODEC_BACKENDS"
 WORKER_STATS = "FULLTHROTTLE_WORKER_STATS"
 CPU_JPEG_WORKERS = "FULLTHROTTLE_CPU_JPEG_WORKERS"
-GPU_CPU_ASSIST = "FULLTHROTTLE_GPU_CPU_ASSIST"
 
 VARS: dict[str, Var] = {
     v.name: v
@@ -71,12 +70,6 @@ VARS: dict[str, Var] = {
             "",
             "with GPU decoder processes: how many CPU decoder processes JPEGs may keep busy (empty: "
             "the cores left by the GPU decoder processes and the main process, at least 1), for trials",
-        ),
-        Var(
-            GPU_CPU_ASSIST,
-            "0",
-            "each GPU decoder process decodes the largest JPEGs (1 megapixel and up) of its batches on "
-            "its own CPU, up to this share of a core (0: none), while the JPEG engines decode the rest",
         ),
         Var(
             WORKER_STATS,

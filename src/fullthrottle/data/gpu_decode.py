@@ -17,12 +17,10 @@ docs/performance.md), so on CUDA the preprocess threads only read headers and ro
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 
 import torch
 
-from ..core import env
 from .gpu_decoders import Decoder
 from .gpu_resize import resize_crop_batch
 from .image_header import jpeg_info, jpeg_is_complete, resized_pixels, sniff
@@ -30,105 +28,27 @@ from .image_header import jpeg_info, jpeg_is_complete, resized_pixels, sniff
 
 def gpu_eligible(data: bytes, max_pixels: int = 89_478_485, resize: int = 256) -> tuple[bool, str]:
     """Whether nvJPEG gives the same image as the CPU path; ``(False, reason)`` routes it to the CPU."""
-    why, _ = _gpu_check(data, max_pixels, resize)
-    return not why, why
-
-
-def _gpu_check(data: bytes, max_pixels: int, resize: int) -> tuple[str, int]:
-    """``("", width * height)`` for an image :func:`gpu_eligible` takes, else ``(reason, 0)``."""
     if sniff(data) != "JPEG":
-        return "not a JPEG", 0
+        return False, "not a JPEG"
     info = jpeg_info(data)
     if info is None:
-        return "unreadable JPEG header", 0
+        return False, "unreadable JPEG header"
     if info["sof"] not in (0xC0, 0xC1, 0xC2):
-        return "lossless/arithmetic JPEG", 0
+        return False, "lossless/arithmetic JPEG"
     if info["components"] not in (1, 3):
-        return f"{info['components']}-component (CMYK/YCCK) JPEG", 0
+        return False, f"{info['components']}-component (CMYK/YCCK) JPEG"
     if info["orientation"] != 1:
-        return "EXIF orientation", 0
-    pixels = info["width"] * info["height"]
+        return False, "EXIF orientation"
     if (
-        pixels > max_pixels
+        info["width"] * info["height"] > max_pixels
         or info["width"] == 0
         or info["height"] == 0
         or resized_pixels(info["width"], info["height"], resize) > max_pixels
     ):
-        return "size out of range", 0
+        return False, "size out of range"
     if not jpeg_is_complete(data):
-        return "truncated", 0
-    return "", pixels
-
-
-class CpuAssist:
-    """A GPU decoder process's own CPU decodes the largest JPEGs of each batch, in a thread, while the
-    GPU's JPEG engines decode the rest.
-
-    The engines' time grows with an image's pixels, and so does the CPU's, but the CPU path decodes a
-    JPEG much larger than the crop needs at 1/2, 1/4 or 1/8 scale (DCT scaling), so the largest images
-    free the most engine time per CPU second. Images of at least ``min_pixels`` are taken, largest
-    first, while their estimated CPU time (a moving average of this process's seconds per megapixel)
-    fits in ``share`` x the engines' time per batch (a moving average of the decoder call's wall time):
-    the thread is done about when the engines are, and the process uses at most ``share`` of a core
-    more. With ``share`` 0, or before the first batch is timed, nothing is taken. What it decodes gets
-    the CPU path's crop (:func:`~fullthrottle.data.preprocess.preprocess`), as an image nvJPEG refuses
-    does.
-    """
-
-    def __init__(self, share: float, min_pixels: int = 1_000_000, s_per_mpx: float = 3e-3, alpha: float = 0.2):
-        self.share, self.min_pixels, self.alpha = share, min_pixels, alpha
-        self.s_per_mpx = s_per_mpx  # the CPU path's seconds per megapixel of source image
-        self.gpu_s: float | None = None  # the decoder call's wall time per batch
-        self._pool = None
-        self.taken = 0  # images decoded on the CPU by choice
-
-    @classmethod
-    def from_env(cls) -> CpuAssist:
-        """The assist :envvar:`FULLTHROTTLE_GPU_CPU_ASSIST` asks for.
-
-        Raises:
-            ValueError: the variable is not a number from 0 to 4."""
-        given = env.get(env.GPU_CPU_ASSIST)
-        try:
-            share = float(given)
-        except ValueError:
-            share = -1.0
-        if not 0.0 <= share <= 4.0:
-            raise ValueError(f"{env.GPU_CPU_ASSIST} must be a number from 0 to 4, got {given!r}")
-        return cls(share)
-
-    def pick(self, pixels: dict[int, int]) -> list[int]:
-        """The keys of ``pixels`` (image -> width x height) to decode on the CPU this batch."""
-        if not self.share or self.gpu_s is None:
-            return []
-        budget, out = self.share * self.gpu_s, []
-        for j in sorted((j for j, p in pixels.items() if p >= self.min_pixels), key=pixels.get, reverse=True):
-            cost = self.s_per_mpx * pixels[j] / 1e6
-            if cost <= budget:
-                out.append(j)
-                budget -= cost
-        return out
-
-    def start(self, jobs: list[int], pixels: dict[int, int], fn):
-        """``fn(j)`` for each of ``jobs`` in this process's assist thread; returns a future of the list."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ft-cpu-assist")
-        self.taken += len(jobs)
-        mpx = sum(pixels[j] for j in jobs) / 1e6
-
-        def work():
-            t0 = time.perf_counter()
-            out = [fn(j) for j in jobs]
-            self.s_per_mpx += self.alpha * ((time.perf_counter() - t0) / mpx - self.s_per_mpx)
-            return out
-
-        return self._pool.submit(work)
-
-    def gpu_took(self, seconds: float) -> None:
-        """The decoder call of a batch took ``seconds``."""
-        self.gpu_s = seconds if self.gpu_s is None else self.gpu_s + self.alpha * (seconds - self.gpu_s)
+        return False, "truncated"
+    return True, ""
 
 
 class RateSplitter:
@@ -211,7 +131,6 @@ def decode_crops(
     max_pixels: int = 89_478_485,
     device: torch.device | None = None,
     check: bool = False,
-    assist: CpuAssist | None = None,
 ) -> list:
     """Decode + resize + crop a batch on the GPU decoder, with the CPU path as the per-item fallback.
 
@@ -221,9 +140,8 @@ def decode_crops(
     decoded it; so did the batch's eligible images if the GPU resize failed as a whole), or the
     :class:`~fullthrottle.data.preprocess.ImageError` the CPU path gave (the item's error).
     ``check``: the caller has not run :func:`gpu_eligible` on the blobs (the GPU decoder processes
-    check here, off the main process's GIL). ``assist`` (with ``check``): the largest eligible images
-    it picks are decoded on this process's CPU meanwhile (their entries are the CPU path's crops). Runs
-    on the current CUDA stream; the caller synchronises before handing rows to another stream.
+    check here, off the main process's GIL). Runs on the current CUDA stream; the caller synchronises
+    before handing rows to another stream.
     """
     from .preprocess import ImageError, preprocess
 
@@ -233,56 +151,33 @@ def decode_crops(
         except ImageError as e:
             return e
 
-    side, assisted = None, ()
     if check:
-        pixels = {j: p for j, (why, p) in enumerate(_gpu_check(bytes(b), max_pixels, resize) for b in blobs) if not why}
-        if assist is not None and (assisted := assist.pick(pixels)):
-            side = assist.start(assisted, pixels, on_cpu)
-            for j in assisted:
-                del pixels[j]
-        sent = list(pixels)
+        ok = [gpu_eligible(bytes(b), max_pixels, resize)[0] for b in blobs]
+        sent = [j for j, e in enumerate(ok) if e]
         decoded: list = [ValueError("not for the GPU decoder")] * len(blobs)
-        t0 = time.perf_counter()
         for j, d in zip(sent, decoder([blobs[j] for j in sent]) if sent else ()):
             decoded[j] = d
-        if assist is not None and sent:
-            assist.gpu_took(time.perf_counter() - t0)
     else:
         decoded = decoder(blobs)
     out: list = [None] * len(blobs)
     good = []
-    skip = set(assisted)
     for j, d in enumerate(decoded):
-        if j in skip:
-            continue
         if isinstance(d, Exception):
             out[j] = on_cpu(j)
         else:
             good.append(j)
-    try:
-        _resize_crops(decoded, good, out, resize, crop, device, on_cpu)
-    finally:
-        if side is not None:  # (the assist thread's crops, once the GPU's work is launched)
-            for j, o in zip(assisted, side.result()):
-                out[j] = o
+    if good:
+        dev = device if device is not None else decoded[good[0]].device
+        try:
+            rows = torch.empty((len(good), crop, crop, 3), dtype=torch.uint8, device=dev)
+            resize_crop_batch([decoded[j] for j in good], rows, resize, crop)
+        except Exception:  # noqa: BLE001 - the batch's failure (out of memory, say) is no image's: the CPU path
+            for j in good:  # decodes them, and the images it already decoded keep their crops
+                out[j] = on_cpu(j)
+            return out
+        for r, j in enumerate(good):
+            out[j] = (rows, r)
     return out
-
-
-def _resize_crops(decoded: list, good: list, out: list, resize: int, crop: int, device, on_cpu) -> None:
-    """The decoded images ``good`` resized and cropped on the device into ``out`` (``(rows, r)``); if
-    that fails as a whole, the CPU path's crops."""
-    if not good:
-        return
-    dev = device if device is not None else decoded[good[0]].device
-    try:
-        rows = torch.empty((len(good), crop, crop, 3), dtype=torch.uint8, device=dev)
-        resize_crop_batch([decoded[j] for j in good], rows, resize, crop)
-    except Exception:  # noqa: BLE001 - the batch's failure (out of memory, say) is no image's: the CPU path
-        for j in good:  # decodes them, and the images it already decoded keep their crops
-            out[j] = on_cpu(j)
-        return
-    for r, j in enumerate(good):
-        out[j] = (rows, r)
 
 
 def crop_runs(crops: Sequence[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int, int]]:

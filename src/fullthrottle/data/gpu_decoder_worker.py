@@ -35,7 +35,7 @@ def gpu_worker_main(argv: list[str]) -> None:
 
     torch.set_num_threads(1)
     from .crop_pool import clear_cuda_error
-    from .gpu_decode import CpuAssist, decode_crops
+    from .gpu_decode import decode_crops
     from .gpu_decoders import _test_jpeg, make_gpu_decoder
     from .preprocess import ImageError, allow_pillow_pixels  # (importing it silenced OpenCV's log lines)
 
@@ -48,7 +48,6 @@ def gpu_worker_main(argv: list[str]) -> None:
     err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size, 0)  # pinned: D2H copies run async
     if int(err[0] if isinstance(err, tuple) else err) != 0:
         clear_cuda_error()
-    assist = CpuAssist.from_env()  # (a bad value fails the start: the pool says why)
     stream = torch.cuda.Stream(dev)
     done = torch.cuda.Event(blocking=True)
     with torch.cuda.stream(stream), torch.inference_mode():  # set-up here, before the first real batch:
@@ -79,14 +78,7 @@ def gpu_worker_main(argv: list[str]) -> None:
                 for j, o in zip(
                     todo,
                     decode_crops(
-                        decoder,
-                        [items[j][0] for j in todo],
-                        resize_size,
-                        crop_size,
-                        max_pixels,
-                        dev,
-                        check=True,
-                        assist=assist,
+                        decoder, [items[j][0] for j in todo], resize_size, crop_size, max_pixels, dev, check=True
                     ),
                 ):
                     out[j] = o
