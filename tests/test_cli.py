@@ -1074,3 +1074,60 @@ def test_stdout_closed_or_full_exits_2_with_one_line(samples, tmp_path, redirect
             assert p.returncode == 2, (args, p.returncode, err[-600:])
             assert f"fullthrottle: error: cannot write stdout: {why}" in err, (args, err[-600:])
             assert "Traceback" not in err and "Exception ignored" not in err, (args, err[-600:])
+
+
+def test_sigterm_stops_run_embed_and_generate_as_ctrl_c_does_saying_so(tmp_path):
+    """SIGTERM (a service manager's stop) to ``run``, ``embed`` and ``generate --prompts`` waiting on
+    their input: each says "terminated" and exits 143, as classify does (they used to die by the
+    signal, silently); a Ctrl-C still says "interrupted", exit 130."""
+    import signal
+    import time
+    from pathlib import Path
+
+    import fullthrottle
+
+    examples = Path(fullthrottle.__file__).parents[2] / "examples"
+    env = {**os.environ, "PYTHONPATH": f"{Path(fullthrottle.__file__).parents[1]}{os.pathsep}{examples}"}
+    commands = [
+        (["run", "-", "--device", "cpu", "--workload", "word_workload:Sentiment"], signal.SIGTERM),
+        (["embed", "-", "--device", "cpu", "--out", str(tmp_path / "e.npy")], signal.SIGTERM),
+        (["generate", "--random", "tiny", "--device", "cpu", "--prompts", "-"], signal.SIGTERM),
+        (["generate", "--random", "tiny", "--device", "cpu", "--prompts", "-"], signal.SIGINT),
+    ]
+    procs = [  # (all at once: the imports overlap)
+        (
+            args,
+            sig,
+            subprocess.Popen(
+                [sys.executable, "-m", "fullthrottle.cli", *args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            ),
+        )
+        for args, sig in commands
+    ]
+
+    def reading_stdin(pid: int) -> bool:  # some thread of it blocked in read(0, ...)
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                call = (task / "syscall").read_text().split()
+            except OSError:
+                continue
+            if len(call) > 1 and call[0] == "0" and int(call[1], 16) == 0:
+                return True
+        return False
+
+    for args, sig, p in procs:
+        deadline = time.time() + 240
+        while time.time() < deadline and p.poll() is None and not reading_stdin(p.pid):
+            time.sleep(0.1)
+        time.sleep(0.3)
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+        want = ("terminated", 143) if sig == signal.SIGTERM else ("interrupted", 130)
+        assert p.returncode == want[1], (args, p.returncode, err[-800:])
+        assert err.strip().splitlines()[-1] == want[0], (args, err[-800:])
+        assert "Traceback" not in err, (args, err[-800:])

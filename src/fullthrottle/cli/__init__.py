@@ -17,7 +17,15 @@ import sys
 from ..core.config import Config
 from .bench import cmd_bench
 from .classify import cmd_classify
-from .common import _close_out, _gpu_decode_settings, _silence_stdout, sample_photos, with_stdout
+from .common import (
+    Terminated,
+    _close_out,
+    _gpu_decode_settings,
+    _silence_stdout,
+    sample_photos,
+    sigterm_as_interrupt,
+    with_stdout,
+)
 from .embed import _read_texts, cmd_embed
 from .generate import _check_memory_for, _llama_bytes, cmd_generate
 from .parser import build_parser
@@ -41,9 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _run_command(args, argv)
-    except KeyboardInterrupt:  # before a command's own handling (Ctrl-C while torch is imported, say)
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # before a command's own handling (Ctrl-C while torch is imported, say)
+        return _stopped(e)
+
+
+def _stopped(e: KeyboardInterrupt) -> int:
+    """Say why the command stopped (Ctrl-C, or SIGTERM: :class:`Terminated`); its exit status."""
+    term = isinstance(e, Terminated)
+    print("\nterminated" if term else "\ninterrupted", file=sys.stderr)
+    return 143 if term else 130
 
 
 def mps_wanted(args) -> bool:
@@ -86,17 +100,16 @@ def _private_mps(args):
 def _run_command(args, argv: list[str] | None) -> int:
     if args.command == "bench":
         return with_stdout(cmd_bench, args)
-    if args.command == "run":
-        return with_stdout(cmd_run, args)
     if args.command == "serve":
         with _private_mps(args):
             return cmd_serve(args)
-    if args.command in ("generate", "embed"):
+    if args.command in ("generate", "embed", "run"):
+        cmd = {"generate": cmd_generate, "embed": cmd_embed, "run": cmd_run}[args.command]
         try:
-            return with_stdout(cmd_generate if args.command == "generate" else cmd_embed, args)
-        except KeyboardInterrupt:
-            print("\ninterrupted", file=sys.stderr)
-            return 130
+            with sigterm_as_interrupt():  # (SIGTERM stops it as a Ctrl-C does, saying so: exit 143)
+                return with_stdout(cmd, args)
+        except KeyboardInterrupt as e:
+            return _stopped(e)
         except BrokenPipeError:  # the reader went away (`| head`): stop quietly
             _silence_stdout()
             return 1
@@ -104,9 +117,8 @@ def _run_command(args, argv: list[str] | None) -> int:
         try:
             with _private_mps(args):
                 rc = with_stdout(cmd_classify, args)
-        except KeyboardInterrupt:  # (while cmd_classify imported torch: before its own handling)
-            print("\ninterrupted", file=sys.stderr)
-            rc = 130
+        except KeyboardInterrupt as e:  # (while cmd_classify imported torch: before its own handling)
+            rc = _stopped(e)
         if rc == 130 and argv is None:
             # Interrupted: our stages are joined, but native thread pools (or a half-imported torch) may
             # still be tearing down; skip interpreter finalisation, which can otherwise abort (exit 134)

@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
         'JSON strings or {"text": ...}). Writes JSON lines ({"index", "truncated", "embedding"}) or a .npy '
         "(N, dim) float32 array. Texts longer than the model's max_seq_length are truncated, "
         'as sentence-transformers does, and flagged. A .jsonl line that is no text gets {"index", "error"} '
-        "(a row of NaN in a .npy). Exit status: 0, 1 if a line failed, 2 on a usage or model error.",
+        "(a row of NaN in a .npy). Exit status: 0, 1 if a line failed, 2 on a usage or model error, "
+        "130 on Ctrl-C, 143 on SIGTERM.",
     )
     m.add_argument("file", metavar="FILE|-")
     m.add_argument("--model-dir", default=None, help="sentence-transformers folder (default: all-MiniLM-L6-v2)")
@@ -322,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         'Writes one JSON line per request, in order: {"line": N, "response": {...}} or {"line": N, '
         '"error": "..."}.',
         epilog="Exit status: 0 every request answered; 1 some request failed (see its error); 2 usage "
-        "error (a bad --workload, a file that cannot be read, setup() failed).",
+        "error (a bad --workload, a file that cannot be read, setup() failed); 130 on Ctrl-C, 143 on SIGTERM.",
     )
     w.add_argument("file", metavar="FILE|-", help="one JSON object (a request body) per line")
     w.add_argument("--workload", required=True, metavar="MODULE:CLASS", help="the workload to run")
