@@ -79,15 +79,20 @@ def offline(args) -> dict:
     model = random_llama(args.shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
     vocab = VOCAB[args.shape]
     dtypes = args.kv_dtype.split(",")
-    sets = (("128/128", 512, 128, 128), ("512/256", 256, 512, 256))
-    for (name, n, p, m), dt in ((s, dt) for dt in dtypes for s in sets):
+    budgets = [int(b) for b in args.max_prefill_tokens.split(",")] if args.max_prefill_tokens else [None]
+    sets = [s for s in (("128/128", 512, 128, 128), ("512/256", 256, 512, 256)) if s[0] in args.sets.split(",")]
+    for (name, n, p, m), dt, budget in ((s, dt, b) for dt in dtypes for b in budgets for s in sets):
         if len(dtypes) > 1:  # each KV dtype's results under its own keys
             name = f"{name}, kv {dt}"
+        if len(budgets) > 1:  # and each prefill budget's
+            name = f"{name}, prefill {budget}"
         g = torch.Generator().manual_seed(1)
         reqs = [(torch.randint(3, vocab, (p,), generator=g).tolist(), m) for _ in range(n // args.scale)]
         t0 = time.perf_counter()
-        pages = pages_that_fit(model, PAGE, dt) if args.kv_pages == "auto" else int(args.kv_pages)
-        gen = Generator(model, max_batch=args.rows, max_seq_len=p + m, graphs=True, kv_pages=pages, kv_dtype=dt)
+        aside = {} if budget is None else {"prefill_tokens": budget}
+        pages = pages_that_fit(model, PAGE, dt, **aside) if args.kv_pages == "auto" else int(args.kv_pages)
+        kw = {} if budget is None else {"max_prefill_tokens": budget}
+        gen = Generator(model, max_batch=args.rows, max_seq_len=p + m, graphs=True, kv_pages=pages, kv_dtype=dt, **kw)
         ready = time.perf_counter() - t0
         Scheduler(gen).run([{"prompt": r[0], "max_new_tokens": 4} for r in reqs[:8]])  # warm-up
         sync(dev)
@@ -349,6 +354,12 @@ def main():
     ap.add_argument(
         "--server-args", default="", help="more serve arguments, e.g. --server-args='--llm-max-prefill-tokens 2048'"
     )
+    ap.add_argument(
+        "--max-prefill-tokens",
+        default="",
+        help="offline: the Generator's prefill budget per step, or a list (default: its own)",
+    )
+    ap.add_argument("--sets", default="128/128,512/256", help="offline: the request sets run")
     ap.add_argument("--concurrency", default="1,16,64,256")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--client-procs", type=int, default=4)

@@ -544,14 +544,16 @@ def test_flag_defaults_are_the_dataclasses_defaults():
         )
     assert c.batch_size == v.max_batch_size == Config.max_batch_size
     from fullthrottle.core.config import LlmSettings
+    from fullthrottle.server.options import SERVE_MAX_PREFILL_TOKENS
 
-    assert (v.llm_max_batch, v.llm_kv_pages, v.llm_max_prefill_tokens, v.llm_logprobs, v.llm_kv_dtype) == (
+    assert (v.llm_max_batch, v.llm_kv_pages, v.llm_logprobs, v.llm_kv_dtype) == (
         LlmSettings.max_batch,
         LlmSettings.kv_pages,
-        LlmSettings.max_prefill_tokens,
         LlmSettings.logprobs,
         LlmSettings.kv_dtype,
     )
+    # (a server prefills less per step than the library does offline: its streams wait on each step)
+    assert v.llm_max_prefill_tokens == SERVE_MAX_PREFILL_TOKENS < LlmSettings.max_prefill_tokens
     assert p.parse_args(["serve", "--llm-max-prefill-tokens", "7"]).llm_max_prefill_tokens == 7
     assert p.parse_args(["serve", "--llm-kv-pages", "auto"]).llm_kv_pages == "auto"
     assert p.parse_args(["serve", "--llm-kv-pages", "AUTO", "--llm-kv-dtype", "FP8"]).llm_kv_dtype == "fp8"

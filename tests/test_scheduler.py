@@ -174,7 +174,7 @@ def test_bad_settings_and_prompts_are_clear_errors_and_a_new_scheduler_starts_cl
         with pytest.raises(ValueError, match=msg):
             Generator(tiny_llama, **{"max_batch": 2, "max_seq_len": 64, "graphs": False, **kw})
     big = tiny_llama.cfg.max_position_embeddings
-    with pytest.raises(ValueError, match=r"the KV cache \(10000000 rows x .* GiB free: take fewer rows"):
+    with pytest.raises(ValueError, match=r"the KV cache \(10000000 rows x .* GiB free.*: take fewer rows"):
         Generator(tiny_llama, max_batch=10**7, max_seq_len=big, graphs=False)
     gen = Generator(tiny_llama, max_batch=2, max_seq_len=64, graphs=False, kv_pages=4)
     for prompts, n, msg in (
@@ -221,20 +221,52 @@ def test_bad_settings_and_prompts_are_clear_errors_and_a_new_scheduler_starts_cl
 
 def test_kv_pages_auto_sizes_the_pool_to_the_free_memory(make_tiny_llama, monkeypatch):
     """``serve --llm-kv-pages auto``: as many pages as fit in 90% of the free memory, the model's own
-    KV cache counted as free; a clear error when none fits or the free memory cannot be read."""
+    KV cache counted as free and a prefill's activations set aside (the Generator's max_prefill_tokens
+    by default); a clear error when none fits or the free memory cannot be read."""
+    from fullthrottle.core.config import LlmSettings
     from fullthrottle.workloads.llm import checks
 
     model = make_tiny_llama()  # 2 layers x (k, v) x 2 kv heads x head dim 8 x 4 bytes: 256 bytes a position
+    cfg = model.cfg
+    per_prefill_token = (8 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4  # (float32)
+    assert checks.prefill_bytes(model, 100) == 100 * per_prefill_token
     monkeypatch.setattr(checks, "free_bytes", lambda device: 2**20)
-    assert checks.pages_that_fit(model, 64) == int(0.9 * 2**20 // (64 * 256)) - 1 == 56
-    Generator(model, max_batch=2, max_seq_len=64, graphs=False)  # a static cache of 2 x 64 positions (32 KiB)
-    assert checks.pages_that_fit(model, 64) == int(0.9 * (2**20 + 2 * 64 * 256) // (64 * 256)) - 1
+    assert checks.pages_that_fit(model, 64, prefill_tokens=0) == int(0.9 * 2**20 // (64 * 256)) - 1 == 56
+    aside = LlmSettings.max_prefill_tokens * per_prefill_token
+    monkeypatch.setattr(checks, "free_bytes", lambda device: 2**26)
+    assert checks.pages_that_fit(model, 64) == int(0.9 * (2**26 - aside) // (64 * 256)) - 1
+    monkeypatch.setattr(checks, "free_bytes", lambda device: 2**20)
+    assert (
+        checks.pages_that_fit(model, 64, prefill_tokens=16)
+        == int(0.9 * (2**20 - 16 * per_prefill_token) // (64 * 256)) - 1
+    )
+    Generator(model, max_batch=2, max_seq_len=64, graphs=False, max_prefill_tokens=16)  # a static cache of 32 KiB
+    assert checks.pages_that_fit(model, 64, prefill_tokens=0) == int(0.9 * (2**20 + 2 * 64 * 256) // (64 * 256)) - 1
     monkeypatch.setattr(checks, "free_bytes", lambda device: 10_000)
     with pytest.raises(ValueError, match="no KV page of 64 tokens fits"):
+        checks.pages_that_fit(make_tiny_llama(), 64)
+    monkeypatch.setattr(checks, "free_bytes", lambda device: aside + 64 * 256)  # room for the prefill alone
+    with pytest.raises(ValueError, match=f"set aside for a prefill of {LlmSettings.max_prefill_tokens} tokens"):
         checks.pages_that_fit(make_tiny_llama(), 64)
     monkeypatch.setattr(checks, "free_bytes", lambda device: None)
     with pytest.raises(ValueError, match="give the number of KV pages"):
         checks.pages_that_fit(model, 64)
+
+
+def test_the_cache_leaves_room_for_a_prefill_of_the_budget(make_tiny_llama, monkeypatch):
+    """A Generator's KV cache (static or paged) must leave a prefill of its max_prefill_tokens its
+    activations: where it would not, the construction says so (naming max_prefill_tokens) instead of
+    a step running out of memory later; with a smaller budget the same cache fits."""
+    from fullthrottle.workloads.llm import checks
+
+    model = make_tiny_llama()  # 256 bytes of keys and values a position
+    cache = 4 * 64 * 256  # 4 rows x 64 positions
+    monkeypatch.setattr(checks, "free_bytes", lambda device: int(cache / 0.9) + checks.prefill_bytes(model, 256) + 64)
+    Generator(model, max_batch=4, max_seq_len=64, graphs=False, max_prefill_tokens=256)
+    with pytest.raises(ValueError, match="set aside for a prefill of 4096 tokens: .* or a smaller max_prefill_tokens"):
+        Generator(make_tiny_llama(), max_batch=4, max_seq_len=64, graphs=False, max_prefill_tokens=4096)
+    with pytest.raises(ValueError, match="set aside for a prefill of 4096 tokens: take fewer kv_pages"):
+        Generator(make_tiny_llama(), max_batch=4, max_seq_len=64, graphs=False, kv_pages=4, max_prefill_tokens=4096)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 from ..core.config import DTYPES, GPU_DECODERS, Config, LlmSettings, Runtime
+from ..server.options import SERVE_MAX_PREFILL_TOKENS
 from ..workloads.classify.models import DEFAULT_MODEL, MODELS
 from .generate import RANDOM_SHAPES
 
@@ -287,7 +288,7 @@ def add_llm_serve_args(v: argparse.ArgumentParser) -> None:
     v.add_argument(
         "--llm-max-prefill-tokens",
         type=positive_int,
-        default=LlmSettings.max_prefill_tokens,
+        default=SERVE_MAX_PREFILL_TOKENS,
         metavar="N",
         help="LLM prompt tokens prefilled per step, in one forward (longer prompts go in chunks, while the "
         "others decode; default: %(default)s)",

@@ -161,7 +161,7 @@ def cmd_serve(args) -> int:
                 from ..workloads.llm.checks import pages_that_fit
                 from ..workloads.llm.kv_pages import PAGE
 
-                pages = pages_that_fit(model, PAGE, args.llm_kv_dtype)
+                pages = pages_that_fit(model, PAGE, args.llm_kv_dtype, args.llm_max_prefill_tokens)
             kw = dict(graphs=args.graphs, logprobs=args.llm_logprobs, kv_pages=pages, kv_dtype=args.llm_kv_dtype)
             kw.update(max_prefill_tokens=args.llm_max_prefill_tokens)
             llm = (Generator(model, args.llm_max_batch, seq, **kw), tok)

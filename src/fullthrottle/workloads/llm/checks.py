@@ -8,6 +8,8 @@ import operator
 
 import torch
 
+from ...core.config import LlmSettings
+
 
 def check_int(name: str, value, lowest: int) -> int:
     """``value`` as an int if it is an integer (not a bool; numpy's too) ``>= lowest``; else
@@ -120,25 +122,42 @@ def _kv_bytes_and_free(model, dtype: torch.dtype | None = None) -> tuple[int, in
     return per_token, free
 
 
-def check_kv_memory(model, slots: int, what: str, hint: str, dtype: torch.dtype | None = None) -> None:
+def check_kv_memory(
+    model, slots: int, what: str, hint: str, dtype: torch.dtype | None = None, prefill_tokens: int = 0
+) -> None:
     """ValueError when a KV cache of ``slots`` token positions in all (keys and values of every layer
-    of ``model``, a Llama, in ``dtype``, default its own) needs more than :data:`KV_MEMORY_SHARE` of its device's free
-    memory, counting the cache it holds now as free; ``what``: the cache's shape in words, ``hint``:
-    what to ask for instead, for the message. Nothing is allocated here."""
+    of ``model``, a Llama, in ``dtype``, default its own) needs more than :data:`KV_MEMORY_SHARE` of its
+    device's free memory, counting the cache it holds now as free, once the activations of a prefill
+    of ``prefill_tokens`` tokens (:func:`prefill_bytes`) are set aside; ``what``: the cache's shape in
+    words, ``hint``: what to ask for instead, for the message. Nothing is allocated here."""
     per_token, free = _kv_bytes_and_free(model, dtype)
-    need = slots * per_token
-    if free is not None and need > KV_MEMORY_SHARE * free:
+    need, aside = slots * per_token, prefill_bytes(model, prefill_tokens)
+    if free is not None and need > KV_MEMORY_SHARE * (free - aside):
+        also = f", {aside / 2**30:.1f} GiB of them set aside for a prefill of {prefill_tokens} tokens" if aside else ""
         raise ValueError(
             f"the KV cache ({what}) needs {need / 2**30:.1f} GiB and {next(model.parameters()).device} has "
-            f"{free / 2**30:.1f} GiB free: {hint}"
+            f"{free / 2**30:.1f} GiB free{also}: {hint}" + (" or a smaller max_prefill_tokens" if aside else "")
         )
 
 
-def pages_that_fit(model, page: int, kv_dtype: str = "auto") -> int:
+def prefill_bytes(model, tokens: int) -> int:
+    """An estimate of the activations one prefill forward of ``tokens`` tokens holds at once in a
+    layer of ``model`` (a Llama): the residual stream, its norm, q/k/v, the attention output and the
+    o-projection's (about 8 x hidden per token), and the MLP's gate, up and product (3 x intermediate),
+    in the model's dtype."""
+    cfg, p = model.cfg, next(model.parameters())
+    return tokens * (8 * cfg.hidden_size + 3 * cfg.intermediate_size) * p.element_size()
+
+
+def pages_that_fit(
+    model, page: int, kv_dtype: str = "auto", prefill_tokens: int = LlmSettings.max_prefill_tokens
+) -> int:
     """How many KV pages of ``page`` tokens (of the KV dtype named ``kv_dtype``:
     :data:`~fullthrottle.workloads.llm.kv_pages.KV_DTYPES`) fit in :data:`KV_MEMORY_SHARE` of the free
     memory of ``model``'s device (its current KV cache counted as free; one page of the pool is never
-    handed out), as vLLM sizes its pool by ``gpu_memory_utilization``.
+    handed out), as vLLM sizes its pool by ``gpu_memory_utilization``, once the activations of a
+    prefill of ``prefill_tokens`` tokens (the Generator's ``max_prefill_tokens``: :func:`prefill_bytes`)
+    are set aside.
 
     Raises:
         ValueError: the free memory cannot be read, not even one page fits, or an unknown ``kv_dtype``.
@@ -148,7 +167,11 @@ def pages_that_fit(model, page: int, kv_dtype: str = "auto") -> int:
     per_token, free = _kv_bytes_and_free(model, dtype_of(kv_dtype, next(model.parameters()).dtype))
     if free is None:
         raise ValueError("the free memory of this device cannot be read: give the number of KV pages")
-    pages = int(KV_MEMORY_SHARE * free // (page * per_token)) - 1
+    room = free - prefill_bytes(model, prefill_tokens)
+    pages = int(KV_MEMORY_SHARE * room // (page * per_token)) - 1
     if pages < 1:
-        raise ValueError(f"no KV page of {page} tokens fits in {free / 2**30:.2f} GiB free")
+        raise ValueError(
+            f"no KV page of {page} tokens fits in {free / 2**30:.2f} GiB free, with "
+            f"{prefill_bytes(model, prefill_tokens) / 2**30:.2f} GiB set aside for a prefill of {prefill_tokens} tokens"
+        )
     return pages

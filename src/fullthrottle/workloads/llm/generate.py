@@ -158,12 +158,14 @@ class Generator:
         kv_pages = min(kv_pages, rows * -(-max_seq_len // PAGE))  # (more could never be used)
         if kv_pages:
             what = f"{kv_pages} pages of {PAGE} tokens"
-            check_kv_memory(model, (kv_pages + 1) * PAGE, what, "take fewer kv_pages", kv_type)
+            check_kv_memory(model, (kv_pages + 1) * PAGE, what, "take fewer kv_pages", kv_type, max_prefill_tokens)
             model.setup_paged_cache(rows, max_seq_len, kv_pages, owner=self, dtype=kv_type)
             self.kv = PagedKV(model.block_table, kv_pages)
         else:
             hint = "take fewer rows (max_batch), a shorter max_seq_len, or paged KV memory (kv_pages)"
-            check_kv_memory(model, rows * max_seq_len, f"{rows} rows x {max_seq_len} positions", hint)
+            check_kv_memory(
+                model, rows * max_seq_len, f"{rows} rows x {max_seq_len} positions", hint, None, max_prefill_tokens
+            )
             model.setup_cache(rows, max_seq_len, owner=self)
         B, V = self.max_batch, model.cfg.vocab_size
         # static inputs of the decode step (views [:b] serve every bucket)
