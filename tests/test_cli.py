@@ -1026,22 +1026,30 @@ def test_the_report_json_goes_to_stdout_when_the_results_go_to_a_file(samples, t
         assert not stdout and "--report-json - would write the report to stdout, which carries the results" in err
 
 
+def _cli_with_examples(args: list[str], **popen) -> subprocess.Popen:
+    """``fullthrottle ARGS`` in a process of its own, the repository's ``examples`` importable (their
+    workloads), stdin a pipe, stderr read as text; ``popen``: more Popen arguments (stdout, ...)."""
+    from pathlib import Path
+
+    import fullthrottle
+
+    examples = Path(fullthrottle.__file__).parents[2] / "examples"
+    env = {**os.environ, "PYTHONPATH": f"{Path(fullthrottle.__file__).parents[1]}{os.pathsep}{examples}"}
+    cmd = [sys.executable, "-m", "fullthrottle.cli", *args]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **popen)
+
+
 @pytest.mark.parametrize("redirect", ["closed", "full"])
 def test_stdout_closed_or_full_exits_2_with_one_line(samples, tmp_path, redirect):
     """Every command that writes to stdout (classify, run, generate, generate --prompts, embed's
     report, bench) says it cannot, in one line, and exits 2, whether stdout is closed (``1>&-``) or full."""
     import os
-    import sys
     from pathlib import Path
-
-    import fullthrottle
 
     if redirect == "full" and not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
     (tmp_path / "p.jsonl").write_text('{"prompt": "hi", "max_tokens": 3}\n')
     (tmp_path / "r.jsonl").write_text('{"texts": ["good"]}\n')
-    examples = Path(fullthrottle.__file__).parents[2] / "examples"
-    env = {**os.environ, "PYTHONPATH": f"{Path(fullthrottle.__file__).parents[1]}{os.pathsep}{examples}"}
     commands = [
         (["classify", str(samples[0]), "--device", "cpu", "--no-progress"], None),
         (["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--out", "-"], None),
@@ -1059,13 +1067,9 @@ def test_stdout_closed_or_full_exits_2_with_one_line(samples, tmp_path, redirect
             (
                 args,
                 stdin,
-                subprocess.Popen(
-                    [sys.executable, "-m", "fullthrottle.cli", *args],
-                    stdin=subprocess.PIPE,
+                _cli_with_examples(
+                    args,
                     stdout=sink if redirect == "full" else None,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    env=env,
                     preexec_fn=None if redirect == "full" else lambda: os.close(1),
                 ),
             )
@@ -1086,31 +1090,13 @@ def test_sigterm_stops_run_embed_and_generate_as_ctrl_c_does_saying_so(tmp_path)
     import time
     from pathlib import Path
 
-    import fullthrottle
-
-    examples = Path(fullthrottle.__file__).parents[2] / "examples"
-    env = {**os.environ, "PYTHONPATH": f"{Path(fullthrottle.__file__).parents[1]}{os.pathsep}{examples}"}
     commands = [
         (["run", "-", "--device", "cpu", "--workload", "word_workload:Sentiment"], signal.SIGTERM),
         (["embed", "-", "--device", "cpu", "--out", str(tmp_path / "e.npy")], signal.SIGTERM),
         (["generate", "--random", "tiny", "--device", "cpu", "--prompts", "-"], signal.SIGTERM),
         (["generate", "--random", "tiny", "--device", "cpu", "--prompts", "-"], signal.SIGINT),
     ]
-    procs = [  # (all at once: the imports overlap)
-        (
-            args,
-            sig,
-            subprocess.Popen(
-                [sys.executable, "-m", "fullthrottle.cli", *args],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-            ),
-        )
-        for args, sig in commands
-    ]
+    procs = [(args, sig, _cli_with_examples(args, stdout=subprocess.DEVNULL)) for args, sig in commands]  # (at once)
 
     def reading_stdin(pid: int) -> bool:  # some thread of it blocked in read(0, ...)
         for task in Path(f"/proc/{pid}/task").iterdir():
