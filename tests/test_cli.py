@@ -722,6 +722,34 @@ def test_the_pixel_limit_is_a_flag_and_its_error_names_it(samples, tmp_path, cap
     assert main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--out", str(out)]) == 0
 
 
+def test_generate_many_reads_a_bom_first_line_as_json_and_a_full_out_is_exit_2(tmp_path, capsys):
+    """``generate --prompts``: a UTF-8 byte-order mark before the first line (as Windows editors write)
+    leaves that line a JSON request, answered like the same line without it (it was taken as a text
+    prompt); an --out that fills up is "cannot write --out", exit 2 (it was a traceback, exit 1)."""
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"prompt": [5, 6, 7], "max_tokens": 3}\r\n{"prompt": [5, 6, 7], "max_tokens": 3}\r\n')
+    out = tmp_path / "o.jsonl"
+    args = [
+        "generate",
+        "--random",
+        "tiny",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--temperature",
+        "0",
+        "--prompts",
+        str(f),
+    ]
+    assert main([*args, "--out", str(out)]) == 0
+    first, second = (json.loads(line) for line in out.read_text().splitlines())
+    assert "error" not in first and len(first["token_ids"]) == 3 and first["token_ids"] == second["token_ids"]
+    if os.path.exists("/dev/full"):
+        capsys.readouterr()
+        assert main([*args, "--out", "/dev/full"]) == 2
+        assert "cannot write --out /dev/full: No space left on device" in capsys.readouterr().err
+
+
 def test_generate_many_with_text_prompts_gives_a_bad_line_its_own_error(tmp_path, make_tiny_llama, tiny_text):
     """Text prompts are checked once, each line alone: one that is not valid Unicode fails alone."""
     from types import SimpleNamespace

@@ -29,6 +29,8 @@ def read_requests(path: str, args, eos=None) -> list[tuple[int, dict | str]]:
     else:
         with open(path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
+    if lines:  # (a UTF-8 byte-order mark, as Windows editors write: not part of the first request)
+        lines[0] = lines[0].removeprefix("\ufeff")
     out: list[tuple[int, dict | str]] = []
     defaults = {
         "max_tokens": args.max_new_tokens,
@@ -151,12 +153,17 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
         out.flush()
 
     try:
-        write_done()
-        while sched.busy:
-            bar.update(len(sched.step()))
+        try:
             write_done()
-    finally:
-        bar.close()
-        if out is not sys.stdout:
-            out.close()
+            while sched.busy:
+                bar.update(len(sched.step()))
+                write_done()
+        finally:
+            bar.close()
+            if out is not sys.stdout:
+                out.close()
+    except OSError as e:  # (a full disk, say; stdout's own failures are the CLI's to word)
+        if out is sys.stdout:
+            raise
+        raise ValueError(f"cannot write --out {args.out}: {e.strerror or e}") from None
     return new, gen, failed
