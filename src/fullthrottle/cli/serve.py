@@ -232,8 +232,10 @@ def cmd_serve(args) -> int:
 def _llm_flags_given(args) -> list[str]:
     """The ``--llm-*`` engine settings given other than their defaults (they act only with an LLM)."""
     from ..core.config import LlmSettings
+    from ..server.options import SERVE_MAX_PREFILL_TOKENS
 
-    names = ("max_batch", "logprobs", "kv_pages", "kv_dtype", "max_prefill_tokens")
-    given = [n for n in names if getattr(args, f"llm_{n}") != getattr(LlmSettings, n)]
+    defaults = {n: getattr(LlmSettings, n) for n in ("max_batch", "logprobs", "kv_pages", "kv_dtype")}
+    defaults["max_prefill_tokens"] = SERVE_MAX_PREFILL_TOKENS
+    given = [n for n, v in defaults.items() if getattr(args, f"llm_{n}") != v]
     given += ["max_seq_len"] if args.llm_max_seq_len is not None else []
     return ["--llm-" + n.replace("_", "-") for n in given]
