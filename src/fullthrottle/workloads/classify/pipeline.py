@@ -19,9 +19,12 @@ included: memory stays flat however long the input stream is.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import sys
 import threading
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import replace
 
@@ -37,6 +40,18 @@ from .compute import Engine
 from .result import Result
 from .run import PipelineError, Run, limit_heap_fragmentation  # noqa: F401 - (PipelineError: the public name lives here)
 from .transform import GPU_INTERPOLATIONS
+
+#: the runs started and not yet finished: stopped before the interpreter exits (:func:`_stop_live_runs`)
+_LIVE_RUNS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_runs() -> None:
+    """At exit, stop the runs a caller left unfinished (an iterator of :meth:`Pipeline.run` never
+    exhausted nor closed): their stage threads, still inside torch or OpenCV when the interpreter
+    tears down, made the process abort ("terminate called without an active exception", exit 134)."""
+    for run in list(_LIVE_RUNS):
+        run.stop()
 
 
 class Pipeline:
@@ -204,6 +219,7 @@ class Pipeline:
                 run.batcher.on_batch = self.on_batch
                 self.current_run = run
                 run.start()
+                _LIVE_RUNS.add(run)
             except BaseException:  # (a run that could not start leaves the Pipeline usable)
                 if run is not None:
                     run.stop()
@@ -214,7 +230,9 @@ class Pipeline:
     def _finish(self, run: Run) -> None:
         try:
             run.stop()
-            self.last_report = run.report()
+            _LIVE_RUNS.discard(run)
+            if not sys.is_finalizing():  # (an iterator closed as the interpreter tears down: no report)
+                self.last_report = run.report()
         finally:
             self._busy.release()
 
