@@ -168,6 +168,18 @@ def test_cli_embed_npy_and_jsonl(tmp_path, emb, capsys):
     )
     (tmp_path / "d.npy").mkdir()  # an output path that is a folder: refused before any compute
     assert main(["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "d.npy"), "--device", "cpu"]) == 2
+    # a named pipe (a shell's <(...)) and a device are read as files are (they were "no such file")
+    import os
+    import threading
+
+    os.mkfifo(tmp_path / "fifo")
+    writer = threading.Thread(target=(tmp_path / "fifo").write_text, args=("first text\nthird 🙂\n",))
+    writer.start()
+    assert main(["embed", str(tmp_path / "fifo"), "--out", str(tmp_path / "f.npy"), "--device", "cpu"]) == 0
+    writer.join()
+    np.testing.assert_allclose(np.load(tmp_path / "f.npy"), emb.embed(["first text", "third 🙂"]).vectors, atol=1e-6)
+    assert main(["embed", os.devnull, "--out", str(tmp_path / "n.jsonl"), "--device", "cpu"]) == 0
+    assert (tmp_path / "n.jsonl").read_text() == ""
 
 
 def test_cli_embed_a_bad_jsonl_line_costs_only_itself(tmp_path, emb, capsys):

@@ -83,7 +83,7 @@ def cmd_embed(args) -> int:
     if not (args.out.endswith(".npy") or args.out.endswith(".jsonl")):
         print("fullthrottle: error: --out must end in .npy or .jsonl", file=sys.stderr)
         return 2
-    if args.file != "-" and not os.path.isfile(args.file):
+    if args.file != "-" and (os.path.isdir(args.file) or not os.path.exists(args.file)):  # (a pipe or device: read)
         what = "is a directory, not a file" if os.path.isdir(args.file) else "no such file"
         print(f"fullthrottle: error: {args.file}: {what}", file=sys.stderr)
         return 2
