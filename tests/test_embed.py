@@ -173,7 +173,7 @@ def test_cli_embed_npy_and_jsonl(tmp_path, emb, capsys):
     import threading
 
     os.mkfifo(tmp_path / "fifo")
-    writer = threading.Thread(target=(tmp_path / "fifo").write_text, args=("first text\nthird 🙂\n",))
+    writer = threading.Thread(target=(tmp_path / "fifo").write_text, args=("first text\nthird 🙂\n",), daemon=True)
     writer.start()
     assert main(["embed", str(tmp_path / "fifo"), "--out", str(tmp_path / "f.npy"), "--device", "cpu"]) == 0
     writer.join()
