@@ -208,7 +208,7 @@ def test_unwritable_report_json_fails_before_the_run(samples, tmp_path, capsys, 
     assert rc == 2 and f"cannot write {tmp_path}: Is a directory" in err
 
 
-def test_generate_and_embed_name_a_missing_model_folder(tmp_path, capsys):
+def test_generate_and_embed_name_a_missing_model_folder(tmp_path, capsys, monkeypatch):
     missing = str(tmp_path / "nope")
     assert main(["generate", "--model-dir", missing, "--tokens", "1,2"]) == 2
     assert f"model folder not found: {missing}" in capsys.readouterr().err
@@ -218,6 +218,22 @@ def test_generate_and_embed_name_a_missing_model_folder(tmp_path, capsys):
     assert f"model folder not found: {missing}" in capsys.readouterr().err
     assert main(["serve", "--no-classify", "--embed-model", missing]) == 2  # before anything loads
     assert f"--embed-model {missing}: no config.json there" in capsys.readouterr().err
+    # the variable naming a folder without a model; a config.json that is not JSON: each said once, plainly
+    with monkeypatch.context() as m:
+        m.setenv("FULLTHROTTLE_EMBED_MODEL", missing)
+        assert main(["embed", str(src), "--out", str(tmp_path / "o.npy")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"error: FULLTHROTTLE_EMBED_MODEL={missing!r} is not a sentence-transformers model folder (no config.json)\n"
+        in err
+    )
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("not json")
+    assert main(["embed", str(src), "--model-dir", str(tmp_path / "broken"), "--out", str(tmp_path / "o.npy")]) == 2
+    assert (
+        f"{tmp_path / 'broken' / 'config.json'}: not valid JSON (Expecting value at line 1 column 1)"
+        in capsys.readouterr().err
+    )
 
 
 def test_embed_and_generate_refuse_to_write_over_their_input(tmp_path, capsys, monkeypatch):

@@ -120,10 +120,8 @@ def cmd_embed(args) -> int:
             )
     except FileNotFoundError as e:  # (a folder without the model's files)
         where = args.model_dir or "the default folder"
-        print(
-            f"fullthrottle: error: no sentence-transformers model in {where}: {e.filename or e} is missing",
-            file=sys.stderr,
-        )
+        why = f"no sentence-transformers model in {where}: {e.filename} is missing" if e.filename else str(e)
+        print(f"fullthrottle: error: {why}", file=sys.stderr)
         return 2
     except (ValueError, RuntimeError) as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)

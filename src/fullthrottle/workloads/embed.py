@@ -139,6 +139,15 @@ def default_model_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 
+def _json_file(p: Path):
+    """The JSON value in file ``p``. Raises ValueError naming the file when it is not JSON."""
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        why = f"{e.msg} at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+        raise ValueError(f"{p}: not valid JSON ({why})") from None
+
+
 @dataclass
 class Embeddings:
     """``vectors``: ``(N, E)`` float32, L2-normalised when the model normalises; ``truncated``: ``(N,)``
@@ -189,14 +198,14 @@ class Embedder:
         cuda = self.device.type == "cuda"
         # (the CPU computes in float32 whatever is asked, as classify and generate do there)
         self.dtype = torch_dtype(resolve_dtype(dtype, self.device, cuda_default="float16")) if cuda else torch.float32
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = _json_file(path / "config.json")
         st_cfg = path / "sentence_bert_config.json"
-        self.max_seq_length = int(json.loads(st_cfg.read_text())["max_seq_length"]) if st_cfg.exists() else 512
+        self.max_seq_length = int(_json_file(st_cfg)["max_seq_length"]) if st_cfg.exists() else 512
         self.max_seq_length = min(self.max_seq_length, cfg["max_position_embeddings"])
-        modules = json.loads((path / "modules.json").read_text()) if (path / "modules.json").exists() else []
+        modules = _json_file(path / "modules.json") if (path / "modules.json").exists() else []
         self.normalize = any(m["type"].endswith("Normalize") for m in modules)
         pool = path / "1_Pooling" / "config.json"
-        if pool.exists() and not json.loads(pool.read_text()).get("pooling_mode_mean_tokens", False):
+        if pool.exists() and not _json_file(pool).get("pooling_mode_mean_tokens", False):
             raise ValueError(f"{path}: only mean pooling is supported")
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.tokenizer.no_padding()
