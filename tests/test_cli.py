@@ -664,6 +664,7 @@ def test_serve_numbers_must_be_finite_and_an_output_may_not_overwrite_an_input(s
     assert main(["serve", "--no-classify", "--llm-kv-dtype", "fp8", "--llm-max-seq-len", "64"]) == 2
     err = capsys.readouterr().err  # (LLM settings with no LLM: said, not silently dropped)
     assert "note: --llm-kv-dtype, --llm-max-seq-len: no LLM is served (--llm-model-dir or --llm-random)" in err
+    assert "leaves nothing to serve: add --workload, --embed-model, --llm-model-dir or --llm-random" in err
     for bad in ("nan", "-1"):
         with pytest.raises(SystemExit) as e:
             main(["serve", "--max-wait-ms", bad])

@@ -96,7 +96,9 @@ def cmd_serve(args) -> int:
         if not llm and (unused := _llm_flags_given(args)):
             print(f"note: {', '.join(unused)}: no LLM is served (--llm-model-dir or --llm-random)", file=sys.stderr)
         if not args.classify and not (workloads or args.embed_model or llm):
-            raise ValueError("--no-classify leaves nothing to serve: add --workload, --embed-model or --llm-model-dir")
+            raise ValueError(
+                "--no-classify leaves nothing to serve: add --workload, --embed-model, --llm-model-dir or --llm-random"
+            )
         em = args.embed_model
         if em and em != "default" and not os.path.isfile(os.path.join(em, "config.json")):  # (before anything loads)
             raise ValueError(f"--embed-model {em}: no config.json there (a sentence-transformers folder, or 'default')")
