@@ -108,10 +108,7 @@ class LlmSettings:
 
     max_batch: int = field(default=8, metadata={"help": "KV-cache rows: requests decoded at once"})
     check_every: int = field(default=8, metadata={"help": "decode steps between looks at the stop mask"})
-    max_prefill_tokens: int = field(
-        default=16384,
-        metadata={"help": "prefill tokens per forward (a step's work; serve's default is smaller, for its streams)"},
-    )
+    max_prefill_tokens: int = field(default=16384, metadata={"help": "prefill tokens per step (serve: fewer)"})
     prefill_graph_tokens: int = field(default=2048, metadata={"help": "prefills up to this size replay graphs"})
     logprobs: int = field(default=0, metadata={"help": "top tokens a step can report (0-20; 0: off)"})
     kv_pages: int = field(
