@@ -18,12 +18,12 @@ from ..core.config import Config
 from .bench import cmd_bench
 from .classify import cmd_classify
 from .common import (
-    Terminated,
     _close_out,
     _gpu_decode_settings,
     _silence_stdout,
     sample_photos,
     sigterm_as_interrupt,
+    stopped,
     with_stdout,
 )
 from .embed import _read_texts, cmd_embed
@@ -50,14 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run_command(args, argv)
     except KeyboardInterrupt as e:  # before a command's own handling (Ctrl-C while torch is imported, say)
-        return _stopped(e)
-
-
-def _stopped(e: KeyboardInterrupt) -> int:
-    """Say why the command stopped (Ctrl-C, or SIGTERM: :class:`Terminated`); its exit status."""
-    term = isinstance(e, Terminated)
-    print("\nterminated" if term else "\ninterrupted", file=sys.stderr)
-    return 143 if term else 130
+        return stopped(e, lead="\n")
 
 
 def mps_wanted(args) -> bool:
@@ -109,7 +102,7 @@ def _run_command(args, argv: list[str] | None) -> int:
             with sigterm_as_interrupt():  # (SIGTERM stops it as a Ctrl-C does, saying so: exit 143)
                 return with_stdout(cmd, args)
         except KeyboardInterrupt as e:
-            return _stopped(e)
+            return stopped(e, lead="\n")
         except BrokenPipeError:  # the reader went away (`| head`): stop quietly
             _silence_stdout()
             return 1
@@ -118,7 +111,7 @@ def _run_command(args, argv: list[str] | None) -> int:
             with _private_mps(args):
                 rc = with_stdout(cmd_classify, args)
         except KeyboardInterrupt as e:  # (while cmd_classify imported torch: before its own handling)
-            rc = _stopped(e)
+            rc = stopped(e, lead="\n")
         if rc == 130 and argv is None:
             # Interrupted: our stages are joined, but native thread pools (or a half-imported torch) may
             # still be tearing down; skip interpreter finalisation, which can otherwise abort (exit 134)

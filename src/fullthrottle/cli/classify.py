@@ -18,6 +18,7 @@ from .common import (
     held_sigint,
     sample_photos,
     sigterm_as_interrupt,
+    stopped,
     write_report_json,
 )
 
@@ -273,9 +274,9 @@ def _classify(args) -> int:
         _close_out(out)
         return 2
     except KeyboardInterrupt as e:  # during start-up (model load, graph capture, decoder processes)
-        print("terminated" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)
+        rc = stopped(e)
         _close_out(out)
-        return 143 if isinstance(e, Terminated) else 130
+        return rc
     if pipe.engine.random_weights:
         print(
             f"WARNING: no --weights given: {args.model} is randomly initialised (fixed seed), labels are meaningless",

@@ -36,6 +36,14 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where a Ctrl-C would be: the command stops as it does for one (exit 143)."""
 
 
+def stopped(e: KeyboardInterrupt, lead: str = "") -> int:
+    """Say on stderr why the command stopped ("terminated" on SIGTERM: :class:`Terminated`, else
+    "interrupted"), after ``lead``; returns its exit status (143 or 130)."""
+    term = isinstance(e, Terminated)
+    print(lead + ("terminated" if term else "interrupted"), file=sys.stderr)
+    return 143 if term else 130
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """SIGTERM raises :class:`Terminated` in the main thread for the block (elsewhere: nothing
