@@ -291,8 +291,9 @@ def _either(d: dict, name: str, stage: str) -> float:
 
 def where_time_goes(m0: dict, m1: dict) -> dict:
     """Between two scrapes: the mean wait per image in each stage's input queue and the mean work
-    per image in each stage (ms; a batch's work shared among its images), the mean per-image
-    latency in the engine's pipeline, and the mean request latency of /v1/classify (ms)."""
+    per image in each stage (ms; a batch's work shared among its images), the mean classify batch
+    size, the mean per-image latency in the engine's pipeline, and the mean request latency of
+    /v1/classify (ms)."""
     import re
 
     d = {k: m1[k] - m0.get(k, 0.0) for k in m1}
@@ -306,6 +307,9 @@ def where_time_goes(m0: dict, m1: dict) -> dict:
         n = _either(d, "fullthrottle_stage_items", st.group(1)) if st else 0.0
         if st and n > 0:
             out[f"work_ms {st.group(1)}"] = round(1e3 * v / n, 3)
+    k = 'fullthrottle_batch_size_{}{{workload="classify"}}'
+    if d.get(k.format("count"), 0.0) > 0:
+        out["mean_batch"] = round(d[k.format("sum")] / d[k.format("count")], 1)
     n = d.get("fullthrottle_item_latency_seconds_count", 0.0)
     if n > 0:
         out["engine_latency_ms"] = round(1e3 * d["fullthrottle_item_latency_seconds_sum"] / n, 2)

@@ -325,6 +325,62 @@ def test_the_engines_link_reader_cuts_a_stream_into_its_messages():
     assert got == msgs and reads < len(msgs)  # (some reads gave several messages)
 
 
+def test_result_rows_cross_the_link_exactly():
+    """A classify answer crosses the link as binary numbers and JSON strings, and comes out as the
+    rows the worker answers from, every value equal (probabilities to the last bit)."""
+    from fullthrottle.server import link as wire
+    from fullthrottle.workloads.classify.result import Result
+
+    ok = Result(0, "cat \u00e9\n.jpg", ["tabby, tabby cat", 'say "hi"'], [281, 9], [0.7317346334457397, 1e-9], None, 12.5)
+    bad = Result(1, "broken.jpg", error="broken.jpg: not an image (cannot identify it)", latency_ms=0.25)
+    payload = b"".join(wire.results_payload([wire.pack_result(ok), wire.pack_result(bad)]))
+    assert wire.unpack_results(payload) == {
+        "results": [
+            ["cat \u00e9\n.jpg", ["tabby, tabby cat", 'say "hi"'], [281, 9], [0.7317346334457397, 1e-9], None, 12.5],
+            ["broken.jpg", [], [], [], "broken.jpg: not an image (cannot identify it)", 0.25],
+        ]
+    }
+    assert wire.unpack_results(wire.error_payload("queue full", True)) == {"error": "queue full", "overloaded": True}
+    for broken in (b"", b"\x07", payload[:-3], payload[:20]):
+        with pytest.raises(ValueError):
+            wire.unpack_results(broken)
+
+
+def test_the_engines_link_reader_uses_one_buffer_for_a_stream_of_messages():
+    """Messages that fit go through the same buffer, over and over (a fresh one per fill was zeroed
+    under the GIL); one larger than it grows it, and the grown buffer is let go once it is empty."""
+    import socket
+    import threading
+
+    from fullthrottle.server import link as wire
+
+    msgs = [bytes([i % 251]) * (70000 + 13 * i) for i in range(150)]  # ~10 MiB through a 1 MiB buffer
+    a, b = socket.socketpair()
+    t = threading.Thread(target=lambda: (a.sendall(b"".join(wire.message_header(len(m)) + m for m in msgs)), a.close()))
+    t.start()
+    reader, got = wire.SocketReader(b, size=1 << 20), []
+    first = reader.buf
+    with pytest.raises(EOFError):
+        while True:
+            got += [bytes(v) for v in reader.read()]
+            assert reader.buf is first
+    t.join()
+    assert got == msgs
+
+    a, b = socket.socketpair()
+    reader = wire.SocketReader(b, size=4096)
+    reader.KEEP_BYTES = 8192
+    big = b"q" * 20000
+    t = threading.Thread(target=lambda: a.sendall(wire.message_header(len(big)) + big))
+    t.start()
+    assert [bytes(v) for v in reader.read()] == [big] and len(reader.buf) >= len(big)
+    t.join()
+    a.sendall(wire.message_header(2) + b"ok")
+    assert [bytes(v) for v in reader.read()] == [b"ok"] and len(reader.buf) == 4096
+    a.close()
+    b.close()
+
+
 def test_an_engine_that_does_not_read_stalls_only_the_requests_sent_to_it():
     """The bodies a stopped engine does not read wait in the worker's link, not in its event loop:
     the worker goes on answering what it answers itself."""

@@ -136,17 +136,17 @@ class _Gather:
             if isinstance(r, BaseException):
                 self.fail(str(r), False)
                 return
-            self.rows[i] = [r.id, r.labels, r.class_ids, r.probs, r.error, r.latency_ms]
+            self.rows[i] = wire.pack_result(r)
             self.left -= 1
             if self.left:
                 return
         self.lk.classifying.pop(self.req_id, None)
-        self.lk.send(wire.RESULTS, self.req_id, json.dumps({"results": self.rows}).encode())
+        self.lk.send(wire.RESULTS, self.req_id, *wire.results_payload(self.rows))
 
     def fail(self, reason: str, overloaded: bool) -> None:
         """(Called with ``lock`` held.) The request's answer is this error; its other images are dropped."""
         self.cancel(locked=True)
-        self.lk.send(wire.RESULTS, self.req_id, json.dumps({"error": reason, "overloaded": overloaded}).encode())
+        self.lk.send(wire.RESULTS, self.req_id, wire.error_payload(reason, overloaded))
 
     def cancel(self, locked: bool = False) -> None:
         """No answer for this request: its images still queued are not decoded."""

@@ -101,7 +101,7 @@ class EngineClient(asyncio.Protocol):
                 continue
             if kind == wire.RESULTS:
                 if not waiter.done():
-                    waiter.set_result(json.loads(payload))
+                    waiter.set_result(wire.unpack_results(payload))
             else:
                 waiter.put_nowait((kind, payload))
 

@@ -16,8 +16,9 @@ worker -> engine
     query string, headers, client), the body.
     ``CANCEL``: the client of that ``HTTP`` request went away.
 engine -> worker
-    ``RESULTS``: JSON: ``{"results": [[id, labels, class_ids, probs, error, latency_ms], ...]}`` in
-    the request's order, or ``{"error": reason, "overloaded": bool}``.
+    ``RESULTS``: ``u8`` 0 and one row per image in the request's order (:func:`pack_result`:
+    numbers as binary, the strings as JSON; a float's decimal form is left to the worker), or
+    ``u8`` 1 and JSON ``{"error": reason, "overloaded": bool}``.
     ``START``: JSON ``{"status": int, "headers": [[name, value], ...]}`` of an ``HTTP`` request's answer.
     ``BODY``: ``u8`` more-to-come flag and a piece of that answer's body.
 """
@@ -73,13 +74,18 @@ class MessageReader:
 
 class SocketReader:
     """Reads the messages of a blocking socket written as by ``Connection.send_bytes``, many per
-    ``recv_into`` when many are waiting, into one buffer: a message's bytes are copied once, from
-    the kernel, and handed out as memoryviews.
+    ``recv_into`` when many are waiting, into one buffer that is used again and again: a message's
+    bytes are copied once, from the kernel, and handed out as memoryviews.
 
-    The views of one :meth:`read` stay valid until the next :meth:`read`'s (a new buffer is taken
-    when the old one fills up; the old stays alive while a view of it does)."""
+    The views of one :meth:`read` are valid until the next :meth:`read` (which writes over them):
+    copy what is kept. The buffer grows to hold a message larger than itself (to ``4 x`` that
+    message), and goes back to ``size`` once it is empty, past :data:`KEEP_BYTES`. (A fresh buffer
+    for every fill costs a zeroing of its pages under the GIL, and a message copied out of it.)"""
 
-    def __init__(self, sock, size: int = 1 << 20):
+    #: most bytes of buffer kept between messages (a larger one, grown for a large message, is let go)
+    KEEP_BYTES = 64 << 20
+
+    def __init__(self, sock, size: int = 4 << 20):
         self.sock, self.size = sock, size
         self.buf = bytearray(size)
         self.start = self.end = 0  # the bytes not handed out yet: buf[start:end]
@@ -87,17 +93,26 @@ class SocketReader:
     def read(self) -> list[memoryview]:
         """The messages complete now (at least one: blocks until there is). Raises EOFError when
         the other end has closed (OSError: the socket failed)."""
+        if self.start == self.end:  # (all handed out: the buffer is free from its start)
+            self.start = self.end = 0
+            if len(self.buf) > self.KEEP_BYTES:
+                self.buf = bytearray(self.size)
         while True:
             out = self._messages()
             if out:
                 return out
-            if self.end == len(self.buf):  # full: the unread tail goes to the front of a new buffer
-                nxt = self._next()
-                need = sum(nxt) if nxt else _LEN.size + _LEN64.size
+            nxt = self._next()
+            need = sum(nxt) if nxt else _LEN.size + _LEN64.size  # (the message begun at start)
+            if self.start + need > len(self.buf):  # it does not fit where it began: to the front
                 tail = self.end - self.start
-                new = bytearray(max(self.size, 2 * need))
-                new[:tail] = self.buf[self.start : self.end]
-                self.buf, self.start, self.end = new, 0, tail
+                if need > len(self.buf):
+                    new = bytearray(max(self.size, 4 * need))
+                    new[:tail] = memoryview(self.buf)[self.start : self.end]
+                    self.buf = new
+                elif self.start:  # (overlapping source and target: through a copy)
+                    part = memoryview(self.buf)[self.start : self.end]
+                    self.buf[:tail] = part if tail <= self.start else bytes(part)
+                self.start, self.end = 0, tail
             n = self.sock.recv_into(memoryview(self.buf)[self.end :])
             if n == 0:
                 raise EOFError
@@ -170,6 +185,55 @@ def unpack_images(payload: memoryview) -> list[tuple[str, bytes]]:
         out.append((item_id, bytes(payload[at + n_id : at + n_id + n_data])))
         at += n_id + n_data
     return out
+
+
+_ROW = struct.Struct("<dII")  # a result row: latency (ms), top-k classes, bytes of its strings (JSON)
+
+
+def pack_result(r) -> bytes:
+    """One image's row of a ``RESULTS`` frame, from its :class:`~fullthrottle.workloads.classify.result.Result`:
+    ``f64`` latency (ms), ``u32`` k, ``u32`` n, k ``i64`` class ids, k ``f64`` probabilities, and
+    ``[id, error, labels]`` as n bytes of JSON."""
+    k = len(r.class_ids)
+    if len(r.probs) != k:
+        raise ValueError(f"{k} class ids and {len(r.probs)} probabilities")
+    s = json.dumps([r.id, r.error, r.labels]).encode()
+    return b"".join((_ROW.pack(r.latency_ms, k, len(s)), struct.pack(f"<{k}q{k}d", *r.class_ids, *r.probs), s))
+
+
+def results_payload(rows: list[bytes]) -> list[bytes]:
+    """The payload pieces of a ``RESULTS`` frame with these rows (:func:`pack_result`)."""
+    return [b"\x00", *rows]
+
+
+def error_payload(reason: str, overloaded: bool) -> bytes:
+    """The payload of a ``RESULTS`` frame that fails the whole request."""
+    return b"\x01" + json.dumps({"error": reason, "overloaded": overloaded}).encode()
+
+
+def unpack_results(payload) -> dict:
+    """A ``RESULTS`` payload: ``{"results": [[id, labels, class_ids, probs, error, latency_ms], ...]}``
+    or ``{"error": reason, "overloaded": bool}``. Raises ValueError if it is malformed."""
+    view = memoryview(payload)
+    if not len(view) or view[0] not in (0, 1):
+        raise ValueError("malformed RESULTS payload")
+    if view[0] == 1:
+        return json.loads(bytes(view[1:]))
+    rows, at = [], 1
+    try:
+        while at < len(view):
+            latency_ms, k, n = _ROW.unpack_from(view, at)
+            at += _ROW.size
+            nums = struct.unpack_from(f"<{k}q{k}d", view, at)
+            at += 16 * k
+            if at + n > len(view):
+                raise ValueError("truncated row")
+            item_id, error, labels = json.loads(bytes(view[at : at + n]))
+            at += n
+            rows.append([item_id, labels, list(nums[:k]), list(nums[k:]), error, latency_ms])
+    except struct.error as e:
+        raise ValueError(f"malformed RESULTS row: {e}") from None
+    return {"results": rows}
 
 
 def pack_http(head: dict, body: bytes) -> list[bytes]:
