@@ -250,3 +250,19 @@ def test_an_animated_png_with_a_damaged_frame_gives_its_first_image_and_harms_no
         assert getattr(im, "is_animated", False)
         ref = np.asarray(im.convert("RGB"))
     np.testing.assert_array_equal(np.load(out), ref)
+
+
+def test_a_memoryview_gives_what_bytes_give(bad_dir):
+    """Every input decodes, or fails, the same from a memoryview (the multi-process server's engine
+    hands on views of its read buffer) as from bytes."""
+
+    def outcome(data):
+        try:
+            return preprocess(data).tobytes()
+        except ImageError as e:
+            return str(e)
+
+    for path in sorted(bad_dir.iterdir()):
+        if path.name != "README.md":
+            data = path.read_bytes()
+            assert outcome(memoryview(bytearray(data))) == outcome(data), path.name

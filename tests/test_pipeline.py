@@ -104,6 +104,25 @@ def test_unordered_gives_same_results(samples):
     assert a == b and len(a) == 30
 
 
+def test_memoryview_pairs_are_read_without_a_copy_and_give_what_bytes_give(samples, bad_dir):
+    """``(id, memoryview)`` pairs (how the multi-process server's engine hands on the images of a
+    request: views of its read buffer, an anonymous mapping) give the results ``(id, bytes)`` give,
+    the bad inputs' errors included."""
+    import mmap
+
+    files = list(samples[:12]) + [bad_dir / n for n in ("truncated.jpg", "empty.jpg", "not-an-image.jpg", "cmyk.jpg")]
+    blobs = [(p.name, p.read_bytes()) for p in files]
+    buf = mmap.mmap(-1, sum(len(b) for _, b in blobs) + 1, flags=mmap.MAP_PRIVATE)
+    views, at = [], 0
+    for name, b in blobs:
+        buf[at : at + len(b)] = b
+        views.append((name, memoryview(buf)[at : at + len(b)]))
+        at += len(b)
+    want = [(r.id, r.class_ids, r.probs, r.error) for r in tiny_pipe().run(blobs)]
+    got = [(r.id, r.class_ids, r.probs, r.error) for r in tiny_pipe().run(views)]
+    assert got == want and sum(e is not None for *_, e in got) == 3
+
+
 def test_break_stops_every_thread(samples, no_thread_leak):
     pipe = tiny_pipe()
     n = 0

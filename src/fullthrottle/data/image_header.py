@@ -103,6 +103,8 @@ def jpeg_is_complete(data: bytes) -> bool:
     truncation has to be detected on the bytes. Inside entropy-coded data every 0xFF byte is
     followed by 0x00 (byte stuffing), so ``FF D9`` / ``FF DA`` can only be markers.
     """
+    if not isinstance(data, (bytes, bytearray)):  # (a memoryview has no find: scanned as bytes)
+        data = bytes(data)
     # fast path (the GIL is held while bytes are scanned): an EOI near the end, no scan after it
     eoi = data.rfind(b"\xff\xd9", max(0, len(data) - 4096))
     if eoi > 0 and data.find(b"\xff\xda", eoi) < 0:
@@ -203,7 +205,7 @@ def _pillow_header(data: bytes) -> tuple[int, int, str]:
     Raises:
         UnidentifiedImageError: none of those readers takes it; OSError, ValueError, ...: a reader's own error.
     """
-    prefix = data[:16]
+    prefix = bytes(data[:16])  # (a reader's check may call bytes' methods: a memoryview has none)
     for name in FORMATS:
         factory, accept = Image.OPEN[name]
         ok = not accept or accept(prefix)

@@ -249,7 +249,7 @@ class Loader:
                 src = item.source
                 if isinstance(src, BadSource):
                     raise LoadError(str(src))
-                if isinstance(src, bytes):
+                if isinstance(src, (bytes, memoryview)):
                     item.data = src
                 elif isinstance(src, str):
                     if client_box[0] is None:
@@ -303,7 +303,7 @@ class Loader:
                     break
                 index, (item_id, src) = nxt
                 deferred = self.defer_files and isinstance(src, Path)
-                if deferred or isinstance(src, bytes):  # nothing to wait for: no task, no hop
+                if deferred or isinstance(src, (bytes, memoryview)):  # nothing to wait for: no task, no hop
                     # (the common case is taken without a coroutine call: this thread's per-image
                     # Python shares the GIL with every other stage)
                     if not self.window.acquire(blocking=False) and not await self._acquire_window(idle=not tasks):

@@ -30,15 +30,19 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
 
     Accepts: paths (``str`` or ``Path``) to files; directories (walked recursively, sorted, files
     whose names end in :data:`IMAGE_SUFFIXES`); glob patterns (``**`` allowed); http(s) URLs;
-    ``bytes`` (id ``<bytes #i>``); ``(id, bytes)`` pairs. A path that does not exist fails with "file
+    ``bytes`` (id ``<bytes #i>``); ``(id, bytes)`` pairs (or ``(id, memoryview)``: used without a
+    copy, so its bytes must stay unchanged until the item's result is out). A path that does not exist fails with "file
     not found" in the load stage; an empty directory, a pattern that matches nothing and an input of
     another type each become one item carrying that error (:class:`BadSource`).
     """
     for i, src in enumerate(inputs):
         if isinstance(src, (bytes, bytearray, memoryview)):
             yield f"<bytes #{i}>", bytes(src)
-        elif isinstance(src, tuple) and len(src) == 2 and isinstance(src[1], (bytes, bytearray)):
-            yield str(src[0]), bytes(src[1])
+        elif isinstance(src, tuple) and len(src) == 2 and isinstance(src[1], (bytes, bytearray, memoryview)):
+            # (a memoryview of bytes is taken as it is, no copy: its bytes must not change until its result)
+            data = src[1]
+            contiguous = isinstance(data, memoryview) and data.c_contiguous
+            yield str(src[0]), data.cast("B") if contiguous else bytes(data)
         elif isinstance(src, (str, os.PathLike)):
             s = os.fspath(src)
             found = 0

@@ -74,46 +74,39 @@ class MessageReader:
 
 class SocketReader:
     """Reads the messages of a blocking socket written as by ``Connection.send_bytes``, many per
-    ``recv_into`` when many are waiting, into one buffer that is used again and again: a message's
-    bytes are copied once, from the kernel, and handed out as memoryviews.
+    ``recv_into`` when many are waiting, into one buffer: a message's bytes are copied once, from
+    the kernel, and handed out as memoryviews, which stay valid for as long as they are held (the
+    images of a ``CLASSIFY`` frame go into the pipeline as such views, with no copy of their own).
 
-    The views of one :meth:`read` are valid until the next :meth:`read` (which writes over them):
-    copy what is kept. The buffer grows to hold a message larger than itself (to ``4 x`` that
-    message), and goes back to ``size`` once it is empty, past :data:`KEEP_BYTES`. (A fresh buffer
-    for every fill costs a zeroing of its pages under the GIL, and a message copied out of it.)"""
-
-    #: most bytes of buffer kept between messages (a larger one, grown for a large message, is let go)
-    KEEP_BYTES = 64 << 20
+    No part of a buffer is written twice: when one is full, the next is a fresh anonymous mapping
+    (``size`` bytes, or 4 x a larger message), whose pages the kernel zeroes as ``recv_into`` first
+    touches them, without the GIL; a buffer is unmapped once no view of it is left. (A ``bytearray``
+    is zeroed when made, under the GIL, and an image copied out of it costs the GIL again.)"""
 
     def __init__(self, sock, size: int = 4 << 20):
         self.sock, self.size = sock, size
-        self.buf = bytearray(size)
+        self.buf = self._fresh(size)
         self.start = self.end = 0  # the bytes not handed out yet: buf[start:end]
+
+    @staticmethod
+    def _fresh(n: int) -> memoryview:
+        return memoryview(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE) if hasattr(mmap, "MAP_PRIVATE") else bytearray(n))
 
     def read(self) -> list[memoryview]:
         """The messages complete now (at least one: blocks until there is). Raises EOFError when
         the other end has closed (OSError: the socket failed)."""
-        if self.start == self.end:  # (all handed out: the buffer is free from its start)
-            self.start = self.end = 0
-            if len(self.buf) > self.KEEP_BYTES:
-                self.buf = bytearray(self.size)
         while True:
             out = self._messages()
             if out:
                 return out
             nxt = self._next()
             need = sum(nxt) if nxt else _LEN.size + _LEN64.size  # (the message begun at start)
-            if self.start + need > len(self.buf):  # it does not fit where it began: to the front
+            if self.start + need > len(self.buf):  # it does not fit where it began: into a fresh buffer
                 tail = self.end - self.start
-                if need > len(self.buf):
-                    new = bytearray(max(self.size, 4 * need))
-                    new[:tail] = memoryview(self.buf)[self.start : self.end]
-                    self.buf = new
-                elif self.start:  # (overlapping source and target: through a copy)
-                    part = memoryview(self.buf)[self.start : self.end]
-                    self.buf[:tail] = part if tail <= self.start else bytes(part)
-                self.start, self.end = 0, tail
-            n = self.sock.recv_into(memoryview(self.buf)[self.end :])
+                new = self._fresh(self.size if need <= self.size else 4 * need)
+                new[:tail] = self.buf[self.start : self.end]
+                self.buf, self.start, self.end = new, 0, tail
+            n = self.sock.recv_into(self.buf[self.end :])
             if n == 0:
                 raise EOFError
             self.end += n
@@ -131,7 +124,7 @@ class SocketReader:
         return _LEN.size + _LEN64.size, _LEN64.unpack_from(self.buf, self.start + _LEN.size)[0]
 
     def _messages(self) -> list[memoryview]:
-        out, view = [], memoryview(self.buf)
+        out, view = [], self.buf
         while (nxt := self._next()) is not None and self.end - self.start >= sum(nxt):
             head, n = nxt
             out.append(view[self.start + head : self.start + head + n])
@@ -171,8 +164,9 @@ def pack_images(images: list[tuple[str, bytes]]) -> list[bytes]:
     return out
 
 
-def unpack_images(payload: memoryview) -> list[tuple[str, bytes]]:
-    """The ``(id, bytes)`` images of a ``CLASSIFY`` payload. Raises ValueError if it is malformed."""
+def unpack_images(payload: memoryview) -> list[tuple[str, memoryview]]:
+    """The ``(id, data)`` images of a ``CLASSIFY`` payload, each ``data`` a view of ``payload`` (no
+    copy). Raises ValueError if it is malformed."""
     out, at = [], 0
     while at < len(payload):
         if at + _IMAGE.size > len(payload):
@@ -182,7 +176,7 @@ def unpack_images(payload: memoryview) -> list[tuple[str, bytes]]:
         if at + n_id + n_data > len(payload):
             raise ValueError("truncated image")
         item_id = bytes(payload[at : at + n_id]).decode("utf-8", "replace")
-        out.append((item_id, bytes(payload[at + n_id : at + n_id + n_data])))
+        out.append((item_id, payload[at + n_id : at + n_id + n_data]))
         at += n_id + n_data
     return out
 
