@@ -331,7 +331,9 @@ def test_result_rows_cross_the_link_exactly():
     from fullthrottle.server import link as wire
     from fullthrottle.workloads.classify.result import Result
 
-    ok = Result(0, "cat \u00e9\n.jpg", ["tabby, tabby cat", 'say "hi"'], [281, 9], [0.7317346334457397, 1e-9], None, 12.5)
+    ok = Result(
+        0, "cat \u00e9\n.jpg", ["tabby, tabby cat", 'say "hi"'], [281, 9], [0.7317346334457397, 1e-9], None, 12.5
+    )
     bad = Result(1, "broken.jpg", error="broken.jpg: not an image (cannot identify it)", latency_ms=0.25)
     payload = b"".join(wire.results_payload([wire.pack_result(ok), wire.pack_result(bad)]))
     assert wire.unpack_results(payload) == {
