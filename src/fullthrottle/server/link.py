@@ -78,12 +78,13 @@ class SocketReader:
     the kernel, and handed out as memoryviews, which stay valid for as long as they are held (the
     images of a ``CLASSIFY`` frame go into the pipeline as such views, with no copy of their own).
 
-    No part of a buffer is written twice: when one is full, the next is a fresh anonymous mapping
-    (``size`` bytes, or 4 x a larger message), whose pages the kernel zeroes as ``recv_into`` first
-    touches them, without the GIL; a buffer is unmapped once no view of it is left. (A ``bytearray``
-    is zeroed when made, under the GIL, and an image copied out of it costs the GIL again.)"""
+    No part of a buffer is written twice: when the next message does not fit, it goes to a fresh
+    anonymous mapping (``size`` bytes, or the message's size if larger; what came of it already is
+    copied there), whose pages the kernel zeroes as ``recv_into`` first touches them, without the
+    GIL; a buffer is unmapped once no view of it is left. (A ``bytearray`` is zeroed when made, under
+    the GIL, and an image copied out of it costs the GIL again.)"""
 
-    def __init__(self, sock, size: int = 4 << 20):
+    def __init__(self, sock, size: int = 16 << 20):
         self.sock, self.size = sock, size
         self.buf = self._fresh(size)
         self.start = self.end = 0  # the bytes not handed out yet: buf[start:end]
@@ -103,7 +104,7 @@ class SocketReader:
             need = sum(nxt) if nxt else _LEN.size + _LEN64.size  # (the message begun at start)
             if self.start + need > len(self.buf):  # it does not fit where it began: into a fresh buffer
                 tail = self.end - self.start
-                new = self._fresh(self.size if need <= self.size else 4 * need)
+                new = self._fresh(max(self.size, need))
                 new[:tail] = self.buf[self.start : self.end]
                 self.buf, self.start, self.end = new, 0, tail
             n = self.sock.recv_into(self.buf[self.end :])
