@@ -169,6 +169,11 @@ def test_multipart_and_json_urls(samples, http_server):
             s.url + "/v1/classify", content=b"garbage", headers={"content-type": "multipart/form-data; boundary=xyz"}
         )
         assert bad_mp.status_code == 400 and "multipart" in bad_mp.json()["detail"]
+        long_name = [("files", ("a" * 5000 + ".jpg", samples[0].read_bytes(), "image/jpeg"))]
+        r = httpx.post(s.url + "/v1/classify", files=long_name, timeout=30)
+        assert r.status_code == 400 and r.json()["detail"].startswith(
+            "malformed multipart body: Maximum header size exceeded (a part's headers, its filename included, "
+        ), r.json()
 
 
 def test_bad_inputs_give_422_with_reason_and_server_survives(bad_dir, samples):

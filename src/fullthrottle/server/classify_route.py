@@ -91,7 +91,7 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             except Exception as e:  # noqa: BLE001 - starlette's MultiPartException and parser errors
                 if "too many files" in str(e).lower():  # (the parser stops one file past the limit)
                     raise HTTPError(413, f"more than {opts.max_images} images in one request") from None
-                raise HTTPError(400, f"malformed multipart body: {e}") from None
+                raise HTTPError(400, f"malformed multipart body: {_multipart_reason(e)}") from None
             images = [(f.filename or f"file{i}", await f.read()) for i, f in enumerate(form)]
             boundary = request.headers.get("content-type", "").partition("boundary=")[2].split(";")[0].strip('"')
             if not images and boundary and f"--{boundary}--".encode() not in body:
@@ -183,6 +183,20 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             metrics.latency.labels(ROUTE).observe(time.perf_counter() - t0)
 
     return classify
+
+
+def _multipart_reason(e: Exception) -> str:
+    """What the multipart parser found wrong (starlette says only "Invalid multipart data." and keeps
+    the parser's own reason as the cause)."""
+    cause = e.__cause__ if e.__cause__ is not None else e
+    reason = str(cause).strip() or type(cause).__name__
+    if "header size" in reason.lower():
+        try:
+            from python_multipart.multipart import MAX_HEADER_SIZE
+        except ImportError:  # (an older python-multipart: the limit is not named)
+            return reason + " (a part's headers, its filename included, are limited in size)"
+        return f"{reason} (a part's headers, its filename included, may hold at most {MAX_HEADER_SIZE} bytes)"
+    return reason
 
 
 class _FieldsOnly(Exception):
