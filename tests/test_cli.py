@@ -291,6 +291,9 @@ def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp
     assert got[0]["token_ids"] == singles[0] and got[2]["token_ids"] == singles[1]
     assert got[1]["error"].startswith("line 3: ") and "max_tokens must be a positive integer" in got[1]["error"]
     assert "line 5: not valid JSON" in got[3]["error"]
+    assert got[3]["error"].endswith(
+        "a line that starts with '{' is read as a JSON request: give such a prompt as {\"prompt\": ...}"
+    )
     assert len(got[4]["token_ids"]) == 3 and got[4]["finish_reason"] == "length"
     assert got[5]["error"] == "line 7: not valid JSON: NaN is not JSON"  # (as every route reads a body)
     assert got[6]["error"] == "line 8: not valid JSON: the number 1e999 is too large for a float"

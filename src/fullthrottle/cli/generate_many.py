@@ -1,8 +1,8 @@
 """``fullthrottle generate --prompts FILE``: many prompts at once through the continuous-batching
 :class:`~fullthrottle.workloads.llm.scheduler.Scheduler` (the server's engine, offline).
 
-FILE (or ``-``, stdin) holds one request per line: plain text (the prompt), or a JSON object with
-the fields of the server's ``POST /v1/completions`` (``prompt``: text or token ids, ``max_tokens``,
+FILE (or ``-``, stdin) holds one request per line: plain text (the prompt), or (a line that starts
+with ``{``) a JSON object with the fields of the server's ``POST /v1/completions`` (``prompt``: text or token ids, ``max_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``); fields a line leaves out take the
 command's flags (as do fields given as null). Output: one JSON line per request, in input order
 (each written as soon as it and those before it are done): ``{"index", "line", "text",
@@ -46,7 +46,10 @@ def read_requests(path: str, args, eos=None) -> list[tuple[int, dict | str]]:
             try:
                 body = parse_body(line)  # (as every route reads a body: no NaN, Infinity or 1e999)
             except ValueError as e:
-                out.append((n, f"line {n}: not valid JSON: {str(e).removeprefix('malformed JSON body: ')}"))
+                why = str(e).removeprefix("malformed JSON body: ")
+                if not _json_like(line):  # (text, perhaps: a prompt may begin with a brace)
+                    why += "; a line that starts with '{' is read as a JSON request: give such a prompt as {\"prompt\": ...}"
+                out.append((n, f"line {n}: not valid JSON: {why}"))
                 continue
         else:
             body = {"prompt": line}
@@ -56,6 +59,15 @@ def read_requests(path: str, args, eos=None) -> list[tuple[int, dict | str]]:
         given = {k: v for k, v in body.items() if v is not None}  # (null: left out, as OpenAI's API reads it)
         out.append((n, {**defaults, **({"seed": args.seed + len(out)} if args.seed is not None else {}), **given}))
     return out
+
+
+def _json_like(line: str) -> bool:
+    """Whether ``line`` parses as JSON at all (NaN and huge numbers allowed, which requests refuse)."""
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
 
 
 def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
