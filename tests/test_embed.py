@@ -145,6 +145,11 @@ def test_cli_embed_npy_and_jsonl(tmp_path, emb, capsys):
     )
     rows = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert [r["truncated"] for r in rows] == [False, False, False, True]
+    capsys.readouterr()
+    assert main(["embed", str(tmp_path / "in.txt"), "--out", "-", "--device", "cpu", "--no-progress"]) == 0
+    assert capsys.readouterr().out == (tmp_path / "o.jsonl").read_text()  # (JSON lines on stdout)
+    assert main(["embed", str(tmp_path / "in.txt"), "--out", "-", "--report-json", "-"]) == 2
+    assert "would both write to stdout" in capsys.readouterr().err
     # the run report every workload ends with: the same stage table and JSON as classify's
     args = ["embed", str(tmp_path / "in.txt"), "--out", str(tmp_path / "r.npy"), "--device", "cpu", "--no-progress"]
     assert main([*args, "--report-json", str(tmp_path / "r.json")]) == 0

@@ -80,19 +80,23 @@ def cmd_embed(args) -> int:
         from ..core.report import Report, StageStats
         from ..workloads.embed import Embedder
 
-    if not (args.out.endswith(".npy") or args.out.endswith(".jsonl")):
-        print("fullthrottle: error: --out must end in .npy or .jsonl", file=sys.stderr)
+    to_stdout = args.out == "-"
+    if not (to_stdout or args.out.endswith(".npy") or args.out.endswith(".jsonl")):
+        print("fullthrottle: error: --out must end in .npy or .jsonl, or be - (JSON lines on stdout)", file=sys.stderr)
+        return 2
+    if to_stdout and args.report_json == "-":
+        print("fullthrottle: error: --out - and --report-json - would both write to stdout", file=sys.stderr)
         return 2
     if args.file != "-" and (os.path.isdir(args.file) or not os.path.exists(args.file)):  # (a pipe or device: read)
         what = "is a directory, not a file" if os.path.isdir(args.file) else "no such file"
         print(f"fullthrottle: error: {args.file}: {what}", file=sys.stderr)
         return 2
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+    if not to_stdout and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         print(f"fullthrottle: error: cannot write {args.out}: its folder does not exist", file=sys.stderr)
         return 2
     # find out now, not after the whole corpus is embedded, and leave no empty file behind
     target = args.out if os.path.exists(args.out) else os.path.dirname(os.path.abspath(args.out))
-    if os.path.isdir(args.out) or not os.access(target, os.W_OK):
+    if not to_stdout and (os.path.isdir(args.out) or not os.access(target, os.W_OK)):
         why = "it is a directory" if os.path.isdir(args.out) else "permission denied"
         print(f"fullthrottle: error: cannot write {args.out}: {why}", file=sys.stderr)
         return 2
@@ -137,7 +141,7 @@ def cmd_embed(args) -> int:
     vectors, n, n_trunc, not_utf8, bad = [], 0, 0, [], {}
     respond = StageStats("respond")  # the vectors written out (the tokenize and compute stages: emb.stats)
     bar = tqdm(unit="text", desc="embed", disable=args.no_progress or None, file=sys.stderr)
-    jsonl = open(args.out, "w", encoding="utf-8") if args.out.endswith(".jsonl") else None
+    jsonl = sys.stdout if to_stdout else open(args.out, "w", encoding="utf-8") if args.out.endswith(".jsonl") else None
     mon = GpuMonitor((emb.device.index or 0) if emb.device.type == "cuda" else None)
     try:
         mon.__enter__()
@@ -167,13 +171,18 @@ def cmd_embed(args) -> int:
             n_trunc += int(block.truncated.sum())
             respond.end(len(block.vectors))
             bar.update(len(block.vectors))
+    except BrokenPipeError:  # (stdout's reader went away: the caller stops quietly)
+        raise
     except OSError as e:
-        print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        print(
+            f"fullthrottle: error: cannot write {'stdout' if to_stdout else args.out}: {e.strerror or e}",
+            file=sys.stderr,
+        )
         return 2
     finally:
         mon.__exit__(None, None, None)
         bar.close()
-        if jsonl is not None:
+        if jsonl is not None and not to_stdout:
             jsonl.close()
     if jsonl is None:
         try:
@@ -215,5 +224,6 @@ def cmd_embed(args) -> int:
     print(rep.format(), file=sys.stderr)
     if not write_report_json(rep, args.report_json):
         return 2
-    print(f"wrote {args.out}", file=sys.stderr)
+    if not to_stdout:
+        print(f"wrote {args.out}", file=sys.stderr)
     return 1 if bad else 0

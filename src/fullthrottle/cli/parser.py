@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("file", metavar="FILE|-")
     m.add_argument("--model-dir", default=None, help="sentence-transformers folder (default: all-MiniLM-L6-v2)")
-    m.add_argument("--out", required=True, help="output: .npy or .jsonl")
+    m.add_argument("--out", required=True, help="output: .npy or .jsonl, or - (JSON lines on stdout)")
     m.add_argument("--report-json", help="write the run summary (rates, stages, GPU use) as JSON here ('-': stdout)")
     add_runtime_flags(
         m,
