@@ -451,12 +451,15 @@ def test_embed_input_lines_end_at_newline_and_jsonl_errors_name_their_line(tmp_p
     bad = tmp_path / "in.jsonl"
     bad.write_text('{"text": "a"}\n"b"\n\n{"text": oops}\n')
     got = _read_texts(str(bad))
-    assert next(got) == "a" and next(got) == "b" and next(got) == ""
-    with pytest.raises(ValueError, match=r"line 4: not valid JSON \(Expecting value at character 10\)"):
-        next(got)
+    assert next(got) == "a" and next(got) == "b"
+    with pytest.raises(ValueError, match=r"line 3: a blank line \(a .jsonl line is a JSON string or an object"):
+        next(got)  # (a blank line is no JSON text: not an empty text embedded)
     errors: dict[int, str] = {}  # (the CLI's way: the line's error, and its place kept)
     assert list(_read_texts(str(bad), bad=errors)) == ["a", "b", "", ""]
-    assert errors == {3: "line 4: not valid JSON (Expecting value at character 10)"}
+    assert errors == {
+        2: "line 3: a blank line (a .jsonl line is a JSON string or an object with a string field 'text')",
+        3: "line 4: not valid JSON (Expecting value at character 10)",
+    }
     odd = tmp_path / "odd.jsonl"  # a byte-order mark; JSON that is no text; a lone surrogate escape
     odd.write_bytes(b'\xef\xbb\xbf{"text": "a"}\r\n5\nnull\n[1]\n{"text": "x\\ud800"}\n"ok"\n')
     errors = {}

@@ -15,7 +15,7 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
     is dropped. A line that is not valid UTF-8 is still one text (each invalid byte
     read as U+FFFD, so the vectors stay one per line); its number is appended to ``not_utf8``.
 
-    A ``.jsonl`` line that is not valid JSON or lacks ``text`` is that line's error: it yields ``""``
+    A ``.jsonl`` line that is blank, not valid JSON or lacks ``text`` is that line's error: it yields ``""``
     in its place (the lines keep their indices) and ``bad[index] = message`` (index from 0).
 
     Raises:
@@ -34,12 +34,14 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
             line = line[:-1] if line.endswith("\r") else line
             if no == 1:
                 line = line.removeprefix("\ufeff")  # (a UTF-8 byte-order mark, as Windows editors write)
-            if path.endswith(".jsonl") and line.strip():
+            if path.endswith(".jsonl"):
                 why = None
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     obj, why = None, f"not valid JSON ({e.msg} at character {e.pos + 1})"
+                    if not line.strip():  # (its row kept, as every line's: the vectors stay one per line)
+                        why = "a blank line (a .jsonl line is a JSON string or an object with a string field 'text')"
                 text = obj.get("text") if isinstance(obj, dict) else obj
                 if why is None and not isinstance(text, str):
                     why = (
