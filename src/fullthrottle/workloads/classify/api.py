@@ -16,6 +16,18 @@ from ...core.workload import ItemError, Workload
 MAX_IMAGES = 64
 
 
+def _b64(s: str) -> bytes:
+    """The bytes of a base64 image string (see :class:`ClassifyImages`). Raises ValueError
+    (``binascii.Error``): a character outside the alphabet, a length no base64 has, a data URL of
+    another encoding."""
+    if s.startswith("data:"):
+        head, sep, s = s.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise ValueError("a data: URL must be ';base64,'-encoded")
+    s = "".join(s.split())  # (line breaks)
+    return base64.b64decode(s + "=" * (-len(s) % 4), validate=True)
+
+
 class ClassifyImages(Workload):
     """``{"images": ["<base64 JPEG/PNG/...>", ...]}`` -> ``{"results": [{"index", "id", "top_k": [{"label",
     "class_id", "prob"}, ...]} | {"index", "id", "error", "error_stage", "error_kind"}, ...]}``, the
@@ -28,7 +40,9 @@ class ClassifyImages(Workload):
             this workload). Your own model: a module-level ``ClassifyImages(model="my_module:MyNet")``
             (or a subclass with its own ``name``), named to ``--workload``.
 
-    A string that is not base64, or an image that does not decode, fails that image alone.
+    An image is standard base64, as a ``data:image/...;base64,`` URL too (as a browser's
+    ``readAsDataURL`` writes it), with line breaks (as the ``base64`` tool writes it) or without its
+    ``=`` padding. A string that is not base64, or an image that does not decode, fails that image alone.
     """
 
     name = "images"
@@ -53,7 +67,7 @@ class ClassifyImages(Workload):
         out = []
         for i, x in enumerate(images):
             try:
-                out.append((f"image {i}", base64.b64decode(x, validate=True)))
+                out.append((f"image {i}", _b64(x)))
             except (binascii.Error, ValueError) as e:
                 out.append((f"image {i}", ItemError(f"image {i}: not base64: {e}")))
         return out
