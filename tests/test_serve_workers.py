@@ -349,11 +349,13 @@ def test_result_rows_cross_the_link_exactly():
 
 
 def test_the_engines_link_reader_hands_out_views_that_stay_valid_while_held():
-    """The engine's reader writes no byte of its buffers twice: a view it handed out (an image on
-    its way through the pipeline) keeps its bytes through every later read, across buffer changes
-    and a message larger than the buffer."""
+    """The engine's reader writes no byte of its buffers while a view of it is held: a view it
+    handed out (an image on its way through the pipeline) keeps its bytes through every later read,
+    across buffer changes and a message larger than the buffer; buffers whose views are gone are
+    used again."""
     import socket
     import threading
+    import weakref
 
     from fullthrottle.server import link as wire
 
@@ -368,6 +370,20 @@ def test_the_engines_link_reader_hands_out_views_that_stay_valid_while_held():
     t.join()
     b.close()
     assert [bytes(v) for v in held] == msgs
+
+    # views let go as they come: the same few buffers go round (no fresh mapping, zeroed, per fill)
+    a, b = socket.socketpair()
+    t = threading.Thread(target=lambda: (a.sendall(b"".join(wire.message_header(len(m)) + m for m in msgs)), a.close()))
+    t.start()
+    reader, maps, got = wire.SocketReader(b, size=1 << 20), [], []  # (weak: a held map is never free)
+    with pytest.raises(EOFError):
+        while True:
+            got += [bytes(v) for v in reader.read()]
+            if not any(m() is reader._map for m in maps):
+                maps.append(weakref.ref(reader._map))
+    t.join()
+    b.close()
+    assert got == msgs and len(maps) <= wire.SocketReader.SPARES + 2  # (+1: the 3 MiB message's own)
 
 
 def test_an_engine_that_does_not_read_stalls_only_the_requests_sent_to_it():
