@@ -2,13 +2,13 @@
 :class:`~fullthrottle.workloads.llm.scheduler.Scheduler` (the server's engine, offline).
 
 FILE (or ``-``, stdin) holds one request per line: plain text (the prompt), or (a line that starts
-with ``{``) a JSON object with the fields of the server's ``POST /v1/completions`` (``prompt``: text or token ids, ``max_tokens``,
-``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``); fields a line leaves out take the
-command's flags (as do fields given as null). Output: one JSON line per request, in input order
-(each written as soon as it and those before it are done): ``{"index", "line", "text",
-"token_ids", "finish_reason", "prompt_tokens"}``, or ``{"index", "line", "error"}`` for a line that is
-not a valid request (the others still run; exit status 1). ``index`` counts the requests from 0,
-``line`` is the request's line in FILE from 1 (blank lines hold no request).
+with ``{``) a JSON object with the fields of the server's ``POST /v1/completions`` (``prompt``: text
+or token ids, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``); fields a
+line leaves out take the command's flags (as do fields given as null). Output: one JSON line per
+request, in input order (each written as soon as it and those before it are done): ``{"index",
+"line", "text", "token_ids", "finish_reason", "prompt_tokens"}``, or ``{"index", "line", "error"}``
+for a line that is not a valid request (the others still run; exit status 1). ``index`` counts the
+requests from 0, ``line`` is the request's line in FILE from 1 (blank lines hold no request).
 """
 
 from __future__ import annotations

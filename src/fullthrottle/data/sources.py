@@ -31,9 +31,9 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
     Accepts: paths (``str`` or ``Path``) to files; directories (walked recursively, sorted, files
     whose names end in :data:`IMAGE_SUFFIXES`); glob patterns (``**`` allowed); http(s) URLs;
     ``bytes`` (id ``<bytes #i>``); ``(id, bytes)`` pairs (or ``(id, memoryview)``: used without a
-    copy, so its bytes must stay unchanged until the item's result is out). A path that does not exist fails with "file
-    not found" in the load stage; an empty directory, a pattern that matches nothing and an input of
-    another type each become one item carrying that error (:class:`BadSource`).
+    copy, so its bytes must stay unchanged until the item's result is out). A path that does not
+    exist fails with "file not found" in the load stage; an empty directory, a pattern that matches
+    nothing and an input of another type each become one item carrying that error (:class:`BadSource`).
     """
     for i, src in enumerate(inputs):
         if isinstance(src, (bytes, bytearray, memoryview)):
