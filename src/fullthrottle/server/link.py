@@ -198,18 +198,16 @@ def unpack_images(payload: memoryview) -> list[tuple[str, memoryview]]:
     return out
 
 
-_ROW = struct.Struct("<dII")  # a result row: latency (ms), top-k classes, bytes of its strings (JSON)
+_ROW = struct.Struct("<dIII")  # a result row: latency (ms), class ids, probabilities, bytes of its strings
 
 
 def pack_result(r) -> bytes:
     """One image's row of a ``RESULTS`` frame, from its :class:`~fullthrottle.workloads.classify.result.Result`:
-    ``f64`` latency (ms), ``u32`` k, ``u32`` n, k ``i64`` class ids, k ``f64`` probabilities, and
-    ``[id, error, labels]`` as n bytes of JSON."""
-    k = len(r.class_ids)
-    if len(r.probs) != k:
-        raise ValueError(f"{k} class ids and {len(r.probs)} probabilities")
+    ``f64`` latency (ms), ``u32`` k, ``u32`` m, ``u32`` n, k ``i64`` class ids, m ``f64``
+    probabilities, and ``[id, error, labels]`` as n bytes of JSON."""
+    k, m = len(r.class_ids), len(r.probs)
     s = json.dumps([r.id, r.error, r.labels]).encode()
-    return b"".join((_ROW.pack(r.latency_ms, k, len(s)), struct.pack(f"<{k}q{k}d", *r.class_ids, *r.probs), s))
+    return b"".join((_ROW.pack(r.latency_ms, k, m, len(s)), struct.pack(f"<{k}q{m}d", *r.class_ids, *r.probs), s))
 
 
 def results_payload(rows: list[bytes]) -> list[bytes]:
@@ -233,10 +231,10 @@ def unpack_results(payload) -> dict:
     rows, at = [], 1
     try:
         while at < len(view):
-            latency_ms, k, n = _ROW.unpack_from(view, at)
+            latency_ms, k, m, n = _ROW.unpack_from(view, at)
             at += _ROW.size
-            nums = struct.unpack_from(f"<{k}q{k}d", view, at)
-            at += 16 * k
+            nums = struct.unpack_from(f"<{k}q{m}d", view, at)
+            at += 8 * (k + m)
             if at + n > len(view):
                 raise ValueError("truncated row")
             item_id, error, labels = json.loads(bytes(view[at : at + n]))
