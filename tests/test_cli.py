@@ -282,12 +282,25 @@ def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp
         '{"prompt": [1, 2, 3]}\n\n{"prompt": [1], "max_tokens": 0}\n{"prompt": [7, 8]}\n{not json\n'
         '{"prompt": [4, 5], "max_tokens": 3, "temperature": 0.7, "seed": 9}\n'
         '{"prompt": [4], "temperature": NaN}\n{"prompt": [4], "seed": 1e999}\n'
+        + '{"prompt": '
+        + "[" * 100000
+        + "]" * 100000
+        + "}\n"
     )
     out = tmp_path / "out.jsonl"
     args = ["generate", "--random", "tiny", "--prompts", str(src), "--max-new-tokens", "6", "--device", "cpu"]
     assert main([*args, "--out", str(out), "--max-batch", "2", "--no-progress"]) == 1  # (some failed)
     got = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [g["index"] for g in got] == [0, 1, 2, 3, 4, 5, 6] and [g["line"] for g in got] == [1, 3, 4, 5, 6, 7, 8]
+    assert [g["index"] for g in got] == [0, 1, 2, 3, 4, 5, 6, 7] and [g["line"] for g in got] == [
+        1,
+        3,
+        4,
+        5,
+        6,
+        7,
+        8,
+        9,
+    ]
     assert got[0]["token_ids"] == singles[0] and got[2]["token_ids"] == singles[1]
     assert got[1]["error"].startswith("line 3: ") and "max_tokens must be a positive integer" in got[1]["error"]
     assert "line 5: not valid JSON" in got[3]["error"]
@@ -297,7 +310,8 @@ def test_generate_many_prompts_runs_them_together_each_as_it_would_run_alone(tmp
     assert len(got[4]["token_ids"]) == 3 and got[4]["finish_reason"] == "length"
     assert got[5]["error"] == "line 7: not valid JSON: NaN is not JSON"  # (as every route reads a body)
     assert got[6]["error"] == "line 8: not valid JSON: the number 1e999 is too large for a float"
-    assert "4 request(s) failed" in capsys.readouterr().err
+    assert got[7]["error"].startswith("line 9: not valid JSON: ") and "read as a JSON request" not in got[7]["error"]
+    assert "5 request(s) failed" in capsys.readouterr().err
     assert main([*args, "--tokens", "1,2"]) == 2 and "not both" in capsys.readouterr().err
     assert main(["generate", "--random", "tiny", "--tokens", "1,2", "--out", str(out)]) == 2
     assert "--out is for --prompts FILE" in capsys.readouterr().err
@@ -460,6 +474,13 @@ def test_embed_input_lines_end_at_newline_and_jsonl_errors_name_their_line(tmp_p
         2: "line 3: a blank line (a .jsonl line is a JSON string or an object with a string field 'text')",
         3: "line 4: not valid JSON (Expecting value at character 10)",
     }
+    deep = tmp_path / "deep.jsonl"  # JSON nested past Python's recursion limit; an integer of 5000 digits
+    deep.write_text('"a"\n' + "[" * 100000 + "]" * 100000 + "\n" + "1" * 5000 + '\n"b"\n')
+    errors = {}
+    assert list(_read_texts(str(deep), bad=errors)) == ["a", "", "", "b"]
+    assert errors[1] == "line 2: not valid JSON here (nested too deep)" and errors[2].startswith(
+        "line 3: not valid JSON here"
+    )
     odd = tmp_path / "odd.jsonl"  # a byte-order mark; JSON that is no text; a lone surrogate escape
     odd.write_bytes(b'\xef\xbb\xbf{"text": "a"}\r\n5\nnull\n[1]\n{"text": "x\\ud800"}\n"ok"\n')
     errors = {}

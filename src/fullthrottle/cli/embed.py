@@ -42,6 +42,10 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
                     obj, why = None, f"not valid JSON ({e.msg} at character {e.pos + 1})"
                     if not line.strip():  # (its row kept, as every line's: the vectors stay one per line)
                         why = "a blank line (a .jsonl line is a JSON string or an object with a string field 'text')"
+                except RecursionError:
+                    obj, why = None, "not valid JSON here (nested too deep)"
+                except ValueError as e:  # (an integer of more digits than Python converts)
+                    obj, why = None, f"not valid JSON here ({e})"
                 text = obj.get("text") if isinstance(obj, dict) else obj
                 if why is None and not isinstance(text, str):
                     why = (

@@ -65,6 +65,8 @@ def _json_like(line: str) -> bool:
     """Whether ``line`` parses as JSON at all (NaN and huge numbers allowed, which requests refuse)."""
     try:
         json.loads(line)
+    except RecursionError:  # (JSON, nested too deep to read)
+        return True
     except ValueError:
         return False
     return True

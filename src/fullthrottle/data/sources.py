@@ -37,14 +37,12 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
     """
     for i, src in enumerate(inputs):
         if isinstance(src, (bytes, bytearray, memoryview)):
-            yield f"<bytes #{i}>", bytes(src)
+            yield f"<bytes #{i}>", _data(src)
         elif isinstance(src, tuple) and len(src) == 2 and isinstance(src[1], (bytes, bytearray, memoryview)):
-            # (a memoryview of bytes is taken as it is, no copy: its bytes must not change until its result)
-            data = src[1]
-            contiguous = isinstance(data, memoryview) and data.c_contiguous
-            yield str(src[0]), data.cast("B") if contiguous else bytes(data)
+            yield str(src[0]), _data(src[1], copy=False)
         elif isinstance(src, (str, os.PathLike)):
             s = os.fspath(src)
+            s = os.fsdecode(s) if isinstance(s, bytes) else s  # (os.scandir(b"dir")'s entries: bytes paths)
             found = 0
             if is_url(s):
                 yield s, s
@@ -88,6 +86,18 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
                     f"cannot load an input of type {type(src).__name__} (give a path, URL, bytes or (id, bytes))"
                 ),
             )
+
+
+def _data(src, copy: bool = True):
+    """The bytes of a bytes-like input: a copy, or (``copy=False``) a contiguous memoryview as it is,
+    cast to bytes (its bytes must then stay unchanged until its result); a released memoryview is a
+    :class:`BadSource`."""
+    try:
+        if not copy and isinstance(src, memoryview) and src.c_contiguous:
+            return src.cast("B")
+        return bytes(src)
+    except ValueError as e:  # (a released memoryview)
+        return BadSource(f"cannot read the bytes given: {e}")
 
 
 def walk_images(top: str) -> Iterator[tuple[str, Any]]:

@@ -192,10 +192,13 @@ def _multipart_reason(e: Exception) -> str:
     reason = str(cause).strip() or type(cause).__name__
     if "header size" in reason.lower():
         try:
-            from python_multipart.multipart import MAX_HEADER_SIZE
-        except ImportError:  # (an older python-multipart: the limit is not named)
+            from python_multipart import multipart
+        except ImportError:  # (an older python-multipart, under another name)
+            multipart = None
+        limit = getattr(multipart, "DEFAULT_MAX_HEADER_SIZE", None) or getattr(multipart, "MAX_HEADER_SIZE", None)
+        if not limit:
             return reason + " (a part's headers, its filename included, are limited in size)"
-        return f"{reason} (a part's headers, its filename included, may hold at most {MAX_HEADER_SIZE} bytes)"
+        return f"{reason} (a part's headers, its filename included, may hold at most {limit} bytes)"
     return reason
 
 

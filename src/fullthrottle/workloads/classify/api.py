@@ -20,9 +20,9 @@ def _b64(s: str) -> bytes:
     """The bytes of a base64 image string (see :class:`ClassifyImages`). Raises ValueError
     (``binascii.Error``): a character outside the alphabet, a length no base64 has, a data URL of
     another encoding."""
-    if s.startswith("data:"):
+    if s[:5].lower() == "data:":  # (scheme and parameters in any case, as RFC 2397 reads them)
         head, sep, s = s.partition(",")
-        if not sep or not head.endswith(";base64"):
+        if not sep or not head.lower().endswith(";base64"):
             raise ValueError("a data: URL must be ';base64,'-encoded")
     s = "".join(s.split())  # (line breaks)
     return base64.b64decode(s + "=" * (-len(s) % 4), validate=True)
