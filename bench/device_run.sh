@@ -7,6 +7,7 @@ FINAL=${OUT:-out}; OUT=$FINAL/r; mkdir -p "$OUT"   # everything goes in one tarb
 trap 'tar -C "$FINAL" -czf "$FINAL/results.tgz" r && rm -rf "$FINAL/r"' EXIT
 parts=${1:-tests,classify,e2e}
 TO="timeout ${PART_TIMEOUT_S:-300}"   # no single part may eat the whole call
+PYT="python3 -m pytest -o addopts=-ra"   # one process (pyproject's -n 2 needs pytest-xdist, not carried)
 # CPU-bound comparisons run on 16 cores (the machine of ../shared/DESIGN.md) also on larger hosts
 PIN=""; [[ $(nproc) -gt 16 ]] && PIN="taskset -c 0-15"
 if compgen -G ".whl/*.whl" >/dev/null; then   # carried wheels (fastapi, uvicorn, pydantic, ...; .effnet: the weights)
@@ -34,19 +35,19 @@ python3 -c "import openai" 2>/dev/null || gpu_sel="$gpu_sel --ignore=tests/test_
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; echo "wmem_max $(cat /proc/sys/net/core/wmem_max 2>/dev/null)"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip -e failed (using PYTHONPATH)"
 if [[ ,$parts, == *,gdtests,* ]]; then   # issue 04: the GPU decode tests only
-  $TO python3 -m pytest -q -s -m gpu tests/test_gpu_decode.py 2>&1 | tee "$OUT/gpu_decode_tests.log" | grep -E "Error|error:|passed|failed|skipped|agreement|abs diff" | tail -14
+  $TO $PYT -q -s -m gpu tests/test_gpu_decode.py 2>&1 | tee "$OUT/gpu_decode_tests.log" | grep -E "Error|error:|passed|failed|skipped|agreement|abs diff" | tail -14
 fi
 if [[ ,$parts, == *,gpuquick,* ]]; then   # the classification GPU tests and the model tests
-  $TO python3 -m pytest -q -s -m "gpu or not gpu" tests/test_gpu.py tests/test_models.py 2>&1 | tee "$OUT/gpu_quick_tests.log" | grep -E "Error|error:|passed|failed|agreement|top-1" | tail -14
+  $TO $PYT -q -s -m "gpu or not gpu" tests/test_gpu.py tests/test_models.py 2>&1 | tee "$OUT/gpu_quick_tests.log" | grep -E "Error|error:|passed|failed|agreement|top-1" | tail -14
 fi
 if [[ ,$parts, == *,llmtests,* ]]; then   # issue 14: the LLM GPU tests only (graphs, kernels, scheduler)
-  timeout ${LLMTESTS_TIMEOUT_S:-150} python3 -m pytest -q -s -m gpu tests/test_llm.py tests/test_scheduler.py tests/test_kernels.py 2>&1 | tee "$OUT/llm_tests.log" | grep -E "Error|error:|passed|failed" | tail -12
+  timeout ${LLMTESTS_TIMEOUT_S:-150} $PYT -q -s -m gpu tests/test_llm.py tests/test_scheduler.py tests/test_kernels.py 2>&1 | tee "$OUT/llm_tests.log" | grep -E "Error|error:|passed|failed" | tail -12
 fi
 if [[ $parts == *gputests* ]]; then
-  $TO python3 -m pytest -q -s -m gpu --continue-on-collection-errors $gpu_sel tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed|agreement" | tail -12
+  $TO $PYT -q -s -m gpu --continue-on-collection-errors $gpu_sel tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed|agreement" | tail -12
 elif [[ ,$parts, == *,tests,* ]]; then
-  $TO python3 -m pytest -q -s tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-  $TO python3 -m pytest -q tests 2>&1 | tee -a "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed" | tail -12
+  $TO $PYT -q -s tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  $TO $PYT -q tests 2>&1 | tee -a "$OUT/gpu_tests.log" | grep -E "Error|error:|passed|failed" | tail -12
 fi
 if [[ $parts == *classify* ]]; then
   $TO python3 -m fullthrottle.cli classify tests/data/imagenet-sample --device cuda --no-progress \
@@ -163,7 +164,7 @@ if [[ $parts == *soak* ]]; then        # issue 04: 100k images through nvJPEG, m
   $TO python3 bench/gpu_decode_soak.py ${SOAK_ARGS:-} --out "$OUT/gpu_decode_soak.json" 2>&1 | tail -3
 fi
 if [[ $parts == *embtest* ]]; then
-  $TO python3 -m pytest -q -s -m gpu tests/test_embed.py 2>&1 | tee "$OUT/embed_tests.log" | tail -3
+  $TO $PYT -q -s -m gpu tests/test_embed.py 2>&1 | tee "$OUT/embed_tests.log" | tail -3
 fi
 if [[ $parts == *llm,* || $parts == *llm ]]; then         # issue 06 (needs transformers, present on the device)
   $TO python3 bench/llm.py --out "$OUT/llm_llama2_7b.json" 2>&1 | tail -8

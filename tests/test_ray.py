@@ -4,6 +4,7 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.xdist_group("ray")  # (one test process starts the one cluster they share)
 
 
 @pytest.fixture(scope="module")
