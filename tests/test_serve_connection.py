@@ -172,3 +172,34 @@ def test_after_a_burst_of_bodies_the_heap_is_trimmed_once_quiet(samples, monkeyp
         time.sleep(2.5)  # (at most two periods of 0.8 s)
         assert len(trims) == 1 and trims[0] - last >= 0.5, (trims, last - t0)
     assert guard._receiving[0] == 0
+
+
+def test_the_engine_trims_its_heap_once_quiet_after_any_burst_of_work(monkeypatch):
+    """In the engine (``work=True``: the pipeline's own allocations follow the bodies), a burst under
+    TRIM_AFTER_BYTES still ends in one malloc_trim once quiet; the same bytes as bodies alone do not."""
+    import asyncio
+    import threading
+
+    from fullthrottle.server import guard
+
+    trims = []
+    monkeypatch.setattr(guard, "TRIM_AFTER_S", 0.3)
+    monkeypatch.setattr(guard, "malloc_trim", lambda: trims.append(time.perf_counter()))
+    monkeypatch.setattr(guard, "_trim", {"bytes": 0, "armed": False, "at_check": 0})
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        for _ in range(5):  # (from another thread, as the engine's link readers call it)
+            guard.trim_soon(1000, loop)
+        time.sleep(1.0)
+        assert trims == [] and not guard._trim["armed"]
+        for _ in range(5):
+            guard.trim_soon(1000, loop, work=True)
+            time.sleep(0.1)
+        last = time.perf_counter()
+        time.sleep(1.0)  # (at most two periods of 0.3 s)
+        assert len(trims) == 1 and trims[0] - last >= 0.15, trims
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)

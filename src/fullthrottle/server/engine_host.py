@@ -76,8 +76,9 @@ class Link:
             while True:
                 # every message there already: a request cancelled among them never runs
                 frames = [f for m in self._in.read() for f in wire.frames(m)]
-                # (the bodies came in here: after a burst, the heap they took goes back once quiet)
-                trim_soon(sum(len(p) for _, _, p in frames), self.host.loop)
+                # (the bodies came in here, and the pipeline's work on them: after a burst, the heap
+                # they took goes back once quiet)
+                trim_soon(sum(len(p) for _, _, p in frames), self.host.loop, work=True)
                 dropped = {req_id for kind, req_id, _ in frames if kind == wire.CANCEL}
                 for kind, req_id, payload in frames:
                     if kind in (wire.CLASSIFY, wire.HTTP) and req_id in dropped:

@@ -138,12 +138,15 @@ TRIM_AFTER_S = 2.0
 _trim: dict = {"bytes": 0, "armed": False, "at_check": 0}
 
 
-def trim_soon(n: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
+def trim_soon(n: int, loop: asyncio.AbstractEventLoop | None = None, work: bool = False) -> None:
     """Count ``n`` more request-body bytes; past :data:`TRIM_AFTER_BYTES`, start the checks for a
     quiet period. Without ``loop``: call it on the process's event loop; with it, from any thread
-    (the engine's link readers). Per body, an addition and a comparison: no timer, no wake-up."""
+    (the engine's link readers). Per body, an addition and a comparison: no timer, no wake-up.
+    ``work``: the bodies go on to a pipeline in this process (the engine), whose own allocations
+    (activations on the CPU, batches, results) are not counted in their bytes: the checks start
+    whatever ``n`` is, and the heap goes back once quiet after any burst."""
     _trim["bytes"] += n
-    if _trim["armed"] or _trim["bytes"] < TRIM_AFTER_BYTES:
+    if _trim["armed"] or (_trim["bytes"] < TRIM_AFTER_BYTES and not work):
         return
     _trim["armed"] = True
     if loop is None:
