@@ -29,12 +29,13 @@ from load_client import closed_loop  # noqa: E402
 from serve_load import bodies_for, servers, start, stop  # noqa: E402
 
 
-def summarize(collapsed: str, top: int = 40) -> dict:
-    """py-spy's collapsed stacks -> samples by thread, and by function (self and inclusive)."""
+def summarize(collapsed: str, top: int = 40, thread: str = "") -> dict:
+    """py-spy's collapsed stacks -> samples by thread, and by function (self and inclusive); with
+    ``thread``, only the samples of the threads whose name holds it."""
     by_thread, self_fn, incl_fn, total = collections.Counter(), collections.Counter(), collections.Counter(), 0
     for line in collapsed.splitlines():
         stack, _, n = line.rpartition(" ")
-        if not stack or not n.isdigit():
+        if not stack or not n.isdigit() or thread not in stack.split(";")[0]:
             continue
         n = int(n)
         total += n
@@ -59,6 +60,13 @@ def main():
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--client-cores", type=int, default=4)
     ap.add_argument("--py-spy", default=None, help="py-spy executable: record the engine at the last point")
+    ap.add_argument(
+        "--py-spy-flags",
+        default="--gil",
+        help="py-spy record's sampling flags ('--gil': only while a thread holds the GIL; '--idle --native': "
+        "every thread's wall time, C frames included)",
+    )
+    ap.add_argument("--py-spy-thread", default="ft-compute", help="also summarise this thread's samples alone")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--mode", default="single", choices=("single", "multi32"), help="request kind (serve_load's)")
     ap.add_argument("--out", required=True)
@@ -91,7 +99,16 @@ def main():
                 if args.py_spy and vi == 0 and ci == len(args.concurrency) - 1:
                     spy_out = Path(args.out).with_suffix(".collapsed.txt")
                     spy = subprocess.Popen(
-                        [args.py_spy, "record", "--pid", str(proc.pid), "--threads", "--gil", "--rate", "200"]
+                        [
+                            args.py_spy,
+                            "record",
+                            "--pid",
+                            str(proc.pid),
+                            "--threads",
+                            *args.py_spy_flags.split(),
+                            "--rate",
+                            "200",
+                        ]
                         + ["--format", "raw", "--duration", str(int(args.duration_s)), "-o", str(spy_out)],
                         stdout=subprocess.DEVNULL,
                         stderr=subprocess.PIPE,
@@ -106,6 +123,11 @@ def main():
                 if spy is not None:
                     err = spy.communicate(timeout=60)[1]
                     r["py_spy"] = summarize(spy_out.read_text()) if spy_out.exists() else {"error": err[-2000:]}
+                    r["py_spy"]["flags"] = args.py_spy_flags
+                    if spy_out.exists() and args.py_spy_thread:
+                        r["py_spy"]["thread_" + args.py_spy_thread] = summarize(
+                            spy_out.read_text(), 60, args.py_spy_thread
+                        )
                     # (--gil: a sample is taken only while some thread holds the GIL)
                     r["py_spy"]["gil_held_pct"] = 100 * r["py_spy"].get("samples", 0) / (200 * int(args.duration_s))
                 print(variant, conc, round(r["img_per_s"]), r["p50_ms"], r["p99_ms"], r["cores_by_kind"], flush=True)
