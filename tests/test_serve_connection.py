@@ -174,15 +174,16 @@ def test_after_a_burst_of_bodies_the_heap_is_trimmed_once_quiet(samples, monkeyp
     assert guard._receiving[0] == 0
 
 
-def test_the_engine_trims_its_heap_once_quiet_after_any_burst_of_work(monkeypatch):
-    """In the engine (``work=True``: the pipeline's own allocations follow the bodies), a burst under
-    TRIM_AFTER_BYTES still ends in one malloc_trim once quiet; the same bytes as bodies alone do not."""
+def test_the_engine_trims_its_heap_once_its_work_is_done_after_any_burst(monkeypatch):
+    """In the engine (``busy``: the pipeline's work on what came in, whose allocations are not in the
+    bodies' bytes), a burst under TRIM_AFTER_BYTES still ends in one malloc_trim, once no frame came for
+    a whole period and ``busy()`` says no work is left; the same bytes as bodies alone do not."""
     import asyncio
     import threading
 
     from fullthrottle.server import guard
 
-    trims = []
+    trims, work = [], {"left": True}
     monkeypatch.setattr(guard, "TRIM_AFTER_S", 0.3)
     monkeypatch.setattr(guard, "malloc_trim", lambda: trims.append(time.perf_counter()))
     monkeypatch.setattr(guard, "_trim", {"bytes": 0, "armed": False, "at_check": 0})
@@ -195,11 +196,14 @@ def test_the_engine_trims_its_heap_once_quiet_after_any_burst_of_work(monkeypatc
         time.sleep(1.0)
         assert trims == [] and not guard._trim["armed"]
         for _ in range(5):
-            guard.trim_soon(1000, loop, work=True)
+            guard.trim_soon(1000, loop, busy=lambda: work["left"])
             time.sleep(0.1)
-        last = time.perf_counter()
+        time.sleep(1.5)  # (frames stopped 5 periods ago, but the work goes on)
+        assert trims == []
+        work["left"] = False
+        done = time.perf_counter()
         time.sleep(1.0)  # (at most two periods of 0.3 s)
-        assert len(trims) == 1 and trims[0] - last >= 0.15, trims
+        assert len(trims) == 1 and 0 < trims[0] - done < 0.7, (trims, done)
     finally:
         loop.call_soon_threadsafe(loop.stop)
         t.join(5)

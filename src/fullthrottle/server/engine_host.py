@@ -77,8 +77,8 @@ class Link:
                 # every message there already: a request cancelled among them never runs
                 frames = [f for m in self._in.read() for f in wire.frames(m)]
                 # (the bodies came in here, and the pipeline's work on them: after a burst, the heap
-                # they took goes back once quiet)
-                trim_soon(sum(len(p) for _, _, p in frames), self.host.loop, work=True)
+                # they took goes back once no request is left)
+                trim_soon(sum(len(p) for _, _, p in frames), self.host.loop, self.host.busy)
                 dropped = {req_id for kind, req_id, _ in frames if kind == wire.CANCEL}
                 for kind, req_id, payload in frames:
                     if kind in (wire.CLASSIFY, wire.HTTP) and req_id in dropped:
@@ -181,6 +181,10 @@ class EngineHost:
             # "full" left here would have the workers refuse every request, the queue being empty)
             with self._publishing:
                 self.backlog.set(min(v.queued() for v in services))
+
+    def busy(self) -> bool:
+        """Whether a request taken from a link is still being answered."""
+        return any(lk.classifying or lk.cancels for lk in self.links)
 
     def add_link(self, sock: socket.socket, name: str) -> Link:
         lk = Link(sock, self, name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
+from collections.abc import Callable
 
 from ..core.env import API_KEY
 
@@ -138,15 +139,17 @@ TRIM_AFTER_S = 2.0
 _trim: dict = {"bytes": 0, "armed": False, "at_check": 0}
 
 
-def trim_soon(n: int, loop: asyncio.AbstractEventLoop | None = None, work: bool = False) -> None:
+def trim_soon(n: int, loop: asyncio.AbstractEventLoop | None = None, busy: Callable[[], bool] | None = None) -> None:
     """Count ``n`` more request-body bytes; past :data:`TRIM_AFTER_BYTES`, start the checks for a
     quiet period. Without ``loop``: call it on the process's event loop; with it, from any thread
     (the engine's link readers). Per body, an addition and a comparison: no timer, no wake-up.
-    ``work``: the bodies go on to a pipeline in this process (the engine), whose own allocations
-    (activations on the CPU, batches, results) are not counted in their bytes: the checks start
-    whatever ``n`` is, and the heap goes back once quiet after any burst."""
+    ``busy``: the bodies go on to work in this process (the engine's pipeline), whose own allocations
+    are not counted in their bytes and outlive their arrival: the checks start whatever ``n`` is, and
+    a period is quiet only if ``busy()`` (called on the event loop) says no work is left."""
     _trim["bytes"] += n
-    if _trim["armed"] or (_trim["bytes"] < TRIM_AFTER_BYTES and not work):
+    if busy is not None:
+        _trim["busy"] = busy
+    if _trim["armed"] or (_trim["bytes"] < TRIM_AFTER_BYTES and busy is None):
         return
     _trim["armed"] = True
     if loop is None:
@@ -161,8 +164,9 @@ def _check_later() -> None:
 
 
 def _trim_if_quiet() -> None:
-    if _receiving[0] or _trim["bytes"] != _trim["at_check"]:  # bodies came meanwhile: another period
-        _check_later()
+    busy = _trim.get("busy")
+    if _receiving[0] or _trim["bytes"] != _trim["at_check"] or (busy is not None and busy()):
+        _check_later()  # bodies came meanwhile, or work is left: another period
         return
     _trim["bytes"], _trim["armed"] = 0, False
     asyncio.get_running_loop().run_in_executor(None, malloc_trim)
