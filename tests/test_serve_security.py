@@ -198,8 +198,16 @@ def test_fetching_is_off_by_default(listeners):
             content=b'{"urls": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
             headers={"content-type": "application/json"},
         )
+        long_num, shape = (
+            httpx.post(s.url + "/v1/classify", content=c, headers={"content-type": "application/json"})
+            for c in (b'{"urls": [' + b"7" * 5000 + b"]}", b'{"urls": [7]}')
+        )
     assert r.status_code == 400 and "--allow-fetch" in r.json()["detail"]
-    assert deep.status_code == 400 and "malformed JSON" in deep.json()["detail"]
+    assert deep.status_code == 400 and "malformed JSON body: nested too deep" in deep.json()["detail"]
+    assert long_num.status_code == 400 and long_num.json()["detail"].startswith(
+        "malformed JSON body: a number of more than 4300 digits;"
+    ), long_num.text
+    assert shape.status_code == 400 and shape.json()["detail"].startswith("wrong shape: the body must be")
     assert a.paths == [] and b.paths == []
 
 

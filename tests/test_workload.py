@@ -175,11 +175,15 @@ def test_classification_through_the_contract_equals_the_library(samples, bad_dir
     j = next(j for j, b in enumerate(b64) if b.endswith("="))  # (a photo whose base64 is padded)
     wrapped = "\n".join(b64[j][k : k + 76] for k in range(0, len(b64[j]), 76)) + "\n"
     forms = [f"data:image/jpeg;base64,{b64[j]}", wrapped, b64[j].rstrip("="), f"DATA:image/jpeg;BASE64,{b64[j]}"]
-    forms += ["data:text/plain,abc", "abcde"]
+    forms += ["data:text/plain,abc", "abcde", 7, None, {"b64": b64[j]}]
     got = run_offline(w, [{"images": forms}])[0][0]["results"]
     assert [[t["class_id"] for t in r["top_k"]] for r in got[:4]] == [ref[j].class_ids] * 4
     assert "not base64: a data: URL must be ';base64,'-encoded" in got[4]["error"]
     assert "not base64" in got[5]["error"] and "1 more than a multiple of 4" in got[5]["error"], got[5]
+    # an entry that is not a string is that entry's error, named (the others are answered)
+    assert [r.get("error") for r in got[6:]] == [
+        f"image {i}: expected a base64 string, got {t}" for i, t in ((6, "a number"), (7, "null"), (8, "an object"))
+    ]
 
 
 def test_completions_through_the_contract_equal_each_prompt_alone(tiny_llama):

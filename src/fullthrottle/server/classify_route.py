@@ -14,13 +14,13 @@ per image), or ``application/json`` ``{"urls": [...]}`` (fetched only with ``--a
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
 from ..core.errors import Overloaded
+from ..core.json_body import parse_body
 from ..workloads.classify.result import Result
 from .guard import HTTPError, answer_unless_gone, check_json_size, check_pixels, overloaded, read_body
 
@@ -109,14 +109,14 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
 
     async def fetch_urls(body: bytes) -> list[tuple[str, bytes | FetchError]]:
         check_json_size(body)
+        shape = 'the body must be {"urls": ["http(s)://...", ...]}'
         try:
-            payload = json.loads(body)
-            urls = payload.get("urls") if isinstance(payload, dict) else None
-            if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
-                raise ValueError
-        except (ValueError, RecursionError) as e:  # (RecursionError: JSON nested thousands deep)
-            what = "wrong shape" if type(e) is ValueError else "malformed JSON"
-            raise HTTPError(400, f'{what}: the body must be {{"urls": ["http(s)://...", ...]}}') from None
+            payload = parse_body(body)
+        except ValueError as e:  # (the reason named: not JSON, nested too deep, a number too long, ...)
+            raise HTTPError(400, f"{e}; {shape}") from None
+        urls = payload.get("urls") if isinstance(payload, dict) else None
+        if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+            raise HTTPError(400, f"wrong shape: {shape}")
         if policy is None:
             raise HTTPError(
                 400,

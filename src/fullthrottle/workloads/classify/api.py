@@ -62,10 +62,13 @@ class ClassifyImages(Workload):
 
     def decode_request(self, body: dict) -> list:
         images = body.get("images")
-        if not isinstance(images, list) or not images or not all(isinstance(x, str) for x in images):
+        if not isinstance(images, list) or not images:
             raise ValueError('JSON body must be {"images": ["<base64>", ...]}')
         out = []
         for i, x in enumerate(images):
+            if not isinstance(x, str):  # (that image's error: the others are answered)
+                out.append((f"image {i}", ItemError(f"image {i}: expected a base64 string, got {_json_type(x)}")))
+                continue
             try:
                 out.append((f"image {i}", _b64(x)))
             except (binascii.Error, ValueError) as e:
@@ -90,3 +93,12 @@ class ClassifyImages(Workload):
             else:
                 res.append({**o, "index": i})
         return {"results": res}
+
+
+def _json_type(x) -> str:
+    """The JSON name of a parsed JSON value's type."""
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return "a boolean"
+    return {int: "a number", float: "a number", dict: "an object", list: "an array"}.get(type(x), type(x).__name__)
