@@ -127,11 +127,12 @@ def test_memoryview_pairs_are_read_without_a_copy_and_give_what_bytes_give(sampl
     gone = memoryview(blobs[0][1])
     gone.release()
     entries = sorted(os.scandir(os.fsencode(samples[0].parent)), key=lambda e: e.name)[:2]
-    got = tiny_pipe().classify([blobs[1], ("gone", gone), *entries])
+    got = tiny_pipe().classify([blobs[1], ("gone", gone), *entries, (os.fsencode(blobs[1][0]), blobs[1][1])])
     assert got[0].ok and got[1].error.startswith("cannot read the bytes given: ") and "released" in got[1].error
-    assert [r.class_ids for r in got[2:]] == [
+    assert [r.class_ids for r in got[2:4]] == [
         r.class_ids for r in tiny_pipe().classify([os.fsdecode(e.path) for e in entries])
     ]
+    assert (got[4].id, got[4].class_ids) == (blobs[1][0], got[0].class_ids)  # (a bytes id: its text)
 
 
 def test_break_stops_every_thread(samples, no_thread_leak):

@@ -39,7 +39,8 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
         if isinstance(src, (bytes, bytearray, memoryview)):
             yield f"<bytes #{i}>", _data(src)
         elif isinstance(src, tuple) and len(src) == 2 and isinstance(src[1], (bytes, bytearray, memoryview)):
-            yield str(src[0]), _data(src[1], copy=False)
+            # (a bytes id, as os.listdir(b".") names files: its text, as for bytes paths)
+            yield (os.fsdecode(src[0]) if isinstance(src[0], bytes) else str(src[0])), _data(src[1], copy=False)
         elif isinstance(src, (str, os.PathLike)):
             s = os.fspath(src)
             s = os.fsdecode(s) if isinstance(s, bytes) else s  # (os.scandir(b"dir")'s entries: bytes paths)
