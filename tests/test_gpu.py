@@ -124,7 +124,7 @@ def test_pool_rows_gathered_in_place_match_the_copy_path(samples, monkeypatch, n
     )
     monkeypatch.setenv("FULLTHROTTLE_POOL_GATHER", "mapped")
     with Pipeline(Config(**cfg)) as pipe:
-        assert pipe.engine.mapped_crops is not None and pipe.engine.dev_crops is None
+        assert pipe.engine.pool.mapped is not None and pipe.engine.pool.mirror is None
         res = pipe.classify(samples[:64])
         crops = torch.from_numpy(np.stack([preprocess(p.read_bytes()) for p in samples[:64]])).cuda()
         ref = pipe.engine.forward(crops).argmax(1).cpu().tolist()
@@ -132,7 +132,7 @@ def test_pool_rows_gathered_in_place_match_the_copy_path(samples, monkeypatch, n
     assert [r.class_ids[0] for r in res] == ref
     monkeypatch.delenv("FULLTHROTTLE_POOL_GATHER")
     with Pipeline(Config(**cfg), model=model) as pipe:
-        assert pipe.engine.mapped_crops is None and pipe.engine.dev_crops is not None
+        assert pipe.engine.pool.mapped is None and pipe.engine.pool.mirror is not None
         res2 = pipe.classify(samples[:64])
     assert [r.class_ids[0] for r in res2] == ref
 

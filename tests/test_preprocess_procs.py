@@ -245,7 +245,7 @@ def test_worker_gets_malloc_settings_and_reports_its_time_split(samples, tmp_pat
 def test_copy_all_copies_every_pair_like_copy_(monkeypatch, foreach):
     """The compute thread's H2D copies in one call: slices of a pool and a row index list (two dtypes)
     land exactly where a copy_ each would put them, with torch._foreach_copy_ or without it."""
-    import fullthrottle.workloads.classify.compute as c
+    import fullthrottle.data.device_copy as c
 
     if not foreach:
         monkeypatch.delattr(torch, "_foreach_copy_", raising=False)

@@ -292,7 +292,7 @@ def run_fullthrottle(
         "switch_interval_s": sys.getswitchinterval(),
         "compute_staging_s": eng.staging_s,
         "compute_launch_s": eng.launch_s,
-        "compute_pool_copies_per_batch": eng.pool_copies / max(1, eng.batches),
+        "compute_pool_copies_per_batch": (eng.pool.copies if eng.pool else 0) / max(1, eng.batches),
         "images": seen,
         "steady_images": seen - n_warm,
         "steady_s": t_end - t_warm,

@@ -236,10 +236,18 @@ class GraphRunner:
         Runs on the current stream. Returns ``(bucket, outputs)``; the outputs are the graph's static
         tensors (``bucket`` rows, slice ``[:n]``), overwritten by the next replay of any bucket.
         """
-        n = x.shape[0]
+        self.static_in[: x.shape[0]].copy_(x, non_blocking=True)
+        return self.replay_staged(x.shape[0])
+
+    def staged(self, n: int) -> torch.Tensor:
+        """The static input's first ``n`` rows (``n`` <= the largest bucket), for a caller that writes its
+        batch there itself, on the current stream, and then calls :meth:`replay_staged` (no copy)."""
+        return self.static_in[:n]
+
+    def replay_staged(self, n: int) -> tuple[int, Outputs]:
+        """:meth:`replay` of the ``n`` rows already written in the static input (:meth:`staged`)."""
         b = bucket_for(n, self.buckets)
         g, out = self.graphs[b]
-        self.static_in[:n].copy_(x, non_blocking=True)
         g.replay()
         return b, out
 

@@ -1,6 +1,6 @@
 """Device-memory helpers of the compute stage: which spans of crop-pool rows one batch needs
-(:func:`row_spans`), the pinned pool seen in place by a kernel (:func:`mapped_on_device`), and many
-copies queued as one (:func:`copy_all`)."""
+(:func:`row_spans`), the pinned pool seen in place by a kernel (:func:`mapped_on_device`), the pool
+as the compute stage reads it (:class:`PoolOnDevice`), and many copies queued as one (:func:`copy_all`)."""
 
 from __future__ import annotations
 
@@ -110,3 +110,44 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             d.copy_(s, non_blocking=True)
     else:
         foreach(dst, src, non_blocking=True)
+
+
+class PoolOnDevice:
+    """The decoder processes' crop pool (a :class:`~fullthrottle.data.crop_pool.CropPool`) as the
+    compute stage reads it on CUDA: registered as pinned memory, then either read in place by one
+    gather kernel (:data:`POOL_GATHER_ENV` ``=mapped``, where :func:`mapped_on_device` works for the
+    pool and every slot's ``host_rows``), or mirrored on the device (a batch's runs of rows H2D in
+    place by the copy engines, then one gather there).
+
+    ``slots``: the staging ring's slots (each with ``host_rows``, ``(maxB,)`` int64 pinned, and
+    ``dev_rows`` on the device); mapped, each gets ``mapped_rows``."""
+
+    def __init__(self, crops, device: torch.device, slots):
+        self.crops, self.mapped, self.mirror = crops, None, None
+        self.copies = 0  # H2D copies (or mapped gathers) made, for the batches' count
+        if crops.pin() and env.get(env.POOL_GATHER) == "mapped":
+            self.mapped = mapped_on_device(crops.tensor[: crops.rows].view(crops.rows, -1), device)
+            for slot in slots:
+                slot.mapped_rows = mapped_on_device(slot.host_rows, device) if self.mapped is not None else None
+            if any(slot.mapped_rows is None for slot in slots):
+                self.mapped = None
+        if self.mapped is None:
+            self.mirror = torch.empty_like(crops.tensor[: crops.rows], device=device)
+
+    def h2d(self, slot, rows: list[int], dst: list, src: list) -> None:
+        """Append to ``dst``/``src`` the H2D copies a batch of pool ``rows`` needs before :meth:`gather`
+        (mirrored: each run of rows in place, and the row numbers; mapped: none)."""
+        if self.mapped is None:
+            spans = row_spans(rows)
+            self.copies += len(spans)
+            dst += [self.mirror[lo:hi] for lo, hi in spans] + [slot.dev_rows[: len(rows)]]
+            src += [self.crops.tensor[lo:hi] for lo, hi in spans] + [slot.host_rows[: len(rows)]]
+
+    def gather(self, slot, m: int, out: torch.Tensor) -> None:
+        """``out`` (``(m, S, S, 3)`` uint8 on the device, current stream) <- the batch's ``m`` rows, one
+        kernel (after :meth:`h2d`'s copies, on this stream or one it waited for)."""
+        if self.mapped is None:
+            torch.index_select(self.mirror, 0, slot.dev_rows[:m], out=out)
+        else:
+            self.copies += 1
+            torch.index_select(self.mapped, 0, slot.mapped_rows[:m], out=out.view(m, -1).view(self.mapped.dtype))

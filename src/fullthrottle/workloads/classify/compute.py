@@ -8,8 +8,10 @@ One batch on CUDA goes like this (``n`` images, ``S`` = crop size, ``k`` = top-k
 
 Crops from decoder processes skip the memcpy: they are already in pinned shared memory (the
 :class:`~fullthrottle.data.crop_pool.CropPool`), so their rows go H2D in a few span copies into a
-device mirror of the pool and are gathered into the device slot on the compute stream. Crops the GPU
-decoder made are copied device to device.
+device mirror of the pool and are gathered on the compute stream. A batch of such rows alone (every
+batch of ``serve`` and of ``classify`` on files) goes H2D on the compute stream too and is gathered
+straight into the graph's static input (:meth:`Engine._submit_pool`). Crops the GPU decoder made are
+copied device to device.
 
 The ring has ``staging_slots`` (>= 2) slots; a slot is reused only after the decode stage has read
 its results, so at most that many batches are in flight and host memory stays flat. On CPU the same
@@ -26,12 +28,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...core import env
 from ...core.config import Config, resolve_dtype, torch_dtype
 from ...core.device import resolve_device
 from ...core.graphs import GraphRunner
 from ...core.kernels import normalize_u8, use_triton
-from ...data.device_copy import copy_all, mapped_on_device, row_spans
+from ...data.device_copy import PoolOnDevice, copy_all
 from ...data.gpu_decode import RateSplitter, crop_runs
 from ...data.gpu_decoders import make_gpu_decoder
 from .decode import topk_probs
@@ -111,8 +112,7 @@ class Engine:
         self._free: list[Slot] = []
         self._cv = threading.Condition()
         self.crops = None  # the decoder processes' CropPool (attach_crops)
-        self.dev_crops = None  # its device mirror: rows are copied H2D in place, then gathered
-        self.mapped_crops = None  # or the pool itself as the device reads it (mapped_on_device), (rows, S*S*3/8)
+        self.pool: PoolOnDevice | None = None  # how the device reads it (CUDA)
         self.runner: GraphRunner | None = None
         # the GPU JPEG decoder (its .kind: "hardware" or "nvjpeg"); decoder processes make their own
         self.gpu_decoder = (
@@ -122,8 +122,7 @@ class Engine:
         self.splitter = RateSplitter(config.num_threads)
         self.staging_s = 0.0  # host time copying crops into pinned memory (s)
         self.launch_s = 0.0  # host time issuing copies, model/graph replay, top-k (s)
-        self.batches = 0  # batches submitted, and the H2D copies their crop-pool rows took
-        self.pool_copies = 0
+        self.batches = 0  # batches submitted
         self._forms = forms
         self._probe()
         self._fit_outputs(1)  # (the top-k outputs: as wide as the model's classes, once it has run)
@@ -228,21 +227,12 @@ class Engine:
         return len(self.slots) - len(self._free)
 
     def attach_crops(self, crops) -> None:
-        """Read CPU-decoded crops from ``crops`` (a :class:`~fullthrottle.data.crop_pool.CropPool`):
-        pins it (``cudaHostRegister``) and allocates its device mirror, ``crops.rows * S * S * 3`` bytes."""
+        """Read CPU-decoded crops from ``crops`` (a :class:`~fullthrottle.data.crop_pool.CropPool`); on
+        CUDA through :class:`~fullthrottle.data.device_copy.PoolOnDevice` (pinned; mirrored on the
+        device, ``crops.rows * S * S * 3`` bytes, or read in place)."""
         self.crops = crops
         if self.cuda:
-            pinned = crops.pin()
-            if pinned and env.get(env.POOL_GATHER) == "mapped":
-                self.mapped_crops = mapped_on_device(crops.tensor[: crops.rows].view(crops.rows, -1), self.device)
-                for slot in self.slots:
-                    slot.mapped_rows = (
-                        mapped_on_device(slot.host_rows, self.device) if self.mapped_crops is not None else None
-                    )
-                if any(slot.mapped_rows is None for slot in self.slots):
-                    self.mapped_crops = None
-            if self.mapped_crops is None:
-                self.dev_crops = torch.empty_like(crops.tensor[: crops.rows], device=self.device)
+            self.pool = PoolOnDevice(crops, self.device, self.slots)
 
     def release(self, slot: Slot) -> None:
         """Give ``slot`` (and the crop-pool rows its batch read) back for the next batch."""
@@ -316,27 +306,20 @@ class Engine:
                 slot.out_probs[:n, : probs.shape[1]] = probs
                 slot.out_idx[:n, : idx.shape[1]] = idx
                 return slot
+            if self.runner is not None and m == n:  # crop-pool rows alone: see _submit_pool
+                self._submit_pool(slot, pool_rows)
+                self.launch_s += time.perf_counter() - t1
+                return slot
             with torch.cuda.stream(self.copy_stream):  # every H2D copy of the batch in one call
                 dst, src = ([slot.dev_in[:k_arr]], [slot.host_in[:k_arr]]) if k_arr else ([], [])
-                if m and self.mapped_crops is not None:  # one kernel reads the rows from host memory
-                    self.pool_copies += 1
-                    torch.index_select(
-                        self.mapped_crops,
-                        0,
-                        slot.mapped_rows[:m],
-                        out=slot.dev_in[k_arr:k_cpu].view(m, -1).view(self.mapped_crops.dtype),
-                    )
-                elif m:  # each run of pool rows H2D in place into the device mirror, then one gather
-                    spans = row_spans(pool_rows)
-                    self.pool_copies += len(spans)
-                    dst += [self.dev_crops[lo:hi] for lo, hi in spans] + [slot.dev_rows[:m]]
-                    src += [self.crops.tensor[lo:hi] for lo, hi in spans] + [slot.host_rows[:m]]
+                if m:
+                    self.pool.h2d(slot, pool_rows, dst, src)
                 copy_all(dst, src)
                 slot.copied.record(self.copy_stream)
             with torch.cuda.stream(self.compute_stream):
                 self.compute_stream.wait_event(slot.copied)
-                if m and self.mapped_crops is None:
-                    torch.index_select(self.dev_crops, 0, slot.dev_rows[:m], out=slot.dev_in[k_arr:k_cpu])
+                if m:
+                    self.pool.gather(slot, m, slot.dev_in[k_arr:k_cpu])
                 self._copy_gpu_crops(slot, k_cpu, gpu_crops)
                 staged = True
                 if self.runner is not None:  # one replay; outputs consumed below, in stream order
@@ -344,10 +327,7 @@ class Engine:
                     probs, idx = probs[:n], idx[:n]
                 else:
                     probs, idx = topk_probs(self.forward(slot.dev_in[:n]), k)
-                slot.k = probs.shape[1]
-                slot.fit_outputs(slot.k, pinned=True)
-                copy_all([slot.out_probs[:n, : probs.shape[1]], slot.out_idx[:n, : idx.shape[1]]], [probs, idx])  # D2H
-                slot.done.record(self.compute_stream)
+                self._results_d2h(slot, probs, idx, n)
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - this batch's items', not the run's
             # (a model's own sys.exit or KeyboardInterrupt too: raised in this thread, never a signal)
             slot.error = compute_failed(e)
@@ -355,6 +335,31 @@ class Engine:
                 self._rows_one_by_one(slot, n, k)
         self.launch_s += time.perf_counter() - t1
         return slot
+
+    @torch.inference_mode()
+    def _submit_pool(self, slot: Slot, pool_rows: list[int]) -> None:
+        """A batch of crop-pool rows alone (the decoder processes' crops), all on the compute stream:
+        the H2D copies, the gather straight into the graph's static input, the replay, the results
+        D2H. Each call into PyTorch gives up the GIL and waits to take it back behind the process's
+        other threads: four here against eight on the general path (the copy stream's event, the copy
+        into the static input). The H2D no longer overlaps the previous batch's model; the GPU, far
+        from busy at these rates, does not miss it."""
+        n = len(pool_rows)
+        with torch.cuda.stream(self.compute_stream):
+            x, dst, src = self.runner.staged(n), [], []
+            self.pool.h2d(slot, pool_rows, dst, src)
+            copy_all(dst, src)
+            self.pool.gather(slot, n, x)
+            _, (probs, idx) = self.runner.replay_staged(n)
+            self._results_d2h(slot, probs[:n], idx[:n], n)
+
+    def _results_d2h(self, slot: Slot, probs: torch.Tensor, idx: torch.Tensor, n: int) -> None:
+        """(On the compute stream.) The batch's top-k ``(n, k)`` D2H into the slot's pinned outputs, then
+        its ``done`` event."""
+        slot.k = probs.shape[1]
+        slot.fit_outputs(slot.k, pinned=True)
+        copy_all([slot.out_probs[:n, : slot.k], slot.out_idx[:n, : idx.shape[1]]], [probs, idx])
+        slot.done.record(self.compute_stream)
 
     def _rows_one_by_one(self, slot: Slot, n: int, k: int) -> None:
         """The model raised on a batch whose ``n`` rows were all staged (eager: no graphs): each row runs
