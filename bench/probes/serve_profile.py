@@ -63,8 +63,8 @@ def main():
     ap.add_argument(
         "--py-spy-flags",
         default="--gil",
-        help="py-spy record's sampling flags ('--gil': only while a thread holds the GIL; '--idle --native': "
-        "every thread's wall time, C frames included)",
+        help="py-spy record's sampling flags ('--gil': only while a thread holds the GIL; '--idle': every "
+        "thread's wall time; '--native' adds C frames but stalls the engine, 180 img/s where it served 13k)",
     )
     ap.add_argument("--py-spy-thread", default="ft-compute", help="also summarise this thread's samples alone")
     ap.add_argument("--device", default="cuda")
