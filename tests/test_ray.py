@@ -20,7 +20,7 @@ def cluster():
     c.shutdown()
 
 
-def test_offline_job_one_result_per_item_across_two_nodes(cluster, tmp_path, samples, bad_dir):
+def test_offline_job_one_result_per_item_across_two_nodes(cluster, tmp_path, samples, bad_dir, monkeypatch):
     import torchvision
     from safetensors.torch import save_file
 
@@ -41,6 +41,8 @@ def test_offline_job_one_result_per_item_across_two_nodes(cluster, tmp_path, sam
     for p in samples[:24]:
         (photos / p.name).symlink_to(p)
     inputs = [str(photos), str(bad_dir)]
+    # (both actors up before the first batch: started one by one, under load the first could take all)
+    monkeypatch.setattr(ray.data.DataContext.get_current(), "wait_for_min_actors_s", 300)
     rows = list(classify_on_ray(inputs, cfg, concurrency=2, batch_size=8))
     ref = Pipeline(Config(**cfg)).classify(inputs)
     assert len(rows) == len(ref) == 38

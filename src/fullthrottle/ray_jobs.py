@@ -24,22 +24,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-#: seconds a job waits for all ``concurrency`` actors of its pool to start (model loaded, graphs
-#: captured) before the first batch goes out: started one by one, the first actor would take the
-#: whole of a small job. Past it, the job fails saying the cluster lacks the actors' resources.
-ACTORS_START_S = 600.0
-
-
-def _context():
-    """Ray Data's context for a job of ours: results in input order, the actor pool whole before any
-    batch is sent (:data:`ACTORS_START_S`)."""
-    import ray
-
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
-    ctx.wait_for_min_actors_s = ACTORS_START_S
-    return ctx
-
 
 class RayClassifier:
     """A callable class for ``Dataset.map_batches`` (stateful actor).
@@ -125,7 +109,8 @@ def classify_on_ray(
         import torch
 
         num_gpus = 1 if config.get("device", "auto") != "cpu" and torch.cuda.is_available() else 0
-    _context()
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
     out = {}
     if rows:
         import os
@@ -245,7 +230,7 @@ def workload_on_ray(
     rows = [{"request": json.dumps(r)} for r in requests]
     if not rows:
         return
-    _context()
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
     path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
     ds = ray.data.from_items(rows).map_batches(
         RayWorkload,
