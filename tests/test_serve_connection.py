@@ -147,63 +147,74 @@ def test_bodies_past_what_a_process_may_receive_at_once_get_503_and_the_room_com
         assert post_image(srv.url, samples[0].read_bytes()).status_code == 200  # the room came back
 
 
-def test_after_a_burst_of_bodies_the_heap_is_trimmed_once_quiet(samples, monkeypatch):
-    """Past TRIM_AFTER_BYTES of request bodies, glibc's malloc_trim runs once no body has come for a
-    whole TRIM_AFTER_S, one to two periods after the last (and only then: bodies still coming put it off)."""
+def _fresh_trim(monkeypatch, guard, period_s: float) -> list:
+    """A heap-trim state of its own (earlier tests' bodies), ``period_s`` periods and a malloc_trim that
+    only records when it ran."""
+    trims = []
+    monkeypatch.setattr(guard, "TRIM_AFTER_S", period_s)
+    monkeypatch.setattr(guard, "malloc_trim", lambda: trims.append(time.perf_counter()))
+    monkeypatch.setattr(guard, "_trim", {"bytes": 0, "armed": False, "at_check": 0, "busy": None, "work": False})
+    return trims
+
+
+def test_after_a_burst_of_bodies_the_one_process_server_trims_its_heap_once_quiet(samples, monkeypatch):
+    """The one-process server (its pipeline in the process, whose memory is not counted in the bodies'
+    bytes): even one body under TRIM_AFTER_BYTES ends in one malloc_trim once no body has come for a
+    whole TRIM_AFTER_S and no image is left to answer, one to two periods after the last body; bodies
+    still coming put it off."""
     from fullthrottle.server import guard
 
-    trims = []
+    trims = _fresh_trim(monkeypatch, guard, 0.8)
     monkeypatch.setattr(guard, "TRIM_AFTER_BYTES", 100_000)
-    monkeypatch.setattr(guard, "TRIM_AFTER_S", 0.8)
-    monkeypatch.setattr(guard, "malloc_trim", lambda: trims.append(time.perf_counter()))
-    monkeypatch.setattr(guard, "_trim", {"bytes": 0, "armed": False, "at_check": 0})  # (earlier tests' bodies)
     img = samples[0].read_bytes()
     with Server(Tiny()) as srv:
-        t0 = time.perf_counter()
         assert len(img) < 100_000
-        post_image(srv.url, img)  # (under the threshold: nothing)
-        time.sleep(1.0)
-        assert trims == []
-        for _ in range(int(100_000 / len(img)) + 6):  # past it, a body every ~0.1 s: put off
+        assert post_image(srv.url, img).status_code == 200
+        first = time.perf_counter()
+        time.sleep(2.5)  # (at most two periods of 0.8 s)
+        assert len(trims) == 1 and trims[0] - first >= 0.5, (trims, first)
+        for _ in range(8):  # a body every ~0.1 s: put off
             time.sleep(0.1)
             assert post_image(srv.url, img).status_code == 200
-        last = time.perf_counter()  # (the last body is in)
-        assert trims == []
-        time.sleep(2.5)  # (at most two periods of 0.8 s)
-        assert len(trims) == 1 and trims[0] - last >= 0.5, (trims, last - t0)
+        last = time.perf_counter()
+        assert len(trims) == 1
+        time.sleep(2.5)
+        assert len(trims) == 2 and trims[1] - last >= 0.5, (trims, last)
     assert guard._receiving[0] == 0
 
 
-def test_the_engine_trims_its_heap_once_its_work_is_done_after_any_burst(monkeypatch):
-    """In the engine (``busy``: the pipeline's work on what came in, whose allocations are not in the
-    bodies' bytes), a burst under TRIM_AFTER_BYTES still ends in one malloc_trim, once no frame came for
-    a whole period and ``busy()`` says no work is left; the same bytes as bodies alone do not."""
+def test_a_trim_waits_for_the_requests_still_being_answered(monkeypatch):
+    """As an HTTP worker (``set_busy(..., work=False)``): bodies under TRIM_AFTER_BYTES start nothing;
+    past it, a period is quiet only once ``busy()`` says no request is left (each holds its body until
+    the engine answers). As the engine (``work=True``: the pipeline's own memory), any frame starts the
+    checks. Called from another thread, as the engine's link readers call it."""
     import asyncio
     import threading
 
     from fullthrottle.server import guard
 
-    trims, work = [], {"left": True}
-    monkeypatch.setattr(guard, "TRIM_AFTER_S", 0.3)
-    monkeypatch.setattr(guard, "malloc_trim", lambda: trims.append(time.perf_counter()))
-    monkeypatch.setattr(guard, "_trim", {"bytes": 0, "armed": False, "at_check": 0})
+    trims, work = _fresh_trim(monkeypatch, guard, 0.3), {"left": True}
+    monkeypatch.setattr(guard, "TRIM_AFTER_BYTES", 10_000)
     loop = asyncio.new_event_loop()
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
     try:
-        for _ in range(5):  # (from another thread, as the engine's link readers call it)
+        guard.set_busy(lambda: work["left"], work=False)
+        for _ in range(5):
             guard.trim_soon(1000, loop)
         time.sleep(1.0)
         assert trims == [] and not guard._trim["armed"]
-        for _ in range(5):
-            guard.trim_soon(1000, loop, busy=lambda: work["left"])
-            time.sleep(0.1)
-        time.sleep(1.5)  # (frames stopped 5 periods ago, but the work goes on)
+        guard.trim_soon(6000, loop)  # (past the threshold)
+        time.sleep(1.5)  # (bodies stopped 5 periods ago, but requests are still being answered)
         assert trims == []
         work["left"] = False
         done = time.perf_counter()
         time.sleep(1.0)  # (at most two periods of 0.3 s)
         assert len(trims) == 1 and 0 < trims[0] - done < 0.7, (trims, done)
+        guard.set_busy(lambda: False, work=True)
+        guard.trim_soon(100, loop)
+        time.sleep(1.0)
+        assert len(trims) == 2
     finally:
         loop.call_soon_threadsafe(loop.stop)
         t.join(5)

@@ -24,7 +24,7 @@ from ..workloads.classify.pipeline import Pipeline
 from ..workloads.embed_api import EmbeddingsAPI
 from .classify_route import LocalClassifier, add_classify_route
 from .fetch import FetchPolicy
-from .guard import error_body
+from .guard import error_body, set_busy
 from .http_layer import add_basics, uvicorn_server
 from .metrics import ServerMetrics
 from .options import MAX_CONNECTIONS, ServeOptions
@@ -92,6 +92,8 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         try:
             state["services"] = await asyncio.to_thread(build) if opts.classify else []
             state["classifier"] = LocalClassifier(state["services"])
+            # (the heap trim: the pipeline's own memory, held until the last image is answered)
+            set_busy(lambda: any(v.queued() or v.pending() for v in state["services"]), work=True)
         except Exception as e:  # noqa: BLE001 - one clear line (uvicorn then exits; serve: status 2)
             raise StartupError(f"the classification model could not start: {type(e).__name__}: {e}") from None
         if state["services"] and state["services"][0].pipeline.engine.random_weights:

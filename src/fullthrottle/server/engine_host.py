@@ -23,7 +23,7 @@ import threading
 
 from ..core.errors import Overloaded
 from . import link as wire
-from .guard import trim_soon
+from .guard import set_busy, trim_soon
 
 log = logging.getLogger("fullthrottle.server.engine")
 
@@ -78,7 +78,7 @@ class Link:
                 frames = [f for m in self._in.read() for f in wire.frames(m)]
                 # (the bodies came in here, and the pipeline's work on them: after a burst, the heap
                 # they took goes back once no request is left)
-                trim_soon(sum(len(p) for _, _, p in frames), self.host.loop, self.host.busy)
+                trim_soon(sum(len(p) for _, _, p in frames), self.host.loop)
                 dropped = {req_id for kind, req_id, _ in frames if kind == wire.CANCEL}
                 for kind, req_id, payload in frames:
                     if kind in (wire.CLASSIFY, wire.HTTP) and req_id in dropped:
@@ -170,6 +170,7 @@ class EngineHost:
         self._publishing = threading.Lock()
         self.state: dict = app.state.ft
         self.links: list[Link] = []
+        set_busy(self.busy, work=True)  # (the heap trim: requests still being answered hold memory)
 
     def publish_backlog(self) -> None:
         """The images waiting in the least-loaded replica's queue, for the workers' own 503s

@@ -27,7 +27,7 @@ from ..core.errors import Overloaded
 from ..workloads.classify.result import Result
 from . import link as wire
 from .classify_route import FetchError
-from .guard import NO_KEY, HTTPError, authorised, read_asgi_body
+from .guard import NO_KEY, HTTPError, authorised, read_asgi_body, set_busy
 
 #: the routes an HTTP worker answers itself; every other goes to the engine
 LOCAL_ROUTES = frozenset({"/healthz", "/v1/classify", "/metrics"})
@@ -290,6 +290,8 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state["classifier"] = client_box[0]
+        # (the heap trim: a worker holds each body until the engine answers it)
+        set_busy(lambda: bool(client_box[0] is not None and client_box[0].pending), work=False)
         state["http"] = httpx.AsyncClient(timeout=opts.url_timeout_s, follow_redirects=False, trust_env=False)
         try:
             yield

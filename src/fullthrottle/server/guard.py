@@ -136,20 +136,25 @@ _receiving = [0]  # bytes of the request bodies being received in this process n
 #: large bodies leaves the process at its peak size for good
 TRIM_AFTER_BYTES = 256 << 20
 TRIM_AFTER_S = 2.0
-_trim: dict = {"bytes": 0, "armed": False, "at_check": 0}
+_trim: dict = {"bytes": 0, "armed": False, "at_check": 0, "busy": None, "work": False}
 
 
-def trim_soon(n: int, loop: asyncio.AbstractEventLoop | None = None, busy: Callable[[], bool] | None = None) -> None:
-    """Count ``n`` more request-body bytes; past :data:`TRIM_AFTER_BYTES`, start the checks for a
-    quiet period. Without ``loop``: call it on the process's event loop; with it, from any thread
-    (the engine's link readers). Per body, an addition and a comparison: no timer, no wake-up.
-    ``busy``: the bodies go on to work in this process (the engine's pipeline), whose own allocations
-    are not counted in their bytes and outlive their arrival: the checks start whatever ``n`` is, and
-    a period is quiet only if ``busy()`` (called on the event loop) says no work is left."""
+def set_busy(busy: Callable[[], bool], work: bool) -> None:
+    """What busy means in this process, for the heap trim: a period is quiet only if ``busy()`` (called
+    on the event loop) is false, as requests still being answered hold their memory and free it later.
+    ``work``: the bodies go on to a pipeline in this process (the engine, or the one process), whose
+    own allocations are not counted in their bytes: any body starts the checks, not only
+    :data:`TRIM_AFTER_BYTES` of them."""
+    _trim["busy"], _trim["work"] = busy, work
+
+
+def trim_soon(n: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Count ``n`` more request-body bytes; past :data:`TRIM_AFTER_BYTES` (or at once, with
+    :func:`set_busy`'s ``work``), start the checks for a quiet period. Without ``loop``: call it on the
+    process's event loop; with it, from any thread (the engine's link readers). Per body, an addition
+    and a comparison: no timer, no wake-up."""
     _trim["bytes"] += n
-    if busy is not None:
-        _trim["busy"] = busy
-    if _trim["armed"] or (_trim["bytes"] < TRIM_AFTER_BYTES and busy is None):
+    if _trim["armed"] or (_trim["bytes"] < TRIM_AFTER_BYTES and not _trim["work"]):
         return
     _trim["armed"] = True
     if loop is None:
@@ -164,7 +169,7 @@ def _check_later() -> None:
 
 
 def _trim_if_quiet() -> None:
-    busy = _trim.get("busy")
+    busy = _trim["busy"]
     if _receiving[0] or _trim["bytes"] != _trim["at_check"] or (busy is not None and busy()):
         _check_later()  # bodies came meanwhile, or work is left: another period
         return
