@@ -181,8 +181,9 @@ def test_classification_through_the_contract_equals_the_library(samples, bad_dir
     assert "not base64: a data: URL must be ';base64,'-encoded" in got[4]["error"]
     assert "not base64" in got[5]["error"] and "1 more than a multiple of 4" in got[5]["error"], got[5]
     # an entry that is not a string is that entry's error, named (the others are answered)
-    assert [r.get("error") for r in got[6:]] == [
-        f"image {i}: expected a base64 string, got {t}" for i, t in ((6, "a number"), (7, "null"), (8, "an object"))
+    assert [(r.get("error"), r.get("error_kind")) for r in got[6:]] == [
+        (f"image {i}: not base64: a string is expected, not {t}", "unsupported_input")
+        for i, t in ((6, "a number"), (7, "null"), (8, "an object"))
     ]
 
 

@@ -67,7 +67,9 @@ class ClassifyImages(Workload):
         out = []
         for i, x in enumerate(images):
             if not isinstance(x, str):  # (that image's error: the others are answered)
-                out.append((f"image {i}", ItemError(f"image {i}: expected a base64 string, got {_json_type(x)}")))
+                out.append(
+                    (f"image {i}", ItemError(f"image {i}: not base64: a string is expected, not {_json_type(x)}"))
+                )
                 continue
             try:
                 out.append((f"image {i}", _b64(x)))
