@@ -1,5 +1,7 @@
 """The offline job on a real local Ray cluster with two worker nodes (loopback only, bounded)."""
 
+import os
+
 import pytest
 import torch
 
@@ -26,6 +28,7 @@ def test_offline_job_one_result_per_item_across_two_nodes(cluster, tmp_path, sam
 
     from fullthrottle import Config, Pipeline
     from fullthrottle.ray_jobs import classify_on_ray
+    from fullthrottle.workloads.classify.result import utf8_text
 
     torch.manual_seed(0)
     save_file(torchvision.models.resnet18().state_dict(), str(tmp_path / "w.safetensors"))
@@ -40,13 +43,16 @@ def test_offline_job_one_result_per_item_across_two_nodes(cluster, tmp_path, sam
     photos.mkdir()
     for p in samples[:24]:
         (photos / p.name).symlink_to(p)
+    with open(os.fsencode(photos) + b"/h\xffn.jpg", "wb") as f:  # (a name that is not UTF-8)
+        f.write(samples[24].read_bytes())
     inputs = [str(photos), str(bad_dir)]
     # (both actors up before the first batch: started one by one, under load the first could take all)
     monkeypatch.setattr(ray.data.DataContext.get_current(), "wait_for_min_actors_s", 300)
     rows = list(classify_on_ray(inputs, cfg, concurrency=2, batch_size=8))
     ref = Pipeline(Config(**cfg)).classify(inputs)
-    assert len(rows) == len(ref) == 38
-    assert [r["id"].rsplit("/", 1)[-1] for r in rows] == [r.id.rsplit("/", 1)[-1] for r in ref]
+    assert len(rows) == len(ref) == 39
+    assert [r["id"].rsplit("/", 1)[-1] for r in rows] == [utf8_text(r.id).rsplit("/", 1)[-1] for r in ref]
+    assert "h\\xffn.jpg" in [r["id"].rsplit("/", 1)[-1] for r in rows]
     for row, r in zip(rows, ref):
         assert (row["error"] is None) == r.ok, (row["id"], row["error"], r.error)
         if r.ok:

@@ -55,14 +55,16 @@ class RayClassifier:
             inputs = [str(p) for p in batch["path"]]
         else:
             raise ValueError("a batch needs a 'path' or a 'bytes' column")
+        from .workloads.classify.result import utf8_text
+
         res = self.pipe.classify(inputs)
-        return pd.DataFrame(
+        return pd.DataFrame(  # (ids and errors as UTF-8 holds them: a file name's other bytes as \xNN)
             {
-                "id": [r.id for r in res],
+                "id": [utf8_text(r.id) for r in res],
                 "labels": [r.labels for r in res],
                 "class_ids": [r.class_ids for r in res],
                 "probs": [r.probs for r in res],
-                "error": [r.error for r in res],
+                "error": [utf8_text(r.error) for r in res],
                 "node": [self.node] * len(res),
             }
         )
