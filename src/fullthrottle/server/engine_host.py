@@ -23,7 +23,7 @@ import threading
 
 from ..core.errors import Overloaded
 from . import link as wire
-from .guard import set_busy, trim_soon
+from .guard import trim_soon
 
 log = logging.getLogger("fullthrottle.server.engine")
 
@@ -77,7 +77,7 @@ class Link:
                 # every message there already: a request cancelled among them never runs
                 frames = [f for m in self._in.read() for f in wire.frames(m)]
                 # (the bodies came in here, and the pipeline's work on them: after a burst, the heap
-                # they took goes back once no request is left)
+                # they took goes back once no image is left, as the app's lifespan set_busy says)
                 trim_soon(sum(len(p) for _, _, p in frames), self.host.loop)
                 dropped = {req_id for kind, req_id, _ in frames if kind == wire.CANCEL}
                 for kind, req_id, payload in frames:
@@ -170,7 +170,6 @@ class EngineHost:
         self._publishing = threading.Lock()
         self.state: dict = app.state.ft
         self.links: list[Link] = []
-        set_busy(self.busy, work=True)  # (the heap trim: requests still being answered hold memory)
 
     def publish_backlog(self) -> None:
         """The images waiting in the least-loaded replica's queue, for the workers' own 503s
@@ -182,10 +181,6 @@ class EngineHost:
             # "full" left here would have the workers refuse every request, the queue being empty)
             with self._publishing:
                 self.backlog.set(min(v.queued() for v in services))
-
-    def busy(self) -> bool:
-        """Whether a request taken from a link is still being answered."""
-        return any(lk.classifying or lk.cancels for lk in self.links)
 
     def add_link(self, sock: socket.socket, name: str) -> Link:
         lk = Link(sock, self, name)
