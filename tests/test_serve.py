@@ -163,6 +163,21 @@ def test_multipart_and_json_urls(samples, http_server):
         assert "top_k" in mixed.json()["results"][0] and mixed.json()["results"][1]["error"].endswith(
             "cannot fetch URL 1"
         )
+        odd = [f"{http_server}/a.jpg", 7, "ftp://h/x.jpg", "h/x.jpg", None]
+        bad_entries = httpx.post(s.url + "/v1/classify", json={"urls": odd}, timeout=30)
+        assert bad_entries.status_code == 200  # each entry that is no http(s) URL is its own error
+        res = bad_entries.json()["results"]
+        assert res[0]["top_k"] == r.json()["results"][0]["top_k"]
+        assert [(x["id"], x["error"], x["error_kind"]) for x in res[1:]] == [
+            ("URL 1", "URL 1: invalid URL (a string is expected, not a number)", "unsupported_input"),
+            (
+                odd[2],
+                f"{odd[2]}: unsupported URL scheme 'ftp' (http:// and https:// URLs are fetched)",
+                "unsupported_input",
+            ),
+            (odd[3], f"{odd[3]}: invalid URL (http:// and https:// URLs are fetched)", "unsupported_input"),
+            ("URL 4", "URL 4: invalid URL (a string is expected, not null)", "unsupported_input"),
+        ]
         too_many = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/a.jpg"] * 65})
         assert too_many.status_code == 413
         bad_mp = httpx.post(

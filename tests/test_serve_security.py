@@ -200,7 +200,7 @@ def test_fetching_is_off_by_default(listeners):
         )
         long_num, shape = (
             httpx.post(s.url + "/v1/classify", content=c, headers={"content-type": "application/json"})
-            for c in (b'{"urls": [' + b"7" * 5000 + b"]}", b'{"urls": [7]}')
+            for c in (b'{"urls": [' + b"7" * 5000 + b"]}", b'{"urls": "http://a/x.jpg"}')
         )
     assert r.status_code == 400 and "--allow-fetch" in r.json()["detail"]
     assert deep.status_code == 400 and "malformed JSON body: nested too deep" in deep.json()["detail"]

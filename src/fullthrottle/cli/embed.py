@@ -7,6 +7,8 @@ import os
 import sys
 import time
 
+from ..core.json_body import json_type
+
 
 def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str] | None = None):
     """One text per line of ``path`` ('-': stdin), UTF-8. Lines end at ``\n`` (or ``\r\n``) only: a
@@ -52,9 +54,7 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
                         "a JSON object needs a string field 'text'"
                         if isinstance(obj, dict)
                         else "a line must be a JSON string or an object with a string field 'text', not "
-                        + {bool: "true/false", int: "a number", float: "a number", list: "an array"}.get(
-                            type(obj), "null"
-                        )
+                        + json_type(obj)
                     )
                 if why is None:
                     try:

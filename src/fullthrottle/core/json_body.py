@@ -39,3 +39,15 @@ def parse_body(body: bytes | str):
                 f"malformed JSON body: a number of more than {sys.get_int_max_str_digits()} digits"
             ) from None
         raise ValueError(f"malformed JSON body: {e}") from None
+
+
+def json_type(x) -> str:
+    """The JSON name of a parsed JSON value's type, with its article: ``null``, ``a boolean``,
+    ``a number``, ``a string``, ``an object``, ``an array`` (for messages such as "a string is
+    expected, not a number")."""
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return "a boolean"
+    names = {int: "a number", float: "a number", str: "a string", dict: "an object", list: "an array"}
+    return names.get(type(x), type(x).__name__)

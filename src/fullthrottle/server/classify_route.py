@@ -20,7 +20,7 @@ import time
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
 from ..core.errors import Overloaded
-from ..core.json_body import parse_body
+from ..core.json_body import json_type, parse_body
 from ..workloads.classify.result import Result
 from .guard import HTTPError, answer_unless_gone, check_json_size, check_pixels, overloaded, read_body
 
@@ -115,7 +115,7 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
         except ValueError as e:  # (the reason named: not JSON, nested too deep, a number too long, ...)
             raise HTTPError(400, f"{e}; {shape}") from None
         urls = payload.get("urls") if isinstance(payload, dict) else None
-        if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+        if not isinstance(urls, list):
             raise HTTPError(400, f"wrong shape: {shape}")
         if policy is None:
             raise HTTPError(
@@ -125,12 +125,15 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             )
         if len(urls) > opts.max_images:
             raise HTTPError(413, f"{len(urls)} images in one request; at most {opts.max_images}")
-        for u in urls:
-            if not u.startswith(("http://", "https://")):
-                raise HTTPError(400, f"not an http(s) URL: {u[:200]}")
         budget = [opts.max_request_fetch_bytes or 4 * opts.max_body_bytes]  # all of its URLs together
 
-        async def fetch(i, u):
+        async def fetch(i, u):  # (an entry that is no http(s) URL is its own error: the others go on)
+            if not isinstance(u, str):
+                return f"URL {i}", FetchError(f"invalid URL (a string is expected, not {json_type(u)})")
+            if not u.lower().startswith(("http://", "https://")):
+                scheme = u.partition("://")[0] if "://" in u[:30] else ""
+                what = f"unsupported URL scheme {scheme!r}" if scheme else "invalid URL"
+                return u, FetchError(f"{what} (http:// and https:// URLs are fetched)")
             try:
                 return u, await policy.fetch(state["http"], u, budget)
             except Exception as e:  # noqa: BLE001 - refused or failed: the detail is for the operator only

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 
+from ...core.json_body import json_type
 from ...core.workload import ItemError, Workload
 
 #: images one request may carry (413 beyond, as POST /v1/classify)
@@ -68,7 +69,7 @@ class ClassifyImages(Workload):
         for i, x in enumerate(images):
             if not isinstance(x, str):  # (that image's error: the others are answered)
                 out.append(
-                    (f"image {i}", ItemError(f"image {i}: not base64: a string is expected, not {_json_type(x)}"))
+                    (f"image {i}", ItemError(f"image {i}: not base64: a string is expected, not {json_type(x)}"))
                 )
                 continue
             try:
@@ -95,12 +96,3 @@ class ClassifyImages(Workload):
             else:
                 res.append({**o, "index": i})
         return {"results": res}
-
-
-def _json_type(x) -> str:
-    """The JSON name of a parsed JSON value's type."""
-    if x is None:
-        return "null"
-    if isinstance(x, bool):
-        return "a boolean"
-    return {int: "a number", float: "a number", dict: "an object", list: "an array"}.get(type(x), type(x).__name__)
