@@ -243,6 +243,20 @@ def test_bodies_that_are_no_image_container_get_415(samples):
             timeout=30,
         )
         assert r.status_code == 400 and "(a) are fields, not files" in r.json()["detail"], r.text
+        star = b"--B\r\nContent-Disposition: form-data; name=\"b\"; filename*=UTF-8''%C3%A9.jpg\r\n\r\n"
+        img = b'--B\r\nContent-Disposition: form-data; name="c"; filename="c.jpg"\r\n\r\n' + jpeg + b"\r\n"
+        r = httpx.post(  # beside a file, each part that is no file is its own error (it was dropped unsaid)
+            s.url + "/v1/classify",
+            content=fields + b"xyz\r\n" + img + star + jpeg + b"\r\n--B--\r\n",
+            headers={"content-type": "multipart/form-data; boundary=B"},
+            timeout=30,
+        )
+        res = r.json()["results"]
+        assert r.status_code == 200 and [x["id"] for x in res] == ["a", "c.jpg", "b"] and res[1]["top_k"], r.text
+        assert [(x["error"], x["error_kind"]) for x in (res[0], res[2])] == [
+            (f"{n}: not a file part: form field '{n}' has no filename= (curl -F '{n}=@x.jpg')", "unsupported_input")
+            for n in "ab"
+        ]
         r = httpx.post(s.url + "/v1/classify", content=jpeg, headers={"content-type": "text/plain"}, timeout=30)
         assert r.status_code == 200 and r.json()["results"][0]["top_k"]  # (a raw body: decoded by its content)
 

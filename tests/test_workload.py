@@ -430,3 +430,30 @@ def test_a_slow_decode_request_or_encode_response_leaves_the_server_answering():
             wall = time.perf_counter() - t0
     assert answers == [[{"output": float(k)}] for k in range(3)]
     assert health_s < 0.5 and wall < 3.0, (health_s, wall)  # (on the event loop: ~0.7 s and 4.5 s)
+
+
+def test_a_json_route_refuses_image_and_binary_bodies_with_415():
+    """A workload's route reads JSON: a body sent as an image, a file or multipart gets 415 naming
+    the route (it got 400 "malformed JSON body"); JSON sent as curl -d sends it is read."""
+    import httpx
+    from test_serve import Server, Tiny
+
+    from fullthrottle.server.app import ServeOptions
+
+    with Server(Tiny(), ServeOptions(workloads=(Summer(),), classify=False)) as s:
+        url = s.url + "/v1/" + Summer.name
+        refused = [
+            httpx.post(url, content=b"\xff\xd8\xff\xe0", headers={"content-type": t}, timeout=30)
+            for t in ("image/jpeg", "application/octet-stream", "multipart/form-data; boundary=B")
+        ]
+        curl_d = httpx.post(
+            url,
+            content=b'{"inputs": [[1, 2, 0, 0]]}',
+            headers={"content-type": "application/x-www-form-urlencoded"},
+            timeout=30,
+        )
+    assert [(r.status_code, r.json()["detail"]) for r in refused] == [
+        (415, f"Content-Type {t} is not accepted: /v1/{Summer.name} reads a JSON body (application/json)")
+        for t in ("image/jpeg", "application/octet-stream", "multipart/form-data")
+    ]
+    assert curl_d.status_code == 200 and curl_d.json()["results"] == [{"output": 3.0}]

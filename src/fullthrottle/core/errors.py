@@ -8,7 +8,8 @@ results). The kinds, by stage:
 - ``load``: ``not_found`` (missing file, empty folder, pattern matching nothing), ``not_a_file``,
   ``too_large`` (over ``max_file_bytes``), ``unreadable`` (permission, symlink loop, ...),
   ``fetch_failed`` (HTTP status, timeout, connection), ``unsupported_input`` (a URL scheme, a URL
-  or path that cannot name a file, text that is not base64, an object that names no image);
+  or path that cannot name a file, text that is not base64, an object that names no image, a
+  multipart form field where a file was expected);
 - ``preprocess``: ``empty``, ``corrupt`` (truncated, bad header), ``unsupported_format``,
   ``too_many_pixels`` (over ``max_image_pixels``, as decoded or once resized: an extreme aspect
   ratio), ``decoder_crashed``, ``decode_timeout``, ``gpu_decode_failed``, ``cannot_decode`` (the
@@ -36,7 +37,7 @@ KINDS: tuple[tuple[str, str, str], ...] = (
     (
         "unsupported_input",
         "load",
-        r"unsupported URL scheme |cannot load an input of type |invalid URL |invalid path |not base64: ",
+        r"unsupported URL scheme |cannot load an input of type |invalid URL |invalid path |not base64: |not a file part: ",
     ),
     ("unreadable", "load", r"cannot read "),
     ("empty", "preprocess", r"empty file \(0 bytes\)"),

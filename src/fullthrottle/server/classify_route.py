@@ -28,8 +28,9 @@ log = logging.getLogger("fullthrottle.server.classify")
 ROUTE = "/v1/classify"
 
 
-class FetchError(str):
-    """A URL of a JSON request that could not be fetched (that image's error)."""
+class EntryError(str):
+    """An entry of a request that fails before the pipeline (a URL that is none or is not fetched, a
+    form field where a file was expected): that image's own error, the message."""
 
 
 class LocalClassifier:
@@ -39,12 +40,12 @@ class LocalClassifier:
     def __init__(self, services: list):
         self.services = services
 
-    async def classify(self, images: list[tuple[str, bytes | FetchError]]) -> list[Result]:
+    async def classify(self, images: list[tuple[str, bytes | EntryError]]) -> list[Result]:
         svc = min(self.services, key=lambda v: v.queued() + v.pending())
         futs = []
         try:
             for item_id, data in images:
-                if isinstance(data, FetchError):  # that URL's own error; the others go on
+                if isinstance(data, EntryError):  # that URL's own error; the others go on
                     f = asyncio.get_running_loop().create_future()
                     f.set_result(Result(-1, item_id, error=f"{item_id}: {data}"))
                     futs.append(f)
@@ -71,7 +72,7 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
         max_image_pixels: one image's pixel limit (the pipeline's), for the request's total check.
     """
 
-    async def read_images(request: Request) -> list[tuple[str, bytes | FetchError]]:
+    async def read_images(request: Request) -> list[tuple[str, bytes | EntryError]]:
         """(id, bytes) for every image in the request. Raises HTTPError."""
         body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -92,7 +93,7 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
                 if "too many files" in str(e).lower():  # (the parser stops one file past the limit)
                     raise HTTPError(413, f"more than {opts.max_images} images in one request") from None
                 raise HTTPError(400, f"malformed multipart body: {_multipart_reason(e)}") from None
-            images = [(f.filename or f"file{i}", await f.read()) for i, f in enumerate(form)]
+            images = [(name, data if isinstance(data, EntryError) else await data.read()) for name, data in form]
             boundary = request.headers.get("content-type", "").partition("boundary=")[2].split(";")[0].strip('"')
             if not images and boundary and f"--{boundary}--".encode() not in body:
                 raise HTTPError(400, "malformed multipart body: it ends before its closing boundary")
@@ -107,7 +108,7 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
         check_pixels(images, opts.max_request_pixels, max_image_pixels)
         return images
 
-    async def fetch_urls(body: bytes) -> list[tuple[str, bytes | FetchError]]:
+    async def fetch_urls(body: bytes) -> list[tuple[str, bytes | EntryError]]:
         check_json_size(body)
         shape = 'the body must be {"urls": ["http(s)://...", ...]}'
         try:
@@ -129,17 +130,17 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
 
         async def fetch(i, u):  # (an entry that is no http(s) URL is its own error: the others go on)
             if not isinstance(u, str):
-                return f"URL {i}", FetchError(f"invalid URL (a string is expected, not {json_type(u)})")
+                return f"URL {i}", EntryError(f"invalid URL (a string is expected, not {json_type(u)})")
             if not u.lower().startswith(("http://", "https://")):
                 scheme = u.partition("://")[0] if "://" in u[:30] else ""
                 what = f"unsupported URL scheme {scheme!r}" if scheme else "invalid URL"
-                return u, FetchError(f"{what} (http:// and https:// URLs are fetched)")
+                return u, EntryError(f"{what} (http:// and https:// URLs are fetched)")
             try:
                 return u, await policy.fetch(state["http"], u, budget)
             except Exception as e:  # noqa: BLE001 - refused or failed: the detail is for the operator only
                 # (repr: a client's URL must not write lines of its own into the log; str(e), not e: its frames)
                 log.warning("classify: URL %d %r not fetched: %r", i, u[:200], str(e))
-                return u, FetchError(f"cannot fetch URL {i}")
+                return u, EntryError(f"cannot fetch URL {i}")
 
         return list(await asyncio.gather(*(fetch(i, u) for i, u in enumerate(urls))))
 
@@ -152,7 +153,7 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             if not opts.classify:
                 raise HTTPError(404, "image classification is not served (the server was started with --no-classify)")
             images = await read_images(request)
-            n_new = sum(not isinstance(data, FetchError) for _, data in images)
+            n_new = sum(not isinstance(data, EntryError) for _, data in images)
             if n_new > opts.max_queue:  # (a 503 would ask for a retry that can never succeed)
                 raise HTTPError(
                     413,
@@ -209,8 +210,10 @@ class _FieldsOnly(Exception):
     """A multipart body whose parts are all form fields (no filename): no image."""
 
 
-async def _parse_form(request, body: bytes, max_files: int):
-    """The uploaded files of a multipart body (already read and size-checked)."""
+async def _parse_form(request, body: bytes, max_files: int) -> list[tuple[str, object]]:
+    """``(id, UploadFile or EntryError)`` for each part of a multipart body (already read and
+    size-checked), in order: a part with no plain ``filename=`` (a field, or ``filename*=`` alone) is
+    that entry's error. Raises _FieldsOnly when no part is a file."""
     from starlette.datastructures import UploadFile
     from starlette.formparsers import MultiPartParser
 
@@ -220,10 +223,14 @@ async def _parse_form(request, body: bytes, max_files: int):
 
     parser = MultiPartParser(request.headers, stream(), max_files=max_files + 1, max_part_size=len(body) + 1)
     form = await parser.parse()
-    files = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
-    if not files and form:  # (parts with no plain filename= are fields, their bytes read as text)
-        names = ", ".join(sorted({k for k, _ in form.multi_items()}))[:200]
+    if form and not any(isinstance(v, UploadFile) for _, v in form.multi_items()):
+        names = ", ".join(sorted({k for k, _ in form.multi_items()}))[:200]  # (parts with no plain filename=)
         raise _FieldsOnly(
             f"its parts ({names}) are fields, not files: give each image part a filename= (curl -F 'a=@x.jpg')"
         )
-    return files
+    return [
+        (v.filename or f"file{i}", v)
+        if isinstance(v, UploadFile)
+        else (k, EntryError(f"not a file part: form field {k[:100]!r} has no filename= (curl -F '{k[:100]}=@x.jpg')"))
+        for i, (k, v) in enumerate(form.multi_items())
+    ]

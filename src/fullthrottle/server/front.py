@@ -26,7 +26,7 @@ import sys
 from ..core.errors import Overloaded
 from ..workloads.classify.result import Result
 from . import link as wire
-from .classify_route import FetchError
+from .classify_route import EntryError
 from .guard import NO_KEY, HTTPError, authorised, read_asgi_body, set_busy
 
 #: the routes an HTTP worker answers itself; every other goes to the engine
@@ -129,13 +129,13 @@ class EngineClient(asyncio.Protocol):
         await self._writable.wait()
         self._send(pieces)
 
-    async def classify(self, images: list[tuple[str, bytes | FetchError]]) -> list[Result]:
+    async def classify(self, images: list[tuple[str, bytes | EntryError]]) -> list[Result]:
         """The results of a request's images (URLs that could not be fetched get their own error).
 
         Raises:
             Overloaded: the engine's queue is full. RuntimeError: loading, shutting down, stopped.
         """
-        sent = [(iid, data) for iid, data in images if not isinstance(data, FetchError)]
+        sent = [(iid, data) for iid, data in images if not isinstance(data, EntryError)]
         rows = []
         if sent and self.backlog is not None and self.backlog.get() + len(sent) > self.max_queue:
             # (one such request per PROBE_EVERY_S still goes: the engine's answer rewrites the depth)
@@ -159,7 +159,7 @@ class EngineClient(asyncio.Protocol):
             rows = got["results"]
         out, it = [], iter(rows)
         for i, (iid, data) in enumerate(images):
-            if isinstance(data, FetchError):
+            if isinstance(data, EntryError):
                 out.append(Result(-1, iid, error=f"{iid}: {data}"))
             else:
                 rid, labels, class_ids, probs, error, latency_ms = next(it)

@@ -242,6 +242,11 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
             if svc is None:
                 raise HTTPError(503, "loading", {"Retry-After": str(opts.retry_after_s)})
             w = svc.workload
+            ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype.startswith(("image/", "multipart/", "audio/", "video/")) or ctype == "application/octet-stream":
+                raise HTTPError(  # (curl -d sends JSON as form-urlencoded: that type is read as JSON)
+                    415, f"Content-Type {ctype} is not accepted: {route} reads a JSON body (application/json)"
+                )
             body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
             try:  # (in a thread, as is encode_response below: the workload's own code may take
                 # its time, and this event loop serves every other request meanwhile)
