@@ -23,12 +23,15 @@ def cluster():
 
 
 def test_offline_job_one_result_per_item_across_two_nodes(cluster, tmp_path, samples, bad_dir, monkeypatch):
+    """classify --ray writes the lines a local run writes (ids as typed, errors with their stage
+    and kind), each with the node that ran it, and both worker nodes take part."""
+    import json
+
     import torchvision
     from safetensors.torch import save_file
 
     from fullthrottle import Config, Pipeline
-    from fullthrottle.ray_jobs import classify_on_ray
-    from fullthrottle.workloads.classify.result import utf8_text
+    from fullthrottle.cli import main
 
     torch.manual_seed(0)
     save_file(torchvision.models.resnet18().state_dict(), str(tmp_path / "w.safetensors"))
@@ -37,7 +40,7 @@ def test_offline_job_one_result_per_item_across_two_nodes(cluster, tmp_path, sam
         "weights": str(tmp_path / "w.safetensors"),
         "device": "cpu",
         "threads": 1,
-        "max_batch_size": 16,
+        "max_batch_size": 8,
     }
     photos = tmp_path / "photos"  # 24 of the sample photos, and the bad inputs
     photos.mkdir()
@@ -45,21 +48,25 @@ def test_offline_job_one_result_per_item_across_two_nodes(cluster, tmp_path, sam
         (photos / p.name).symlink_to(p)
     with open(os.fsencode(photos) + b"/h\xffn.jpg", "wb") as f:  # (a name that is not UTF-8)
         f.write(samples[24].read_bytes())
-    inputs = [str(photos), str(bad_dir)]
+    monkeypatch.chdir(tmp_path)
+    inputs = ["photos", str(bad_dir)]  # (a relative folder: its ids stay relative, as in a local run)
     # (both actors up before the first batch: started one by one, under load the first could take all)
     monkeypatch.setattr(ray.data.DataContext.get_current(), "wait_for_min_actors_s", 300)
-    rows = list(classify_on_ray(inputs, cfg, concurrency=2, batch_size=8))
-    ref = Pipeline(Config(**cfg)).classify(inputs)
-    assert len(rows) == len(ref) == 39
-    assert [r["id"].rsplit("/", 1)[-1] for r in rows] == [utf8_text(r.id).rsplit("/", 1)[-1] for r in ref]
-    assert "h\\xffn.jpg" in [r["id"].rsplit("/", 1)[-1] for r in rows]
+    args = ["--model", "resnet18", "--weights", cfg["weights"], "--device", "cpu", "--threads", "1"]
+    code = main(["classify", *inputs, *args, "--batch-size", "8", "--ray", "--ray-actors", "2", "--out", "r.jsonl"])
+    rows = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    ref = [r.to_dict() for r in Pipeline(Config(**cfg)).classify(inputs)]
+    assert code == 1 and len(rows) == len(ref) == 39  # (1: some items failed)
+    assert "photos/h\\xffn.jpg" in [r["id"] for r in rows]
     for row, r in zip(rows, ref):
-        assert (row["error"] is None) == r.ok, (row["id"], row["error"], r.error)
-        if r.ok:
-            assert row["class_ids"] == r.class_ids
-            assert row["probs"] == pytest.approx(r.probs, abs=1e-5)
-        else:
-            assert row["error"].split(": ", 1)[1] == r.error.split(": ", 1)[1]
+        got = {k: v for k, v in row.items() if k not in ("top_k", "node")}
+        assert got == {k: v for k, v in r.items() if k != "top_k"}
+        assert [(t["class_id"], t["label"]) for t in row.get("top_k", [])] == [
+            (t["class_id"], t["label"]) for t in r.get("top_k", [])
+        ]
+        assert [t["prob"] for t in row.get("top_k", [])] == pytest.approx(
+            [t["prob"] for t in r.get("top_k", [])], abs=1e-5
+        )
     assert len({r["node"] for r in rows if r["node"]}) == 2  # both worker nodes did work
 
 

@@ -32,8 +32,9 @@ class RayClassifier:
         config: keyword arguments of :class:`~fullthrottle.core.config.Config` (a model *name*; the
             weights file must be readable on every node).
 
-    A batch (pandas DataFrame) holds a ``path`` column (str), or ``bytes`` (with ``path`` or ``id``
-    as the item id). The output has one row per input row: ``id``, ``labels`` (list of str),
+    A batch (pandas DataFrame) holds a ``path`` column (str; an ``id`` column beside it names each
+    row in its output and errors), or ``bytes`` (with ``path`` or ``id`` as the item id). The output
+    has one row per input row: ``id``, ``labels`` (list of str),
     ``class_ids``, ``probs`` (lists, most probable first), ``error`` (None when ok) and ``node``
     (the Ray node that ran it).
     """
@@ -58,6 +59,11 @@ class RayClassifier:
         from .workloads.classify.result import utf8_text
 
         res = self.pipe.classify(inputs)
+        if "path" in batch and "id" in batch and "bytes" not in batch:  # (a path read, named by its id)
+            for r, i in zip(res, batch["id"]):
+                if r.error is not None and r.error.startswith(f"{r.id}: "):
+                    r.error = f"{i}: {r.error[len(r.id) + 2 :]}"
+                r.id = str(i)
         return pd.DataFrame(  # (ids and errors as UTF-8 holds them: a file name's other bytes as \xNN)
             {
                 "id": [utf8_text(r.id) for r in res],
@@ -82,7 +88,9 @@ def classify_on_ray(
     (dict, see :class:`RayClassifier`) per input item, in input order.
 
     Inputs are expanded here (files, folders, globs); each actor reads its files itself, so the
-    paths must be visible to every node (a shared filesystem, or a single machine).
+    paths must be visible to every node (a shared filesystem, or a single machine). A row's ``id``
+    is the item's id as the library gives it (the path as expanded, not resolved). An input that is
+    no file or folder (``(id, bytes)``, a URL, an array) is its row's error: it is not sent.
 
     Raises:
         ImportError: Ray is not installed.
@@ -95,8 +103,8 @@ def classify_on_ray(
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     rows, bad = [], []
     for i, (item_id, src) in enumerate(expand(inputs)):
-        if isinstance(src, Path):
-            rows.append({"path": str(src.resolve()) if src.exists() else str(src), "order": i})
+        if isinstance(src, Path):  # (read by its absolute path: an actor runs in a folder of its own)
+            rows.append({"path": str(src.resolve()) if src.exists() else str(src), "id": item_id, "order": i})
         else:
             bad.append(
                 {

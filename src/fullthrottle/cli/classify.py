@@ -42,6 +42,7 @@ def _format_result(r) -> str:
 
 def _classify_ray(args) -> int:
     from ..ray_jobs import classify_on_ray
+    from ..workloads.classify.result import Result
 
     if importlib.util.find_spec("ray") is None:
         print("fullthrottle: error: --ray needs Ray: pip install 'fullthrottle[ray]'", file=sys.stderr)
@@ -80,7 +81,8 @@ def _classify_ray(args) -> int:
             good = row["error"] is None
             ok += good
             failed += not good
-            line = json.dumps(row)
+            res = Result(ok + failed - 1, row["id"], row["labels"], row["class_ids"], row["probs"], row["error"])
+            line = json.dumps(res.to_dict() | {"node": row["node"]})  # (the lines of a local run, and the node)
             if out is not None:
                 out.write(line + "\n")
             elif args.out == "-":
