@@ -135,7 +135,11 @@ def main():
                 pts.append(r)
         finally:
             stop(proc)
-        res["variants"][variant] = pts
+        key, n = variant, 1
+        while key in res["variants"]:  # (a variant run again is kept as its own round)
+            n += 1
+            key = f"{variant} (round {n})"
+        res["variants"][key] = pts
     write_json(args.out, res)
     sp = res["variants"][args.variants.split(";")[0]][-1].get("py_spy")
     if sp and "by_thread" in sp:
