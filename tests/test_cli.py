@@ -679,6 +679,12 @@ def test_serve_numbers_must_be_finite_and_an_output_may_not_overwrite_an_input(s
             with pytest.raises(SystemExit) as e:
                 main(["serve", flag, bad])
             assert e.value.code == 2 and f"argument {flag}: must be a finite number > 0" in capsys.readouterr().err
+    for bad in ("1e9", "1e-7"):  # (a petabyte, or under one byte: every body 413)
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--max-body-mb", bad])
+        assert (
+            e.value.code == 2 and f"from 0.0000010 (one byte) to 1048576 (1 TiB), got {bad}" in capsys.readouterr().err
+        )
     for flag, bad in (("--llm-max-prefill-tokens", "0"), ("--llm-max-prefill-tokens", "1.5"), ("--llm-kv-pages", "-1")):
         with pytest.raises(SystemExit) as e:
             main(["serve", flag, bad])

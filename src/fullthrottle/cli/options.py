@@ -63,6 +63,20 @@ def megapixels(s: str) -> float:
     return v
 
 
+#: the largest body limit a flag takes, MiB (1 TiB: no request body of a server comes near it)
+MAX_BODY_MB = 2.0**20
+
+
+def body_mb(s: str) -> float:
+    """A request body limit in MiB, from one byte to :data:`MAX_BODY_MB` (``nan``, ``inf`` refused)."""
+    v = _finite(s, zero_ok=False)
+    if not 2.0**-20 <= v <= MAX_BODY_MB:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number > 0 of MiB, from {2.0**-20:.7f} (one byte) to {MAX_BODY_MB:.0f} (1 TiB), got {s}"
+        )
+    return v
+
+
 def torchvision_model(s: str) -> str:
     """The name of one of torchvision's classification models (``resnet18``, ...)."""
     import torchvision

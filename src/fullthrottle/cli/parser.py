@@ -13,6 +13,7 @@ from .options import (
     add_llm_serve_args,
     add_runtime_args,
     add_runtime_flags,
+    body_mb,
     kv_pages_arg,
     megapixels,
     port_number,
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument(
         "--max-body-mb",
-        type=positive_float,
+        type=body_mb,
         default=_SO.max_body_bytes / 2**20,
         help="request body limit before 413, MiB (default: %(default)s)",
     )
