@@ -245,15 +245,23 @@ def processes_by_kind(root: int, root_name: str = "engine") -> dict[str, list[st
     return out
 
 
+def cpu_by_pid(root: int, root_name: str = "engine") -> dict[int, tuple[str, float]]:
+    """``(kind, CPU seconds used so far)`` of each process of ``root``'s tree (:func:`kind_of`)."""
+    out = {}
+    for p in tree(root):
+        c = cpu_s(p)
+        if c is not None:
+            out[p] = (kind_of(p, root, root_name), c)
+    return out
+
+
 def cpu_by_kind(root: int, root_name: str = "engine") -> dict[str, float]:
     """CPU seconds used so far by the processes of ``root``'s tree, summed by :func:`kind_of`."""
     import collections
 
     out: dict[str, float] = collections.Counter()
-    for p in tree(root):
-        c = cpu_s(p)
-        if c is not None:
-            out[kind_of(p, root, root_name)] += c
+    for kind, c in cpu_by_pid(root, root_name).values():
+        out[kind] += c
     return out
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SAMPLES, cpu_by_kind, cpu_s, machine_info, processes_by_kind, rss_mib, write_json  # noqa: E402
+from common import SAMPLES, cpu_by_pid, cpu_s, machine_info, processes_by_kind, rss_mib, write_json  # noqa: E402
 
 
 def _make(args) -> int:
@@ -103,7 +103,7 @@ def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     samples = []  # (seconds since start, CPU seconds of the main process)
     rss = []  # (seconds since start, resident MiB of the main process)
-    flow = []  # (seconds since start, bytes of results written, CPU seconds by kind of process)
+    flow = []  # (seconds since start, bytes of results written, {pid: (kind, CPU seconds)})
     procs = None  # the run's processes by kind, when the first results were written
     out_file = tmp / "out.jsonl"
     out_file.unlink(missing_ok=True)
@@ -123,7 +123,7 @@ def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
             size = out_file.stat().st_size
         except OSError:
             size = 0
-        flow.append((time.perf_counter() - t0, size, cpu_by_kind(p.pid, "main")))
+        flow.append((time.perf_counter() - t0, size, cpu_by_pid(p.pid, "main")))
         if size and procs is None:  # (once results flow: which processes the run has)
             procs = processes_by_kind(p.pid, "main")
         time.sleep(0.5)
@@ -157,17 +157,15 @@ def run_cli(folder: Path, extra: list[str], tmp: Path, repeat: int = 1) -> dict:
     }
 
 
-def cores_by_kind_between(a: tuple, b: tuple) -> dict[str, float]:
-    """Cores used by each kind of process between two samples ``(seconds, _, CPU seconds by kind)``."""
-    return {k: round((b[2][k] - a[2].get(k, 0.0)) / (b[0] - a[0]), 2) for k in b[2] if k != "gone"}
-
-
 def cores_while_flowing(flow: list) -> dict | None:
     """Cores by kind of process (the CLI's main process, its GPU and CPU decoder processes) from the
     first sample with results written to the last before all of them were: the images' run,
-    start-up and close left out. A kind's processes that exit before that last sample (decoder
-    processes closing while the last results are written) count up to the last sample that saw
-    them. None when it spans fewer than two samples."""
+    start-up and close left out. Counted per process: one that exits before that last sample
+    (decoder processes closing while the last results are written) counts up to the last sample
+    that saw it; one started after the first counts from its start. None when it spans fewer than
+    two samples."""
+    import collections
+
     if not flow:
         return None
     final = flow[-1][1]
@@ -175,12 +173,15 @@ def cores_while_flowing(flow: list) -> dict | None:
     last = max((i for i, f in enumerate(flow) if f[1] < final), default=None)
     if first is None or last is None or last <= first:
         return None
-    out: dict = {"seconds": round(flow[last][0] - flow[first][0], 1)}
-    for k in flow[first][2]:
-        seen = max((i for i in range(first + 1, last + 1) if k in flow[i][2]), default=None)
-        if k != "gone" and seen is not None:
-            out[k] = cores_by_kind_between(flow[first], flow[seen]).get(k)
-    return out
+    seen = {}  # pid -> (kind, CPU seconds) at the last sample of the window that saw it
+    for i in range(first + 1, last + 1):
+        seen.update(flow[i][2])
+    dt = flow[last][0] - flow[first][0]
+    used: dict[str, float] = collections.Counter()
+    for pid, (kind, c) in seen.items():
+        if kind != "gone":
+            used[kind] += c - flow[first][2].get(pid, (kind, 0.0))[1]
+    return {"seconds": round(dt, 1)} | {k: round(v / dt, 2) for k, v in used.items()}
 
 
 class Files(torch.utils.data.Dataset):
