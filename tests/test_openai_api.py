@@ -284,6 +284,12 @@ def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests
         for body in (gzip.compress(json.dumps({"prompt": "hello"}).encode()), json.dumps({"prompt": "hello"}).encode()):
             r = h.post(url, content=body, headers={"content-type": "application/json", "content-encoding": "gzip"})
             assert r.status_code == 415 and "Content-Encoding gzip is not accepted" in r.json()["error"]["message"]
+        for route, ctype in ((url, "image/jpeg"), (chat, "multipart/form-data; boundary=B"), (url, "audio/wav")):
+            r = h.post(route, content=b"\xff\xd8\xff", headers={"content-type": ctype})  # (as the other JSON routes)
+            assert r.status_code == 415 and r.json()["error"]["message"] == (
+                f"Content-Type {ctype.split(';')[0]} is not accepted: {route.removeprefix(s.url)} reads a JSON body "
+                "(application/json)"
+            ), r.text
         r = h.post(url, json={"prompt": ids, "max_tokens": None, "stream": None, "n": None, "temperature": 0})
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 16  # null: the default
         tiny_p = h.post(url, json={"prompt": ids, "max_tokens": 20, "temperature": 1.0, "top_p": 1e-300})

@@ -1,6 +1,7 @@
 """The HTTP server on 127.0.0.1 and an ephemeral port: real uvicorn, real httpx clients, bounded loops."""
 
 import concurrent.futures as cf
+import json
 import os
 import re
 import signal
@@ -163,8 +164,11 @@ def test_multipart_and_json_urls(samples, http_server):
         assert "top_k" in mixed.json()["results"][0] and mixed.json()["results"][1]["error"].endswith(
             "cannot fetch URL 1"
         )
-        odd = [f"{http_server}/a.jpg", 7, "ftp://h/x.jpg", "h/x.jpg", None]
-        bad_entries = httpx.post(s.url + "/v1/classify", json={"urls": odd}, timeout=30)
+        odd = [f"{http_server}/a.jpg", 7, "ftp://h/x.jpg", "h/x.jpg", None, "\ud800", f"{http_server}/\udcff.jpg"]
+        body = json.dumps({"urls": odd})  # (ASCII: the surrogates as JSON escapes)
+        bad_entries = httpx.post(
+            s.url + "/v1/classify", content=body, headers={"content-type": "application/json"}, timeout=30
+        )
         assert bad_entries.status_code == 200  # each entry that is no http(s) URL is its own error
         res = bad_entries.json()["results"]
         assert res[0]["top_k"] == r.json()["results"][0]["top_k"]
@@ -177,7 +181,9 @@ def test_multipart_and_json_urls(samples, http_server):
             ),
             (odd[3], f"{odd[3]}: invalid URL (http:// and https:// URLs are fetched)", "unsupported_input"),
             ("URL 4", "URL 4: invalid URL (a string is expected, not null)", "unsupported_input"),
-        ]
+            ("\\ud800", "\\ud800: invalid URL (http:// and https:// URLs are fetched)", "unsupported_input"),
+            (f"{http_server}/\\xff.jpg", f"{http_server}/\\xff.jpg: cannot fetch URL 6", "fetch_failed"),
+        ]  # (a lone surrogate, which JSON may carry, is written as its escape: it was a 500)
         too_many = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/a.jpg"] * 65})
         assert too_many.status_code == 413
         bad_mp = httpx.post(

@@ -21,7 +21,7 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 
 from ..core.errors import Overloaded
 from ..core.json_body import json_type, parse_body
-from ..workloads.classify.result import Result
+from ..workloads.classify.result import Result, utf8_text
 from .guard import HTTPError, answer_unless_gone, check_json_size, check_pixels, overloaded, read_body
 
 log = logging.getLogger("fullthrottle.server.classify")
@@ -173,13 +173,16 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
                 metrics.item_latency.observe(r.latency_ms / 1e3)
             body = {
                 "results": [
-                    r.to_dict() | {"index": i, "id": iid} for i, (r, (iid, _)) in enumerate(zip(results, images))
+                    r.to_dict() | {"index": i, "id": utf8_text(iid)}  # (a lone surrogate of a URL as \\udXXX)
+                    for i, (r, (iid, _)) in enumerate(zip(results, images))
                 ]
             }
             status = 200
             if all(not r.ok for r in results):  # the model's fault (compute stage): 500; the input's: 422
                 status = 500 if any(r.error_stage == "compute" for r in results) else 422
-                body["detail"] = "; ".join(r.error.removeprefix(f"{iid}: ") for r, (iid, _) in zip(results, images))
+                body["detail"] = "; ".join(
+                    utf8_text(r.error.removeprefix(f"{iid}: ")) for r, (iid, _) in zip(results, images)
+                )
             return reply(ROUTE, status, body)
         except HTTPError as e:
             return reply(ROUTE, e.status, {"detail": e.detail}, e.headers)

@@ -42,6 +42,15 @@ class HTTPError(Exception):
         self.status, self.detail, self.headers = status, detail, headers
 
 
+def check_json_type(request, route: str) -> None:
+    """HTTPError 415 for a body sent as an image, audio, video, a file (``application/octet-stream``)
+    or multipart to ``route``, which reads JSON. Any other type is read as JSON (``curl -d`` sends
+    JSON as form-urlencoded)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype.startswith(("image/", "multipart/", "audio/", "video/")) or ctype == "application/octet-stream":
+        raise HTTPError(415, f"Content-Type {ctype} is not accepted: {route} reads a JSON body (application/json)")
+
+
 def overloaded(e: Exception, retry_after_s: float) -> HTTPError:
     """The answer to a request refused by a full queue (``e``: the ``Overloaded`` raised): 503 with
     ``Retry-After``."""

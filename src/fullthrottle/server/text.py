@@ -32,7 +32,7 @@ from ..core.json_body import parse_body
 from ..workloads.llm.api import chat_request, completion_request
 from ..workloads.llm.text import TextStream
 from .guard import HTTPError as _HTTPError
-from .guard import check_json_size, error_body, overloaded, read_body
+from .guard import check_json_size, check_json_type, error_body, overloaded, read_body
 
 #: how often (s) a non-streaming request checks, between its tokens, whether its client went away
 DISCONNECT_CHECK_S = 0.5
@@ -230,6 +230,7 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency, m_ttft
             svc = state.get("llm")
             if svc is None:
                 raise _HTTPError(404, "completions are not enabled (start the server with --llm-model-dir)")
+            check_json_type(request, route)
             body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
             check_json_size(body)
             try:

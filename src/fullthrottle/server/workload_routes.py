@@ -41,7 +41,7 @@ from ..core.workload import (
     user_traceback,
 )
 from ..core.workload import load_workload as load_any_workload
-from .guard import HTTPError, answer_unless_gone, error_body, overloaded, read_body
+from .guard import HTTPError, answer_unless_gone, check_json_type, error_body, overloaded, read_body
 
 log = logging.getLogger(__name__)
 
@@ -242,11 +242,7 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
             if svc is None:
                 raise HTTPError(503, "loading", {"Retry-After": str(opts.retry_after_s)})
             w = svc.workload
-            ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-            if ctype.startswith(("image/", "multipart/", "audio/", "video/")) or ctype == "application/octet-stream":
-                raise HTTPError(  # (curl -d sends JSON as form-urlencoded: that type is read as JSON)
-                    415, f"Content-Type {ctype} is not accepted: {route} reads a JSON body (application/json)"
-                )
+            check_json_type(request, route)
             body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
             try:  # (in a thread, as is encode_response below: the workload's own code may take
                 # its time, and this event loop serves every other request meanwhile)
