@@ -168,3 +168,38 @@ def test_ray_serve_same_answers_and_survives_a_killed_replica(cluster, tmp_path,
         check(after)
     finally:
         serve.shutdown()
+
+
+def test_classify_ray_checks_its_outputs_as_a_local_run_before_ray_starts(tmp_path, samples, capsys):
+    """--ray refuses what a local run refuses, with exit 2 and no file touched: an output that is an
+    input (it overwrote the image), a missing folder (a traceback); --report-json is refused (it
+    was ignored)."""
+    from fullthrottle.cli import main
+
+    img = tmp_path / "a.jpg"
+    img.write_bytes(samples[0].read_bytes())
+    before = img.read_bytes()
+    for extra, want in (
+        (["--out", str(img)], f"the output {img} is one of the inputs: writing it would destroy it"),
+        (["--out", str(tmp_path / "no" / "x.jsonl")], "its folder does not exist"),
+        (["--report-json", str(tmp_path / "r.json")], "--report-json is not written for a --ray job"),
+    ):
+        assert main(["classify", str(img), "--ray", "--device", "cpu", *extra]) == 2
+        assert want in capsys.readouterr().err
+    assert img.read_bytes() == before and not (tmp_path / "r.json").exists()
+
+
+def test_ray_gets_the_command_line_as_utf8(monkeypatch):
+    """A file name that is not UTF-8 on the command line reaches Ray's C++ core as \\xNN (the whole
+    job failed in ray.init with a UnicodeEncodeError)."""
+    import ray._private.utils as utils
+
+    from fullthrottle import ray_jobs
+
+    seen = []
+    monkeypatch.setattr(utils, "get_entrypoint_name", lambda: "python3 -m fullthrottle.cli classify bad\udcffname.jpg")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.append(utils.get_entrypoint_name().encode("utf-8")))
+    ray_jobs._init_ray(None)
+    assert seen == [b"python3 -m fullthrottle.cli classify bad\\xffname.jpg"]
+    assert utils.get_entrypoint_name().endswith("bad\udcffname.jpg")  # (Ray's own, put back)

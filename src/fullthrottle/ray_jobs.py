@@ -99,8 +99,7 @@ def classify_on_ray(
 
     from .data.sources import BadSource, expand
 
-    if not ray.is_initialized():
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    _init_ray(address)
     rows, bad = [], []
     for i, (item_id, src) in enumerate(expand(inputs)):
         if isinstance(src, Path):  # (read by its absolute path: an actor runs in a folder of its own)
@@ -112,7 +111,8 @@ def classify_on_ray(
                     "order": i,
                     "error": str(src)
                     if isinstance(src, BadSource)
-                    else f"{item_id}: only files and folders can be sent to Ray workers",
+                    else f"{item_id}: cannot load an input of type {'URL' if isinstance(src, str) else 'bytes'} "
+                    "on Ray workers: files and folders only (each worker reads its own)",
                 }
             )
     if num_gpus is None:
@@ -235,8 +235,7 @@ def workload_on_ray(
     from .core.workload import load_workload
 
     load_workload(workload)  # (a bad spec fails here, not in every actor)
-    if not ray.is_initialized():
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    _init_ray(address)
     rows = [{"request": json.dumps(r)} for r in requests]
     if not rows:
         return
@@ -263,6 +262,28 @@ def workload_on_ray(
         if len(parts) >= 3:
             raise SetupFailed(parts[1]) from None
         raise
+
+
+def _init_ray(address: str | None) -> None:
+    """Join the Ray cluster at ``address`` (a local one when None), once per process. Ray hands the
+    driver's command line (read from ``/proc``) to its C++ core, which takes UTF-8 only: a file
+    name on it that is not UTF-8 is passed as ``\\xNN`` instead (Ray's ``get_entrypoint_name``
+    wrapped for the time of the call; it failed the whole job)."""
+    import ray
+
+    from .workloads.classify.result import utf8_text
+
+    if ray.is_initialized():
+        return
+    utils = getattr(getattr(ray, "_private", None), "utils", None)
+    entrypoint = getattr(utils, "get_entrypoint_name", None)
+    if entrypoint is not None:
+        utils.get_entrypoint_name = lambda: utf8_text(entrypoint())
+    try:
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    finally:
+        if entrypoint is not None:
+            utils.get_entrypoint_name = entrypoint
 
 
 def _node_id() -> str:
@@ -296,7 +317,6 @@ def serve_on_ray(
     Raises:
         ImportError: Ray Serve is not installed.
     """
-    import ray
     from ray import serve
 
     from .server.app import create_app
@@ -305,8 +325,7 @@ def serve_on_ray(
         import torch
 
         num_gpus = 1 if config.device != "cpu" and torch.cuda.is_available() else 0
-    if not ray.is_initialized():
-        ray.init(ignore_reinit_error=True, log_to_driver=False)
+    _init_ray(None)
 
     actor = {"num_gpus": num_gpus, "num_cpus": 0.5}
     if options is not None and options.workloads:  # their classes must import in every replica

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import sys
-import time
 
+from .classify_ray import classify_on_ray_cli, ray_refusal
 from .common import (
     Terminated,
     _close_out,
+    _format_result,
     _gpu_decode_settings,
     _input_limits,
     _silence_stdout,
@@ -21,90 +20,6 @@ from .common import (
     stopped,
     write_report_json,
 )
-
-
-def _shown(s: str) -> str:
-    """``s`` with control characters and undecodable bytes escaped (a file name with a newline stays on
-    one line of the text output; a byte that is not UTF-8 shows as ``\\xNN``, as in the JSON lines)."""
-    if s.isprintable():
-        return s
-    from ..workloads.classify.result import utf8_text
-
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in utf8_text(s))
-
-
-def _format_result(r) -> str:
-    if r.ok:
-        return f"{_shown(r.id)}: " + ", ".join(f"{lab} {p:.3f}" for lab, p in zip(r.labels, r.probs))
-    err = r.error.removeprefix(f"{r.id}: ")  # the error names its item already (for library users)
-    return f"{_shown(r.id)}: ERROR {_shown(err)}"
-
-
-def _classify_ray(args) -> int:
-    from ..ray_jobs import classify_on_ray
-    from ..workloads.classify.result import Result
-
-    if importlib.util.find_spec("ray") is None:
-        print("fullthrottle: error: --ray needs Ray: pip install 'fullthrottle[ray]'", file=sys.stderr)
-        return 2
-    try:
-        gpu = _gpu_decode_settings(args)  # (the GPU decoder flags go to the actors too)
-    except ValueError as e:
-        print(f"fullthrottle: error: {e}", file=sys.stderr)
-        return 2
-    cfg = {
-        "model": args.model,
-        "weights": args.weights,
-        "device": args.device,
-        "top_k": args.top_k,
-        "max_batch_size": args.batch_size,
-        "max_wait_ms": args.max_wait_ms,
-        "threads": args.threads,
-        "graphs": args.graphs,
-        "compile": args.compile,
-        "preprocess": args.preprocess,
-        "dtype": args.dtype,  # (None: the default of the device each actor runs on)
-        **gpu,
-        **_input_limits(args),
-    }
-    inputs = args.inputs or sample_photos()
-    out = open(args.out, "w", encoding="utf-8") if args.out and args.out != "-" else None
-    t0, ok, failed = time.perf_counter(), 0, 0
-    try:
-        for row in classify_on_ray(
-            inputs,
-            cfg,
-            None if args.ray == "local" else args.ray,
-            concurrency=args.ray_actors,
-            batch_size=args.batch_size,
-        ):
-            good = row["error"] is None
-            ok += good
-            failed += not good
-            res = Result(ok + failed - 1, row["id"], row["labels"], row["class_ids"], row["probs"], row["error"])
-            line = json.dumps(res.to_dict() | {"node": row["node"]})  # (the lines of a local run, and the node)
-            if out is not None:
-                out.write(line + "\n")
-            elif args.out == "-":
-                print(line)
-            else:
-                print(
-                    f"{row['id']}: "
-                    + (
-                        ", ".join(f"{lab} {p:.3f}" for lab, p in zip(row["labels"], row["probs"]))
-                        if good
-                        else f"ERROR {row['error']}"
-                    )
-                )
-    finally:
-        if out is not None:
-            out.close()
-    dt = time.perf_counter() - t0
-    print(
-        f"{ok + failed} items: {ok} ok, {failed} failed in {dt:.1f} s on Ray ({args.ray_actors} actors)",
-        file=sys.stderr,
-    )
-    return 1 if failed else 0
 
 
 def _output_among_inputs(inputs, *outputs) -> str | None:
@@ -173,8 +88,10 @@ def _classify(args) -> int:
         from ..workloads.classify.pipeline import Pipeline
 
     inputs = args.inputs
-    if args.ray is not None:
-        return _classify_ray(args)
+    refusal = ray_refusal(args) if args.ray is not None else None
+    if refusal:
+        print(f"fullthrottle: error: {refusal}", file=sys.stderr)
+        return 2
     report = args.report_json  # ("-": stdout, which then carries the report alone)
     to_stdout = report == "-" or bool(report) and os.path.realpath(report) == os.path.realpath("/dev/stdout")
     usage = (
@@ -214,6 +131,8 @@ def _classify(args) -> int:
         except OSError as e:
             print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
             return 2
+    if args.ray is not None:  # (its outputs checked and opened as a local run's)
+        return classify_on_ray_cli(args, out)
     try:
         if not inputs:
             inputs = sample_photos()

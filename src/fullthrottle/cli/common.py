@@ -252,3 +252,20 @@ def write_report_json(rep, path: str | None) -> bool:
         print(f"fullthrottle: error: cannot write {where}: {e.strerror or e}", file=sys.stderr)
         return False
     return True
+
+
+def _shown(s: str) -> str:
+    """``s`` with control characters and undecodable bytes escaped (a file name with a newline stays on
+    one line of the text output; a byte that is not UTF-8 shows as ``\\xNN``, as in the JSON lines)."""
+    if s.isprintable():
+        return s
+    from ..workloads.classify.result import utf8_text
+
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in utf8_text(s))
+
+
+def _format_result(r) -> str:
+    if r.ok:
+        return f"{_shown(r.id)}: " + ", ".join(f"{lab} {p:.3f}" for lab, p in zip(r.labels, r.probs))
+    err = r.error.removeprefix(f"{r.id}: ")  # the error names its item already (for library users)
+    return f"{_shown(r.id)}: ERROR {_shown(err)}"

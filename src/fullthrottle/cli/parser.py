@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         const="local",
         default=None,
         metavar="ADDRESS",
-        help="run as a Ray Data job (a local Ray cluster, or the one at ADDRESS); "
-        "needs pip install 'fullthrottle[ray]'",
+        help="run as a Ray Data job (a local Ray cluster, or the one at ADDRESS): files and folders "
+        "every node sees (a URL is its item's error), the lines of a local run with each one's node, "
+        "no --report-json; needs pip install 'fullthrottle[ray]'",
     )
     c.add_argument("--ray-actors", type=positive_int, default=2, help="Ray actors (one per GPU)")
     v = sub.add_parser(
