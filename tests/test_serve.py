@@ -260,7 +260,10 @@ def test_bodies_that_are_no_image_container_get_415(samples):
         res = r.json()["results"]
         assert r.status_code == 200 and [x["id"] for x in res] == ["a", "c.jpg", "b"] and res[1]["top_k"], r.text
         assert [(x["error"], x["error_kind"]) for x in (res[0], res[2])] == [
-            (f"{n}: not a file part: form field '{n}' has no filename= (curl -F '{n}=@x.jpg')", "unsupported_input")
+            (
+                f"{n}: not a file part: form field '{n}' has no plain filename= (curl -F '{n}=@x.jpg')",
+                "unsupported_input",
+            )
             for n in "ab"
         ]
         r = httpx.post(s.url + "/v1/classify", content=jpeg, headers={"content-type": "text/plain"}, timeout=30)

@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload (batched by the workload's own limits; the image flags below are classify's). "
         "SIGTERM finishes in-flight requests (each within --timeout-s), then exits 0; a second "
         "SIGTERM stops waiting.",
-        epilog="Exit status: 0 after SIGTERM/SIGINT; 2 usage or configuration error (a port in use, a bad "
-        "--workload); 3 the start failed (the model could not load, a workload's setup() raised).",
+        epilog="Exit status: 0 after SIGTERM/SIGINT; 2 usage or configuration error, or the start failed (a "
+        "port in use, a bad --workload, a model that could not load, a workload's setup() raising).",
     )
     v.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, local only)")
     v.add_argument("--port", type=port_number, default=8000, help="port (default: %(default)s; 0 picks a free one)")

@@ -234,6 +234,9 @@ async def _parse_form(request, body: bytes, max_files: int) -> list[tuple[str, o
     return [
         (v.filename or f"file{i}", v)
         if isinstance(v, UploadFile)
-        else (k, EntryError(f"not a file part: form field {k[:100]!r} has no filename= (curl -F '{k[:100]}=@x.jpg')"))
+        else (
+            k,
+            EntryError(f"not a file part: form field {k[:100]!r} has no plain filename= (curl -F '{k[:100]}=@x.jpg')"),
+        )
         for i, (k, v) in enumerate(form.multi_items())
     ]
