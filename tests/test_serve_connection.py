@@ -117,7 +117,7 @@ def test_a_json_body_of_urls_over_the_json_limit_is_413_unparsed():
     with Server(Tiny()) as srv:
         r = httpx.post(srv.url + "/v1/classify", content=body, headers={"content-type": "application/json"}, timeout=30)
         assert r.status_code == 413 and f"at most {MAX_JSON_BYTES}" in r.json()["detail"], r.text
-        r = httpx.post(srv.url + "/v1/classify", json={"urls": [1]}, timeout=30)
+        r = httpx.post(srv.url + "/v1/classify", json={"urls": 1}, timeout=30)
         assert r.status_code == 400 and "the body must be" in r.json()["detail"], r.text  # (a small one is read)
 
 
