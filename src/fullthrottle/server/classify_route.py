@@ -131,10 +131,13 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
         async def fetch(i, u):  # (an entry that is no http(s) URL is its own error: the others go on)
             if not isinstance(u, str):
                 return f"URL {i}", EntryError(f"invalid URL (a string is expected, not {json_type(u)})")
-            if not u.lower().startswith(("http://", "https://")):
-                scheme = u.partition("://")[0] if "://" in u[:30] else ""
-                what = f"unsupported URL scheme {scheme!r}" if scheme else "invalid URL"
+            scheme = u.partition("://")[0] if "://" in u[:30] else ""
+            if scheme.lower() not in ("http", "https"):
+                ok = scheme[:1].isalpha() and all(c.isalnum() or c in "+-." for c in scheme)  # (RFC 3986)
+                what = f"unsupported URL scheme {scheme!r}" if ok else "invalid URL"
                 return u, EntryError(f"{what} (http:// and https:// URLs are fetched)")
+            if not u.partition("://")[2].split("/", 1)[0].rpartition("@")[2]:
+                return u, EntryError("invalid URL (it names no host)")
             try:
                 return u, await policy.fetch(state["http"], u, budget)
             except Exception as e:  # noqa: BLE001 - refused or failed: the detail is for the operator only
