@@ -203,3 +203,16 @@ def test_ray_gets_the_command_line_as_utf8(monkeypatch):
     ray_jobs._init_ray(None)
     assert seen == [b"python3 -m fullthrottle.cli classify bad\\xffname.jpg"]
     assert utils.get_entrypoint_name().endswith("bad\udcffname.jpg")  # (Ray's own, put back)
+
+
+def test_classify_ray_names_why_its_actors_could_not_start(cluster, samples, tmp_path, capsys):
+    """A job whose actors cannot start (weights missing on the nodes) exits 2 with the cause's own
+    line (it ended in Ray's traceback)."""
+    from fullthrottle.cli import main
+
+    weights = str(tmp_path / "none.safetensors")  # (not there: the check is the actors')
+    args = ["--device", "cpu", "--threads", "1", "--weights", weights, "--ray", "--ray-actors", "1"]
+    assert main(["classify", str(samples[0]), *args]) == 2
+    assert f"fullthrottle: error: the Ray job failed: FileNotFoundError: weights file not found: {weights}" in (
+        capsys.readouterr().err
+    )

@@ -36,7 +36,8 @@ def ray_refusal(args) -> str | None:
 def classify_on_ray_cli(args, out) -> int:
     """Run the job and write its lines to ``out`` (an open file, ``sys.stdout`` for ``--out -``, or
     None: text lines on stdout). Returns the exit code: 0 all ok, 1 some item failed (or the reader
-    of stdout went away), 2 the output could not be written, 130/143 stopped."""
+    of stdout went away), 2 the output could not be written or the job failed (an actor that could
+    not start: Ray's reason), 130/143 stopped."""
     from ..ray_jobs import classify_on_ray
     from ..workloads.classify.result import Result
 
@@ -69,13 +70,19 @@ def classify_on_ray_cli(args, out) -> int:
             else:
                 out.write(json.dumps(r.to_dict() | {"node": row["node"]}) + "\n")
     except KeyboardInterrupt as e:
-        print("stopped: the Ray job is cancelled", file=sys.stderr)
+        print("interrupted: stopping", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, like other CLI tools
         _silence_stdout()
         return 1
     except OSError as e:  # the output could not be written (disk full, ...): stop, say so
         print(f"fullthrottle: error: cannot write {dest}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - Ray's: an actor that could not start (a missing --weights, ...)
+        if not type(e).__module__.startswith("ray"):
+            raise
+        why = (str(e).strip().splitlines() or [type(e).__name__])[-1]  # (the cause's own line, after its traceback)
+        print(f"fullthrottle: error: the Ray job failed: {why}", file=sys.stderr)
         return 2
     finally:
         err = _close_out(out)
