@@ -191,16 +191,32 @@ def test_classify_ray_checks_its_outputs_as_a_local_run_before_ray_starts(tmp_pa
 
 def test_ray_gets_the_command_line_as_utf8(monkeypatch):
     """A file name that is not UTF-8 on the command line reaches Ray's C++ core as \\xNN (the whole
-    job failed in ray.init with a UnicodeEncodeError)."""
+    job failed in ray.init with a UnicodeEncodeError); the caller's SIGTERM handler outlives ray.init."""
+    import signal
+    import sys
+
     import ray._private.utils as utils
 
     from fullthrottle import ray_jobs
 
     seen = []
+
+    def init(**kw):  # (as ray.init: its own SIGTERM handler, which exits 15)
+        seen.append(utils.get_entrypoint_name().encode("utf-8"))
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+
+    def ours(signum, frame):  # (the CLI's, which exits 143)
+        pass
+
     monkeypatch.setattr(utils, "get_entrypoint_name", lambda: "python3 -m fullthrottle.cli classify bad\udcffname.jpg")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kw: seen.append(utils.get_entrypoint_name().encode("utf-8")))
-    ray_jobs._init_ray(None)
+    monkeypatch.setattr(ray, "init", init)
+    before = signal.signal(signal.SIGTERM, ours)
+    try:
+        ray_jobs._init_ray(None)
+        assert signal.getsignal(signal.SIGTERM) is ours  # (a SIGTERM mid-job exited 15, not 143)
+    finally:
+        signal.signal(signal.SIGTERM, before)
     assert seen == [b"python3 -m fullthrottle.cli classify bad\\xffname.jpg"]
     assert utils.get_entrypoint_name().endswith("bad\udcffname.jpg")  # (Ray's own, put back)
 

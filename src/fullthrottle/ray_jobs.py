@@ -21,6 +21,8 @@ Example (a folder of JPEGs to Parquet)::
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -268,7 +270,8 @@ def _init_ray(address: str | None) -> None:
     """Join the Ray cluster at ``address`` (a local one when None), once per process. Ray hands the
     driver's command line (read from ``/proc``) to its C++ core, which takes UTF-8 only: a file
     name on it that is not UTF-8 is passed as ``\\xNN`` instead (Ray's ``get_entrypoint_name``
-    wrapped for the time of the call; it failed the whole job)."""
+    wrapped for the time of the call; it failed the whole job). A SIGTERM handler of the caller's
+    (the CLI's: exit 143) is put back over the one ``ray.init`` sets."""
     import ray
 
     from .workloads.classify.result import utf8_text
@@ -279,11 +282,15 @@ def _init_ray(address: str | None) -> None:
     entrypoint = getattr(utils, "get_entrypoint_name", None)
     if entrypoint is not None:
         utils.get_entrypoint_name = lambda: utf8_text(entrypoint())
+    main = threading.current_thread() is threading.main_thread()
+    on_term = signal.getsignal(signal.SIGTERM) if main else None
     try:
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     finally:
         if entrypoint is not None:
             utils.get_entrypoint_name = entrypoint
+        if callable(on_term):  # (ray.init sets its own, which exits 15: the caller's handler stays)
+            signal.signal(signal.SIGTERM, on_term)
 
 
 def _node_id() -> str:

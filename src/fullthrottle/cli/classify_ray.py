@@ -69,8 +69,14 @@ def classify_on_ray_cli(args, out) -> int:
                 print(_format_result(r))
             else:
                 out.write(json.dumps(r.to_dict() | {"node": row["node"]}) + "\n")
+                if not r.ok and out is not sys.stdout:  # (as a local run: failures also on stderr)
+                    print(_format_result(r), file=sys.stderr)
     except KeyboardInterrupt as e:
-        print("interrupted: stopping", file=sys.stderr)
+        print("terminated: stopping" if isinstance(e, Terminated) else "interrupted: stopping", file=sys.stderr)
+        if address is None:  # (the local cluster this run started, its agents included, stopped now)
+            import ray
+
+            ray.shutdown()
         return 143 if isinstance(e, Terminated) else 130
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, like other CLI tools
         _silence_stdout()
