@@ -165,7 +165,7 @@ def test_multipart_and_json_urls(samples, http_server):
             "cannot fetch URL 1"
         )
         odd = [f"{http_server}/a.jpg", 7, "ftp://h/x.jpg", "h/x.jpg", None, "\ud800", f"{http_server}/\udcff.jpg"]
-        odd += [" http://h/x.jpg", "http:///x.jpg"]
+        odd += [" http://h/x.jpg", "http:///x.jpg", "http://[::1", "http://h:99999/x.jpg", "http://u:p@h/x.jpg"]
         body = json.dumps({"urls": odd})  # (ASCII: the surrogates as JSON escapes)
         bad_entries = httpx.post(
             s.url + "/v1/classify", content=body, headers={"content-type": "application/json"}, timeout=30
@@ -183,9 +183,16 @@ def test_multipart_and_json_urls(samples, http_server):
             (odd[3], f"{odd[3]}: invalid URL (http:// and https:// URLs are fetched)", "unsupported_input"),
             ("URL 4", "URL 4: invalid URL (a string is expected, not null)", "unsupported_input"),
             ("\\ud800", "\\ud800: invalid URL (http:// and https:// URLs are fetched)", "unsupported_input"),
-            (f"{http_server}/\\xff.jpg", f"{http_server}/\\xff.jpg: cannot fetch URL 6", "fetch_failed"),
+            (
+                f"{http_server}/\\xff.jpg",
+                f"{http_server}/\\xff.jpg: invalid URL (a lone surrogate in it)",
+                "unsupported_input",
+            ),
             (odd[7], f"{odd[7]}: invalid URL (http:// and https:// URLs are fetched)", "unsupported_input"),
             (odd[8], f"{odd[8]}: invalid URL (it names no host)", "unsupported_input"),
+            (odd[9], f"{odd[9]}: invalid URL (Invalid IPv6 URL)", "unsupported_input"),
+            (odd[10], f"{odd[10]}: invalid URL (Port out of range 0-65535)", "unsupported_input"),
+            (odd[11], f"{odd[11]}: invalid URL (credentials in it are not sent)", "unsupported_input"),
         ]  # (a lone surrogate, which JSON may carry, is written as its escape: it was a 500)
         too_many = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/a.jpg"] * 65})
         assert too_many.status_code == 413

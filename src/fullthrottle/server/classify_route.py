@@ -136,8 +136,9 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
                 ok = scheme[:1].isalpha() and all(c.isalnum() or c in "+-." for c in scheme)  # (RFC 3986)
                 what = f"unsupported URL scheme {scheme!r}" if ok else "invalid URL"
                 return u, EntryError(f"{what} (http:// and https:// URLs are fetched)")
-            if not u.partition("://")[2].split("/", 1)[0].rpartition("@")[2]:
-                return u, EntryError("invalid URL (it names no host)")
+            why = _url_syntax(u)
+            if why:
+                return u, EntryError(f"invalid URL ({why})")
             try:
                 return u, await policy.fetch(state["http"], u, budget)
             except Exception as e:  # noqa: BLE001 - refused or failed: the detail is for the operator only
@@ -193,6 +194,28 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             metrics.latency.labels(ROUTE).observe(time.perf_counter() - t0)
 
     return classify
+
+
+def _url_syntax(url: str) -> str | None:
+    """What is wrong with an http(s) URL's own spelling, before any lookup (safe to tell the client,
+    where a refused or failed fetch is not), or None."""
+    from urllib.parse import urlsplit
+
+    try:
+        url.encode("utf-8")
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - (raises on a port that is no number or out of range)
+    except UnicodeEncodeError:
+        return "a lone surrogate in it"
+    except ValueError as e:  # ("Invalid IPv6 URL", "Port out of range 0-65535", ...)
+        return str(e)
+    if not parts.hostname:
+        return "it names no host"
+    if parts.username is not None or parts.password is not None:
+        return "credentials in it are not sent"
+    if url != url.strip():
+        return "white space around it"
+    return None
 
 
 def _multipart_reason(e: Exception) -> str:
