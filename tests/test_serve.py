@@ -194,6 +194,9 @@ def test_multipart_and_json_urls(samples, http_server):
             (odd[10], f"{odd[10]}: invalid URL (Port out of range 0-65535)", "unsupported_input"),
             (odd[11], f"{odd[11]}: invalid URL (credentials in it are not sent)", "unsupported_input"),
         ]  # (a lone surrogate, which JSON may carry, is written as its escape: it was a 500)
+        metrics = httpx.get(s.url + "/metrics").text  # (each image's error counted by its stage and kind)
+        assert 'fullthrottle_item_errors_total{kind="unsupported_input",stage="load"} 11.0' in metrics
+        assert 'fullthrottle_item_errors_total{kind="fetch_failed",stage="load"} 2.0' in metrics
         too_many = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/a.jpg"] * 65})
         assert too_many.status_code == 413
         bad_mp = httpx.post(

@@ -19,7 +19,7 @@ import time
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
-from ..core.errors import Overloaded
+from ..core.errors import Overloaded, error_info
 from ..core.json_body import json_type, parse_body
 from ..workloads.classify.result import Result, utf8_text
 from .guard import HTTPError, answer_unless_gone, check_json_size, check_pixels, overloaded, read_body
@@ -173,8 +173,11 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
                 raise overloaded(e, opts.retry_after_s) from None
             except RuntimeError as e:
                 raise HTTPError(503, str(e)) from None
-            for r in results:
-                metrics.item_latency.observe(r.latency_ms / 1e3)
+            for r, (iid, _) in zip(results, images):  # (an error answered at once is no latency of the model's)
+                if r.ok:
+                    metrics.item_latency.observe(r.latency_ms / 1e3)
+                else:
+                    metrics.item_errors.labels(*error_info(r.error, iid)).inc()
             body = {
                 "results": [
                     r.to_dict() | {"index": i, "id": utf8_text(iid)}  # (a lone surrogate of a URL as \\udXXX)

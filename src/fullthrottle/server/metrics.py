@@ -30,9 +30,15 @@ class ServerMetrics:
         )
         self.item_latency = Histogram(
             "fullthrottle_item_latency_seconds",
-            "per-image latency in the pipeline (s)",
+            "per-image latency in the pipeline (s), of the images answered with their classes",
             registry=reg,
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+        )
+        self.item_errors = Counter(
+            "fullthrottle_item_errors",
+            "images answered with their own error, by stage and kind (fullthrottle.core.errors)",
+            ["stage", "kind"],
+            registry=reg,
         )
         self.ttft = Histogram(
             "fullthrottle_llm_time_to_first_token_seconds",
