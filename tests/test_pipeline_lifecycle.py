@@ -60,15 +60,19 @@ def test_a_stop_does_not_wait_for_a_generator_waiting_for_its_next_item(samples,
 
 
 def test_close_racing_the_start_of_a_run_stops_that_run(samples, monkeypatch):
+    building = threading.Event()
+
     class SlowStart(pipeline_module.Run):
         def __init__(self, *a, **k):
+            building.set()
             time.sleep(0.5)  # close() comes while the run is being built
             super().__init__(*a, **k)
 
     monkeypatch.setattr(pipeline_module, "Run", SlowStart)
     for preprocess in ("threads", "processes"):
         pipe = tiny_pipe(preprocess=preprocess)
-        threading.Timer(0.2, pipe.close).start()
+        building.clear()  # (close() once the run is being built: a timer could fire after the run, under load)
+        threading.Thread(target=lambda pipe=pipe: building.wait(15) and pipe.close(), daemon=True).start()
         box = []
 
         def classify(pipe=pipe, box=box):
