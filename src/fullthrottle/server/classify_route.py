@@ -45,7 +45,7 @@ class LocalClassifier:
         futs = []
         try:
             for item_id, data in images:
-                if isinstance(data, EntryError):  # that URL's own error; the others go on
+                if isinstance(data, EntryError):  # that entry's own error; the others go on
                     f = asyncio.get_running_loop().create_future()
                     f.set_result(Result(-1, item_id, error=f"{item_id}: {data}"))
                     futs.append(f)
@@ -131,14 +131,9 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
         async def fetch(i, u):  # (an entry that is no http(s) URL is its own error: the others go on)
             if not isinstance(u, str):
                 return f"URL {i}", EntryError(f"invalid URL (a string is expected, not {json_type(u)})")
-            scheme = u.partition("://")[0] if "://" in u[:30] else ""
-            if scheme.lower() not in ("http", "https"):
-                ok = scheme[:1].isalpha() and all(c.isalnum() or c in "+-." for c in scheme)  # (RFC 3986)
-                what = f"unsupported URL scheme {scheme!r}" if ok else "invalid URL"
-                return u, EntryError(f"{what} (http:// and https:// URLs are fetched)")
-            why = _url_syntax(u)
+            why = _url_spelling(u)
             if why:
-                return u, EntryError(f"invalid URL ({why})")
+                return u, EntryError(why)
             try:
                 return u, await policy.fetch(state["http"], u, budget)
             except Exception as e:  # noqa: BLE001 - refused or failed: the detail is for the operator only
@@ -199,26 +194,34 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
     return classify
 
 
-def _url_syntax(url: str) -> str | None:
-    """What is wrong with an http(s) URL's own spelling, before any lookup (safe to tell the client,
-    where a refused or failed fetch is not), or None."""
+def _url_spelling(url: str) -> str | None:
+    """What is wrong with a URL's own spelling for a fetch, before any lookup (safe to tell the
+    client, where a refused or failed fetch is not): not http(s), or an http(s) URL that cannot name
+    a host; None when it can be fetched."""
     from urllib.parse import urlsplit
 
+    scheme = url.partition("://")[0] if "://" in url[:30] else ""
+    if scheme.lower() not in ("http", "https"):
+        ok = scheme[:1].isalpha() and all(c.isalnum() or c in "+-." for c in scheme)  # (RFC 3986)
+        what = f"unsupported URL scheme {scheme!r}" if ok else "invalid URL"
+        return f"{what} (http:// and https:// URLs are fetched)"
+    why = None
     try:
         url.encode("utf-8")
         parts = urlsplit(url)
         parts.port  # noqa: B018 - (raises on a port that is no number or out of range)
     except UnicodeEncodeError:
-        return "a lone surrogate in it"
+        why = "a lone surrogate in it"
     except ValueError as e:  # ("Invalid IPv6 URL", "Port out of range 0-65535", ...)
-        return str(e)
-    if not parts.hostname:
-        return "it names no host"
-    if parts.username is not None or parts.password is not None:
-        return "credentials in it are not sent"
-    if url != url.strip():
-        return "white space around it"
-    return None
+        why = str(e)
+    else:
+        if not parts.hostname:
+            why = "it names no host"
+        elif parts.username is not None or parts.password is not None:
+            why = "credentials in it are not sent"
+        elif url != url.strip():
+            why = "white space around it"
+    return f"invalid URL ({why})" if why else None
 
 
 def _multipart_reason(e: Exception) -> str:
