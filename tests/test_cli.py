@@ -96,6 +96,21 @@ def test_config_errors_exit_2(args, msg, capsys):
     assert rc == 2 and msg in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["classify", "--ray-actors", "3", "x.jpg"], "--ray-actors"),
+        (["serve", "--replicas", "2"], "--replicas"),
+        (["run", "lines.jsonl", "--workload", "m:C", "--ray-address", "10.0.0.1:6379"], "--ray-address"),
+        (["run", "lines.jsonl", "--workload", "m:C", "--ray-actors", "4"], "--ray-actors"),
+    ],
+)
+def test_ray_settings_without_ray_are_a_usage_error(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and f"{flag} acts with --ray only" in capsys.readouterr().err
+
+
 def test_unknown_model_is_a_usage_error_naming_the_models(capsys):
     with pytest.raises(SystemExit) as e:
         main(["classify", "--device", "cpu", "--model", "resnet19"])

@@ -28,6 +28,7 @@ from .common import (
 )
 from .embed import _read_texts, cmd_embed
 from .generate import _check_memory_for, _llama_bytes, cmd_generate
+from .options import ray_only_given
 from .parser import build_parser
 from .run import cmd_run
 from .serve import cmd_serve
@@ -45,7 +46,10 @@ __all__ = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if flag := ray_only_given(args):
+        parser.error(f"{flag} acts with --ray only")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _run_command(args, argv)

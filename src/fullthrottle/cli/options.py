@@ -20,6 +20,30 @@ def _integer(s: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {s!r}") from None
 
 
+#: Ray actors of ``classify --ray`` and ``run --ray`` without ``--ray-actors``; Ray Serve replicas of
+#: ``serve --ray`` without ``--replicas``
+RAY_ACTORS, RAY_REPLICAS = 2, 1
+_RAY_ONLY = (
+    ("ray_actors", "--ray-actors", RAY_ACTORS),
+    ("replicas", "--replicas", RAY_REPLICAS),
+    ("ray_address", "--ray-address", None),
+)
+
+
+def ray_only_given(args) -> str | None:
+    """The first of ``--ray-actors``, ``--replicas``, ``--ray-address`` given without ``--ray`` (they act
+    with it only), or None; fills in the defaults of those not given (their parser default is None,
+    so that a given one shows)."""
+    for key, flag, default in _RAY_ONLY:
+        if not hasattr(args, key):
+            continue
+        if getattr(args, key) is not None and not getattr(args, "ray", None):
+            return flag
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    return None
+
+
 def port_number(s: str) -> int:
     """A TCP port, 0..65535 (0: the system picks a free one)."""
     v = _integer(s)

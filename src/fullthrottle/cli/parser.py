@@ -10,6 +10,8 @@ from ..server.options import MAX_CONNECTIONS, SERVE_DECODER_PROCESSES, SERVE_MAX
 from .generate import RANDOM_SHAPES
 from .options import (
     KV_DTYPE_ARG,
+    RAY_ACTORS,
+    RAY_REPLICAS,
     add_llm_serve_args,
     add_runtime_args,
     add_runtime_flags,
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every node sees (a URL is its item's error), the lines of a local run with each one's node, "
         "no --report-json; needs pip install 'fullthrottle[ray]'",
     )
-    c.add_argument("--ray-actors", type=positive_int, default=2, help="Ray actors (one per GPU)")
+    c.add_argument("--ray-actors", type=positive_int, help=f"with --ray: actors (default {RAY_ACTORS})")
     v = sub.add_parser(
         "serve",
         help="HTTP API with cross-request dynamic batching, Prometheus metrics, overload control",
@@ -209,9 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="deploy on Ray Serve (one replica per GPU; --replicas); needs fullthrottle[ray]",
     )
-    v.add_argument(
-        "--replicas", type=positive_int, default=1, help="Ray Serve replicas (with --ray; default: %(default)s)"
-    )
+    v.add_argument("--replicas", type=positive_int, help=f"with --ray: Ray Serve replicas (default {RAY_REPLICAS})")
     add_llm_serve_args(v)
     v.add_argument(
         "--embed-model",
@@ -340,9 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ray", action="store_true", help="run in Ray Data actors (a local Ray cluster unless --ray-address)"
     )
     w.add_argument("--ray-address", default=None, metavar="ADDRESS", help="with --ray: the cluster to join")
-    w.add_argument(
-        "--ray-actors", type=positive_int, default=2, metavar="N", help="with --ray: actors, each with its own setup()"
-    )
+    w.add_argument("--ray-actors", type=positive_int, metavar="N", help=f"with --ray: actors (default {RAY_ACTORS})")
     b = sub.add_parser(
         "bench",
         help="reproduce the field's experiments (threads, batch, transfer, e2e): JSON + PNG",
