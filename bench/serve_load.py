@@ -35,7 +35,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import cpu_s, free_port, jpegs_640x480, machine_info, scrape, tree, wait_ready, where_time_goes, write_json  # noqa: E402
+from common import (  # noqa: E402
+    cpu_by_kind,
+    cpu_s,
+    free_port,
+    jpegs_640x480,
+    machine_info,
+    scrape,
+    tree,
+    wait_ready,
+    where_time_goes,
+    write_json,
+)
 from load_client import OPEN_LOOP_CONNECTIONS, closed_loop, multipart, open_loop  # noqa: E402
 
 
@@ -51,6 +62,11 @@ def tree_rss_mib(pid: int) -> float:
         except (OSError, IndexError, ValueError):
             pass
     return total / 2**20
+
+
+def cores_by_kind(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Cores used by each kind of the server's processes between two :func:`common.cpu_by_kind` reads."""
+    return {k: round((after[k] - before.get(k, 0.0)) / seconds, 2) for k in after}
 
 
 def start(cmd: list[str], port: int, ready: str, cores: list[int] | None) -> subprocess.Popen:
@@ -120,7 +136,7 @@ def measure(proc, url, bodies, images, conc, args, client_cores, gpu, ours=False
     """One closed-loop point; for fullthrottle (``ours``), where an image's time went in the server
     over it, from its /metrics (the stages' queue waits, the engine's and the HTTP worker's latency)."""
     base = url.rsplit("/v1/", 1)[0]
-    m0 = scrape(base) if ours else None
+    m0, k0 = (scrape(base), cpu_by_kind(proc.pid)) if ours else (None, None)
     cpu0, t0 = tree_cpu_s(proc.pid), time.perf_counter()
     mon = None
     if gpu:
@@ -132,10 +148,12 @@ def measure(proc, url, bodies, images, conc, args, client_cores, gpu, ours=False
     finally:
         if mon is not None:
             mon.__exit__(None, None, None)
-    r["server_cores"] = (tree_cpu_s(proc.pid) - cpu0) / (time.perf_counter() - t0)
+    dt = time.perf_counter() - t0
+    r["server_cores"] = (tree_cpu_s(proc.pid) - cpu0) / dt
     r["gpu_busy_pct"] = mon.mean_util_pct if mon is not None else None
     if ours:
         r["where_time_goes"] = where_time_goes(m0, scrape(base))
+        r["server_cores_by_kind"] = cores_by_kind(k0, cpu_by_kind(proc.pid), dt)
     print(
         f"  {conc:4d} clients: {r['img_per_s']:8.0f} img/s  p50 {r['p50_ms']} p99 {r['p99_ms']}  {r['statuses']}",
         flush=True,
@@ -159,8 +177,10 @@ def run_server(name, cmd, ready, modes, args, blobs, server_cores, client_cores,
         if overload:
             peak = max(p["img_per_s"] for p in out["points"]["single"])
             bodies, _ = bodies_for("single", name, blobs)
-            rss0 = tree_rss_mib(proc.pid)
+            rss0, k0, t0 = tree_rss_mib(proc.pid), cpu_by_kind(proc.pid), time.perf_counter()
             o = open_loop(url, bodies, 1, 2 * peak, args.overload_s, 10.0, args.client_procs, client_cores)
+            # (over the open loop and the wait for its last answers)
+            o["server_cores_by_kind"] = cores_by_kind(k0, cpu_by_kind(proc.pid), time.perf_counter() - t0)
             time.sleep(10)
             o.update(peak_img_per_s=peak, goodput_over_peak=o["goodput_img_per_s"] / peak)
             o.update(server_rss_mib_before=rss0, server_rss_mib_10s_after=tree_rss_mib(proc.pid))
