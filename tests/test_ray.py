@@ -232,3 +232,31 @@ def test_classify_ray_names_why_its_actors_could_not_start(cluster, samples, tmp
     assert f"fullthrottle: error: the Ray job failed: FileNotFoundError: weights file not found: {weights}" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    "argv,said",
+    [
+        (["classify", "--ray", "127.0.0.1:1", "--device", "cpu"], "cannot reach the Ray cluster at 127.0.0.1:1: "),
+        (
+            ["run", "LINES", "--workload", "tests.toy_workload:Summer", "--ray", "--ray-address", "head-node"],
+            "Ray cluster address 'head-node': not HOST:PORT, ray://HOST:PORT or auto",
+        ),
+    ],
+)
+def test_a_cluster_address_that_does_not_answer_is_one_line_and_exit_2(argv, said, tmp_path):
+    """(In a process of its own: no cluster of this module's is joined there.)"""
+    import subprocess
+    import sys
+
+    lines = tmp_path / "l.jsonl"
+    lines.write_text('{"values": [1, 2]}\n')
+    argv = [str(lines) if a == "LINES" else a for a in argv]
+    p = subprocess.run(
+        [sys.executable, "-m", "fullthrottle", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert p.returncode == 2 and f"fullthrottle: error: {said}" in p.stderr and "Traceback" not in p.stderr, p.stderr

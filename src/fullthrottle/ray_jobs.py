@@ -22,6 +22,7 @@ Example (a folder of JPEGs to Parquet)::
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,7 +96,7 @@ def classify_on_ray(
     no file or folder (``(id, bytes)``, a URL, an array) is its row's error: it is not sent.
 
     Raises:
-        ImportError: Ray is not installed.
+        ImportError: Ray is not installed. RayUnreachable: nothing answers at ``address``.
     """
     import ray
 
@@ -156,6 +157,31 @@ _SETUP_MARK = "[[fullthrottle: setup failed]]"
 
 class SetupFailed(RuntimeError):
     """A workload's ``setup()`` raised in a Ray actor: the message (and the user's frames)."""
+
+
+class RayUnreachable(RuntimeError):
+    """The Ray cluster's address is not ``HOST:PORT`` (or ``ray://HOST:PORT``), or nothing answers
+    there within :data:`RAY_CONNECT_S` (``ray.init`` would wait far longer, saying nothing)."""
+
+
+#: seconds a TCP connection to a given Ray cluster's address may take before a job says it cannot reach it
+RAY_CONNECT_S = 10.0
+
+
+def _check_reachable(address: str | None) -> None:
+    """Raises :class:`RayUnreachable` for a ``HOST:PORT`` address that does not answer; ``None`` (a
+    local cluster) and ``"auto"`` (Ray's own discovery) are left to Ray."""
+    if address is None or address == "auto":
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RayUnreachable(f"Ray cluster address {address!r}: not HOST:PORT, ray://HOST:PORT or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=RAY_CONNECT_S).close()
+    except OSError as e:
+        why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise RayUnreachable(f"cannot reach the Ray cluster at {address}: {why}") from None
 
 
 class RayWorkload:
@@ -278,6 +304,7 @@ def _init_ray(address: str | None) -> None:
 
     if ray.is_initialized():
         return
+    _check_reachable(address)
     utils = getattr(getattr(ray, "_private", None), "utils", None)
     entrypoint = getattr(utils, "get_entrypoint_name", None)
     if entrypoint is not None:
@@ -286,6 +313,8 @@ def _init_ray(address: str | None) -> None:
     on_term = signal.getsignal(signal.SIGTERM) if main else None
     try:
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    except ConnectionError as e:  # (something answers there, not a Ray cluster: Ray's own reason)
+        raise RayUnreachable(f"cannot reach the Ray cluster at {address}: {e}") from None
     finally:
         if entrypoint is not None:
             utils.get_entrypoint_name = entrypoint

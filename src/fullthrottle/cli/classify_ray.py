@@ -38,7 +38,7 @@ def classify_on_ray_cli(args, out) -> int:
     None: text lines on stdout). Returns the exit code: 0 all ok, 1 some item failed (or the reader
     of stdout went away), 2 the output could not be written or the job failed (an actor that could
     not start: Ray's reason), 130/143 stopped."""
-    from ..ray_jobs import classify_on_ray
+    from ..ray_jobs import RayUnreachable, classify_on_ray
     from ..workloads.classify.result import Result
 
     cfg = {
@@ -81,6 +81,9 @@ def classify_on_ray_cli(args, out) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, like other CLI tools
         _silence_stdout()
         return 1
+    except RayUnreachable as e:
+        print(f"fullthrottle: error: {e}", file=sys.stderr)
+        return 2
     except OSError as e:  # the output could not be written (disk full, ...): stop, say so
         print(f"fullthrottle: error: cannot write {dest}: {e.strerror or e}", file=sys.stderr)
         return 2

@@ -81,10 +81,10 @@ def cmd_run(args) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly
         _silence_stdout()
         return 1
-    except RuntimeError as e:  # (--ray: the workload's setup() failed in the actors)
-        from ..ray_jobs import SetupFailed
+    except RuntimeError as e:  # (--ray: the workload's setup() failed in the actors, or no cluster there)
+        from ..ray_jobs import RayUnreachable, SetupFailed
 
-        if not isinstance(e, SetupFailed):
+        if not isinstance(e, (SetupFailed, RayUnreachable)):
             raise
         return _fail(str(e))
     except OSError as e:  # (disk full, stdout closed)
