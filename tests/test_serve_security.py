@@ -354,6 +354,12 @@ def test_limits_per_request(samples):
         r = httpx.post(s.url + "/v1/classify", files=files[:2])
         assert r.status_code == 413 and "megapixels together" in r.json()["detail"]
         assert post_image(s.url, photos[0]).status_code == 200
+        # form fields are their own entries' errors, and no image of the limit
+        r = httpx.post(s.url + "/v1/classify", files=files[:1], data={"a": "1", "b": "2"})
+        assert r.status_code == 200, r.text
+        got = {e["id"]: e for e in r.json()["results"]}
+        assert sorted(got) == ["0.jpg", "a", "b"] and got["0.jpg"]["top_k"], r.text
+        assert all("not a file part" in got[k]["error"] for k in "ab"), r.text
 
 
 def test_serve_on_a_port_in_use_exits_2_before_loading_the_model():

@@ -103,8 +103,10 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             images = [("body", bytes(body))]
         if not images:
             raise HTTPError(400, "no image in the request")
-        if len(images) > opts.max_images:
-            raise HTTPError(413, f"{len(images)} images in one request; at most {opts.max_images}")
+        # (a multipart field is its entry's error, not an image: it takes no place of the limit)
+        n = len(images) - (ctype == "multipart/form-data") * sum(isinstance(d, EntryError) for _, d in images)
+        if n > opts.max_images:
+            raise HTTPError(413, f"{n} images in one request; at most {opts.max_images}")
         check_pixels(images, opts.max_request_pixels, max_image_pixels)
         return images
 
