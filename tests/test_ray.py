@@ -238,6 +238,7 @@ def test_classify_ray_names_why_its_actors_could_not_start(cluster, samples, tmp
     "argv,said",
     [
         (["classify", "--ray", "127.0.0.1:1", "--device", "cpu"], "cannot reach the Ray cluster at 127.0.0.1:1: "),
+        (["classify", "--ray", "127.0.0.1:WEB", "--device", "cpu"], "at 127.0.0.1:WEB: no Ray cluster answers"),
         (
             ["run", "LINES", "--workload", "tests.toy_workload:Summer", "--ray", "--ray-address", "head-node"],
             "Ray cluster address 'head-node': not HOST:PORT, ray://HOST:PORT or auto",
@@ -246,12 +247,18 @@ def test_classify_ray_names_why_its_actors_could_not_start(cluster, samples, tmp
 )
 def test_a_cluster_address_that_does_not_answer_is_one_line_and_exit_2(argv, said, tmp_path):
     """(In a process of its own: no cluster of this module's is joined there.)"""
+    import http.server
     import subprocess
     import sys
+    import threading
 
+    # (a web server: it accepts the connection, and ray.init would wait on it without end)
+    web = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    said = said.replace("WEB", str(web.server_port))
     lines = tmp_path / "l.jsonl"
     lines.write_text('{"values": [1, 2]}\n')
-    argv = [str(lines) if a == "LINES" else a for a in argv]
+    argv = [str(lines) if a == "LINES" else a.replace("WEB", str(web.server_port)) for a in argv]
     p = subprocess.run(
         [sys.executable, "-m", "fullthrottle", *argv],
         capture_output=True,
@@ -259,4 +266,5 @@ def test_a_cluster_address_that_does_not_answer_is_one_line_and_exit_2(argv, sai
         timeout=120,
         cwd=os.path.dirname(os.path.dirname(__file__)),
     )
-    assert p.returncode == 2 and f"fullthrottle: error: {said}" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    web.shutdown()
+    assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr

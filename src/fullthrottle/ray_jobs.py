@@ -160,28 +160,47 @@ class SetupFailed(RuntimeError):
 
 
 class RayUnreachable(RuntimeError):
-    """The Ray cluster's address is not ``HOST:PORT`` (or ``ray://HOST:PORT``), or nothing answers
-    there within :data:`RAY_CONNECT_S` (``ray.init`` would wait far longer, saying nothing)."""
+    """The Ray cluster's address is not ``HOST:PORT`` (or ``ray://HOST:PORT``), or no Ray cluster
+    answers there within :data:`RAY_CONNECT_S` (``ray.init`` would wait without end on a port where
+    something else listens, saying nothing)."""
 
 
-#: seconds a TCP connection to a given Ray cluster's address may take before a job says it cannot reach it
+#: seconds a given Ray cluster's address has to answer before a job says it cannot reach it
 RAY_CONNECT_S = 10.0
+#: a method every Ray GCS serves (ray>=2.40): asked with an empty request, a GCS answers it (or asks for
+#: its token); a port where no GCS listens answers UNAVAILABLE or UNIMPLEMENTED
+_GCS_PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 
 
 def _check_reachable(address: str | None) -> None:
-    """Raises :class:`RayUnreachable` for a ``HOST:PORT`` address that does not answer; ``None`` (a
-    local cluster) and ``"auto"`` (Ray's own discovery) are left to Ray."""
+    """Raises :class:`RayUnreachable` for a ``HOST:PORT`` address where no Ray cluster answers;
+    ``None`` (a local cluster) and ``"auto"`` (Ray's own discovery) are left to Ray, and a
+    ``ray://`` address (Ray Client, which times out by itself) is only checked to accept connections."""
     if address is None or address == "auto":
         return
-    host, _, port = address.split("://", 1)[-1].rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    scheme, _, rest = address.rpartition("://")
+    host, _, port = rest.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    odd_host = not host or (":" in host and not bracketed) or host != host.strip()
+    if scheme not in ("", "ray") or odd_host or not port.isdigit() or not 0 < int(port) < 65536:
         raise RayUnreachable(f"Ray cluster address {address!r}: not HOST:PORT, ray://HOST:PORT or auto")
     try:
         socket.create_connection((host, int(port)), timeout=RAY_CONNECT_S).close()
     except OSError as e:
         why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e))
         raise RayUnreachable(f"cannot reach the Ray cluster at {address}: {why}") from None
+    if scheme == "ray":
+        return
+    import grpc  # (Ray's own dependency)
+
+    with grpc.insecure_channel(f"[{host}]:{port}" if bracketed else f"{host}:{port}") as ch:
+        try:
+            ch.unary_unary(_GCS_PROBE)(b"", timeout=RAY_CONNECT_S)
+        except grpc.RpcError as e:
+            no_gcs = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+            if e.code() in no_gcs:
+                raise RayUnreachable(f"cannot reach the Ray cluster at {address}: no Ray cluster answers") from None
 
 
 class RayWorkload:
