@@ -268,3 +268,41 @@ def test_a_cluster_address_that_does_not_answer_is_one_line_and_exit_2(argv, sai
     )
     web.shutdown()
     assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_serve_on_ray_stops_on_sigterm_with_exit_0(tmp_path, samples):
+    """``serve --ray`` (its own local cluster, in a process of its own): answers, then SIGTERM shuts
+    the deployment and the cluster down and exits 0, as the plain server does."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "fullthrottle", "serve", "--ray", "--device", "cpu", "--model", "resnet18"]
+    log = open(tmp_path / "serve.log", "w+")
+    p = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and p.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/classify", content=samples[0].read_bytes(), timeout=60)
+        assert r.status_code == 200 and r.json()["results"][0]["top_k"], r.text
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    log.seek(0)
+    out = log.read()
+    assert rc == 0 and "terminated: stopping" in out and "SIGTERM received" not in out, out[-3000:]

@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..workloads.classify.models import spec
-from .common import _gpu_decode_settings, _input_limits
+from .common import Terminated, _gpu_decode_settings, _input_limits, sigterm_as_interrupt
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -188,21 +188,30 @@ def cmd_serve(args) -> int:
             return 2
         from ..ray_jobs import serve_on_ray
 
-        serve_on_ray(
-            cfg,
-            ServeOptions(
-                max_queue=args.max_queue,
-                timeout_s=args.timeout_s,
-                max_body_bytes=int(args.max_body_mb * 2**20),
-                embed_model=args.embed_model,
-                workloads=workloads,
-                classify=args.classify,
-                **guard,
-            ),
-            replicas=args.replicas,
-            host=args.host,
-            port=args.port,
-        )
+        try:  # (SIGTERM as Ctrl-C: Ray Serve's wait ends, the deployment and the local cluster stop, exit 0)
+            with sigterm_as_interrupt():
+                serve_on_ray(
+                    cfg,
+                    ServeOptions(
+                        max_queue=args.max_queue,
+                        timeout_s=args.timeout_s,
+                        max_body_bytes=int(args.max_body_mb * 2**20),
+                        embed_model=args.embed_model,
+                        workloads=workloads,
+                        classify=args.classify,
+                        **guard,
+                    ),
+                    replicas=args.replicas,
+                    host=args.host,
+                    port=args.port,
+                )
+        except KeyboardInterrupt as e:
+            import ray
+            from ray import serve
+
+            print("terminated: stopping" if isinstance(e, Terminated) else "interrupted: stopping", file=sys.stderr)
+            serve.shutdown()
+            ray.shutdown()
         return 0
     opts = ServeOptions(
         max_queue=args.max_queue,
