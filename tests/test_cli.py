@@ -108,7 +108,16 @@ def test_config_errors_exit_2(args, msg, capsys):
 def test_ray_settings_without_ray_are_a_usage_error(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
-    assert e.value.code == 2 and f"{flag} acts with --ray only" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"fullthrottle {argv[0]}: error: {flag} acts with --ray only" in err, err
+
+
+def test_ray_followed_by_an_input_says_how_to_give_both(samples, tmp_path, capsys):
+    pytest.importorskip("ray")
+    rc = main(["classify", "--device", "cpu", "--ray", str(samples[0]), "--out", str(tmp_path / "r.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--ray took '{samples[0]}' as the cluster's address: put --ray after the inputs" in err, err
+    assert not (tmp_path / "r.jsonl").exists()
 
 
 def test_unknown_model_is_a_usage_error_naming_the_models(capsys):

@@ -10,6 +10,7 @@ One module per command (``classify``, ``serve``, ``run``, ``generate``, ``embed`
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -48,8 +49,9 @@ __all__ = [
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if flag := ray_only_given(args):
-        parser.error(f"{flag} acts with --ray only")
+    if flag := ray_only_given(args):  # (the command's own usage line above it)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        sub.error(f"{flag} acts with --ray only")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _run_command(args, argv)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import time
 
@@ -24,6 +25,8 @@ def ray_refusal(args) -> str | None:
     """Why ``classify --ray`` cannot run with these arguments (before any output is opened), or None."""
     if importlib.util.find_spec("ray") is None:
         return "--ray needs Ray: pip install 'fullthrottle[ray]'"
+    if args.ray not in ("local", "auto") and ("/" in args.ray.split("://")[-1] or os.path.exists(args.ray)):
+        return f"--ray took {args.ray!r} as the cluster's address: put --ray after the inputs, or write --ray=ADDRESS"
     if args.report_json is not None:  # (each actor runs a pipeline of its own: no one stage table)
         return "--report-json is not written for a --ray job: leave it out (the summary goes to stderr)"
     try:
