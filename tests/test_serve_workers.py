@@ -31,9 +31,10 @@ print(json.dumps(out))
 """
 
 
-def start(*args, timeout=120, headers=None, device="cpu"):
+def start(*args, timeout=120, headers=None, device="cpu", stdout=None):
     proc = subprocess.Popen(
         [sys.executable, "-m", "fullthrottle.cli", "serve", "--device", device, "--port", "0", *args],
+        stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -86,6 +87,18 @@ def fronts(pid: int) -> set[int]:
 def stop(proc) -> int:
     proc.send_signal(signal.SIGTERM)
     return proc.wait(60)
+
+
+@pytest.mark.parametrize("flag", [(), ("--access-log",)])
+def test_a_line_per_request_is_logged_only_with_access_log(samples, flag):
+    proc, url, log = start("--http-workers", "2", "--threads", "1", *flag, stdout=subprocess.PIPE)
+    try:
+        for _ in range(3):
+            assert httpx.post(url + "/v1/classify", content=samples[0].read_bytes(), timeout=60).status_code == 200
+    finally:
+        code = stop(proc)
+    said = proc.stdout.read() + "".join(log)  # (a few lines: the pipe never filled)
+    assert code == 0 and said.count('"POST /v1/classify HTTP/1.1" 200') == (3 if flag else 0), said[-3000:]
 
 
 def test_clients_in_processes_get_the_librarys_answers_and_metrics_count_every_worker(samples):

@@ -10,8 +10,11 @@ the round divided by the requests answered).
 With ``--against SRC`` (another checkout's ``src`` folder) the same rounds run on that code too, in the
 same call, for a before/after.
 
+With ``--overloaded`` the stand-in engine's queue is full: every request is answered 503 (what a
+worker spends on the load it refuses).
+
 Usage: python bench/probes/front_cpu_probe.py [--rounds 3] [--seconds 5] [--concurrency 16]
-    [--against OTHER/src] --out front_cpu.json
+    [--against OTHER/src] [--overloaded] --out front_cpu.json
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ from fullthrottle.server.http_layer import uvicorn_server
 from fullthrottle.server.options import ServeOptions
 from fullthrottle.workloads.classify.result import Result
 
-class AtOnce:  # the engine's part, answered at once
+class AtOnce:  # the engine's part, answered at once (with --overloaded: its queue is full, 503)
     async def classify(self, images):
+        if sys.argv[2] == "1":
+            from fullthrottle.core.errors import Overloaded
+            raise Overloaded("queue full (256 images waiting)")
         return [Result(i, iid, list("abcde"), [1, 2, 3, 4, 5], [.5, .2, .1, .1, .1], None, 1.0)
                 for i, (iid, _) in enumerate(images)]
 
@@ -60,6 +66,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--port", type=int, default=23456)
     ap.add_argument("--against", help="another source tree (its src folder) measured the same way")
+    ap.add_argument("--overloaded", action="store_true", help="the engine's queue is full: every request a 503")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     trees = {"this tree": None} | ({args.against: args.against} if args.against else {})
@@ -75,7 +82,9 @@ def measure(src: str | None, args) -> list[dict]:
     import httpx
 
     env = dict(os.environ, PYTHONPATH=src) if src else None
-    srv = subprocess.Popen([sys.executable, "-c", SERVER, str(args.port)], stdout=subprocess.DEVNULL, env=env)
+    srv = subprocess.Popen(
+        [sys.executable, "-c", SERVER, str(args.port), str(int(args.overloaded))], stdout=subprocess.DEVNULL, env=env
+    )
     url = f"http://127.0.0.1:{args.port}"
     rounds = []
     try:
@@ -89,7 +98,7 @@ def measure(src: str | None, args) -> list[dict]:
         for _ in range(args.rounds):
             c0, t0 = cpu_s(srv.pid), time.perf_counter()
             r = closed_loop(url + "/v1/classify", [(photo, "image/jpeg")], 1, args.concurrency, args.seconds, 1.0, 1)
-            rate = r["img_per_s"]
+            rate = sum(r["statuses"].values()) / args.seconds
             cores = (cpu_s(srv.pid) - c0) / (time.perf_counter() - t0)
             rounds.append({"req_per_s": rate, "worker_us_per_request": 1e6 * cores / rate, "statuses": r["statuses"]})
             us = rounds[-1]["worker_us_per_request"]

@@ -8,7 +8,7 @@ import dataclasses
 import math
 
 from ..core.config import DTYPES, GPU_DECODERS, Config, LlmSettings, Runtime
-from ..server.options import SERVE_MAX_PREFILL_TOKENS
+from ..server.options import SERVE_MAX_PREFILL_TOKENS, ServeOptions
 from ..workloads.classify.models import DEFAULT_MODEL, MODELS
 from .generate import RANDOM_SHAPES
 
@@ -275,6 +275,18 @@ def kv_pages_arg(s: str) -> int | str:
 
 #: ``--llm-kv-dtype`` / ``generate --kv-dtype``: a KV dtype's name, in any case (as AUTO for the pages)
 KV_DTYPE_ARG = {"type": str.lower, "choices": ("auto", "fp8"), "default": LlmSettings.kv_dtype}
+
+
+def add_access_log_arg(v: argparse.ArgumentParser) -> None:
+    """``serve --access-log`` (:attr:`~fullthrottle.server.options.ServeOptions.access_log`)."""
+    on = "on" if ServeOptions.access_log else "off"
+    v.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=ServeOptions.access_log,
+        help=f"a line per request on stderr (default: {on}: at thousands of requests a second it takes "
+        "the HTTP workers' CPU; /metrics counts requests by route and status)",
+    )
 
 
 def add_llm_serve_args(v: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from .options import (
     KV_DTYPE_ARG,
     RAY_ACTORS,
     RAY_REPLICAS,
+    add_access_log_arg,
     add_llm_serve_args,
     add_runtime_args,
     add_runtime_flags,
@@ -212,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="deploy on Ray Serve (one replica per GPU; --replicas); needs fullthrottle[ray]",
     )
     v.add_argument("--replicas", type=positive_int, help=f"with --ray: Ray Serve replicas (default {RAY_REPLICAS})")
+    add_access_log_arg(v)
     add_llm_serve_args(v)
     v.add_argument(
         "--embed-model",

@@ -129,6 +129,7 @@ def cmd_serve(args) -> int:
         max_connections_per_client=args.max_connections_per_client,
         max_images=args.max_images,
         max_request_pixels=max(1, round(args.max_request_megapixels * 1e6)),
+        access_log=args.access_log,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         print(f"note: serving on {args.host} without --api-key: anyone who can reach it may use it", file=sys.stderr)

@@ -188,6 +188,7 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
             app,
             **where,
             log_level="info",
+            access_log=opts.access_log,
             timeout_graceful_shutdown=opts.timeout_s,
             timeout_keep_alive=5,
             http=head_deadline_protocol(

@@ -72,6 +72,9 @@ class ServeOptions:
             other routes (embeddings, completions, workloads).
         workloads: :class:`~fullthrottle.core.workload.Workload` objects of the user's own, each served
             at ``POST /v1/<name>`` with cross-request batching (set up in the server's start).
+        access_log: one line per request on stderr (uvicorn's access log, every HTTP worker's). Off
+            by default: at thousands of requests a second its formatting and writing take an HTTP
+            worker's CPU from the requests (``/metrics`` counts them by route and status).
         devices: one model replica (its own pipeline) per device; default: every visible GPU when the
             config's device is "auto"/"cuda" and CUDA exists, else the config's device. Each request
             goes to the replica with the fewest images waiting.
@@ -90,6 +93,7 @@ class ServeOptions:
     max_images: int = MAX_IMAGES_PER_REQUEST
     max_request_pixels: int = 1_000_000_000
     max_request_fetch_bytes: int | None = None
+    access_log: bool = False
     devices: tuple[str, ...] | None = None
     embed_model: str | None = None
     llm: object | None = None  # a (Generator, LlmText or None) pair: serves the /v1/completions routes
