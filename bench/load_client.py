@@ -8,9 +8,11 @@ at once, so an httpx load generator would measure itself.)
   answer arrives, for ``duration_s`` after ``warmup_s``. Counted: requests that start after the warm-up
   and end within the window.
 - :func:`open_loop`: requests sent at a fixed total rate (req/s), whatever the answers, for
-  ``duration_s``; each request waits at most ``timeout_s``, counted from its due time (a wait for a
-  free connection counts). Goodput: images answered 200 within the window, per second (every
-  answer's status is counted, in the window or after it). The clients hold at most ``connections``
+  ``duration_s``; a request waits at most ``timeout_s`` from its due time for a free connection (else
+  it is never sent: :data:`UNSENT`, the load generator's queue), then at most ``timeout_s`` for the
+  server's answer (else ``TimeoutError``); the latency of an answer counts from its due time.
+  Goodput: images answered 200 within the window, per second (every answer's status is counted, in
+  the window or after it). The clients hold at most ``connections``
   keep-alive connections in all: start the server with a connection cap above it, so that load past
   its capacity meets its admission control (503 on the same connection) and not its connection cap
   (whose refusals close the connection: every next request would open another, and the handshakes
@@ -60,11 +62,17 @@ def _session(connections: int, timeout_s: float):
     return aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s))
 
 
-async def _post(s, url, body, ctype) -> int | str:
+#: the status of an open loop's request whose time ran out while it waited for one of the clients'
+#: connections: never sent (the load generator's queue, not the server's)
+UNSENT = "TimeoutError before a client connection was free"
+
+
+async def _post(s, url, body, ctype, timeout_s: float | None = None) -> int | str:
     import aiohttp
 
+    kw = {} if timeout_s is None else {"timeout": aiohttp.ClientTimeout(total=timeout_s)}
     try:
-        async with s.post(url, data=body, headers={"content-type": ctype}) as r:
+        async with s.post(url, data=body, headers={"content-type": ctype}, **kw) as r:
             await r.read()
             return r.status
     except (aiohttp.ClientError, TimeoutError) as e:
@@ -97,13 +105,22 @@ async def _closed(url, bodies, images, concurrency, duration_s, warmup_s) -> dic
 
 async def _open(url, bodies, images, rate, duration_s, timeout_s, connections) -> dict:
     codes, lat, ok_images, n = Counter(), [], 0, int(rate * duration_s)
+    free = asyncio.Semaphore(connections)  # (a request waits for a connection here, not in aiohttp's pool)
     async with _session(connections, timeout_s) as s:
 
         async def one(i):
             nonlocal ok_images
             body, ctype = bodies[i % len(bodies)]
             t = t0 + i / rate  # (its due time: a late send counts in its latency)
-            code = await _post(s, url, body, ctype)
+            try:
+                await asyncio.wait_for(free.acquire(), max(0.0, t + timeout_s - time.perf_counter()))
+            except TimeoutError:
+                codes[UNSENT] += 1
+                return
+            try:  # (sent: the server has timeout_s of its own to answer)
+                code = await _post(s, url, body, ctype, timeout_s)
+            finally:
+                free.release()
             codes[code] += 1
             if code == 200 and (t2 := time.perf_counter()) <= t_end:  # (goodput: answered in the window)
                 lat.append(t2 - t)

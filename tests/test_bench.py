@@ -78,3 +78,43 @@ def test_bench_flags_are_checked_before_anything_runs(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and says in capsys.readouterr().err, argv
+
+
+def test_the_open_loop_tells_requests_never_sent_from_requests_the_server_did_not_answer():
+    """bench/load_client.py: past its connections, a request waits in the load generator; one whose
+    time runs out there is counted as never sent, apart from a sent one the server did not answer."""
+    import asyncio
+    import sys
+    import threading
+    from pathlib import Path
+
+    aiohttp_web = pytest.importorskip("aiohttp.web")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import load_client
+
+    started, port = threading.Event(), []
+
+    async def hang(request):
+        await request.read()
+        await asyncio.sleep(30)  # (never answers within the clients' time)
+        return aiohttp_web.Response()
+
+    def serve():
+        loop = asyncio.new_event_loop()
+        app = aiohttp_web.Application()
+        app.router.add_post("/", hang)
+        runner = aiohttp_web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        site = aiohttp_web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        port.append(site._server.sockets[0].getsockname()[1])
+        started.set()
+        loop.run_forever()
+
+    threading.Thread(target=serve, daemon=True).start()
+    assert started.wait(10)
+    # 40 requests/s for 1 s over 4 connections, 1 s each to get one and 1 s for the answer
+    got = asyncio.run(load_client._open(f"http://127.0.0.1:{port[0]}/", [(b"x", "image/jpeg")], 1, 40, 1.0, 1.0, 4))
+    codes = got["codes"]  # (4 sent at once; up to 4 more as those time out, by their due times)
+    assert set(codes) == {"TimeoutError", load_client.UNSENT} and 4 <= codes["TimeoutError"] <= 8, codes
+    assert codes["TimeoutError"] + codes[load_client.UNSENT] == 40, codes
