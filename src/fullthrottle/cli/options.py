@@ -284,7 +284,7 @@ def add_access_log_arg(v: argparse.ArgumentParser) -> None:
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=ServeOptions.access_log,
-        help=f"a line per request on stderr (default: {on}: at thousands of requests a second it takes "
+        help=f"a line per request on stdout (default: {on}: at thousands of requests a second it takes "
         "the HTTP workers' CPU; /metrics counts requests by route and status)",
     )
 

@@ -72,7 +72,7 @@ class ServeOptions:
             other routes (embeddings, completions, workloads).
         workloads: :class:`~fullthrottle.core.workload.Workload` objects of the user's own, each served
             at ``POST /v1/<name>`` with cross-request batching (set up in the server's start).
-        access_log: one line per request on stderr (uvicorn's access log, every HTTP worker's). Off
+        access_log: one line per request on stdout (uvicorn's access log, every HTTP worker's). Off
             by default: at thousands of requests a second its formatting and writing take an HTTP
             worker's CPU from the requests (``/metrics`` counts them by route and status).
         devices: one model replica (its own pipeline) per device; default: every visible GPU when the
