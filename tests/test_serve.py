@@ -535,6 +535,8 @@ def test_embeddings_route_matches_library():
             ({"encoding_format": "xml"}, "encoding_format must be 'float' or 'base64'"),
             ({"dimensions": "384"}, "dimensions must be an integer"),
             ({"input": [[1, 2, 3]]}, "input as token ids is not taken here"),
+            ({"input": [["a"]]}, re.escape('JSON body must be {"input": "text" | ["text", ...]}')),
+            ({"input": [[]]}, re.escape('JSON body must be {"input": "text" | ["text", ...]}')),
         ):
             with pytest.raises(openai.APIStatusError, match=msg) as e:
                 c.embeddings.create(**{"model": "all-MiniLM-L6-v2", "input": "x", **kw})

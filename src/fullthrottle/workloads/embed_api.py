@@ -62,7 +62,11 @@ class EmbeddingsAPI(Workload):
         texts = [texts] if isinstance(texts, str) else texts
         if texts == []:
             raise ValueError("input is an empty list: give at least one text")
-        if isinstance(texts, list) and texts and all(isinstance(t, (int, list)) for t in texts):
+
+        def ids(t) -> bool:  # (a token id, or a non-empty list of them: OpenAI's token-id input)
+            return isinstance(t, int) or (isinstance(t, list) and t != [] and all(isinstance(x, int) for x in t))
+
+        if isinstance(texts, list) and texts and all(ids(t) for t in texts):
             raise ValueError("input as token ids is not taken here (they would be another tokenizer's): send the text")
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise ValueError('JSON body must be {"input": "text" | ["text", ...]}')

@@ -107,10 +107,10 @@ def check_sampling(temperature, top_k, top_p) -> None:
 
     for t in temperature if isinstance(temperature, (list, tuple)) else [temperature]:
         if not number(t) or not math.isfinite(t) or not 0 <= t <= 3e38:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+            raise ValueError(f"temperature must be a number in [0, 3e38] (0 = greedy), got {t!r}")
     for k in top_k if isinstance(top_k, (list, tuple)) else [top_k]:
         if not isinstance(k, numbers.Integral) or isinstance(k, bool) or not 0 <= k < 2**63:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+            raise ValueError(f"top_k must be an integer in [0, 2**63) (0 = off), got {k!r}")
     for p in top_p if isinstance(top_p, (list, tuple)) else [top_p]:
         if not number(p) or not (0 < p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
