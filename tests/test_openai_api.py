@@ -107,7 +107,9 @@ def client(s) -> openai.OpenAI:
 def test_completions_and_chat_through_the_openai_client(llm):
     s, ref, text = llm
     c = client(s)
-    assert [m.id for m in c.models.list()] == ["tiny"]
+    assert [m.id for m in c.models.list()] == ["tiny"] and c.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="'gpt-4' is not served here"):
+        c.models.retrieve("gpt-4")
     with pytest.raises(openai.NotFoundError, match="'gpt-4' is not served here"):  # another model's name
         c.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     import httpx

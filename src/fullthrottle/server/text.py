@@ -204,12 +204,21 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency, m_ttft
         m_ttft: its histogram of the time to first token (from the request's arrival).
     """
 
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
-    async def models():
+    def served() -> list[dict]:
         svc, emb = state.get("llm"), state.get("workloads", {}).get("embeddings")
         names = ([svc.name] if svc is not None else []) + ([emb.workload.model_name] if emb is not None else [])
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "fullthrottle"} for n in names]
-        return reply("/v1/models", 200, {"object": "list", "data": data})
+        return [{"id": n, "object": "model", "created": 0, "owned_by": "fullthrottle"} for n in names]
+
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    async def models():
+        return reply("/v1/models", 200, {"object": "list", "data": served()})
+
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
+    async def model(model: str):  # (OpenAI's models.retrieve)
+        got = [m for m in served() if m["id"] == model]
+        if got:
+            return reply("/v1/models", 200, got[0])
+        return reply("/v1/models", 404, error_body(404, f"model {model!r} is not served here", openai=True))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
