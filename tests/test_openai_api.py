@@ -264,6 +264,7 @@ def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests
             ({"top_k": True}, "top_k must be an integer"),
             ({"n": True}, "n must be an integer"),
             ({"echo": True}, "echo is not supported"),
+            ({"stream_options": {"include_usage": True}}, "stream_options is for streamed requests only"),
             ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
             ({"prompt": ""}, "prompt is empty"),
             ({"prompt": "a\ud800b"}, "not valid Unicode"),

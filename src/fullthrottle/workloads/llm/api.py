@@ -146,6 +146,8 @@ def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None
     opts = _get(p, "stream_options", {})
     if not isinstance(opts, dict) or not isinstance(_get(opts, "include_usage", False), bool):
         raise ValueError("stream_options must be an object with a boolean include_usage")
+    if opts and not _get(p, "stream", False):  # (as OpenAI's API answers it)
+        raise ValueError("stream_options is for streamed requests only: set stream to true, or leave it out")
     seed = p.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ValueError("seed must be an integer")
