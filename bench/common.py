@@ -265,6 +265,11 @@ def cpu_by_kind(root: int, root_name: str = "engine") -> dict[str, float]:
     return out
 
 
+def cores_by_kind(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Cores used by each kind of the server's processes between two :func:`cpu_by_kind` reads."""
+    return {k: round((after[k] - before.get(k, 0.0)) / seconds, 2) for k in after}
+
+
 def py_spy_raw(path) -> list[tuple[list[str], int]]:
     """The samples of a ``py-spy record -f raw`` file: ``(frames, count)`` per stack, outermost frame
     first (with ``--threads``, the thread's name); nothing when the file is missing."""

@@ -36,6 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import (  # noqa: E402
+    cores_by_kind,
     cpu_by_kind,
     cpu_s,
     free_port,
@@ -62,11 +63,6 @@ def tree_rss_mib(pid: int) -> float:
         except (OSError, IndexError, ValueError):
             pass
     return total / 2**20
-
-
-def cores_by_kind(before: dict, after: dict, seconds: float) -> dict[str, float]:
-    """Cores used by each kind of the server's processes between two :func:`common.cpu_by_kind` reads."""
-    return {k: round((after[k] - before.get(k, 0.0)) / seconds, 2) for k in after}
 
 
 def start(cmd: list[str], port: int, ready: str, cores: list[int] | None) -> subprocess.Popen:

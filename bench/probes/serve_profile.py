@@ -24,7 +24,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
-from common import cpu_by_kind, free_port, jpegs_640x480, machine_info, scrape, where_time_goes, write_json  # noqa: E402
+from common import (  # noqa: E402
+    cores_by_kind,
+    cpu_by_kind,
+    free_port,
+    jpegs_640x480,
+    machine_info,
+    scrape,
+    where_time_goes,
+    write_json,
+)
 from load_client import closed_loop  # noqa: E402
 from serve_load import bodies_for, servers, start, stop  # noqa: E402
 
@@ -119,7 +128,7 @@ def main():
                 r = closed_loop(url, bodies, images, conc, args.duration_s, 3.0, args.client_procs, client_cores)
                 c1, dt = cpu_by_kind(proc.pid), time.perf_counter() - t0
                 r["where_time_goes"] = where_time_goes(m0, scrape(base))
-                r["cores_by_kind"] = {k: round((c1[k] - c0.get(k, 0.0)) / dt, 2) for k in c1}
+                r["cores_by_kind"] = cores_by_kind(c0, c1, dt)
                 if spy is not None:
                     err = spy.communicate(timeout=60)[1]
                     r["py_spy"] = summarize(spy_out.read_text()) if spy_out.exists() else {"error": err[-2000:]}

@@ -18,6 +18,7 @@ from .common import (
     _input_limits,
     _silence_stdout,
     sample_photos,
+    say_stopping,
 )
 
 
@@ -75,7 +76,7 @@ def classify_on_ray_cli(args, out) -> int:
                 if not r.ok and out is not sys.stdout:  # (as a local run: failures also on stderr)
                     print(_format_result(r), file=sys.stderr)
     except KeyboardInterrupt as e:
-        print("terminated: stopping" if isinstance(e, Terminated) else "interrupted: stopping", file=sys.stderr)
+        say_stopping(e)
         if address is None:  # (the local cluster this run started, its agents included, stopped now)
             import ray
 

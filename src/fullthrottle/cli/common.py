@@ -44,6 +44,11 @@ def stopped(e: KeyboardInterrupt, lead: str = "") -> int:
     return 143 if term else 130
 
 
+def say_stopping(e: KeyboardInterrupt) -> None:
+    """Say on stderr that the command is stopping, and why ("terminated" on SIGTERM, else "interrupted")."""
+    print("terminated: stopping" if isinstance(e, Terminated) else "interrupted: stopping", file=sys.stderr)
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """SIGTERM raises :class:`Terminated` in the main thread for the block (elsewhere: nothing

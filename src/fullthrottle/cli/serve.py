@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..workloads.classify.models import spec
-from .common import Terminated, _gpu_decode_settings, _input_limits, sigterm_as_interrupt
+from .common import _gpu_decode_settings, _input_limits, say_stopping, sigterm_as_interrupt
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -210,7 +210,7 @@ def cmd_serve(args) -> int:
             import ray
             from ray import serve
 
-            print("terminated: stopping" if isinstance(e, Terminated) else "interrupted: stopping", file=sys.stderr)
+            say_stopping(e)
             serve.shutdown()
             ray.shutdown()
         return 0
