@@ -143,11 +143,10 @@ CHECK = textwrap.dedent("""
         ref = K.decode_attention_ref(q.float(), kc.float(), vc.float(), pos, 1, 150)
         counters = torch.zeros(B * H, dtype=torch.int32, device=device)
         for merge in (None, counters):
-            for per, early in ((1, 0), (4, 0), (10, 0), (1, 1), (4, 2), (10, 2)):  # a page per program (10
-                # splits), 4 (3 splits), every page (no split); the values loaded early, or in halves
-                o = K.paged_decode_attention(q, pages_k, pages_v, table, pos, 1, 150, merge, per=per, early=early)
+            for per in (1, 4, 10):  # a page per program (10 splits), 4 (3 splits), every page (no split)
+                o = K.paged_decode_attention(q, pages_k, pages_v, table, pos, 1, 150, merge, per=per)
                 assert o.shape == (B, H, 1, D) and o.dtype == dtype
-                assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (per, early, (o.float() - ref).abs().max())
+                assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (per, (o.float() - ref).abs().max())
         # variable-length prefill attention: pieces packed end to end (5 tokens from position 0, an
         # empty one, 70 from 0: two query blocks, 17 from position 20: a chunk reading earlier keys) and
         # 6 padding tokens, over the static rows above and over the same rows as pages
@@ -172,8 +171,8 @@ CHECK = textwrap.dedent("""
         assert (f8k.float() != pages_k.float()).any()                           # (the rounding is real)
         r8k, r8v = f8k.to(dtype), f8v.to(dtype)
         pos = torch.tensor([0, 64, 149], device=device)[:, None]
-        for per, early in ((1, 0), (4, 0), (1, 1), (1, 2), (4, 2)):
-            o = K.paged_decode_attention(q, f8k, f8v, table, pos, 1, 150, counters, per=per, early=early)
+        for per in (1, 4):
+            o = K.paged_decode_attention(q, f8k, f8v, table, pos, 1, 150, counters, per=per)
             want = K.paged_decode_attention(q, r8k, r8v, table, pos, 1, 150, counters, per=per)
             assert o.dtype == dtype and torch.allclose(o.float(), want.float(), atol=tol, rtol=tol), (o.float() - want.float()).abs().max()
         o = K.prefill_attention(qp, f8k, f8v, *args, table=table)

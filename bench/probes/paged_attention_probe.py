@@ -31,7 +31,6 @@ from common import machine_info, write_json  # noqa: E402
 from gemv_probe import graph_time_us  # noqa: E402
 
 from fullthrottle.core import kernels as K  # noqa: E402
-from fullthrottle.core.kernels import attention as A  # noqa: E402
 
 
 def main() -> None:
@@ -44,12 +43,6 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", default="bf16", help="comma-separated: bf16, fp8 (float8 e4m3 pages)")
     ap.add_argument("--pers", default="1,2,all", help="blocks per program to try (all: no split)")
     ap.add_argument("--warps", default="2,4,8")
-    ap.add_argument(
-        "--early",
-        default="0",
-        help="comma-separated: 0 the values loaded after the keys' use, 1 beside the keys, 2 in two raw halves",
-    )
-    ap.add_argument("--maxnreg", default="0", help="comma-separated register caps per thread to try (0: none)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -69,20 +62,14 @@ def main() -> None:
         ref = K.paged_decode_attention(q, pk[0], pv[0], table, pos, 0, args.kv_len, cnt, per=1)
         row = {"batch": B, "kv_dtype": kvd, "pairs": B * H, "valid_mb": valid_bytes / 1e6}
         for per in sorted({P if x == "all" else int(x) for x in args.pers.split(",")}):
-            for warps, early, mr in [
-                (int(w), int(e), int(r))
-                for w in args.warps.split(",")
-                for e in args.early.split(",")
-                for r in args.maxnreg.split(",")
-            ]:
+            for warps in [int(w) for w in args.warps.split(",")]:
 
-                def call(i, per=per, warps=warps, early=early, mr=mr):  # (the launch itself: maxnreg is no API)
-                    return A._split_kv(q, pk[i], pv[i], pos, cnt, table, 0, args.kv_len, PAGE, warps, per, early, mr)
+                def call(i, per=per, warps=warps):
+                    return K.paged_decode_attention(q, pk[i], pv[i], table, pos, 0, args.kv_len, cnt, warps, per)
 
                 diff = (call(0).float() - ref.float()).abs().max().item()
                 us = graph_time_us(call, args.layers)
-                name = f"per{per}_w{warps}" + (f"_e{early}" if early else "") + (f"_r{mr}" if mr else "")
-                row[name] = {"us": us, "gb_s": valid_bytes / us / 1e3, "max_abs_diff": diff}
+                row[f"per{per}_w{warps}"] = {"us": us, "gb_s": valid_bytes / us / 1e3, "max_abs_diff": diff}
         # cuDNN over the same keys and values, contiguous (B, H, kv_len, D), as the static cache holds them
         # (float8 pages: gathered in bf16, so cuDNN reads twice the bytes the kernel does)
         every = torch.arange(B, device=dev)
@@ -102,8 +89,7 @@ def main() -> None:
         )
         del pk, pv, kc, vc
         torch.cuda.empty_cache()
-    keys = ("kv_len", "pos_lo", "pos_hi", "layers", "kv_dtypes", "pers", "warps", "early", "maxnreg")
-    settings = {k: getattr(args, k) for k in keys}
+    settings = {k: getattr(args, k) for k in ("kv_len", "pos_lo", "pos_hi", "layers", "kv_dtypes", "pers", "warps")}
     write_json(
         args.out, {"probe": "paged_attention_probe", "machine": machine_info(), "settings": settings, "rows": rows}
     )

@@ -129,7 +129,6 @@ def paged_decode_attention(
     counters: torch.Tensor | None = None,
     warps: int = 2,
     per: int = 1,
-    early: int = 0,
 ) -> torch.Tensor:
     """:func:`decode_attention` over paged KV memory (PagedAttention, Kwon et al., 2023): row ``b``'s
     positions ``[i*PAGE, (i+1)*PAGE)`` are in page ``table[row0 + b, i]``. The Triton kernel's blocks
@@ -171,32 +170,17 @@ def paged_decode_attention(
     )
     _same_device("paged_decode_attention", q=q, k_pages=k_pages, v_pages=v_pages, table=table, pos=pos)
     _check(_is_int(per) and per >= 1, f"paged_decode_attention: per must be an int >= 1, got {per!r}")
-    _check(early in (0, 1, 2), f"paged_decode_attention: early must be 0, 1 or 2, got {early!r}")
     triton_ok = S == 1 and use_triton(q) and not D & (D - 1) and page >= 16 and not page & (page - 1)
     if not triton_ok or k_pages.stride(-1) != 1 or v_pages.stride() != k_pages.stride():
         rows = torch.arange(row0, row0 + B, device=q.device)
         kc, vc = gather_pages(k_pages, table, rows, kv_len), gather_pages(v_pages, table, rows, kv_len)
         return decode_attention_ref(q, kc, vc, pos, 0, kv_len)
     merge = counters is not None and counters.dtype == torch.int32 and counters.numel() >= B * H
-    return _split_kv(
-        q, k_pages, v_pages, pos, counters if merge else None, table, row0, kv_len, page, warps, per, early
-    )
+    return _split_kv(q, k_pages, v_pages, pos, counters if merge else None, table, row0, kv_len, page, warps, per)
 
 
 def _split_kv(
-    q,
-    k,
-    v,
-    pos,
-    counters,
-    table,
-    row0: int,
-    kv_len: int,
-    block_t: int,
-    warps: int,
-    per: int,
-    early: int = 0,
-    maxnreg: int | None = None,
+    q, k, v, pos, counters, table, row0: int, kv_len: int, block_t: int, warps: int, per: int
 ) -> torch.Tensor:
     # the Triton launch of both: splits of ``per`` blocks of block_t slots (paged: a page each,
     # through ``table``); one split: the output written directly
@@ -237,9 +221,7 @@ def _split_kv(
         DIRECT=direct,
         BLOCK_S=BLOCK_S,
         PAGED=paged,
-        EARLY=early,
         num_warps=warps,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if not merge and not direct:
         _attention_merge_kernel[(B * H,)](
@@ -277,7 +259,6 @@ if triton is not None:
         DIRECT: tl.constexpr,
         BLOCK_S: tl.constexpr,
         PAGED: tl.constexpr,
-        EARLY: tl.constexpr,
     ):
         # split-KV decode attention, part 1: program (row*head, split) takes the PER blocks of
         # BLOCK_T cache slots [split*PER*BLOCK_T, (split+1)*PER*BLOCK_T) of the valid 0..pos, with
@@ -293,7 +274,7 @@ if triton is not None:
         if sp < active:
             _attention_split(
                 q_ptr, kc_ptr, vc_ptr, part_ptr, o_ptr, cnt_ptr, table_ptr, table_stride, row0, n, bh, sp, b, h,
-                REP, SPLITS, active, c_b, c_h, c_t, sm_scale, D, BLOCK_T, PER, MERGE, DIRECT, BLOCK_S, PAGED, EARLY,
+                REP, SPLITS, active, c_b, c_h, c_t, sm_scale, D, BLOCK_T, PER, MERGE, DIRECT, BLOCK_S, PAGED,
             )  # fmt: skip
 
     @triton.jit
@@ -306,7 +287,7 @@ if triton is not None:
     def _attention_split(
         q_ptr, kc_ptr, vc_ptr, part_ptr, o_ptr, cnt_ptr, table_ptr, table_stride, row0, n, bh, sp, b, h,
         REP, SPLITS, active, c_b, c_h, c_t, sm_scale, D: tl.constexpr, BLOCK_T: tl.constexpr, PER: tl.constexpr,
-        MERGE: tl.constexpr, DIRECT: tl.constexpr, BLOCK_S: tl.constexpr, PAGED: tl.constexpr, EARLY: tl.constexpr,
+        MERGE: tl.constexpr, DIRECT: tl.constexpr, BLOCK_S: tl.constexpr, PAGED: tl.constexpr,
     ):  # fmt: skip
         # one split of a row's valid slots (``active`` of them hold some)
         d = tl.arange(0, D)
@@ -316,49 +297,24 @@ if triton is not None:
         m_i = tl.full((), float("-inf"), tl.float32)
         l_i = tl.zeros((), tl.float32)
         acc = tl.zeros((D,), tl.float32)
-        HALF: tl.constexpr = BLOCK_T // 2
         slot = tl.arange(0, BLOCK_T)
-        half = tl.arange(0, HALF)
         for j in range(0, blocks):
             t = (first + j) * BLOCK_T + slot
             mt = t < n
             if PAGED:
                 page = tl.load(table_ptr + (row0 + b).to(tl.int64) * table_stride + first + j)
-                base = page * c_b + (h // REP) * c_h
+                off = page * c_b + (h // REP) * c_h + slot[:, None].to(tl.int64) * c_t + d[None, :]
             else:
-                base = (row0 + b).to(tl.int64) * c_b + (h // REP) * c_h + ((first + j) * BLOCK_T).to(tl.int64) * c_t
-            if EARLY == 2:
-                # every load of the block issued first, in two halves of raw (unconverted) tiles: more
-                # bytes in flight per program; each half converted to float32 only as it is used
-                ta, tb = (first + j) * BLOCK_T + half, (first + j) * BLOCK_T + HALF + half
-                ma, mb = ta < n, tb < n
-                offa = base + half[:, None].to(tl.int64) * c_t + d[None, :]
-                offb = offa + HALF * c_t
-                ka = tl.load(kc_ptr + offa, mask=ma[:, None], other=0.0)
-                kb = tl.load(kc_ptr + offb, mask=mb[:, None], other=0.0)
-                va = tl.load(vc_ptr + offa, mask=ma[:, None], other=0.0)
-                vb = tl.load(vc_ptr + offb, mask=mb[:, None], other=0.0)
-                sa = tl.where(ma, tl.sum(ka.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-                sb = tl.where(mb, tl.sum(kb.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-                m_new = tl.maximum(m_i, tl.maximum(tl.max(sa, axis=0), tl.max(sb, axis=0)))
-                alpha = tl.exp(m_i - m_new)
-                pa, pb = tl.exp(sa - m_new), tl.exp(sb - m_new)
-                l_i = l_i * alpha + tl.sum(pa, axis=0) + tl.sum(pb, axis=0)
-                acc = acc * alpha + tl.sum(pa[:, None] * va.to(tl.float32), axis=0)
-                acc += tl.sum(pb[:, None] * vb.to(tl.float32), axis=0)
-            else:
-                off = base + slot[:, None].to(tl.int64) * c_t + d[None, :]
-                k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0)  # (BLOCK_T, D)
-                if EARLY == 1:  # the values' load issued beside the keys'
-                    v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0)
-                sc = tl.where(mt, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=0))  # (finite: every block read holds a valid slot)
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(sc - m_new)  # 0 where masked
-                if EARLY == 0:  # the values loaded once the keys are used: one tile in registers at a time
-                    v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0)
-                l_i = l_i * alpha + tl.sum(p, axis=0)
-                acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+                off = (row0 + b).to(tl.int64) * c_b + (h // REP) * c_h + t[:, None].to(tl.int64) * c_t + d[None, :]
+            k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)  # (BLOCK_T, D)
+            sc = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=0))  # (finite: every block read holds a valid slot)
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new)  # 0 where masked
+            # (the values loaded once the keys are used: one (BLOCK_T, D) tile in registers at a time)
+            v = tl.load(vc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m_i = m_new
         if DIRECT:
             tl.store(o_ptr + bh * D + d, (acc / l_i).to(o_ptr.dtype.element_ty))
