@@ -222,7 +222,7 @@ def main():
     ap.add_argument("--servers", default="fullthrottle,fullthrottle_1_process,fastapi,litserve")
     ap.add_argument("--concurrency", default="1,8,64,256", type=lambda s: [int(c) for c in s.split(",")])
     ap.add_argument("--duration-s", type=float, default=20.0, help="measured seconds per point (after 3 s warm-up)")
-    ap.add_argument("--overload-s", type=float, default=30.0)
+    ap.add_argument("--overload-s", type=float, default=30.0, help="the open loop's seconds (0: none)")
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--client-cores", type=int, default=4, help="the last N cores run the clients (0: not pinned)")
     ap.add_argument(
@@ -273,7 +273,16 @@ def main():
             cmd, ready, modes = table[name]
             modes = tuple(m for m in modes if m in args.modes.split(","))
             r = run_server(
-                name, cmd, ready, modes, args, blobs, server_cores, client_cores, gpu, name == "fullthrottle"
+                name,
+                cmd,
+                ready,
+                modes,
+                args,
+                blobs,
+                server_cores,
+                client_cores,
+                gpu,
+                name == "fullthrottle" and args.overload_s > 0 and "single" in modes,
             )
         res["servers"][name] = r
     write_json(
