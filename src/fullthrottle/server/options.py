@@ -24,7 +24,7 @@ SERVE_MAX_PREFILL_TOKENS = 2048
 #: ``serve``'s CPU decoder processes on CUDA with GPU decoding (--threads not given): the GPU
 #: decoders take the JPEGs that find every CPU decoder busy, and the cores are left to the HTTP
 #: worker processes. See docs/performance.md (serving).
-SERVE_DECODER_PROCESSES = 4
+SERVE_DECODER_PROCESSES = 2
 
 
 def serve_threads(threads: int | None, device_type: str, gpu_decode: bool, preprocess: str) -> int | None:
