@@ -247,6 +247,46 @@ def _nest(depth: int):
     return x
 
 
+def test_a_small_request_waits_a_call_or_two_not_every_call_of_a_large_one():
+    """Requests larger than one call run in turns with the ones that arrive meanwhile (round robin):
+    a one-item request sent while a 64-item request runs in 16 calls is answered after two calls,
+    and the large one still gets every output, in order."""
+    import asyncio
+    import time
+
+    from toy_workload import Summer
+
+    from fullthrottle.server.workload_routes import WorkloadService
+
+    class Slow(Summer):
+        name = "slow"
+        max_batch = 4  # 16 calls for 64 items
+        max_items_per_request = 64
+
+        def predict(self, items):
+            time.sleep(0.05)
+            return super().predict(items)
+
+    w = Slow()
+    w.setup("cpu")
+    svc = WorkloadService(w)
+
+    async def main():
+        big = svc.submit([[k, 0, 0, 0] for k in range(64)])
+        await asyncio.sleep(0.12)
+        t0 = time.perf_counter()
+        assert await asyncio.wait_for(svc.submit([[2, 2, 2, 2]]), 5) == [8.0]
+        waited = time.perf_counter() - t0
+        assert not big.done() and waited < 0.3, (waited, w.calls)  # (all 16 calls: 0.8 s)
+        assert await asyncio.wait_for(big, 5) == [float(k) for k in range(64)]
+        assert sum(w.calls) == 65 and max(w.calls) == 4
+
+    try:
+        asyncio.run(main())
+    finally:
+        svc.close()
+
+
 def test_the_server_runs_a_large_request_in_calls_of_its_budget_and_drops_it_once_its_caller_left():
     """A request of more items than the budget holds runs in calls of the budget's size; a request
     answered as soon as its last call is done; the calls of one whose caller left are not made, so a
@@ -282,8 +322,8 @@ def test_the_server_runs_a_large_request_in_calls_of_its_budget_and_drops_it_onc
         assert got == [4.0, 4.0] and w.calls == [2]
         both = [svc.submit([[1, 0, 0, 0]] * 10), svc.submit([[0, 0, 0, 2]])]
         assert await asyncio.wait_for(both[0], 5) == [1.0] * 10 and await both[1] == [2.0]
-        assert w.calls[1:] == [4, 4, 2, 1]  # (calls of at most 12 tokens; the second request, over the
-        # budget beside the first, in a batch of its own)
+        assert w.calls[1:] == [4, 4, 3]  # (calls of at most 12 tokens; the second request, over the
+        # budget beside the first, joins after the first call, and the first request's turn comes first)
         del w.calls[:]
         big = svc.submit([[1, 1, 1, 1]] * 64)  # 16 calls of 0.05 s
         await asyncio.sleep(0.12)

@@ -3,8 +3,9 @@ served at ``POST /v1/<name>`` with cross-request batching.
 
 - :class:`WorkloadService`: a thread takes waiting requests as batches
   (:class:`~fullthrottle.core.batch.RequestBatcher`: the workload's ``max_batch`` items, its
-  ``max_batch_cost`` budget, its ``max_wait_ms``), runs the workload's ``predict`` once on all their
-  items, and hands each request its own outputs;
+  ``max_batch_cost`` budget, its ``max_wait_ms``), runs the workload's ``predict`` on their items in
+  calls within that budget (a request larger than one call in turns with those that come while it
+  runs), and hands each request its own outputs;
 - :func:`add_workload_routes`: the route of each, with the server's limits (body size and time,
   deadline -> 504, full queue -> 503 with Retry-After, 400 for what ``decode_request`` refuses, 413
   for too many items).
@@ -14,6 +15,8 @@ served at ``POST /v1/<name>`` with cross-request batching.
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import logging
 import queue
 import threading
@@ -67,7 +70,8 @@ class _Request:
     error: BaseException | None = None  # cost() failed for it
     costs: list | None = None  # each item's cost() (None: 1 each)
     outs: list | None = None  # its outputs so far
-    left: int = 0  # its items not yet predicted
+    left: int = 0  # its items not yet predicted (-1: answered with an error)
+    next: int = 0  # its next item to go into a call
 
 
 class WorkloadService:
@@ -77,7 +81,7 @@ class WorkloadService:
         workload: the workload; its ``max_batch``, ``max_batch_cost`` and ``max_wait_ms`` form the
             batches.
         max_queue: requests waiting before :meth:`submit` raises :class:`~fullthrottle.server.services.Overloaded`.
-        on_batch: called with the size of each batch formed (a metrics histogram's ``observe``).
+        on_batch: called with the items of each ``predict`` call (a metrics histogram's ``observe``).
     """
 
     def __init__(self, workload: Workload, max_queue: int = 256, on_batch=None):
@@ -121,64 +125,69 @@ class WorkloadService:
             return 0
         return sum(r.costs)
 
-    def _calls(self, reqs: list) -> list:
-        """The batch's items as ``predict`` calls, in order: lists of (request, item index), each of
-        at most ``max_batch`` items and ``max_batch_cost`` (an item over the budget alone: a call of
-        its own), so that one large request runs in calls of the size the budget allows."""
+    def _next_call(self, active: collections.deque) -> list:
+        """The next ``predict`` call: items of the requests in progress, in turn from the front one
+        (the next items of each, in order), at most ``max_batch`` items and ``max_batch_cost`` (an item
+        over the budget alone: a call of its own)."""
         w = self.workload
-        work = [(r, i) for r in reqs for i in range(len(r.items))]
+        work = list(itertools.islice(((r, i) for r in active for i in range(r.next, len(r.items))), w.max_batch))
         costs = [r.costs[i] if r.costs is not None else 1 for r, i in work]
-        return [work[a:b] for a, b in calls(costs, w.max_batch, w.max_batch_cost)]
+        (a, b), *_ = calls(costs, w.max_batch, w.max_batch_cost)
+        return work[a:b]
 
-    def _run(self, reqs: list) -> None:
-        """Predict every item of ``reqs`` in :meth:`_calls`; a request is answered as soon as its last
-        item is done, and the items of a request whose caller left (its deadline passed, its client
-        hung up) are not predicted. A call that raises runs again item by item
-        (:func:`~fullthrottle.core.workload.predict_each`): an item that raises alone fails its
-        request, no other."""
+    def _run_call(self, active: collections.deque) -> None:
+        """One ``predict`` call (:meth:`_next_call`); a request is answered as soon as its last item is
+        done. The front request then goes to the back of the line if it has items left: a request
+        larger than one call runs in turns with those that arrive while it runs (round robin), so that
+        a small request waits a call or two, not for every call of a large one. A call that raises runs
+        again item by item (:func:`~fullthrottle.core.workload.predict_each`): an item that raises alone
+        fails its request, no other."""
+        call = self._next_call(active)
+        for r, i in call:
+            r.next = i + 1
+        if self.on_batch is not None:
+            self.on_batch(len(call))
         st = self.stats["predict"]
-        for r in reqs:
-            r.outs, r.left = [None] * len(r.items), len(r.items)
-        for call in self._calls(reqs):
-            call = [(r, i) for r, i in call if not r.fut.done() and r.left > 0]
-            if not call:
+        st.begin()
+        try:
+            outs = predict_each(self.workload, [r.items[i] for r, i in call], self._log_failure)
+            self.batches += 1
+        except BaseException as e:  # noqa: BLE001 - (a KeyboardInterrupt raised in predict()): every
+            # request of the call is answered, and the service lives on
+            outs = [PredictFailed(f"predict() failed: {type(e).__name__}: {e}")] * len(call)
+        finally:
+            st.end(len(call))
+        for (r, i), o in zip(call, outs):
+            if r.left <= 0:
                 continue
-            st.begin()
-            try:
-                outs = predict_each(self.workload, [r.items[i] for r, i in call], self._log_failure)
-                self.batches += 1
-            except BaseException as e:  # noqa: BLE001 - (a KeyboardInterrupt raised in predict()): every
-                # request of the call is answered, and the service lives on
-                outs = [PredictFailed(f"predict() failed: {type(e).__name__}: {e}")] * len(call)
-            finally:
-                st.end(len(call))
-            for (r, i), o in zip(call, outs):
-                if r.left <= 0:
-                    continue
-                if isinstance(o, PredictFailed):
-                    r.left = -1  # (answered: its other items are not predicted)
-                    r.loop.call_soon_threadsafe(_set, r.fut, None, RuntimeError(o.message))
-                    continue
-                r.outs[i] = o
-                r.left -= 1
-                if r.left == 0:
-                    r.loop.call_soon_threadsafe(_set, r.fut, r.outs, None)
+            if isinstance(o, PredictFailed):
+                r.left = -1  # (answered: its other items are not predicted)
+                r.loop.call_soon_threadsafe(_set, r.fut, None, RuntimeError(o.message))
+                continue
+            r.outs[i] = o
+            r.left -= 1
+            if r.left == 0:
+                r.loop.call_soon_threadsafe(_set, r.fut, r.outs, None)
+        if active and active[0].left > 0 and active[0].next < len(active[0].items):
+            active.rotate(-1)
 
     def _log_failure(self, e: BaseException, n: int) -> None:
         log.error("workload %s: predict() failed on a batch of %d:\n%s", self.workload.name, n, user_traceback(e))
 
     def _loop(self) -> None:
+        active: collections.deque[_Request] = collections.deque()  # requests in progress, in turn
         while not self._stop.is_set():
-            reqs = []
-            for r in self.batcher.next():
+            for r in self.batcher.next(0 if active else 0.05):  # (new requests join the line)
                 if r.error is not None:
                     r.loop.call_soon_threadsafe(_set, r.fut, None, r.error)
                 elif not r.fut.done():  # (skip callers that gave up)
-                    reqs.append(r)
-            if reqs:
-                if self.on_batch is not None:
-                    self.on_batch(sum(len(r.items) for r in reqs))
-                self._run(reqs)
+                    r.outs, r.left = [None] * len(r.items), len(r.items)
+                    active.append(r)
+            # (the items of a request whose caller left, its deadline passed or its client hung up,
+            # are not predicted)
+            active = collections.deque(r for r in active if r.left > 0 and not r.fut.done())
+            if active:
+                self._run_call(active)
 
     @property
     def alive(self) -> bool:
