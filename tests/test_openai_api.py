@@ -115,6 +115,10 @@ def test_completions_and_chat_through_the_openai_client(llm):
     import httpx
 
     assert httpx.get(s.url + "/readyz").json()["llm"] == "tiny"
+    # a route or method the server lacks: OpenAI's error shape under /v1/, which its client shows
+    r404, r405 = httpx.post(s.url + "/v1/responses", json={}), httpx.get(s.url + "/v1/completions")
+    assert r404.status_code == 404 and r404.json()["error"]["message"] == "Not Found"
+    assert r405.status_code == 405 and r405.json()["error"]["type"] and "POST" in r405.headers["allow"]
     prompt = "the quick brown fox"
     ids = text.encode(prompt)
     want = text.decode(ref(ids, 20))  # greedy, the request alone

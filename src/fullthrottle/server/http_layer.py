@@ -15,7 +15,7 @@ import time
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
 from .connection import head_deadline_protocol
-from .guard import NO_KEY, authorised
+from .guard import NO_KEY, authorised, error_body
 from .options import ServeOptions
 from .startup import startup_error_only
 
@@ -67,7 +67,9 @@ def add_basics(app, requests_counter, keys: tuple[str, ...]):
     async def no_such_route(request, exc):  # 404 (no route), 405 (method): counted like every answer
         # (a 405's path is a route of the app's; a 404's may be anything: one label for them all)
         route = request.url.path if exc.status_code == 405 or request.url.path in ROUTES else "other"
-        return reply(route, exc.status_code, {"detail": exc.detail}, getattr(exc, "headers", None))
+        # (under /v1/ also OpenAI's error shape, which its clients show, beside "detail")
+        body = error_body(exc.status_code, exc.detail, openai=request.url.path.startswith("/v1/"))
+        return reply(route, exc.status_code, body, getattr(exc, "headers", None))
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz():
