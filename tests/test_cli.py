@@ -112,6 +112,24 @@ def test_ray_settings_without_ray_are_a_usage_error(argv, flag, capsys):
     assert e.value.code == 2 and f"fullthrottle {argv[0]}: error: {flag} acts with --ray only" in err, err
 
 
+@pytest.mark.parametrize(
+    "argv,want",
+    [
+        (
+            ["classify", "--ray-address", "10.0.0.1:6379", "x.jpg"],
+            "--ray-address (classify takes the address as --ray ADDRESS)",
+        ),
+        (["serve", "--no-such-flag"], "--no-such-flag"),
+    ],
+)
+def test_an_unknown_option_is_named_under_its_commands_usage(argv, want, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"usage: fullthrottle {argv[0]} " in err, err
+    assert err.rstrip().endswith(f"fullthrottle {argv[0]}: error: unrecognized arguments: {want}"), err
+
+
 def test_ray_followed_by_an_input_says_how_to_give_both(samples, tmp_path, capsys):
     pytest.importorskip("ray")
     rc = main(["classify", "--device", "cpu", "--ray", str(samples[0]), "--out", str(tmp_path / "r.jsonl")])

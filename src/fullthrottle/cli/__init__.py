@@ -48,9 +48,17 @@ __all__ = [
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if flag := ray_only_given(args):  # (the command's own usage line above it)
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+    args, unknown = parser.parse_known_args(argv)
+    # (a command's own mistakes under its own usage line, not the top-level one)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+    if unknown:
+        hint = (
+            " (classify takes the address as --ray ADDRESS)"
+            if "--ray-address" in unknown and args.command == "classify"
+            else ""
+        )
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if flag := ray_only_given(args):
         sub.error(f"{flag} acts with --ray only")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
