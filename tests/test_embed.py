@@ -290,3 +290,28 @@ def test_embeddings_workload_keeps_to_its_token_budget_and_fails_only_the_bad_re
             vecs = np.stack([v for v, *_ in g])
             np.testing.assert_allclose(vecs, emb.embed(r).vectors, atol=1e-5)
             assert api.encode_response(g)["usage"]["prompt_tokens"] == sum(len(e.ids) for e in emb.tokenize(r))
+
+
+def test_the_embeddings_token_budget_is_set_by_the_device(monkeypatch):
+    """/v1/embeddings' batches: the GPU's token budget on a GPU, a smaller one on the CPU, where a batch
+    of the GPU's size would hold every other request's turn for seconds; a budget given is kept."""
+    import torch
+
+    from fullthrottle.workloads import embed
+    from fullthrottle.workloads.embed_api import MAX_BATCH_TOKENS, MAX_BATCH_TOKENS_CPU, EmbeddingsAPI
+
+    class Stub:  # (the model is not loaded: only its device matters here)
+        def __init__(self, path, device):
+            self.device, self.stats = torch.device(device), {}
+
+        def capture(self):
+            pass
+
+    monkeypatch.setattr(embed, "Embedder", Stub)
+    got = {}
+    for device, budget in (("cpu", None), ("cuda", None), ("cpu", 123)):
+        api = EmbeddingsAPI(max_batch_tokens=budget)
+        api.setup(device)
+        got[device, budget] = api.max_batch_cost
+    assert got == {("cpu", None): MAX_BATCH_TOKENS_CPU, ("cuda", None): MAX_BATCH_TOKENS, ("cpu", 123): 123}
+    assert MAX_BATCH_TOKENS_CPU < MAX_BATCH_TOKENS

@@ -13,6 +13,11 @@ from ..core.workload import ItemError, NotServed, Workload
 
 #: texts one embeddings request may carry (413 beyond)
 MAX_TEXTS_PER_REQUEST = 2048
+#: tokens of one forward batch on a GPU (text-embeddings-inference's --max-batch-tokens is 16384)
+MAX_BATCH_TOKENS = 32768
+#: tokens of one forward batch on the CPU: about 0.2 ms a token for all-MiniLM-L6-v2 on 2 cores, so
+#: about 1 s a batch, the longest a request waits for one that runs before it (calls take turns)
+MAX_BATCH_TOKENS_CPU = 4096
 
 
 @dataclass
@@ -33,7 +38,8 @@ class EmbeddingsAPI(Workload):
 
     Args:
         path: a sentence-transformers folder (None: all-MiniLM-L6-v2, :func:`~fullthrottle.workloads.embed.default_model_dir`).
-        max_batch: most texts per forward batch; max_batch_tokens: most tokens per batch.
+        max_batch: most texts per forward batch; max_batch_tokens: most tokens per batch (None:
+            :data:`MAX_BATCH_TOKENS` on a GPU, :data:`MAX_BATCH_TOKENS_CPU` on the CPU, set by :meth:`setup`).
 
     A text that cannot be tokenised (a lone surrogate) fails its request with 422 naming it; the
     other requests of its batch are not affected.
@@ -44,7 +50,7 @@ class EmbeddingsAPI(Workload):
     max_wait_ms = 0.0  # (what is queued when a batch starts joins it; no waiting for more)
     openai = True
 
-    def __init__(self, path: str | None = None, max_batch: int = 1024, max_batch_tokens: int = 32768):
+    def __init__(self, path: str | None = None, max_batch: int = 1024, max_batch_tokens: int | None = None):
         self.path, self.max_batch, self.max_batch_cost = path, max_batch, max_batch_tokens
         self.model_name = "all-MiniLM-L6-v2" if path is None else os.path.basename(os.path.normpath(path))
         self.embedder = None
@@ -54,6 +60,9 @@ class EmbeddingsAPI(Workload):
         from .embed import Embedder
 
         self.embedder = Embedder(self.path, device)
+        if self.max_batch_cost is None:  # (a CPU batch of the GPU's size would hold a turn for seconds)
+            cpu = self.embedder.device.type == "cpu"
+            self.max_batch_cost = MAX_BATCH_TOKENS_CPU if cpu else MAX_BATCH_TOKENS
         self.embedder.capture()  # every shape's graph before the server says ready
         self.stats = self.embedder.stats  # tokenize, compute
 
