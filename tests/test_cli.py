@@ -1202,6 +1202,21 @@ def test_stdout_closed_or_full_exits_2_with_one_line(samples, tmp_path, redirect
             assert "Traceback" not in err and "Exception ignored" not in err, (args, err[-600:])
 
 
+def test_reading_a_closed_stdin_exits_2_with_one_line(tmp_path):
+    """``embed -``, ``generate --prompts -`` and ``run -`` started with stdin closed (``<&-``) say
+    they cannot read it, in one line, and exit 2 (they raised AttributeError on sys.stdin None)."""
+    commands = [
+        ["embed", "-", "--device", "cpu", "--out", str(tmp_path / "e.npy")],
+        ["generate", "--random", "tiny", "--device", "cpu", "--prompts", "-"],
+        ["run", "-", "--device", "cpu", "--workload", "word_workload:Sentiment", "--out", str(tmp_path / "r.jsonl")],
+    ]
+    procs = [(args, _cli_with_examples(args, preexec_fn=lambda: os.close(0))) for args in commands]
+    for args, p in procs:
+        _, err = p.communicate("", timeout=300)
+        assert p.returncode == 2, (args, p.returncode, err[-600:])
+        assert "cannot read -" in err and "stdin is closed" in err and "Traceback" not in err, (args, err[-600:])
+
+
 def test_sigterm_stops_run_embed_and_generate_as_ctrl_c_does_saying_so(tmp_path):
     """SIGTERM (a service manager's stop) to ``run``, ``embed`` and ``generate --prompts`` waiting on
     their input: each says "terminated" and exits 143, as classify does (they used to die by the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import os
 import stat
@@ -202,6 +203,17 @@ def _close_out(out) -> str | None:
     except OSError as e:
         return e.strerror or str(e)
     return None
+
+
+def stdin_bytes():
+    """This process's stdin as a binary file (what an input ``-`` reads).
+
+    Raises:
+        OSError: stdin is closed (the process started with it closed, as ``<&-`` does).
+    """
+    if sys.stdin is None:
+        raise OSError(errno.EBADF, "stdin is closed")
+    return sys.stdin.buffer
 
 
 def overwrites_an_input(outputs: dict, inputs: dict) -> str | None:

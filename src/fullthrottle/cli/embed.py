@@ -23,7 +23,9 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
     Raises:
         ValueError: such a line when ``bad`` is None, naming the line.
     """
-    f = sys.stdin.buffer if path == "-" else open(path, "rb")
+    from .common import stdin_bytes
+
+    f = stdin_bytes() if path == "-" else open(path, "rb")
     try:
         for no, raw in enumerate(f, 1):
             try:
@@ -92,6 +94,9 @@ def cmd_embed(args) -> int:
         return 2
     if to_stdout and args.report_json == "-":
         print("fullthrottle: error: --out - and --report-json - would both write to stdout", file=sys.stderr)
+        return 2
+    if args.file == "-" and sys.stdin is None:
+        print("fullthrottle: error: cannot read - (stdin): stdin is closed", file=sys.stderr)
         return 2
     if args.file != "-" and (os.path.isdir(args.file) or not os.path.exists(args.file)):  # (a pipe or device: read)
         what = "is a directory, not a file" if os.path.isdir(args.file) else "no such file"

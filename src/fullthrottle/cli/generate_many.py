@@ -18,6 +18,7 @@ import sys
 from types import SimpleNamespace
 
 from ..core.json_body import parse_body
+from .common import stdin_bytes
 
 
 def read_requests(path: str, args, eos=None) -> list[tuple[int, dict | str]]:
@@ -25,7 +26,7 @@ def read_requests(path: str, args, eos=None) -> list[tuple[int, dict | str]]:
     error of a line that is not one (``eos``: the model's end-of-sequence id(s); None: a request does
     not stop at the model's own)."""
     if path == "-":
-        lines = sys.stdin.read().splitlines()
+        lines = stdin_bytes().read().decode("utf-8", errors="replace").splitlines()
     else:
         with open(path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import _silence_stdout
+from .common import _silence_stdout, stdin_bytes
 
 #: most requests read and answered at a time (bounds memory on large files; batches form within a
 #: chunk, of 4 batches' requests at least; each chunk's answers are written as it ends)
@@ -45,7 +45,7 @@ def cmd_run(args) -> int:
     except (ValueError, RuntimeError, OSError) as e:
         return _fail(str(e))
     try:
-        src = sys.stdin.buffer if args.file == "-" else open(args.file, "rb")
+        src = stdin_bytes() if args.file == "-" else open(args.file, "rb")
     except OSError as e:
         return _fail(f"cannot read {args.file}: {e.strerror or e}")
     clash = overwrites_an_input({"--out": args.out}, {"the input": args.file})
