@@ -287,6 +287,48 @@ def test_a_small_request_waits_a_call_or_two_not_every_call_of_a_large_one():
         svc.close()
 
 
+def test_requests_waiting_counts_only_callers_that_still_wait():
+    """The service's ``waiting`` (/metrics' fullthrottle_requests_waiting): requests queued behind a
+    predict() call in progress, less those whose callers left (a 504, a client gone), which stay
+    queued until the batching thread skips them."""
+    import asyncio
+    import threading
+
+    from toy_workload import Summer
+
+    from fullthrottle.server.workload_routes import WorkloadService
+
+    go, inside = threading.Event(), threading.Event()
+
+    class Stuck(Summer):
+        def predict(self, items):
+            inside.set()
+            go.wait(10)
+            return super().predict(items)
+
+    w = Stuck()
+    w.setup("cpu")
+    svc = WorkloadService(w)
+
+    async def main():
+        first = svc.submit([[1, 0, 0, 0]])
+        assert await asyncio.to_thread(inside.wait, 5)  # (the first request is in predict())
+        queued = [svc.submit([[k, 0, 0, 0]]) for k in range(3)]
+        assert svc.waiting == 3
+        queued[0].cancel()
+        queued[2].cancel()
+        assert svc.waiting == 1 and svc.q.qsize() == 3
+        go.set()
+        assert await asyncio.wait_for(first, 5) == [1.0] and await asyncio.wait_for(queued[1], 5) == [1.0]
+        assert svc.waiting == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        go.set()
+        svc.close()
+
+
 def test_the_server_runs_a_large_request_in_calls_of_its_budget_and_drops_it_once_its_caller_left():
     """A request of more items than the budget holds runs in calls of the budget's size; a request
     answered as soon as its last call is done; the calls of one whose caller left are not made, so a

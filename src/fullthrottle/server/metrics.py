@@ -180,7 +180,7 @@ class ServerMetrics:
             for st in state["llm"].gen.stats.values():
                 self.busy.labels("generate", "0", st.name).set(st.snapshot(wall)["busy_pct"])
         for name, svc in state.get("workloads", {}).items():
-            self.requests_waiting.labels(name).set(svc.q.qsize())
+            self.requests_waiting.labels(name).set(svc.waiting)
             wall = time.perf_counter() - state["t_ready"]
             for st in svc.stats.values():
                 self.busy.labels(name, "0", st.name).set(st.snapshot(wall)["busy_pct"])

@@ -190,6 +190,13 @@ class WorkloadService:
                 self._run_call(active)
 
     @property
+    def waiting(self) -> int:
+        """Requests queued whose callers still wait (one past its deadline, or whose client hung up,
+        stays in the queue until the batching thread skips it, and does not count)."""
+        with self.q.mutex:
+            return sum(not r.fut.done() for r in self.q.queue)
+
+    @property
     def alive(self) -> bool:
         """Whether its batching thread runs (``/readyz`` is 503 when one does not)."""
         return self._thread.is_alive()
