@@ -477,6 +477,36 @@ def test_cli_embed_names_a_model_folder_without_a_model(tmp_path, capsys):
     assert f"no sentence-transformers model in {tmp_path}: " in capsys.readouterr().err
 
 
+def test_cli_embed_names_a_model_that_is_not_bert(tmp_path, capsys):
+    """A folder of another kind of model (a Llama's config), or one whose weights lack BERT's tensors,
+    is named as such (it was a KeyError of a tensor's name)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from fullthrottle.cli import main
+    from fullthrottle.workloads.embed import default_model_dir
+
+    (tmp_path / "texts.txt").write_text("hello\n")
+    llama, wrong = tmp_path / "llama", tmp_path / "wrong"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
+    wrong.mkdir()
+    for f in default_model_dir().iterdir():  # (all-MiniLM-L6-v2's files, its weights replaced)
+        if f.name != "model.safetensors":
+            (wrong / f.name).symlink_to(f)
+    save_file({"decoder.weight": torch.zeros(2, 2)}, str(wrong / "model.safetensors"))
+    for folder, why in (
+        (llama, "a 'llama' model; the embedder reads BERT models"),
+        (wrong, "not a BERT model's weights"),
+    ):
+        args = ["embed", "--model-dir", str(folder), str(tmp_path / "texts.txt"), "--out", str(tmp_path / "v.npy")]
+        assert main([*args, "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert why in err and "KeyError" not in err, err
+
+
 def test_a_slow_decode_request_or_encode_response_leaves_the_server_answering():
     """The workload's own per-request code runs off the event loop: while three requests spend 1 s
     each in decode_request, /healthz answers at once and the three overlap."""

@@ -172,8 +172,8 @@ class Embedder:
         max_batch: texts per forward (the largest batch bucket).
 
     Raises:
-        FileNotFoundError / ValueError: missing files, unsupported pooling, ``max_batch`` < 1, an
-            unknown ``dtype``.
+        FileNotFoundError / ValueError: missing files, a model other than BERT (its ``model_type``, or
+            weights without BERT's tensors), unsupported pooling, ``max_batch`` < 1, an unknown ``dtype``.
     """
 
     def __init__(
@@ -199,6 +199,10 @@ class Embedder:
         # (the CPU computes in float32 whatever is asked, as classify and generate do there)
         self.dtype = torch_dtype(resolve_dtype(dtype, self.device, cuda_default="float16")) if cuda else torch.float32
         cfg = _json_file(path / "config.json")
+        if cfg.get("model_type", "bert") != "bert":
+            raise ValueError(
+                f"{path}: a {cfg['model_type']!r} model; the embedder reads BERT models (model_type 'bert')"
+            )
         st_cfg = path / "sentence_bert_config.json"
         self.max_seq_length = int(_json_file(st_cfg)["max_seq_length"]) if st_cfg.exists() else 512
         self.max_seq_length = min(self.max_seq_length, cfg["max_position_embeddings"])
@@ -213,7 +217,10 @@ class Embedder:
         model = Bert(cfg)
         sd = load_file(str(path / "model.safetensors"))
         sd = {k.removeprefix("bert."): v for k, v in sd.items()}
-        model.load_state_dict({k: _from_hf(sd, k) for k in model.state_dict()})
+        try:
+            model.load_state_dict({k: _from_hf(sd, k) for k in model.state_dict()})
+        except KeyError as e:
+            raise ValueError(f"{path}/model.safetensors: no tensor {e.args[0]!r}: not a BERT model's weights") from None
         self.model = model.eval().to(self.device, self.dtype)
         self.dim = cfg["hidden_size"]
         self.seq_buckets = default_buckets(self.max_seq_length, start=16)
