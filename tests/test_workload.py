@@ -254,20 +254,15 @@ def test_a_small_request_waits_a_call_or_two_not_every_call_of_a_large_one():
     import asyncio
     import time
 
-    from toy_workload import Summer
+    from toy_workload import Slow
 
     from fullthrottle.server.workload_routes import WorkloadService
 
-    class Slow(Summer):
-        name = "slow"
-        max_batch = 4  # 16 calls for 64 items
+    class Small(Slow):  # 16 calls of 0.05 s for 64 items
+        delay_s = 0.05
         max_items_per_request = 64
 
-        def predict(self, items):
-            time.sleep(0.05)
-            return super().predict(items)
-
-    w = Slow()
+    w = Small()
     w.setup("cpu")
     svc = WorkloadService(w)
 
@@ -292,40 +287,31 @@ def test_requests_waiting_counts_only_callers_that_still_wait():
     predict() call in progress, less those whose callers left (a 504, a client gone), which stay
     queued until the batching thread skips them."""
     import asyncio
-    import threading
 
-    from toy_workload import Summer
+    from toy_workload import Hanging
 
     from fullthrottle.server.workload_routes import WorkloadService
 
-    go, inside = threading.Event(), threading.Event()
-
-    class Stuck(Summer):
-        def predict(self, items):
-            inside.set()
-            go.wait(10)
-            return super().predict(items)
-
-    w = Stuck()
+    w = Hanging()
     w.setup("cpu")
     svc = WorkloadService(w)
 
     async def main():
         first = svc.submit([[1, 0, 0, 0]])
-        assert await asyncio.to_thread(inside.wait, 5)  # (the first request is in predict())
+        assert await asyncio.to_thread(w.entered.wait, 5)  # (the first request is in predict())
         queued = [svc.submit([[k, 0, 0, 0]]) for k in range(3)]
         assert svc.waiting == 3
         queued[0].cancel()
         queued[2].cancel()
         assert svc.waiting == 1 and svc.q.qsize() == 3
-        go.set()
+        w.release.set()
         assert await asyncio.wait_for(first, 5) == [1.0] and await asyncio.wait_for(queued[1], 5) == [1.0]
         assert svc.waiting == 0
 
     try:
         asyncio.run(main())
     finally:
-        go.set()
+        w.release.set()
         svc.close()
 
 
@@ -336,12 +322,12 @@ def test_the_server_runs_a_large_request_in_calls_of_its_budget_and_drops_it_onc
     import asyncio
     import time
 
-    from toy_workload import Summer
+    from toy_workload import Slow
 
     from fullthrottle.server.workload_routes import WorkloadService
 
-    class Slow(Summer):
-        name = "slow"
+    class Budget(Slow):
+        delay_s = 0.05
         max_batch = 64
         max_batch_cost = 12  # tokens per call
         max_items_per_request = 64
@@ -350,11 +336,7 @@ def test_the_server_runs_a_large_request_in_calls_of_its_budget_and_drops_it_onc
         def cost(self, item):
             return 3  # 4 items per call
 
-        def predict(self, items):
-            time.sleep(0.05)
-            return super().predict(items)
-
-    w = Slow()
+    w = Budget()
     w.setup("cpu")
     svc = WorkloadService(w)
 

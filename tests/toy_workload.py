@@ -118,15 +118,16 @@ class Unlucky(Summer):
 
 
 class Slow(Summer):
-    """0.3 s per predict() call, 4 items a call."""
+    """``delay_s`` (0.3 s) per predict() call, 4 items a call."""
 
     name = "slow"
     max_batch = 4
+    delay_s = 0.3
 
     def predict(self, items):
         import time
 
-        time.sleep(0.3)
+        time.sleep(self.delay_s)
         return super().predict(items)
 
 

@@ -200,9 +200,7 @@ class Embedder:
         self.dtype = torch_dtype(resolve_dtype(dtype, self.device, cuda_default="float16")) if cuda else torch.float32
         cfg = _json_file(path / "config.json")
         if cfg.get("model_type", "bert") != "bert":
-            raise ValueError(
-                f"{path}: a {cfg['model_type']!r} model; the embedder reads BERT models (model_type 'bert')"
-            )
+            raise ValueError(f"{path}: a {cfg['model_type']!r} model; the embedder reads BERT models")
         st_cfg = path / "sentence_bert_config.json"
         self.max_seq_length = int(_json_file(st_cfg)["max_seq_length"]) if st_cfg.exists() else 512
         self.max_seq_length = min(self.max_seq_length, cfg["max_position_embeddings"])
@@ -215,8 +213,7 @@ class Embedder:
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(self.max_seq_length)
         model = Bert(cfg)
-        sd = load_file(str(path / "model.safetensors"))
-        sd = {k.removeprefix("bert."): v for k, v in sd.items()}
+        sd = {k.removeprefix("bert."): v for k, v in load_file(str(path / "model.safetensors")).items()}
         try:
             model.load_state_dict({k: _from_hf(sd, k) for k in model.state_dict()})
         except KeyError as e:
