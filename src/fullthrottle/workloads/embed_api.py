@@ -15,8 +15,8 @@ from ..core.workload import ItemError, NotServed, Workload
 MAX_TEXTS_PER_REQUEST = 2048
 #: tokens of one forward batch on a GPU (text-embeddings-inference's --max-batch-tokens is 16384)
 MAX_BATCH_TOKENS = 32768
-#: tokens of one forward batch on the CPU: about 0.2 ms a token for all-MiniLM-L6-v2 on 2 cores, so
-#: about 1 s a batch, the longest a request waits for one that runs before it (calls take turns)
+#: tokens of one forward batch on the CPU, where a batch of the GPU's size takes seconds: a request
+#: waits for the call in progress before its turn (calls take turns between requests)
 MAX_BATCH_TOKENS_CPU = 4096
 
 
