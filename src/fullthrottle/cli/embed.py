@@ -8,6 +8,7 @@ import sys
 import time
 
 from ..core.json_body import json_type
+from .common import stdin_bytes
 
 
 def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str] | None = None):
@@ -23,8 +24,6 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
     Raises:
         ValueError: such a line when ``bad`` is None, naming the line.
     """
-    from .common import stdin_bytes
-
     f = stdin_bytes() if path == "-" else open(path, "rb")
     try:
         for no, raw in enumerate(f, 1):
@@ -95,9 +94,12 @@ def cmd_embed(args) -> int:
     if to_stdout and args.report_json == "-":
         print("fullthrottle: error: --out - and --report-json - would both write to stdout", file=sys.stderr)
         return 2
-    if args.file == "-" and sys.stdin is None:
-        print("fullthrottle: error: cannot read - (stdin): stdin is closed", file=sys.stderr)
-        return 2
+    if args.file == "-":  # (before the model loads: a closed stdin is said at once)
+        try:
+            stdin_bytes()
+        except OSError as e:
+            print(f"fullthrottle: error: cannot read - (stdin): {e.strerror}", file=sys.stderr)
+            return 2
     if args.file != "-" and (os.path.isdir(args.file) or not os.path.exists(args.file)):  # (a pipe or device: read)
         what = "is a directory, not a file" if os.path.isdir(args.file) else "no such file"
         print(f"fullthrottle: error: {args.file}: {what}", file=sys.stderr)
