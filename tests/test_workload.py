@@ -551,3 +551,34 @@ def test_a_json_route_refuses_image_and_binary_bodies_with_415():
         for t in ("image/jpeg", "application/octet-stream", "multipart/form-data")
     ]
     assert curl_d.status_code == 200 and curl_d.json()["results"] == [{"output": 3.0}]
+
+
+def test_a_keyboard_interrupt_raised_in_decode_request_or_encode_response_is_the_workloads_error():
+    """Raised in the workload's own code (a thread: never a signal), it fails that request with a
+    JSON 500 naming the method, as any other exception would; the server answers the next one."""
+    import httpx
+    from test_serve import Server, Tiny
+
+    from fullthrottle.server.app import ServeOptions
+
+    class Interrupting(Summer):
+        name = "interrupting"
+
+        def decode_request(self, body):
+            if body.get("stop"):
+                raise KeyboardInterrupt
+            return super().decode_request(body)
+
+        def encode_response(self, outputs):
+            if outputs[0] == 7.0:
+                raise KeyboardInterrupt
+            return super().encode_response(outputs)
+
+    with Server(Tiny(), ServeOptions(workloads=(Interrupting(),), classify=False)) as s:
+        ask = lambda body: httpx.post(s.url + "/v1/interrupting", json=body, timeout=30)  # noqa: E731
+        r = ask({"stop": True, "inputs": [[1, 1, 1, 1]]})
+        assert (r.status_code, r.json()) == (500, {"detail": "decode_request() failed: KeyboardInterrupt"})
+        r = ask({"inputs": [[7, 0, 0, 0]]})
+        assert (r.status_code, r.json()) == (500, {"detail": "encode_response() failed: KeyboardInterrupt"})
+        r = ask({"inputs": [[1, 2, 0, 0]]})
+        assert (r.status_code, r.json()) == (200, {"results": [{"output": 3.0}]})

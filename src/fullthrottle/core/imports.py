@@ -41,4 +41,6 @@ def import_object(spec: str, flag: str, example: str):
 def raised(e: BaseException) -> str:
     """What the user's code raised, in one phrase: ``"exit(3)"`` for ``sys.exit(3)``, else
     ``"TypeError: message"``."""
-    return f"exit({e.code})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+    if isinstance(e, SystemExit):
+        return f"exit({e.code})"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

@@ -27,6 +27,7 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 
 from ..core.batch import RequestBatcher
 from ..core.errors import Overloaded
+from ..core.imports import raised
 from ..core.json_body import parse_body
 from ..core.report import StageStats
 from ..core.workload import (
@@ -246,6 +247,20 @@ def _items(w, body: bytes) -> list:
     return items_of(w, parse_body(body))
 
 
+async def _in_thread(what: str, fn, *args):
+    """``fn(*args)`` off the event loop. A KeyboardInterrupt raised there is the workload's own (a
+    signal reaches the main thread only): ContractError, as anything else its code raises, where it
+    would otherwise leave the route as a plain-text 500."""
+
+    def call():
+        try:
+            return fn(*args)
+        except KeyboardInterrupt as e:
+            raise ContractError(f"{what}() failed: {raised(e)}") from None
+
+    return await asyncio.to_thread(call)
+
+
 def _handler(name: str, state: dict, opts, reply, m_latency):
     """The route of the workload ``name`` (a closure: FastAPI would read a default argument as a
     query parameter)."""
@@ -262,7 +277,7 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
             body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
             try:  # (in a thread, as is encode_response below: the workload's own code may take
                 # its time, and this event loop serves every other request meanwhile)
-                items = await asyncio.to_thread(_items, w, body)
+                items = await _in_thread("decode_request", _items, w, body)
             except ContractError as e:  # the workload's bug: say so, as JSON
                 raise HTTPError(500, str(e)) from None
             except TooManyItems as e:
@@ -282,7 +297,7 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
             except Exception as e:  # noqa: BLE001 - cost() or predict() failed for the whole batch
                 raise HTTPError(500, f"{name}: {e}") from None
             try:
-                answer = await asyncio.to_thread(response_of, w, outs, False)  # (JSON: checked as it is sent)
+                answer = await _in_thread("encode_response", response_of, w, outs, False)  # (JSON: checked as sent)
             except ContractError as e:
                 raise HTTPError(500, str(e)) from None
             except ValueError as e:
