@@ -1254,3 +1254,27 @@ def test_sigterm_stops_run_embed_and_generate_as_ctrl_c_does_saying_so(tmp_path)
         assert p.returncode == want[1], (args, p.returncode, err[-800:])
         assert err.strip().splitlines()[-1] == want[0], (args, err[-800:])
         assert "Traceback" not in err, (args, err[-800:])
+
+
+def test_request_and_text_files_split_at_newlines_only_and_name_a_line_not_utf8(tmp_path):
+    """``generate --prompts``, ``embed`` and ``run`` read lines alike: a form feed, a lone CR or U+2028
+    inside a line is part of it (generate split there: one line became two requests, and the line
+    numbers after it were off); a line that is not UTF-8 is that line's error in generate."""
+    from types import SimpleNamespace
+
+    from fullthrottle.cli import _read_texts
+    from fullthrottle.cli.generate_many import read_requests
+    from fullthrottle.cli.run import _bodies
+
+    f = tmp_path / "p.txt"
+    f.write_bytes("a\x0cb\r\nc\u2028d\n\xff\nlast\rline\n".encode().replace(b"\xc3\xbf", b"\xff"))
+    args = SimpleNamespace(max_new_tokens=4, temperature=0.0, top_k=0, top_p=1.0, seed=None)
+    got = read_requests(str(f), args, eos=2)
+    assert [n for n, _ in got] == [1, 2, 3, 4]
+    assert [b["prompt"] for _, b in (got[0], got[1], got[3])] == ["a\x0cb", "c\u2028d", "last\rline"]
+    assert got[2][1] == "line 3: not valid UTF-8 (byte 0xff at byte 1)"
+    assert list(_read_texts(str(f))) == ["a\x0cb", "c\u2028d", "\ufffd", "last\rline"]
+    j = tmp_path / "r.jsonl"
+    j.write_bytes(b'\xef\xbb\xbf{"inputs": [1]}\r\n\n{"inputs": "\xe2\x80\xa8"}\n')
+    with open(j, "rb") as fh:
+        assert list(_bodies(fh)) == [(1, {"inputs": [1]}, None), (3, {"inputs": "\u2028"}, None)]

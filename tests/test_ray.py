@@ -296,6 +296,8 @@ def test_serve_on_ray_stops_on_sigterm_with_exit_0(tmp_path, samples):
             except httpx.HTTPError:
                 pass
             time.sleep(1)
+        log.seek(0)
+        assert p.poll() is None, f"serve --ray exited with {p.returncode} before it was ready:\n{log.read()[-3000:]}"
         r = httpx.post(f"http://127.0.0.1:{port}/v1/classify", content=samples[0].read_bytes(), timeout=60)
         assert r.status_code == 200 and r.json()["results"][0]["top_k"], r.text
         p.send_signal(signal.SIGTERM)

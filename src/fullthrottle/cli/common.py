@@ -216,6 +216,18 @@ def stdin_bytes():
     return sys.stdin.buffer
 
 
+def numbered_lines(f):
+    """``(number from 1, bytes)`` per line of the binary file ``f``, without its ``\n`` or ``\r\n``
+    (lines end at ``\n`` only: a lone ``\r``, a form feed or U+2028 inside a line is part of it); a
+    UTF-8 byte-order mark opening the file, as Windows editors write, is dropped. What every command
+    that reads a request or a text per line reads its lines with."""
+    for no, raw in enumerate(f, 1):
+        if no == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        raw = raw[:-1] if raw.endswith(b"\n") else raw
+        yield no, raw[:-1] if raw.endswith(b"\r") else raw
+
+
 def overwrites_an_input(outputs: dict, inputs: dict) -> str | None:
     """The error for an output file that is also an input or another output (by the file itself:
     links and other spellings count; a file not there yet by its real path), or None. ``outputs``

@@ -8,7 +8,7 @@ import sys
 import time
 
 from ..core.json_body import json_type
-from .common import stdin_bytes
+from .common import numbered_lines, stdin_bytes
 
 
 def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str] | None = None):
@@ -26,17 +26,13 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
     """
     f = stdin_bytes() if path == "-" else open(path, "rb")
     try:
-        for no, raw in enumerate(f, 1):
+        for no, raw in numbered_lines(f):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
                 line = raw.decode("utf-8", errors="replace")
                 if not_utf8 is not None:
                     not_utf8.append(no)
-            line = line[:-1] if line.endswith("\n") else line
-            line = line[:-1] if line.endswith("\r") else line
-            if no == 1:
-                line = line.removeprefix("\ufeff")  # (a UTF-8 byte-order mark, as Windows editors write)
             if path.endswith(".jsonl"):
                 why = None
                 try:

@@ -18,7 +18,7 @@ import sys
 from types import SimpleNamespace
 
 from ..core.json_body import parse_body
-from .common import stdin_bytes
+from .common import numbered_lines, stdin_bytes
 
 
 def read_requests(path: str, args, eos=None) -> list[tuple[int, dict | str]]:
@@ -26,12 +26,10 @@ def read_requests(path: str, args, eos=None) -> list[tuple[int, dict | str]]:
     error of a line that is not one (``eos``: the model's end-of-sequence id(s); None: a request does
     not stop at the model's own)."""
     if path == "-":
-        lines = stdin_bytes().read().decode("utf-8", errors="replace").splitlines()
+        raws = list(numbered_lines(stdin_bytes()))
     else:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    if lines:  # (a UTF-8 byte-order mark, as Windows editors write: not part of the first request)
-        lines[0] = lines[0].removeprefix("\ufeff")
+        with open(path, "rb") as f:
+            raws = list(numbered_lines(f))
     out: list[tuple[int, dict | str]] = []
     defaults = {
         "max_tokens": args.max_new_tokens,
@@ -40,7 +38,12 @@ def read_requests(path: str, args, eos=None) -> list[tuple[int, dict | str]]:
         "top_p": args.top_p,
         **({} if eos is not None else {"ignore_eos": True}),  # (random weights: no end-of-sequence token)
     }
-    for n, line in enumerate(lines, 1):
+    for n, raw in raws:
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            out.append((n, f"line {n}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1})"))
+            continue
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):

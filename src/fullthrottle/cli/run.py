@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import _silence_stdout, stdin_bytes
+from .common import _silence_stdout, numbered_lines, stdin_bytes
 
 #: most requests read and answered at a time (bounds memory on large files; batches form within a
 #: chunk, of 4 batches' requests at least; each chunk's answers are written as it ends)
@@ -18,13 +18,11 @@ def _bodies(f):
     """``(line number, body or None, error or None)`` per non-empty line of the binary file ``f``."""
     from ..core.json_body import parse_body
 
-    for n, raw in enumerate(f, 1):
-        if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
-            raw = raw[3:]
+    for n, raw in numbered_lines(f):
         if not raw.strip():
             continue
         try:
-            yield n, parse_body(raw.rstrip(b"\r\n")), None
+            yield n, parse_body(raw), None
         except ValueError as e:  # (the body is one line of the file: a position in it is a column)
             yield n, None, str(e).replace(": line 1 column ", ": column ")
 
