@@ -117,7 +117,8 @@ def test_completions_and_chat_through_the_openai_client(llm):
     assert httpx.get(s.url + "/readyz").json()["llm"] == "tiny"
     # a route or method the server lacks: OpenAI's error shape under /v1/, which its client shows
     r404, r405 = httpx.post(s.url + "/v1/responses", json={}), httpx.get(s.url + "/v1/completions")
-    assert r404.status_code == 404 and r404.json()["error"]["message"] == "Not Found"
+    assert r404.status_code == 404 and r404.json()["error"]["message"] == "no route POST /v1/responses"
+    assert r404.json()["error"]["type"] == "invalid_request_error"  # (not a model the server lacks)
     assert r405.status_code == 405 and r405.json()["error"]["type"] and "POST" in r405.headers["allow"]
     prompt = "the quick brown fox"
     ids = text.encode(prompt)

@@ -295,6 +295,39 @@ def test_body_limit_413(samples):
         assert got.count(b"HTTP/1.1") == 1, got[:1000]
 
 
+def test_no_route_is_a_bad_request_naming_it_and_no_generated_docs_are_served(samples):
+    """A path the server lacks is 404 naming method and path, under /v1/ in OpenAI's shape as an
+    invalid request (it said model_not_found, which is for a model not served); FastAPI's /docs,
+    /redoc and /openapi.json are not served (they describe no route: each reads its body itself)."""
+    with Server(Tiny(), ServeOptions()) as s:
+        r = httpx.post(s.url + "/v1/classify/", content=samples[0].read_bytes())
+        assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert r.json()["detail"] == r.json()["error"]["message"] == "no route POST /v1/classify/"
+        r = httpx.get(s.url + "/nowhere")
+        assert (r.status_code, r.json()) == (404, {"detail": "no route GET /nowhere"})
+        assert [httpx.get(s.url + p).status_code for p in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
+
+
+def test_top_k_in_the_query_cuts_each_results_labels_and_other_parameters_are_refused(samples):
+    """``?top_k=N`` (1..the server's --top-k) gives each result its first N labels; a query parameter
+    the route does not take, or a top_k out of range, is 400 naming it (they were ignored: 5 labels)."""
+    with Server(Tiny(), ServeOptions(), top_k=3) as s:
+        data = samples[0].read_bytes()
+        whole = post_image(s.url, data).json()["results"][0]["top_k"]
+        r = httpx.post(s.url + "/v1/classify?top_k=1", content=data)
+        assert len(whole) == 3 and r.json()["results"][0]["top_k"] == whole[:1], r.text
+        for query, says in (
+            ("top_k=0", "top_k must be an integer 1..3 (the server's --top-k), got '0'"),
+            ("top_k=4", "top_k must be an integer 1..3 (the server's --top-k), got '4'"),
+            ("top_k=-5", "got '-5'"),
+            ("top_k=%C2%B2", "got '\u00b2'"),  # (a superscript two: a digit to str.isdigit)
+            ("top_k=1&top_k=2", "top_k is given more than once"),
+            ("topk=1", "unknown query parameter 'topk': /v1/classify takes top_k (1..3)"),
+        ):
+            r = httpx.post(s.url + "/v1/classify?" + query, content=data)
+            assert r.status_code == 400 and says in r.json()["detail"], (query, r.text)
+
+
 def test_flood_gets_503_then_serves_normally(samples):
     data = samples[0].read_bytes()
     with Server(SlowTiny(), ServeOptions(max_queue=2, timeout_s=60), max_batch_size=2) as s:

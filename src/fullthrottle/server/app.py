@@ -25,7 +25,7 @@ from ..workloads.embed_api import EmbeddingsAPI
 from .classify_route import LocalClassifier, add_classify_route
 from .fetch import FetchPolicy
 from .guard import error_body, set_busy
-from .http_layer import add_basics, uvicorn_server
+from .http_layer import NO_DOCS, add_basics, uvicorn_server
 from .metrics import ServerMetrics
 from .options import MAX_CONNECTIONS, ServeOptions
 from .services import BatchingService, CompletionService
@@ -127,6 +127,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
         lifespan=lifespan,
         description="Image classification with cross-request dynamic batching on the GPU.",
         redirect_slashes=False,  # (/v1/classify/ is 404: a redirect would name the client's Host header)
+        **NO_DOCS,
     )
 
     reply = add_basics(app, m.requests, opts.api_keys)
@@ -167,7 +168,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             why = "embeddings are not enabled (start the server with --embed-model)"
             return reply("/v1/embeddings", 404, error_body(404, why, openai=True))
 
-    add_classify_route(app, state, opts, policy, reply, m, cfg.max_image_pixels)
+    add_classify_route(app, state, opts, policy, reply, m, cfg.max_image_pixels, cfg.top_k)
     app.state.ft = state  # (the engine process of a multi-process server serves from it)
     return app
 

@@ -58,7 +58,26 @@ class LocalClassifier:
         return list(await asyncio.gather(*futs))
 
 
-def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image_pixels: int):
+def _top_k_asked(request: Request, most: int) -> int | None:
+    """The request's ``?top_k=N`` (1..``most``, the server's ``--top-k``: each result's labels cut to
+    N), or None. Raises HTTPError 400 for another query parameter (it would be ignored unseen), a
+    second ``top_k``, or one that is no integer in range."""
+    params = request.query_params
+    other = next((k for k in params.keys() if k != "top_k"), None)
+    if other is not None:
+        raise HTTPError(400, f"unknown query parameter {other[:100]!r}: {ROUTE} takes top_k (1..{most})")
+    got = params.getlist("top_k")
+    if not got:
+        return None
+    if len(got) > 1:
+        raise HTTPError(400, "top_k is given more than once")
+    v = got[0]
+    if not (v.isascii() and v.isdigit() and len(v) < 10 and 1 <= int(v) <= most):
+        raise HTTPError(400, f"top_k must be an integer 1..{most} (the server's --top-k), got {v[:100]!r}")
+    return int(v)
+
+
+def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image_pixels: int, top_k: int):
     """Add ``POST /v1/classify`` to ``app``; returns its handler (``await handler(request)``: the
     response, for a caller that routes to it itself).
 
@@ -70,6 +89,7 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
         reply: ``reply(route, status, body, headers=None)``: the JSON response, counted in the metrics.
         metrics: the app's :class:`~fullthrottle.server.metrics.ServerMetrics`.
         max_image_pixels: one image's pixel limit (the pipeline's), for the request's total check.
+        top_k: the labels each result holds (the pipeline's ``top_k``): the most ``?top_k=`` may ask.
     """
 
     async def read_images(request: Request) -> list[tuple[str, bytes | EntryError]]:
@@ -153,6 +173,7 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
                 raise HTTPError(503, "model is loading", {"Retry-After": str(opts.retry_after_s)})
             if not opts.classify:
                 raise HTTPError(404, "image classification is not served (the server was started with --no-classify)")
+            k = _top_k_asked(request, top_k)
             images = await read_images(request)
             n_new = sum(not isinstance(data, EntryError) for _, data in images)
             if n_new > opts.max_queue:  # (a 503 would ask for a retry that can never succeed)
@@ -181,6 +202,10 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
                     for i, (r, (iid, _)) in enumerate(zip(results, images))
                 ]
             }
+            if k is not None:
+                for d in body["results"]:
+                    if "top_k" in d:
+                        d["top_k"] = d["top_k"][:k]
             status = 200
             if all(not r.ok for r in results):  # the model's fault (compute stage): 500; the input's: 422
                 status = 500 if any(r.error_stage == "compute" for r in results) else 422

@@ -260,7 +260,7 @@ async def _json(send, status: int, body: dict, headers: dict | None = None) -> N
     await send({"type": "http.response.body", "body": data})
 
 
-def create_front_app(opts, max_image_pixels: int, client_box: list):
+def create_front_app(opts, max_image_pixels: int, top_k: int, client_box: list):
     """The worker's ASGI app: its own FastAPI app for :data:`LOCAL_ROUTES` (``POST /v1/classify``
     straight to its route's handler, after the API-key check), the engine for the rest.
     ``client_box[0]`` is the :class:`EngineClient` (made once the event loop runs)."""
@@ -276,7 +276,7 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
     from .classify_route import ROUTE as CLASSIFY
     from .classify_route import add_classify_route
     from .fetch import FetchPolicy
-    from .http_layer import ROUTES, add_basics
+    from .http_layer import NO_DOCS, ROUTES, add_basics
     from .metrics import ServerMetrics
 
     policy = (
@@ -298,7 +298,7 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
         finally:
             await state["http"].aclose()
 
-    local = FastAPI(title="fullthrottle", lifespan=lifespan, redirect_slashes=False)
+    local = FastAPI(title="fullthrottle", lifespan=lifespan, redirect_slashes=False, **NO_DOCS)
 
     reply = add_basics(local, m.requests, opts.api_keys)
 
@@ -310,7 +310,7 @@ def create_front_app(opts, max_image_pixels: int, client_box: list):
         MultiProcessCollector(reg)  # every process's counters and histograms, summed
         return PlainTextResponse(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
 
-    classify = add_classify_route(local, state, opts, policy, reply, m, max_image_pixels)
+    classify = add_classify_route(local, state, opts, policy, reply, m, max_image_pixels, top_k)
 
     async def app(scope, receive, send):
         hot = scope["type"] == "http" and scope["path"] == CLASSIFY and scope["method"] == "POST"
@@ -368,7 +368,7 @@ def main() -> None:
     opts = ServeOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings["options"].items()})
     box: list = [None]
     server = uvicorn_server(
-        create_front_app(opts, settings["max_image_pixels"], box), opts, settings["max_connections"]
+        create_front_app(opts, settings["max_image_pixels"], settings["top_k"], box), opts, settings["max_connections"]
     )
 
     engine_pid = os.getppid()

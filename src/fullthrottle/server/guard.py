@@ -60,12 +60,13 @@ def overloaded(e: Exception, retry_after_s: float) -> HTTPError:
 _OPENAI_ERROR_TYPES = {404: "model_not_found", 500: "server_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
-def error_body(status: int, detail: str, openai: bool = False) -> dict:
+def error_body(status: int, detail: str, openai: bool = False, kind: str | None = None) -> dict:
     """An error answer's JSON: ``{"detail": ...}``, and with ``openai`` also OpenAI's ``{"error":
-    {"message", "type", "param", "code"}}`` (what its client shows)."""
+    {"message", "type", "param", "code"}}`` (what its client shows; ``type``: ``kind``, else the
+    status's: 404 ``model_not_found``)."""
     if not openai:
         return {"detail": detail}
-    kind = _OPENAI_ERROR_TYPES.get(status, "invalid_request_error")
+    kind = kind or _OPENAI_ERROR_TYPES.get(status, "invalid_request_error")
     return {"error": {"message": detail, "type": kind, "param": None, "code": status}, "detail": detail}
 
 

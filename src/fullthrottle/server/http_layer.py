@@ -31,6 +31,10 @@ ROUTES = (
     "/metrics",
 )  # metric labels
 
+#: FastAPI's generated docs are not served (``/docs``, ``/redoc``, ``/openapi.json``: 404): every route
+#: reads its body itself, so they would describe none of them
+NO_DOCS = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+
 
 def add_key_check(app, keys: tuple[str, ...], reply) -> None:
     """With any ``keys``: every route but ``/healthz`` answers 401 without ``Authorization: Bearer KEY``
@@ -67,8 +71,11 @@ def add_basics(app, requests_counter, keys: tuple[str, ...]):
     async def no_such_route(request, exc):  # 404 (no route), 405 (method): counted like every answer
         # (a 405's path is a route of the app's; a 404's may be anything: one label for them all)
         route = request.url.path if exc.status_code == 405 or request.url.path in ROUTES else "other"
-        # (under /v1/ also OpenAI's error shape, which its clients show, beside "detail")
-        body = error_body(exc.status_code, exc.detail, openai=request.url.path.startswith("/v1/"))
+        # (under /v1/ also OpenAI's error shape, which its clients show, beside "detail"; no route
+        # is a bad request, as OpenAI's API answers one, not a model it lacks)
+        openai = request.url.path.startswith("/v1/")
+        detail = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else exc.detail
+        body = error_body(exc.status_code, detail, openai, "invalid_request_error")
         return reply(route, exc.status_code, body, getattr(exc, "headers", None))
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])

@@ -146,6 +146,7 @@ async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, 
         {
             "options": {k: getattr(opts, k) for k in _OPTION_FIELDS},
             "max_image_pixels": config.max_image_pixels,
+            "top_k": config.top_k,
             "max_connections": max_connections,  # (each worker's own: they take uneven shares of the clients)
         }
     ).encode()
