@@ -1278,3 +1278,40 @@ def test_request_and_text_files_split_at_newlines_only_and_name_a_line_not_utf8(
     j.write_bytes(b'\xef\xbb\xbf{"inputs": [1]}\r\n\n{"inputs": "\xe2\x80\xa8"}\n')
     with open(j, "rb") as fh:
         assert list(_bodies(fh)) == [(1, {"inputs": [1]}, None), (3, {"inputs": "\u2028"}, None)]
+
+
+def test_version_is_the_packages(capsys):
+    """``fullthrottle --version`` prints the version pyproject.toml gives the package."""
+    import tomllib
+    from pathlib import Path
+
+    import fullthrottle
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    pyproject = tomllib.loads((Path(fullthrottle.__file__).parents[2] / "pyproject.toml").read_text())
+    assert e.value.code == 0 and capsys.readouterr().out == f"fullthrottle {pyproject['project']['version']}\n"
+
+
+def test_classify_reads_its_inputs_from_stdin_with_a_dash(samples, tmp_path, monkeypatch, capsys):
+    """``classify -``: the inputs on stdin, one a line (blank lines skipped, a glob expanded, a name
+    that is not UTF-8 kept as the file system's), answered in order among the other INPUTs; '-'
+    twice or a closed stdin is a usage error (it was one item, "file not found: -")."""
+    import io
+
+    odd = tmp_path / os.fsdecode(b"caf\xe9.jpg")  # (a Latin-1 name: not UTF-8)
+    odd.write_bytes(samples[2].read_bytes())
+    listed = f"{samples[0]}\n\n{tmp_path / 'missing.jpg'}\r\n".encode() + os.fsencode(odd) + b"\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(listed)))
+    args = ["--device", "cpu", "--no-progress", "--out", "-", "--model", "efficientnet_lite0"]
+    assert main(["classify", str(samples[1]), "-", *args]) == 1  # (one input missing)
+    got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ids = [str(samples[1]), str(samples[0]), str(tmp_path / "missing.jpg"), str(tmp_path / "caf\\xe9.jpg")]
+    assert [g["id"] for g in got] == ids and "file not found" in got[2]["error"] and "error" not in got[3]
+    want = [s.stem.split("_", 1)[1].replace("_", " ") for s in (samples[1], samples[0], samples[2])]
+    assert [got[i]["top_k"][0]["label"].lower() for i in (0, 1, 3)] == [w.lower() for w in want]
+    assert main(["classify", "-", "-", *args]) == 2
+    assert "'-' (the inputs on stdin) is given more than once" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", None)
+    assert main(["classify", "-", *args]) == 2
+    assert "cannot read the inputs from stdin: stdin is closed" in capsys.readouterr().err

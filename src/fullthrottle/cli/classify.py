@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 
 from .classify_ray import classify_on_ray_cli, ray_refusal
 from .common import (
@@ -15,11 +16,26 @@ from .common import (
     _silence_stdout,
     freeze_startup_objects,
     held_sigint,
+    numbered_lines,
     sample_photos,
     sigterm_as_interrupt,
+    stdin_bytes,
     stopped,
     write_report_json,
 )
+
+
+def _with_stdin_list(inputs: list) -> Iterator:
+    """``inputs`` with ``-`` replaced by the inputs read from stdin, one per line (paths, folders,
+    globs or URLs; blank lines skipped; a name's bytes as the file system gives them), read as the
+    run goes."""
+    for inp in inputs:
+        if inp != "-":
+            yield inp
+            continue
+        for _, raw in numbered_lines(stdin_bytes()):
+            if raw.strip():
+                yield os.fsdecode(raw)
 
 
 def _output_among_inputs(inputs, *outputs) -> str | None:
@@ -38,7 +54,7 @@ def _output_among_inputs(inputs, *outputs) -> str | None:
             continue
         target = os.path.realpath(out)
         for inp in inputs or ():
-            if not isinstance(inp, str) or "://" in inp:
+            if not isinstance(inp, str) or "://" in inp or inp == "-":  # (stdin's: read later)
                 continue
             if glob.has_magic(inp) and not os.path.exists(inp):  # (matched by name: no walk of the tree here)
                 pattern = os.path.abspath(inp).split(os.sep)
@@ -89,6 +105,13 @@ def _classify(args) -> int:
 
     inputs = args.inputs
     refusal = ray_refusal(args) if args.ray is not None else None
+    if not refusal and "-" in inputs:
+        try:
+            stdin_bytes()
+        except OSError as e:
+            refusal = f"cannot read the inputs from stdin: {e.strerror}"
+        if inputs.count("-") > 1:
+            refusal = "'-' (the inputs on stdin) is given more than once"
     if refusal:
         print(f"fullthrottle: error: {refusal}", file=sys.stderr)
         return 2
@@ -131,6 +154,8 @@ def _classify(args) -> int:
         except OSError as e:
             print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
             return 2
+    if "-" in inputs:
+        inputs = args.inputs = _with_stdin_list(inputs)
     if args.ray is not None:  # (its outputs checked and opened as a local run's)
         return classify_on_ray_cli(args, out)
     try:
@@ -209,7 +234,7 @@ def _classify(args) -> int:
         desc="classify",
         disable=args.no_progress or None,
         file=sys.stderr,
-        total=len(inputs) if all(os.path.isfile(str(i)) for i in inputs) else None,
+        total=len(inputs) if isinstance(inputs, list) and all(os.path.isfile(str(i)) for i in inputs) else None,
     )
     results = pipe.run(inputs)
     dest = args.out if args.out not in (None, "-") else "stdout"  # (where the results go, named in errors)

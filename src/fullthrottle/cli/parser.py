@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from .. import __version__
 from ..core.config import LlmSettings, usable_cores
 from ..core.env import describe as describe_env
 from ..server.options import MAX_CONNECTIONS, SERVE_DECODER_PROCESSES, SERVE_MAX_WAIT_MS, ServeOptions
@@ -26,8 +27,6 @@ from .options import (
 )
 
 _SO = ServeOptions  # (its fields' defaults are serve's flags' defaults)
-
-
 MAX_HTTP_WORKERS = 64
 
 
@@ -45,11 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fullthrottle",
         description="GPU inference that keeps the GPU busy: load (asyncio) -> preprocess (threads or "
-        "worker processes) -> "
-        "dynamic batching -> model on the device -> top-k on the device.",
+        "worker processes) -> dynamic batching -> model on the device -> top-k on the device.",
         epilog="Environment variables:\n" + describe_env(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser(
         "classify",
@@ -62,14 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
         "configuration error, or --out / --report-json cannot be written; 130 interrupted (Ctrl-C); 143 on SIGTERM.",
     )
     c.add_argument(
-        "inputs", nargs="*", metavar="INPUT", help="image file, folder (recursive), glob pattern or http(s) URL"
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="image file, folder, glob or http(s) URL; -: these from stdin, a line each",
     )
     add_runtime_args(c, "--batch-size", "max batch size")
-    c.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the model (kernel fusion) before graph capture; slow start",
-    )
+    c.add_argument("--compile", action="store_true", help="torch.compile the model before graph capture; slow start")
     c.add_argument("--out", help="write one JSON line per item to this file ('-' for stdout)")
     c.add_argument("--unordered", action="store_true", help="emit results in completion order")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -111,8 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="images (or a workload's requests) waiting to enter the model's pipeline before 503 (the "
         "pipeline holds more in flight besides, being decoded and batched: about 4 batches of "
         "--max-batch-size, and 4 more per GPU decoder process); a request with more images than this "
-        "can never fit (413) "
-        "(default: %(default)s; --max-images is the usual per-request limit)",
+        "can never fit (413) (default: %(default)s; --max-images is the usual per-request limit)",
     )
     v.add_argument(
         "--timeout-s",
