@@ -196,6 +196,8 @@ def test_inputs_that_are_not_iterable_are_a_type_error_at_once():
 
     with pytest.raises(TypeError, match="async iterable"):
         next(pipe.run(agen()))
+    with pytest.raises(TypeError, match=r"got a dict \(its keys would be the inputs: pass list\(d.values\(\)\)"):
+        next(pipe.run({"a": b"\xff\xd8"}))  # (it read the key "a" as a path: file not found)
     assert len(pipe.classify([])) == 0  # not left busy
 
 

@@ -142,7 +142,7 @@ def test_concurrent_clients_get_library_results_and_share_batches(samples):
         assert re.search(r'requests_total\{route="/healthz",status="405"\} 1.0', metrics), metrics[:1500]
 
 
-def test_multipart_and_json_urls(samples, http_server):
+def test_multipart_and_json_urls(samples, http_server, caplog):
     with Server(Tiny(), ServeOptions(allow_fetch=("127.0.0.1",))) as s:
         files = [("files", (p.name, p.read_bytes(), "image/jpeg")) for p in samples[:3]]
         r = httpx.post(s.url + "/v1/classify", files=files, timeout=30)
@@ -165,7 +165,7 @@ def test_multipart_and_json_urls(samples, http_server):
             "cannot fetch URL 1"
         )
         odd = [f"{http_server}/a.jpg", 7, "ftp://h/x.jpg", "h/x.jpg", None, "\ud800", f"{http_server}/\udcff.jpg"]
-        odd += [" http://h/x.jpg", "http:///x.jpg", "http://[::1", "http://h:99999/x.jpg", "http://u:p@h/x.jpg"]
+        odd += [" http://h/x.jpg", "http:///x.jpg", "http://[::1", "http://h:99999/x.jpg", "http://u:p@h/x.jpg", ""]
         body = json.dumps({"urls": odd})  # (ASCII: the surrogates as JSON escapes)
         bad_entries = httpx.post(
             s.url + "/v1/classify", content=body, headers={"content-type": "application/json"}, timeout=30
@@ -193,16 +193,22 @@ def test_multipart_and_json_urls(samples, http_server):
             (odd[9], f"{odd[9]}: invalid URL (Invalid IPv6 URL)", "unsupported_input"),
             (odd[10], f"{odd[10]}: invalid URL (Port out of range 0-65535)", "unsupported_input"),
             (odd[11], f"{odd[11]}: invalid URL (credentials in it are not sent)", "unsupported_input"),
+            ("URL 12", "URL 12: invalid URL (an empty string)", "unsupported_input"),
         ]  # (a lone surrogate, which JSON may carry, is written as its escape: it was a 500)
         metrics = httpx.get(s.url + "/metrics").text  # (each image's error counted by its stage and kind)
-        assert 'fullthrottle_item_errors_total{kind="unsupported_input",stage="load"} 11.0' in metrics
+        assert 'fullthrottle_item_errors_total{kind="unsupported_input",stage="load"} 12.0' in metrics
         assert 'fullthrottle_item_errors_total{kind="fetch_failed",stage="load"} 2.0' in metrics
         too_many = httpx.post(s.url + "/v1/classify", json={"urls": [f"{http_server}/a.jpg"] * 65})
         assert too_many.status_code == 413
-        bad_mp = httpx.post(
-            s.url + "/v1/classify", content=b"garbage", headers={"content-type": "multipart/form-data; boundary=xyz"}
+        bad_mp = httpx.post(  # (an image sent as multipart: no log line of the parser's)
+            s.url + "/v1/classify",
+            content=samples[0].read_bytes(),
+            headers={"content-type": "multipart/form-data; boundary=xyz"},
         )
-        assert bad_mp.status_code == 400 and "multipart" in bad_mp.json()["detail"]
+        assert bad_mp.status_code == 400 and bad_mp.json()["detail"].startswith(
+            "malformed multipart body: its boundary (Content-Type's boundary=) is nowhere in it; send one image"
+        ), bad_mp.text
+        assert not [r for r in caplog.records if r.name.startswith("python_multipart")], caplog.text
         long_name = [("files", ("a" * 5000 + ".jpg", samples[0].read_bytes(), "image/jpeg"))]
         r = httpx.post(s.url + "/v1/classify", files=long_name, timeout=30)
         from python_multipart import multipart

@@ -91,6 +91,9 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
         max_image_pixels: one image's pixel limit (the pipeline's), for the request's total check.
         top_k: the labels each result holds (the pipeline's ``top_k``): the most ``?top_k=`` may ask.
     """
+    # (the multipart parser's warnings on a client's malformed body, answered 400 with the reason: no
+    # log line a client could write at will)
+    logging.getLogger("python_multipart").setLevel(logging.CRITICAL)
 
     async def read_images(request: Request) -> list[tuple[str, bytes | EntryError]]:
         """(id, bytes) for every image in the request. Raises HTTPError."""
@@ -105,6 +108,7 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
                 'multipart/form-data files, or {"urls": [...]} as application/json',
             )
         if ctype == "multipart/form-data":
+            boundary = request.headers.get("content-type", "").partition("boundary=")[2].split(";")[0].strip('"')
             try:
                 form = await _parse_form(request, body, opts.max_images)
             except _FieldsOnly as e:
@@ -112,9 +116,14 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             except Exception as e:  # noqa: BLE001 - starlette's MultiPartException and parser errors
                 if "too many files" in str(e).lower():  # (the parser stops one file past the limit)
                     raise HTTPError(413, f"more than {opts.max_images} images in one request") from None
+                if boundary and f"--{boundary}".encode() not in body:  # (an image sent as multipart, say)
+                    raise HTTPError(
+                        400,
+                        "malformed multipart body: its boundary (Content-Type's boundary=) is nowhere in it; "
+                        "send one image as the raw body, or several as multipart/form-data files",
+                    ) from None
                 raise HTTPError(400, f"malformed multipart body: {_multipart_reason(e)}") from None
             images = [(name, data if isinstance(data, EntryError) else await data.read()) for name, data in form]
-            boundary = request.headers.get("content-type", "").partition("boundary=")[2].split(";")[0].strip('"')
             if not images and boundary and f"--{boundary}--".encode() not in body:
                 raise HTTPError(400, "malformed multipart body: it ends before its closing boundary")
         elif ctype == "application/json":
@@ -153,6 +162,8 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
         async def fetch(i, u):  # (an entry that is no http(s) URL is its own error: the others go on)
             if not isinstance(u, str):
                 return f"URL {i}", EntryError(f"invalid URL (a string is expected, not {json_type(u)})")
+            if not u:  # (named by its place: an empty id would read as no id)
+                return f"URL {i}", EntryError("invalid URL (an empty string)")
             why = _url_spelling(u)
             if why:
                 return u, EntryError(why)

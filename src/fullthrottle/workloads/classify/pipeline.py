@@ -25,7 +25,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import replace
 
 import torch
@@ -199,10 +199,14 @@ class Pipeline:
     def _begin(self, inputs: Iterable, drop=None) -> Run:
         if isinstance(inputs, (str, bytes)) or hasattr(inputs, "__fspath__"):
             inputs = [inputs]
-        if not isinstance(inputs, Iterable):  # (a clear error now, not a stage failure once running)
+        if not isinstance(inputs, Iterable) or isinstance(inputs, Mapping):  # (a clear error now, not a
+            # stage failure once running; a dict would give its keys)
             what = (
                 "an async iterable (iterate it yourself and pass a list or a plain generator)"
                 if hasattr(inputs, "__aiter__")
+                else f"a {type(inputs).__name__} (its keys would be the inputs: pass list(d.values()), or "
+                "list(d.items()) for (id, bytes) pairs)"
+                if isinstance(inputs, Mapping)
                 else type(inputs).__name__
             )
             raise TypeError(f"inputs must be an iterable of paths, URLs, bytes or (id, bytes) pairs, got {what}")
