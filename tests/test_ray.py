@@ -241,7 +241,11 @@ def test_classify_ray_names_why_its_actors_could_not_start(cluster, samples, tmp
         (["classify", "--ray", "127.0.0.1:WEB", "--device", "cpu"], "at 127.0.0.1:WEB: no Ray cluster answers"),
         (
             ["run", "LINES", "--workload", "tests.toy_workload:Summer", "--ray", "--ray-address", "head-node"],
-            "Ray cluster address 'head-node': not HOST:PORT, ray://HOST:PORT or auto",
+            "Ray cluster address 'head-node': not HOST:PORT or auto",
+        ),
+        (  # (Ray Data's jobs fail inside Ray through Ray Client: AttributeError 'core_worker')
+            ["classify", "--ray", "ray://127.0.0.1:WEB", "--device", "cpu"],
+            "a Ray Data job does not run through Ray Client (ray://); run it on a node of the cluster",
         ),
     ],
 )

@@ -3,9 +3,9 @@
 server's app on Ray Serve (:func:`serve_on_ray`, the workloads included).
 
 Ray is an optional extra (``pip install 'fullthrottle[ray]'``); the core never imports this module.
-Each actor builds one :class:`~fullthrottle.workloads.classify.pipeline.Pipeline` (model load, graph capture) when it
-starts and then classifies the batches Ray hands it: decoding, batching and graph replay happen inside
-the actor, exactly as in a single process.
+Each actor builds one :class:`~fullthrottle.workloads.classify.pipeline.Pipeline` (model load, graph
+capture) when it starts and then classifies the batches Ray hands it: decoding, batching and graph
+replay happen inside the actor, exactly as in a single process.
 
 Example (a folder of JPEGs to Parquet)::
 
@@ -16,7 +16,7 @@ Example (a folder of JPEGs to Parquet)::
     ds = ds.map_batches(RayClassifier, fn_constructor_kwargs={"config": {"model": "efficientnet_lite0"}},
                         compute=ray.data.ActorPoolStrategy(size=2), num_gpus=1, batch_size=256,
                         batch_format="pandas")
-    ds.write_parquet("out/")                                                 # id, labels, probs, error
+    ds.write_parquet("out/")  # id, labels, probs, error
 """
 
 from __future__ import annotations
@@ -160,9 +160,9 @@ class SetupFailed(RuntimeError):
 
 
 class RayUnreachable(RuntimeError):
-    """The Ray cluster's address is not ``HOST:PORT`` (or ``ray://HOST:PORT``), or no Ray cluster
-    answers there within :data:`RAY_CONNECT_S` (``ray.init`` would wait without end on a port where
-    something else listens, saying nothing)."""
+    """The Ray cluster's address is not ``HOST:PORT`` (``ray://``, Ray Client, is refused), or no Ray
+    cluster answers there within :data:`RAY_CONNECT_S` (``ray.init`` would wait without end on a port
+    where something else listens, saying nothing)."""
 
 
 #: seconds a given Ray cluster's address has to answer before a job says it cannot reach it
@@ -173,9 +173,8 @@ _GCS_PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 
 
 def _check_reachable(address: str | None) -> None:
-    """Raises :class:`RayUnreachable` for a ``HOST:PORT`` address where no Ray cluster answers;
-    ``None`` (a local cluster) and ``"auto"`` (Ray's own discovery) are left to Ray, and a
-    ``ray://`` address (Ray Client, which times out by itself) is only checked to accept connections."""
+    """Raises :class:`RayUnreachable` for a ``HOST:PORT`` address where no Ray cluster answers, or a
+    ``ray://`` one (Ray Data's jobs fail through Ray Client); None and ``"auto"`` are left to Ray."""
     if address is None or address == "auto":
         return
     scheme, _, rest = address.rpartition("://")
@@ -183,15 +182,18 @@ def _check_reachable(address: str | None) -> None:
     bracketed = host.startswith("[") and host.endswith("]")
     host = host[1:-1] if bracketed else host
     odd_host = not host or (":" in host and not bracketed) or host != host.strip()
-    if scheme not in ("", "ray") or odd_host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise RayUnreachable(f"Ray cluster address {address!r}: not HOST:PORT, ray://HOST:PORT or auto")
+    if scheme == "ray":
+        raise RayUnreachable(
+            f"Ray cluster address {address!r}: a Ray Data job does not run through Ray Client (ray://); run "
+            "it on a node of the cluster, with the address HOST:PORT (the head's GCS port, 6379 by default) or auto"
+        )
+    if scheme or odd_host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RayUnreachable(f"Ray cluster address {address!r}: not HOST:PORT or auto")
     try:
         socket.create_connection((host, int(port)), timeout=RAY_CONNECT_S).close()
     except OSError as e:
         why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e))
         raise RayUnreachable(f"cannot reach the Ray cluster at {address}: {why}") from None
-    if scheme == "ray":
-        return
     import grpc  # (Ray's own dependency)
 
     with grpc.insecure_channel(f"[{host}]:{port}" if bracketed else f"{host}:{port}") as ch:
@@ -214,8 +216,7 @@ class RayWorkload:
 
     A batch (pandas DataFrame) holds a ``request`` column: each a JSON string of one request body.
     The output has one row per input row: ``response`` (the answer as a JSON string, or None),
-    ``error`` (None when ok) and ``node``.
-    """
+    ``error`` (None when ok) and ``node``."""
 
     def __init__(self, workload: str, device: str = "auto"):
         from .core.device import resolve_device
