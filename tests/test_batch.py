@@ -279,3 +279,48 @@ def test_gpu_batches_take_lists_up_to_the_limit_and_keep_the_rest():
     assert take_gpu_batch(run, carry, 4, 0.0, ends_wanted=1) == ([7], 0)
     carry = list(range(10))  # more carried than a batch holds: no queue read at all
     assert take_gpu_batch(run, carry, 4, 0.0, ends_wanted=1) == ([0, 1, 2, 3], 0) and carry == list(range(4, 10))
+
+
+def test_read_ahead_takes_what_came_when_the_source_stalls_and_raises_after_it():
+    """ReadAhead: full lists from a fast source; from one that stalls, what came so far (within
+    linger_s); the source's error after its last items; close() ends a take() waiting on a source
+    that blocks."""
+    import threading
+    import time
+
+    from fullthrottle.core.read_ahead import ReadAhead
+
+    r = ReadAhead(range(10), 4)
+    assert [r.take() for _ in range(3)] == [
+        ([0, 1, 2, 3], None, False),
+        ([4, 5, 6, 7], None, False),
+        ([8, 9], None, True),
+    ]
+    gate = threading.Event()
+
+    def stalls():
+        yield "a"
+        yield "b"
+        gate.wait(30)  # (a terminal: nothing more until the user types)
+        yield "c"
+        raise ValueError("bad line")
+
+    r = ReadAhead(stalls(), 100, linger_s=0.05)
+    t0 = time.monotonic()
+    assert r.take() == (["a", "b"], None, False) and time.monotonic() - t0 < 5
+    gate.set()
+    block, err, ended = r.take()
+    assert block == ["c"] and isinstance(err, ValueError) and ended
+    blocked = threading.Event()
+
+    def never():
+        yield 1
+        blocked.wait()  # (never set: a read that does not return)
+        yield 2
+
+    r = ReadAhead(never(), 10)
+    assert r.take() == ([1], None, False)
+    threading.Timer(0.3, r.close).start()
+    t0 = time.monotonic()
+    assert r.take() == ([], None, False) and time.monotonic() - t0 < 5
+    blocked.set()

@@ -1233,14 +1233,18 @@ def test_sigterm_stops_run_embed_and_generate_as_ctrl_c_does_saying_so(tmp_path)
     ]
     procs = [(args, sig, _cli_with_examples(args, stdout=subprocess.DEVNULL)) for args, sig in commands]  # (at once)
 
-    def reading_stdin(pid: int) -> bool:  # some thread of it blocked in read(0, ...)
+    def reading_stdin(pid: int) -> bool:  # some thread of it blocked in read(fd, ...), fd stdin's pipe
+        import os
+
         for task in Path(f"/proc/{pid}/task").iterdir():
             try:
                 call = (task / "syscall").read_text().split()
+                if len(call) > 1 and call[0] == "0":
+                    fd = int(call[1], 16)
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") == os.readlink(f"/proc/{pid}/fd/0"):
+                        return True
             except OSError:
                 continue
-            if len(call) > 1 and call[0] == "0" and int(call[1], 16) == 0:
-                return True
         return False
 
     for args, sig, p in procs:
@@ -1315,3 +1319,29 @@ def test_classify_reads_its_inputs_from_stdin_with_a_dash(samples, tmp_path, mon
     monkeypatch.setattr(sys, "stdin", None)
     assert main(["classify", "-", *args]) == 2
     assert "cannot read the inputs from stdin: stdin is closed" in capsys.readouterr().err
+
+
+def test_embed_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c(tmp_path):
+    """``embed -`` on a pipe (or a terminal) that stays open: each line's vector is written as it
+    comes (they waited for a chunk of 1,024 lines or the end), and a Ctrl-C while it waits for more
+    exits 130 at once (it waited for the end of stdin)."""
+    import select
+    import signal
+    import time
+
+    p = _cli_with_examples(["embed", "-", "--device", "cpu", "--out", "-"], stdout=subprocess.PIPE)
+    try:
+        p.stdin.write("hello world\nthe quick brown fox\n")
+        p.stdin.flush()
+        got, deadline = [], time.time() + 120
+        while len(got) < 2 and time.time() < deadline:
+            if select.select([p.stdout], [], [], 1)[0]:
+                got.append(json.loads(p.stdout.readline()))
+        assert [g["index"] for g in got] == [0, 1] and len(got[0]["embedding"]) == 384, got
+        p.send_signal(signal.SIGINT)  # (stdin still open)
+        t0 = time.time()
+        assert p.wait(30) == 130 and time.time() - t0 < 10
+        assert p.stderr.read().strip().splitlines()[-1] == "interrupted"
+    finally:
+        if p.poll() is None:
+            p.kill()

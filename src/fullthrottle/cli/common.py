@@ -216,6 +216,24 @@ def stdin_bytes():
     return sys.stdin.buffer
 
 
+def own_stdin():
+    """stdin as a binary file of its own (a duplicate of its descriptor), for a thread that may stay
+    blocked reading it when the command ends (Ctrl-C at a terminal or an open pipe): one blocked in
+    ``sys.stdin.buffer`` holds its lock, and the interpreter aborts at exit trying to take it.
+    :func:`stdin_bytes` itself where stdin has no descriptor (a test's stand-in).
+
+    Raises:
+        OSError: stdin is closed.
+    """
+    import io
+
+    f = stdin_bytes()
+    try:
+        return os.fdopen(os.dup(f.fileno()), "rb")
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return f
+
+
 def numbered_lines(f):
     """``(number from 1, bytes)`` per line of the binary file ``f``, without its ``\n`` or ``\r\n``
     (lines end at ``\n`` only: a lone ``\r``, a form feed or U+2028 inside a line is part of it); a

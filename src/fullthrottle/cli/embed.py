@@ -8,7 +8,7 @@ import sys
 import time
 
 from ..core.json_body import json_type
-from .common import numbered_lines, stdin_bytes
+from .common import numbered_lines, own_stdin, stdin_bytes
 
 
 def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str] | None = None):
@@ -24,7 +24,7 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
     Raises:
         ValueError: such a line when ``bad`` is None, naming the line.
     """
-    f = stdin_bytes() if path == "-" else open(path, "rb")
+    f = own_stdin() if path == "-" else open(path, "rb")
     try:
         for no, raw in numbered_lines(f):
             try:
@@ -68,7 +68,7 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
             else:
                 yield line
     finally:
-        if path != "-":  # (stdin stays open)
+        if f is not getattr(sys.stdin, "buffer", None):  # (stdin itself stays open)
             f.close()
 
 

@@ -289,40 +289,39 @@ class Embedder:
 
     def embed_stream(self, texts, chunk: int | None = None):
         """Embed an iterable of texts chunk by chunk, tokenising the next chunk in a thread (the
-        ``tokenizers`` batch encoder releases the GIL) while the current one computes.
+        ``tokenizers`` batch encoder releases the GIL) while the current one computes. The texts are
+        read ahead by a thread of their own (:class:`~fullthrottle.core.read_ahead.ReadAhead`): a
+        source that stalls (a pipe, a terminal) has what it gave embedded at once, and a Ctrl-C
+        while it blocks stops the stream.
 
-        Yields:
-            one :class:`Embeddings` per chunk of up to ``chunk`` texts, in input order.
-
-        Raises:
-            what ``texts`` raised, once every text it gave before has been embedded and yielded.
+        Yields: one :class:`Embeddings` per chunk of up to ``chunk`` texts, in input order.
+        Raises: what ``texts`` raised, once every text it gave before has been embedded and yielded.
         """
         from concurrent.futures import ThreadPoolExecutor
-        from itertools import islice
 
-        it = iter(texts)
-        chunk = chunk or self.chunk
+        from ..core.read_ahead import ReadAhead
+
+        src = ReadAhead(texts, chunk or self.chunk)
 
         def next_chunk():
-            block, err = [], None
-            try:
-                block.extend(islice(it, chunk))  # (what it gave before raising is kept)
-            except Exception as e:  # noqa: BLE001 - raised after the texts before it are embedded
-                err = e
-            return block, (self.tokenize(block) if block else []), err
+            block, err, ended = src.take()
+            return block, (self.tokenize(block) if block else []), err, ended
 
         with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenize") as ex:
-            fut = ex.submit(next_chunk)
-            while True:
-                block, encs, err = fut.result()
-                if block and err is None:
-                    fut = ex.submit(next_chunk)
-                if block:
-                    yield self.embed_encoded(encs)
-                if err is not None:
-                    raise err
-                if not block:
-                    return
+            try:  # (closed before the pool waits for its thread: a take() waiting for texts returns)
+                fut = ex.submit(next_chunk)
+                while True:
+                    block, encs, err, ended = fut.result()
+                    if not ended and block:
+                        fut = ex.submit(next_chunk)
+                    if block:
+                        yield self.embed_encoded(encs)
+                    if err is not None:
+                        raise err
+                    if ended or not block:
+                        return
+            finally:
+                src.close()
 
     def embed(self, texts: list[str]) -> Embeddings:
         """Embed ``texts`` (any length list; empty strings allowed).

@@ -1,0 +1,89 @@
+"""Items of an iterable read ahead by a thread of their own, taken in lists as they come.
+
+What a stream of texts needs when it comes from a pipe or a terminal (``embed -``): a read that
+blocks must neither hold back the texts already read (``tail -f log | fullthrottle embed -`` embeds
+each line as it comes, not once a list is full) nor hold up a Ctrl-C (the reader is a daemon thread;
+the one taking lists waits in steps of :data:`POLL_S` and gives up once :meth:`ReadAhead.close` is
+called). Items pass through a deque: a list of ``size`` costs the taker one wake-up, not one per item.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Iterable
+
+#: seconds between a waiting taker's checks that it was closed, and a full reader's
+POLL_S = 0.1
+
+
+class ReadAhead:
+    """``items`` read by a daemon thread into a buffer of at most ``2 * size`` items.
+
+    Args:
+        items: any iterable; read in the reader thread only.
+        size: the most items :meth:`take` returns at once.
+        linger_s: how long :meth:`take` waits in all once it holds an item; a list is cut short
+            there (a slow or stalled source: what came is taken now).
+    """
+
+    def __init__(self, items: Iterable, size: int, linger_s: float = 0.05):
+        self.size, self.linger_s = size, linger_s
+        self._items: collections.deque = collections.deque()
+        self._ready, self._space, self._stop = threading.Event(), threading.Event(), threading.Event()
+        self._end: tuple | None = None  # ((what the iterable raised, or None),) once it ends
+        threading.Thread(target=self._read, args=(iter(items),), name="ft-read-ahead", daemon=True).start()
+
+    def _read(self, it) -> None:
+        cap = 2 * self.size
+        try:
+            for x in it:
+                self._items.append(x)
+                if not self._ready.is_set():
+                    self._ready.set()
+                if len(self._items) >= cap:
+                    self._space.clear()
+                    while len(self._items) >= cap and not self._stop.is_set():
+                        self._space.wait(POLL_S)
+                if self._stop.is_set():
+                    return
+            self._end = (None,)
+        except Exception as e:  # noqa: BLE001 - the taker raises it, after the items given before
+            self._end = (e,)
+        self._ready.set()
+
+    def take(self) -> tuple[list, Exception | None, bool]:
+        """``(items, error, ended)``: up to ``size`` items, waiting for the first (in steps, until
+        :meth:`close`); ``ended`` once the iterable is done (``error``: what it raised, after its
+        last items are taken). After :meth:`close`: ``([], None, False)``."""
+        block: list = []
+        until = None  # (once an item is held: when the list is cut short)
+        while len(block) < self.size:
+            if self._items:
+                while self._items and len(block) < self.size:
+                    block.append(self._items.popleft())
+                if not self._space.is_set():
+                    self._space.set()
+                continue
+            if self._end is not None and not self._items:  # (set after its last item was appended)
+                return block, self._end[0], True
+            if self._stop.is_set():
+                break
+            now = time.monotonic()
+            if block and until is None:
+                until = now + self.linger_s
+            if until is not None and now >= until:
+                break  # (a slow or stalled source: take what came)
+            self._ready.clear()
+            if self._items or self._end is not None:  # (came between the checks and the clear)
+                continue
+            self._ready.wait(POLL_S if until is None else until - now)
+        return block, None, False
+
+    def close(self) -> None:
+        """Stop: a waiting :meth:`take` returns, the reader stops after its current item (a read
+        that blocks keeps its daemon thread until it returns)."""
+        self._stop.set()
+        self._space.set()
+        self._ready.set()
