@@ -249,6 +249,12 @@ def test_a_huge_text_is_cut_before_tokenising_without_changing_its_vector(emb, m
     assert max(seen) == E.MAX_TEXT_CHARS
     assert got.truncated.tolist() == [True, True]
     np.testing.assert_allclose(got.vectors[0], got.vectors[1], rtol=0, atol=1e-6)
+    # a cut that leaves the tokens unfilled (characters the tokenizer drops): tokenised from more of
+    # the text (the cut gave the vector of nothing and no truncation)
+    blank, invisible = " " * 100_000 + "hello world", "\u200b" * 300_000 + "hello world"
+    got = emb.embed([blank, invisible, "hello world", invisible + " and more" * 200])
+    np.testing.assert_allclose(got.vectors[:2], got.vectors[[2, 2]], rtol=0, atol=1e-5)
+    assert got.truncated.tolist() == [False, False, False, True] and got.tokens[:3].tolist() == [4, 4, 4]
 
 
 def test_embeddings_workload_keeps_to_its_token_budget_and_fails_only_the_bad_request(emb, monkeypatch):

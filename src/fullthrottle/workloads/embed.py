@@ -30,10 +30,10 @@ from ..core.env import EMBED_MODEL
 from ..core.env import get as getenv
 from ..core.report import StageStats
 
-#: characters of a text that reach the tokenizer. The model reads at most ``max_seq_length`` tokens
-#: (256 for MiniLM), which real text covers in a few thousand characters (a WordPiece token spans at
-#: most ~100), so cutting first changes no token unless the first 256 span more than this; it bounds
-#: the tokenizer's memory, which grew to ~6 GB on one 32 MB line.
+#: characters of a text that reach the tokenizer first: the model reads at most ``max_seq_length``
+#: tokens (256 for MiniLM), which real text fills in a few thousand characters; it bounds the
+#: tokenizer's memory (~6 GB on one 32 MB line). A cut text that fills fewer (white space, zero-width
+#: characters) is tokenised again from a prefix 4 times longer, until it fills them or is whole.
 MAX_TEXT_CHARS = 100_000
 
 
@@ -242,22 +242,19 @@ class Embedder:
     def capture(self) -> None:
         """Capture every (batch bucket, sequence bucket) graph now, rather than on first use (a server
         says ready only after this: no request waits for a capture). Nothing without graphs."""
-        if self.graphs_enabled:
-            from ..core.graphs import GraphRunner
+        for L in self.seq_buckets if self.graphs_enabled else ():
+            self._runner(L)
 
-            for L in self.seq_buckets:
-                if L not in self.runners:
-                    self.runners[L] = GraphRunner(self._encode, (2, L), torch.int64, self.batch_buckets, self.device)
-
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.graphs_enabled:
-            return self._encode(x.to(self.device))
+    def _runner(self, L: int):
+        """Sequence bucket ``L``'s GraphRunner (its batch buckets captured on first use)."""
         from ..core.graphs import GraphRunner
 
-        L = x.shape[2]
-        if L not in self.runners:  # first use of this sequence bucket: capture its batch buckets
+        if L not in self.runners:
             self.runners[L] = GraphRunner(self._encode, (2, L), torch.int64, self.batch_buckets, self.device)
-        return self.runners[L](x)
+        return self.runners[L]
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return self._runner(x.shape[2])(x) if self.graphs_enabled else self._encode(x.to(self.device))
 
     def tokenize(self, texts: list[str]) -> list:
         """``tokenizers`` encodings of ``texts`` (each cut to :data:`MAX_TEXT_CHARS` characters first).
@@ -266,11 +263,16 @@ class Embedder:
             TypeError: an item is not a str. ValueError: a text is not valid Unicode (a lone surrogate,
                 e.g. undecodable bytes read with ``errors="surrogateescape"``), with its index.
         """
-        texts = [t[:MAX_TEXT_CHARS] if isinstance(t, str) and len(t) > MAX_TEXT_CHARS else t for t in texts]
+        whole, texts = texts, [t[:MAX_TEXT_CHARS] if isinstance(t, str) else t for t in texts]
         st, done = self.stats["tokenize"], 0
         st.begin()
         try:
             out = self.tokenizer.encode_batch(texts)
+            for i in (i for i, t in enumerate(whole) if isinstance(t, str) and len(t) > MAX_TEXT_CHARS):
+                n = MAX_TEXT_CHARS  # (cut where its tokens do not fill the model's: a longer prefix)
+                while not out[i].overflowing and n < len(whole[i]):
+                    n *= 4
+                    out[i] = self.tokenizer.encode(whole[i][:n])
             done = len(texts)
             return out
         except TypeError:
@@ -280,9 +282,8 @@ class Embedder:
                 try:
                     t.encode("utf-8")
                 except UnicodeEncodeError as e:
-                    raise ValueError(
-                        f"text {i} is not valid Unicode ({e.reason} at character {e.start}): is the input UTF-8?"
-                    ) from None
+                    why = f"text {i} is not valid Unicode ({e.reason} at character {e.start}): is the input UTF-8?"
+                    raise ValueError(why) from None
             raise
         finally:
             st.end(done)
