@@ -379,6 +379,28 @@ def test_chat_templates_that_do_not_compile_or_fail_give_clear_errors(tiny_text,
     assert tiny_text.chat_prompt(msgs) == "<s><|user|>\nhello</s>\n<|assistant|>\n</s>\n<|assistant|>\n"
 
 
+def test_completion_logprobs_name_a_piece_of_a_character_by_its_bytes(tiny_text):
+    """In /v1/completions' logprobs a token that is part of a UTF-8 character is ``bytes:\\xNN``, as
+    OpenAI's API shows one: such tokens keep apart in ``top_logprobs`` (each was U+FFFD, and all but
+    the likeliest were lost); ``text_offset`` still counts the text."""
+    from fullthrottle.server.text import _Reply
+
+    ids = tiny_text.encode(TEXT, special=False)
+    split = [i for i in ids if "\ufffd" in tiny_text.decode([i])][:2]
+    whole = next(i for i in ids if "\ufffd" not in tiny_text.decode([i]))
+    assert len(split) == 2 and tiny_text.token_bytes(split[0]) != tiny_text.token_bytes(split[1])
+    rep = _Reply(False, {"logprobs": 3, "stop": []}, "llm", tiny_text)
+    rep.tokens, rep.lps = (
+        [split[0], whole],
+        [(-0.5, [split[0], split[1], whole], [-0.5, -1.0, -2.0]), (-0.1, [whole], [-0.1])],
+    )
+    lp = rep.logprobs(0, 2)
+    shown = ["bytes:" + "".join(f"\\x{b:02x}" for b in tiny_text.token_bytes(i)) for i in split]
+    assert lp["tokens"] == [shown[0], tiny_text.decode([whole])]
+    assert lp["top_logprobs"][0] == {shown[0]: -0.5, shown[1]: -1.0, tiny_text.decode([whole]): -2.0}
+    assert lp["text_offset"] == [0, len(tiny_text.decode([split[0]]))]
+
+
 def test_logprobs_through_the_openai_client(make_tiny_llama, tiny_text):
     model = make_tiny_llama(vocab_size=tiny_text.tokenizer.get_vocab_size(), max_position_embeddings=128)
     gen = Generator(model, max_batch=2, max_seq_len=128, graphs=False, check_every=4, logprobs=5)

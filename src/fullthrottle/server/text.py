@@ -97,12 +97,24 @@ class _Reply:
     def _token(self, i: int) -> str:
         return self.tok.decode([i]) if self.tok is not None else f"token_id:{i}"
 
+    def _shown(self, i: int) -> str:
+        """A token as the completions shape names it: its text, or ``bytes:\\xNN...`` for a piece of a
+        UTF-8 character (as OpenAI's API shows one; its text would be U+FFFD, the same for them all)."""
+        t = self._token(i)
+        if "\ufffd" in t and self.tok is not None:
+            b = self.tok.token_bytes(i)
+            try:
+                b.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+        return t
+
     def _top_dict(self, ids: list[int], vals: list[float]) -> dict:
-        """The completions shape's ``{token text: logprob}``; tokens of the same text (byte pieces
-        shown as U+FFFD) keep the likeliest."""
+        """The completions shape's ``{token: logprob}`` (:meth:`_shown`); tokens shown alike keep the
+        likeliest."""
         out: dict = {}
         for j, v in zip(ids, vals):
-            out.setdefault(self._token(j), v)
+            out.setdefault(self._shown(j), v)
         return out
 
     def logprobs(self, start: int, stop: int) -> dict | None:
@@ -122,13 +134,12 @@ class _Reply:
                     for i, (lp, ids, vals) in rows
                 ]
             }
-        toks = [self._token(i) for i, _ in rows]
         offsets = []
-        for t in toks:
+        for i, _ in rows:  # (in the text: a piece of a character counts as its U+FFFD)
             offsets.append(self._offset)
-            self._offset += len(t)
+            self._offset += len(self._token(i))
         return {
-            "tokens": toks,
+            "tokens": [self._shown(i) for i, _ in rows],
             "token_logprobs": [lp for _, (lp, _, _) in rows],
             "top_logprobs": [self._top_dict(ids, vals) for _, (_, ids, vals) in rows],
             "text_offset": offsets,
