@@ -1278,6 +1278,14 @@ def test_request_and_text_files_split_at_newlines_only_and_name_a_line_not_utf8(
     assert [b["prompt"] for _, b in (got[0], got[1], got[3])] == ["a\x0cb", "c\u2028d", "last\rline"]
     assert got[2][1] == "line 3: not valid UTF-8 (byte 0xff at byte 1)"
     assert list(_read_texts(str(f))) == ["a\x0cb", "c\u2028d", "\ufffd", "last\rline"]
+    # a line that is a JSON list of integers is token ids; other text in brackets stays text
+    f.write_text("[1, 2, 3]\n[INST] hi [/INST]\n[]\n[1, true]\n")
+    assert [b["prompt"] for _, b in read_requests(str(f), args, eos=2)] == [
+        [1, 2, 3],
+        "[INST] hi [/INST]",
+        "[]",
+        "[1, true]",
+    ]
     j = tmp_path / "r.jsonl"
     j.write_bytes(b'\xef\xbb\xbf{"inputs": [1]}\r\n\n{"inputs": "\xe2\x80\xa8"}\n')
     with open(j, "rb") as fh:

@@ -55,14 +55,27 @@ def read_requests(path: str, args, eos=None) -> list[tuple[int, dict | str]]:
                     why += "; a line that starts with '{' is read as a JSON request: give such a prompt as {\"prompt\": ...}"
                 out.append((n, f"line {n}: not valid JSON: {why}"))
                 continue
-        else:
-            body = {"prompt": line}
+        else:  # (text; a JSON list of integers is the prompt's token ids, as in a JSON request)
+            body = {"prompt": _token_ids(line)}
         if not isinstance(body, dict):
             out.append((n, f"line {n}: a JSON object or a line of text expected"))
             continue
         given = {k: v for k, v in body.items() if v is not None}  # (null: left out, as OpenAI's API reads it)
         out.append((n, {**defaults, **({"seed": args.seed + len(out)} if args.seed is not None else {}), **given}))
     return out
+
+
+def _token_ids(line: str) -> str | list:
+    """``line`` as a prompt: its token ids where it is a JSON list of integers (``[1, 2, 3]``), else
+    its text (``[INST] hi`` included)."""
+    if line.lstrip().startswith("["):
+        try:
+            ids = json.loads(line)
+        except (ValueError, RecursionError):
+            return line
+        if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            return ids
+    return line
 
 
 def _json_like(line: str) -> bool:

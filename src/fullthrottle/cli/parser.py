@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--prompts",
         metavar="FILE|-",
-        help="many requests, one per line (text, or a JSON object with /v1/completions' fields), run "
+        help="many requests, one per line (text, token ids as [1, 2, 3], or a JSON object with /v1/completions' "
+        "fields), run "
         "together with continuous batching; one JSON line per request to --out, in order, naming its "
         'line of FILE ("line", from 1)',
     )
