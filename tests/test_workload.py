@@ -582,3 +582,16 @@ def test_a_keyboard_interrupt_raised_in_decode_request_or_encode_response_is_the
         assert (r.status_code, r.json()) == (500, {"detail": "encode_response() failed: KeyboardInterrupt"})
         r = ask({"inputs": [[1, 2, 0, 0]]})
         assert (r.status_code, r.json()) == (200, {"results": [{"output": 3.0}]})
+
+
+def test_cli_run_keeps_a_workloads_prints_out_of_the_answers_on_stdout(tmp_path, capsys):
+    """``run`` with the answers on stdout: what the workload's own code prints goes to stderr (it
+    was written among the JSON lines)."""
+    from fullthrottle.cli import main
+
+    src = tmp_path / "req.jsonl"
+    src.write_text('{"inputs": [[1,2,3,4]]}\n{"inputs": [[1,1,1,1]]}\n')
+    assert main(["run", str(src), "--workload", "toy_workload:Chatty", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["response"]["results"][0]["output"] for line in out.splitlines()] == [10.0, 4.0]
+    assert "setting up" in err and "predicting" in err

@@ -143,3 +143,17 @@ class NeedsArgs(Summer):
 
     def __init__(self, scale):  # --workload builds a class with no arguments
         super().__init__()
+
+
+class Chatty(Summer):
+    """Prints from its own code, as a user's workload may (debugging)."""
+
+    name = "chatty"
+
+    def setup(self, device):
+        print("setting up")
+        super().setup(device)
+
+    def predict(self, items):
+        print("predicting", len(items))
+        return super().predict(items)

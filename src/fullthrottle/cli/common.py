@@ -186,10 +186,11 @@ def with_stdout(command, args) -> int:
         sys.stdout = saved
 
 
-def _silence_stdout() -> None:
-    """After a broken pipe: point stdout at /dev/null, so the interpreter's final flush stays quiet."""
+def _silence_stdout(stdout=None) -> None:
+    """After a broken pipe: point stdout (``stdout``: the file that was stdout, where ``sys.stdout``
+    is redirected) at /dev/null, so the interpreter's final flush stays quiet."""
     try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), (stdout or sys.stdout).fileno())
     except (OSError, ValueError, AttributeError):
         pass
 

@@ -33,6 +33,14 @@ def _fail(msg: str) -> int:
 
 
 def cmd_run(args) -> int:
+    import contextlib
+
+    stdout = sys.stdout  # (the answers' when --out is -)
+    with contextlib.redirect_stdout(sys.stderr):  # the workload's own print()s: never among the answers
+        return _run(args, stdout)
+
+
+def _run(args, stdout) -> int:
     from ..core.device import resolve_device
     from ..core.workload import load_workload, user_traceback
     from .common import overwrites_an_input
@@ -55,7 +63,7 @@ def cmd_run(args) -> int:
         except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's code: its own frames, then one clear line
             return _fail(f"workload {workload.name!r}: setup() failed:\n{user_traceback(e)}")
     try:  # (opened once the workload is ready: a failed start leaves an existing file as it was)
-        out = sys.stdout if args.out == "-" else open(args.out, "w", encoding="utf-8")
+        out = stdout if args.out == "-" else open(args.out, "w", encoding="utf-8")
     except OSError as e:
         return _fail(f"--out: {e}")
     failed = total = 0
@@ -74,10 +82,10 @@ def cmd_run(args) -> int:
                     out.write(json.dumps(row))
                     out.write("\n")
                 out.flush()  # (what is answered is written: Ctrl-C keeps it)
-        if out is not sys.stdout:
+        if out is not stdout:
             out.close()
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly
-        _silence_stdout()
+        _silence_stdout(stdout)
         return 1
     except RuntimeError as e:  # (--ray: the workload's setup() failed in the actors, or no cluster there)
         from ..ray_jobs import RayUnreachable, SetupFailed
@@ -86,7 +94,7 @@ def cmd_run(args) -> int:
             raise
         return _fail(str(e))
     except OSError as e:  # (disk full, stdout closed)
-        return _fail(f"cannot write {'stdout' if out is sys.stdout else args.out}: {e.strerror or e}")
+        return _fail(f"cannot write {'stdout' if out is stdout else args.out}: {e.strerror or e}")
     print(f"{total} requests: {total - failed} ok, {failed} failed ({workload.name})", file=sys.stderr)
     return 1 if failed else 0
 
