@@ -251,10 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--prompts",
         metavar="FILE|-",
-        help="many requests, one per line (text, token ids as [1, 2, 3], or a JSON object with /v1/completions' "
-        "fields), run "
-        "together with continuous batching; one JSON line per request to --out, in order, naming its "
-        'line of FILE ("line", from 1)',
+        help="many requests, one per line (text, token ids as [1, 2, 3], or a JSON object with "
+        "/v1/completions' fields), run together with continuous batching; one JSON line per request to "
+        '--out, in order, naming its line of FILE ("line", from 1)',
     )
     g.add_argument("--out", default=None, help="with --prompts: write the JSON lines here (default: stdout)")
     g.add_argument(
