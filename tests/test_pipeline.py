@@ -705,6 +705,19 @@ def test_closing_a_pipeline_mid_stream_ends_the_stream(samples, preprocess, no_t
     assert time.perf_counter() - t0 < 30
 
 
+def test_closing_a_pipeline_whose_results_are_all_made_still_ends_its_stream(samples):
+    """close() between two results of a stream whose results were all made (one batch, its end seen:
+    the stream hands them out from memory): the stream raises at its next item all the same (it
+    handed out the rest and ended quietly, as if never closed)."""
+    for _ in range(3):
+        pipe = tiny_pipe(max_batch_size=4, max_wait_ms=1000)  # (the 4 wait for each other: one batch)
+        stream = pipe.run([p.read_bytes() for p in samples[:4]])
+        assert next(stream).ok
+        pipe.close()
+        with pytest.raises(RuntimeError, match="closed while this stream ran"):
+            next(stream)
+
+
 def test_closing_a_pipeline_from_another_thread_mid_stream_raises_and_hands_out_no_gap(samples):
     """close() from another thread while the consumer iterates: the stream raises RuntimeError every
     time (it used to end quietly at times, with items missing from the middle), and what it gave

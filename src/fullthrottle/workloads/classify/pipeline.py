@@ -186,9 +186,10 @@ class Pipeline:
         with getattr(self, "_life", None) or contextlib.nullcontext():  # (a run starting now is stopped)
             self.closed = True
             run = getattr(self, "current_run", None)
-        if run is not None and not run.done:  # its stages stop before the processes they feed
+        if run is not None and not run.handed_out:  # a stream its reader has not finished (made or not)
             run.closed_early = True  # (before the stop: what the stop cuts short is never handed out)
-            run.stop()
+            if not run.done:  # its stages stop before the processes they feed
+                run.stop()
         if getattr(self, "gpu_decoders", None) is not None:
             self.gpu_decoders.close()
         if getattr(self, "decoders", None) is not None:
@@ -233,6 +234,7 @@ class Pipeline:
 
     def _finish(self, run: Run) -> None:
         try:
+            run.handed_out = True  # (its reader is done with it: a close() now ends nothing)
             run.stop()
             _LIVE_RUNS.discard(run)
             if not sys.is_finalizing():  # (an iterator closed as the interpreter tears down: no report)
@@ -264,7 +266,14 @@ class Pipeline:
                 got = run.get_many(0.1)
                 if got is None or run.closed_early:
                     break
-                yield from run.hand_out(got)
+                results = run.hand_out(got)
+                try:
+                    for r in results:
+                        if run.closed_early:  # (closed between two results: the stream raises at once)
+                            break
+                        yield r
+                finally:
+                    results.close()  # (the permits and latencies of what was not taken, now)
             if run.closed_early:
                 raise RuntimeError("the Pipeline was closed while this stream ran")
             run.raise_source_error()
@@ -283,6 +292,8 @@ class Pipeline:
                 results = run.hand_out(got)
                 try:
                     for r in results:
+                        if run.closed_early:  # (as in run())
+                            break
                         yield r
                 finally:
                     results.close()  # (the permits of what was taken go back now, not at collection)

@@ -196,6 +196,7 @@ class Run:
         self.cpu0 = self.cpu_end = 0.0  # this process's CPU time (all its threads) at start and end
         self.done = False
         self.closed_early = False  # (set by Pipeline.close while the stream runs: its reader must raise)
+        self.handed_out = False  # (set once its reader is done with the stream: ended, broken off or failed)
 
     # -- plumbing -------------------------------------------------------------------------------
     def _put(self, q: queue.Queue, obj, block: bool = True) -> bool:
