@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="HTTP API with cross-request dynamic batching, Prometheus metrics, overload control",
         description='Serve POST /v1/classify (raw image body, multipart files, or JSON {"urls": [...]}), '
-        "GET /healthz, /readyz, /metrics. Concurrent requests share batches. Full queue: 503 "
+        "?top_k=N for fewer labels; GET /healthz, /readyz, /metrics. Concurrent requests share batches. Full queue: 503 "
         "with Retry-After; past the deadline: 504; body too large: 413; undecodable image: its own error (422 if no image of the request got a result). "
         "Also POST /v1/embeddings (--embed-model), OpenAI's /v1/completions, /v1/chat/completions and "
         "GET /v1/models (--llm-model-dir, or --llm-random for random weights) and a route per "
