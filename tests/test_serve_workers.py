@@ -143,7 +143,7 @@ def test_clients_in_processes_get_the_librarys_answers_and_metrics_count_every_w
         assert "fullthrottle_queue_images" in text
         r = httpx.post(url + "/v1/classify?top_k=2", files=files, timeout=60)  # (cut in the worker)
         assert [len(x.get("top_k", ())) for x in r.json()["results"]] == [2, 0, 2], r.text
-        cut, whole = r.json()["results"][0]["top_k"], res[0]["top_k"][:2]  # (other batch mates: probs to 1e-5)
+        cut, whole = r.json()["results"][0]["top_k"], res[0]["top_k"][:2]  # (other batch mates: probs to 1e-4)
         assert [t["class_id"] for t in cut] == [t["class_id"] for t in whole]
         assert all(abs(a["prob"] - b["prob"]) < 1e-4 for a, b in zip(cut, whole)), (cut, whole)
     finally:
