@@ -236,7 +236,7 @@ def test_run_offline_keeps_a_workloads_system_exit_and_deep_answers_to_their_req
 
     got = run_offline(Echo(), [{"x": 1}, {"x": "exit"}, {"x": "deep"}, {"x": 2}])
     assert got[0] == ({"results": [{"output": 1}]}, None) and got[3] == ({"results": [{"output": 2}]}, None)
-    assert got[1] == (None, "predict() failed: SystemExit: 3")
+    assert got[1] == (None, "predict() failed: exit(3)")
     assert got[2][0] is None and got[2][1].startswith("the response is not JSON: RecursionError")
 
 

@@ -195,7 +195,7 @@ def items_of(workload, body) -> list:
     except ValueError as e:
         raise ValueError(str(e) or "bad request") from None
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the workload's bug
-        raise ContractError(f"decode_request() failed: {type(e).__name__}: {e}") from None
+        raise ContractError(f"decode_request() failed: {raised(e)}") from None
     if not isinstance(items, (list, tuple)):
         raise ContractError(f"decode_request() must return a list, got {type(items).__name__}")
     if not items:
@@ -216,7 +216,7 @@ def cost_of(workload, item) -> int:
     try:
         c = workload.cost(item)
     except (Exception, SystemExit) as e:  # noqa: BLE001
-        raise ContractError(f"cost() failed: {type(e).__name__}: {e}") from None
+        raise ContractError(f"cost() failed: {raised(e)}") from None
     if not isinstance(c, int) or isinstance(c, bool) or c < 0:
         raise ContractError(f"cost() must return an integer >= 0, got {c!r}")
     return c
@@ -241,7 +241,7 @@ def predict_each(workload, items: list, on_error=None) -> list:
         if on_error is not None:
             on_error(e, len(items))
         if len(items) == 1:
-            return [PredictFailed(f"predict() failed: {type(e).__name__}: {e}")]
+            return [PredictFailed(f"predict() failed: {raised(e)}")]
     return [o for x in items for o in predict_each(workload, [x])]
 
 

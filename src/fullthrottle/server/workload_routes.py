@@ -155,7 +155,7 @@ class WorkloadService:
             self.batches += 1
         except BaseException as e:  # noqa: BLE001 - (a KeyboardInterrupt raised in predict()): every
             # request of the call is answered, and the service lives on
-            outs = [PredictFailed(f"predict() failed: {type(e).__name__}: {e}")] * len(call)
+            outs = [PredictFailed(f"predict() failed: {raised(e)}")] * len(call)
         finally:
             st.end(len(call))
         for (r, i), o in zip(call, outs):
