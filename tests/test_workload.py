@@ -450,6 +450,28 @@ def test_cli_run_writes_answers_as_they_come_and_ctrl_c_keeps_them(tmp_path):
     assert rows[3]["response"] == {"results": [{"output": 3.0}]}
 
 
+def test_cli_run_writes_each_answer_before_the_next_runs(tmp_path):
+    """Each answer is written (and flushed) once it and those before it are answered, not at the end
+    of a chunk of requests: a workload that ends the process on request 4 leaves 1-3 in --out."""
+    import os
+    import subprocess
+    import sys
+
+    src, out = tmp_path / "req.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(f'{{"inputs": [[{k}, 0, 0, 0]]}}\n' for k in (1, 2, 3, 9, 5)))
+    here = os.path.dirname(__file__)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fullthrottle.cli", "run", str(src), "--workload", "toy_workload:DiesOnNine"]
+        + ["--device", "cpu", "--out", str(out)],
+        env=dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", "")),
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == 7, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows == [{"line": k, "response": {"results": [{"output": float(k)}]}} for k in (1, 2, 3)]
+
+
 def test_cli_embed_names_a_model_folder_without_a_model(tmp_path, capsys):
     from fullthrottle.cli import main
 

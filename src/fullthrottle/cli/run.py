@@ -1,5 +1,5 @@
 """``fullthrottle run``: requests answered offline by a workload of the user's own, in this process
-(:func:`~fullthrottle.core.workload.run_offline`) or in Ray Data actors
+(:func:`~fullthrottle.core.workload.answers_offline`) or in Ray Data actors
 (:func:`~fullthrottle.ray_jobs.workload_on_ray`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from .common import _silence_stdout, numbered_lines, stdin_bytes
 
 #: most requests read and answered at a time (bounds memory on large files; batches form within a
-#: chunk, of 4 batches' requests at least; each chunk's answers are written as it ends)
+#: chunk, of 4 batches' requests at least; each answer is written once it and those before it are)
 CHUNK = 4096
 
 
@@ -81,7 +81,7 @@ def _run(args, stdout) -> int:
                     }
                     out.write(json.dumps(row))
                     out.write("\n")
-                out.flush()  # (what is answered is written: Ctrl-C keeps it)
+                    out.flush()  # (what is answered is written: Ctrl-C or a crash keeps it)
         if out is not stdout:
             out.close()
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly
@@ -121,9 +121,9 @@ def _answer(workload, chunk: list, args, device: str):
             for r in workload_on_ray(args.workload, good, args.ray_address, args.ray_actors, device=device)
         )
     else:
-        from ..core.workload import run_offline
+        from ..core.workload import answers_offline
 
-        got = iter(run_offline(workload, good))
+        got = answers_offline(workload, good)
     for n, _, e in chunk:
         resp, err = (None, e) if e is not None else next(got)
         yield n, resp, err

@@ -310,31 +310,40 @@ def calls(costs: list[int], max_batch: int, max_cost: int | None) -> list[tuple[
 
 
 def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
+    """Requests answered without a server: ``list(answers_offline(workload, bodies))``."""
+    return list(answers_offline(workload, bodies))
+
+
+def answers_offline(workload, bodies):
     """Requests answered without a server, through the same contract and checks as ``POST /v1/<name>``
     (:func:`items_of`, :func:`cost_of`, :func:`response_of`): the items of all requests run in batches
     of at most ``max_batch`` items and ``max_batch_cost`` cost (a request larger than either runs in
     several calls). ``workload`` is set up already; ``bodies`` are parsed JSON values.
 
-    Returns one ``(answer, None)`` or ``(None, error)`` per body, in order; a request whose items all
+    Yields one ``(answer, None)`` or ``(None, error)`` per body, in order, each as soon as it and
+    every body before it are answered (not once all are); a request whose items all
     failed (:class:`ItemError`) gets ``(answer, "unprocessable: every item failed")``, the answer the
     server sends with its 422. An error is that request's alone: what the server answers 4xx or 500
     for, or an exception ``predict()`` raised on one of its items run alone (:func:`predict_each`).
     """
     n = len(bodies)
-    answers: list = [None] * n
     errors: list = [None] * n
     items, owner = [], []  # every item of the requests that decoded, and its request's index
+    first = [0] * n  # the request's items are items[first[j]:ends[j]]
+    ends = [0] * n
     for j, body in enumerate(bodies):
+        first[j] = len(items)
         try:
             got = items_of(workload, body)
         except ContractError as e:
             errors[j] = str(e)
-            continue
+            got = []
         except ValueError as e:  # (the client's: the server's 400 and 413)
             errors[j] = f"bad request: {e}"
-            continue
+            got = []
         items += got
         owner += [j] * len(got)
+        ends[j] = len(items)
     costs = []
     for x, j in zip(items, owner):
         try:
@@ -343,6 +352,15 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
             errors[j] = str(e)
             costs.append(0)
     outs: list = [None] * len(items)
+    nxt = 0  # the next request to hand out
+
+    def ready(done: int):  # the requests, in order, whose items are all among the first `done`
+        nonlocal nxt
+        while nxt < n and (ends[nxt] <= done or errors[nxt] is not None):
+            yield _offline_answer(workload, errors[nxt], outs[first[nxt] : ends[nxt]], ends[nxt] > first[nxt])
+            nxt += 1
+
+    yield from ready(0)
     for start, end in calls(costs, workload.max_batch, workload.max_batch_cost):
         part = [k for k in range(start, end) if errors[owner[k]] is None]
         for k, o in zip(part, predict_each(workload, [items[k] for k in part]) if part else ()):
@@ -350,20 +368,21 @@ def run_offline(workload, bodies) -> list[tuple[dict | None, str | None]]:
                 errors[owner[k]] = errors[owner[k]] or o.message
             else:
                 outs[k] = o
-    by_request: dict[int, list] = {}
-    for k, j in enumerate(owner):
-        by_request.setdefault(j, []).append(outs[k])
-    for j, o in by_request.items():
-        if errors[j] is None:
-            try:
-                answers[j] = response_of(workload, o)
-                if every_item_failed(o):  # (the server's 422, with this body)
-                    errors[j] = "unprocessable: every item failed"
-            except ContractError as e:
-                errors[j] = str(e)
-            except ValueError as e:  # (the server's 422)
-                errors[j] = f"unprocessable: {e}"
-    return list(zip(answers, errors))
+        yield from ready(end)
+    yield from ready(len(items))
+
+
+def _offline_answer(workload, error: str | None, outs: list, has_items: bool) -> tuple[dict | None, str | None]:
+    """One request's ``(answer, error)`` from its items' outputs (run_offline's, as the server's route)."""
+    if error is not None or not has_items:
+        return None, error
+    try:
+        answer = response_of(workload, outs)
+    except ContractError as e:
+        return None, str(e)
+    except ValueError as e:  # (the server's 422)
+        return None, f"unprocessable: {e}"
+    return answer, ("unprocessable: every item failed" if every_item_failed(outs) else None)
 
 
 def user_traceback(e: BaseException) -> str:
