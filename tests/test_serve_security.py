@@ -27,7 +27,8 @@ from fullthrottle.server.fetch import FetchPolicy, FetchRefused, is_public, pars
 class Listener:
     """An HTTP server on ``host`` (ephemeral port) that records every request path. Paths:
     ``/a.jpg`` a sample photo, ``/redirect?to=URL`` a 302 to URL, ``/chain/N`` N redirects before
-    ``/a.jpg``, ``/endless`` a body streamed without end (chunked)."""
+    ``/a.jpg``, ``/endless`` a body streamed without end (chunked), ``/trickle`` the photo a byte
+    each 0.1 s."""
 
     def __init__(self, host: str, photo: bytes):
         self.paths: list[str] = []
@@ -66,6 +67,17 @@ class Listener:
                     self.send_header("Content-Length", str(len(blob)))
                     self.end_headers()
                     self.wfile.write(blob)
+                elif self.path == "/trickle":
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(photo)))
+                    self.end_headers()
+                    try:
+                        for k in range(len(photo)):
+                            self.wfile.write(photo[k : k + 1])
+                            self.wfile.flush()
+                            time.sleep(0.1)
+                    except OSError:
+                        pass  # cut off by the client
                 elif self.path == "/endless":
                     self.send_response(200)
                     self.send_header("Transfer-Encoding", "chunked")
@@ -271,6 +283,21 @@ def test_a_url_streaming_past_the_limit_is_cut_and_memory_stays_flat(listeners):
         assert bomb.status_code == 422 and bomb.json()["detail"] == "cannot fetch URL 0"
         grown = rss_mib() - rss0
     assert grown < 100, grown
+
+
+def test_urls_still_fetched_at_the_requests_deadline_are_a_504(listeners):
+    """--timeout-s bounds the whole request, its URLs' fetching included (each URL's own limit,
+    --url-timeout-s, may be longer): a URL still arriving at the deadline is 504, not the URL's error
+    at its own limit."""
+    a, _ = listeners
+    with Server(Tiny(), ServeOptions(allow_fetch=("127.0.0.2",), timeout_s=1.5, url_timeout_s=10.0)) as s:
+        t0 = time.perf_counter()
+        r = classify_urls(s, [a.base + "/trickle", a.base + "/a.jpg"])
+        took = time.perf_counter() - t0
+        ok = classify_urls(s, [a.base + "/a.jpg"])
+    assert r.status_code == 504 and r.json()["detail"] == "deadline of 1.5 s exceeded", r.text
+    assert 1.4 < took < 5, took
+    assert ok.status_code == 200
 
 
 def test_api_keys(samples):

@@ -548,6 +548,41 @@ def test_a_slow_decode_request_or_encode_response_leaves_the_server_answering():
     assert health_s < 0.5 and wall < 3.0, (health_s, wall)  # (on the event loop: ~0.7 s and 4.5 s)
 
 
+def test_the_deadline_counts_decode_request_and_predict_together():
+    """--timeout-s bounds a workload request's whole time: a decode_request still running at the
+    deadline is 504 then (it was answered 200 whenever it ended), and predict gets what is left."""
+    import time
+
+    import httpx
+    from test_serve import Server, Tiny
+
+    from fullthrottle.server.app import ServeOptions
+
+    class SlowBoth(Summer):
+        name = "slowboth"
+
+        def decode_request(self, body):
+            time.sleep(body["parse_s"])
+            return super().decode_request(body)
+
+        def predict(self, items):
+            time.sleep(0.8)
+            return super().predict(items)
+
+    with Server(Tiny(), ServeOptions(workloads=(SlowBoth(),), classify=False, timeout_s=1.2)) as s:
+        ask = lambda parse_s: httpx.post(  # noqa: E731
+            s.url + "/v1/slowboth", json={"inputs": [[1, 0, 0, 0]], "parse_s": parse_s}, timeout=30
+        )
+        t0 = time.perf_counter()
+        stuck = ask(3.0)
+        stuck_s = time.perf_counter() - t0
+        late, fine = ask(0.7), ask(0.0)  # 0.7 + 0.8 s is past 1.2; 0 + 0.8 s is not
+    assert stuck.status_code == 504 and stuck.json()["detail"] == "deadline of 1.2 s exceeded"
+    assert 1.1 < stuck_s < 2.5, stuck_s
+    assert late.status_code == 504, late.text
+    assert fine.status_code == 200 and fine.json()["results"] == [{"output": 1.0}]
+
+
 def test_a_json_route_refuses_image_and_binary_bodies_with_415():
     """A workload's route reads JSON: a body sent as an image, a file or multipart gets 415 naming
     the route (it got 400 "malformed JSON body"); JSON sent as curl -d sends it is read."""

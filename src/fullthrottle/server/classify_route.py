@@ -185,7 +185,10 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             if not opts.classify:
                 raise HTTPError(404, "image classification is not served (the server was started with --no-classify)")
             k = _top_k_asked(request, top_k)
-            images = await read_images(request)
+            try:  # (URLs fetched, or a body read, past the deadline: 504, as for the model's part)
+                images = await asyncio.wait_for(read_images(request), opts.timeout_s)
+            except TimeoutError:
+                raise HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
             n_new = sum(not isinstance(data, EntryError) for _, data in images)
             if n_new > opts.max_queue:  # (a 503 would ask for a retry that can never succeed)
                 raise HTTPError(

@@ -261,6 +261,11 @@ async def _in_thread(what: str, fn, *args):
     return await asyncio.to_thread(call)
 
 
+def _left(opts, t0: float) -> float:
+    """Seconds left before the deadline of a request that came at ``t0`` (``time.perf_counter``)."""
+    return max(0.0, opts.timeout_s - (time.perf_counter() - t0))
+
+
 def _handler(name: str, state: dict, opts, reply, m_latency):
     """The route of the workload ``name`` (a closure: FastAPI would read a default argument as a
     query parameter)."""
@@ -277,7 +282,9 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
             body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
             try:  # (in a thread, as is encode_response below: the workload's own code may take
                 # its time, and this event loop serves every other request meanwhile)
-                items = await _in_thread("decode_request", _items, w, body)
+                items = await asyncio.wait_for(_in_thread("decode_request", _items, w, body), _left(opts, t0))
+            except TimeoutError:  # (the decode goes on in its thread; its answer is not awaited)
+                raise HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
             except ContractError as e:  # the workload's bug: say so, as JSON
                 raise HTTPError(500, str(e)) from None
             except TooManyItems as e:
@@ -291,7 +298,7 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
             except Overloaded as e:
                 raise overloaded(e, opts.retry_after_s) from None
             try:  # (past the deadline, or its client gone: the request leaves the queue unpredicted)
-                outs = await answer_unless_gone(request, fut, opts.timeout_s, opts.timeout_s)
+                outs = await answer_unless_gone(request, fut, _left(opts, t0), opts.timeout_s)
             except HTTPError:
                 raise
             except Exception as e:  # noqa: BLE001 - cost() or predict() failed for the whole batch
