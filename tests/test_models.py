@@ -311,6 +311,14 @@ def test_weights_errors_say_what_is_wrong(tmp_path):
     (tmp_path / "garbage.pth").write_bytes(b"garbage" * 100)  # neither a zip archive nor a pickle
     whole = (tmp_path / "b.pth").read_bytes()
     (tmp_path / "cut.pth").write_bytes(whole[: len(whole) // 2])  # a download cut short
-    for name in ("garbage.pth", "cut.pth"):
-        with pytest.raises(WeightsError, match=r"not a safe state dict file \(corrupt or truncated"):
+    import os
+    import pickle
+
+    class Evil:  # a raw pickle (not torch.save's zip archive) that would run a command when unpickled
+        def __reduce__(self):
+            return (os.system, ("echo unpickled",))
+
+    (tmp_path / "evil.pth").write_bytes(pickle.dumps(Evil(), protocol=4))
+    for name in ("garbage.pth", "cut.pth", "evil.pth"):
+        with pytest.raises(WeightsError, match=r"not a safe state dict file \(neither .* other objects pickled\)"):
             load_model("resnet18", tmp_path / name)

@@ -273,7 +273,7 @@ def load_state_dict(path: str | Path) -> dict:
         if ("weights_only" in low or "weights only" in low) and "unsupported global" in low:  # code or objects
             why = "it holds pickled Python objects (a whole module, or code), not only tensors: save model.state_dict()"
         elif "weights_only" in low or "weights only" in low or "zip archive" in low:
-            why = "corrupt or truncated: neither a PyTorch zip archive nor a pickle of tensors"
+            why = "neither a PyTorch zip archive nor a pickle of tensors alone: corrupt, cut short, or other objects pickled"
         else:
             why = f"{type(e).__name__}: {(text.splitlines() or [''])[0][:200]}"
         raise WeightsError(f"cannot read weights from {p}: not a safe state dict file ({why})") from None
