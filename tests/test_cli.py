@@ -1327,6 +1327,9 @@ def test_classify_reads_its_inputs_from_stdin_with_a_dash(samples, tmp_path, mon
     monkeypatch.setattr(sys, "stdin", None)
     assert main(["classify", "-", *args]) == 2
     assert "cannot read the inputs from stdin: stdin is closed" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(samples[0].read_bytes())))  # a photo piped in
+    assert main(["classify", "-", *args]) == 2
+    assert "error: stdin holds image data, not names: 'classify -' reads paths" in capsys.readouterr().err
 
 
 def test_embed_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c(tmp_path):

@@ -33,9 +33,22 @@ def _with_stdin_list(inputs: list) -> Iterator:
         if inp != "-":
             yield inp
             continue
-        for _, raw in numbered_lines(stdin_bytes()):
+        for n, raw in numbered_lines(stdin_bytes()):
+            if n == 1 and (raw.startswith(_IMAGE_MAGIC) or b"\0" in raw):
+                raise StdinNotNames(
+                    "stdin holds image data, not names: 'classify -' reads paths, folders or URLs, one a "
+                    "line; give an image file as an argument (fullthrottle classify photo.jpg)"
+                )
             if raw.strip():
                 yield os.fsdecode(raw)
+
+
+class StdinNotNames(ValueError):
+    """What ``classify -`` read from stdin is an image's bytes, not a list of inputs."""
+
+
+#: how image files begin (JPEG, PNG, GIF, WebP/RIFF, BMP, TIFF): stdin that does is no list of names
+_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"RIFF", b"BM", b"II*\0", b"MM\0*")
 
 
 def _output_among_inputs(inputs, *outputs) -> str | None:
@@ -102,6 +115,7 @@ def _classify(args) -> int:
         from ..core.device import resolve_device
         from ..workloads.classify.models import WeightsError
         from ..workloads.classify.pipeline import Pipeline
+        from ..workloads.classify.run import PipelineError
 
     inputs = args.inputs
     refusal = ray_refusal(args) if args.ray is not None else None
@@ -261,6 +275,11 @@ def _classify(args) -> int:
         results.close()
         _silence_stdout()
         return 1
+    except PipelineError as e:
+        if not isinstance(e.__cause__, StdinNotNames):
+            raise
+        print(f"fullthrottle: error: {e.__cause__}", file=sys.stderr)
+        return 2
     except OSError as e:  # the output could not be written (disk full, ...): stop, say so
         results.close()
         print(f"fullthrottle: error: cannot write {dest}: {e.strerror or e}", file=sys.stderr)
