@@ -1314,6 +1314,8 @@ def test_classify_reads_its_inputs_from_stdin_with_a_dash(samples, tmp_path, mon
     odd = tmp_path / os.fsdecode(b"caf\xe9.jpg")  # (a Latin-1 name: not UTF-8)
     odd.write_bytes(samples[2].read_bytes())
     listed = f"{samples[0]}\n\n{tmp_path / 'missing.jpg'}\r\n".encode() + os.fsencode(odd) + b"\n"
+    bm = tmp_path / "BMW.jpg"  # (a name that begins as a BMP file does is a name)
+    bm.write_bytes(samples[3].read_bytes())
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(listed)))
     args = ["--device", "cpu", "--no-progress", "--out", "-", "--model", "efficientnet_lite0"]
     assert main(["classify", str(samples[1]), "-", *args]) == 1  # (one input missing)
@@ -1327,6 +1329,10 @@ def test_classify_reads_its_inputs_from_stdin_with_a_dash(samples, tmp_path, mon
     monkeypatch.setattr(sys, "stdin", None)
     assert main(["classify", "-", *args]) == 2
     assert "cannot read the inputs from stdin: stdin is closed" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"BMW.jpg\n")))
+    assert main(["classify", "-", *args]) == 0
+    assert json.loads(capsys.readouterr().out)["id"] == "BMW.jpg"
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(samples[0].read_bytes())))  # a photo piped in
     assert main(["classify", "-", *args]) == 2
     assert "error: stdin holds image data, not names: 'classify -' reads paths" in capsys.readouterr().err

@@ -34,7 +34,7 @@ def _with_stdin_list(inputs: list) -> Iterator:
             yield inp
             continue
         for n, raw in numbered_lines(stdin_bytes()):
-            if n == 1 and (raw.startswith(_IMAGE_MAGIC) or b"\0" in raw):
+            if n == 1 and (raw.startswith(_IMAGE_MAGIC) or raw[8:12] == b"WEBP" or b"\0" in raw):
                 raise StdinNotNames(
                     "stdin holds image data, not names: 'classify -' reads paths, folders or URLs, one a "
                     "line; give an image file as an argument (fullthrottle classify photo.jpg)"
@@ -47,8 +47,9 @@ class StdinNotNames(ValueError):
     """What ``classify -`` read from stdin is an image's bytes, not a list of inputs."""
 
 
-#: how image files begin (JPEG, PNG, GIF, WebP/RIFF, BMP, TIFF): stdin that does is no list of names
-_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"RIFF", b"BM", b"II*\0", b"MM\0*")
+#: how JPEG and PNG files begin: stdin that does is no list of names (nor one whose first line holds
+#: a NUL, as the headers of GIF, BMP and TIFF files do, or a WebP file: RIFF....WEBP)
+_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r")
 
 
 def _output_among_inputs(inputs, *outputs) -> str | None:
