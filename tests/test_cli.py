@@ -715,6 +715,23 @@ def test_a_port_out_of_range_is_a_usage_error_before_anything_loads(capsys):
     assert e.value.code == 2 and "must be a port number 0..65535, got 70000" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["serve", "--llm-logprobs", "21"], "argument --llm-logprobs: must be 0-20, got 21"),
+        (["bench", "threads", "--threads", "0,abc"], "argument --threads: expected comma-separated integers"),
+        (["bench", "threads", "--threads", ""], "argument --threads: expected comma-separated integers"),
+        (["bench", "batch", "--batches", "8,0"], "argument --batches: expected integers >= 1, got '8,0'"),
+    ],
+)
+def test_number_flags_are_checked_before_anything_loads(argv, want, capsys):
+    """Such values are usage errors, exit 2 with argparse's 'error:' line (--llm-logprobs 21 was refused
+    once the model had loaded; bench's lists printed their complaint bare, and '' ran the defaults)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and want in capsys.readouterr().err
+
+
 def test_serve_numbers_must_be_finite_and_an_output_may_not_overwrite_an_input(samples, tmp_path, capsys):
     for flag in ("--timeout-s", "--max-body-mb", "--body-timeout-s", "--header-timeout-s", "--max-request-megapixels"):
         for bad in ("nan", "inf", "0"):

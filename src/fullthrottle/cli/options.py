@@ -112,12 +112,31 @@ def torchvision_model(s: str) -> str:
     return s
 
 
+def logprobs_arg(s: str) -> int:
+    """``--llm-logprobs``: 0 to 20 (OpenAI's API's most top logprobs)."""
+    v = _integer(s)
+    if not 0 <= v <= 20:
+        raise argparse.ArgumentTypeError(f"must be 0-20, got {v}")
+    return v
+
+
 def positive_int(s: str) -> int:
     """An integer >= 1."""
     v = _integer(s)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
+
+
+def positive_int_list(s: str) -> list[int]:
+    """A comma-separated list of integers >= 1 (``1,2,4``)."""
+    try:
+        vals = [int(x) for x in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (1,2,4), got {s!r}") from None
+    if any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {s!r}")
+    return vals
 
 
 def nonnegative_int(s: str) -> int:
@@ -312,7 +331,7 @@ def add_llm_serve_args(v: argparse.ArgumentParser) -> None:
     )
     v.add_argument(
         "--llm-logprobs",
-        type=int,
+        type=logprobs_arg,
         default=LlmSettings.logprobs,
         metavar="N",
         help="let requests ask for logprobs: each token's and the top N (0-20; default: off, no extra work per step)",

@@ -23,6 +23,7 @@ from .options import (
     port_number,
     positive_float,
     positive_int,
+    positive_int_list,
     torchvision_model,
 )
 
@@ -237,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = sub.add_parser(
         "generate",
-        help="LLM text generation (Llama family) with CUDA graphs; --prompts: continuous batching over paged KV memory",
+        help="LLM text generation (Llama family) with CUDA graphs; --prompts: many requests, continuously batched",
         description="Generate from a Hugging Face Llama folder (config.json + safetensors, tokenizer.json "
         "for text), or from a randomly initialised config (--random) for benchmarks. One prompt: its "
         "tokens stream to stdout as they are produced. Many (--prompts FILE): they run together "
@@ -367,10 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
                 help="image files/folders/globs (default: scikit-image's sample photos)",
             )
         if name == "threads":
-            e.add_argument("--threads", default=None, help="comma list (default: 1,2,4,... up to 2x cores)")
+            e.add_argument(
+                "--threads", type=positive_int_list, default=None, help="comma list (default: 1,2,4,... up to 2x cores)"
+            )
             e.add_argument("--seconds", type=positive_float, default=2.0, help="per point (default: %(default)s)")
         if name in ("batch", "transfer"):
-            e.add_argument("--batches", default=None, help="comma list of batch sizes")
+            e.add_argument("--batches", type=positive_int_list, default=None, help="comma list of batch sizes")
             e.add_argument(
                 "--model", type=torchvision_model, default="resnet18", help="torchvision model (default: %(default)s)"
             )
