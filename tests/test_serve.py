@@ -751,7 +751,7 @@ def test_a_workload_of_ones_own_is_served_batched_across_requests(caplog):
         assert ask({"inputs": [[1, 2, 3, 4]]}).json()["results"] == [{"output": 10.0}]
     with Server(Tiny(), ServeOptions(workloads=(Exiter(),), classify=False)) as s:  # SystemExit in predict()
         r = httpx.post(s.url + "/v1/exiter", json={"inputs": ["exit"]}, timeout=30)
-        assert r.status_code == 500 and "predict() failed: SystemExit" in r.json()["detail"]
+        assert r.status_code == 500 and r.json()["detail"] == "exiter: predict() failed: exit(3)"
         logged = [x.getMessage() for x in caplog.records if "predict() failed" in x.getMessage()]
         assert logged and "toy_workload.py" in logged[-1] and "raise SystemExit(3)" in logged[-1]  # where it raised
         r = httpx.post(s.url + "/v1/exiter", json={"inputs": [[1, 2, 3, 4]]}, timeout=30)
