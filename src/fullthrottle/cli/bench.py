@@ -31,10 +31,6 @@ def _blobs(paths: list[str] | None) -> list[bytes]:
     return out
 
 
-def _ints(vals: list[int] | None, default: list[int]) -> list[int]:
-    return vals or default
-
-
 def cmd_bench(args) -> int:
     from . import benchmarks as B
     from .bench_e2e import bench_e2e
@@ -50,18 +46,18 @@ def cmd_bench(args) -> int:
             default = sorted({1, 2, *[2**i for i in range(1, 8) if 2**i <= 2 * cores], cores, 2 * cores})
             res = B.bench_threads(
                 _blobs(args.images),
-                _ints(args.threads, [1, 2] if args.quick else default),
+                args.threads or ([1, 2] if args.quick else default),
                 0.3 if args.quick else args.seconds,
             )
         elif exp == "batch":
             res = B.bench_batch(
-                _ints(args.batches, [1, 2] if args.quick else [2**i for i in range(11)]),
+                args.batches or ([1, 2] if args.quick else [2**i for i in range(11)]),
                 args.model,
                 args.compile,
                 iters=1 if args.quick else 10,
             )
         elif exp == "transfer":
-            res = B.bench_transfer(_ints(args.batches, [1, 8] if args.quick else [1, 8, 32, 128, 512]), args.model)
+            res = B.bench_transfer(args.batches or ([1, 8] if args.quick else [1, 8, 32, 128, 512]), args.model)
         else:
             n, workers, batch = (24, 2, 8) if args.quick else (args.n, args.workers, args.batch)
             res = bench_e2e(_blobs(args.images), n, workers, batch, args.device, args.model)

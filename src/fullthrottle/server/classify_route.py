@@ -22,7 +22,16 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 from ..core.errors import Overloaded, error_info
 from ..core.json_body import json_type, parse_body
 from ..workloads.classify.result import Result, utf8_text
-from .guard import HTTPError, answer_unless_gone, check_json_size, check_pixels, overloaded, read_body
+from .guard import (
+    HTTPError,
+    answer_unless_gone,
+    check_json_size,
+    check_pixels,
+    overloaded,
+    past_deadline,
+    read_body,
+    time_left,
+)
 
 log = logging.getLogger("fullthrottle.server.classify")
 ROUTE = "/v1/classify"
@@ -188,7 +197,7 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             try:  # (URLs fetched, or a body read, past the deadline: 504, as for the model's part)
                 images = await asyncio.wait_for(read_images(request), opts.timeout_s)
             except TimeoutError:
-                raise HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
+                raise past_deadline(opts.timeout_s) from None
             n_new = sum(not isinstance(data, EntryError) for _, data in images)
             if n_new > opts.max_queue:  # (a 503 would ask for a retry that can never succeed)
                 raise HTTPError(
@@ -196,10 +205,9 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
                     f"{n_new} images in one request; this server queues at most "
                     f"{opts.max_queue} (--max-queue): send them in smaller requests",
                 )
-            remaining = opts.timeout_s - (time.perf_counter() - t0)
             try:  # (past the deadline, or its client gone: its images still queued are dropped)
                 results = await answer_unless_gone(
-                    request, state["classifier"].classify(images), remaining, opts.timeout_s
+                    request, state["classifier"].classify(images), time_left(opts.timeout_s, t0), opts.timeout_s
                 )
             except Overloaded as e:
                 raise overloaded(e, opts.retry_after_s) from None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
+import time
 from collections.abc import Callable
 
 from ..core.env import API_KEY
@@ -310,6 +311,16 @@ async def _read_limited(chunks, declared: str | None, expecting: bool, max_bytes
     return bytes(body)
 
 
+def past_deadline(deadline_s: float) -> HTTPError:
+    """The 504 of a request whose deadline (``deadline_s``, the server's ``--timeout-s``) passed."""
+    return HTTPError(504, f"deadline of {deadline_s:g} s exceeded")
+
+
+def time_left(deadline_s: float, t0: float) -> float:
+    """Seconds left of ``deadline_s`` for a request that came at ``t0`` (``time.perf_counter``), >= 0."""
+    return max(0.0, deadline_s - (time.perf_counter() - t0))
+
+
 async def answer_unless_gone(request, work, timeout_s: float, deadline_s: float):
     """The result of ``work`` (a coroutine or future) for ``request`` (its body read), unless its
     client hangs up first or ``timeout_s`` passes: then ``work`` is cancelled (which drops what it
@@ -332,7 +343,7 @@ async def answer_unless_gone(request, work, timeout_s: float, deadline_s: float)
         await asyncio.gather(work, return_exceptions=True)
         if gone in done:
             raise HTTPError(499, "the client closed the connection before its answer")
-        raise HTTPError(504, f"deadline of {deadline_s:g} s exceeded")
+        raise past_deadline(deadline_s)
     return work.result()
 
 

@@ -32,7 +32,7 @@ from ..core.json_body import parse_body
 from ..workloads.llm.api import chat_request, completion_request
 from ..workloads.llm.text import TextStream
 from .guard import HTTPError as _HTTPError
-from .guard import check_json_size, check_json_type, error_body, overloaded, read_body
+from .guard import check_json_size, check_json_type, error_body, overloaded, past_deadline, read_body
 
 #: how often (s) a non-streaming request checks, between its tokens, whether its client went away
 DISCONNECT_CHECK_S = 0.5
@@ -294,7 +294,7 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency, m_ttft
                         item = await asyncio.wait_for(out.get(), max(min(left, DISCONNECT_CHECK_S), 0.001))
                     except TimeoutError:
                         if left <= DISCONNECT_CHECK_S:
-                            raise _HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
+                            raise past_deadline(opts.timeout_s) from None
                         continue
                     if item is None:
                         break

@@ -45,7 +45,16 @@ from ..core.workload import (
     user_traceback,
 )
 from ..core.workload import load_workload as load_any_workload
-from .guard import HTTPError, answer_unless_gone, check_json_type, error_body, overloaded, read_body
+from .guard import (
+    HTTPError,
+    answer_unless_gone,
+    check_json_type,
+    error_body,
+    overloaded,
+    past_deadline,
+    read_body,
+    time_left,
+)
 
 log = logging.getLogger(__name__)
 
@@ -261,11 +270,6 @@ async def _in_thread(what: str, fn, *args):
     return await asyncio.to_thread(call)
 
 
-def _left(opts, t0: float) -> float:
-    """Seconds left before the deadline of a request that came at ``t0`` (``time.perf_counter``)."""
-    return max(0.0, opts.timeout_s - (time.perf_counter() - t0))
-
-
 def _handler(name: str, state: dict, opts, reply, m_latency):
     """The route of the workload ``name`` (a closure: FastAPI would read a default argument as a
     query parameter)."""
@@ -282,9 +286,11 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
             body = await read_body(request, opts.max_body_bytes, opts.body_timeout_s)
             try:  # (in a thread, as is encode_response below: the workload's own code may take
                 # its time, and this event loop serves every other request meanwhile)
-                items = await asyncio.wait_for(_in_thread("decode_request", _items, w, body), _left(opts, t0))
+                items = await asyncio.wait_for(
+                    _in_thread("decode_request", _items, w, body), time_left(opts.timeout_s, t0)
+                )
             except TimeoutError:  # (the decode goes on in its thread; its answer is not awaited)
-                raise HTTPError(504, f"deadline of {opts.timeout_s:g} s exceeded") from None
+                raise past_deadline(opts.timeout_s) from None
             except ContractError as e:  # the workload's bug: say so, as JSON
                 raise HTTPError(500, str(e)) from None
             except TooManyItems as e:
@@ -298,7 +304,7 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
             except Overloaded as e:
                 raise overloaded(e, opts.retry_after_s) from None
             try:  # (past the deadline, or its client gone: the request leaves the queue unpredicted)
-                outs = await answer_unless_gone(request, fut, _left(opts, t0), opts.timeout_s)
+                outs = await answer_unless_gone(request, fut, time_left(opts.timeout_s, t0), opts.timeout_s)
             except HTTPError:
                 raise
             except Exception as e:  # noqa: BLE001 - cost() or predict() failed for the whole batch
