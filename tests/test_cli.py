@@ -1355,6 +1355,34 @@ def test_classify_reads_its_inputs_from_stdin_with_a_dash(samples, tmp_path, mon
     assert "error: stdin holds image data, not names: 'classify -' reads paths" in capsys.readouterr().err
 
 
+def test_run_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c():
+    """``run -`` on a pipe (or a terminal) that stays open: each request is answered as it comes
+    (they waited for a chunk of 4 batches' requests or the end), and a Ctrl-C while it waits for
+    more exits 130 at once."""
+    import queue
+    import signal
+    import threading
+    import time
+
+    p = _cli_with_examples(
+        ["run", "-", "--workload", "word_workload:Sentiment", "--device", "cpu"], stdout=subprocess.PIPE
+    )
+    try:
+        p.stdin.write('{"texts": ["a good day"]}\n{"texts": ["awful", "fine"]}\n')
+        p.stdin.flush()
+        lines: queue.Queue = queue.Queue()  # (a thread reads them: two may come in one read)
+        threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
+        got = [json.loads(lines.get(timeout=120)) for _ in range(2)]
+        assert [g["line"] for g in got] == [1, 2] and all("response" in g for g in got), got
+        p.send_signal(signal.SIGINT)  # (stdin still open)
+        t0 = time.time()
+        assert p.wait(30) == 130 and time.time() - t0 < 10
+        assert p.stderr.read().strip().splitlines()[-1] == "interrupted"
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 def test_embed_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c(tmp_path):
     """``embed -`` on a pipe (or a terminal) that stays open: each line's vector is written as it
     comes (they waited for a chunk of 1,024 lines or the end), and a Ctrl-C while it waits for more

@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
-from .common import _silence_stdout, numbered_lines, stdin_bytes
+from .common import _silence_stdout, numbered_lines, own_stdin
 
 #: most requests read and answered at a time (bounds memory on large files; batches form within a
 #: chunk, of 4 batches' requests at least; each answer is written once it and those before it are)
@@ -33,8 +34,6 @@ def _fail(msg: str) -> int:
 
 
 def cmd_run(args) -> int:
-    import contextlib
-
     stdout = sys.stdout  # (the answers' when --out is -)
     with contextlib.redirect_stdout(sys.stderr):  # the workload's own print()s: never among the answers
         return _run(args, stdout)
@@ -51,7 +50,7 @@ def _run(args, stdout) -> int:
     except (ValueError, RuntimeError, OSError) as e:
         return _fail(str(e))
     try:
-        src = stdin_bytes() if args.file == "-" else open(args.file, "rb")
+        src = own_stdin() if args.file == "-" else open(args.file, "rb")
     except OSError as e:
         return _fail(f"cannot read {args.file}: {e.strerror or e}")
     clash = overwrites_an_input({"--out": args.out}, {"the input": args.file})
@@ -68,9 +67,11 @@ def _run(args, stdout) -> int:
         return _fail(f"--out: {e}")
     failed = total = 0
     try:
-        with src:
+        # (stdin's copy is not closed: its reader thread may still be blocked reading it, and a close
+        # would wait for that read; it goes with the process)
+        with src if args.file != "-" else contextlib.nullcontext():
             size = min(CHUNK, max(16, 4 * workload.max_batch)) if not args.ray else None
-            for chunk in _chunks(_bodies(src), size):
+            for chunk in _chunks(_bodies(src), size, stream=args.file == "-"):
                 for n, resp, err in _answer(workload, chunk, args, device):
                     failed += err is not None
                     total += 1
@@ -99,7 +100,25 @@ def _run(args, stdout) -> int:
     return 1 if failed else 0
 
 
-def _chunks(rows, size: int | None):
+def _chunks(rows, size: int | None, stream: bool = False):
+    """``rows`` in lists of ``size`` (None: one list). ``stream`` (stdin: a pipe or a terminal that may
+    stay open): a list is cut short once the source stalls (:class:`~fullthrottle.core.read_ahead.ReadAhead`),
+    so that each line is answered as it comes, not once ``size`` lines have."""
+    if stream and size:
+        from ..core.read_ahead import ReadAhead
+
+        ahead = ReadAhead(rows, size)
+        try:
+            while True:
+                block, error, ended = ahead.take()
+                if block:
+                    yield block
+                if error is not None:
+                    raise error
+                if ended:
+                    return
+        finally:
+            ahead.close()
     chunk: list = []
     for row in rows:
         chunk.append(row)
