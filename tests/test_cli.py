@@ -1347,12 +1347,20 @@ def test_classify_reads_its_inputs_from_stdin_with_a_dash(samples, tmp_path, mon
     assert main(["classify", "-", *args]) == 2
     assert "cannot read the inputs from stdin: stdin is closed" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"BMW.jpg\n")))
-    assert main(["classify", "-", *args]) == 0
-    assert json.loads(capsys.readouterr().out)["id"] == "BMW.jpg"
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(samples[0].read_bytes())))  # a photo piped in
-    assert main(["classify", "-", *args]) == 2
-    assert "error: stdin holds image data, not names: 'classify -' reads paths" in capsys.readouterr().err
+    (tmp_path / "exports" / "WEBP").mkdir(parents=True)  # (WEBP at a RIFF file's place in a name)
+    (tmp_path / "exports" / "WEBP" / "a.jpg").write_bytes(samples[3].read_bytes())
+    for name in ("BMW.jpg", "exports/WEBP/a.jpg"):  # (names that begin as a BMP or mention WEBP are names)
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(name.encode() + b"\n")))
+        assert main(["classify", "-", *args]) == 0
+        assert json.loads(capsys.readouterr().out)["id"] == name
+    from PIL import Image
+
+    for fmt in ("JPEG", "PNG"):  # a photo piped in (a PNG's first line is \x89PNG\r\n)
+        photo = io.BytesIO()
+        Image.open(samples[0]).save(photo, fmt)
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(photo.getvalue())))
+        assert main(["classify", "-", *args]) == 2
+        assert "error: stdin holds image data, not names: 'classify -' reads paths" in capsys.readouterr().err
 
 
 def test_run_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c():

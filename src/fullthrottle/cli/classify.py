@@ -33,8 +33,11 @@ def _with_stdin_list(inputs: list) -> Iterator:
         if inp != "-":
             yield inp
             continue
-        for n, raw in numbered_lines(stdin_bytes()):
-            if n == 1 and (raw.startswith(_IMAGE_MAGIC) or raw[8:12] == b"WEBP" or b"\0" in raw):
+        f = stdin_bytes()
+        peek = getattr(f, "peek", None)  # (the first bytes as they are: a line may end inside a header)
+        head = peek(16)[:16] if peek is not None else b""
+        for n, raw in numbered_lines(f):
+            if n == 1 and (b"\0" in raw or _is_image(raw) or _is_image(head)):
                 raise StdinNotNames(
                     "stdin holds image data, not names: 'classify -' reads paths, folders or URLs, one a "
                     "line; give an image file as an argument (fullthrottle classify photo.jpg)"
@@ -47,9 +50,14 @@ class StdinNotNames(ValueError):
     """What ``classify -`` read from stdin is an image's bytes, not a list of inputs."""
 
 
-#: how JPEG and PNG files begin: stdin that does is no list of names (nor one whose first line holds
-#: a NUL, as the headers of GIF, BMP and TIFF files do, or a WebP file: RIFF....WEBP)
-_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r")
+def _is_image(head: bytes) -> bool:
+    """Whether ``head``, the first bytes of a stream, open a JPEG, PNG, GIF, WebP, BMP or TIFF file
+    (a line of names never does: a BMP's is ``BM`` and 4 bytes of size, then 4 zero bytes)."""
+    return (
+        head.startswith((b"\xff\xd8\xff", b"\x89PNG", b"GIF87a", b"GIF89a", b"II*\0", b"MM\0*"))
+        or (head.startswith(b"RIFF") and head[8:12] == b"WEBP")
+        or (head.startswith(b"BM") and head[6:10] == b"\0\0\0\0")
+    )
 
 
 def _output_among_inputs(inputs, *outputs) -> str | None:

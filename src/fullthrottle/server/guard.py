@@ -185,7 +185,10 @@ def _trim_if_quiet() -> None:
         _check_later()  # bodies came meanwhile, or work is left: another period
         return
     _trim["bytes"], _trim["armed"] = 0, False
-    asyncio.get_running_loop().run_in_executor(None, malloc_trim)
+    try:
+        asyncio.get_running_loop().run_in_executor(None, malloc_trim)
+    except RuntimeError:  # (the loop's executor shut down: the server is stopping, nothing to trim for)
+        pass
 
 
 def malloc_trim() -> bool:
