@@ -1363,55 +1363,45 @@ def test_classify_reads_its_inputs_from_stdin_with_a_dash(samples, tmp_path, mon
         assert "error: stdin holds image data, not names: 'classify -' reads paths" in capsys.readouterr().err
 
 
-def test_run_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c():
-    """``run -`` on a pipe (or a terminal) that stays open: each request is answered as it comes
-    (they waited for a chunk of 4 batches' requests or the end), and a Ctrl-C while it waits for
-    more exits 130 at once."""
+def _answers_as_they_come(args: list[str], text: str, n: int) -> list[dict]:
+    """``fullthrottle ARGS`` reading stdin, a pipe left open: ``text`` written to it, the first ``n``
+    JSON lines it answers, then a Ctrl-C that must end it at once (exit 130, "interrupted")."""
     import queue
     import signal
     import threading
     import time
 
-    p = _cli_with_examples(
-        ["run", "-", "--workload", "word_workload:Sentiment", "--device", "cpu"], stdout=subprocess.PIPE
-    )
+    p = _cli_with_examples(args, stdout=subprocess.PIPE)
     try:
-        p.stdin.write('{"texts": ["a good day"]}\n{"texts": ["awful", "fine"]}\n')
+        p.stdin.write(text)
         p.stdin.flush()
         lines: queue.Queue = queue.Queue()  # (a thread reads them: two may come in one read)
         threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
-        got = [json.loads(lines.get(timeout=120)) for _ in range(2)]
-        assert [g["line"] for g in got] == [1, 2] and all("response" in g for g in got), got
+        got = [json.loads(lines.get(timeout=120)) for _ in range(n)]
         p.send_signal(signal.SIGINT)  # (stdin still open)
         t0 = time.time()
         assert p.wait(30) == 130 and time.time() - t0 < 10
         assert p.stderr.read().strip().splitlines()[-1] == "interrupted"
+        return got
     finally:
         if p.poll() is None:
             p.kill()
 
 
-def test_embed_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c(tmp_path):
+def test_run_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c():
+    """``run -`` on a pipe (or a terminal) that stays open: each request is answered as it comes
+    (they waited for a chunk of 4 batches' requests or the end), and a Ctrl-C while it waits for
+    more exits 130 at once."""
+    args = ["run", "-", "--workload", "word_workload:Sentiment", "--device", "cpu"]
+    got = _answers_as_they_come(args, '{"texts": ["a good day"]}\n{"texts": ["awful", "fine"]}\n', 2)
+    assert [g["line"] for g in got] == [1, 2] and all("response" in g for g in got), got
+
+
+def test_embed_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c():
     """``embed -`` on a pipe (or a terminal) that stays open: each line's vector is written as it
     comes (they waited for a chunk of 1,024 lines or the end), and a Ctrl-C while it waits for more
     exits 130 at once (it waited for the end of stdin)."""
-    import select
-    import signal
-    import time
-
-    p = _cli_with_examples(["embed", "-", "--device", "cpu", "--out", "-"], stdout=subprocess.PIPE)
-    try:
-        p.stdin.write("hello world\nthe quick brown fox\n")
-        p.stdin.flush()
-        got, deadline = [], time.time() + 120
-        while len(got) < 2 and time.time() < deadline:
-            if select.select([p.stdout], [], [], 1)[0]:
-                got.append(json.loads(p.stdout.readline()))
-        assert [g["index"] for g in got] == [0, 1] and len(got[0]["embedding"]) == 384, got
-        p.send_signal(signal.SIGINT)  # (stdin still open)
-        t0 = time.time()
-        assert p.wait(30) == 130 and time.time() - t0 < 10
-        assert p.stderr.read().strip().splitlines()[-1] == "interrupted"
-    finally:
-        if p.poll() is None:
-            p.kill()
+    got = _answers_as_they_come(
+        ["embed", "-", "--device", "cpu", "--out", "-"], "hello world\nthe quick brown fox\n", 2
+    )
+    assert [g["index"] for g in got] == [0, 1] and len(got[0]["embedding"]) == 384, got
