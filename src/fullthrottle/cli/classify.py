@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 from collections.abc import Iterator
@@ -34,10 +35,11 @@ def _with_stdin_list(inputs: list) -> Iterator:
             yield inp
             continue
         f = stdin_bytes()
-        peek = getattr(f, "peek", None)  # (the first bytes as they are: a line may end inside a header)
-        head = peek(16)[:16] if peek is not None else b""
+        if not hasattr(f, "peek"):  # (a test's stand-in)
+            f = io.BufferedReader(f)
+        head = f.peek(16)[:16]  # (the first bytes as they are: a line may end inside a header)
         for n, raw in numbered_lines(f):
-            if n == 1 and (b"\0" in raw or _is_image(raw) or _is_image(head)):
+            if n == 1 and (b"\0" in raw or _is_image(head)):
                 raise StdinNotNames(
                     "stdin holds image data, not names: 'classify -' reads paths, folders or URLs, one a "
                     "line; give an image file as an argument (fullthrottle classify photo.jpg)"
@@ -51,13 +53,12 @@ class StdinNotNames(ValueError):
 
 
 def _is_image(head: bytes) -> bool:
-    """Whether ``head``, the first bytes of a stream, open a JPEG, PNG, GIF, WebP, BMP or TIFF file
-    (a line of names never does: a BMP's is ``BM`` and 4 bytes of size, then 4 zero bytes)."""
-    return (
-        head.startswith((b"\xff\xd8\xff", b"\x89PNG", b"GIF87a", b"GIF89a", b"II*\0", b"MM\0*"))
-        or (head.startswith(b"RIFF") and head[8:12] == b"WEBP")
-        or (head.startswith(b"BM") and head[6:10] == b"\0\0\0\0")
-    )
+    """Whether ``head``, the first bytes of a stream, open an image file (``sniff``), a BMP only with
+    the 4 zero bytes after its size (a line of names may begin ``BM``)."""
+    from ..data.image_header import sniff
+
+    fmt = sniff(head)
+    return fmt is not None and (fmt != "BMP" or head[6:10] == b"\0\0\0\0")
 
 
 def _output_among_inputs(inputs, *outputs) -> str | None:
