@@ -583,6 +583,47 @@ def test_the_deadline_counts_decode_request_and_predict_together():
     assert fine.status_code == 200 and fine.json()["results"] == [{"output": 1.0}]
 
 
+def test_decode_requests_left_past_their_deadline_do_not_hold_up_other_requests():
+    """A decode_request that overruns the deadline goes on in its thread after the 504. Eight such at
+    once held every thread of asyncio's default pool (6 on 2 cores), so a request that decodes at
+    once waited for them and got 504 too; each now holds a daemon thread of its own."""
+    import concurrent.futures as cf
+    import threading
+    import time
+
+    import httpx
+    from test_serve import Server, Tiny
+
+    from fullthrottle.server.app import ServeOptions
+
+    started = threading.Semaphore(0)
+
+    class Stuck(Summer):
+        name = "stuck"
+
+        def decode_request(self, body):
+            if body.get("stuck"):
+                started.release()
+                time.sleep(3.0)
+            return super().decode_request(body)
+
+    with Server(Tiny(), ServeOptions(workloads=(Stuck(),), classify=False, timeout_s=1.0)) as s:
+        ask = lambda stuck: httpx.post(  # noqa: E731
+            s.url + "/v1/stuck", json={"inputs": [[2, 0, 0, 0]], "stuck": stuck}, timeout=30
+        )
+        with cf.ThreadPoolExecutor(8) as ex:
+            stuck = [ex.submit(ask, True) for _ in range(8)]
+            for _ in range(6):  # (at least the default pool's threads are taken)
+                assert started.acquire(timeout=10)
+            t0 = time.perf_counter()
+            fine = ask(False)
+            fine_s = time.perf_counter() - t0
+            codes = [f.result().status_code for f in stuck]
+    assert codes == [504] * 8
+    assert fine.status_code == 200 and fine.json()["results"] == [{"output": 2.0}], fine.text
+    assert fine_s < 0.8, fine_s
+
+
 def test_a_json_route_refuses_image_and_binary_bodies_with_415():
     """A workload's route reads JSON: a body sent as an image, a file or multipart gets 415 naming
     the route (it got 400 "malformed JSON body"); JSON sent as curl -d sends it is read."""

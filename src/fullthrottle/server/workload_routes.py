@@ -257,17 +257,35 @@ def _items(w, body: bytes) -> list:
 
 
 async def _in_thread(what: str, fn, *args):
-    """``fn(*args)`` off the event loop. A KeyboardInterrupt raised there is the workload's own (a
-    signal reaches the main thread only): ContractError, as anything else its code raises, where it
-    would otherwise leave the route as a plain-text 500."""
+    """``fn(*args)`` in a daemon thread of its own, off the event loop.
+
+    Not asyncio's default pool: a call that overruns its request's deadline keeps running after the
+    504, and a few of those would hold every thread of a pool (6 on 2 cores), leaving every other
+    request of a workload route to wait for them, and the server's exit too. Each call here holds only
+    its own thread, which does not keep the process alive. (The server's connection limit bounds how
+    many there are at once.)
+
+    A KeyboardInterrupt raised there is the workload's own (a signal reaches the main thread only):
+    ContractError, as anything else its code raises, where it would otherwise leave the route as a
+    plain-text 500."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
 
     def call():
+        value, error = None, None
         try:
-            return fn(*args)
+            value = fn(*args)
         except KeyboardInterrupt as e:
-            raise ContractError(f"{what}() failed: {raised(e)}") from None
+            error = ContractError(f"{what}() failed: {raised(e)}")
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting route as it is
+            error = e
+        try:
+            loop.call_soon_threadsafe(_set, fut, value, error)
+        except RuntimeError:  # the loop closed meanwhile (the server stopped): nobody waits
+            pass
 
-    return await asyncio.to_thread(call)
+    threading.Thread(target=call, name=f"ft-{what}", daemon=True).start()
+    return await fut
 
 
 def _handler(name: str, state: dict, opts, reply, m_latency):
