@@ -651,7 +651,7 @@ def test_embed_that_cannot_start_leaves_no_file(tmp_path, capsys):
 
 
 def test_one_client_address_cannot_take_every_connection(samples):
-    """Past its per-address limit a client's new connections are closed as they open, each reported
+    """Past its per-address limit (no client_busy_app given) new connections are closed as they open, each reported
     to ``on_client_refused`` (the server logs it); a client at another address is served meanwhile."""
     from fullthrottle.server.connection import head_deadline_protocol
 
@@ -713,6 +713,47 @@ def test_max_connections_serves_that_many_and_refuses_the_next():
         text = metrics.getresponse().read().decode()
         assert 'fullthrottle_requests_total{route="/healthz",status="503"} 1.0' in text
         assert 'fullthrottle_requests_total{route="/v1/models",status="503"} 1.0' in text
+    finally:
+        for c in conns:
+            c.close()
+        server.should_exit = True
+        t.join(30)
+
+
+def test_a_connection_past_the_per_client_cap_is_answered_503():
+    """``--max-connections-per-client 2``: a third connection from the address gets 503 with
+    Retry-After and the reason, then is closed (it was closed unanswered, which a load test sees as
+    read errors); one that asks nothing is closed within CLIENT_REFUSAL_HEAD_S; the two go on."""
+    import http.client
+
+    from fullthrottle.core.config import Config
+    from fullthrottle.server.app import create_app
+    from fullthrottle.server.connection import CLIENT_REFUSAL_HEAD_S
+    from fullthrottle.server.http_layer import uvicorn_server
+
+    opts = ServeOptions(max_connections_per_client=2)
+    app = create_app(Config(device="cpu", labels=[str(i) for i in range(10)]), opts, model=Tiny())
+    server = uvicorn_server(app, opts, 100, host="127.0.0.1", port=0)
+    server.capture_signals = contextlib.nullcontext  # (not the main thread: no signal handlers)
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in range(3)]
+    try:
+        assert keep_alive_statuses(conns[:2]) == [200, 200]
+        conns[2].request("GET", "/healthz")
+        r = conns[2].getresponse()
+        body = r.read()
+        assert (r.status, r.getheader("retry-after"), r.getheader("connection")) == (503, "1", "close"), r.status
+        assert "client address holds its most connections (2)" in json.loads(body)["detail"]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:  # past the cap, asking nothing
+            t0 = time.perf_counter()
+            assert idle.recv(1) == b""
+            assert time.perf_counter() - t0 < CLIENT_REFUSAL_HEAD_S + 1.0
+        assert keep_alive_statuses(conns[:2]) == [200, 200]
     finally:
         for c in conns:
             c.close()

@@ -189,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections-per-client",
         type=positive_int,
         default=_SO.max_connections_per_client,
-        help="connections one client address may hold open (per HTTP worker); more are closed as "
-        "they open, unanswered, and logged. Behind a proxy, or with a load generator on one machine, "
+        help="connections one client address may hold open (per HTTP worker); one more is "
+        "answered 503 with Retry-After, then closed, and logged. Behind a proxy, or with a load generator on one machine, "
         "all clients share one address: raise this (default: %(default)s)",
     )
     add_runtime_args(

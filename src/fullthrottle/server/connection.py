@@ -11,6 +11,9 @@ SHUTDOWN_LINGER_S = 0.5
 #: most bytes of one request head (request line and headers) before the connection is answered 400
 #: and closed (h11 has the same limit of its own)
 MAX_HEAD_BYTES = 16384
+#: a connection past the per-client cap must send its request head within this many seconds (or
+#: ``seconds``, if shorter) to be answered 503; it is closed then
+CLIENT_REFUSAL_HEAD_S = 1.0
 #: most requests one connection may have parsed and waiting behind the one being answered (HTTP/1.1
 #: pipelining, httptools); one more closes the connection: a client that pipelines without reading
 #: its answers would otherwise have the server queue requests, and their answers, without bound
@@ -25,6 +28,7 @@ def head_deadline_protocol(
     on_client_refused=None,
     max_connections: int | None = None,
     busy_app=None,
+    client_busy_app=None,
 ):
     """uvicorn's HTTP/1.1 protocol with a deadline on every request head: a connection whose request
     line and headers are not complete ``seconds`` after it opened (or after its previous response) is
@@ -35,9 +39,11 @@ def head_deadline_protocol(
     is bounded as it comes, and at most :data:`MAX_PIPELINED` may wait (one more closes it). Bytes
     that are no request get 400 and the close once the requests before them are answered.
 
-    ``per_client``: most connections open at once from one client address; one more is closed as
-    it opens, so that one client cannot take every connection the server allows (behind a proxy,
-    every client has the proxy's address: raise it, or let the proxy limit).
+    ``per_client``: most connections open at once from one client address; one more gets
+    ``client_busy_app`` (ASGI: 503, then closed) for its request, which must come within
+    :data:`CLIENT_REFUSAL_HEAD_S`, or is closed as it opens where no ``client_busy_app`` is given,
+    so that one client cannot take every connection the server allows (behind a proxy, every client
+    has the proxy's address: raise it, or let the proxy limit).
 
     A client that shuts its side down once its request is sent (``shutdown(SHUT_WR)``, ``nc -N``) is
     taken as gone, as uvicorn takes it: its FIN cannot be told from a hang-up until an answer is
@@ -55,7 +61,7 @@ def head_deadline_protocol(
     ``on_refused``: called with no arguments for each request the parser refuses (400: malformed, or
     a head over :data:`MAX_HEAD_BYTES`), which never reaches the app (so the caller can count it).
     ``on_client_refused``: called with the client's address and ``per_client`` for each connection
-    closed because that address held ``per_client`` already."""
+    refused because that address held ``per_client`` already."""
     if parser == "auto":
         import importlib.util
 
@@ -100,7 +106,12 @@ def head_deadline_protocol(
             if per_client is not None and n > per_client:
                 if on_client_refused is not None:
                     on_client_refused(self._peer, per_client)
-                transport.close()
+                if client_busy_app is None:
+                    transport.close()
+                    return
+                self.app = client_busy_app  # (its one request answered 503, then closed)
+                self._disarm()
+                self._head_timer = self.loop.call_later(min(seconds, CLIENT_REFUSAL_HEAD_S), self._expired)
                 return
             if max_connections is not None and len(self.connections) > max_connections:
                 self.app = busy_app  # (this one's requests only: the connections open before go on)

@@ -85,13 +85,11 @@ def add_basics(app, requests_counter, keys: tuple[str, ...]):
     return reply
 
 
-def busy_app(max_connections: int, retry_after_s: int, counter=None):
-    """The ASGI app that answers the requests of a connection opened past ``max_connections``: 503
-    with Retry-After and the server's JSON error shape, the connection closed after it, counted in
-    ``counter`` (by route and status) where one is given."""
-    body = json.dumps(
-        {"detail": f"the server holds its most connections ({max_connections}) open: retry later"}
-    ).encode()
+def busy_app(detail: str, retry_after_s: int, counter=None):
+    """The ASGI app that answers the requests of a connection opened past a connection cap: 503 with
+    Retry-After and the server's JSON error shape (``detail``: why), the connection closed after it,
+    counted in ``counter`` (by route and status) where one is given."""
+    body = json.dumps({"detail": detail}).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -179,12 +177,12 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
 
     warned = [-1e9]  # when a refused client was last logged (at most one line a minute)
 
-    def client_refused(peer, limit: int) -> None:  # (closed as it opened: no answer, so said here)
+    def client_refused(peer, limit: int) -> None:  # (its client sees a 503, the operator this line)
         now = time.monotonic()
         if now - warned[0] >= 60.0:
             warned[0] = now
             log.warning(
-                "connections from %s closed as they opened: it holds %d already "
+                "connections from %s answered 503 and closed: it holds %d already "
                 "(--max-connections-per-client; further refusals within a minute are not logged)",
                 peer,
                 limit,
@@ -206,7 +204,17 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
                 on_refused=refused,
                 on_client_refused=client_refused,
                 max_connections=max_connections,
-                busy_app=busy_app(max_connections, opts.retry_after_s, counter),
+                busy_app=busy_app(
+                    f"the server holds its most connections ({max_connections}) open: retry later",
+                    opts.retry_after_s,
+                    counter,
+                ),
+                client_busy_app=busy_app(
+                    f"this client address holds its most connections ({opts.max_connections_per_client}) open: "
+                    "retry later, or on fewer connections (--max-connections-per-client)",
+                    opts.retry_after_s,
+                    counter,
+                ),
             ),
         )
     )

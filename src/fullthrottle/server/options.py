@@ -62,8 +62,8 @@ class ServeOptions:
         body_timeout_s: a request body must arrive within this many seconds (408 otherwise).
         header_timeout_s: a request's line and headers must arrive within this many seconds of the
             connection opening (or of its previous response), else the connection is closed.
-        max_connections_per_client: most connections open at once from one client address (more are
-            closed as they open).
+        max_connections_per_client: most connections open at once from one client address (one more
+            is answered 503 with Retry-After, then closed).
         max_images: most images (files or URLs) in one classify request (413 over it).
         max_request_pixels: most pixels the images of one classify request hold together (413).
         embed_model: serve ``POST /v1/embeddings`` with this sentence-transformers folder ("default":
