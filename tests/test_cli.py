@@ -1397,6 +1397,24 @@ def test_run_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c()
     assert [g["line"] for g in got] == [1, 2] and all("response" in g for g in got), got
 
 
+def test_generate_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c(tmp_path):
+    """``generate --prompts -`` on a pipe (or a terminal) that stays open: each request joins as its
+    line comes and is answered once done (it read all of stdin first, so nothing came until the end);
+    the tokens are those of the same requests from a file. A Ctrl-C while it waits exits 130 at once;
+    an empty pipe holds no request (exit 2)."""
+    lines = "[1, 2, 3]\n[4, 5]\n"
+    args = ["generate", "--random", "tiny", "--device", "cpu", "--max-new-tokens", "4", "--no-progress", "--prompts"]
+    got = _answers_as_they_come([*args, "-"], lines, 2)
+    (tmp_path / "p.txt").write_text(lines)
+    p = _cli_with_examples([*args, str(tmp_path / "p.txt")], stdout=subprocess.PIPE)
+    out, err = p.communicate("", timeout=300)
+    assert p.returncode == 0, err[-600:]
+    assert got == [json.loads(x) for x in out.splitlines()] and [g["line"] for g in got] == [1, 2], got
+    p = _cli_with_examples([*args, "-"])
+    _, err = p.communicate("", timeout=300)
+    assert p.returncode == 2 and "fullthrottle: error: - holds no request" in err, err[-600:]
+
+
 def test_embed_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c():
     """``embed -`` on a pipe (or a terminal) that stays open: each line's vector is written as it
     comes (they waited for a chunk of 1,024 lines or the end), and a Ctrl-C while it waits for more

@@ -286,7 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same tokens; taken modulo 2**32)")
     add_runtime_flags(g, "device", "dtype")
     g.add_argument(
-        "--max-seq-len", type=positive_int, default=None, help="KV cache length (default: prompt + max new tokens)"
+        "--max-seq-len",
+        type=positive_int,
+        default=None,
+        help="KV cache length (default: prompt + max new tokens, the longest of --prompts FILE's; for --prompts - "
+        "on a pipe or terminal, read as it comes: the model's context, at most 4096)",
     )
     add_runtime_flags(
         g, "graphs", help={"graphs": "CUDA graphs for the decode step (one replay per token; CUDA only; default: on)"}

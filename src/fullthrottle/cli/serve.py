@@ -137,6 +137,7 @@ def cmd_serve(args) -> int:
     if args.llm_model_dir or args.llm_random:
         import torch
 
+        from ..workloads.llm.checks import serving_context
         from ..workloads.llm.generate import Generator
         from ..workloads.llm.llama import load_hf
         from ..workloads.llm.text import LlmText
@@ -158,7 +159,7 @@ def cmd_serve(args) -> int:
                 raise ValueError(
                     f"--llm-kv-dtype {args.llm_kv_dtype} needs paged KV memory: give --llm-kv-pages N or auto"
                 )
-            seq = args.llm_max_seq_len or min(model.cfg.max_position_embeddings, 4096)
+            seq = args.llm_max_seq_len or serving_context(model.cfg)
             pages = args.llm_kv_pages
             if pages == "auto":
                 from ..workloads.llm.checks import pages_that_fit

@@ -81,6 +81,17 @@ class ReadAhead:
             self._ready.wait(POLL_S if until is None else until - now)
         return block, None, False
 
+    def ready(self) -> tuple[list, Exception | None, bool]:
+        """As :meth:`take`, without waiting: the items that have come, up to ``size`` (maybe none)."""
+        block: list = []
+        while self._items and len(block) < self.size:
+            block.append(self._items.popleft())
+        if block and not self._space.is_set():
+            self._space.set()
+        if not block and self._end is not None and not self._items:
+            return block, self._end[0], True
+        return block, None, False
+
     def close(self) -> None:
         """Stop: a waiting :meth:`take` returns, the reader stops after its current item (a read
         that blocks keeps its daemon thread until it returns)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...core import env
 from ...core.config import LlmSettings
 from ...core.workload import Workload
-from .checks import check_prompt, stop_ids
+from .checks import check_prompt, serving_context, stop_ids
 from .text import MAX_STOPS, LlmText, TextStream
 
 #: OpenAI options this server does not implement: a request setting one to anything but its
@@ -238,7 +238,7 @@ class Completions(Workload):
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
             model = load_hf(self.model_dir, device, dtype)
             self.tok = LlmText.from_folder(self.model_dir)
-        seq = self.max_seq_len or min(model.cfg.max_position_embeddings, 4096)
+        seq = self.max_seq_len or serving_context(model.cfg)
         self.gen = Generator(model, self.max_batch, seq)
         self.max_batch = self.gen.max_batch
         self.stats = self.gen.stats  # prefill, decode

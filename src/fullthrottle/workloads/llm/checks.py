@@ -122,6 +122,17 @@ def _kv_bytes_and_free(model, dtype: torch.dtype | None = None) -> tuple[int, in
     return per_token, free
 
 
+#: the KV cache length a server (or a stream of requests) gets where none is given: the model's
+#: context, at most this many positions
+SERVING_CONTEXT = 4096
+
+
+def serving_context(cfg) -> int:
+    """The KV cache length for requests not known in advance (``serve``, ``generate --prompts -`` on
+    a pipe) where none is given: the model's context, at most :data:`SERVING_CONTEXT` positions."""
+    return min(cfg.max_position_embeddings, SERVING_CONTEXT)
+
+
 def check_kv_memory(
     model, slots: int, what: str, hint: str, dtype: torch.dtype | None = None, prefill_tokens: int = 0
 ) -> None:
