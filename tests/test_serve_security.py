@@ -676,48 +676,58 @@ def test_one_client_address_cannot_take_every_connection(samples):
             s.close()
 
 
-def test_max_connections_serves_that_many_and_refuses_the_next():
-    """``--max-connections 3``: three open keep-alive connections are all served, a fourth gets 503
-    (Retry-After, a JSON reason, counted in /metrics) and is closed, and the three go on being served
-    while it is open (uvicorn's own limit refused every request while too many connections were open)."""
-    import http.client
-
+@contextlib.contextmanager
+def _uvicorn_server(max_connections: int, opts: ServeOptions | None = None):
+    """A server of ``Tiny`` on 127.0.0.1 as ``serve`` makes it (``uvicorn_server``: the guard's
+    connection limits), run in a thread: its port."""
     from fullthrottle.core.config import Config
     from fullthrottle.server.app import create_app
     from fullthrottle.server.http_layer import uvicorn_server
 
-    app = create_app(Config(device="cpu", labels=[str(i) for i in range(10)]), ServeOptions(), model=Tiny())
-    server = uvicorn_server(app, ServeOptions(), 3, host="127.0.0.1", port=0)
+    opts = opts or ServeOptions()
+    app = create_app(Config(device="cpu", labels=[str(i) for i in range(10)]), opts, model=Tiny())
+    server = uvicorn_server(app, opts, max_connections, host="127.0.0.1", port=0)
     server.capture_signals = contextlib.nullcontext  # (not the main thread: no signal handlers)
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     deadline = time.time() + 30
     while not server.started and time.time() < deadline:
         time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in range(4)]
     try:
-        codes = keep_alive_statuses(conns)
-        assert codes == [200, 200, 200, 503], codes
-        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # open, asking nothing
-        assert keep_alive_statuses(conns[:3]) == [200, 200, 200]  # (the three before them go on)
-        for c in idle:
-            c.close()
-        conns[3].request("GET", "/v1/models")
-        r = conns[3].getresponse()
-        body = r.read()
-        assert (r.status, r.getheader("retry-after"), r.getheader("connection")) == (503, "1", "close"), r.status
-        assert "most connections (3)" in json.loads(body)["detail"]
-        metrics = keep_alive_statuses(conns[:1]) and conns[0]
-        metrics.request("GET", "/metrics")
-        text = metrics.getresponse().read().decode()
-        assert 'fullthrottle_requests_total{route="/healthz",status="503"} 1.0' in text
-        assert 'fullthrottle_requests_total{route="/v1/models",status="503"} 1.0' in text
+        yield server.servers[0].sockets[0].getsockname()[1]
     finally:
-        for c in conns:
-            c.close()
         server.should_exit = True
         t.join(30)
+
+
+def test_max_connections_serves_that_many_and_refuses_the_next():
+    """``--max-connections 3``: three open keep-alive connections are all served, a fourth gets 503
+    (Retry-After, a JSON reason, counted in /metrics) and is closed, and the three go on being served
+    while it is open (uvicorn's own limit refused every request while too many connections were open)."""
+    import http.client
+
+    with _uvicorn_server(3) as port:
+        conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in range(4)]
+        try:
+            codes = keep_alive_statuses(conns)
+            assert codes == [200, 200, 200, 503], codes
+            idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # open, asking nothing
+            assert keep_alive_statuses(conns[:3]) == [200, 200, 200]  # (the three before them go on)
+            for c in idle:
+                c.close()
+            conns[3].request("GET", "/v1/models")
+            r = conns[3].getresponse()
+            body = r.read()
+            assert (r.status, r.getheader("retry-after"), r.getheader("connection")) == (503, "1", "close"), r.status
+            assert "most connections (3)" in json.loads(body)["detail"]
+            metrics = keep_alive_statuses(conns[:1]) and conns[0]
+            metrics.request("GET", "/metrics")
+            text = metrics.getresponse().read().decode()
+            assert 'fullthrottle_requests_total{route="/healthz",status="503"} 1.0' in text
+            assert 'fullthrottle_requests_total{route="/v1/models",status="503"} 1.0' in text
+        finally:
+            for c in conns:
+                c.close()
 
 
 def test_a_connection_past_the_per_client_cap_is_answered_503():
@@ -726,58 +736,31 @@ def test_a_connection_past_the_per_client_cap_is_answered_503():
     read errors); one that asks nothing is closed within CLIENT_REFUSAL_HEAD_S; the two go on."""
     import http.client
 
-    from fullthrottle.core.config import Config
-    from fullthrottle.server.app import create_app
     from fullthrottle.server.connection import CLIENT_REFUSAL_HEAD_S
-    from fullthrottle.server.http_layer import uvicorn_server
 
-    opts = ServeOptions(max_connections_per_client=2)
-    app = create_app(Config(device="cpu", labels=[str(i) for i in range(10)]), opts, model=Tiny())
-    server = uvicorn_server(app, opts, 100, host="127.0.0.1", port=0)
-    server.capture_signals = contextlib.nullcontext  # (not the main thread: no signal handlers)
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in range(3)]
-    try:
-        assert keep_alive_statuses(conns[:2]) == [200, 200]
-        conns[2].request("GET", "/healthz")
-        r = conns[2].getresponse()
-        body = r.read()
-        assert (r.status, r.getheader("retry-after"), r.getheader("connection")) == (503, "1", "close"), r.status
-        assert "client address holds its most connections (2)" in json.loads(body)["detail"]
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:  # past the cap, asking nothing
-            t0 = time.perf_counter()
-            assert idle.recv(1) == b""
-            assert time.perf_counter() - t0 < CLIENT_REFUSAL_HEAD_S + 1.0
-        assert keep_alive_statuses(conns[:2]) == [200, 200]
-    finally:
-        for c in conns:
-            c.close()
-        server.should_exit = True
-        t.join(30)
+    with _uvicorn_server(100, ServeOptions(max_connections_per_client=2)) as port:
+        conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in range(3)]
+        try:
+            assert keep_alive_statuses(conns[:2]) == [200, 200]
+            conns[2].request("GET", "/healthz")
+            r = conns[2].getresponse()
+            body = r.read()
+            assert (r.status, r.getheader("retry-after"), r.getheader("connection")) == (503, "1", "close"), r.status
+            assert "client address holds its most connections (2)" in json.loads(body)["detail"]
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:  # past the cap, asking nothing
+                t0 = time.perf_counter()
+                assert idle.recv(1) == b""
+                assert time.perf_counter() - t0 < CLIENT_REFUSAL_HEAD_S + 1.0
+            assert keep_alive_statuses(conns[:2]) == [200, 200]
+        finally:
+            for c in conns:
+                c.close()
 
 
 def test_requests_the_http_parser_refuses_are_counted():
     """A request the HTTP parser refuses never reaches the app; it is answered 400 and counted in
     /metrics (route "other", status 400) like every other answer."""
-    from fullthrottle.core.config import Config
-    from fullthrottle.server.app import create_app
-    from fullthrottle.server.http_layer import uvicorn_server
-
-    app = create_app(Config(device="cpu", labels=[str(i) for i in range(10)]), ServeOptions(), model=Tiny())
-    server = uvicorn_server(app, ServeOptions(), 8, host="127.0.0.1", port=0)
-    server.capture_signals = contextlib.nullcontext  # (not the main thread: no signal handlers)
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
+    with _uvicorn_server(8) as port:
         for junk in (b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n"):
             sock = socket.create_connection(("127.0.0.1", port))
             sock.settimeout(10)
@@ -787,6 +770,3 @@ def test_requests_the_http_parser_refuses_are_counted():
             assert got.startswith(b"HTTP/1.1 400"), got
         text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         assert re.search(r'requests_total\{route="other",status="400"\} 2\.0', text), text[-2000:]
-    finally:
-        server.should_exit = True
-        t.join(30)
