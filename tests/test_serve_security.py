@@ -733,12 +733,13 @@ def test_max_connections_serves_that_many_and_refuses_the_next():
 def test_a_connection_past_the_per_client_cap_is_answered_503():
     """``--max-connections-per-client 2``: a third connection from the address gets 503 with
     Retry-After and the reason, then is closed (it was closed unanswered, which a load test sees as
-    read errors); one that asks nothing is closed within CLIENT_REFUSAL_HEAD_S; the two go on."""
+    read errors); one that asks nothing is closed within CLIENT_REFUSAL_HEAD_S; the two go on, and
+    a client at another address is served while such connections are open."""
     import http.client
 
     from fullthrottle.server.connection import CLIENT_REFUSAL_HEAD_S
 
-    with _uvicorn_server(100, ServeOptions(max_connections_per_client=2)) as port:
+    with _uvicorn_server(3, ServeOptions(max_connections_per_client=2)) as port:
         conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in range(3)]
         try:
             assert keep_alive_statuses(conns[:2]) == [200, 200]
@@ -752,6 +753,14 @@ def test_a_connection_past_the_per_client_cap_is_answered_503():
                 assert idle.recv(1) == b""
                 assert time.perf_counter() - t0 < CLIENT_REFUSAL_HEAD_S + 1.0
             assert keep_alive_statuses(conns[:2]) == [200, 200]
+            # those held open past the cap do not count against --max-connections (3): another
+            # client is served meanwhile
+            idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+            other = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=("127.0.0.2", 0))
+            conns.append(other)
+            assert keep_alive_statuses([other]) == [200]
+            for c in idle:
+                c.close()
         finally:
             for c in conns:
                 c.close()

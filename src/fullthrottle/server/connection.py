@@ -74,6 +74,7 @@ def head_deadline_protocol(
         raise ValueError(f"parser must be auto, httptools or h11, got {parser!r}")
 
     open_from: dict = {}  # client address -> its connections open now (one event loop: no lock)
+    refused_open = [0]  # connections past the per-client cap still open (not counted against max_connections)
 
     class HeadDeadline(base):
         _head_timer = None
@@ -82,6 +83,7 @@ def head_deadline_protocol(
         _head_bytes: int | None = 0  # bytes received of the request head being read (None: it is whole)
         _arm_after_body = False  # answered before its body came in: the next head's deadline starts after it
         _refusal: str | None = None  # a 400 held until the request in progress is answered
+        _over_cap = False  # past the per-client cap: answered 503 and closed
 
         def _arm(self) -> None:
             self._disarm()
@@ -110,15 +112,20 @@ def head_deadline_protocol(
                     transport.close()
                     return
                 self.app = client_busy_app  # (its one request answered 503, then closed)
+                self._over_cap = True
+                refused_open[0] += 1
                 self._disarm()
                 self._head_timer = self.loop.call_later(min(seconds, CLIENT_REFUSAL_HEAD_S), self._expired)
                 return
-            if max_connections is not None and len(self.connections) > max_connections:
+            if max_connections is not None and len(self.connections) - refused_open[0] > max_connections:
                 self.app = busy_app  # (this one's requests only: the connections open before go on)
             self._arm()
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            if self._over_cap:
+                self._over_cap = False
+                refused_open[0] -= 1
             n = open_from.get(self._peer, 0) - 1
             if n > 0:
                 open_from[self._peer] = n
