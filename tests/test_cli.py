@@ -722,11 +722,17 @@ def test_a_port_out_of_range_is_a_usage_error_before_anything_loads(capsys):
         (["bench", "threads", "--threads", "0,abc"], "argument --threads: expected comma-separated integers"),
         (["bench", "threads", "--threads", ""], "argument --threads: expected comma-separated integers"),
         (["bench", "batch", "--batches", "8,0"], "argument --batches: expected integers >= 1, got '8,0'"),
+        (["serve", "--llm-random", "tiny", "--llm-max-seq-len", "1"], "argument --llm-max-seq-len: must be >= 2"),
+        (
+            ["generate", "--random", "tiny", "--tokens", "1", "--max-seq-len", "1"],
+            "argument --max-seq-len: must be >= 2",
+        ),
     ],
 )
 def test_number_flags_are_checked_before_anything_loads(argv, want, capsys):
     """Such values are usage errors, exit 2 with argparse's 'error:' line (--llm-logprobs 21 was refused
-    once the model had loaded; bench's lists printed their complaint bare, and '' ran the defaults)."""
+    once the model had loaded; bench's lists printed their complaint bare, and '' ran the defaults; a
+    server with --llm-max-seq-len 1 started and refused every request)."""
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and want in capsys.readouterr().err

@@ -319,3 +319,15 @@ def test_unsupported_rope_scaling_is_refused():
     )
     with pytest.raises(ValueError, match="'dynamic' is not supported"):
         rope_inv_freq(cfg)
+
+
+def test_random_weights_have_no_end_of_sequence_token():
+    """``--random`` / ``--llm-random`` weights have no end-of-sequence token: a request runs to its
+    max_tokens (serve stopped it at token 2, the config's default eos, where generate did not)."""
+    from fullthrottle.cli.generate import random_llama
+    from fullthrottle.workloads.llm.api import completion_request
+
+    model = random_llama("tiny", torch.device("cpu"), torch.float32)
+    gen = Generator(model, 1, 64, graphs=False)
+    assert model.cfg.eos_token_id is None
+    assert completion_request({"prompt": [1, 2], "max_tokens": 8}, gen, None)["stop_ids"] == ()

@@ -51,7 +51,9 @@ RANDOM_SHAPES = ("tiny", "llama2-7b")
 
 
 def random_llama(shape: str, device, dtype):
-    """A Llama of ``shape`` (one of :data:`RANDOM_SHAPES`) with random weights (seed 0) on ``device``.
+    """A Llama of ``shape`` (one of :data:`RANDOM_SHAPES`) with random weights (seed 0) on ``device``,
+    with no end-of-sequence token (``serve --llm-random`` stopped its requests at token 2, the
+    default's, where ``generate --random`` ran them to their max tokens).
 
     Raises:
         ValueError: its weights do not fit in the memory free there.
@@ -65,6 +67,7 @@ def random_llama(shape: str, device, dtype):
     else:
         kw = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
         cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, **kw)
+    cfg.eos_token_id = None  # (random weights: no token ends a text; each request runs to its max tokens)
     _check_memory_for(cfg, device, dtype)
     dev = torch.device(device)
     # (the weights from seed 0; torch's global generator, which draws the seeds of requests that give

@@ -128,6 +128,14 @@ def positive_int(s: str) -> int:
     return v
 
 
+def context_length(s: str) -> int:
+    """A KV cache length: an integer >= 2 (a prompt's token and one new token)."""
+    v = _integer(s)
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (a prompt's token and one new token), got {v}")
+    return v
+
+
 def positive_int_list(s: str) -> list[int]:
     """A comma-separated list of integers >= 1 (``1,2,4``)."""
     try:
@@ -364,7 +372,7 @@ def add_llm_serve_args(v: argparse.ArgumentParser) -> None:
     )
     v.add_argument(
         "--llm-max-seq-len",
-        type=positive_int,
+        type=context_length,
         default=None,
         help="LLM context (KV cache) length (default: the model's, at most 4096)",
     )

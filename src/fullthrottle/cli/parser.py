@@ -18,6 +18,7 @@ from .options import (
     add_runtime_args,
     add_runtime_flags,
     body_mb,
+    context_length,
     kv_pages_arg,
     megapixels,
     port_number,
@@ -107,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue",
         type=positive_int,
         default=_SO.max_queue,
-        help="images (or a workload's requests) waiting to enter the model's pipeline before 503 (the "
+        help="images (or a workload's requests, or completions not yet taken in by the LLM's step loop, "
+        "which takes them between steps) waiting to enter the model's pipeline before 503 (the "
         "pipeline holds more in flight besides, being decoded and batched: about 4 batches of "
         "--max-batch-size, and 4 more per GPU decoder process); a request with more images than this "
         "can never fit (413) (default: %(default)s; --max-images is the usual per-request limit)",
@@ -287,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_flags(g, "device", "dtype")
     g.add_argument(
         "--max-seq-len",
-        type=positive_int,
+        type=context_length,
         default=None,
         help="KV cache length (default: prompt + max new tokens, the longest of --prompts FILE's; for --prompts - "
         "on a pipe or terminal, read as it comes: the model's context, at most 4096)",
