@@ -779,24 +779,36 @@ def test_a_workload_of_ones_own_is_served_batched_across_requests(caplog):
             load_workload(spec)
 
 
-@pytest.mark.parametrize("http_workers", ["1", "2"])
-def test_a_workload_whose_setup_fails_ends_the_server_with_its_own_traceback(http_workers):
-    """setup() raising: the server exits with status 2 (a start that fails, as a port in use) and says
-    which workload failed, with the frames of the user's code and not the web framework's; with one
-    HTTP process or several."""
+@pytest.mark.parametrize(
+    "http_workers, workload, says",
+    [
+        ("1", "BadSetup", "setup() failed:"),
+        ("2", "BadSetup", "setup() failed:"),
+        ("1", "ExitInSetup", "setup() failed:"),
+        ("2", "BadStats", "stats must map names to fullthrottle.StageStats, got {'x': 5}"),
+    ],
+)
+def test_a_workload_whose_setup_fails_ends_the_server_with_its_own_traceback(http_workers, workload, says):
+    """setup() raising (SystemExit too, which printed the web framework's traceback), or leaving
+    ``stats`` that are no StageStats (every /metrics scrape then failed 500): the server exits with
+    status 2 (a start that fails, as a port in use) and says which workload failed, with the frames of
+    the user's code and not the web framework's; with one HTTP process or several."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run(
         [sys.executable, "-m", "fullthrottle.cli", "serve", "--no-classify", "--port", "0"]
-        + ["--workload", "toy_workload:BadSetup", "--device", "cpu", "--http-workers", http_workers],
+        + ["--workload", f"toy_workload:{workload}", "--device", "cpu", "--http-workers", http_workers],
         capture_output=True,
         text=True,
         env=env,
         timeout=120,
     )
     assert p.returncode == 2, p.stderr
-    assert "workload 'badsetup': setup() failed:" in p.stderr, p.stderr
-    assert "toy_workload.py" in p.stderr and "FileNotFoundError: /nonexistent/weights.pt" in p.stderr
-    assert "starlette" not in p.stderr and "asyncio" not in p.stderr
+    assert f"workload '{workload.lower()}': {says}" in p.stderr, p.stderr
+    if workload == "BadSetup":
+        assert "toy_workload.py" in p.stderr and "FileNotFoundError: /nonexistent/weights.pt" in p.stderr
+    if workload == "ExitInSetup":
+        assert "toy_workload.py" in p.stderr and "SystemExit: 5" in p.stderr
+    assert "starlette" not in p.stderr and "asyncio" not in p.stderr and "Traceback" not in p.stderr
 
 
 def test_a_hanging_predict_does_not_hold_up_shutdown(caplog):

@@ -56,6 +56,8 @@ def test_cli_run_answers_a_jsonl_file_in_order(tmp_path, capsys):
     assert "workload 'badsetup': setup() failed:" in err and "toy_workload.py" in err and out.read_text() == "kept"
     assert main(["run", str(src), "--workload", "toy_workload:ExitInSetup", "--device", "cpu"]) == 2
     assert "workload 'exitinsetup': setup() failed:" in (err := capsys.readouterr().err) and "SystemExit: 5" in err
+    assert main(["run", str(src), "--workload", "toy_workload:BadStats", "--device", "cpu"]) == 2
+    assert "workload 'badstats': stats must map names to fullthrottle.StageStats" in capsys.readouterr().err
     assert main(["run", str(src), "--workload", "toy_workload:Summer", "--out", str(src)]) == 2  # not the input
     assert "is the same file as the input" in capsys.readouterr().err and src.read_text().startswith('{"inputs"')
     assert main(["run", str(tmp_path / "nope.jsonl"), "--workload", "toy_workload:Summer"]) == 2

@@ -138,6 +138,15 @@ class ExitInSetup(Summer):
         raise SystemExit(5)
 
 
+class BadStats(Summer):
+    """Keeps a number where its stats should hold StageStats."""
+
+    name = "badstats"
+
+    def setup(self, device):
+        self.stats = {"x": 5}
+
+
 class NeedsArgs(Summer):
     name = "needsargs"
 

@@ -41,7 +41,7 @@ def cmd_run(args) -> int:
 
 def _run(args, stdout) -> int:
     from ..core.device import resolve_device
-    from ..core.workload import load_workload, user_traceback
+    from ..core.workload import check_stats, load_workload, user_traceback
     from .common import overwrites_an_input
 
     try:
@@ -61,6 +61,10 @@ def _run(args, stdout) -> int:
             workload.setup(device)
         except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's code: its own frames, then one clear line
             return _fail(f"workload {workload.name!r}: setup() failed:\n{user_traceback(e)}")
+        try:
+            check_stats(workload)
+        except ValueError as e:
+            return _fail(str(e))
     try:  # (opened once the workload is ready: a failed start leaves an existing file as it was)
         out = stdout if args.out == "-" else open(args.out, "w", encoding="utf-8")
     except OSError as e:

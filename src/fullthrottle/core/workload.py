@@ -145,6 +145,14 @@ def check_workload(w) -> None:
         raise ValueError(f"{type(w).__name__}.max_wait_ms must be a number in [0, 60000), got {m!r}")
 
 
+def check_stats(w) -> None:
+    """ValueError unless ``w.stats`` (read once its ``setup()`` has run) maps names to
+    :class:`~fullthrottle.core.report.StageStats` (anything else broke every ``/metrics`` scrape)."""
+    st = getattr(w, "stats", None)
+    if not isinstance(st, Mapping) or not all(isinstance(v, StageStats) for v in st.values()):
+        raise ValueError(f"workload {w.name!r}: stats must map names to fullthrottle.StageStats, got {st!r:.200}")
+
+
 def load_workload(spec: str) -> Workload:
     """An instance of the class ``spec`` names (``package.module:Class``, constructed with no
     arguments), or the instance it names (``package.module:my_workload``), checked

@@ -19,7 +19,7 @@ import logging
 import time
 
 from ..core.config import Config, usable_cores
-from ..core.workload import user_traceback
+from ..core.workload import check_stats, user_traceback
 from ..workloads.classify.pipeline import Pipeline
 from ..workloads.embed_api import EmbeddingsAPI
 from .classify_route import LocalClassifier, add_classify_route
@@ -102,10 +102,14 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
             state["llm"] = CompletionService(*opts.llm, max_queue=opts.max_queue, name=opts.llm_name)
         state["workloads"] = {}
         for w in workloads:  # (embeddings, and the user's own): set up here, served at /v1/<name>
-            try:
+            try:  # (a KeyboardInterrupt in that thread is the workload's own: signals reach the main thread)
                 await asyncio.to_thread(w.setup, devices[0])
-            except Exception as e:  # noqa: BLE001 - the user's code: its own frames, then one clear line
+            except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - the user's code: its own frames, then one clear line
                 raise StartupError(f"workload {w.name!r}: setup() failed:\n{user_traceback(e)}") from None
+            try:
+                check_stats(w)
+            except ValueError as e:
+                raise StartupError(str(e)) from None
             state["workloads"][w.name] = WorkloadService(w, opts.max_queue, m.batch.labels(w.name).observe)
         state["ready"], state["t_ready"] = True, time.perf_counter()
         # redirects are followed by the FetchPolicy, each checked; no proxy from the environment
