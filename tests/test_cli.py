@@ -1403,6 +1403,29 @@ def test_run_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c()
     assert [g["line"] for g in got] == [1, 2] and all("response" in g for g in got), got
 
 
+def test_embed_from_a_pipe_writes_each_line_to_a_jsonl_file_as_it_comes(tmp_path):
+    """``embed - --out FILE.jsonl`` on a pipe left open: the file holds each line's vector once it is
+    embedded (it stayed in the file's buffer until about 8 KB more had come)."""
+    import signal
+    import time
+
+    out = tmp_path / "o.jsonl"
+    p = _cli_with_examples(["embed", "-", "--device", "cpu", "--out", str(out)])
+    try:
+        p.stdin.write("hello world\n")
+        p.stdin.flush()
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out.exists() and out.read_text().endswith("\n")):
+            time.sleep(0.1)
+        rows = [json.loads(x) for x in out.read_text().splitlines()]
+        assert [r["index"] for r in rows] == [0] and len(rows[0]["embedding"]) == 384
+        p.send_signal(signal.SIGINT)
+        assert p.wait(30) == 130
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 def test_generate_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c(tmp_path):
     """``generate --prompts -`` on a pipe (or a terminal) that stays open: each request joins as its
     line comes and is answered once done (it read all of stdin first, so nothing came until the end);

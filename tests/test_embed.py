@@ -129,6 +129,25 @@ def test_bad_input_types(emb):
     assert half.dtype == torch.float32 and np.array_equal(half.embed(["a b"]).vectors, emb.embed(["a b"]).vectors)
 
 
+def test_cli_embed_interrupted_writes_the_npy_of_what_was_embedded(tmp_path, emb, capsys, monkeypatch):
+    """Ctrl-C (or SIGTERM) after some chunks: the .npy holds the vectors of the texts embedded so far,
+    and says so (it wrote nothing: every vector computed was lost); exit 130."""
+    texts = ["first text", "second", "third 🙂", "fourth"]
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    real = Embedder.embed_stream
+
+    def two_then_ctrl_c(self, source, chunk=None):
+        yield from real(self, list(source)[:2], chunk=2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Embedder, "embed_stream", two_then_ctrl_c)
+    out = tmp_path / "o.npy"
+    assert main(["embed", str(tmp_path / "in.txt"), "--out", str(out), "--device", "cpu", "--no-progress"]) == 130
+    np.testing.assert_allclose(np.load(out), emb.embed(texts[:2]).vectors, atol=1e-6)
+    err = capsys.readouterr().err
+    assert f"wrote {out}: the vectors of the first 2 texts" in err and err.strip().endswith("interrupted")
+
+
 def test_cli_embed_npy_and_jsonl(tmp_path, emb, capsys):
     texts = ["first text", "", "third 🙂", "long " * 400]
     (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")

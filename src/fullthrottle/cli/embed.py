@@ -174,6 +174,7 @@ def cmd_embed(args) -> int:
                         )
                         + "\n"
                     )
+                jsonl.flush()  # (a stream's lines, as they come: a file is read as it grows too)
             else:
                 vectors.append(block.vectors)
             n += len(block.vectors)
@@ -181,6 +182,12 @@ def cmd_embed(args) -> int:
             respond.end(len(block.vectors))
             bar.update(len(block.vectors))
     except BrokenPipeError:  # (stdout's reader went away: the caller stops quietly)
+        raise
+    except KeyboardInterrupt:  # (Ctrl-C, SIGTERM: a .npy keeps the vectors of the texts embedded so far)
+        if jsonl is None and vectors:
+            bar.close()
+            np.save(args.out, np.concatenate(vectors))
+            print(f"wrote {args.out}: the vectors of the first {n} texts", file=sys.stderr)
         raise
     except OSError as e:
         print(

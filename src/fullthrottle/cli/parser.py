@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(N, dim) float32 array. Texts longer than the model's max_seq_length are truncated, "
         'as sentence-transformers does, and flagged. A .jsonl line that is no text gets {"index", "error"} '
         "(a row of NaN in a .npy). Exit status: 0, 1 if a line failed, 2 on a usage or model error, "
-        "130 on Ctrl-C, 143 on SIGTERM.",
+        "130 on Ctrl-C, 143 on SIGTERM (what was embedded by then is written: the lines so far, or a .npy "
+        "of the first texts).",
     )
     m.add_argument("file", metavar="FILE|-")
     m.add_argument("--model-dir", default=None, help="sentence-transformers folder (default: all-MiniLM-L6-v2)")
