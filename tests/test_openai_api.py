@@ -271,6 +271,9 @@ def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests
             ({"echo": True}, "echo is not supported"),
             ({"stream_options": {"include_usage": True}}, "stream_options is for streamed requests only"),
             ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
+            ({"best_of": True}, "best_of is not supported"),  # (taken as 1)
+            ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
+            ({"model": ["x"]}, "model must be a string, got an array"),  # (was 404)
             ({"prompt": ""}, "prompt is empty"),
             ({"prompt": "a\ud800b"}, "not valid Unicode"),
             ({"prompt": "x" * (64 * 128 + 1)}, "far more than the context"),
@@ -279,6 +282,8 @@ def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests
             body = json.dumps({"prompt": "hello", "max_tokens": 4, **extra})  # (ASCII: escapes lone surrogates)
             r = h.post(url, content=body, headers={"content-type": "application/json"})
             assert r.status_code == 400 and why in r.json()["error"]["message"], (extra, r.text)
+        ok = h.post(url, json={"prompt": "hello", "max_tokens": 2, "response_format": {"type": "text"}, "best_of": 1})
+        assert ok.status_code == 200, ok.text  # (OpenAI's defaults, as its clients send them: was 400)
         chat = s.url + "/v1/chat/completions"
         for msgs, why in (
             ([{"role": "wizard", "content": "x"}], "messages[0].role must be one of system"),

@@ -575,6 +575,8 @@ def test_embeddings_route_matches_library():
             ({"input": []}, "input is an empty list"),
             ({"dimensions": 8}, "this model's vectors have 384"),
             ({"encoding_format": "xml"}, "encoding_format must be 'float' or 'base64'"),
+            ({"encoding_format": ""}, "encoding_format must be 'float' or 'base64', got ''"),  # (was taken as float)
+            ({"model": ["x"]}, "model must be a string, got an array"),  # (was 404)
             ({"dimensions": "384"}, "dimensions must be an integer"),
             ({"input": [[1, 2, 3]]}, "input as token ids is not taken here"),
             ({"input": [["a"]]}, re.escape('JSON body must be {"input": "text" | ["text", ...]}')),
@@ -582,8 +584,11 @@ def test_embeddings_route_matches_library():
         ):
             with pytest.raises(openai.APIStatusError, match=msg) as e:
                 c.embeddings.create(**{"model": "all-MiniLM-L6-v2", "input": "x", **kw})
-            assert e.value.status_code == (404 if "model" in kw else 400)
+            assert e.value.status_code == (404 if kw.get("model") == "text-embedding-3-small" else 400)
         assert httpx.post(s.url + "/v1/embeddings", json={"input": [1, 2]}).status_code == 400
+        bom = b'\xef\xbb\xbf{"input": "x"}'  # (a UTF-8 byte-order mark, as Windows tools write: was 400)
+        got_bom = httpx.post(s.url + "/v1/embeddings", content=bom, headers={"content-type": "application/json"})
+        assert got_bom.status_code == 200 and len(got_bom.json()["data"]) == 1, got_bom.text
         assert [m.id for m in c.models.list()] == ["all-MiniLM-L6-v2"]  # (the name requests may give)
         assert httpx.post(s.url + "/v1/embeddings", json={"input": ["a"] * 2049}).status_code == 413
         metrics = httpx.get(s.url + "/metrics").text  # the same stage metric as classify's, its own stages

@@ -665,6 +665,7 @@ def test_sigterm_ends_the_streams_still_open_with_a_last_chunk_and_done(workers,
         assert events[-1] == "data: [DONE]", events[-3:]
         last = json.loads(events[-2][6:])
         assert last["choices"][0]["finish_reason"] == "error", last
+        assert last["choices"][0]["text"] is None, last  # (no tokenizer: no text, as in its other chunks; was "")
         assert "the server is shutting down" in last["error"]["message"]
 
 

@@ -19,7 +19,8 @@ def _finite(text: str) -> float:
 
 
 def parse_body(body: bytes | str):
-    """A request body as JSON (NaN and Infinity refused, as JSON has neither; 1e999 too).
+    """A request body as JSON (NaN and Infinity refused, as JSON has neither; 1e999 too); a UTF-8
+    byte-order mark opening it is skipped.
 
     Raises:
         ValueError: not UTF-8, not JSON, NaN/Infinity, a float past the largest, an integer of
@@ -28,6 +29,9 @@ def parse_body(body: bytes | str):
     try:
         if isinstance(body, (bytes, bytearray, memoryview)):
             body = bytes(body).decode("utf-8")  # (json.loads would take UTF-16 and UTF-32 bytes too)
+        body = body.removeprefix(
+            "\ufeff"
+        )  # (a UTF-8 byte-order mark, as Windows tools write: RFC 8259 lets a reader skip it)
         return json.loads(body, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
         raise ValueError("malformed JSON body: nested too deep") from None

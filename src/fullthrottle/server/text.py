@@ -28,7 +28,7 @@ import uuid
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
 from ..core.errors import Overloaded
-from ..core.json_body import parse_body
+from ..core.json_body import json_type, parse_body
 from ..workloads.llm.api import chat_request, completion_request
 from ..workloads.llm.text import TextStream
 from .guard import HTTPError as _HTTPError
@@ -257,6 +257,8 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency, m_ttft
                 p = parse_body(body)
                 if not isinstance(p, dict):
                     raise ValueError("JSON object body required")
+                if p.get("model") is not None and not isinstance(p["model"], str):
+                    raise ValueError(f"model must be a string, got {json_type(p['model'])}")
                 if p.get("model") is not None and p["model"] != svc.name:  # (as OpenAI's API: not another's)
                     raise _HTTPError(
                         404, f"the model {p['model']!r} is not served here; this server serves {svc.name!r}"
@@ -334,7 +336,8 @@ async def _events(r: _Reply, out: asyncio.Queue, streams: set, ended):
             r.req["cancelled"] = True
             streams.discard(out)
         failed = isinstance(item, Exception)
-        rest = "" if failed else r.rest()  # (before the finish reason: a stop string may be in it)
+        # (the rest before the finish reason: a stop string may be in it; no text without a tokenizer)
+        rest = r.rest() if not failed else None if r.text is None else ""
         last = r.chunk(rest, "error" if failed else r.finish_reason(), first=first)
         if failed:  # (the stream has sent 200 already: the reason goes in its last chunk)
             why = str(item) if isinstance(item, ShuttingDown) else f"generation failed: {item}"

@@ -9,6 +9,7 @@ import base64
 import os
 from dataclasses import dataclass
 
+from ..core.json_body import json_type
 from ..core.workload import ItemError, NotServed, Workload
 
 #: texts one embeddings request may carry (413 beyond)
@@ -94,9 +95,12 @@ class EmbeddingsAPI(Workload):
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise ValueError('JSON body must be {"input": "text" | ["text", ...]}')
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"model must be a string, got {json_type(model)}")
         if model is not None and model != self.model_name:
             raise NotServed(f"the model {model!r} is not served here; this server embeds with {self.model_name!r}")
-        fmt = body.get("encoding_format") or "float"
+        fmt = body.get("encoding_format")
+        fmt = "float" if fmt is None else fmt  # (null: the default, as OpenAI's API reads it)
         if fmt not in ("float", "base64"):
             raise ValueError(f"encoding_format must be 'float' or 'base64', got {fmt!r}")
         dims = body.get("dimensions")

@@ -159,8 +159,10 @@ def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None
         raise ValueError(f"logprobs (the top tokens per position) must be between 0 and {gen.logprobs}")
     for key, default in UNSUPPORTED.items():
         v = _get(p, key, default)
-        if v != default and v not in ([], {}):
-            raise ValueError(f"{key} is not supported")
+        if key == "response_format" and v == {"type": "text"}:  # (OpenAI's default, as its clients send it)
+            continue
+        if (v != default or isinstance(v, bool) is not isinstance(default, bool)) and v not in ([], {}):
+            raise ValueError(f"{key} is not supported")  # (best_of true is no 1)
     stop = _get(p, "stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and len(stop) <= MAX_STOPS and all(isinstance(x, str) and x for x in stop)):
