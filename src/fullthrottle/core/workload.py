@@ -88,8 +88,10 @@ class Workload:
     def decode_request(self, body: dict) -> list:
         """The items of one request's JSON body (a dict), as a list. Raise ``ValueError`` for a
         malformed request: the client gets 400 with the message (any other exception: 500). To fail
-        one item and not its whole request (an empty text, say), pass it on marked and answer it
-        with an :class:`ItemError` from :meth:`predict` (``workloads/embed_api.py`` does so).
+        one item and not its whole request (an image that does not decode, say), pass it on marked
+        and answer it with an :class:`ItemError` from :meth:`predict` (``workloads/embed_api.py``
+        does so for a text that cannot be tokenised; its ``encode_response`` then fails the request,
+        422, as OpenAI's shape has no error per text).
         The server calls it in worker threads, for concurrent requests at once: keep it thread-safe."""
         raise NotImplementedError
 
