@@ -586,6 +586,8 @@ def test_embeddings_route_matches_library():
                 c.embeddings.create(**{"model": "all-MiniLM-L6-v2", "input": "x", **kw})
             assert e.value.status_code == (404 if kw.get("model") == "text-embedding-3-small" else 400)
         assert httpx.post(s.url + "/v1/embeddings", json={"input": [1, 2]}).status_code == 400
+        flags = httpx.post(s.url + "/v1/embeddings", json={"input": [True, False]})  # (no token ids, no texts)
+        assert flags.status_code == 400 and "input" in flags.json()["detail"] and "token ids" not in flags.text
         bom = b'\xef\xbb\xbf{"input": "x"}'  # (a UTF-8 byte-order mark, as Windows tools write: was 400)
         got_bom = httpx.post(s.url + "/v1/embeddings", content=bom, headers={"content-type": "application/json"})
         assert got_bom.status_code == 200 and len(got_bom.json()["data"]) == 1, got_bom.text

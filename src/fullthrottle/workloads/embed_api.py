@@ -87,8 +87,9 @@ class EmbeddingsAPI(Workload):
         if texts == []:
             raise ValueError("input is an empty list: give at least one text")
 
-        def ids(t) -> bool:  # (a token id, or a non-empty list of them: OpenAI's token-id input)
-            return isinstance(t, int) or (isinstance(t, list) and t != [] and all(isinstance(x, int) for x in t))
+        def ids(t) -> bool:  # (a token id, or a non-empty list of them: OpenAI's token-id input; no booleans)
+            one = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
+            return one(t) or (isinstance(t, list) and t != [] and all(one(x) for x in t))
 
         if isinstance(texts, list) and texts and all(ids(t) for t in texts):
             raise ValueError("input as token ids is not taken here (they would be another tokenizer's): send the text")
