@@ -1178,6 +1178,7 @@ def _cli_with_examples(args: list[str], **popen) -> subprocess.Popen:
 
     examples = Path(fullthrottle.__file__).parents[2] / "examples"
     env = {**os.environ, "PYTHONPATH": f"{Path(fullthrottle.__file__).parents[1]}{os.pathsep}{examples}"}
+    env["PYTHONFAULTHANDLER"] = "1"  # (a process that hangs dumps its threads' stacks on SIGABRT)
     cmd = [sys.executable, "-m", "fullthrottle.cli", *args]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **popen)
 
@@ -1386,7 +1387,13 @@ def _answers_as_they_come(args: list[str], text: str, n: int) -> list[dict]:
         got = [json.loads(lines.get(timeout=120)) for _ in range(n)]
         p.send_signal(signal.SIGINT)  # (stdin still open)
         t0 = time.time()
-        assert p.wait(30) == 130 and time.time() - t0 < 10
+        try:
+            code = p.wait(30)
+        except subprocess.TimeoutExpired:  # (where it hangs: every thread's stack, from faulthandler)
+            p.send_signal(signal.SIGABRT)
+            p.wait(30)
+            raise AssertionError("no exit 30 s after SIGINT:\n" + p.stderr.read()[-6000:]) from None
+        assert code == 130 and time.time() - t0 < 10
         assert p.stderr.read().strip().splitlines()[-1] == "interrupted"
         return got
     finally:
