@@ -196,14 +196,16 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
         file=sys.stderr,
         disable=args.no_progress or None,
     )
-    new, written = 0, 0
+    new, written, errors = 0, 0, 0
 
     def write_done() -> None:  # the requests done so far, in input order (kept if the run is stopped)
-        nonlocal new, written
+        nonlocal new, written, errors
         while written < len(recs) and (recs[written][0] is None or recs[written][1].done):
             c, s = recs[written]
             where = {"index": written, "line": reqs[written][0]}
+            recs[written] = reqs[written] = (None, None)  # (written: a stream's memory does not grow with it)
             if c is None:
+                errors += 1
                 out.write(json.dumps({**where, "error": s}) + "\n")
             else:
                 toks, text, reason = s.tokens, None, "stop" if s.tokens[-1:] and s.tokens[-1] in s.stop else "length"
@@ -249,7 +251,7 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
         raise ValueError(f"cannot write --out {args.out}: {e.strerror or e}") from None
     if not recs:
         raise ValueError(f"{args.prompts} holds no request")
-    return new, gen, sum(c is None for c, _ in recs)
+    return new, gen, errors
 
 
 def _stdin_streams() -> bool:
