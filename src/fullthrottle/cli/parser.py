@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sample photos that ship with scikit-image. The default model, efficientnet_lite0, "
         "comes with its ImageNet weights; a model without bundled weights and without --weights is "
         "randomly initialised and its labels are meaningless (the output says so).",
-        epilog="Exit status: 0 all items ok; 1 some item failed (see its error); 2 usage or "
+        epilog="Exit status: 0 all items ok; 1 some item failed (see its error), or stdout's reader left (| head); 2 usage or "
         "configuration error, or --out / --report-json cannot be written; 130 interrupted (Ctrl-C); 143 on SIGTERM.",
     )
     c.add_argument(
@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         'JSON strings or {"text": ...}). Writes JSON lines ({"index", "truncated", "embedding"}) or a .npy '
         "(N, dim) float32 array. Texts longer than the model's max_seq_length are truncated, "
         'as sentence-transformers does, and flagged. A .jsonl line that is no text gets {"index", "error"} '
-        "(a row of NaN in a .npy). Exit status: 0, 1 if a line failed, 2 on a usage or model error, "
+        "(a row of NaN in a .npy). Exit status: 0, 1 if a line failed or stdout's reader left (| head), 2 on a usage or model error, "
         "130 on Ctrl-C, 143 on SIGTERM (what was embedded by then is written: the lines so far, or a .npy "
         "of the first texts).",
     )
@@ -331,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
         "decode_request, batches by count and cost, predict and encode_response as POST /v1/<name>. "
         'Writes one JSON line per request, in order: {"line": N, "response": {...}} or {"line": N, '
         '"error": "..."}.',
-        epilog="Exit status: 0 every request answered; 1 some request failed (see its error); 2 usage "
+        epilog="Exit status: 0 every request answered; 1 some request failed (see its error), or stdout's reader left "
+        "(| head); 2 usage "
         "error (a bad --workload, a file that cannot be read, setup() failed); 130 on Ctrl-C, 143 on SIGTERM.",
     )
     w.add_argument("file", metavar="FILE|-", help="one JSON object (a request body) per line")
