@@ -626,6 +626,60 @@ def test_decode_requests_left_past_their_deadline_do_not_hold_up_other_requests(
     assert fine_s < 0.8, fine_s
 
 
+def test_workload_code_past_its_deadline_holds_at_most_max_workload_threads(monkeypatch):
+    """Each decode_request left running past its 504 keeps a thread: past MAX_WORKLOAD_THREADS (4
+    here) a request is answered 503 with Retry-After at once, where every such request added a
+    thread; an encode_response past the deadline is 504 then (it was 200 whenever it ended)."""
+    import concurrent.futures as cf
+    import threading
+    import time
+
+    import httpx
+    from test_serve import Server, Tiny
+
+    from fullthrottle.server import workload_routes
+    from fullthrottle.server.app import ServeOptions
+
+    deadline = time.time() + 15  # (threads an earlier test left sleeping end first)
+    while workload_routes._threads[0] and time.time() < deadline:
+        time.sleep(0.1)
+    monkeypatch.setattr(workload_routes, "MAX_WORKLOAD_THREADS", 4)
+    started, release = threading.Semaphore(0), threading.Event()
+
+    class Stuck(Summer):
+        name = "stuck"
+
+        def decode_request(self, body):
+            if body.get("stuck"):
+                started.release()
+                release.wait(20)
+            return super().decode_request(body)
+
+        def encode_response(self, outputs):
+            if outputs and outputs[0] == 7.0:
+                time.sleep(2.0)
+            return super().encode_response(outputs)
+
+    with Server(Tiny(), ServeOptions(workloads=(Stuck(),), classify=False, timeout_s=1.0)) as s:
+        ask = lambda body: httpx.post(s.url + "/v1/stuck", json={"inputs": [[1, 0, 0, 0]], **body}, timeout=30)  # noqa: E731
+        with cf.ThreadPoolExecutor(4) as ex:
+            stuck = [ex.submit(ask, {"stuck": True}) for _ in range(4)]
+            for _ in range(4):
+                assert started.acquire(timeout=10)
+            assert [f.result().status_code for f in stuck] == [504] * 4
+        busy = ask({})
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
+        assert "running in 4 threads already" in busy.json()["detail"]
+        release.set()
+        deadline = time.time() + 10
+        while workload_routes._threads[0] and time.time() < deadline:
+            time.sleep(0.05)
+        assert ask({}).status_code == 200
+        t0 = time.perf_counter()
+        slow = httpx.post(s.url + "/v1/stuck", json={"inputs": [[7, 0, 0, 0]]}, timeout=30)
+        assert slow.status_code == 504 and time.perf_counter() - t0 < 1.8, (slow.text, time.perf_counter() - t0)
+
+
 def test_a_json_route_refuses_image_and_binary_bodies_with_415():
     """A workload's route reads JSON: a body sent as an image, a file or multipart gets 415 naming
     the route (it got 400 "malformed JSON body"); JSON sent as curl -d sends it is read."""

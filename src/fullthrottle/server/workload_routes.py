@@ -256,20 +256,35 @@ def _items(w, body: bytes) -> list:
     return items_of(w, parse_body(body))
 
 
+#: most threads running a workload's per-request code at once in one process (calls past their
+#: request's deadline included); one more request is answered 503
+MAX_WORKLOAD_THREADS = 64
+_threads = [0]  # threads running workload code now (one event loop starts them: no lock for the count)
+_threads_lock = threading.Lock()  # (they end in their own threads)
+
+
 async def _in_thread(what: str, fn, *args):
     """``fn(*args)`` in a daemon thread of its own, off the event loop.
 
     Not asyncio's default pool: a call that overruns its request's deadline keeps running after the
     504, and a few of those would hold every thread of a pool (6 on 2 cores), leaving every other
     request of a workload route to wait for them, and the server's exit too. Each call here holds only
-    its own thread, which does not keep the process alive. (The server's connection limit bounds how
-    many there are at once.)
+    its own thread, which does not keep the process alive; at most :data:`MAX_WORKLOAD_THREADS` run at
+    once (calls that hang would otherwise add a thread per request): past it, 503 with Retry-After.
 
     A KeyboardInterrupt raised there is the workload's own (a signal reaches the main thread only):
     ContractError, as anything else its code raises, where it would otherwise leave the route as a
-    plain-text 500."""
+    plain-text 500.
+
+    Raises:
+        Overloaded: :data:`MAX_WORKLOAD_THREADS` threads run workload code already.
+    """
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
+    with _threads_lock:
+        if _threads[0] >= MAX_WORKLOAD_THREADS:
+            raise Overloaded(f"the workload's code is running in {_threads[0]} threads already")
+        _threads[0] += 1
 
     def call():
         value, error = None, None
@@ -279,12 +294,20 @@ async def _in_thread(what: str, fn, *args):
             error = ContractError(f"{what}() failed: {raised(e)}")
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting route as it is
             error = e
+        finally:
+            with _threads_lock:
+                _threads[0] -= 1
         try:
             loop.call_soon_threadsafe(_set, fut, value, error)
         except RuntimeError:  # the loop closed meanwhile (the server stopped): nobody waits
             pass
 
-    threading.Thread(target=call, name=f"ft-{what}", daemon=True).start()
+    try:
+        threading.Thread(target=call, name=f"ft-{what}", daemon=True).start()
+    except BaseException:  # (no thread could start: nothing runs, nothing to count)
+        with _threads_lock:
+            _threads[0] -= 1
+        raise
     return await fut
 
 
@@ -309,6 +332,8 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
                 )
             except TimeoutError:  # (the decode goes on in its thread; its answer is not awaited)
                 raise past_deadline(opts.timeout_s) from None
+            except Overloaded as e:
+                raise overloaded(e, opts.retry_after_s) from None
             except ContractError as e:  # the workload's bug: say so, as JSON
                 raise HTTPError(500, str(e)) from None
             except TooManyItems as e:
@@ -327,8 +352,14 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
                 raise
             except Exception as e:  # noqa: BLE001 - cost() or predict() failed for the whole batch
                 raise HTTPError(500, f"{name}: {e}") from None
-            try:
-                answer = await _in_thread("encode_response", response_of, w, outs, False)  # (JSON: checked as sent)
+            try:  # (JSON: checked as sent)
+                answer = await asyncio.wait_for(
+                    _in_thread("encode_response", response_of, w, outs, False), time_left(opts.timeout_s, t0)
+                )
+            except TimeoutError:
+                raise past_deadline(opts.timeout_s) from None
+            except Overloaded as e:
+                raise overloaded(e, opts.retry_after_s) from None
             except ContractError as e:
                 raise HTTPError(500, str(e)) from None
             except ValueError as e:
