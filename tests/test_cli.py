@@ -1437,7 +1437,7 @@ def test_generate_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctr
     """``generate --prompts -`` on a pipe (or a terminal) that stays open: each request joins as its
     line comes and is answered once done (it read all of stdin first, so nothing came until the end);
     the tokens are those of the same requests from a file. A Ctrl-C while it waits exits 130 at once;
-    an empty pipe holds no request (exit 2)."""
+    an empty pipe holds no request (exit 2) and leaves --out as it was."""
     lines = "[1, 2, 3]\n[4, 5]\n"
     args = ["generate", "--random", "tiny", "--device", "cpu", "--max-new-tokens", "4", "--no-progress", "--prompts"]
     got = _answers_as_they_come([*args, "-"], lines, 2)
@@ -1446,9 +1446,12 @@ def test_generate_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctr
     out, err = p.communicate("", timeout=300)
     assert p.returncode == 0, err[-600:]
     assert got == [json.loads(x) for x in out.splitlines()] and [g["line"] for g in got] == [1, 2], got
-    p = _cli_with_examples([*args, "-"])
+    kept = tmp_path / "kept.jsonl"  # (an empty pipe leaves --out as it was, as an empty FILE does)
+    kept.write_text("precious\n")
+    p = _cli_with_examples([*args, "-", "--out", str(kept)])
     _, err = p.communicate("", timeout=300)
     assert p.returncode == 2 and "fullthrottle: error: - holds no request" in err, err[-600:]
+    assert kept.read_text() == "precious\n"
 
 
 def test_embed_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c():

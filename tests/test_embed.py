@@ -147,6 +147,14 @@ def test_cli_embed_interrupted_writes_the_npy_of_what_was_embedded(tmp_path, emb
     err = capsys.readouterr().err
     assert f"wrote {out}: the vectors of the first 2 texts" in err and err.strip().endswith("interrupted")
 
+    def ctrl_c_at_once(self, source, chunk=None):  # (before the first chunk: the .npy of another run goes)
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(Embedder, "embed_stream", ctrl_c_at_once)
+    assert main(["embed", str(tmp_path / "in.txt"), "--out", str(out), "--device", "cpu", "--no-progress"]) == 130
+    assert np.load(out).shape == (0, emb.dim) and "the vectors of the first 0 texts" in capsys.readouterr().err
+
 
 def test_cli_embed_npy_and_jsonl(tmp_path, emb, capsys):
     texts = ["first text", "", "third 🙂", "long " * 400]

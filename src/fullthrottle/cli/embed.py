@@ -184,9 +184,9 @@ def cmd_embed(args) -> int:
     except BrokenPipeError:  # (stdout's reader went away: the caller stops quietly)
         raise
     except KeyboardInterrupt:  # (Ctrl-C, SIGTERM: a .npy keeps the vectors of the texts embedded so far)
-        if jsonl is None and vectors:
+        if jsonl is None:  # (none yet: an empty one, not a file of another run left as it was)
             bar.close()
-            np.save(args.out, np.concatenate(vectors))
+            np.save(args.out, np.concatenate(vectors) if vectors else np.zeros((0, emb.dim), np.float32))
             print(f"wrote {args.out}: the vectors of the first {n} texts", file=sys.stderr)
         raise
     except OSError as e:

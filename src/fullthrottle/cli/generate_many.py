@@ -171,7 +171,8 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
     seq = limit if stream else args.max_seq_len or need
     gen = Generator(model, args.max_batch, seq, graphs=args.graphs, kv_pages=pages, kv_dtype=args.kv_dtype)
     sched = Scheduler(gen, eos_id=eos, ahead=gen.check_every)  # (offline: up to check_every steps a read)
-    out = sys.stdout if to_stdout else open_out("w")
+    # (a stream's --out is emptied once its first request comes: an empty pipe leaves a file as it was)
+    out = sys.stdout if to_stdout else None if stream else open_out("w")
     recs: list = []  # per request: (its checked request, its Sequence), or (None, its error)
 
     def admit(n: int, c) -> None:
@@ -199,7 +200,11 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
     new, written, errors = 0, 0, 0
 
     def write_done() -> None:  # the requests done so far, in input order (kept if the run is stopped)
-        nonlocal new, written, errors
+        nonlocal new, written, errors, out
+        if out is None:
+            if not recs:
+                return
+            out = open_out("w")
         while written < len(recs) and (recs[written][0] is None or recs[written][1].done):
             c, s = recs[written]
             where = {"index": written, "line": reqs[written][0]}
@@ -243,7 +248,7 @@ def generate_many(args, model, tok, eos) -> tuple[int, object, int]:
             bar.close()
             if ahead is not None:
                 ahead.close()
-            if out is not sys.stdout:
+            if out is not None and out is not sys.stdout:
                 out.close()
     except OSError as e:  # (a full disk, say; stdout's own failures are the CLI's to word)
         if out is sys.stdout:
