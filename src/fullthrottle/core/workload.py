@@ -2,20 +2,18 @@
 LitServe's ``LitAPI``: set up once, decode a request into items, run a batch of items from any
 requests, encode one request's answer, report stage counters.
 
-``fullthrottle serve --workload MODULE:CLASS`` serves any class that follows it at
-``POST /v1/<name>`` (:class:`~fullthrottle.server.workload_routes.WorkloadService`), beside the built-in
-routes: batches are formed across requests by count, by a cost budget and by deadline
-(:class:`~fullthrottle.core.batch.RequestBatcher`), a full queue answers 503, a request past the
-deadline 504, and the stage counters appear in ``/metrics`` under the workload's name.
-``fullthrottle run FILE.jsonl --workload MODULE:CLASS`` answers one request body per line offline
-(:func:`run_offline`), and ``--ray`` in Ray Data actors. Wherever it runs, the same checks
+``fullthrottle serve --workload MODULE:CLASS`` serves any class that follows it at ``POST /v1/<name>``
+(:class:`~fullthrottle.server.workload_routes.WorkloadService`): batches formed across requests by count,
+cost budget and deadline (:class:`~fullthrottle.core.batch.RequestBatcher`), a full queue 503, a request
+past the deadline 504, stage counters in ``/metrics`` under the workload's name. ``fullthrottle run
+FILE.jsonl --workload MODULE:CLASS`` answers one request body per line offline (:func:`run_offline`),
+and ``--ray`` in Ray Data actors. Wherever it runs, the same checks
 (:func:`items_of`, :func:`cost_of`, :func:`outputs_of`, :func:`response_of`) hold a workload to the
 contract: the client's mistakes are 4xx (or that line's error), the workload's bugs 500, and neither
 costs any other request. An error's body is ``{"detail": "<the message>"}``, except a 422 for a
 request whose items all failed, whose body :meth:`Workload.encode_response` makes.
 
-Example (a model of your own; ``decode_request`` is its preprocessing, per request, outside the
-batch; ``predict`` runs one batch of items from many requests)::
+Example (``decode_request``: per request, outside the batch; ``predict``: items of many requests)::
 
     class Doubler(Workload):
         name = "double"
@@ -80,19 +78,16 @@ class Workload:
 
     def setup(self, device: str) -> None:
         """Load the model on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``), once, before the server
-        says it is ready. Raise to stop the server from starting (the message is shown). On the CPU,
-        torch's intra-op threads spin between small batches and take cores from the HTTP side: a
-        model whose batches take well under a millisecond runs better after
-        ``torch.set_num_threads(1)`` here (process-wide)."""
+        says it is ready. Raise to stop the server from starting (the message is shown). On the CPU, torch's
+        intra-op threads spin between small batches and take cores from the HTTP side: a model whose
+        batches take well under a millisecond runs better after ``torch.set_num_threads(1)`` here."""
 
     def decode_request(self, body: dict) -> list:
         """The items of one request's JSON body (a dict), as a list. Raise ``ValueError`` for a
-        malformed request: the client gets 400 with the message (any other exception: 500). To fail
-        one item and not its whole request (an image that does not decode, say), pass it on marked
-        and answer it with an :class:`ItemError` from :meth:`predict` (``workloads/embed_api.py``
-        does so for a text that cannot be tokenised; its ``encode_response`` then fails the request,
-        422, as OpenAI's shape has no error per text).
-        The server calls it in worker threads, for concurrent requests at once: keep it thread-safe."""
+        malformed request: the client gets 400 with the message (any other exception: 500). To fail one
+        item alone (an image that does not decode), pass it on marked and answer it with an :class:`ItemError`
+        from :meth:`predict` (``workloads/embed_api.py`` does so for a text it cannot tokenise). The
+        server calls it in threads of its own, for concurrent requests at once: keep it thread-safe."""
         raise NotImplementedError
 
     def cost(self, item) -> int:
@@ -148,8 +143,7 @@ def check_workload(w) -> None:
 
 
 def check_stats(w) -> None:
-    """ValueError unless ``w.stats`` (read once its ``setup()`` has run) maps names to
-    :class:`~fullthrottle.core.report.StageStats` (anything else broke every ``/metrics`` scrape)."""
+    """ValueError unless ``w.stats`` (once its ``setup()`` has run) maps names to StageStats (for ``/metrics``)."""
     st = getattr(w, "stats", None)
     if not isinstance(st, Mapping) or not all(isinstance(v, StageStats) for v in st.values()):
         raise ValueError(f"workload {w.name!r}: stats must map names to fullthrottle.StageStats, got {st!r:.200}")
@@ -193,8 +187,8 @@ def items_of(workload, body) -> list:
 
     Raises:
         ValueError: the client's fault (not a JSON object, the workload's own ValueError, no items;
-            NotServed: a model not served); TooManyItems: over ``max_items_per_request``; ContractError: decode_request raised
-            something else or did not return a list.
+            NotServed: a model not served); TooManyItems: over ``max_items_per_request``;
+            ContractError: decode_request raised something else or did not return a list.
     """
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
