@@ -31,6 +31,54 @@ def test_bomb_does_not_allocate(bad_dir):
     assert grown_kib < 100 * 1024  # a decode would need 4.8 GB
 
 
+def _png(w: int, h: int, rows: int, interlace: int = 0, cut: int = 0) -> bytes:
+    """A greyscale PNG of ``w`` x ``h`` whose image data holds only ``rows`` rows (non-interlaced;
+    interlaced (Adam7): every pass whole), less its last ``cut`` bytes, its zlib stream ended cleanly."""
+    import struct
+    import zlib
+
+    from fullthrottle.data.image_header import _ADAM7
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    raw = b"".join(b"\0" + bytes((x * 7 + y) % 256 for x in range(w)) for y in range(rows))
+    if interlace:  # (each pass's rows, a filter byte before each: pixel (x, y) is x)
+        raw = b""
+        for x0, y0, dx, dy in _ADAM7:
+            cols = range(x0, w, dx)
+            raw += b"".join(b"\0" + bytes(x % 256 for x in cols) for _ in range(y0, h, dy)) if len(cols) else b""
+    raw = raw[: len(raw) - cut]
+    head = struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, interlace)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", head) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+def test_a_png_whose_image_data_ends_early_is_refused_and_a_raised_limit_does_not_decode_the_bomb(bad_dir):
+    """A PNG whose data ends cleanly after 100 of its 400 rows: OpenCV refuses it, and Pillow (the
+    fallback) made it a mostly blank image, classified without an error. The bomb (a few thousand of
+    its 40,000 rows) with the pixel limit raised: refused before Pillow decodes (it took 18 GB)."""
+    from fullthrottle.data.image_header import png_data_complete
+
+    with pytest.raises(ImageError, match=r"truncated or corrupt PNG"):
+        decode(_png(500, 400, 100))
+    whole = _png(500, 400, 400)
+    assert png_data_complete(whole) and decode(whole).shape == (400, 500, 3)
+    adam7 = _png(37, 23, 23, interlace=1)
+    assert png_data_complete(adam7) and not png_data_complete(_png(37, 23, 23, interlace=1, cut=1))
+    assert (decode(adam7)[:, :, 0] == np.arange(37)).all()  # (the layout the count assumes is the format's)
+    bomb = (bad_dir / "bomb-40000x40000.png").read_bytes()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ImageError, match=r"truncated or corrupt PNG"):
+        decode(bomb, max_pixels=2_000_000_000)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024
+    for mode in ("L", "LA", "P", "RGB", "RGBA", "I;16", "1"):  # (every colour type and depth Pillow writes)
+        import io
+
+        buf = io.BytesIO()
+        Image.new(mode, (37, 23)).save(buf, "PNG")
+        assert png_data_complete(buf.getvalue()), mode
+
+
 def _decoded(bad_dir, name):
     return decode((bad_dir / name).read_bytes(), min_side=256)
 

@@ -180,6 +180,45 @@ def png_is_animated(data: bytes) -> bool:
     return False
 
 
+#: Adam7's passes: (first column, first row, column step, row step)
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+#: samples per pixel of each PNG colour type
+_PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+
+
+def png_data_complete(data: bytes) -> bool:
+    """Whether a (still) PNG's image data inflates to every row its header promises: a stream of
+    ``IDAT`` data that ends early, but cleanly, is decoded by Pillow as a partly blank image without
+    an error (a 40000x40000 "bomb" of a few thousand rows, too). Inflated in pieces and only counted
+    (PNG spec 1.2, sections 4.1.1, 2.6 and 2.7: a filter byte before each row of each pass)."""
+    import zlib
+
+    if len(data) < 33:
+        return False
+    w, h, depth, ctype, _, _, interlace = struct.unpack(">IIBBBBB", data[16:29])
+    bits = _PNG_SAMPLES.get(ctype, 0) * depth
+    passes = _ADAM7 if interlace == 1 else ((0, 0, 1, 1),)
+    need = 0
+    for x0, y0, dx, dy in passes:
+        cols, rows = max(0, (w - x0 + dx - 1) // dx), max(0, (h - y0 + dy - 1) // dy)
+        need += rows * (1 + (cols * bits + 7) // 8) if cols else 0
+    inflate, got, at = zlib.decompressobj(), 0, 8
+    try:
+        while at + 8 <= len(data) and got < need:
+            n, kind = struct.unpack(">I4s", data[at : at + 8])
+            if kind == b"IDAT":
+                chunk = data[at + 8 : at + 8 + n]
+                while chunk and got < need:
+                    got += len(inflate.decompress(chunk, 1 << 20))
+                    chunk = inflate.unconsumed_tail
+            elif kind == b"IEND":
+                break
+            at += 12 + n
+    except zlib.error:
+        return False
+    return got >= need
+
+
 def _webp_size(data: bytes) -> tuple[int, int] | None:
     """A WebP's canvas size from its first chunk (``VP8X``, ``VP8 `` or ``VP8L``), or None. Read here,
     not by Pillow: its WebP reader sets up the whole decoder, canvas memory included, to say the size."""

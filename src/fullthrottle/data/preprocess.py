@@ -31,6 +31,7 @@ from .image_header import (
     bomb_message,
     header_size,
     jpeg_is_complete,
+    png_data_complete,
     png_is_animated,
     resized_pixels,
     sniff,
@@ -119,6 +120,8 @@ def decode(data: bytes, min_side: int = 0, max_pixels: int = 89_478_485) -> np.n
                     return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
         except cv2.error:
             pass
+    if fmt == "PNG" and not png_data_complete(data):  # (Pillow would blank the rows that are missing)
+        raise ImageError("truncated or corrupt PNG (its image data ends before its last row)")
     return _decode_pil(data, fmt)
 
 
