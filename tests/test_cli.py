@@ -1393,8 +1393,9 @@ def _answers_as_they_come(args: list[str], text: str, n: int) -> list[dict]:
             p.send_signal(signal.SIGABRT)
             p.wait(30)
             raise AssertionError("no exit 30 s after SIGINT:\n" + p.stderr.read()[-6000:]) from None
-        assert code == 130 and time.time() - t0 < 10
-        assert p.stderr.read().strip().splitlines()[-1] == "interrupted"
+        err = p.stderr.read()
+        assert code == 130 and time.time() - t0 < 10, (code, err[-3000:])
+        assert err.strip().splitlines()[-1] == "interrupted"
         return got
     finally:
         if p.poll() is None:
