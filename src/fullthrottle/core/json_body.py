@@ -29,9 +29,8 @@ def parse_body(body: bytes | str):
     try:
         if isinstance(body, (bytes, bytearray, memoryview)):
             body = bytes(body).decode("utf-8")  # (json.loads would take UTF-16 and UTF-32 bytes too)
-        body = body.removeprefix(
-            "\ufeff"
-        )  # (a UTF-8 byte-order mark, as Windows tools write: RFC 8259 lets a reader skip it)
+        # (a UTF-8 byte-order mark, as Windows tools write it: RFC 8259 lets a reader skip it)
+        body = body.removeprefix("\ufeff")
         return json.loads(body, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
         raise ValueError("malformed JSON body: nested too deep") from None

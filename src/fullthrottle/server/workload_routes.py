@@ -259,8 +259,8 @@ def _items(w, body: bytes) -> list:
 #: most threads running a workload's per-request code at once in one process (calls past their
 #: request's deadline included); one more request is answered 503
 MAX_WORKLOAD_THREADS = 64
-_threads = [0]  # threads running workload code now (one event loop starts them: no lock for the count)
-_threads_lock = threading.Lock()  # (they end in their own threads)
+_threads = [0]  # threads running workload code now, in every app of the process
+_threads_lock = threading.Lock()  # (counted up on an event loop, down in the threads as they end)
 
 
 async def _in_thread(what: str, fn, *args):
