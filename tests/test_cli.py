@@ -1302,13 +1302,18 @@ def test_request_and_text_files_split_at_newlines_only_and_name_a_line_not_utf8(
     assert [b["prompt"] for _, b in (got[0], got[1], got[3])] == ["a\x0cb", "c\u2028d", "last\rline"]
     assert got[2][1] == "line 3: not valid UTF-8 (byte 0xff at byte 1)"
     assert list(_read_texts(str(f))) == ["a\x0cb", "c\u2028d", "\ufffd", "last\rline"]
-    # a line that is a JSON list of integers is token ids; other text in brackets stays text
-    f.write_text("[1, 2, 3]\n[INST] hi [/INST]\n[]\n[1, true]\n")
-    assert [b["prompt"] for _, b in read_requests(str(f), args, eos=2)] == [
+    # a line that is a JSON list is the prompt's token ids (checked as a request's are); text in
+    # brackets that is no JSON stays text; a broken list of token ids is an error
+    f.write_text("[1, 2, 3]\n[INST] hi [/INST]\n[]\n[1, true]\n[1,2\n[ 1, , 2 ]\n[1, two\n")
+    got = read_requests(str(f), args, eos=2)
+    assert [r if isinstance(r, str) else r["prompt"] for _, r in got] == [
         [1, 2, 3],
         "[INST] hi [/INST]",
-        "[]",
-        "[1, true]",
+        [],
+        [1, True],
+        "line 5: not valid JSON: a line of token ids is a JSON list of integers, as [1, 2, 3]",
+        "line 6: not valid JSON: a line of token ids is a JSON list of integers, as [1, 2, 3]",
+        "[1, two",
     ]
     j = tmp_path / "r.jsonl"
     j.write_bytes(b'\xef\xbb\xbf{"inputs": [1]}\r\n\n{"inputs": "\xe2\x80\xa8"}\n')

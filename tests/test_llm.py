@@ -7,6 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from fullthrottle.core.config import LlmSettings  # noqa: E402
 from fullthrottle.core.kernels.varlen import query_blocks  # noqa: E402
 from fullthrottle.workloads.llm.generate import Generator  # noqa: E402
 from fullthrottle.workloads.llm.llama import LlamaConfig, load_hf  # noqa: E402
@@ -158,6 +159,8 @@ def test_sampling_values_are_checked(pair):
             gen.generate([[1, 2]], max_new_tokens=4, **kw)
     with pytest.raises(ValueError, match="exceeds the model's context"):
         Generator(ours, max_batch=1, max_seq_len=ours.cfg.max_position_embeddings + 1, graphs=False)
+    # by default a row holds the model's context (256 here), at most LlmSettings.max_seq_len
+    assert Generator(ours, max_batch=1, graphs=False).max_seq_len == min(256, LlmSettings.max_seq_len)
 
 
 def test_eos_stops_a_row(pair):

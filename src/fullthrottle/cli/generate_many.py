@@ -14,6 +14,7 @@ requests from 0, ``line`` is the request's line in FILE from 1 (blank lines hold
 from __future__ import annotations
 
 import json
+import re
 import sys
 from types import SimpleNamespace
 
@@ -70,22 +71,31 @@ def _request(n: int, raw: bytes) -> dict | str | None:
                     "; a line that starts with '{' is read as a JSON request: give such a prompt as {\"prompt\": ...}"
                 )
             return f"line {n}: not valid JSON: {why}"
-    else:  # (text; a JSON list of integers is the prompt's token ids, as in a JSON request)
-        body = {"prompt": _token_ids(line)}
+    else:  # (text; a JSON list is the prompt's token ids, as in a JSON request)
+        prompt = _token_ids(line)
+        if prompt is None:
+            return f"line {n}: not valid JSON: a line of token ids is a JSON list of integers, as [1, 2, 3]"
+        body = {"prompt": prompt}
     if not isinstance(body, dict):
         return f"line {n}: a JSON object or a line of text expected"
     return body
 
 
-def _token_ids(line: str) -> str | list:
-    """``line`` as a prompt: its token ids where it is a JSON list of integers (``[1, 2, 3]``), else
-    its text (``[INST] hi`` included)."""
+_ID_LIST = re.compile(r"\[[\s\d,+-]*\]?")  # (what a broken list of token ids looks like: "[1, 2", "[1,,2]")
+
+
+def _token_ids(line: str) -> str | list | None:
+    """``line`` as a prompt: the JSON list it is (``[1, 2, 3]``: token ids, checked as a request's
+    ``prompt`` is), its text where it is no JSON (``[INST] hi`` included), or None where it looks like
+    a list of token ids and is not valid JSON (``[1, 2``)."""
     if line.lstrip().startswith("["):
         try:
             ids = json.loads(line)
-        except (ValueError, RecursionError):
+        except RecursionError:
             return line
-        if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        except ValueError:
+            return None if _ID_LIST.fullmatch(line.strip()) else line
+        if isinstance(ids, list):
             return ids
     return line
 

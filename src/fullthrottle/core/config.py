@@ -107,6 +107,7 @@ class LlmSettings:
     flags take theirs from these fields."""
 
     max_batch: int = field(default=8, metadata={"help": "KV-cache rows: requests decoded at once"})
+    max_seq_len: int = field(default=512, metadata={"help": "prompt + new tokens a row holds (at most the context)"})
     check_every: int = field(default=8, metadata={"help": "decode steps between looks at the stop mask"})
     max_prefill_tokens: int = field(default=16384, metadata={"help": "prefill tokens per step (serve: fewer)"})
     prefill_graph_tokens: int = field(default=2048, metadata={"help": "prefills up to this size replay graphs"})

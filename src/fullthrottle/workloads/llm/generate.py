@@ -56,7 +56,8 @@ class Generator:
     Args:
         model: a :class:`~fullthrottle.workloads.llm.llama.Llama` on its device and dtype.
         max_batch: KV-cache rows: most sequences decoded at once (rounded up to a bucket).
-        max_seq_len: prompt + new tokens, per row; the KV cache is allocated for it.
+        max_seq_len: prompt + new tokens, per row; the KV cache is allocated for it. None: the
+            model's context (``max_position_embeddings``), at most ``LlmSettings.max_seq_len``.
         graphs: capture the decode step (CUDA only; CPU runs eager).
         buckets: decode batch sizes to capture.
         check_every: decode steps :meth:`generate` runs between reads of the tokens back (the
@@ -91,7 +92,7 @@ class Generator:
         self,
         model: Llama,
         max_batch: int = LlmSettings.max_batch,
-        max_seq_len: int = 512,
+        max_seq_len: int | None = None,
         graphs: bool = Runtime.graphs,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         check_every: int = LlmSettings.check_every,
@@ -109,6 +110,8 @@ class Generator:
         self.model = model
         self.scheduler = None  # the Scheduler that owns the engine's state (the newest one built on it)
         self._generating = threading.Lock()  # held by the generate call running (one at a time)
+        if max_seq_len is None:
+            max_seq_len = min(LlmSettings.max_seq_len, model.cfg.max_position_embeddings)
         for name, v, lowest in (
             ("max_batch", max_batch, 1),
             ("max_seq_len", max_seq_len, 1),
@@ -294,7 +297,8 @@ class Generator:
         on_tokens=None,
     ) -> list[list[int]]:
         """Token ids in, new token ids out (one list per prompt, stopped after EOS, which is kept; ``eos_id``:
-        one token id or several, any of which ends a prompt), through
+        one token id or several, any of which ends a prompt; None, the default: each prompt runs to
+        ``max_new_tokens``; the model's own is ``model.cfg.eos_token_id``), through
         the :class:`~fullthrottle.workloads.llm.scheduler.Scheduler` (the server's engine) with up to
         ``check_every`` decode steps per read back: more prompts than ``max_batch`` (or, paged, than
         the KV pages hold at once) join as rows free up.
