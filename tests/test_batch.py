@@ -324,3 +324,48 @@ def test_read_ahead_takes_what_came_when_the_source_stalls_and_raises_after_it()
     t0 = time.monotonic()
     assert r.take() == ([], None, False) and time.monotonic() - t0 < 5
     blocked.set()
+
+
+def test_read_ahead_interrupted_anywhere_in_an_idle_take_raises_the_interrupt_and_closes():
+    """A Ctrl-C raises KeyboardInterrupt at whichever bytecode the taking (main) thread is at: raised
+    just after each C call of an idle take() in turn, take() raises it (not "release unlocked lock")
+    and close() returns at once (no lock left held by a half-run ``with``)."""
+    import sys
+    import threading
+
+    from fullthrottle.core.read_ahead import ReadAhead
+
+    blocked = threading.Event()
+
+    def never():
+        yield 1
+        blocked.wait()  # (a pipe that stays open)
+
+    try:
+        for n in range(1, 17):
+            r = ReadAhead(never(), 4, linger_s=0.0)
+            assert r.take() == ([1], None, False)
+            calls = 0
+
+            def at_nth_c_return(frame, event, arg, n=n):  # (in take() and what it calls)
+                nonlocal calls
+                f = frame
+                while f is not None and f.f_code is not ReadAhead.take.__code__:
+                    f = f.f_back
+                if event == "c_return" and f is not None:
+                    calls += 1
+                    if calls == n:
+                        raise KeyboardInterrupt
+
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    sys.setprofile(at_nth_c_return)
+                    r.take()
+            finally:
+                sys.setprofile(None)
+            closing = threading.Thread(target=r.close, daemon=True)
+            closing.start()
+            closing.join(5)
+            assert not closing.is_alive(), f"close() hangs after an interrupt at the take's C call {n}"
+    finally:
+        blocked.set()

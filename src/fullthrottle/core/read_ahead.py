@@ -18,6 +18,32 @@ from collections.abc import Iterable
 POLL_S = 0.1
 
 
+class _Flag:
+    """A wake-up flag whose every step is one C call (a lock used as a binary semaphore: held while
+    clear). The taker's thread is the one a Ctrl-C raises KeyboardInterrupt in, at whichever bytecode
+    it is at: inside ``threading.Event``'s Python-level Condition that can leave its lock held (a later
+    ``set()``, in :meth:`ReadAhead.close`, then hangs) or released twice ("RuntimeError: release
+    unlocked lock" instead of the interrupt). Here either C call is done or not done."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        if self._lock.locked():
+            try:
+                self._lock.release()
+            except RuntimeError:  # (set meanwhile, by another thread)
+                pass
+
+    def clear(self) -> None:
+        self._lock.acquire(False)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until set (at most ``timeout`` s), and clear it; whether it was set."""
+        return self._lock.acquire(True, max(timeout, 0))
+
+
 class ReadAhead:
     """``items`` read by a daemon thread into a buffer of at most ``2 * size`` items.
 
@@ -31,7 +57,8 @@ class ReadAhead:
     def __init__(self, items: Iterable, size: int, linger_s: float = 0.05):
         self.size, self.linger_s = size, linger_s
         self._items: collections.deque = collections.deque()
-        self._ready, self._space, self._stop = threading.Event(), threading.Event(), threading.Event()
+        self._ready, self._space = _Flag(), _Flag()
+        self._stopped = False
         self._end: tuple | None = None  # ((what the iterable raised, or None),) once it ends
         threading.Thread(target=self._read, args=(iter(items),), name="ft-read-ahead", daemon=True).start()
 
@@ -40,13 +67,12 @@ class ReadAhead:
         try:
             for x in it:
                 self._items.append(x)
-                if not self._ready.is_set():
-                    self._ready.set()
+                self._ready.set()
                 if len(self._items) >= cap:
                     self._space.clear()
-                    while len(self._items) >= cap and not self._stop.is_set():
+                    while len(self._items) >= cap and not self._stopped:
                         self._space.wait(POLL_S)
-                if self._stop.is_set():
+                if self._stopped:
                     return
             self._end = (None,)
         except Exception as e:  # noqa: BLE001 - the taker raises it, after the items given before
@@ -63,12 +89,11 @@ class ReadAhead:
             if self._items:
                 while self._items and len(block) < self.size:
                     block.append(self._items.popleft())
-                if not self._space.is_set():
-                    self._space.set()
+                self._space.set()
                 continue
             if self._end is not None and not self._items:  # (set after its last item was appended)
                 return block, self._end[0], True
-            if self._stop.is_set():
+            if self._stopped:
                 break
             now = time.monotonic()
             if block and until is None:
@@ -86,7 +111,7 @@ class ReadAhead:
         block: list = []
         while self._items and len(block) < self.size:
             block.append(self._items.popleft())
-        if block and not self._space.is_set():
+        if block:
             self._space.set()
         if not block and self._end is not None and not self._items:
             return block, self._end[0], True
@@ -95,6 +120,6 @@ class ReadAhead:
     def close(self) -> None:
         """Stop: a waiting :meth:`take` returns, the reader stops after its current item (a read
         that blocks keeps its daemon thread until it returns)."""
-        self._stop.set()
+        self._stopped = True
         self._space.set()
         self._ready.set()
