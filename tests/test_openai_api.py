@@ -404,6 +404,13 @@ def test_completion_logprobs_name_a_piece_of_a_character_by_its_bytes(tiny_text)
     assert lp["tokens"] == [shown[0], tiny_text.decode([whole])]
     assert lp["top_logprobs"][0] == {shown[0]: -0.5, shown[1]: -1.0, tiny_text.decode([whole]): -2.0}
     assert lp["text_offset"] == [0, len(tiny_text.decode([split[0]]))]
+    # the chosen token is always among top_logprobs, as OpenAI's API gives it (logprobs 0: it alone)
+    rep = _Reply(False, {"logprobs": 0, "stop": []}, "llm", tiny_text)
+    rep.tokens, rep.lps = [whole, split[1]], [(-0.7, [], []), (-3.0, [whole], [-0.2])]
+    assert rep.logprobs(0, 2)["top_logprobs"] == [
+        {tiny_text.decode([whole]): -0.7},
+        {tiny_text.decode([whole]): -0.2, shown[1]: -3.0},
+    ]
 
 
 def test_logprobs_through_the_openai_client(make_tiny_llama, tiny_text):

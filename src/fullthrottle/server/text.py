@@ -109,12 +109,14 @@ class _Reply:
                 return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
         return t
 
-    def _top_dict(self, ids: list[int], vals: list[float]) -> dict:
-        """The completions shape's ``{token: logprob}`` (:meth:`_shown`); tokens shown alike keep the
-        likeliest."""
+    def _top_dict(self, ids: list[int], vals: list[float], chosen: int, lp: float) -> dict:
+        """The completions shape's ``{token: logprob}`` (:meth:`_shown`): the most likely tokens and,
+        as OpenAI's API gives it, always the chosen one (up to ``logprobs`` + 1 entries); tokens shown
+        alike keep the likeliest."""
         out: dict = {}
         for j, v in zip(ids, vals):
             out.setdefault(self._shown(j), v)
+        out.setdefault(self._shown(chosen), lp)
         return out
 
     def logprobs(self, start: int, stop: int) -> dict | None:
@@ -141,7 +143,7 @@ class _Reply:
         return {
             "tokens": [self._shown(i) for i, _ in rows],
             "token_logprobs": [lp for _, (lp, _, _) in rows],
-            "top_logprobs": [self._top_dict(ids, vals) for _, (_, ids, vals) in rows],
+            "top_logprobs": [self._top_dict(ids, vals, i, lp) for i, (lp, ids, vals) in rows],
             "text_offset": offsets,
         }
 
