@@ -562,3 +562,33 @@ def test_a_streams_latency_is_counted_to_its_end(llm):
     assert latency_sum() - before >= 0.8 * (t_end - t_head), (latency_sum() - before, t_end - t_head)
     assert latency_sum("llm_time_to_first_token_seconds_count") == ttft[0] + 1
     assert 0 < latency_sum("llm_time_to_first_token_seconds_sum") - ttft[1] < t_end - t_head
+
+
+def test_the_llm_routes_and_models_answer_503_with_retry_after_while_the_models_load(make_tiny_llama):
+    """Before the app's lifespan has started its services (an engine process still loading behind
+    HTTP workers that already take requests), the LLM routes and ``/v1/models`` answer 503 with
+    Retry-After, as the other routes do: not 404 "not enabled", nor an empty list of models."""
+    import asyncio
+
+    import httpx
+
+    from fullthrottle.core.config import Config
+    from fullthrottle.server.app import create_app
+
+    gen = Generator(make_tiny_llama(), max_batch=1, max_seq_len=32, graphs=False)
+    opts = ServeOptions(llm=(gen, None), classify=False)
+    app = create_app(Config(device="cpu"), opts, model=Tiny())  # (no lifespan run: loading)
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            body = {"prompt": [1, 2], "max_tokens": 2}
+            return [
+                await c.post("/v1/completions", json=body),
+                await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}),
+                await c.get("/v1/models"),
+                await c.get("/v1/models/llm"),
+            ]
+
+    for r in asyncio.run(ask()):
+        assert (r.status_code, r.headers.get("retry-after")) == (503, str(opts.retry_after_s)), r.request.url
+        assert r.json()["error"]["message"] == "loading"

@@ -31,7 +31,9 @@ print(json.dumps(out))
 """
 
 
-def start(*args, timeout=120, headers=None, device="cpu", stdout=None):
+def start(*args, timeout=120, headers=None, device="cpu", stdout=None, ready=True):
+    """``fullthrottle serve ARGS`` on a free port: (process, URL, its log lines so far and to come),
+    once /readyz says 200 (``ready``), or once its HTTP workers listen."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "fullthrottle.cli", "serve", "--device", device, "--port", "0", *args],
         stdout=stdout,
@@ -48,6 +50,8 @@ def start(*args, timeout=120, headers=None, device="cpu", stdout=None):
     assert url, "".join(lines)
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+    if not ready:
+        return proc, url, log
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -483,6 +487,38 @@ class Gated(torch.nn.Module):  # holds every batch while the file $GATE exists
             time.sleep(0.01)
         return torch.zeros(x.shape[0], 2)
 """
+
+
+def test_while_the_engine_loads_the_workers_answer_503_with_retry_after(samples, tmp_path, monkeypatch):
+    """The HTTP workers take requests while the engine process still loads (here: its model's
+    warm-up held): classification and completions answer 503 with Retry-After (not 404 "not
+    enabled"), as /readyz says; once loaded, 200."""
+    (tmp_path / "gatedmod.py").write_text(GATED_MODEL)
+    gate = tmp_path / "gate"
+    gate.write_text("")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("GATE", str(gate))
+    args = ("--http-workers", "2", "--model", "gatedmod:Gated", "--threads", "1", "--llm-random", "tiny")
+    proc, url, log = start(*args, ready=False)
+    photo, body = samples[0].read_bytes(), {"prompt": [1, 2], "max_tokens": 2}
+    try:
+        assert httpx.get(url + "/readyz", timeout=10).status_code == 503
+        for r in (
+            httpx.post(url + "/v1/classify", content=photo, timeout=30),
+            httpx.post(url + "/v1/completions", json=body, timeout=30),
+        ):
+            assert (r.status_code, r.headers.get("retry-after")) == (503, "1"), (r.request.url, r.text)
+            assert "loading" in r.text
+        gate.unlink()
+        deadline = time.time() + 60
+        while time.time() < deadline and httpx.get(url + "/readyz", timeout=10).status_code != 200:
+            time.sleep(0.1)
+        assert httpx.post(url + "/v1/classify", content=photo, timeout=30).status_code == 200
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        gate.unlink(missing_ok=True)
+        code = stop(proc)
+    assert code == 0, "".join(log)[-3000:]
 
 
 def test_workers_refuse_what_a_full_queue_cannot_take_without_asking_the_engine(samples, tmp_path, monkeypatch):

@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         "SIGTERM finishes in-flight requests (each within --timeout-s), then exits 0; a second "
         "SIGTERM stops waiting.",
         epilog="Exit status: 0 after SIGTERM/SIGINT; 2 usage or configuration error, or the start failed (a "
-        "port in use, a bad --workload, a model that could not load, a workload's setup() raising).",
+        "port in use, a bad --workload, a model that could not load, a workload's setup() raising); 3 HTTP "
+        "worker processes kept dying (a worker that dies is replaced; several in a row that die within seconds "
+        "of their start stop the server).",
     )
     v.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, local only)")
     v.add_argument("--port", type=port_number, default=8000, help="port (default: %(default)s; 0 picks a free one)")

@@ -211,8 +211,8 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
                 )
             except Overloaded as e:
                 raise overloaded(e, opts.retry_after_s) from None
-            except RuntimeError as e:
-                raise HTTPError(503, str(e)) from None
+            except RuntimeError as e:  # (the engine loading, shutting down or stopped: a retry may find another)
+                raise HTTPError(503, str(e), {"Retry-After": str(opts.retry_after_s)}) from None
             for r, (iid, _) in zip(results, images):  # (an error answered at once is no latency of the model's)
                 if r.ok:
                     metrics.item_latency.observe(r.latency_ms / 1e3)

@@ -166,12 +166,14 @@ class EngineClient(asyncio.Protocol):
                 out.append(Result(i, rid, labels, class_ids, probs, error, latency_ms))
         return out
 
-    async def forward(self, scope, receive, send, body: bytes, first_byte_s: float, late=(504, "")) -> int | None:
+    async def forward(
+        self, scope, receive, send, body: bytes, first_byte_s: float, late=(504, ""), retry_after_s: int = 1
+    ) -> int | None:
         """Pass one request (its body already read) to the engine and stream its answer to the client.
         No start of an answer within ``first_byte_s``: ``late`` (status, detail) is the answer and
         the engine is told to drop the request (a stopped or wedged engine; once an answer has
         started, a stream runs as long as it lasts). Returns the status of an answer made here
-        (``late``, or 503: the engine is gone), None for the engine's own."""
+        (``late``, or 503 with ``retry_after_s``: the engine is gone), None for the engine's own."""
         req_id = next(self._ids)
         q = self.pending[req_id] = asyncio.Queue()
         head = {
@@ -207,7 +209,8 @@ class EngineClient(asyncio.Protocol):
                     return late[0]
                 if got is None:  # the client or the engine went away
                     if not started and self.lost:
-                        await _json(send, 503, {"detail": "the engine process has stopped"})
+                        gone = {"detail": "the engine process has stopped"}
+                        await _json(send, 503, gone, {"Retry-After": str(retry_after_s)})
                         return 503
                     return None
                 kind, payload = got
@@ -331,9 +334,10 @@ def create_front_app(opts, max_image_pixels: int, top_k: int, client_box: list):
                 return
             if scope["path"] == "/readyz":  # (a probe: a stopped or wedged engine is not ready, at once)
                 late = (503, f"the engine process did not answer within {ENGINE_PROBE_S:g} s")
-                mine = await client_box[0].forward(scope, receive, send, body, ENGINE_PROBE_S, late)
+                mine = await client_box[0].forward(scope, receive, send, body, ENGINE_PROBE_S, late, opts.retry_after_s)
             else:  # (the engine answers 504 at the deadline itself; this one is for an engine that can't)
-                mine = await client_box[0].forward(scope, receive, send, body, opts.timeout_s + ENGINE_GRACE_S)
+                wait_s = opts.timeout_s + ENGINE_GRACE_S
+                mine = await client_box[0].forward(scope, receive, send, body, wait_s, (504, ""), opts.retry_after_s)
             if mine is not None:
                 m.requests.labels(route, str(mine)).inc()
         except HTTPError as e:

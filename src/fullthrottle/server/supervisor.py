@@ -191,10 +191,12 @@ async def _supervise(config: Config, opts: ServeOptions, listen: socket.socket, 
             if w.proc.poll() is None or stop.is_set():
                 continue
             quick_exits = quick_exits + 1 if time.monotonic() - w.t0 < QUICK_EXIT_S else 0
-            log.warning("HTTP worker %d (pid %d) ended (%s): starting another", w.slot, w.proc.pid, exit_reason(w.proc))
+            last = quick_exits >= MAX_QUICK_EXITS
+            then = "stopping" if last else "starting another"
+            log.warning("HTTP worker %d (pid %d) ended (%s): %s", w.slot, w.proc.pid, exit_reason(w.proc), then)
             mark_process_dead(w.proc.pid)
             w.link.close()
-            if quick_exits >= MAX_QUICK_EXITS:
+            if last:
                 print(
                     f"fullthrottle: error: {MAX_QUICK_EXITS} HTTP worker processes in a row died within "
                     f"{QUICK_EXIT_S:g} s of their start: stopping",

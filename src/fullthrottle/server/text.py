@@ -11,7 +11,8 @@ integer, taken modulo 2**32, so seeds that differ by a multiple of 2**32 give th
 ``stop`` (up to 4 strings: the text ends before the first, and generation stops there),
 ``stream`` (server-sent events, one chunk per few tokens, ending in ``data: [DONE]``) and
 ``stream_options.include_usage`` (a last chunk with the token counts). A client that disconnects
-frees its KV-cache row at the next step. Without a model both answer 404. When the server stops
+frees its KV-cache row at the next step. Without a model both answer 404; while the models load, 503
+with Retry-After. When the server stops
 (SIGTERM), streams still open :data:`STREAM_END_MARGIN_S` before its drain ends
 (:func:`end_streams_in`) end with a last chunk whose finish_reason is ``"error"`` (the reason in its
 ``error``), then ``data: [DONE]``, rather than being cut off mid-body.
@@ -222,12 +223,21 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency, m_ttft
         names = ([svc.name] if svc is not None else []) + ([emb.workload.model_name] if emb is not None else [])
         return [{"id": n, "object": "model", "created": 0, "owned_by": "fullthrottle"} for n in names]
 
+    def loading():  # (the models are named once they are up)
+        return reply(
+            "/v1/models", 503, error_body(503, "loading", openai=True), {"Retry-After": str(opts.retry_after_s)}
+        )
+
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
+        if not state.get("ready"):
+            return loading()
         return reply("/v1/models", 200, {"object": "list", "data": served()})
 
     @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
     async def model(model: str):  # (OpenAI's models.retrieve)
+        if not state.get("ready"):
+            return loading()
         got = [m for m in served() if m["id"] == model]
         if got:
             return reply("/v1/models", 200, got[0])
@@ -250,6 +260,8 @@ def add_text_routes(app, state: dict, opts, reply, m_requests, m_latency, m_ttft
         t0, timed, observe = time.perf_counter(), True, m_latency.labels(route).observe
         try:
             svc = state.get("llm")
+            if svc is None and opts.llm is not None:  # (its service starts once the models before it are up)
+                raise _HTTPError(503, "loading", {"Retry-After": str(opts.retry_after_s)})
             if svc is None:
                 raise _HTTPError(404, "completions are not enabled (start the server with --llm-model-dir)")
             check_json_type(request, route)
