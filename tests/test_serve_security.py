@@ -311,7 +311,7 @@ def test_api_keys(samples):
         assert httpx.get(s.url + "/metrics").status_code == 401
         good = httpx.post(s.url + "/v1/classify", content=photo, headers={"Authorization": f"Bearer {key}"})
         assert good.status_code == 200
-    from fullthrottle.server.guard import load_keys
+    from fullthrottle.server.keys import load_keys
 
     with pytest.raises(ValueError, match="shorter than 16"):
         load_keys(["short"], environ={})
@@ -322,7 +322,7 @@ def test_api_keys(samples):
 def test_a_key_file_or_key_variable_with_no_key_refuses_to_serve(tmp_path):
     """Keys asked for but none found (a blank file, a failed secret mount, ``,``): exit 2, never a
     server open to all."""
-    from fullthrottle.server.guard import load_keys
+    from fullthrottle.server.keys import load_keys
 
     blank = tmp_path / "keys"
     blank.write_text("\n   \n# a comment\n")

@@ -217,6 +217,70 @@ def test_sigterm_answers_requests_in_flight_and_leaves_no_process(samples):
     assert not [k for k in kids if alive(k)], "processes left behind"
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sigterm_cuts_off_a_request_body_that_stopped_coming(samples, workers):
+    """At SIGTERM a request whose body stopped coming gets 408 within DRAIN_BODY_IDLE_S and the
+    server exits (it waited out the whole --body-timeout-s: 30 s here), while a body still trickling
+    in is received whole and answered, and an idle connection is closed."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from fullthrottle.server.guard import DRAIN_BODY_IDLE_S
+
+    photo = samples[0].read_bytes()
+    proc, url, log = start("--http-workers", workers, "--body-timeout-s", "30")
+    addr = (urlsplit(url).hostname, urlsplit(url).port)
+
+    def head(n: int) -> bytes:
+        return (
+            f"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nContent-Length: {n}\r\n\r\n".encode()
+        )
+
+    def answer(s) -> bytes:
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+        return got
+
+    idle = socket.create_connection(addr, timeout=60)
+    stalled = socket.create_connection(addr, timeout=60)
+    stalled.sendall(head(100_000) + b"ab")  # ... and no more
+    trickle = socket.create_connection(addr, timeout=60)
+    trickle.sendall(head(len(photo)) + photo[:100])
+    pieces = [photo[i : i + len(photo) // 15 + 1] for i in range(100, len(photo), len(photo) // 15 + 1)]
+    got: dict = {}
+
+    def send_slowly():  # a piece every 0.2 s for 3 s: its body keeps coming during the drain
+        for p in pieces:
+            time.sleep(0.2)
+            trickle.sendall(p)
+        got["trickle"] = answer(trickle)
+
+    sender = threading.Thread(target=send_slowly)
+    try:
+        time.sleep(0.5)  # (the requests' heads reach the server)
+        sender.start()
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        got["stalled"] = answer(stalled)
+        stalled_s = time.time() - t0
+        sender.join(30)
+        assert idle.recv(1) == b""
+        code = proc.wait(60)
+        exit_s = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for s in (idle, stalled, trickle):
+            s.close()
+    assert code == 0, "".join(log)[-3000:]
+    assert got["stalled"].startswith(b"HTTP/1.1 408") and b"connection: close" in got["stalled"].lower(), got
+    assert b"the request body stalled" in got["stalled"], got["stalled"]
+    assert stalled_s < DRAIN_BODY_IDLE_S + 2, stalled_s
+    assert got["trickle"].startswith(b"HTTP/1.1 200"), got["trickle"][:300]
+    assert exit_s < 10, exit_s  # (the trickle takes 3 s; before, the stalled body held it 30 s)
+
+
 def test_a_killed_http_worker_is_replaced_and_a_full_queue_says_503(samples):
     photos = [p.read_bytes() for p in samples[:8]]
     proc, url, log = start("--http-workers", "2", "--max-queue", "4", "--threads", "1", "--max-batch-size", "1")

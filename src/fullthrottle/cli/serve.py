@@ -82,7 +82,7 @@ def cmd_serve(args) -> int:
                 f"--timeout-s {args.timeout_s:g} (in ms: {1000 * args.timeout_s:g})"
             )
         from ..server.fetch import FetchPolicy
-        from ..server.guard import load_keys
+        from ..server.keys import load_keys
 
         FetchPolicy(tuple(args.allow_fetch))  # (checks every entry now)
         from ..server.workload_routes import load_workload

@@ -27,7 +27,8 @@ from ..core.errors import Overloaded
 from ..workloads.classify.result import Result
 from . import link as wire
 from .classify_route import EntryError
-from .guard import NO_KEY, HTTPError, authorised, read_asgi_body, set_busy
+from .guard import HTTPError, read_asgi_body, set_busy
+from .keys import NO_KEY, authorised
 
 #: the routes an HTTP worker answers itself; every other goes to the engine
 LOCAL_ROUTES = frozenset({"/healthz", "/v1/classify", "/metrics"})

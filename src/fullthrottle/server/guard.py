@@ -1,9 +1,8 @@
-"""What the server does before a request reaches a model: API keys, bounded body reads, and the
-total-pixels limit of a classify request.
+"""What the server does before a request reaches a model (its API keys: :mod:`~fullthrottle.server.keys`):
+bounded body reads, and the total-pixels limit of a classify request.
 
-- Keys: with any key configured, every route but ``/healthz`` needs ``Authorization: Bearer KEY``;
-  keys are compared in constant time (``hmac.compare_digest``) so that timing tells nothing about them.
-- Bodies: read in full within ``body_timeout_s`` (a client trickling bytes is cut off with 408) and
+- Bodies: read in full within ``body_timeout_s`` (a client trickling bytes is cut off with 408; while
+  the server drains, one that sends nothing for :data:`DRAIN_BODY_IDLE_S` is too) and
   at most ``max_body_bytes`` (413), whatever ``Content-Length`` claims; a process receives at most
   :data:`BODIES_AT_ONCE` times that at once (503); a JSON body of URLs or of an LLM request holds at
   most :data:`MAX_JSON_BYTES` (413, unparsed); after a burst of bodies, once quiet, the freed heap
@@ -15,14 +14,10 @@ total-pixels limit of a classify request.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import os
+import contextlib
 import time
 from collections.abc import Callable
 
-from ..core.env import API_KEY
-
-API_KEY_ENV = API_KEY  #: API keys for ``serve`` (comma-separated), besides --api-key (core.env declares it)
 #: most bytes of a JSON body of classify URLs or of an LLM request (413 past it): JSON is parsed on
 #: the event loop, which answers no other client meanwhile (tens of ms per MiB of numbers), and no
 #: such request needs more (64 URLs; a prompt of 64 characters per token of a 4k context, escaped)
@@ -71,63 +66,6 @@ def error_body(status: int, detail: str, openai: bool = False, kind: str | None 
     return {"error": {"message": detail, "type": kind, "param": None, "code": status}, "detail": detail}
 
 
-#: the answer to a request without a valid API key: status, body, headers (the connection then closes,
-#: its body never read)
-NO_KEY = (
-    401,
-    {"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
-    {"WWW-Authenticate": "Bearer", "Connection": "close"},
-)
-
-
-def load_keys(keys=(), key_file: str | None = None, environ=os.environ) -> tuple[str, ...]:
-    """Every API key from ``keys``, ``key_file`` (one per line; blank lines and ``#`` comments
-    skipped) and :data:`API_KEY_ENV`.
-
-    A key file, or a non-empty :data:`API_KEY_ENV`, that holds no key is an error, not a server
-    without keys: whoever passes one means keys to be required.
-
-    Raises:
-        ValueError: an unreadable key file, a key file or a non-empty :data:`API_KEY_ENV` with no
-            key in it, a key not of printable ASCII, or a key shorter than 16 characters.
-    """
-    out = [k.strip() for k in keys]
-    if key_file is not None:
-        try:
-            with open(key_file, encoding="utf-8-sig") as f:  # (a byte-order mark is no part of a key)
-                found = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
-        except (OSError, UnicodeDecodeError) as e:
-            reason = f"not UTF-8 ({e.reason})" if isinstance(e, UnicodeDecodeError) else e.strerror or e
-            raise ValueError(f"cannot read the API key file {key_file}: {reason}") from None
-        if not found:
-            raise ValueError(f"the API key file {key_file} holds no key (one per line)")
-        out += found
-    env = environ.get(API_KEY_ENV, "")
-    if env:  # (set to the empty string: as unset)
-        found = [k.strip() for k in env.split(",") if k.strip()]
-        if not found:
-            raise ValueError(f"${API_KEY_ENV} is set but holds no key (comma-separated keys; unset it for none)")
-        out += found
-    if not all(k.isascii() and k.isprintable() for k in out):  # (a header's bytes would never match)
-        raise ValueError("API keys must be printable ASCII characters")
-    short = [k for k in out if len(k) < 16]
-    if short:
-        raise ValueError(
-            f"{len(short)} API key(s) shorter than 16 characters: use long random keys "
-            "(python -c 'import secrets; print(secrets.token_urlsafe(32))')"
-        )
-    return tuple(dict.fromkeys(out))
-
-
-def authorised(header: str | None, keys: tuple[str, ...]) -> bool:
-    """Whether an ``Authorization`` header carries one of ``keys`` as a Bearer token (every key is
-    compared, in constant time, whether or not an earlier one matched)."""
-    if not header or not header.lower().startswith("bearer "):
-        return False
-    token = header[7:].strip().encode()
-    return any([hmac.compare_digest(token, k.encode()) for k in keys])  # (a list: every key compared)
-
-
 #: a body over the limit is read on and dropped, up to this many bytes more and for this long, so that
 #: the 413 reaches a client still sending (a connection closed with bytes unread is reset, and the
 #: answer with it); past either, the connection closes regardless
@@ -140,6 +78,14 @@ DRAIN_S = 2.0
 #: Retry-After, so that slow or many large uploads cannot take the process's memory
 BODIES_AT_ONCE = 32
 _receiving = [0]  # bytes of the request bodies being received in this process now (one event loop)
+
+#: while the server drains (a graceful shutdown: :func:`draining`), a request body still on its way
+#: must keep coming: one that brings no byte for this many seconds is answered 408 (a client that
+#: stopped sending would hold the drain, and the process, for the rest of its ``body_timeout_s``);
+#: one still arriving goes on within its own deadline
+DRAIN_BODY_IDLE_S = 1.0
+_bodies: dict = {}  # the request bodies being received now: their asyncio.Timeout -> (deadline, event loop)
+_draining: set = set()  # the event loops whose server is draining (a test may run servers in threads)
 
 #: once this many bytes of request bodies came in, and then none for a whole :data:`TRIM_AFTER_S`
 #: (checked once per that period: the heap goes back one to two periods after the last body), glibc
@@ -200,6 +146,22 @@ def malloc_trim() -> bool:
         return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+@contextlib.contextmanager
+def draining():
+    """While the server of the running event loop drains: every request body it is receiving, and
+    every one that starts, is cut off with 408 once no byte came for :data:`DRAIN_BODY_IDLE_S`."""
+    loop = asyncio.get_running_loop()
+    _draining.add(loop)
+    cut = loop.time() + DRAIN_BODY_IDLE_S
+    for timeout, (_, owner) in list(_bodies.items()):
+        if owner is loop and not timeout.expired() and timeout.when() > cut:
+            timeout.reschedule(cut)
+    try:
+        yield
+    finally:
+        _draining.discard(loop)
 
 
 async def drain(chunks, declared: int | None = None) -> None:
@@ -294,6 +256,10 @@ async def _read_limited(chunks, declared: str | None, expecting: bool, max_bytes
     if declared is not None and declared.isdigit() and _receiving[0] + int(declared) > budget:
         raise busy
 
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    timeout = asyncio.timeout_at(min(deadline, loop.time() + DRAIN_BODY_IDLE_S) if loop in _draining else deadline)
+
     async def read():
         async for chunk in chunks:
             body.extend(chunk)
@@ -303,12 +269,21 @@ async def _read_limited(chunks, declared: str | None, expecting: bool, max_bytes
                 raise HTTPError(413, f"request body exceeds the limit of {max_bytes} bytes", {"Connection": "close"})
             if _receiving[0] > budget:
                 raise busy
+            if _draining and loop in _draining:  # (a body still coming in: its deadline goes on)
+                timeout.reschedule(min(deadline, loop.time() + DRAIN_BODY_IDLE_S))
 
     try:
-        await asyncio.wait_for(read(), timeout_s)
+        async with timeout:  # (its deadline is cut short where the server starts to drain: draining())
+            _bodies[timeout] = (deadline, loop)
+            await read()
     except TimeoutError:
-        raise HTTPError(408, f"request body not received within {timeout_s:g} s", {"Connection": "close"}) from None
+        if timeout.when() < deadline:
+            detail = f"the server is stopping and the request body stalled (no byte for {DRAIN_BODY_IDLE_S:g} s)"
+        else:
+            detail = f"request body not received within {timeout_s:g} s"
+        raise HTTPError(408, detail, {"Connection": "close"}) from None
     finally:
+        _bodies.pop(timeout, None)
         _receiving[0] -= len(body)
         trim_soon(len(body))
     return bytes(body)

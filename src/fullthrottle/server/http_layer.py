@@ -15,7 +15,8 @@ import time
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
 from .connection import head_deadline_protocol
-from .guard import NO_KEY, authorised, error_body
+from .guard import draining, error_body
+from .keys import NO_KEY, authorised
 from .options import ServeOptions
 from .startup import startup_error_only
 
@@ -125,7 +126,8 @@ FORCED_END_S = 0.3
 def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None, **where):
     """A uvicorn server for ``app`` with the guard's limits (``where``: ``host`` and ``port``, or
     nothing when the caller passes its sockets to ``run``). Its first SIGTERM or SIGINT drains
-    in-flight requests (each within ``opts.timeout_s``), the second stops waiting; ``run`` then
+    in-flight requests (each within ``opts.timeout_s``; a request body that stops coming is answered
+    408 after :data:`~fullthrottle.server.guard.DRAIN_BODY_IDLE_S`), the second stops waiting; ``run`` then
     returns normally (exit status 0). Requests the HTTP parser refuses (400) are counted in
     ``app.requests_counter`` (route ``other``), where ``app`` has one (:func:`add_basics`).
     ``on_drain(seconds)``, if given, is called (in the event loop) as the drain starts, with its length,
@@ -148,7 +150,8 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
         async def shutdown(self, sockets=None):
             if on_drain is not None:
                 on_drain(opts.timeout_s)
-            await super().shutdown(sockets)
+            with draining():  # (a request body that stopped coming does not hold the drain: 408)
+                await super().shutdown(sockets)
             if self.force_exit:  # requests still in flight are dropped: their connections close unanswered
                 await asyncio.sleep(FORCED_END_S)  # (first the streams' last chunks go out)
                 conns = list(self.server_state.connections)
