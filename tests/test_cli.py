@@ -1469,3 +1469,52 @@ def test_embed_from_a_pipe_that_stays_open_answers_each_line_and_stops_on_ctrl_c
         ["embed", "-", "--device", "cpu", "--out", "-"], "hello world\nthe quick brown fox\n", 2
     )
     assert [g["index"] for g in got] == [0, 1] and len(got[0]["embedding"]) == 384, got
+
+
+def test_classify_interrupted_anywhere_in_writing_a_result_exits_130(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C raises KeyboardInterrupt at whichever bytecode the main thread is at: raised just
+    after each C call of the results' writing (tqdm.write's bracket about it) in turn, classify says
+    it was interrupted and exits 130 at once (not "RuntimeError: cannot release un-acquired lock",
+    exit 1: tqdm takes its lock inside the ``try`` whose ``finally`` releases it)."""
+    import threading
+
+    import tqdm.std
+    from PIL import Image
+
+    import fullthrottle.cli.common as common
+
+    (tmp_path / "colour_models.py").write_text(USER_MODEL)
+    monkeypatch.chdir(tmp_path)
+    for i in range(12):
+        Image.new("RGB", (64, 50), (20 * i, 20, 230 - 10 * i)).save(tmp_path / f"{i}.jpg")
+    args = ["classify", str(tmp_path), "--model", "colour_models:ColourNet", "--device", "cpu", "--threads", "1"]
+    bracket = tqdm.std.tqdm.external_write_mode.__func__.__wrapped__.__code__
+    for n in range(1, 7):
+        state, got = {"armed": False, "calls": 0}, {}
+
+        def at_nth_c_return(frame, event, arg, n=n):  # (in the bracket, once a result is being written)
+            if event == "call" and frame.f_code is common._format_result.__code__:
+                state["armed"] = True
+            f = frame
+            while f is not None and f.f_code is not bracket:
+                f = f.f_back
+            if event == "c_return" and f is not None and state["armed"]:
+                state["calls"] += 1
+                if state["calls"] == n:
+                    raise KeyboardInterrupt
+
+        def run():
+            sys.setprofile(at_nth_c_return)
+            try:
+                got["rc"] = main(args)
+            except BaseException as e:  # noqa: BLE001 - what escaped the command
+                got["rc"] = repr(e)
+            finally:
+                sys.setprofile(None)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), f"classify hangs after an interrupt at C call {n} of a result's writing"
+        assert got["rc"] == 130, f"C call {n}: {got['rc']}"
+        assert "interrupted" in capsys.readouterr().err

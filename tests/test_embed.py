@@ -364,3 +364,55 @@ def test_the_embeddings_token_budget_is_set_by_the_device(monkeypatch):
         got[device, budget] = api.max_batch_cost
     assert got == {("cpu", None): MAX_BATCH_TOKENS_CPU, ("cuda", None): MAX_BATCH_TOKENS, ("cpu", 123): 123}
     assert MAX_BATCH_TOKENS_CPU < MAX_BATCH_TOKENS
+
+
+def test_a_stream_interrupted_anywhere_while_it_waits_for_texts_raises_the_interrupt_and_stops(emb):
+    """A Ctrl-C raises KeyboardInterrupt at whichever bytecode the consuming (main) thread is at:
+    raised just after each C call of the stream's wait for its next texts in turn (a pipe that stays
+    open), the stream raises it (not "cannot release un-acquired lock") and ends at once (no lock of
+    the hand-off left held: a tokenizing thread setting its result, and the stream's end waiting for
+    that thread, hung for good)."""
+    import sys
+    import threading
+    import time
+
+    for n in range(1, 13):
+        more = threading.Event()
+
+        def texts():
+            yield "a first text"
+            yield "a second one"
+            more.wait()  # (a pipe that stays open, until the texts come)
+            yield "a third"
+
+        stream = emb.embed_stream(texts(), chunk=4)
+        assert len(next(stream).vectors) == 2
+        calls, got = 0, {}
+
+        def at_nth_c_return(frame, event, arg, n=n):  # (in the stream and what it calls)
+            nonlocal calls
+            f = frame
+            while f is not None and f.f_code is not Embedder.embed_stream.__code__:
+                f = f.f_back
+            if event == "c_return" and f is not None:
+                calls += 1
+                if calls == n:
+                    raise KeyboardInterrupt
+
+        def consume():
+            sys.setprofile(at_nth_c_return)
+            try:
+                for _ in stream:
+                    pass
+            except BaseException as e:  # noqa: BLE001 - what the stream raised
+                got["e"] = e
+            finally:
+                sys.setprofile(None)
+
+        t = threading.Thread(target=consume, daemon=True)
+        t.start()
+        time.sleep(0.3)  # (waiting for the texts now; then they come: a later C call is interrupted)
+        more.set()
+        t.join(20)
+        assert not t.is_alive(), f"the stream hangs after an interrupt at its C call {n}"
+        assert isinstance(got.get("e"), KeyboardInterrupt), f"C call {n}: {got.get('e')!r}"

@@ -793,3 +793,52 @@ def test_a_top_k_of_any_size_is_clamped_to_the_model_s_classes(samples):
         assert {tuple(s.out_probs.shape) for s in pipe.engine.slots} == {(8, 10)}
         (r,) = pipe.classify([samples[0]])
     assert r.ok and sorted(r.labels) == sorted(LABELS) and r.probs == sorted(r.probs, reverse=True)
+
+
+def test_run_interrupted_anywhere_in_taking_results_raises_the_interrupt_and_stops(samples, monkeypatch):
+    """A Ctrl-C raises KeyboardInterrupt at whichever bytecode the consuming (main) thread is at:
+    raised just after each C call of the stream's hand-off in turn (Run.get_many and hand_out, and
+    what they call: the results' queue, the window's permits), the stream raises it (not "release
+    unlocked lock") and stops at once (no lock left held by a half-run ``with``: its own next
+    release, in hand_out's ``finally``, hung for good)."""
+    import sys
+    import threading
+
+    from fullthrottle.workloads.classify import run as run_mod
+
+    monkeypatch.setattr(run_mod, "RELEASE_EVERY", 1)  # (every permit given back inside the loop)
+    pipe = tiny_pipe(threads=1)
+    inputs = [str(p) for p in samples[:48]]
+    codes = {run_mod.Run.get_many.__code__, run_mod.Run.hand_out.__code__}
+    for n in range(1, 31):
+        calls, got = 0, {}
+
+        def at_nth_c_return(frame, event, arg, n=n):
+            nonlocal calls
+            f = frame
+            while f is not None and f.f_code not in codes:
+                f = f.f_back
+            if event == "c_return" and f is not None:
+                calls += 1
+                if calls == n:
+                    raise KeyboardInterrupt
+
+        def consume():
+            results = pipe.run(inputs)
+            try:
+                next(results)
+                sys.setprofile(at_nth_c_return)
+                for _ in results:
+                    pass
+            except BaseException as e:  # noqa: BLE001 - what the stream raised
+                got["e"] = e
+            finally:
+                sys.setprofile(None)
+                results.close()
+
+        t = threading.Thread(target=consume, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), f"the stream hangs after an interrupt at its C call {n}"
+        assert isinstance(got.get("e"), KeyboardInterrupt), f"C call {n}: {got.get('e')!r}"
+    pipe.close()

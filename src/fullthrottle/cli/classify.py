@@ -267,10 +267,13 @@ def _classify(args) -> int:
             failed += not r.ok
             if out is not None:
                 out.write(r.to_json() + "\n")
+            # (nolock: the bar is this thread's alone, and tqdm's lock is taken inside a `try` whose
+            # `finally` releases it: a Ctrl-C before or between its two locks' acquires raised
+            # "RuntimeError: cannot release un-acquired lock" in place of the interrupt: exit 1)
             if out is None:
-                tqdm.write(_format_result(r), file=sys.stdout)
+                tqdm.write(_format_result(r), file=sys.stdout, nolock=True)
             elif not r.ok and out is not sys.stdout:
-                tqdm.write(_format_result(r), file=sys.stderr)
+                tqdm.write(_format_result(r), file=sys.stderr, nolock=True)
             bar.update(1)
     except KeyboardInterrupt as e:
         bar.close()

@@ -60,7 +60,8 @@ class ReadAhead:
         self._ready, self._space = _Flag(), _Flag()
         self._stopped = False
         self._end: tuple | None = None  # ((what the iterable raised, or None),) once it ends
-        threading.Thread(target=self._read, args=(iter(items),), name="ft-read-ahead", daemon=True).start()
+        self._thread = threading.Thread(target=self._read, args=(iter(items),), name="ft-read-ahead", daemon=True)
+        self._thread.start()
 
     def _read(self, it) -> None:
         cap = 2 * self.size
@@ -123,3 +124,8 @@ class ReadAhead:
         self._stopped = True
         self._space.set()
         self._ready.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        """After :meth:`close`: wait for the reader's thread to end (one inside native code when the
+        interpreter exits can abort it), where its iterable cannot block (it is not a pipe's reader)."""
+        self._thread.join(timeout)

@@ -140,7 +140,9 @@ class Loader:
         inputs: anything :func:`expand` accepts.
         out: the bounded queue to the preprocess stage: it receives lists of :class:`Item` (chunks of
             up to :data:`LOAD_CHUNK`, see :meth:`take`) and, at the end, ``n_end`` copies of ``end``.
-        window: a semaphore with one permit per item allowed in flight (released by the consumer).
+        window: a semaphore with one permit per item allowed in flight (released by the consumer):
+            ``acquire(blocking, timeout)`` as ``threading.Semaphore``'s
+            (:class:`~fullthrottle.core.permits.Permits`).
         stop: set to abandon the stage.
         stats: the stage's :class:`~fullthrottle.core.report.StageStats`.
         defer_files: local files are not read here: each item carries its path (``is_path``) and the
@@ -155,7 +157,7 @@ class Loader:
         inputs,
         out,
         put,
-        window: threading.Semaphore,
+        window,
         stop: threading.Event,
         stats,
         concurrency: int,

@@ -23,97 +23,18 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..core.config import Runtime, default_buckets, resolve_dtype, torch_dtype
 from ..core.env import EMBED_MODEL
 from ..core.env import get as getenv
 from ..core.report import StageStats
+from .bert import Bert, _from_hf
 
 #: characters of a text that reach the tokenizer first: the model reads at most ``max_seq_length``
 #: tokens (256 for MiniLM), which real text fills in a few thousand characters; it bounds the
 #: tokenizer's memory (~6 GB on one 32 MB line). A cut text that fills fewer (white space, zero-width
 #: characters) is tokenised again from a prefix 4 times longer, until it fills them or is whole.
 MAX_TEXT_CHARS = 100_000
-
-
-class BertLayer(nn.Module):
-    def __init__(self, E: int, heads: int, inter: int, eps: float):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(E, 3 * E)  # query, key, value fused
-        self.attn_out, self.attn_norm = nn.Linear(E, E), nn.LayerNorm(E, eps=eps)
-        self.inter, self.out, self.out_norm = nn.Linear(E, inter), nn.Linear(inter, E), nn.LayerNorm(E, eps=eps)
-
-    def forward(self, x, bias):
-        B, L, E = x.shape  # x: (B, L, E)
-        h, d = self.heads, E // self.heads
-
-        q, k, v = self.qkv(x).view(B, L, 3, h, d).permute(2, 0, 3, 1, 4)  # each (B, h, L, d)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # bias: (B, 1, 1, L)
-        x = self.attn_norm(x + self.attn_out(y.transpose(1, 2).reshape(B, L, E)))
-        return self.out_norm(x + self.out(F.gelu(self.inter(x))))  # exact (erf) GELU, like BERT
-
-
-class Bert(nn.Module):
-    """BERT encoder: ``forward(ids (B, L) int64, mask (B, L) int64)`` -> token states ``(B, L, E)``."""
-
-    def __init__(self, cfg: dict):
-        super().__init__()
-        E = cfg["hidden_size"]
-        eps = cfg.get("layer_norm_eps", 1e-12)
-        self.word = nn.Embedding(cfg["vocab_size"], E)
-        self.pos = nn.Embedding(cfg["max_position_embeddings"], E)
-        self.type_emb = nn.Embedding(cfg.get("type_vocab_size", 2), E)
-        self.norm = nn.LayerNorm(E, eps=eps)
-        self.layers = nn.ModuleList(
-            BertLayer(E, cfg["num_attention_heads"], cfg["intermediate_size"], eps)
-            for _ in range(cfg["num_hidden_layers"])
-        )
-
-    def forward(self, ids, mask):
-        L = ids.shape[1]
-        x = self.word(ids) + self.pos.weight[:L] + self.type_emb.weight[0]  # (B, L, E)
-        x = self.norm(x)
-        bias = (1.0 - mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min  # padding -> -inf
-        for layer in self.layers:
-            x = layer(x, bias)
-        return x
-
-
-_HF_NAMES = {  # our parameter name prefix <- Hugging Face BertModel's
-    "word.": "embeddings.word_embeddings.",
-    "pos.": "embeddings.position_embeddings.",
-    "type_emb.": "embeddings.token_type_embeddings.",
-    "norm.": "embeddings.LayerNorm.",
-}
-_HF_LAYER = {
-    "attn_out.": "attention.output.dense.",
-    "attn_norm.": "attention.output.LayerNorm.",
-    "inter.": "intermediate.dense.",
-    "out.": "output.dense.",
-    "out_norm.": "output.LayerNorm.",
-}
-
-
-def _from_hf(sd: dict[str, torch.Tensor], ours: str) -> torch.Tensor:
-    """Our parameter ``ours`` from a Hugging Face BertModel state dict (``qkv`` = query, key, value stacked)."""
-    if ".qkv." in ours:
-        _, i, rest = ours.split(".", 2)
-        kind = rest.split(".", 1)[1]
-        return torch.cat([sd[f"encoder.layer.{i}.attention.self.{n}.{kind}"] for n in ("query", "key", "value")])
-    return sd[_hf_key(ours)]
-
-
-def _hf_key(ours: str) -> str:
-    for a, b in _HF_NAMES.items():
-        if ours.startswith(a):
-            return b + ours[len(a) :]
-    _, i, rest = ours.split(".", 2)
-    for a, b in _HF_LAYER.items():
-        if rest.startswith(a):
-            return f"encoder.layer.{i}.{b}{rest[len(a) :]}"
-    raise KeyError(ours)
 
 
 def default_model_dir() -> Path:
@@ -298,31 +219,38 @@ class Embedder:
         Yields: one :class:`Embeddings` per chunk of up to ``chunk`` texts, in input order.
         Raises: what ``texts`` raised, once every text it gave before has been embedded and yielded.
         """
-        from concurrent.futures import ThreadPoolExecutor
-
         from ..core.read_ahead import ReadAhead
 
         src = ReadAhead(texts, chunk or self.chunk)
 
-        def next_chunk():
-            block, err, ended = src.take()
-            return block, (self.tokenize(block) if block else []), err, ended
+        def tokenized():  # (in the second ReadAhead's thread: a chunk ahead of the compute)
+            while True:
+                block, err, ended = src.take()
+                yield block, (self.tokenize(block) if block else []), err, ended
+                if err is not None or ended or not block:
+                    return
 
-        with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenize") as ex:
-            try:  # (closed before the pool waits for its thread: a take() waiting for texts returns)
-                fut = ex.submit(next_chunk)
-                while True:
-                    block, encs, err, ended = fut.result()
-                    if not ended and block:
-                        fut = ex.submit(next_chunk)
-                    if block:
-                        yield self.embed_encoded(encs)
-                    if err is not None:
-                        raise err
-                    if ended or not block:
-                        return
-            finally:
-                src.close()
+        # (a ReadAhead, not a ThreadPoolExecutor: Future.result()'s Python-level Condition, which a Ctrl-C
+        # can leave locked or unlocked twice, would hang the pool's shutdown or raise RuntimeError)
+        ahead = ReadAhead(tokenized(), 1, linger_s=0.0)
+        try:  # (closed first: a take() waiting for texts returns)
+            while True:
+                got, tok_err, _ = ahead.take()
+                if tok_err is not None:  # (tokenize raised)
+                    raise tok_err
+                if not got:  # (the tokenizer's thread ended: only then does its take() give nothing)
+                    return
+                block, encs, err, ended = got[0]
+                if block:
+                    yield self.embed_encoded(encs)
+                if err is not None:
+                    raise err
+                if ended or not block:
+                    return
+        finally:
+            src.close()
+            ahead.close()
+            ahead.join()  # (its take() returns now; a tokenizer still running at exit aborts the process)
 
     def embed(self, texts: list[str]) -> Embeddings:
         """Embed ``texts`` (any length list; empty strings allowed).

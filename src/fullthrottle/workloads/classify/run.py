@@ -28,6 +28,7 @@ from ...core.batch import Batcher
 from ...core.config import Config
 from ...core.gpumon import GpuMonitor
 from ...core.latency import LatencyHistogram
+from ...core.permits import Permits
 from ...core.report import Report, StageStats
 from ...data.cpu_feed import feed_cpu_decoders
 from ...data.gpu_decode import gpu_eligible
@@ -92,8 +93,10 @@ class Run:
         self.q2: queue.Queue = queue.Queue(qs)
         self.q3: queue.Queue = queue.Queue(2)  # small: the batcher keeps filling while compute is busy
         self.q4: queue.Queue = queue.Queue(config.staging_slots + 2)
-        self.out: queue.Queue = queue.Queue()  # bounded by the window
-        self.window = threading.Semaphore(config.in_flight_limit)
+        # bounded by the window; taken from by the caller's thread, where a Ctrl-C lands: get() is one
+        # C call (queue.Queue's Python-level Condition could be left locked, or unlocked twice)
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.window = Permits(config.in_flight_limit)
         self.ok = self.failed = 0  # results handed out (hand_out)
         self.stats = {
             "load": StageStats("load", config.load_concurrency),
