@@ -333,6 +333,8 @@ def test_read_ahead_interrupted_anywhere_in_an_idle_take_raises_the_interrupt_an
     import sys
     import threading
 
+    from interrupts import interrupt_at_c_call
+
     from fullthrottle.core.read_ahead import ReadAhead
 
     blocked = threading.Event()
@@ -345,21 +347,9 @@ def test_read_ahead_interrupted_anywhere_in_an_idle_take_raises_the_interrupt_an
         for n in range(1, 17):
             r = ReadAhead(never(), 4, linger_s=0.0)
             assert r.take() == ([1], None, False)
-            calls = 0
-
-            def at_nth_c_return(frame, event, arg, n=n):  # (in take() and what it calls)
-                nonlocal calls
-                f = frame
-                while f is not None and f.f_code is not ReadAhead.take.__code__:
-                    f = f.f_back
-                if event == "c_return" and f is not None:
-                    calls += 1
-                    if calls == n:
-                        raise KeyboardInterrupt
-
             try:
                 with pytest.raises(KeyboardInterrupt):
-                    sys.setprofile(at_nth_c_return)
+                    sys.setprofile(interrupt_at_c_call(n, ReadAhead.take.__code__))
                     r.take()
             finally:
                 sys.setprofile(None)

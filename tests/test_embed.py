@@ -376,6 +376,8 @@ def test_a_stream_interrupted_anywhere_while_it_waits_for_texts_raises_the_inter
     import threading
     import time
 
+    from interrupts import interrupt_at_c_call
+
     for n in range(1, 13):
         more = threading.Event()
 
@@ -387,20 +389,10 @@ def test_a_stream_interrupted_anywhere_while_it_waits_for_texts_raises_the_inter
 
         stream = emb.embed_stream(texts(), chunk=4)
         assert len(next(stream).vectors) == 2
-        calls, got = 0, {}
-
-        def at_nth_c_return(frame, event, arg, n=n):  # (in the stream and what it calls)
-            nonlocal calls
-            f = frame
-            while f is not None and f.f_code is not Embedder.embed_stream.__code__:
-                f = f.f_back
-            if event == "c_return" and f is not None:
-                calls += 1
-                if calls == n:
-                    raise KeyboardInterrupt
+        got = {}
 
         def consume():
-            sys.setprofile(at_nth_c_return)
+            sys.setprofile(interrupt_at_c_call(n, Embedder.embed_stream.__code__))
             try:
                 for _ in stream:
                     pass

@@ -804,6 +804,8 @@ def test_run_interrupted_anywhere_in_taking_results_raises_the_interrupt_and_sto
     import sys
     import threading
 
+    from interrupts import interrupt_at_c_call
+
     from fullthrottle.workloads.classify import run as run_mod
 
     monkeypatch.setattr(run_mod, "RELEASE_EVERY", 1)  # (every permit given back inside the loop)
@@ -811,23 +813,13 @@ def test_run_interrupted_anywhere_in_taking_results_raises_the_interrupt_and_sto
     inputs = [str(p) for p in samples[:48]]
     codes = {run_mod.Run.get_many.__code__, run_mod.Run.hand_out.__code__}
     for n in range(1, 31):
-        calls, got = 0, {}
-
-        def at_nth_c_return(frame, event, arg, n=n):
-            nonlocal calls
-            f = frame
-            while f is not None and f.f_code not in codes:
-                f = f.f_back
-            if event == "c_return" and f is not None:
-                calls += 1
-                if calls == n:
-                    raise KeyboardInterrupt
+        got = {}
 
         def consume():
             results = pipe.run(inputs)
             try:
                 next(results)
-                sys.setprofile(at_nth_c_return)
+                sys.setprofile(interrupt_at_c_call(n, *codes))
                 for _ in results:
                     pass
             except BaseException as e:  # noqa: BLE001 - what the stream raised
