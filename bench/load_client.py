@@ -1,6 +1,6 @@
 """The load generator of the serving benchmarks: client processes, each pinned to its own cores, each
-one event loop (uvloop's where installed) with an ``aiohttp.ClientSession`` (keep-alive
-connections), posting prepared request bodies to one URL. (aiohttp, not httpx: on one core httpx's ``AsyncClient`` sends about 1,100 req/s
+one event loop (uvloop's where installed) posting prepared request bodies to one URL over keep-alive
+connections; the closed loop's through an ``aiohttp.ClientSession``. (aiohttp, not httpx: on one core httpx's ``AsyncClient`` sends about 1,100 req/s
 over 8 connections and 140 over 64, aiohttp about 5,000 over either, against a server that answers
 at once, so an httpx load generator would measure itself.)
 
@@ -8,7 +8,8 @@ at once, so an httpx load generator would measure itself.)
   answer arrives, for ``duration_s`` after ``warmup_s``. Counted: requests that start after the warm-up
   and end within the window.
 - :func:`open_loop`: requests sent at a fixed total rate (req/s), whatever the answers, for
-  ``duration_s``; a request waits at most ``timeout_s`` from its due time for a free connection (else
+  ``duration_s``, on bare asyncio connections (:mod:`rate_client`: aiohttp's client per request cost
+  more CPU than the rates asked of it); a request waits at most ``timeout_s`` from its due time for a free connection (else
   it is never sent: :data:`UNSENT`, the load generator's queue), then at most ``timeout_s`` for the
   server's answer (else ``TimeoutError``); the latency of an answer counts from its due time.
   Goodput: images answered 200 within the window, per second (every answer's status is counted, in
@@ -35,6 +36,8 @@ import uuid
 from collections import Counter
 
 import numpy as np
+import rate_client  # bench/ (on the path of whoever imports this module)
+from rate_client import UNSENT  # noqa: F401  (a status of the open loop's results)
 
 #: share of the client processes' cores in use past which a result is marked ``client_limited``
 CLIENT_LIMITED = 0.85
@@ -60,11 +63,6 @@ def _session(connections: int, timeout_s: float):
 
     conn = aiohttp.TCPConnector(limit=connections, force_close=False)
     return aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s))
-
-
-#: the status of an open loop's request whose time ran out while it waited for one of the clients'
-#: connections: never sent (the load generator's queue, not the server's)
-UNSENT = "TimeoutError before a client connection was free"
 
 
 async def _post(s, url, body, ctype, timeout_s: float | None = None) -> int | str:
@@ -104,38 +102,7 @@ async def _closed(url, bodies, images, concurrency, duration_s, warmup_s) -> dic
 
 
 async def _open(url, bodies, images, rate, duration_s, timeout_s, connections) -> dict:
-    codes, lat, ok_images, n = Counter(), [], 0, int(rate * duration_s)
-    free = asyncio.Semaphore(connections)  # (a request waits for a connection here, not in aiohttp's pool)
-    async with _session(connections, timeout_s) as s:
-
-        async def one(i):
-            nonlocal ok_images
-            body, ctype = bodies[i % len(bodies)]
-            t = t0 + i / rate  # (its due time: a late send counts in its latency)
-            try:
-                await asyncio.wait_for(free.acquire(), max(0.0, t + timeout_s - time.perf_counter()))
-            except TimeoutError:
-                codes[UNSENT] += 1
-                return
-            try:  # (sent: the server has timeout_s of its own to answer)
-                code = await _post(s, url, body, ctype, timeout_s)
-            finally:
-                free.release()
-            codes[code] += 1
-            if code == 200 and (t2 := time.perf_counter()) <= t_end:  # (goodput: answered in the window)
-                lat.append(t2 - t)
-                ok_images += images
-
-        t0, tasks = time.perf_counter(), []
-        t_end = t0 + duration_s
-        for i in range(n):
-            delay = t0 + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i)))
-        sent_s = time.perf_counter() - t0
-        await asyncio.gather(*tasks)
-    return {"codes": codes, "lat": lat, "images": ok_images, "sent_per_s": n / sent_s}
+    return await rate_client.run(url, bodies, images, rate, duration_s, timeout_s, connections)
 
 
 def _client(job) -> dict:

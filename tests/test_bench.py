@@ -118,3 +118,60 @@ def test_the_open_loop_tells_requests_never_sent_from_requests_the_server_did_no
     codes = got["codes"]  # (4 sent at once; up to 4 more as those time out, by their due times)
     assert set(codes) == {"TimeoutError", load_client.UNSENT} and 4 <= codes["TimeoutError"] <= 8, codes
     assert codes["TimeoutError"] + codes[load_client.UNSENT] == 40, codes
+
+
+def test_the_open_loop_counts_every_answer_by_status_and_reconnects_after_a_close():
+    """bench/rate_client.py: every request sent is answered and counted once, by status; an answer in
+    several reads, a body of Content-Length, and a server that closes the connection after some
+    answers (the next requests go on new connections) are all followed; only 200s count as images."""
+    import asyncio
+    import sys
+    import threading
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import rate_client
+
+    seen, started, port = [], threading.Event(), []
+
+    class Answer(asyncio.Protocol):
+        def connection_made(self, t):
+            self.t, self.buf = t, bytearray()
+
+        def data_received(self, data):
+            self.buf += data
+            end = self.buf.find(b"\r\n\r\n")
+            n = int(bytes(self.buf[:end]).lower().split(b"content-length: ")[1].split(b"\r\n")[0]) if end >= 0 else -1
+            if end < 0 or len(self.buf) < end + 4 + n:
+                return
+            body = bytes(self.buf[end + 4 : end + 4 + n])
+            del self.buf[: end + 4 + n]
+            seen.append(body)
+            k = len(seen)
+            status, close = (200, k % 5 == 0) if k % 2 else (503, False)
+            text = b'{"ok": true}' if status == 200 else b'{"detail": "queue full"}'
+            head = f"HTTP/1.1 {status} X\r\nContent-Length: {len(text)}\r\n"
+            head += "Connection: close\r\n\r\n" if close else "\r\n"
+            self.t.write(head.encode())  # (the head and the body in two writes)
+            self.t.write(text)
+            if close:
+                self.t.close()
+
+    def serve():
+        loop = asyncio.new_event_loop()
+        srv = loop.run_until_complete(loop.create_server(Answer, "127.0.0.1", 0))
+        port.append(srv.sockets[0].getsockname()[1])
+        started.set()
+        loop.run_forever()
+
+    threading.Thread(target=serve, daemon=True).start()
+    assert started.wait(10)
+    bodies = [(b"a" * 70000, "image/jpeg"), (b"b", "image/png")]
+    # 200 requests/s for 1 s over 3 connections, 2 images a request
+    got = asyncio.run(rate_client.run(f"http://127.0.0.1:{port[0]}/v1/classify", bodies, 2, 200, 1.0, 5.0, 3))
+    codes = got["codes"]
+    assert sum(codes.values()) == 200 == len(seen), (codes, len(seen))
+    assert codes[200] == 100 and codes[503] == 100, codes
+    # (images and latencies: of the 200s answered within the 1 s window; the last may come after it)
+    assert got["images"] == 2 * len(got["lat"]) and 97 <= len(got["lat"]) <= 100 and min(got["lat"]) > 0
+    assert sorted(set(seen)) == [b"a" * 70000, b"b"] and seen.count(b"b") == 100
