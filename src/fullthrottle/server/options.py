@@ -20,7 +20,7 @@ SERVE_MAX_WAIT_MS = 0.5
 #: their tokens. The offline default (``LlmSettings.max_prefill_tokens``) is larger: fewer, fuller
 #: steps, where nobody waits for a next token. A wave of prompts in one large forward delays every
 #: first token and every running stream's next one (see docs/performance.md, the LLM server).
-SERVE_MAX_PREFILL_TOKENS = 2048
+SERVE_MAX_PREFILL_TOKENS = 1024
 #: ``serve``'s CPU decoder processes on CUDA with GPU decoding (--threads not given): the GPU
 #: decoders take the JPEGs that find every CPU decoder busy, and the cores are left to the HTTP
 #: worker processes. See docs/performance.md (serving).
