@@ -140,6 +140,8 @@ def test_concurrent_clients_get_library_results_and_share_batches(samples):
         metrics = httpx.get(s.url + "/metrics").text
         assert 'fullthrottle_requests_total{route="other",status="404"} 1.0' in metrics
         assert re.search(r'requests_total\{route="/healthz",status="405"\} 1.0', metrics), metrics[:1500]
+        # (the scrapes count too, this one included: a HEAD and two GETs)
+        assert 'fullthrottle_requests_total{route="/metrics",status="200"} 3.0' in metrics, metrics[-3000:]
 
 
 def test_multipart_and_json_urls(samples, http_server, caplog):
@@ -845,3 +847,27 @@ def test_a_hanging_predict_does_not_hold_up_shutdown(caplog):
         w.release.set()
         svc._thread.join(10)  # (its answer goes to the loop before the loop closes)
         loop.close()
+
+
+def test_sigterm_while_serve_imports_its_libraries_stops_it_with_status_0():
+    """serve --help: exit status 0 after SIGTERM. A SIGTERM that comes while torch is being imported
+    (before the server's own handlers) is held until the imports end, then stops the command as
+    one: "terminated: stopping", status 0 (not the signal's death, -15)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fullthrottle.cli", "serve", "--device", "cpu", "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:  # (torch's library mapped: its import has begun)
+            with open(f"/proc/{proc.pid}/maps") as f:
+                if "libtorch" in f.read():
+                    break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert code == 0 and "terminated: stopping" in err, (code, err[-2000:])

@@ -145,6 +145,8 @@ def test_clients_in_processes_get_the_librarys_answers_and_metrics_count_every_w
         assert served and float(served.group(1)) == len(photos) + 1, text[:3000]
         assert re.search(r'fullthrottle_batch_size_count\{workload="classify"\} (\S+)', text)  # the engine's
         assert "fullthrottle_queue_images" in text
+        scrapes = re.search(r'fullthrottle_requests_total\{route="/metrics",status="200"\} (\S+)', text)
+        assert scrapes and float(scrapes.group(1)) == 2, text[-3000:]  # (a HEAD, then this GET)
         r = httpx.post(url + "/v1/classify?top_k=2", files=files, timeout=60)  # (cut in the worker)
         assert [len(x.get("top_k", ())) for x in r.json()["results"]] == [2, 0, 2], r.text
         cut, whole = r.json()["results"][0]["top_k"], res[0]["top_k"][:2]  # (other batch mates: probs to 1e-4)

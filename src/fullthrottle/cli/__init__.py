@@ -23,6 +23,7 @@ from .common import (
     _gpu_decode_settings,
     _silence_stdout,
     sample_photos,
+    say_stopping,
     sigterm_as_interrupt,
     stopped,
     with_stdout,
@@ -108,8 +109,12 @@ def _run_command(args, argv: list[str] | None) -> int:
     if args.command == "bench":
         return with_stdout(cmd_bench, args)
     if args.command == "serve":
-        with _private_mps(args):
-            return cmd_serve(args)
+        try:  # (SIGTERM before the server's own handlers, in the imports and checks: stop as it does, exit 0)
+            with sigterm_as_interrupt(), _private_mps(args):
+                return cmd_serve(args)
+        except KeyboardInterrupt as e:
+            say_stopping(e)
+            return 0
     if args.command in ("generate", "embed", "run"):
         cmd = {"generate": cmd_generate, "embed": cmd_embed, "run": cmd_run}[args.command]
         try:

@@ -16,7 +16,7 @@ from .common import (
     _input_limits,
     _silence_stdout,
     freeze_startup_objects,
-    held_sigint,
+    held_signals,
     numbered_lines,
     sample_photos,
     sigterm_as_interrupt,
@@ -117,7 +117,7 @@ def cmd_classify(args) -> int:
 
 
 def _classify(args) -> int:
-    with held_sigint():  # (a Ctrl-C is taken once the native libraries have imported)
+    with held_signals():  # (a Ctrl-C or SIGTERM is taken once the native libraries have imported)
         import torch
         from tqdm import tqdm
 

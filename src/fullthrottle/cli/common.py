@@ -15,15 +15,16 @@ SAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg", "mo
 
 
 @contextlib.contextmanager
-def held_sigint():
-    """SIGINT held back in this thread for the block (the imports of torch, torchvision and OpenCV): a
-    Ctrl-C that lands inside a native library's start-up code can abort the process (C++ terminate:
-    exit -6) instead of raising KeyboardInterrupt. It is delivered when the block ends, as the usual
-    KeyboardInterrupt (where the platform has no ``pthread_sigmask``, nothing is held)."""
+def held_signals():
+    """SIGINT and SIGTERM held back in this thread for the block (the imports of torch, torchvision and
+    OpenCV): a signal that lands inside a native library's start-up code can abort the process (C++
+    terminate: exit -6) instead of raising KeyboardInterrupt (or, for SIGTERM, :class:`Terminated`
+    where :func:`sigterm_as_interrupt` is on). It is delivered when the block ends, to the handler
+    then in place (where the platform has no ``pthread_sigmask``, nothing is held)."""
     import signal
 
     try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     except (AttributeError, OSError, ValueError):
         old = None
     try:

@@ -73,9 +73,9 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
 
 
 def cmd_embed(args) -> int:
-    from .common import held_sigint, overwrites_an_input, write_report_json
+    from .common import held_signals, overwrites_an_input, write_report_json
 
-    with held_sigint():  # (a Ctrl-C is taken once the native libraries have imported)
+    with held_signals():  # (a Ctrl-C or SIGTERM is taken once the native libraries have imported)
         import numpy as np
         from tqdm import tqdm
 

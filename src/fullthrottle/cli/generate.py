@@ -107,7 +107,7 @@ def _many(args, model, tok, eos, device, dtype) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .common import held_sigint, overwrites_an_input
+    from .common import held_signals, overwrites_an_input
 
     if args.out is not None and args.prompts is None:  # (one prompt's tokens stream to stdout)
         print("fullthrottle: error: --out is for --prompts FILE (one prompt's text goes to stdout)", file=sys.stderr)
@@ -130,7 +130,7 @@ def cmd_generate(args) -> int:
         )
         return 2
 
-    with held_sigint():  # (a Ctrl-C is taken once the native libraries have imported)
+    with held_signals():  # (a Ctrl-C or SIGTERM is taken once the native libraries have imported)
         from ..core.device import resolve_device
         from ..workloads.llm.checks import check_prompt
         from ..workloads.llm.generate import GenerateStats, Generator

@@ -28,9 +28,9 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
-    from .common import held_sigint
+    from .common import held_signals
 
-    with held_sigint():  # (a Ctrl-C is taken once the native libraries have imported)
+    with held_signals():  # (a Ctrl-C or SIGTERM is taken once the native libraries have imported)
         from ..core.config import Config, resolve_dtype, usable_cores
         from ..core.device import resolve_device
         from ..server.app import ServeOptions, run_server

@@ -161,6 +161,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
+        m.requests.labels("/metrics", "200").inc()  # (counted as every answer is, this one included)
         return PlainTextResponse(m.render(state), media_type=CONTENT_TYPE_LATEST)
 
     add_text_routes(app, state, opts, reply, m.requests, m.latency, m.ttft)

@@ -308,7 +308,8 @@ def create_front_app(opts, max_image_pixels: int, top_k: int, client_box: list):
 
     @local.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
-        key = opts.api_keys[0] if opts.api_keys else None  # (the engine sets its gauges: queues, stages, GPU)
+        key = opts.api_keys[0] if opts.api_keys else None
+        # (the engine's /metrics sets its gauges and counts this scrape, as every answer is counted)
         await client_box[0].get("/metrics", ENGINE_PROBE_S, key)
         reg = CollectorRegistry()
         MultiProcessCollector(reg)  # every process's counters and histograms, summed
