@@ -168,6 +168,21 @@ def test_unwritable_out_exits_2_with_one_line(samples, tmp_path, capsys, out, ms
     assert rc == 2 and "fullthrottle: error: cannot write" in err and msg in err and "Traceback" not in err
 
 
+def test_a_run_that_stops_at_a_configuration_error_leaves_an_existing_out_file_as_it_was(samples, tmp_path, capsys):
+    """classify --out FILE: FILE's earlier lines stay when the run stops before it starts (exit 2: bad
+    weights); a run that starts replaces them with its own."""
+    out, bad = tmp_path / "results.jsonl", tmp_path / "bad.safetensors"
+    out.write_text("earlier results\n")
+    bad.write_bytes(b"not a safetensors file")
+    argv = ["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--out", str(out)]
+    rc = main([*argv, "--model", "resnet18", "--weights", str(bad)])
+    assert rc == 2 and "fullthrottle: error:" in capsys.readouterr().err
+    assert out.read_text() == "earlier results\n"
+    assert main(argv) == 0
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["id"] == str(samples[0])
+
+
 def test_cuda_only_options_on_cpu_are_named_not_ignored(samples, capsys):
     rc = main(
         [

@@ -15,9 +15,11 @@ from .common import (
     _gpu_decode_settings,
     _input_limits,
     _silence_stdout,
+    begin_out,
     freeze_startup_objects,
     held_signals,
     numbered_lines,
+    open_out,
     sample_photos,
     sigterm_as_interrupt,
     stdin_bytes,
@@ -173,8 +175,8 @@ def _classify(args) -> int:
     if args.out == "-":
         out = sys.stdout
     elif args.out:
-        try:  # opened before the model is built: a bad path costs nothing
-            out = open(args.out, "w", encoding="utf-8")
+        try:  # opened before the model is built: a bad path costs nothing (emptied once the run starts)
+            out = open_out(args.out)
         except OSError as e:
             print(f"fullthrottle: error: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
             return 2
@@ -247,6 +249,7 @@ def _classify(args) -> int:
         rc = stopped(e)
         _close_out(out)
         return rc
+    begin_out(out)
     if pipe.engine.random_weights:
         print(
             f"WARNING: no --weights given: {args.model} is randomly initialised (fixed seed), labels are meaningless",

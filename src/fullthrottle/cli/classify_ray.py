@@ -17,6 +17,7 @@ from .common import (
     _gpu_decode_settings,
     _input_limits,
     _silence_stdout,
+    begin_out,
     sample_photos,
     say_stopping,
 )
@@ -66,6 +67,8 @@ def classify_on_ray_cli(args, out) -> int:
     t0, ok, failed = time.perf_counter(), 0, 0
     try:
         for row in classify_on_ray(inputs, cfg, address, concurrency=args.ray_actors, batch_size=args.batch_size):
+            if ok + failed == 0:  # (the job has started: the file's old lines go)
+                begin_out(out)
             r = Result(ok + failed, row["id"], row["labels"], row["class_ids"], row["probs"], row["error"])
             ok += r.ok
             failed += not r.ok

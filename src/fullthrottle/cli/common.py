@@ -196,6 +196,20 @@ def _silence_stdout(stdout=None) -> None:
         pass
 
 
+def open_out(path: str):
+    """The results file ``path`` opened for writing without emptying it yet (append mode): a run that
+    stops at a configuration error leaves an existing file as it was. :func:`begin_out` empties it
+    once the run starts. Raises OSError (a missing folder, no permission, a directory)."""
+    return open(path, "a", encoding="utf-8")
+
+
+def begin_out(out) -> None:
+    """The run has started: the results file of :func:`open_out` (a regular file) is emptied, so that
+    its lines replace what it held (a pipe, a device or stdout is left as it is)."""
+    if out is not None and out is not sys.stdout and os.path.isfile(out.name):
+        out.truncate(0)
+
+
 def _close_out(out) -> str | None:
     """Close the results file (not stdout); the reason if its last writes failed (disk full), else None."""
     if out is None or out is sys.stdout:
