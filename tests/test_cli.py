@@ -907,7 +907,7 @@ def test_generate_many_with_text_prompts_gives_a_bad_line_its_own_error(tmp_path
     model = make_tiny_llama(vocab_size=tiny_text.tokenizer.get_vocab_size(), max_position_embeddings=64)
     new, gen, failed = generate_many(args, model, tiny_text, None)
     got = [json.loads(line) for line in out.read_text().splitlines()]
-    assert failed == 1 and "not valid Unicode" in got[1]["error"]
+    assert failed == 1 and "not valid Unicode" in got[1]["error"] and "is the input UTF-8?" in got[1]["error"]
     assert [len(got[0]["token_ids"]), len(got[2]["token_ids"])] == [5, 3] and new == 8
     assert gen.max_seq_len == max(len(tiny_text.encode(t)) + m for t, m in (("hello world", 5), ("the quick fox", 3)))
 

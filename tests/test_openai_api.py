@@ -448,8 +448,12 @@ def test_logprobs_through_the_openai_client(make_tiny_llama, tiny_text):
             assert len(content) == 40 and [(t.token, t.logprob) for t in streamed] == [
                 (t.token, t.logprob) for t in content
             ]
-        with pytest.raises(openai.BadRequestError, match="between 0 and 5"):
+        with pytest.raises(
+            openai.BadRequestError, match=r"logprobs \(the top tokens per position\) must be between 0 and 5"
+        ):
             c.completions.create(model="llm", prompt="hi", logprobs=6)
+        with pytest.raises(openai.BadRequestError, match=r"top_logprobs \(the top tokens per position\) must be"):
+            c.chat.completions.create(model="llm", messages=msgs, logprobs=True, top_logprobs=6)  # (chat's count)
         with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
             c.chat.completions.create(model="llm", messages=msgs, top_logprobs=2)
     gen = Generator(model, max_batch=1, max_seq_len=64, graphs=False)

@@ -748,6 +748,13 @@ def test_a_connection_past_the_per_client_cap_is_answered_503():
             body = r.read()
             assert (r.status, r.getheader("retry-after"), r.getheader("connection")) == (503, "1", "close"), r.status
             assert "client address holds its most connections (2)" in json.loads(body)["detail"]
+            fourth = http.client.HTTPConnection("127.0.0.1", port, timeout=10)  # under /v1/: OpenAI's shape too
+            fourth.request("POST", "/v1/completions", body=b"{}", headers={"content-type": "application/json"})
+            r = fourth.getresponse()
+            err = json.loads(r.read())
+            fourth.close()
+            assert r.status == 503 and "holds its most connections (2)" in err["error"]["message"], err
+            assert err["error"]["type"] == "overloaded_error" and err["detail"] == err["error"]["message"]
             with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:  # past the cap, asking nothing
                 t0 = time.perf_counter()
                 assert idle.recv(1) == b""

@@ -128,10 +128,14 @@ def chat_request(p: dict, gen, tok) -> dict:
     room = gen.max_seq_len if gen.kv is None else min(gen.max_seq_len, gen.kv.num_pages * gen.kv.page)
     if len(ids) >= room:
         raise ValueError(f"the prompt ({len(ids)} tokens) leaves no room for a reply in the context of {room}")
-    return _request(p, gen, ids, _integer(p, key, room - len(ids)), top if on else None, key)
+    return _request(p, gen, ids, _integer(p, key, room - len(ids)), top if on else None, key, "top_logprobs")
 
 
-def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None = None, key="max_tokens") -> dict:
+def _request(
+    p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None = None, key="max_tokens", lp_key="logprobs"
+) -> dict:
+    """The checked request (``key``: the field that gave ``max_tokens``; ``lp_key``: the one that gave
+    ``logprobs``, the count of top tokens per position, named in its error)."""
     vocab = gen.model.cfg.vocab_size
     if max_tokens < 1:
         raise ValueError(f"{key} must be a positive integer")
@@ -156,7 +160,7 @@ def _request(p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None
     if logprobs is not None and not gen.logprobs:
         raise ValueError("logprobs are off on this engine (serve turns them on with --llm-logprobs N)")
     if logprobs is not None and not 0 <= logprobs <= gen.logprobs:
-        raise ValueError(f"logprobs (the top tokens per position) must be between 0 and {gen.logprobs}")
+        raise ValueError(f"{lp_key} (the top tokens per position) must be between 0 and {gen.logprobs}")
     for key, default in UNSUPPORTED.items():
         v = _get(p, key, default)
         if key == "response_format" and v == {"type": "text"}:  # (OpenAI's default, as its clients send it)
