@@ -330,9 +330,10 @@ def test_missing_file_and_glob_and_dir(tmp_path, samples):
         (tmp_path / "sub" / f"img{i}.jpg").write_bytes(p.read_bytes())
     (tmp_path / "sub" / "notes.txt").write_text("skip me")
     pipe = tiny_pipe()
-    res = pipe.classify([str(tmp_path), str(tmp_path / "sub" / "*.jpg"), str(tmp_path / "nope.jpg")])
-    assert [r.ok for r in res] == [True] * 6 + [False]
-    assert "file not found" in res[-1].error
+    res = pipe.classify([str(tmp_path), str(tmp_path / "sub" / "*.jpg"), str(tmp_path / "nope.jpg"), "   "])
+    assert [r.ok for r in res] == [True] * 6 + [False, False]
+    assert res[-2].error == f"file not found: {tmp_path / 'nope.jpg'}"
+    assert res[-1].error == "file not found: '   '"  # (a name of spaces shown quoted: seen)
     assert res[0].class_ids == res[3].class_ids
 
 
@@ -504,9 +505,10 @@ def test_bad_input_types_and_empty_matches_are_per_item_errors(samples, tmp_path
         ]
     )
     assert [r.ok for r in res] == [True, False, False, False, True, False, False, False]
-    assert "cannot load an input of type int" in res[1].error
+    # (each error names its item, as its id does: an input with no name of its own by its place)
+    assert res[1].id == "<input #1>" and res[1].error.startswith("<input #1>: cannot load an input of type int")
     assert "unsupported URL scheme 'ftp'" in res[5].error and res[5].id == "ftp://example.com/cat.jpg"
-    assert "empty path" in res[6].error
+    assert res[6].error.startswith("<input #6>: empty path") and res[6].id == "<input #6>"
     assert "unsupported URL scheme 'file'" in res[7].error
     assert "no image files" in res[2].error
     assert "no files match the pattern" in res[3].error

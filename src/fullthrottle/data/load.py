@@ -69,6 +69,14 @@ def read_local(path: str, max_bytes: int) -> bytes:
         raise LoadError(f"cannot read {path}: {e.strerror or e}") from None
 
 
+def _shown(path) -> str:
+    """``path`` as an error names it: quoted where spaces at its ends or unprintable characters would
+    leave the name unseen."""
+    s = os.fspath(path)
+    s = os.fsdecode(s) if isinstance(s, bytes) else s
+    return repr(s) if s != s.strip() or not s.isprintable() else s
+
+
 def _read_file_inner(path: str | os.PathLike, max_bytes: int) -> bytes:
     # One open, one fstat, one read of the file's size (+1, to see a file that grew past the limit):
     # ``f.read(max_bytes + 1)`` would allocate ``max_bytes`` for every file (~10x the time of this).
@@ -76,7 +84,7 @@ def _read_file_inner(path: str | os.PathLike, max_bytes: int) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise LoadError(f"file not found: {path}") from None
+        raise LoadError(f"file not found: {_shown(path)}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -37,7 +37,7 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
     """
     for i, src in enumerate(inputs):
         if isinstance(src, (bytes, bytearray, memoryview)):
-            yield f"<bytes #{i}>", _data(src)
+            yield f"<bytes #{i}>", _data(src, name=f"<bytes #{i}>")
         elif isinstance(src, tuple) and len(src) == 2 and isinstance(src[1], (bytes, bytearray, memoryview)):
             # (a bytes id, as os.listdir(b".") names files: its text, as for bytes paths)
             yield (os.fsdecode(src[0]) if isinstance(src[0], bytes) else str(src[0])), _data(src[1], copy=False)
@@ -49,7 +49,7 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
                 yield s, s
                 continue
             if not s:
-                yield f"<input #{i}>", BadSource("empty path (an empty string names no file)")
+                yield f"<input #{i}>", BadSource(f"<input #{i}>: empty path (an empty string names no file)")
                 continue
             if "\0" in s:  # (no file can be named so: the system would refuse the path)
                 yield s.replace("\0", "\\0"), BadSource(f"invalid path {s!r}: it holds a NUL byte")
@@ -84,12 +84,13 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
             yield (
                 f"<input #{i}>",
                 BadSource(
-                    f"cannot load an input of type {type(src).__name__} (give a path, URL, bytes or (id, bytes))"
+                    f"<input #{i}>: cannot load an input of type {type(src).__name__} "
+                    "(give a path, URL, bytes or (id, bytes))"
                 ),
             )
 
 
-def _data(src, copy: bool = True):
+def _data(src, copy: bool = True, name: str = "the bytes given"):
     """The bytes of a bytes-like input: a copy, or (``copy=False``) a contiguous memoryview as it is,
     cast to bytes (its bytes must then stay unchanged until its result); a released memoryview is a
     :class:`BadSource`."""
@@ -98,7 +99,7 @@ def _data(src, copy: bool = True):
             return src.cast("B")
         return bytes(src)
     except ValueError as e:  # (a released memoryview)
-        return BadSource(f"cannot read the bytes given: {e}")
+        return BadSource(f"cannot read {name}: {e}")
 
 
 def walk_images(top: str) -> Iterator[tuple[str, Any]]:
