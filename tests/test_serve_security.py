@@ -407,8 +407,9 @@ def test_serve_on_a_port_in_use_exits_2_before_loading_the_model():
 
 @pytest.mark.parametrize("parser", ["httptools", "h11"])
 def test_a_request_head_over_the_limit_is_refused_with_either_parser(samples, parser):
-    """A head of a few hundred KiB (one endless header) gets 400 and a closed connection, with
-    uvicorn's C parser as with h11; a normal request on a new connection is then served."""
+    """A head of a few hundred KiB (one endless header) gets 431 and a closed connection, with
+    uvicorn's C parser as with h11, and bytes that are no HTTP request 400 with the parser's reason,
+    both as JSON; a normal request on a new connection is then served."""
     pytest.importorskip(parser)
     from fullthrottle.server.connection import MAX_HEAD_BYTES, head_deadline_protocol
 
@@ -426,15 +427,32 @@ def test_a_request_head_over_the_limit_is_refused_with_either_parser(samples, pa
         except OSError:
             pass
         sock.close()
-        assert got.startswith(b"HTTP/1.1 400") or got.startswith(b"HTTP/1.1 431"), got[:200]
+        assert got.startswith(b"HTTP/1.1 431 Request Header Fields Too Large"), got[:200]
+        assert b"request head" in got and json.loads(got.split(b"\r\n\r\n", 1)[1])["detail"], got[:400]
         whole = (b"X-Big: " + b"a" * 17000 + b"\r\n", b"".join(b"X-%d: %s\r\n" % (i, b"b" * 100) for i in range(200)))
         for head in whole if parser == "httptools" else ():  # (h11: not checked on a whole head yet)
             sock = socket.create_connection(("127.0.0.1", srv.port))  # a whole head over the limit in one send
             sock.settimeout(10)
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
-            got = sock.recv(200)
+            got = sock.recv(400)
             sock.close()
-            assert got.startswith(b"HTTP/1.1 400") or got.startswith(b"HTTP/1.1 431"), got[:200]
+            assert got.startswith(b"HTTP/1.1 431") and b"over 16384 bytes" in got, got[:400]
+        # framing that is no HTTP: 400 with the parser's reason, in the server's JSON error shape
+        for bad, why in (
+            (b"POST /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", b"Content-Length"),
+            (b"\x16\x03\x01 not http\r\n\r\n", b""),
+            # (h11 reads this one as chunked, as RFC 9112 allows; llhttp refuses it)
+            *[(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", b"")]
+            * (parser == "httptools"),
+        ):
+            sock = socket.create_connection(("127.0.0.1", srv.port))
+            sock.settimeout(10)
+            sock.sendall(bad)
+            got = sock.recv(400)
+            sock.close()
+            head, body = got.split(b"\r\n\r\n", 1)
+            assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head, got
+            assert json.loads(body)["detail"].startswith("malformed HTTP request: ") and why in body, got
         assert post_image(srv.url, samples[0].read_bytes()).status_code == 200
 
 

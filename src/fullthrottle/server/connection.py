@@ -8,7 +8,7 @@ from __future__ import annotations
 #: at a graceful shutdown, how long an idle keep-alive connection stays open for a request that
 #: may already be on its way (it is answered, with ``Connection: close``), seconds
 SHUTDOWN_LINGER_S = 0.5
-#: most bytes of one request head (request line and headers) before the connection is answered 400
+#: most bytes of one request head (request line and headers) before the connection is answered 431
 #: and closed (h11 has the same limit of its own)
 MAX_HEAD_BYTES = 16384
 #: a connection past the per-client cap must send its request head within this many seconds (or
@@ -18,6 +18,47 @@ CLIENT_REFUSAL_HEAD_S = 1.0
 #: pipelining, httptools); one more closes the connection: a client that pipelines without reading
 #: its answers would otherwise have the server queue requests, and their answers, without bound
 MAX_PIPELINED = 128
+
+
+class _KeepsError:
+    """``obj`` as it is, but the exception of ``errors`` (and not of ``passing``) that its method ``name``
+    raises is kept in ``error`` before it goes on up: uvicorn answers every parser error with one
+    generic line, and the parser's own reason (a bad header character, Content-Length with
+    Transfer-Encoding, a head too long) is what the client needs."""
+
+    def __init__(self, obj, name: str, errors, passing=()):
+        method = getattr(obj, name)
+
+        def kept(*args):
+            try:
+                return method(*args)
+            except passing:
+                raise
+            except errors as e:
+                self.__dict__["error"] = e
+                raise
+
+        self.__dict__.update({"_obj": obj, "error": None, name: kept})
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_obj"], name)
+
+    def __setattr__(self, name, value):
+        setattr(self.__dict__["_obj"], name, value)
+
+
+def _refusal_bytes(status: int, reason: str, default_headers) -> bytes:
+    """The answer to bytes that are no acceptable request: ``status`` with ``{"detail": reason}``
+    (the JSON shape of the server's other errors), then the connection closes."""
+    import json
+    from http import HTTPStatus
+
+    body = json.dumps({"detail": reason}).encode()
+    out = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()]
+    for name, value in default_headers:
+        out += [name, b": ", value, b"\r\n"]
+    out += [b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body), body]
+    return b"".join(out)
 
 
 def head_deadline_protocol(
@@ -37,7 +78,8 @@ def head_deadline_protocol(
 
     A connection may pipeline requests (send the next before the answer to the last): each one's head
     is bounded as it comes, and at most :data:`MAX_PIPELINED` may wait (one more closes it). Bytes
-    that are no request get 400 and the close once the requests before them are answered.
+    that are no request get 400 (431: a head too large) and the close once the requests before them
+    are answered.
 
     ``per_client``: most connections open at once from one client address; one more gets
     ``client_busy_app`` (ASGI: 503, then closed) for its request, which must come within
@@ -58,8 +100,9 @@ def head_deadline_protocol(
 
     ``max_connections``: a connection opened while this many are open gets ``busy_app`` (ASGI: 503,
     then closed) for its requests (uvicorn's ``limit_concurrency`` would refuse the earlier ones too).
-    ``on_refused``: called with no arguments for each request the parser refuses (400: malformed, or
-    a head over :data:`MAX_HEAD_BYTES`), which never reaches the app (so the caller can count it).
+    ``on_refused``: called with the status for each request the parser refuses (400: malformed, with
+    the parser's reason; 431: a head over :data:`MAX_HEAD_BYTES`), which never reaches the app (so the
+    caller can count it). The refusal's body is ``{"detail": reason}``, as the server's other errors.
     ``on_client_refused``: called with the client's address and ``per_client`` for each connection
     refused because that address held ``per_client`` already."""
     if parser == "auto":
@@ -67,8 +110,10 @@ def head_deadline_protocol(
 
         parser = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
     if parser == "httptools":
+        import httptools
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     elif parser == "h11":
+        import h11
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     else:
         raise ValueError(f"parser must be auto, httptools or h11, got {parser!r}")
@@ -82,7 +127,10 @@ def head_deadline_protocol(
         _closing = False
         _head_bytes: int | None = 0  # bytes received of the request head being read (None: it is whole)
         _arm_after_body = False  # answered before its body came in: the next head's deadline starts after it
-        _refusal: str | None = None  # a 400 held until the request in progress is answered
+        _refusal: tuple[int, str] | None = (
+            None  # a refusal (status, reason) held until the request in progress is answered
+        )
+        _too_big = False  # the head went over MAX_HEAD_BYTES (431)
         _over_cap = False  # past the per-client cap: answered 503 and closed
 
         def _arm(self) -> None:
@@ -102,6 +150,12 @@ def head_deadline_protocol(
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            if parser == "httptools":
+                self.parser = _KeepsError(
+                    self.parser, "feed_data", httptools.HttpParserError, httptools.HttpParserUpgrade
+                )
+            else:
+                self.conn = _KeepsError(self.conn, "next_event", h11.RemoteProtocolError)
             peer = transport.get_extra_info("peername")
             self._peer = peer[0] if isinstance(peer, tuple) and peer else None
             n = open_from[self._peer] = open_from.get(self._peer, 0) + 1
@@ -160,24 +214,43 @@ def head_deadline_protocol(
                 and self._head_bytes > MAX_HEAD_BYTES
                 and not self.transport.is_closing()
             ):
+                self._too_big = True
                 self.send_400_response(f"request head over {MAX_HEAD_BYTES} bytes")
+
+        def _why(self, msg: str) -> tuple[int, str]:
+            """The status and reason of a refusal that uvicorn words as ``msg``."""
+            if self._too_big:
+                return 431, f"request head (request line and headers) over {MAX_HEAD_BYTES} bytes"
+            e = (self.parser if parser == "httptools" else self.conn).error
+            if e is None or isinstance(e, ValueError):  # (ValueError: one of ours, raised in a callback)
+                return 400, msg
+            status = getattr(e, "error_status_hint", 400)  # (h11: 431 for a head too long)
+            if status == 431:
+                return 431, f"request head too large: {e}"
+            return 400, f"malformed HTTP request: {e}"
 
         def send_400_response(self, msg: str) -> None:
             if self._refusal is not None:  # (refused already: what follows is not read)
                 return
+            status, reason = self._why(msg)
             if on_refused is not None:
-                on_refused()
+                on_refused(status)
             c = self.cycle
             if c is not None and not c.more_body and not c.response_complete and not self.transport.is_closing():
-                self._refusal = msg  # a whole request before the bad bytes is answered first, then the 400
+                self._refusal = (status, reason)  # a whole request before the bad bytes is answered first, then this
                 return
-            super().send_400_response(msg)
+            self._refuse(status, reason)
+
+        def _refuse(self, status: int, reason: str) -> None:
+            self.transport.write(_refusal_bytes(status, reason, self.server_state.default_headers))
+            self.transport.close()
 
         def on_headers_complete(self) -> None:  # (httptools: the parser's callback)
             # (a head that arrived whole in one read: its size is the line's and headers' bytes)
             size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
             if size > MAX_HEAD_BYTES:
-                raise ValueError(f"request head over {MAX_HEAD_BYTES} bytes")  # (the parser: 400, closed)
+                self._too_big = True
+                raise ValueError(f"request head over {MAX_HEAD_BYTES} bytes")  # (the parser: 431, closed)
             before = self.cycle
             super().on_headers_complete()
             if self.cycle is not before:
@@ -201,7 +274,7 @@ def head_deadline_protocol(
             before = self.cycle
             super().on_response_complete()
             if self._refusal is not None and not waiting and not self.transport.is_closing():
-                base.send_400_response(self, self._refusal)  # (the requests before it answered: closed)
+                self._refuse(*self._refusal)  # (the requests before it answered: closed)
                 return
             if self.transport.is_closing() or waiting or self.cycle is not before:
                 return  # a request's head is here already (pipelined): its body is no head, no deadline runs

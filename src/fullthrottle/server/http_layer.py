@@ -176,9 +176,9 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
 
     counter = getattr(app, "requests_counter", None)
 
-    def refused():  # (a 400 of the parser's: the request never reached the app)
+    def refused(status: int):  # (a 400 or 431 of the parser's: the request never reached the app)
         if counter is not None:
-            counter.labels("other", "400").inc()
+            counter.labels("other", str(status)).inc()
 
     warned = [-1e9]  # when a refused client was last logged (at most one line a minute)
 
