@@ -244,18 +244,25 @@ class CompletionService:
     @staticmethod
     def _send(live: dict, every: int) -> None:
         """Each live request's new tokens to its queue: the first at once (after the prefill that made
-        it: time to first token), then every ``every`` tokens, the rest at its end (then None)."""
+        it: time to first token), then every ``every`` tokens, the rest at its end (then None). One
+        call into each event loop a step, with every item for its queues (a call per request woke
+        the loop, and took the step's thread, once per request)."""
+        by_loop: dict = {}
         for rec in list(live):
             req, loop, out, sent = live[rec]
+            items = by_loop.setdefault(loop, [])
             new = TokenChunk(rec.tokens[sent:])
             if new and not req.get("cancelled") and (rec.done or sent == 0 or len(new) >= every):
                 if rec.logprobs is not None:
                     new.logprobs = rec.lps[sent : sent + len(new)]
-                loop.call_soon_threadsafe(out.put_nowait, new)
+                items.append((out, new))
                 live[rec][3] = len(rec.tokens)
             if rec.done:
-                loop.call_soon_threadsafe(out.put_nowait, None)
+                items.append((out, None))
                 del live[rec]
+        for loop, items in by_loop.items():
+            if items:
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _gauges(self, sched) -> None:
         """/metrics' view of the engine: requests waiting, running, preempted so far."""
@@ -266,6 +273,12 @@ class CompletionService:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+def _put_all(items: list) -> None:
+    """(On the queues' event loop) each ``(queue, item)`` put, in order."""
+    for out, item in items:
+        out.put_nowait(item)
 
 
 def _settle(fut: asyncio.Future, r: Result | BaseException) -> None:
