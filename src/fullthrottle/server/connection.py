@@ -127,9 +127,8 @@ def head_deadline_protocol(
         _closing = False
         _head_bytes: int | None = 0  # bytes received of the request head being read (None: it is whole)
         _arm_after_body = False  # answered before its body came in: the next head's deadline starts after it
-        _refusal: tuple[int, str] | None = (
-            None  # a refusal (status, reason) held until the request in progress is answered
-        )
+        # a refusal (status, reason) held until the request in progress is answered
+        _refusal: tuple[int, str] | None = None
         _too_big = False  # the head went over MAX_HEAD_BYTES (431)
         _over_cap = False  # past the per-client cap: answered 503 and closed
 
