@@ -168,6 +168,28 @@ def test_unwritable_out_exits_2_with_one_line(samples, tmp_path, capsys, out, ms
     assert rc == 2 and "fullthrottle: error: cannot write" in err and msg in err and "Traceback" not in err
 
 
+def test_an_out_fifo_whose_reader_leaves_is_exit_2_naming_it(samples, tmp_path, capsys):
+    """--out FIFO whose reader goes away: an output that cannot be written (exit 2, said), not the
+    quiet exit 1 of stdout's reader leaving (`| head`)."""
+    import os
+    import threading
+
+    fifo = tmp_path / "results.fifo"
+    os.mkfifo(fifo)
+
+    def reader():
+        with open(fifo, "rb") as f:
+            f.read(10)
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    argv = ["classify", *map(str, samples[:8]), "--device", "cpu", "--no-progress", "--out", str(fifo)]
+    rc = main([*argv, "--top-k", "1000"])  # (lines of ~40 KB: past the pipe's buffer)
+    t.join(10)
+    err = capsys.readouterr().err
+    assert rc == 2 and f"cannot write {fifo}: its reader went away" in err, (rc, err[-500:])
+
+
 def test_a_run_that_stops_at_a_configuration_error_leaves_an_existing_out_file_as_it_was(samples, tmp_path, capsys):
     """classify --out FILE: FILE's earlier lines stay when the run stops before it starts (exit 2: bad
     weights); a run that starts replaces them with its own."""

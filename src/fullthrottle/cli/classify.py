@@ -289,6 +289,9 @@ def _classify(args) -> int:
         return 143 if isinstance(e, Terminated) else 130
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, like other CLI tools
         results.close()
+        if out is not None and out is not sys.stdout:  # (--out FIFO: an output that cannot be written)
+            print(f"fullthrottle: error: cannot write {dest}: its reader went away (Broken pipe)", file=sys.stderr)
+            return 2
         _silence_stdout()
         return 1
     except PipelineError as e:
