@@ -25,7 +25,6 @@ Usage: python bench/llm_serve.py --out bench/results/llm_serve.json
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import json
@@ -40,8 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_s, free_port, machine_info, wait_ready, write_json  # noqa: E402
-
-VOCAB = {"llama2-7b": 32000, "tiny": 512}  # --shape's vocabulary
+from llm_serve_args import VOCAB, parse_args  # noqa: E402
 
 
 def requests_of(kind: str, n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -340,35 +338,7 @@ def merge(offline_json: str, online_json: str, out: str) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results/llm_serve.json")
-    ap.add_argument("--rows", type=int, default=256, help="KV-cache rows (fixed set, offline)")
-    ap.add_argument("--mixed-rows", type=int, default=64, help="KV-cache rows for the mixed set (2560 slots each)")
-    ap.add_argument("--hf-requests", type=int, default=64, help="requests given to transformers (0: skip it)")
-    ap.add_argument("--kv-pages", default="0", help="paged KV memory: N 64-token pages, or auto (0: static rows)")
-    ap.add_argument(
-        "--kv-dtype",
-        default="auto",
-        help="paged KV memory's dtype, auto or fp8; a list (auto,fp8): offline runs each, the server the last",
-    )
-    ap.add_argument(
-        "--server-args", default="", help="more serve arguments, e.g. --server-args='--llm-max-prefill-tokens 2048'"
-    )
-    ap.add_argument(
-        "--max-prefill-tokens",
-        default="",
-        help="offline: the Generator's prefill budget per step, or a list (default: its own)",
-    )
-    ap.add_argument("--sets", default="128/128,512/256", help="offline: the request sets run")
-    ap.add_argument("--concurrency", default="1,16,64,256")
-    ap.add_argument("--seconds", type=float, default=20.0)
-    ap.add_argument("--client-procs", type=int, default=4)
-    ap.add_argument("--parts", default="offline,online")
-    ap.add_argument("--shape", default="llama2-7b", choices=sorted(VOCAB), help="tiny: a CPU smoke run")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--scale", type=int, default=1, help="offline requests divided by this (smoke runs)")
-    ap.add_argument("--merge", nargs=2, metavar=("OFFLINE", "ONLINE"), help="one result of the two parts' files")
-    args = ap.parse_args()
+    args = parse_args(__doc__)
     if args.merge:
         return merge(*args.merge, out=args.out)
     res = {
@@ -386,7 +356,8 @@ def main():
         part.unlink()
     elif "offline" in args.parts:
         res["offline"] = offline(args)
-    write_json(args.out, res)
+    if "offline" in res:  # (written once something is measured: a run that fails first leaves --out as it was)
+        write_json(args.out, res)
     if "online" in args.parts:
         online(args, res)
 

@@ -150,10 +150,11 @@ def measure(proc, url, bodies, images, conc, args, client_cores, gpu, ours=False
     if ours:
         r["where_time_goes"] = where_time_goes(m0, scrape(base))
         r["server_cores_by_kind"] = cores_by_kind(k0, cpu_by_kind(proc.pid), dt)
-    print(
-        f"  {conc:4d} clients: {r['img_per_s']:8.0f} img/s  p50 {r['p50_ms']} p99 {r['p99_ms']}  {r['statuses']}",
-        flush=True,
-    )
+    if not r["statuses"]:  # (nothing measured: no rate of 0 img/s to be read as one)
+        print(f"  {conc:4d} clients: no request ended within the {args.duration_s:g} s window", flush=True)
+    else:
+        lat = f"p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} ms" if r["p50_ms"] is not None else "no 200"
+        print(f"  {conc:4d} clients: {r['img_per_s']:8.0f} img/s  {lat}  {r['statuses']}", flush=True)
     return r
 
 
@@ -234,6 +235,16 @@ def main():
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge partial results into --out and plot")
     ap.add_argument("--note", action="append", default=[], help="with --merge: a note kept in the result (repeatable)")
     args = ap.parse_args()
+    known = servers("cpu", [], 1)
+    names = ["fullthrottle_1_gpu", "fullthrottle_all_gpus"] if args.compare_gpus else args.servers.split(",")
+    if bad := [n for n in names if n not in known]:
+        ap.error(f"--servers: no server named {', '.join(bad)} (known: {', '.join(known)})")
+    if bad := [m for m in args.modes.split(",") if m not in ("single", "multi32")]:
+        ap.error(f"--modes: {', '.join(bad)} is no request kind (single, multi32)")
+    if min(args.concurrency) < 1 or args.duration_s <= 0 or args.overload_s < 0 or args.client_procs < 1:
+        ap.error("--concurrency, --duration-s and --client-procs must be > 0, --overload-s >= 0")
+    if args.merge and (missing := [p for p in args.merge if not Path(p).is_file()]):
+        ap.error(f"--merge: no such file: {', '.join(missing)}")
     if args.merge:
         parts = [json.loads(Path(p).read_text()) for p in args.merge]
         res = dict(parts[0], servers={k: v for p in parts for k, v in p["servers"].items()})
@@ -253,53 +264,49 @@ def main():
     cores = sorted(os.sched_getaffinity(0))
     client_cores = cores[-args.client_cores :] if 0 < args.client_cores < ncpu else None
     server_cores = cores[: -args.client_cores] if client_cores else None
-    names = ["fullthrottle_1_gpu", "fullthrottle_all_gpus"] if args.compare_gpus else args.servers.split(",")
+    if args.client_cores and client_cores is None:
+        print(f"note: --client-cores {args.client_cores} leaves no core of {ncpu} to the servers: not pinned")
     blobs = jpegs_640x480()
     table = servers(args.device, args.server_args.split(), 1)
     res = {"servers": {}}
+    head = {
+        "benchmark": "serve_load",
+        "machine": machine_info(),
+        "command": " ".join(sys.argv),
+        "device": args.device,
+        "images": "the 200 ImageNet samples at 640x480, JPEG quality 90 (~60 KB)",
+        "model": "resnet18, random weights, bf16 on CUDA",
+        "server_cores": server_cores,
+        "client_cores": client_cores,
+        "duration_s_per_point": args.duration_s,
+    }
     for name in names:
-        if name == "litserve":
-            sweep = {}
-            for w in map(int, args.litserve_workers.split(",")):
-                cmd, ready, _ = servers(args.device, [], w)["litserve"]
-                short = argparse.Namespace(**{**vars(args), "concurrency": [64], "duration_s": 10.0})
-                r = run_server("litserve", cmd, ready, ("single",), short, blobs, server_cores, client_cores, gpu)
-                sweep[w] = r["points"]["single"][0]["img_per_s"]
-            best = max(sweep, key=sweep.get)
-            cmd, ready, modes = servers(args.device, [], best)["litserve"]
-            r = run_server(name, cmd, ready, modes, args, blobs, server_cores, client_cores, gpu)
-            r["workers_per_device_sweep_img_per_s_at_64"] = sweep
-        else:
-            cmd, ready, modes = table[name]
-            modes = tuple(m for m in modes if m in args.modes.split(","))
-            r = run_server(
-                name,
-                cmd,
-                ready,
-                modes,
-                args,
-                blobs,
-                server_cores,
-                client_cores,
-                gpu,
-                name == "fullthrottle" and args.overload_s > 0 and "single" in modes,
-            )
-        res["servers"][name] = r
-    write_json(
-        args.out,
-        {
-            "benchmark": "serve_load",
-            "machine": machine_info(),
-            "command": " ".join(sys.argv),
-            "device": args.device,
-            "images": "the 200 ImageNet samples at 640x480, JPEG quality 90 (~60 KB)",
-            "model": "resnet18, random weights, bf16 on CUDA",
-            "server_cores": server_cores,
-            "client_cores": client_cores,
-            "duration_s_per_point": args.duration_s,
-            **res,
-        },
-    )
+        try:  # (a server that cannot start is its own entry: the others' results are kept)
+            res["servers"][name] = run_named(name, table, args, blobs, server_cores, client_cores, gpu)
+        except RuntimeError as e:
+            print(f"{name}: {e}", file=sys.stderr)
+            res["servers"][name] = {"error": str(e)[-2000:], "points": {}}
+        write_json(args.out, {**head, **res})  # (after each server: a run cut short keeps what it measured)
+
+
+def run_named(name, table, args, blobs, server_cores, client_cores, gpu) -> dict:
+    """Server ``name``'s points (LitServe: its workers per device swept at 64 clients first, the best run)."""
+    if name == "litserve":
+        sweep = {}
+        for w in map(int, args.litserve_workers.split(",")):
+            cmd, ready, _ = servers(args.device, [], w)["litserve"]
+            short = argparse.Namespace(**{**vars(args), "concurrency": [64], "duration_s": 10.0})
+            r = run_server("litserve", cmd, ready, ("single",), short, blobs, server_cores, client_cores, gpu)
+            sweep[w] = r["points"]["single"][0]["img_per_s"]
+        best = max(sweep, key=sweep.get)
+        cmd, ready, modes = servers(args.device, [], best)["litserve"]
+        r = run_server(name, cmd, ready, modes, args, blobs, server_cores, client_cores, gpu)
+        r["workers_per_device_sweep_img_per_s_at_64"] = sweep
+        return r
+    cmd, ready, modes = table[name]
+    modes = tuple(m for m in modes if m in args.modes.split(","))
+    overload = name == "fullthrottle" and args.overload_s > 0 and "single" in modes
+    return run_server(name, cmd, ready, modes, args, blobs, server_cores, client_cores, gpu, overload)
 
 
 if __name__ == "__main__":

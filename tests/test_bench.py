@@ -175,3 +175,30 @@ def test_the_open_loop_counts_every_answer_by_status_and_reconnects_after_a_clos
     # (images and latencies: of the 200s answered within the 1 s window; the last may come after it)
     assert got["images"] == 2 * len(got["lat"]) and 97 <= len(got["lat"]) <= 100 and min(got["lat"]) > 0
     assert sorted(set(seen)) == [b"a" * 70000, b"b"] and seen.count(b"b") == 100
+
+
+@pytest.mark.parametrize(
+    "script,args,says",
+    [
+        ("llm_serve.py", ["--shape", "tiny", "--concurrency", "abc"], "--concurrency takes integers"),
+        ("llm_serve.py", ["--shape", "tiny", "--scale", "1000"], "leaves a set with no request"),
+        ("llm_serve.py", ["--shape", "tiny", "--kv-dtype", "fp9"], "--kv-dtype: fp9 is neither auto nor fp8"),
+        ("serve_load.py", ["--servers", "fullthrottle,nosuch"], "--servers: no server named nosuch"),
+        ("serve_load.py", ["--modes", "bogus"], "--modes: bogus is no request kind"),
+    ],
+)
+def test_the_benchmarks_refuse_bad_arguments_before_they_write_anything(tmp_path, script, args, says):
+    """bench/llm_serve.py and bench/serve_load.py: a bad argument is a usage error (exit 2, the reason),
+    checked before anything runs, and --out (a result of record, say) stays as it was."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "result.json"
+    out.write_text('{"kept": true}')
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    p = subprocess.run(
+        [sys.executable, str(bench / script), *args, "--out", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert out.read_text() == '{"kept": true}'
