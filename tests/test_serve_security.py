@@ -804,3 +804,31 @@ def test_requests_the_http_parser_refuses_are_counted():
             assert got.startswith(b"HTTP/1.1 400"), got
         text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         assert re.search(r'requests_total\{route="other",status="400"\} 2\.0', text), text[-2000:]
+
+
+def test_bad_bytes_inside_a_request_body_count_that_request_once():
+    """A chunked body whose chunk size is no number: the client gets one 400 with the parser's reason,
+    and /metrics counts that request once, under its route (it reached the app, which saw its client
+    go), not a second time as a refused request."""
+    import http.client
+
+    with _uvicorn_server(16) as port:
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.settimeout(10)
+        sock.sendall(
+            b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\nZZ\r\nhello\r\n0\r\n\r\n"
+        )
+        got = sock.recv(1000)
+        sock.close()
+        assert got.startswith(b"HTTP/1.1 400") and b"malformed HTTP request: Invalid character in chunk size" in got
+        time.sleep(0.5)  # (the app's handler sees its client gone)
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        c.request("GET", "/metrics")
+        counted = [
+            line
+            for line in c.getresponse().read().decode().splitlines()
+            if line.startswith("fullthrottle_requests_total") and 'route="/metrics"' not in line
+        ]
+        c.close()
+        assert counted == ['fullthrottle_requests_total{route="/v1/classify",status="499"} 1.0'], counted

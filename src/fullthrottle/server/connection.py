@@ -232,9 +232,10 @@ def head_deadline_protocol(
             if self._refusal is not None:  # (refused already: what follows is not read)
                 return
             status, reason = self._why(msg)
-            if on_refused is not None:
-                on_refused(status)
             c = self.cycle
+            # (bad bytes inside a request's body: that request is the app's, which counts its end)
+            if on_refused is not None and not (c is not None and c.more_body and not c.response_complete):
+                on_refused(status)
             if c is not None and not c.more_body and not c.response_complete and not self.transport.is_closing():
                 self._refusal = (status, reason)  # a whole request before the bad bytes is answered first, then this
                 return
