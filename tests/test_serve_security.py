@@ -832,3 +832,26 @@ def test_bad_bytes_inside_a_request_body_count_that_request_once():
         ]
         c.close()
         assert counted == ['fullthrottle_requests_total{route="/v1/classify",status="499"} 1.0'], counted
+
+
+def test_a_websocket_upgrade_is_answered_as_plain_http():
+    """No route speaks WebSocket: a request asking to upgrade is answered as the plain HTTP request it
+    also is (was uvicorn's empty 403, uncounted), with no advice to install a WebSocket library logged."""
+    said: list[str] = []
+    log = logging.getLogger("uvicorn.error")
+    catch = logging.Handler()
+    catch.emit = lambda record: said.append(record.getMessage())
+    with _uvicorn_server(16) as port:
+        log.addHandler(catch)  # (once uvicorn has set its loggers up)
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.settimeout(10)
+        sock.sendall(
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
+        got = sock.recv(1000)
+        sock.close()
+    log.removeHandler(catch)
+    head, body = got.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200") and json.loads(body) == {"status": "alive"}, got
+    assert "Unsupported upgrade request." in said and not [m for m in said if "WebSocket library" in m], said

@@ -120,6 +120,12 @@ def _not_a_dropped_request(record: logging.LogRecord) -> bool:
     return not (msg.startswith("Traceback") and msg.rstrip().endswith("CancelledError"))
 
 
+def _no_websocket_advice(record: logging.LogRecord) -> bool:
+    """Logging filter: not uvicorn's advice to install a WebSocket library, which it gives with each
+    Upgrade request (``ws="none"``: no route speaks WebSocket, and a client could fill the log)."""
+    return not record.getMessage().startswith("No supported WebSocket library detected")
+
+
 #: at a second SIGTERM, how long (s) what ``on_drain(0)`` ended has to send its last bytes before the
 #: connections close
 FORCED_END_S = 0.3
@@ -195,6 +201,7 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
 
     logging.getLogger("uvicorn.error").addFilter(startup_error_only)
     logging.getLogger("uvicorn.error").addFilter(_not_a_dropped_request)
+    logging.getLogger("uvicorn.error").addFilter(_no_websocket_advice)
     return _Server(
         uvicorn.Config(
             app,
@@ -203,6 +210,7 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
             access_log=opts.access_log,
             timeout_graceful_shutdown=opts.timeout_s,
             timeout_keep_alive=5,
+            ws="none",  # (no route speaks WebSocket: an Upgrade request is answered as plain HTTP)
             http=head_deadline_protocol(
                 opts.header_timeout_s,
                 opts.max_connections_per_client,
