@@ -372,11 +372,10 @@ def test_a_stream_interrupted_anywhere_while_it_waits_for_texts_raises_the_inter
     open), the stream raises it (not "cannot release un-acquired lock") and ends at once (no lock of
     the hand-off left held: a tokenizing thread setting its result, and the stream's end waiting for
     that thread, hung for good)."""
-    import sys
     import threading
     import time
 
-    from interrupts import interrupt_at_c_call
+    from interrupts import consume_interrupted
 
     for n in range(1, 13):
         more = threading.Event()
@@ -389,22 +388,10 @@ def test_a_stream_interrupted_anywhere_while_it_waits_for_texts_raises_the_inter
 
         stream = emb.embed_stream(texts(), chunk=4)
         assert len(next(stream).vectors) == 2
-        got = {}
 
-        def consume():
-            sys.setprofile(interrupt_at_c_call(n, Embedder.embed_stream.__code__))
-            try:
-                for _ in stream:
-                    pass
-            except BaseException as e:  # noqa: BLE001 - what the stream raised
-                got["e"] = e
-            finally:
-                sys.setprofile(None)
+        def then():  # (waiting for the texts now; then they come: a later C call is interrupted)
+            time.sleep(0.3)
+            more.set()
 
-        t = threading.Thread(target=consume, daemon=True)
-        t.start()
-        time.sleep(0.3)  # (waiting for the texts now; then they come: a later C call is interrupted)
-        more.set()
-        t.join(20)
-        assert not t.is_alive(), f"the stream hangs after an interrupt at its C call {n}"
-        assert isinstance(got.get("e"), KeyboardInterrupt), f"C call {n}: {got.get('e')!r}"
+        e = consume_interrupted(stream, n, Embedder.embed_stream.__code__, meanwhile=then)
+        assert isinstance(e, KeyboardInterrupt), f"C call {n}: {e!r}"
