@@ -806,6 +806,14 @@ def test_requests_the_http_parser_refuses_are_counted():
         assert re.search(r'requests_total\{route="other",status="400"\} 2\.0', text), text[-2000:]
 
 
+def _one_reply(port: int, request: bytes, size: int = 1000) -> bytes:
+    """``request``'s bytes sent on a new connection to 127.0.0.1:``port``; the first bytes back."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(request)
+        return sock.recv(size)
+
+
 def test_bad_bytes_inside_a_request_body_count_that_request_once():
     """A chunked body whose chunk size is no number: the client gets one 400 with the parser's reason,
     and /metrics counts that request once, under its route (it reached the app, which saw its client
@@ -813,14 +821,11 @@ def test_bad_bytes_inside_a_request_body_count_that_request_once():
     import http.client
 
     with _uvicorn_server(16) as port:
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.settimeout(10)
-        sock.sendall(
+        got = _one_reply(
+            port,
             b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\nZZ\r\nhello\r\n0\r\n\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\nZZ\r\nhello\r\n0\r\n\r\n",
         )
-        got = sock.recv(1000)
-        sock.close()
         assert got.startswith(b"HTTP/1.1 400") and b"malformed HTTP request: Invalid character in chunk size" in got
         time.sleep(0.5)  # (the app's handler sees its client gone)
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -843,14 +848,11 @@ def test_a_websocket_upgrade_is_answered_as_plain_http():
     catch.emit = lambda record: said.append(record.getMessage())
     with _uvicorn_server(16) as port:
         log.addHandler(catch)  # (once uvicorn has set its loggers up)
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.settimeout(10)
-        sock.sendall(
+        got = _one_reply(
+            port,
             b"GET /healthz HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
         )
-        got = sock.recv(1000)
-        sock.close()
     log.removeHandler(catch)
     head, body = got.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 200") and json.loads(body) == {"status": "alive"}, got
