@@ -278,10 +278,15 @@ def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests
             ({"prompt": "a\ud800b"}, "not valid Unicode"),
             ({"prompt": "x" * (64 * 128 + 1)}, "far more than the context"),
         ]
+        params = {}
         for extra, why in bad:
             body = json.dumps({"prompt": "hello", "max_tokens": 4, **extra})  # (ASCII: escapes lone surrogates)
             r = h.post(url, content=body, headers={"content-type": "application/json"})
             assert r.status_code == 400 and why in r.json()["error"]["message"], (extra, r.text)
+            params[why] = r.json()["error"]["param"]
+        # the field a message starts with is OpenAI's ``param`` (its client shows it); none for others
+        assert params["temperature must be a number"] == "temperature" and params["n must be an integer"] == "n"
+        assert params["model must be a string, got an array"] == "model" and params["not valid Unicode"] is None
         ok = h.post(url, json={"prompt": "hello", "max_tokens": 2, "response_format": {"type": "text"}, "best_of": 1})
         assert ok.status_code == 200, ok.text  # (OpenAI's defaults, as its clients send them: was 400)
         chat = s.url + "/v1/chat/completions"
@@ -292,6 +297,7 @@ def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests
         ):
             r = h.post(chat, json={"messages": msgs, "max_tokens": 4})
             assert r.status_code == 400 and why in r.json()["error"]["message"], (msgs, r.text)
+            assert r.json()["error"]["param"] == "messages"
         import gzip
 
         for body in (gzip.compress(json.dumps({"prompt": "hello"}).encode()), json.dumps({"prompt": "hello"}).encode()):

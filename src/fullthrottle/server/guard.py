@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import Callable
 
@@ -56,14 +57,25 @@ def overloaded(e: Exception, retry_after_s: float) -> HTTPError:
 _OPENAI_ERROR_TYPES = {404: "model_not_found", 500: "server_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
+#: the request fields of OpenAI's API that an error's ``param`` may name (the field its message starts with)
+OPENAI_FIELDS = frozenset(
+    "model prompt messages max_tokens max_completion_tokens temperature top_p top_k n stream stream_options "
+    "stop stop_token_ids seed logprobs top_logprobs echo suffix best_of presence_penalty frequency_penalty "
+    "logit_bias response_format tools tool_choice user input encoding_format dimensions".split()
+)
+
+
 def error_body(status: int, detail: str, openai: bool = False, kind: str | None = None) -> dict:
     """An error answer's JSON: ``{"detail": ...}``, and with ``openai`` also OpenAI's ``{"error":
     {"message", "type", "param", "code"}}`` (what its client shows; ``type``: ``kind``, else the
-    status's: 404 ``model_not_found``)."""
+    status's: 404 ``model_not_found``; ``param``: the request field the message starts with, as in
+    "max_tokens must be a positive integer" or "messages[0].role must be ...", else None)."""
     if not openai:
         return {"detail": detail}
     kind = kind or _OPENAI_ERROR_TYPES.get(status, "invalid_request_error")
-    return {"error": {"message": detail, "type": kind, "param": None, "code": status}, "detail": detail}
+    field = re.match(r"[a-z_]+", detail)
+    param = field.group(0) if field and field.group(0) in OPENAI_FIELDS and status < 500 else None
+    return {"error": {"message": detail, "type": kind, "param": param, "code": status}, "detail": detail}
 
 
 #: a body over the limit is read on and dropped, up to this many bytes more and for this long, so that
