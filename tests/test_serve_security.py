@@ -441,6 +441,7 @@ def test_a_request_head_over_the_limit_is_refused_with_either_parser(samples, pa
         for bad, why in (
             (b"POST /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", b"Content-Length"),
             (b"\x16\x03\x01 not http\r\n\r\n", b""),
+            (b"GET /healthz HTTP/1.1\r\n\r\n", b"Host"),  # (RFC 9112: an HTTP/1.1 request names its host)
             # (h11 reads this one as chunked, as RFC 9112 allows; llhttp refuses it)
             *[(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", b"")]
             * (parser == "httptools"),

@@ -61,6 +61,11 @@ def _refusal_bytes(status: int, reason: str, default_headers) -> bytes:
     return b"".join(out)
 
 
+#: a request head over :data:`MAX_HEAD_BYTES`, and an HTTP/1.1 one without Host (RFC 9112, 3.2): refused so
+TOO_BIG = (431, f"request head (request line and headers) over {MAX_HEAD_BYTES} bytes")
+NO_HOST = (400, "malformed HTTP request: an HTTP/1.1 request needs a Host header")
+
+
 def head_deadline_protocol(
     seconds: float,
     per_client: int | None = None,
@@ -129,7 +134,7 @@ def head_deadline_protocol(
         _arm_after_body = False  # answered before its body came in: the next head's deadline starts after it
         # a refusal (status, reason) held until the request in progress is answered
         _refusal: tuple[int, str] | None = None
-        _too_big = False  # the head went over MAX_HEAD_BYTES (431)
+        _head_why: tuple[int, str] | None = None  # a head refused by us: (status, reason)
         _over_cap = False  # past the per-client cap: answered 503 and closed
 
         def _arm(self) -> None:
@@ -213,13 +218,13 @@ def head_deadline_protocol(
                 and self._head_bytes > MAX_HEAD_BYTES
                 and not self.transport.is_closing()
             ):
-                self._too_big = True
+                self._head_why = TOO_BIG
                 self.send_400_response(f"request head over {MAX_HEAD_BYTES} bytes")
 
         def _why(self, msg: str) -> tuple[int, str]:
             """The status and reason of a refusal that uvicorn words as ``msg``."""
-            if self._too_big:
-                return 431, f"request head (request line and headers) over {MAX_HEAD_BYTES} bytes"
+            if self._head_why is not None:
+                return self._head_why
             e = (self.parser if parser == "httptools" else self.conn).error
             if e is None or isinstance(e, ValueError):  # (ValueError: one of ours, raised in a callback)
                 return 400, msg
@@ -249,8 +254,11 @@ def head_deadline_protocol(
             # (a head that arrived whole in one read: its size is the line's and headers' bytes)
             size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
             if size > MAX_HEAD_BYTES:
-                self._too_big = True
-                raise ValueError(f"request head over {MAX_HEAD_BYTES} bytes")  # (the parser: 431, closed)
+                self._head_why = TOO_BIG
+            elif self.parser.get_http_version() == "1.1" and not any(k == b"host" for k, _ in self.headers):
+                self._head_why = NO_HOST  # (h11 refuses it itself)
+            if self._head_why is not None:
+                raise ValueError(self._head_why[1])  # (the parser: refused, closed)
             before = self.cycle
             super().on_headers_complete()
             if self.cycle is not before:
