@@ -91,20 +91,23 @@ def busy_app(detail: str, retry_after_s: int, counter=None):
     Retry-After and the server's JSON error shape (``detail``: why), the connection closed after it,
     counted in ``counter`` (by route and status) where one is given."""
     # (under /v1/ also OpenAI's error shape, as every answer there: its clients read error.message)
-    bodies = {openai: json.dumps(error_body(503, detail, openai)).encode() for openai in (False, True)}
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        if counter is not None:
-            counter.labels(scope["path"] if scope["path"] in (*ROUTES, "/healthz") else "other", "503").inc()
-        body = bodies[scope["path"].startswith("/v1/")]
+    answers = {}
+    for openai in (False, True):
+        body = json.dumps(error_body(503, detail, openai)).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"retry-after", str(retry_after_s).encode()),
             (b"connection", b"close"),
         ]
+        answers[openai] = body, headers
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        if counter is not None:
+            counter.labels(scope["path"] if scope["path"] in (*ROUTES, "/healthz") else "other", "503").inc()
+        body, headers = answers[scope["path"].startswith("/v1/")]
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
