@@ -1,0 +1,123 @@
+"""Probe: how long the GPU waits for the host between the LLM scheduler's steps under continuous arrival.
+
+``--live`` requests (``--prompt`` tokens in, ``--new`` out, greedy) are kept in the
+:class:`~fullthrottle.workloads.llm.scheduler.Scheduler` at all times: each one that ends is
+replaced by a fresh one at once, as a closed loop of clients does to the server (so a prompt waits
+at nearly every step, and each step reads its tokens back). Per step, measured over ``--steps``
+steps after ``--warm`` more: the host's wall time, the GPU's busy time (CUDA events recorded on the
+step's stream at its start and end, so every kernel and copy of the step lies between them) and the
+step thread's CPU time; the difference of wall and GPU time is what the host's work between steps
+(admission, page tables, reading tokens back, bookkeeping) costs the GPU. Llama-2-7B shape, random
+weights, bf16, paged KV memory of ``--kv-dtype``.
+
+Usage: python bench/probes/llm_step_gap_probe.py --out OUT.json [--live 256] [--prompt 128 --new 128]
+    [--rows 512] [--kv-dtype fp8] [--max-prefill-tokens 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
+from common import machine_info, write_json  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--live", default="256", help="requests kept live, a list (e.g. 64,256)")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--kv-dtype", default="fp8", choices=("auto", "fp8"))
+    ap.add_argument("--max-prefill-tokens", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--warm", type=int, default=150)
+    ap.add_argument("--shape", default="llama2-7b", choices=("llama2-7b", "tiny"))
+    args = ap.parse_args()
+
+    from fullthrottle.cli.generate import random_llama
+    from fullthrottle.workloads.llm.checks import pages_that_fit
+    from fullthrottle.workloads.llm.generate import Generator
+    from fullthrottle.workloads.llm.kv_pages import PAGE
+    from fullthrottle.workloads.llm.scheduler import Scheduler
+
+    dev = torch.device("cuda")
+    model = random_llama(args.shape, dev, torch.bfloat16)
+    vocab = model.cfg.vocab_size
+    pages = pages_that_fit(model, PAGE, args.kv_dtype, prefill_tokens=args.max_prefill_tokens)
+    gen = Generator(
+        model,
+        max_batch=args.rows,
+        max_seq_len=args.prompt + args.new,
+        graphs=True,
+        kv_pages=pages,
+        kv_dtype=args.kv_dtype,
+        max_prefill_tokens=args.max_prefill_tokens,
+    )
+    rnd = random.Random(0)
+    res = {"probe": "llm_step_gap", "machine": machine_info(), "settings": vars(args), "points": {}}
+    for live in [int(x) for x in args.live.split(",")]:
+        sched = Scheduler(gen)
+
+        def fresh():
+            # (end only at max_new_tokens: no stop ids, as the benchmark's requests)
+            return sched.submit([rnd.randrange(3, vocab) for _ in range(args.prompt)], args.new, stop_ids=())
+
+        for _ in range(live):
+            fresh()
+        for _ in range(args.warm):
+            for _ in sched.step():
+                fresh()
+        torch.cuda.synchronize()
+        walls, gpus, cpus, decode_rows, prefills = [], [], [], [], 0
+        made0 = gen.stats["decode"].items
+        stream = torch.cuda.current_stream()
+        for _ in range(args.steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            admitted = sched._admissions
+            a.record(stream)
+            ended = sched.step()
+            b.record(stream)
+            for _ in ended:
+                fresh()
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.thread_time() - c0)
+            b.synchronize()
+            gpus.append(a.elapsed_time(b) / 1e3)
+            decode_rows.append(len(sched.running))
+            prefills += sched._admissions > admitted
+        wall, gpu = sum(walls), sum(gpus)
+        pt = {
+            "live": live,
+            "steps": args.steps,
+            "wall_ms_per_step": 1e3 * wall / args.steps,
+            "gpu_ms_per_step": 1e3 * gpu / args.steps,
+            "host_gap_ms_per_step": 1e3 * (wall - gpu) / args.steps,
+            "gpu_busy_pct": 100 * gpu / wall,
+            "step_thread_cpu_ms_per_step": 1e3 * sum(cpus) / args.steps,
+            "wall_ms_p50": 1e3 * statistics.median(walls),
+            "gpu_ms_p50": 1e3 * statistics.median(gpus),
+            "steps_with_admissions": prefills,
+            "mean_running": statistics.mean(decode_rows),
+            "decoded_tok_per_s": (gen.stats["decode"].items - made0) / wall,
+        }
+        res["points"][str(live)] = pt
+        print(pt, flush=True)
+        for s in list(sched.running.values()) + list(sched.waiting):
+            sched.cancel(s)
+        while sched.busy:
+            sched.step()
+    write_json(args.out, res)
+
+
+if __name__ == "__main__":
+    main()
