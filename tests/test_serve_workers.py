@@ -522,6 +522,46 @@ class Slow(torch.nn.Module):  # 0.05 s an image; appends a line per image to $SL
 """
 
 
+def test_the_requests_a_killed_http_worker_held_are_counted_499(samples, tmp_path, monkeypatch):
+    """Workers killed with requests in the engine take their answers with them: the engine counts
+    them, as a worker counts its client leaving."""
+    (tmp_path / "slowmod.py").write_text(SLOW_MODEL)
+    (tmp_path / "seen.txt").write_text("")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("SLOW_LOG", str(tmp_path / "seen.txt"))
+    files = [("f", (f"{i}.jpg", samples[i].read_bytes(), "image/jpeg")) for i in range(40)]
+    proc, url, log = start("--http-workers", "2", "--model", "slowmod:Slow", "--max-batch-size", "2", "--threads", "1")
+    try:
+        victims = fronts(proc.pid)
+        ts = [
+            threading.Thread(target=lambda: _quietly(httpx.post, url + "/v1/classify", files=files, timeout=60))
+            for _ in range(3)
+        ]
+        for t in ts:
+            t.start()
+        time.sleep(1.0)  # (the 3 requests are in the engine: 120 images at 0.05 s each)
+        for pid in victims:  # (both: whichever holds the requests)
+            os.kill(pid, signal.SIGKILL)
+        for t in ts:
+            t.join(60)
+        deadline, text = time.time() + 30, ""
+        while time.time() < deadline and 'route="/v1/classify",status="499"' not in text:
+            time.sleep(0.3)
+            text = _quietly(lambda: httpx.get(url + "/metrics", timeout=10).text) or ""
+        assert 'fullthrottle_requests_total{route="/v1/classify",status="499"} 3.0' in text, text[-3000:]
+    finally:
+        code = stop(proc)
+    assert code == 0, "".join(log)[-3000:]
+
+
+def _quietly(f, *args, **kwargs):
+    """``f(...)``, or None where it raises an HTTP error (a connection its server's worker dropped)."""
+    try:
+        return f(*args, **kwargs)
+    except httpx.HTTPError:
+        return None
+
+
 def test_a_client_that_hangs_up_takes_its_queued_images_with_it_across_processes(samples, tmp_path, monkeypatch):
     (tmp_path / "slowmod.py").write_text(SLOW_MODEL)
     log_file = tmp_path / "seen.txt"

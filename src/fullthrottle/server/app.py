@@ -175,6 +175,7 @@ def create_app(config: Config, options: ServeOptions | None = None, model=None):
 
     add_classify_route(app, state, opts, policy, reply, m, cfg.max_image_pixels, cfg.top_k)
     app.state.ft = state  # (the engine process of a multi-process server serves from it)
+    app.state.requests_counter = m.requests
     return app
 
 

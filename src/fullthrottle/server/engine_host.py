@@ -109,8 +109,11 @@ class Link:
         if not self.closed.is_set():
             self.closed.set()
             self.out.put(None)
-            for g in list(self.classifying.values()):  # (the worker is gone: nobody reads their answers)
+            lost = list(self.classifying.values())
+            for g in lost:  # (the worker is gone: nobody reads their answers)
                 g.cancel()
+            if lost and self.host.requests is not None:  # (counted here: their worker counts no more)
+                self.host.requests.labels("/v1/classify", "499").inc(len(lost))
             for ev in list(self.cancels.values()):
                 self.host.loop.call_soon_threadsafe(ev.set)
             try:
@@ -169,6 +172,8 @@ class EngineHost:
         self.app, self.loop, self.backlog = app, loop, backlog
         self._publishing = threading.Lock()
         self.state: dict = app.state.ft
+        #: the app's requests counter (by route and status), for the requests a lost worker held
+        self.requests = getattr(app.state, "requests_counter", None)
         self.links: list[Link] = []
 
     def publish_backlog(self) -> None:
