@@ -417,7 +417,8 @@ def test_decode_steps_ahead_give_every_request_the_same_tokens_in_fewer_reads(ti
     alone, calls1, _ = run(1, reqs=four)
     got, calls8, _ = run(8, reqs=four)
     assert got == alone and calls1 >= 79  # (the first token from the prefill, then a step a token)
-    assert calls8 == 10 if not kv_pages else calls8 < calls1 / 2  # (79 decode tokens, 8 a read back)
+    # (79 decode tokens, 8 a launch: 10 launches, each read back in the step after it)
+    assert calls8 == 11 if not kv_pages else calls8 < calls1 / 2
     ended = [t for t, r in zip(one, reqs) if t[-1] == eos and len(t) < r["max_new_tokens"]]
     assert ended and one != free  # (EOS did cut some requests short)
     with_lp, _, seqs = run(8, eos, logprobs=2)
@@ -575,3 +576,43 @@ def test_first_tokens_are_handed_over_before_the_decode_of_their_step(tiny_llama
     # one token in one call, the one right after its prefill: had the call come after the decode, two
     assert seen and all(1 in counts for counts in seen), seen
     assert len(seen) < steps and sum(c.count(1) for c in seen) == len(reqs), seen
+
+
+@pytest.mark.parametrize("kv_pages", [0, 3])
+def test_overlapped_steps_give_every_request_the_tokens_of_steps_read_at_once(tiny_llama, kv_pages):
+    """``Scheduler(overlap=True)``, the default, reads each step's tokens back in the step after, while
+    the next one runs. Every request's tokens (greedy and seeded sampled, some ended by EOS, prompts
+    prefilled in chunks, preemptions in a pool of 3 pages, requests joining as others leave) equal
+    those of ``overlap=False``; one cancelled midway holds a prefix of its tokens; every page comes back."""
+    reqs = random_requests(11, 10, [1, 9, 40, 70], (1, 60), [0.0, 0.9])
+    reqs[2:2] = [  # short prompts, long answers: they grow to three pages each
+        {"prompt": [5, 6], "max_new_tokens": 140, "temperature": 0.8, "seed": 99},
+        {"prompt": [7], "max_new_tokens": 130, "temperature": 0.0, "seed": 98},
+    ]
+
+    def run(overlap, eos=None):
+        gen = Generator(
+            tiny_llama, max_batch=4, max_seq_len=192, graphs=False, kv_pages=kv_pages, max_prefill_tokens=48
+        )
+        sched = Scheduler(gen, eos_id=eos, overlap=overlap)
+        seqs = [sched.submit(**r) for r in reqs]
+        lagged, steps = 0, 0
+        while sched.busy:
+            sched.step()
+            steps += 1
+            if steps == 6:
+                sched.cancel(seqs[0])  # (its client left)
+            lagged += sched._pending is not None  # a launch whose tokens the next step reads
+        assert gen.kv is None or gen.kv.pages_used == 0 and not gen.model.block_table.any()
+        return [s.tokens for s in seqs], lagged, sched
+
+    free, _, _ = run(False)
+    longest = max(free, key=len)
+    for eos in (None, longest[len(longest) // 2]):  # (then a token some request makes midway)
+        sync, lagged0, s0 = run(False, eos)
+        over, lagged1, s1 = run(True, eos)
+        assert over[1:] == sync[1:] and sync[0][: len(over[0])] == over[0], eos
+        assert lagged0 == 0 and lagged1 > 10
+        if eos is None:  # (the two long answers outgrow the pool)
+            assert s1.preemptions > 0 if kv_pages else s1.preemptions == 0
+    assert any(t[-1] == eos and len(t) < r["max_new_tokens"] for t, r in zip(sync[1:], reqs[1:]))  # (EOS cut some)

@@ -6,8 +6,11 @@ replaced by a fresh one at once, as a closed loop of clients does to the server 
 at nearly every step, and each step reads its tokens back). Per step, measured over ``--steps``
 steps after ``--warm`` more: the host's wall time, the GPU's busy time (CUDA events recorded on the
 step's stream at its start and end, so every kernel and copy of the step lies between them) and the
-step thread's CPU time; the difference of wall and GPU time is what the host's work between steps
-(admission, page tables, reading tokens back, bookkeeping) costs the GPU. Llama-2-7B shape, random
+step thread's CPU time; without ``overlap`` the difference of wall and GPU time is what the host's
+work between steps (admission, page tables, reading tokens back, bookkeeping) costs the GPU. With
+it (the Scheduler reads a step's tokens back while the next step runs) the events bracket queued
+work, so compare wall time per step and tokens/s. Each (live, overlap) pair runs ``--repeat`` times,
+in turn. Llama-2-7B shape, random
 weights, bf16, paged KV memory of ``--kv-dtype``.
 
 Usage: python bench/probes/llm_step_gap_probe.py --out OUT.json [--live 256] [--prompt 128 --new 128]
@@ -41,6 +44,8 @@ def main():
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--warm", type=int, default=150)
     ap.add_argument("--shape", default="llama2-7b", choices=("llama2-7b", "tiny"))
+    ap.add_argument("--overlap", default="off,on", help="the Scheduler's overlap, each in turn (off, on)")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds of every (live, overlap) pair")
     args = ap.parse_args()
 
     from fullthrottle.cli.generate import random_llama
@@ -63,9 +68,10 @@ def main():
         max_prefill_tokens=args.max_prefill_tokens,
     )
     rnd = random.Random(0)
-    res = {"probe": "llm_step_gap", "machine": machine_info(), "settings": vars(args), "points": {}}
-    for live in [int(x) for x in args.live.split(",")]:
-        sched = Scheduler(gen)
+    res = {"probe": "llm_step_gap", "machine": machine_info(), "settings": vars(args), "points": []}
+    runs = [(int(x), o == "on") for x in args.live.split(",") for o in args.overlap.split(",")]
+    for live, overlap in runs * args.repeat:
+        sched = Scheduler(gen, overlap=overlap)
 
         def fresh():
             # (end only at max_new_tokens: no stop ids, as the benchmark's requests)
@@ -98,6 +104,7 @@ def main():
         wall, gpu = sum(walls), sum(gpus)
         pt = {
             "live": live,
+            "overlap": overlap,
             "steps": args.steps,
             "wall_ms_per_step": 1e3 * wall / args.steps,
             "gpu_ms_per_step": 1e3 * gpu / args.steps,
@@ -110,7 +117,7 @@ def main():
             "mean_running": statistics.mean(decode_rows),
             "decoded_tok_per_s": (gen.stats["decode"].items - made0) / wall,
         }
-        res["points"][str(live)] = pt
+        res["points"].append(pt)
         print(pt, flush=True)
         for s in list(sched.running.values()) + list(sched.waiting):
             sched.cancel(s)

@@ -13,7 +13,11 @@ of the attention length holding the longest sequence (the Generator's graphs; ea
 Rows between running ones that are free ride along masked (their position held at 0, their token
 discarded). Tokens are read back once per step; with ``ahead`` > 1, a step in which no request waits
 for admission runs up to ``ahead`` decode replays back to back before that read (as vLLM's multi-step
-scheduling), so that the host's work between tokens does not leave the GPU idle.
+scheduling), so that the host's work between tokens does not leave the GPU idle. With ``overlap`` (the
+default, as vLLM's async scheduling) a step launches its prefill and decode first and then reads back
+the tokens of the step before, while its own run: the GPU has the next step queued while the host
+admits, grows page tables and hands tokens out. A request that ends is seen one step later, and runs
+that step with the others, its token dropped.
 
 Each request samples with its own seed (:func:`~fullthrottle.workloads.llm.sampling.seeded_noise`): its
 tokens depend on its prompt, sampling values and seed, not on which requests run beside it.
@@ -31,43 +35,18 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from ...core.batch import OpenBatch, bucket_for
-from .checks import MAX_STOP_IDS, check_int, check_request
+from ...core.batch import bucket_for
+from .admission import Admission
+from .checks import check_int, check_request
 from .checks import stop_ids as check_stop_ids
+from .step_records import HostTokens, Request
+from .step_records import Launched as _Launched
 
 
-@dataclass(eq=False)  # (compared and hashed by identity: a request is its own key)
-class Request:
-    """One request in the scheduler: its prompt, limits and sampling values, and the tokens so far."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0  # its sampling seed (seed32)
-    logprobs: int | None = None  # None: none; k: each token's log-probability and the top k
-    stop: tuple[int, ...] = ()  # the token ids that end it (kept as its last token)
-    #: with ``logprobs``: per token, (its log-probability, the top k ids, their log-probabilities)
-    lps: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    row: int = -1  # its KV-cache row while it runs
-    prefilled: int = 0  # prompt tokens in the cache so far
-    done: bool = False
-    t_submit: float = field(default_factory=time.perf_counter)
-    t_first: float | None = None  # when its first token was made (time to first token)
-    admitted: int = 0  # the order of its (latest) admission: the last admitted is preempted first
-
-    def context(self) -> list[int]:
-        """What its prefill takes: the prompt, and the tokens made before a preemption."""
-        return self.prompt + self.tokens if self.tokens else self.prompt
-
-
-class Scheduler:
+class Scheduler(Admission):
     """Requests in, tokens out, continuously: :meth:`submit` queues a request, :meth:`step` runs one
     step, :meth:`run` steps until every request given is done.
 
@@ -81,8 +60,12 @@ class Scheduler:
             its own end: rows past their EOS are masked). 1: a read back per token, for the least
             delay to the requests that join; the Generator's ``check_every`` for offline work.
         on_first: called with no arguments in a :meth:`step` whose prefill made first tokens, after
-            they are in their requests' ``tokens`` and before the step's decode: a server sends them
-            then, so a request's time to first token does not include a decode step.
+            they are in their requests' ``tokens`` and before the step's decode is read back (with
+            ``overlap``, while it runs): a server sends them then, so a request's time to first token
+            does not include a decode step.
+        overlap: launch each step before reading back the tokens of the one before (see above); off
+            for a step in which a request asks for logprobs (read back before the next step
+            overwrites them). False: every step's tokens are read back within it.
 
     The newest Scheduler on a Generator owns its state: the steps of an older one raise RuntimeError
     (as do ``gen.generate`` calls' steps after it: one engine, one step loop at a time).
@@ -101,10 +84,14 @@ class Scheduler:
         eos_id: int | Sequence[int] | None = None,
         ahead: int = 1,
         on_first: Callable[[], None] | None = None,
+        overlap: bool = True,
     ):
         check_int("ahead", ahead, 1)
         self.eos_ids = check_stop_ids(eos_id, gen.model.cfg.vocab_size, "eos_id")
-        self.gen, self.ahead, self.on_first = gen, ahead, on_first
+        self.gen, self.ahead, self.on_first, self.overlap = gen, ahead, on_first, overlap
+        self._pending: _Launched | None = None  # the decode launched last and not read back yet
+        self._host = HostTokens(gen.device, ahead * gen.max_batch, gen.max_batch)
+        self._busy_until = 0.0  # (the stage counters count overlapping steps' time once)
         gen.scheduler = self  # (the engine's state is this one's: an older Scheduler's steps now raise)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # row -> request
@@ -122,7 +109,7 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         """Whether any request is waiting, being prefilled or running."""
-        return bool(self.waiting or self.running or self.prefilling)
+        return bool(self.waiting or self.running or self.prefilling or self._pending)
 
     def submit(
         self,
@@ -169,32 +156,12 @@ class Scheduler:
         if self.gen.kv is not None:
             self.gen.kv.release(row)
 
-    def _take_row(self, s: Request) -> None:
-        """The lowest free row for ``s`` (the decode bucket stays small), its pages, its sampling values."""
-        self.free.sort()
-        s.row = self.free.pop(0)
-        if self.gen.kv is not None:
-            self.gen.kv.reserve(s.row, len(s.context()) + 1)
-        self._admissions += 1
-        s.admitted = self._admissions
-        self._set_row(s)
-
-    def _pages(self, s: Request) -> int:
-        """The KV pages ``s`` takes when admitted: its context and the first new token (0 without paging)."""
-        return 0 if self.gen.kv is None else self.gen.kv.pages_for(len(s.context()) + 1)
-
-    def _fits(self, s: Request, pages_taken: int = 0) -> bool:
-        """Whether the KV pages ``s`` needs are free, beside ``pages_taken`` planned and a page to spare for
-        each running request (so that admitting does not preempt at once); always without paging."""
-        spare = len(self.running) + (self.prefilling is not None)
-        return self.gen.kv is None or self._pages(s) + pages_taken + spare <= len(self.gen.kv.free)
-
     def _grow_or_preempt(self) -> None:
         """Before a decode step (paged): every running request holds the page its next token's slot is
         in, oldest first; when no page is free, the request admitted last is preempted."""
         kv = self.gen.kv
         for s in sorted(self.running.values(), key=lambda r: r.admitted):
-            while s.row >= 0 and not kv.grow(s.row, len(s.prompt) + len(s.tokens)):
+            while s.row >= 0 and not kv.grow(s.row, len(s.prompt) + len(s.tokens) + s.unread):
                 held = [*self.running.values(), *([self.prefilling] if self.prefilling else [])]
                 self._preempt(max(held, key=lambda r: r.admitted))
 
@@ -206,7 +173,7 @@ class Scheduler:
             del self.running[s.row]
             self.gen.done[s.row] = True
         self._free_row(s.row)
-        s.row, s.prefilled = -1, 0
+        s.row, s.prefilled, s.unread = -1, 0, 0  # (its tokens not read back yet are made again)
         self.waiting.appendleft(s)
         self.preemptions += 1
 
@@ -228,90 +195,6 @@ class Scheduler:
             except ValueError:
                 pass
 
-    @torch.inference_mode()
-    def _admit(self) -> list[Request]:
-        """Prefill work of one step, one packed forward of at most the Generator's ``max_prefill_tokens``:
-        the next chunk of the prompt being prefilled in chunks, if any; then waiting requests into
-        free rows, oldest first, whole, as the budget allows; then, if the next one's prompt is longer
-        than what is left, its first chunk (it goes on in the next steps, in its own row, while the
-        others decode; one such at a time)."""
-        g, finished = self.gen, []
-        budget = g.max_prefill_tokens
-        t0 = time.perf_counter()
-        work: list[tuple[Request, int, int]] = []  # (request, start, stop) of its context
-        if self.prefilling is not None:
-            s = self.prefilling
-            stop = min(len(s.context()), s.prefilled + budget)
-            work.append((s, s.prefilled, stop))
-            budget -= stop - s.prefilled
-        pages = 0
-        if self.free and budget > 0:  # (oldest first: one that does not fit holds the others back)
-            batch = OpenBatch(len(self.free), budget)
-            while (
-                self.waiting
-                and len(self.waiting[0].context()) <= budget
-                and batch.fits(tokens=len(self.waiting[0].context()))
-                and self._fits(self.waiting[0], pages)
-            ):
-                s = self.waiting.popleft()
-                batch.add(s, tokens=len(s.context()))
-                pages += self._pages(s)
-            for s in batch.take():
-                self._take_row(s)
-                work.append((s, 0, len(s.context())))
-                budget -= len(s.context())
-        head = self.waiting[0] if self.waiting else None
-        if self.prefilling is None and head and self.free and budget > 0 and self._fits(head, pages):
-            s = self.prefilling = self.waiting.popleft()  # too long for what is left: chunks, in a row of its own
-            self._take_row(s)
-            work.append((s, 0, budget))
-        if not work:
-            return finished
-        ctxs = [s.context() for s, _, _ in work]
-        first = g._prefill([(s.row, ctx, a, b) for (s, a, b), ctx in zip(work, ctxs)])
-        ended = [s for (s, _, b), ctx in zip(work, ctxs) if b == len(ctx)]
-        for s, _, b in work:
-            s.prefilled = b
-        if self.prefilling in ended:
-            self.prefilling = None
-        if ended:
-            finished += self._start(ended, first)
-        dt = time.perf_counter() - t0  # (the Generator's stage counters: what reports and /metrics show)
-        g.stats["prefill"].record(sum(b - a for _, a, b in work), dt, dt)
-        if ended and self.on_first is not None:
-            self.on_first()
-        return finished
-
-    def _keep_logprobs(self, reqs) -> None:
-        """Append this step's log-probabilities to the requests of ``reqs`` that asked for them."""
-        want = [s for s in reqs if s.logprobs is not None]
-        if want:
-            rows = [s.row for s in want]
-            vals, ids = self.gen.lp[rows].tolist(), self.gen.lp_ids[rows].tolist()
-            for s, v, i in zip(want, vals, ids):
-                s.lps.append((v[0], i[: s.logprobs], v[1 : 1 + s.logprobs]))
-
-    def _set_row(self, s: Request) -> None:
-        g, row = self.gen, s.row
-        g.temp[row, 0], g.topk[row, 0], g.topp[row, 0], g.seed[row, 0] = s.temperature, s.top_k, s.top_p, s.seed
-        g.eos[row] = torch.tensor([*s.stop, *[-1] * (MAX_STOP_IDS - len(s.stop))])
-
-    def _start(self, started: list[Request], first: torch.Tensor) -> list[Request]:
-        """``started`` requests, prefilled, begin decoding with their first tokens ``(len(started),)``
-        (on the device: they feed the next decode step); those that end with it are returned."""
-        g, rows = self.gen, [s.row for s in started]
-        g.tok[rows, 0] = first
-        g.done[rows] = False
-        now, finished = time.perf_counter(), []
-        self._keep_logprobs(started)
-        for s, tok in zip(started, first.tolist()):
-            s.t_first = s.t_first or now
-            s.prefilled = len(s.context())
-            self.running[s.row] = s
-            if self._finish(s, tok):
-                finished.append(s)
-        return finished
-
     def _steps_ahead(self) -> int:
         """Decode replays the next step runs before its read back: ``ahead`` when nothing waits for
         admission, no prompt is mid-prefill and no running request asks for logprobs (each step's
@@ -322,22 +205,55 @@ class Scheduler:
         for s in self.running.values():
             if s.logprobs is not None:
                 return 1
-            k = min(k, s.max_new_tokens - len(s.tokens))
+            left = s.max_new_tokens - len(s.tokens) - s.unread
+            if left > 0:  # (none left: it ends as its tokens are read back, and what it makes is dropped)
+                k = min(k, left)
             if kv is not None:  # this step writes positions n-1 .. n+k-2
-                k = min(k, len(kv.held.get(s.row, ())) * kv.page - (len(s.prompt) + len(s.tokens)) + 1)
+                k = min(k, len(kv.held.get(s.row, ())) * kv.page - (len(s.prompt) + len(s.tokens) + s.unread) + 1)
         return max(k, 1)
+
+    def _wants_logprobs(self) -> bool:
+        """Whether a request running, mid-prefill or waiting asks for logprobs (a step's are read back
+        before the next step overwrites them: no overlap then)."""
+        return any(s.logprobs is not None for s in (*self.running.values(), *self.waiting, self.prefilling) if s)
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Admit what fits, then decode one token (or, see ``ahead``, several) for every running
-        request. Returns the requests that ended in this step."""
+        request. Returns the requests whose end was read back in this step.
+
+        With ``overlap`` (and no request asking for logprobs) the step launches its prefill and decode,
+        then reads back the tokens of the step before, and its own prefill's first tokens, while its
+        decode runs: the GPU has the next step queued while the host does its bookkeeping."""
         if self.gen.scheduler is not self:
             raise RuntimeError("a newer Scheduler took this Generator's engine: step that one (one at a time)")
-        finished = self._admit()
+        overlap = self.overlap and not self._wants_logprobs()
+        finished, prev, self._pending = [], self._pending, None
+        if prev is not None and not overlap:
+            finished += self._read(prev)
+            prev = None
+        begun = self._admit()
+        if begun is not None and not overlap:
+            finished += self._first(begun)
+            begun = None
         if self.gen.kv is not None:
             self._grow_or_preempt()
-        if not self.running:
-            return finished
+        # (no decode when every running request ends with its tokens not read back yet)
+        going = any(len(s.tokens) + s.unread < s.max_new_tokens for s in self.running.values())
+        now = self._decode() if going else None
+        if prev is not None:  # (the step before's tokens, while this step's decode runs)
+            finished += self._read(prev)
+        if begun is not None:
+            finished += self._first(begun)
+        if now is not None and not overlap:
+            finished += self._read(now)
+        elif now is not None and not all(s.done for _, s, _ in now.reqs):  # (else nothing in it is read)
+            self._pending = now
+        return finished
+
+    def _decode(self) -> _Launched:
+        """Launches one decode replay (or ``k``, see ``ahead``) of every running request, the tokens'
+        copy to the host behind them."""
         g, t0 = self.gen, time.perf_counter()
         top = max(self.running) + 1
         b = bucket_for(top, g.buckets)
@@ -348,30 +264,43 @@ class Scheduler:
         if 0 <= parked < b:  # a row mid-prefill rides along at the cache's last slot, written before any read
             g.pos[parked] = g.max_seq_len - 1
         k = self._steps_ahead()  # (1 whenever a row is parked: its position must not pass the cache)
-        longest = max(len(s.prompt) + len(s.tokens) for s in self.running.values())
+        longest = max(len(s.prompt) + len(s.tokens) + s.unread for s in self.running.values())
         kv = next(x for x in g.kv_buckets if x >= longest + k - 1)  # (the last replay reads that far)
         greedy = all(s.temperature == 0 for s in self.running.values())
         key = (b, greedy, kv)
-        if k == 1:
-            toks = [(g.graph_set.replay(key) if key in g.graphs else g._step(*key)).tolist()]
-        else:
-            out = torch.empty(k, b, dtype=torch.long, device=g.device)
-            for j in range(k):  # (each replay's tokens copied out before the next overwrites them)
-                out[j] = g.graph_set.replay(key) if key in g.graphs else g._step(*key)
-            toks = out.tolist()  # one read back for the k steps
+        out = torch.empty(k, b, dtype=torch.long, device=g.device)
+        for j in range(k):  # (each replay's tokens copied out before the next overwrites them)
+            out[j] = g.graph_set.replay(key) if key in g.graphs else g._step(*key)
         self.steps += k
-        if k == 1:
-            self._keep_logprobs(self.running.values())
-        made = 0
-        for row, s in list(self.running.items()):
+        reqs = [(row, s, s.admitted) for row, s in self.running.items()]
+        for s in self.running.values():
+            s.unread += k
+        return _Launched(reqs, self._host.decoded(out), k, t0)
+
+    def _read(self, launched: _Launched) -> list[Request]:
+        """A launched decode's tokens read back into its requests (those preempted or cancelled since
+        skipped); returns the requests that ended."""
+        toks, finished, made = launched.tokens.read(), [], 0
+        live = [(row, s) for row, s, admitted in launched.reqs if not s.done and s.admitted == admitted]
+        if launched.k == 1:
+            self._keep_logprobs([s for _, s in live])
+        for row, s in live:
+            s.unread -= launched.k
             for step_toks in toks:
                 made += 1
                 if self._finish(s, step_toks[row]):
                     finished.append(s)
                     break
-        dt = time.perf_counter() - t0
-        g.stats["decode"].record(made, dt, dt)
+        self._count("decode", made, launched.t0)
         return finished
+
+    def _count(self, stage: str, items: int, t0: float) -> None:
+        """The Generator's stage counters (what reports and /metrics show): ``items`` done since ``t0``,
+        the time that overlaps the step counted before it counted once."""
+        now = time.perf_counter()
+        dt = max(0.0, now - max(t0, self._busy_until))
+        self._busy_until = now
+        self.gen.stats[stage].record(items, dt, dt)
 
     def run(self, requests: Sequence[dict]) -> list[list[int]]:
         """Every request (``{"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed",

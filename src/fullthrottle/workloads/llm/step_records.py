@@ -1,0 +1,108 @@
+"""What the scheduler's step loop (:class:`~fullthrottle.workloads.llm.scheduler.Scheduler`) keeps:
+each request's record (:class:`Request`), and token ids on their way from the GPU to the host for
+its overlapped steps: each copy D2H is queued on the current stream behind the work that makes the
+tokens, into pinned memory, with an event behind it; the host waits for that event only when it
+reads them, so it can queue the next step first."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)  # (compared and hashed by identity: a request is its own key)
+class Request:
+    """One request in the scheduler: its prompt, limits and sampling values, and the tokens so far."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0  # its sampling seed (seed32)
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the top k
+    stop: tuple[int, ...] = ()  # the token ids that end it (kept as its last token)
+    #: with ``logprobs``: per token, (its log-probability, the top k ids, their log-probabilities)
+    lps: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    row: int = -1  # its KV-cache row while it runs
+    prefilled: int = 0  # prompt tokens in the cache so far
+    done: bool = False
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None  # when its first token was made (time to first token)
+    admitted: int = 0  # the order of its (latest) admission: the last admitted is preempted first
+    unread: int = 0  # tokens made on the device and not yet read back into ``tokens``
+
+    def context(self) -> list[int]:
+        """What its prefill takes: the prompt, and the tokens made before a preemption."""
+        return self.prompt + self.tokens if self.tokens else self.prompt
+
+
+class Copied:
+    """Tokens ``(k, b)`` or ``(n,)`` copied (or being copied) to the host; :meth:`read` waits for
+    them and returns them as lists."""
+
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None):
+        self.host, self.event = host, event
+
+    def read(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+class HostTokens:
+    """Pinned host buffers for the decoded tokens (two, used in turn: the one of the step being read
+    is not written by the next) and for a prefill's first tokens, on ``device`` (on the CPU: plain
+    copies). ``decode_size``: the most tokens of one decode launch (replays x rows); ``rows``: the
+    most first tokens of one prefill."""
+
+    def __init__(self, device: torch.device, decode_size: int, rows: int):
+        self.cuda = device.type == "cuda"
+        pin = self.cuda
+        self._dec = [torch.empty(decode_size, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._first = torch.empty(rows, dtype=torch.long, pin_memory=pin)
+        self._turn = 0
+
+    def _copy(self, buf: torch.Tensor, t: torch.Tensor) -> Copied:
+        host = buf[: t.numel()].view(t.shape)
+        if not self.cuda:
+            host.copy_(t)
+            return Copied(host, None)
+        host.copy_(t, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return Copied(host, ev)
+
+    def decoded(self, out: torch.Tensor) -> Copied:
+        """``out`` ``(k, b)``: the tokens of a decode launch."""
+        self._turn ^= 1
+        return self._copy(self._dec[self._turn], out)
+
+    def first(self, first: torch.Tensor) -> Copied:
+        """``first`` ``(n,)``: a prefill's first tokens (read back in the same step)."""
+        return self._copy(self._first, first)
+
+
+@dataclass
+class Launched:
+    """A decode launch: its requests ``(row, request, its admission number)`` as they were, its
+    tokens on their way to the host, the replays it ran and when it was launched."""
+
+    reqs: list
+    tokens: Copied
+    k: int
+    t0: float
+
+
+@dataclass
+class Begun:
+    """A prefill's ended prompts ``(request, its admission number)``, their first tokens on their
+    way to the host, the prompt tokens the prefill took and when it was launched."""
+
+    reqs: list
+    tokens: Copied
+    prompt_tokens: int
+    t0: float
