@@ -10,7 +10,7 @@ import torch
 
 from ...core.batch import OpenBatch
 from .checks import MAX_STOP_IDS
-from .step_records import Begun, Request
+from .step_records import Begun, Request, h2d
 
 
 class Admission:
@@ -102,12 +102,13 @@ class Admission:
     def _set_row(self, s: Request) -> None:
         g, row = self.gen, s.row
         g.temp[row, 0], g.topk[row, 0], g.topp[row, 0], g.seed[row, 0] = s.temperature, s.top_k, s.top_p, s.seed
-        g.eos[row] = torch.tensor([*s.stop, *[-1] * (MAX_STOP_IDS - len(s.stop))])
+        g.eos[row] = h2d([*s.stop, *[-1] * (MAX_STOP_IDS - len(s.stop))], g.device)
 
     def _begin(self, started: list[Request], first: torch.Tensor, tokens: int, t0: float) -> Begun:
         """``started`` requests, prefilled, run from the next decode on, fed their first tokens ``first``
         ``(len(started),)`` on the device; the tokens' copy to the host is on its way."""
-        g, rows = self.gen, [s.row for s in started]
+        g = self.gen
+        rows = h2d([s.row for s in started], g.device)
         g.tok[rows, 0] = first
         g.done[rows] = False
         for s in started:

@@ -30,6 +30,7 @@ from .llama import Llama
 from .prefill import Piece, Prefill
 from .sampling import GOLDEN, check_sampling, row_seeds, sample, seeded_noise, token_logprobs
 from .shapes import kv_buckets
+from .step_records import h2d
 
 DEFAULT_BUCKETS = default_buckets(256)
 
@@ -251,9 +252,9 @@ class Generator:
         logits = self.prefill(pieces)  # (len(pieces), V)
         ends = [j for j, (_, ctx, _, stop) in enumerate(pieces) if stop == len(ctx)]
         if len(ends) < len(pieces):
-            logits = logits[torch.tensor(ends, dtype=torch.long, device=self.device)]
-        r = torch.tensor([pieces[j][0] for j in ends], dtype=torch.long, device=self.device)
-        n = torch.tensor([len(pieces[j][1]) for j in ends], dtype=torch.long, device=self.device)
+            logits = logits[h2d(ends, self.device)]
+        r = h2d([pieces[j][0] for j in ends], self.device)
+        n = h2d([len(pieces[j][1]) for j in ends], self.device)
         return self._first_tokens(r, n, logits)
 
     def _first_tokens(self, r: torch.Tensor, n: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import math
 import torch
 
 from ...core.kernels.common import KV_FP8
+from .step_records import h2d
 
 #: tokens per page: the Triton decode-attention kernel's split size, so a split reads one page
 PAGE = 64
@@ -75,7 +76,7 @@ class PagedKV:
         if n > len(self.free):
             return False
         new = [self.free.pop() for _ in range(n)]
-        self.table[row, len(got) : len(got) + n] = torch.tensor(new, dtype=self.table.dtype)
+        self.table[row, len(got) : len(got) + n] = h2d(new, self.table.device, self.table.dtype)
         self.held[row] = got + new
         return True
 

@@ -42,7 +42,7 @@ from ...core.batch import bucket_for
 from .admission import Admission
 from .checks import check_int, check_request
 from .checks import stop_ids as check_stop_ids
-from .step_records import HostTokens, Request
+from .step_records import HostTokens, Request, h2d
 from .step_records import Launched as _Launched
 
 
@@ -260,7 +260,7 @@ class Scheduler(Admission):
         parked = self.prefilling.row if self.prefilling is not None else -1
         idle = [r for r in range(b) if r not in self.running and r != parked]
         if idle:  # free rows in the bucket ride along from position 0 (their own row's first slots)
-            g.pos[idle] = 0
+            g.pos[h2d(idle, g.device)] = 0
         if 0 <= parked < b:  # a row mid-prefill rides along at the cache's last slot, written before any read
             g.pos[parked] = g.max_seq_len - 1
         k = self._steps_ahead()  # (1 whenever a row is parked: its position must not pass the cache)

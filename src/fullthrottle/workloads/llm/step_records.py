@@ -40,6 +40,14 @@ class Request:
         return self.prompt + self.tokens if self.tokens else self.prompt
 
 
+def h2d(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` (a list) as a tensor on ``device``, its copy queued on the current stream: the
+    host does not wait for the work queued before it (``torch.tensor(values, device=...)`` and list
+    indexes of device tensors copy, then wait for the whole stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class Copied:
     """Tokens ``(k, b)`` or ``(n,)`` copied (or being copied) to the host; :meth:`read` waits for
     them and returns them as lists."""
