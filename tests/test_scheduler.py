@@ -5,6 +5,7 @@ import random
 import re
 
 import pytest
+import torch
 
 from fullthrottle.workloads.llm.generate import Generator
 from fullthrottle.workloads.llm.scheduler import Scheduler
@@ -616,3 +617,38 @@ def test_overlapped_steps_give_every_request_the_tokens_of_steps_read_at_once(ti
         if eos is None:  # (the two long answers outgrow the pool)
             assert s1.preemptions > 0 if kv_pages else s1.preemptions == 0
     assert any(t[-1] == eos and len(t) < r["max_new_tokens"] for t, r in zip(sync[1:], reqs[1:]))  # (EOS cut some)
+
+
+def test_overlapped_steps_survive_preemptions_and_the_cache_edge(tiny_llama):
+    """Overlapped steps where it is tight: requests preempted while a token of theirs is still on its
+    way (it is dropped and made again), and a request whose last token is made while others go on
+    decoding several replays per read back, in a cache exactly as long as it needs: every request gets
+    the tokens of non-overlapped steps."""
+    from fullthrottle.cli.generate import random_llama
+
+    model = random_llama("tiny", torch.device("cpu"), torch.float32)  # (vocab 512)
+    for seed in (3, 6, 8):  # 20 sampled requests, 8 rows, 6 pages of 64 positions
+        rng = random.Random(seed)
+        reqs = [
+            {
+                "prompt": [rng.randrange(512) for _ in range(rng.choice([50, 60, 63, 100, 126]))],
+                "max_new_tokens": rng.choice([2, 3, 5, 10, 70]),
+                "temperature": 0.8,
+                "seed": rng.randrange(99),
+            }
+            for _ in range(20)
+        ]
+        got = {}
+        for overlap in (False, True):
+            sched = Scheduler(Generator(model, max_batch=8, max_seq_len=512, kv_pages=6), overlap=overlap)
+            got[overlap] = sched.run(reqs)
+            assert sched.preemptions > 0 and sched.gen.kv.pages_used == 0
+        assert got[True] == got[False], seed
+    reqs = [
+        {"prompt": [1 + i % 90 for i in range(100)], "max_new_tokens": 5},
+        {"prompt": [1, 2, 3], "max_new_tokens": 40},
+    ]
+    alone = Generator(tiny_llama, max_batch=1, max_seq_len=105, graphs=False)
+    refs = [alone.generate([r["prompt"]], r["max_new_tokens"])[0] for r in reqs]
+    gen = Generator(tiny_llama, max_batch=2, max_seq_len=105, graphs=False)  # (the longest request's length)
+    assert Scheduler(gen, ahead=8).run(reqs) == refs

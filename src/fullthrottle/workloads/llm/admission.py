@@ -123,7 +123,7 @@ class Admission:
         self._count("prefill", begun.prompt_tokens, begun.t0)
         self._keep_logprobs([s for s, _ in begun.reqs])
         for (s, admitted), tok in zip(begun.reqs, toks):
-            if s.done or s.admitted != admitted:
+            if s.done or s.row < 0 or s.admitted != admitted:  # (ended, cancelled or preempted since)
                 continue
             s.unread -= 1
             s.t_first = s.t_first or now

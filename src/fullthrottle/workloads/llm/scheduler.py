@@ -161,6 +161,8 @@ class Scheduler(Admission):
         in, oldest first; when no page is free, the request admitted last is preempted."""
         kv = self.gen.kv
         for s in sorted(self.running.values(), key=lambda r: r.admitted):
+            if len(s.tokens) + s.unread >= s.max_new_tokens:
+                continue  # (its tokens are all made: what it writes next lands in the spare page 0, unread)
             while s.row >= 0 and not kv.grow(s.row, len(s.prompt) + len(s.tokens) + s.unread):
                 held = [*self.running.values(), *([self.prefilling] if self.prefilling else [])]
                 self._preempt(max(held, key=lambda r: r.admitted))
@@ -205,11 +207,14 @@ class Scheduler(Admission):
         for s in self.running.values():
             if s.logprobs is not None:
                 return 1
+            made = len(s.prompt) + len(s.tokens) + s.unread  # (the next replay writes position made - 1)
+            k = min(k, self.gen.max_seq_len - made + 1)  # (its positions stay in the cache, whatever it makes)
             left = s.max_new_tokens - len(s.tokens) - s.unread
-            if left > 0:  # (none left: it ends as its tokens are read back, and what it makes is dropped)
-                k = min(k, left)
+            if left <= 0:  # (none left: it ends as its tokens are read back, and what it makes is dropped)
+                continue
+            k = min(k, left)
             if kv is not None:  # this step writes positions n-1 .. n+k-2
-                k = min(k, len(kv.held.get(s.row, ())) * kv.page - (len(s.prompt) + len(s.tokens) + s.unread) + 1)
+                k = min(k, len(kv.held.get(s.row, ())) * kv.page - made + 1)
         return max(k, 1)
 
     def _wants_logprobs(self) -> bool:
@@ -278,10 +283,10 @@ class Scheduler(Admission):
         return _Launched(reqs, self._host.decoded(out), k, t0)
 
     def _read(self, launched: _Launched) -> list[Request]:
-        """A launched decode's tokens read back into its requests (those preempted or cancelled since
-        skipped); returns the requests that ended."""
+        """A launched decode's tokens read back into its requests (those that ended, were cancelled or
+        preempted since skipped: a preempted one makes them again); returns the requests that ended."""
         toks, finished, made = launched.tokens.read(), [], 0
-        live = [(row, s) for row, s, admitted in launched.reqs if not s.done and s.admitted == admitted]
+        live = [(row, s) for row, s, admitted in launched.reqs if _holds(s, row, admitted)]
         if launched.k == 1:
             self._keep_logprobs([s for _, s in live])
         for row, s in live:
@@ -310,3 +315,8 @@ class Scheduler(Admission):
         while self.busy:
             self.step()
         return [s.tokens for s in seqs]
+
+
+def _holds(s: Request, row: int, admitted: int) -> bool:
+    """Whether ``s`` still runs in ``row`` as admitted then (not ended, cancelled or preempted since)."""
+    return not s.done and s.row == row and s.admitted == admitted
