@@ -873,3 +873,43 @@ def test_sigterm_while_serve_imports_its_libraries_stops_it_with_status_0():
         proc.kill()
     err = proc.stderr.read()
     assert code == 0 and "terminated: stopping" in err, (code, err[-2000:])
+
+
+def test_a_failed_llm_step_fails_its_requests_and_is_logged(make_tiny_llama, monkeypatch, caplog):
+    """An error inside a scheduler step reaches every request of it, is logged with its traceback,
+    and the next request runs on a fresh scheduler."""
+    import asyncio
+
+    from fullthrottle.server.services import CompletionService
+    from fullthrottle.workloads.llm.generate import Generator
+    from fullthrottle.workloads.llm.scheduler import Scheduler
+
+    gen = Generator(make_tiny_llama(), max_batch=2, max_seq_len=64, graphs=False)
+    real, calls = Scheduler.step, []
+
+    def step(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom in step")
+        return real(self)
+
+    monkeypatch.setattr(Scheduler, "step", step)
+    svc = CompletionService(gen)
+    req = {"ids": [1, 2, 3], "max_tokens": 20, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "stop_ids": ()}
+
+    async def one():
+        out, got = svc.submit(dict(req)), []
+        while (item := await out.get()) is not None:
+            if isinstance(item, Exception):
+                return item
+            got += item
+        return got
+
+    try:
+        with caplog.at_level("ERROR", logger="fullthrottle.server.llm"):
+            failed = asyncio.run(one())
+        assert isinstance(failed, RuntimeError) and str(failed) == "boom in step"
+        assert "the LLM step failed: the error goes to its 1 request\n" in caplog.text and "boom in step" in caplog.text
+        assert asyncio.run(one()) == gen.generate([req["ids"]], 20)[0]  # (after it: a fresh scheduler)
+    finally:
+        svc.close()

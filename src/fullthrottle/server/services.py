@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 
@@ -21,6 +22,9 @@ from ..workloads.classify.result import Result
 
 #: the queue may hold this many times ``max_queue`` images counting those whose callers left
 CANCELLED_QUEUE_FACTOR = 8
+
+
+log = logging.getLogger("fullthrottle.server.llm")
 
 
 class BatchingService:
@@ -235,6 +239,8 @@ class CompletionService:
                 sched.step()
                 self._gauges(sched)  # (before the answers go out: the requests the step ended are gone)
             except Exception as e:  # noqa: BLE001 - every request running gets the error; a fresh engine state
+                n = len(live)
+                log.exception("the LLM step failed: the error goes to its %d request%s", n, "s" * (n != 1))
                 for _, loop, out, _ in live.values():
                     loop.call_soon_threadsafe(out.put_nowait, e)
                 live, sched, self._preempted_before = {}, None, self.preempted
