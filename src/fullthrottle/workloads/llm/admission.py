@@ -10,7 +10,7 @@ import torch
 
 from ...core.batch import OpenBatch
 from .checks import MAX_STOP_IDS
-from .step_records import Begun, Request, h2d
+from .step_records import Begun, Request, h2d, holds
 
 
 class Admission:
@@ -114,17 +114,16 @@ class Admission:
         for s in started:
             s.prefilled, s.unread = len(s.context()), 1
             self.running[s.row] = s
-        return Begun([(s, s.admitted) for s in started], self._host.first(first), tokens, t0)
+        return Begun([(s.row, s, s.admitted) for s in started], self._host.first(first), tokens, t0)
 
     def _first(self, begun: Begun) -> list[Request]:
         """The first tokens of :meth:`_begin`'s requests read back into them (those preempted or
         cancelled since skipped); then ``on_first``. Returns the requests that end with their first."""
         toks, finished, now = begun.tokens.read(), [], time.perf_counter()
         self._count("prefill", begun.prompt_tokens, begun.t0)
-        self._keep_logprobs([s for s, _ in begun.reqs])
-        for (s, admitted), tok in zip(begun.reqs, toks):
-            if s.done or s.row < 0 or s.admitted != admitted:  # (ended, cancelled or preempted since)
-                continue
+        live = [(s, tok) for (row, s, admitted), tok in zip(begun.reqs, toks) if holds(s, row, admitted)]
+        self._keep_logprobs([s for s, _ in live])
+        for s, tok in live:
             s.unread -= 1
             s.t_first = s.t_first or now
             if self._finish(s, tok):

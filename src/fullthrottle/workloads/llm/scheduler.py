@@ -42,7 +42,7 @@ from ...core.batch import bucket_for
 from .admission import Admission
 from .checks import check_int, check_request
 from .checks import stop_ids as check_stop_ids
-from .step_records import HostTokens, Request, h2d
+from .step_records import HostTokens, Request, h2d, holds
 from .step_records import Launched as _Launched
 
 
@@ -286,7 +286,7 @@ class Scheduler(Admission):
         """A launched decode's tokens read back into its requests (those that ended, were cancelled or
         preempted since skipped: a preempted one makes them again); returns the requests that ended."""
         toks, finished, made = launched.tokens.read(), [], 0
-        live = [(row, s) for row, s, admitted in launched.reqs if _holds(s, row, admitted)]
+        live = [(row, s) for row, s, admitted in launched.reqs if holds(s, row, admitted)]
         if launched.k == 1:
             self._keep_logprobs([s for _, s in live])
         for row, s in live:
@@ -315,8 +315,3 @@ class Scheduler(Admission):
         while self.busy:
             self.step()
         return [s.tokens for s in seqs]
-
-
-def _holds(s: Request, row: int, admitted: int) -> bool:
-    """Whether ``s`` still runs in ``row`` as admitted then (not ended, cancelled or preempted since)."""
-    return not s.done and s.row == row and s.admitted == admitted

@@ -40,6 +40,12 @@ class Request:
         return self.prompt + self.tokens if self.tokens else self.prompt
 
 
+def holds(s: Request, row: int, admitted: int) -> bool:
+    """Whether ``s`` still runs in ``row`` as admitted then (not ended, cancelled or preempted since):
+    a launch's tokens are read back into the requests that do."""
+    return not s.done and s.row == row and s.admitted == admitted
+
+
 def h2d(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """``values`` (a list) as a tensor on ``device``, its copy queued on the current stream: the
     host does not wait for the work queued before it (``torch.tensor(values, device=...)`` and list
@@ -107,7 +113,7 @@ class Launched:
 
 @dataclass
 class Begun:
-    """A prefill's ended prompts ``(request, its admission number)``, their first tokens on their
+    """A prefill's ended prompts ``(row, request, its admission number)``, their first tokens on their
     way to the host, the prompt tokens the prefill took and when it was launched."""
 
     reqs: list
