@@ -131,12 +131,12 @@ def _run_command(args, argv: list[str] | None) -> int:
                 rc = with_stdout(cmd_classify, args)
         except KeyboardInterrupt as e:  # (while cmd_classify imported torch: before its own handling)
             rc = stopped(e, lead="\n")
-        if rc == 130 and argv is None:
-            # Interrupted: our stages are joined, but native thread pools (or a half-imported torch) may
-            # still be tearing down; skip interpreter finalisation, which can otherwise abort (exit 134)
-            # or end by the signal (-2) in their destructors.
+        if rc in (130, 143) and argv is None:
+            # Interrupted or terminated: our stages are joined, but native thread pools (or a
+            # half-imported torch) may still be tearing down; skip interpreter finalisation, which can
+            # otherwise abort (exit 134), crash (-11) or end by the signal (-2) in their destructors.
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(130)
+            os._exit(rc)
         return rc
     return 2
