@@ -181,6 +181,9 @@ def test_stop_strings_seeds_and_refusals(llm):
         toks = ref(text.encode(prompt), 60)
         assert stop in text.decode(toks[:n]) and stop not in text.decode(toks[: n - 1]), stop
         assert chunks[-1].usage.completion_tokens == n, stop
+        # the streamed ids are the whole reply's: none past the token that completes the stop string
+        streamed_ids = [i for ch in chunks if ch.choices for i in ch.choices[0].token_ids]
+        assert streamed_ids == whole.choices[0].token_ids == toks[:n], stop
 
     # a seeded, sampled request gets the same text alone and among others
     kw = dict(model="tiny", max_tokens=24, temperature=1.0, top_p=0.9)
@@ -454,6 +457,15 @@ def test_logprobs_through_the_openai_client(make_tiny_llama, tiny_text):
             assert len(content) == 40 and [(t.token, t.logprob) for t in streamed] == [
                 (t.token, t.logprob) for t in content
             ]
+        kw = dict(model="llm", prompt="the quick brown fox", max_tokens=40, temperature=0, logprobs=2)
+        full = c.completions.create(**kw).choices[0].text
+        stops = [x for x in dict.fromkeys(full[i : i + 2] for i in range(0, 30, 3)) if x.strip() and "\ufffd" not in x]
+        for stop in stops:  # streamed with a stop string: the whole reply's ids and logprobs, none past it
+            whole = c.completions.create(stop=stop, **kw).choices[0]
+            chunks = [ch.choices[0] for ch in c.completions.create(stop=stop, stream=True, **kw)]
+            assert [i for ch in chunks for i in ch.token_ids] == whole.token_ids, stop
+            lps = [x for ch in chunks if ch.logprobs for x in ch.logprobs.token_logprobs]
+            assert lps == whole.logprobs.token_logprobs and len(lps) == len(whole.token_ids), stop
         with pytest.raises(
             openai.BadRequestError, match=r"logprobs \(the top tokens per position\) must be between 0 and 5"
         ):

@@ -749,6 +749,8 @@ def test_other_routes_pass_through_to_the_engine_and_stream():
         got = post_chunked(url, "/v1/completions", 1_100_000, "Authorization: Bearer " + "k" * 20 + "\r\n")
         head = got.split(b"\r\n\r\n", 1)[0].lower()
         assert head.startswith(b"http/1.1 413") and b"connection: close" in head and got.count(b"HTTP/1.1") == 1
+        err = json.loads(got.split(b"\r\n\r\n", 1)[1])  # (as the engine's app answers: OpenAI's shape too)
+        assert err["error"]["message"] == err["detail"] and err["error"]["code"] == 413, err
         for _ in range(2):  # (the worker asks the engine for its gauges with the server's key: no 401 counted)
             metrics = httpx.get(url + "/metrics", headers=auth, timeout=10).text
         assert "fullthrottle_requests_waiting" in metrics and 'route="/metrics",status="401"' not in metrics

@@ -61,7 +61,7 @@ def main():
 
     def sync():
         if cuda:
-            sync()
+            torch.cuda.synchronize(dev)
 
     gen = Generator(
         model,

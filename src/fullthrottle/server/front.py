@@ -27,7 +27,7 @@ from ..core.errors import Overloaded
 from ..workloads.classify.result import Result
 from . import link as wire
 from .classify_route import EntryError
-from .guard import HTTPError, read_asgi_body, set_busy
+from .guard import HTTPError, error_body, read_asgi_body, set_busy
 from .keys import NO_KEY, authorised
 
 #: the routes an HTTP worker answers itself; every other goes to the engine
@@ -206,12 +206,12 @@ class EngineClient(asyncio.Protocol):
                 except TimeoutError:
                     if not self.lost:
                         self._send(wire.frame(wire.CANCEL, req_id))
-                    await _json(send, late[0], {"detail": late[1] or f"no answer within {first_byte_s:g} s"})
+                    await _error(send, scope, late[0], late[1] or f"no answer within {first_byte_s:g} s")
                     return late[0]
                 if got is None:  # the client or the engine went away
                     if not started and self.lost:
-                        gone = {"detail": "the engine process has stopped"}
-                        await _json(send, 503, gone, {"Retry-After": str(retry_after_s)})
+                        gone = "the engine process has stopped"
+                        await _error(send, scope, 503, gone, {"Retry-After": str(retry_after_s)})
                         return 503
                     return None
                 kind, payload = got
@@ -227,7 +227,7 @@ class EngineClient(asyncio.Protocol):
                         return None
         except RuntimeError as e:  # (the link is gone)
             if not started:
-                await _json(send, 503, {"detail": str(e)})
+                await _error(send, scope, 503, str(e))
                 return 503
             return None
         finally:
@@ -262,6 +262,11 @@ async def _json(send, status: int, body: dict, headers: dict | None = None) -> N
     hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": hdrs})
     await send({"type": "http.response.body", "body": data})
+
+
+async def _error(send, scope, status: int, detail: str, headers: dict | None = None) -> None:
+    """An error the worker answers itself, shaped as the engine's app shapes it (:func:`error_body`)."""
+    await _json(send, status, error_body(status, detail, scope["path"].startswith("/v1/")), headers)
 
 
 def create_front_app(opts, max_image_pixels: int, top_k: int, client_box: list):
@@ -344,7 +349,7 @@ def create_front_app(opts, max_image_pixels: int, top_k: int, client_box: list):
                 m.requests.labels(route, str(mine)).inc()
         except HTTPError as e:
             m.requests.labels(route, str(e.status)).inc()
-            await _json(send, e.status, {"detail": e.detail}, e.headers)
+            await _error(send, scope, e.status, e.detail, e.headers)
 
     app.requests_counter = m.requests  # (uvicorn_server counts the parser's refusals there)
     return app

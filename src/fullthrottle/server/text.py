@@ -91,9 +91,14 @@ class _Reply:
             self.tokens, self.lps = self.tokens[: self.text.used], self.lps[: self.text.used]
 
     @property
+    def _sendable(self) -> int:
+        """Tokens a streamed chunk may carry: those no stop string can cut any more."""
+        return len(self.tokens) if self.text is None else min(len(self.tokens), self.text.settled)
+
+    @property
     def unsent(self) -> int:
-        """Tokens taken that no streamed chunk has carried yet."""
-        return max(len(self.tokens) - self.sent, 0)
+        """Tokens taken, and no longer to be cut by a stop string, that no streamed chunk has carried yet."""
+        return max(self._sendable - self.sent, 0)
 
     def _token(self, i: int) -> str:
         return self.tok.decode([i]) if self.tok is not None else f"token_id:{i}"
@@ -173,10 +178,11 @@ class _Reply:
 
     def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> dict:
         """A streamed chunk of ``text`` and of the tokens taken since the last chunk (their ids and
-        logprobs; none of those a stop string cut after a chunk had carried them)."""
-        ids = self.tokens[self.sent :]
-        lp = self.logprobs(self.sent, len(self.tokens)) if ids else None
-        self.sent = max(self.sent, len(self.tokens))
+        logprobs), those that a stop string may still cut held back until it no longer can."""
+        upto = self._sendable
+        ids = self.tokens[self.sent : upto]
+        lp = self.logprobs(self.sent, upto) if ids else None
+        self.sent = max(self.sent, upto)
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else {"content": text} if text else {}
             choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}

@@ -195,6 +195,9 @@ class TextStream:
         self.stopped = False
         #: tokens that count: all of them, or after a stop, those up to the one that completed it
         self.used = 0
+        #: tokens no stop string can cut any more (their text all handed out, or the stream ended):
+        #: what a streamed reply may send the ids and logprobs of
+        self.settled = 0
 
     def _new_text(self, final: bool = False) -> str:
         prev = self.text.decode(self.tokens[self._prefix : self._read])
@@ -245,7 +248,10 @@ class TextStream:
         self.tokens += tokens
         self.used = len(self.tokens)
         self._pending += self._new_text()
-        return self._cut(final=False)
+        out = self._cut(final=False)
+        if self.stopped or not self.stops or (not self._pending and self._read == len(self.tokens)):
+            self.settled = self.used
+        return out
 
     def flush(self) -> str:
         """The rest, once the request has ended ("" after a stop)."""
@@ -253,7 +259,9 @@ class TextStream:
             return ""
         if self._read < len(self.tokens):
             self._pending += self._new_text(final=True)
-        return self._cut(final=True)
+        out = self._cut(final=True)
+        self.settled = self.used
+        return out
 
 
 def _byte_alphabet() -> dict[str, int]:
