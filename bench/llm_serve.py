@@ -109,9 +109,11 @@ def offline(args) -> dict:
             "max_prefill_tokens": gen.max_prefill_tokens,
             "fullthrottle_tok_per_s": toks / wall,
             "wall_s": wall,
-            # the host's view of the steps (each ends in a read back): prefill and decode seconds
+            # the device's time in the prefill and decode launches (CUDA events), and the rest of the
+            # wall clock: the device idle between steps
             "prefill_s": gen.stats["prefill"].busy_s - busy0["prefill"],
             "decode_s": gen.stats["decode"].busy_s - busy0["decode"],
+            "idle_s": wall - sum(gen.stats[k].busy_s - busy0[k] for k in ("prefill", "decode")),
             "steps": sched.steps,
             "preemptions": sched.preemptions,
             "output_tokens": toks,

@@ -652,3 +652,55 @@ def test_overlapped_steps_survive_preemptions_and_the_cache_edge(tiny_llama):
     refs = [alone.generate([r["prompt"]], r["max_new_tokens"])[0] for r in reqs]
     gen = Generator(tiny_llama, max_batch=2, max_seq_len=105, graphs=False)  # (the longest request's length)
     assert Scheduler(gen, ahead=8).run(reqs) == refs
+
+
+def test_the_stage_counters_hold_each_prefill_and_decode_once(tiny_llama):
+    """The Generator's stage counters (what reports and /metrics show) count every prompt token and
+    decoded token, and, on the CPU, each launch's own time: both stages busy, together no more than the
+    run's wall clock (chunked prompts and overlapped steps included)."""
+    import time
+
+    reqs = random_requests(3, 9, (5, 14, 40), (2, 9), (0.0,))
+    for overlap in (False, True):
+        gen = Generator(tiny_llama, max_batch=4, max_seq_len=64, graphs=False, max_prefill_tokens=16)
+        t0 = time.perf_counter()
+        out = Scheduler(gen, overlap=overlap).run(reqs)
+        wall = time.perf_counter() - t0
+        p, d = gen.stats["prefill"], gen.stats["decode"]
+        assert p.items == sum(len(r["prompt"]) for r in reqs) and d.items == sum(len(o) - 1 for o in out)
+        assert 0 < p.busy_s and 0 < d.busy_s and p.busy_s + d.busy_s <= wall, (overlap, p.busy_s, d.busy_s, wall)
+
+
+@pytest.mark.gpu
+def test_on_cuda_overlapped_steps_count_the_devices_prefill_time_as_steps_that_wait(make_tiny_llama):
+    """On CUDA the stage counters hold the device's time of each launch (CUDA events): with overlapped
+    steps a long prefill's time is prefill's, as when each step waits for its own work, not the time
+    of whichever read back waited for it."""
+    import time
+
+    model = make_tiny_llama(
+        vocab_size=1000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=1024,
+    )
+    model = model.to("cuda", torch.bfloat16)
+    gen = Generator(model, max_batch=32, max_seq_len=600, graphs=True, max_prefill_tokens=4096)
+    rng = random.Random(0)
+    reqs = [{"prompt": [rng.randrange(1000) for _ in range(512)], "max_new_tokens": 16} for _ in range(32)]
+    Scheduler(gen).run(reqs[:4])  # (warm-up)
+    got = {}
+    for overlap in (False, True, False, True):
+        before = [gen.stats[k].busy_s for k in ("prefill", "decode")]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        Scheduler(gen, overlap=overlap).run(reqs)  # (4 prefill steps of 4096 tokens, decodes between)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        p, d = (gen.stats[k].busy_s - b for k, b in zip(("prefill", "decode"), before))
+        assert 0 < p and 0 < d and p + d <= wall * 1.02, (overlap, p, d, wall)
+        got.setdefault(overlap, []).append(p)
+    assert 0.7 < min(got[True]) / max(got[False]) and max(got[True]) / min(got[False]) < 1.4, got

@@ -47,7 +47,6 @@ class Admission:
         first tokens are read back later (:meth:`_first`)."""
         g = self.gen
         budget = g.max_prefill_tokens
-        t0 = time.perf_counter()
         work: list[tuple[Request, int, int]] = []  # (request, start, stop) of its context
         if self.prefilling is not None:
             s = self.prefilling
@@ -78,17 +77,19 @@ class Admission:
         if not work:
             return None
         ctxs = [s.context() for s, _, _ in work]
+        start = self.clock.start()
         first = g._prefill([(s.row, ctx, a, b) for (s, a, b), ctx in zip(work, ctxs)])
+        self.clock.stop("prefill", start)
         ended = [s for (s, _, b), ctx in zip(work, ctxs) if b == len(ctx)]
         for s, _, b in work:
             s.prefilled = b
         if self.prefilling in ended:
             self.prefilling = None
         tokens = sum(b - a for _, a, b in work)
-        if not ended:  # (a chunk: no token yet; its time counted as it is launched)
-            self._count("prefill", tokens, t0)
+        if not ended:  # (a chunk: no token yet; its tokens counted as it is launched)
+            g.stats["prefill"].record(tokens, 0.0)
             return None
-        return self._begin(ended, first, tokens, t0)
+        return self._begin(ended, first, tokens)
 
     def _keep_logprobs(self, reqs) -> None:
         """Append this step's log-probabilities to the requests of ``reqs`` that asked for them."""
@@ -104,7 +105,7 @@ class Admission:
         g.temp[row, 0], g.topk[row, 0], g.topp[row, 0], g.seed[row, 0] = s.temperature, s.top_k, s.top_p, s.seed
         g.eos[row] = h2d([*s.stop, *[-1] * (MAX_STOP_IDS - len(s.stop))], g.device)
 
-    def _begin(self, started: list[Request], first: torch.Tensor, tokens: int, t0: float) -> Begun:
+    def _begin(self, started: list[Request], first: torch.Tensor, tokens: int) -> Begun:
         """``started`` requests, prefilled, run from the next decode on, fed their first tokens ``first``
         ``(len(started),)`` on the device; the tokens' copy to the host is on its way."""
         g = self.gen
@@ -114,13 +115,13 @@ class Admission:
         for s in started:
             s.prefilled, s.unread = len(s.context()), 1
             self.running[s.row] = s
-        return Begun([(s.row, s, s.admitted) for s in started], self._host.first(first), tokens, t0)
+        return Begun([(s.row, s, s.admitted) for s in started], self._host.first(first), tokens)
 
     def _first(self, begun: Begun) -> list[Request]:
         """The first tokens of :meth:`_begin`'s requests read back into them (those preempted or
         cancelled since skipped); then ``on_first``. Returns the requests that end with their first."""
         toks, finished, now = begun.tokens.read(), [], time.perf_counter()
-        self._count("prefill", begun.prompt_tokens, begun.t0)
+        self.gen.stats["prefill"].record(begun.prompt_tokens, 0.0)
         live = [(s, tok) for (row, s, admitted), tok in zip(begun.reqs, toks) if holds(s, row, admitted)]
         self._keep_logprobs([s for s, _ in live])
         for s, tok in live:

@@ -127,8 +127,15 @@ class Prefill:
         bucket = next((x for x in self.buckets if x >= T), None) if self.graphs is not None else None
         if bucket is None:  # eager, the exact sizes
             sizes = (T, len(pieces), len(query_blocks([b - a for _, _, a, b in pieces])[0]))
-            flat = Packed.build(pieces, *sizes, self.pad_row).to(self.device, non_blocking=True)
+            flat = self._host(Packed.build(pieces, *sizes, self.pad_row)).to(self.device, non_blocking=True)
             return self.model.prefill(Packed.view(flat, *sizes))
         sizes = self._sizes(bucket)
-        self.flat[: Packed.size(*sizes)].copy_(Packed.build(pieces, *sizes, self.pad_row), non_blocking=True)
+        self.flat[: Packed.size(*sizes)].copy_(
+            self._host(Packed.build(pieces, *sizes, self.pad_row)), non_blocking=True
+        )
         return self.graphs.replay(bucket)[: len(pieces)]
+
+    def _host(self, flat: torch.Tensor) -> torch.Tensor:
+        # pinned for CUDA: a copy from pageable memory past a few tens of KB (a long forward's index
+        # tensors) first waits for everything queued on the stream, the decode launched before included
+        return flat.pin_memory() if self.device.type == "cuda" else flat

@@ -33,7 +33,6 @@ token's noise depends on the seed and the position only).
 from __future__ import annotations
 
 import collections
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,7 +41,7 @@ from ...core.batch import bucket_for
 from .admission import Admission
 from .checks import check_int, check_request
 from .checks import stop_ids as check_stop_ids
-from .step_records import HostTokens, Request, h2d, holds
+from .step_records import HostTokens, Request, StageClock, h2d, holds
 from .step_records import Launched as _Launched
 
 
@@ -91,7 +90,7 @@ class Scheduler(Admission):
         self.gen, self.ahead, self.on_first, self.overlap = gen, ahead, on_first, overlap
         self._pending: _Launched | None = None  # the decode launched last and not read back yet
         self._host = HostTokens(gen.device, ahead * gen.max_batch, gen.max_batch)
-        self._busy_until = 0.0  # (the stage counters count overlapping steps' time once)
+        self.clock = StageClock(gen.device, gen.stats)  # the device's time in prefill and decode
         gen.scheduler = self  # (the engine's state is this one's: an older Scheduler's steps now raise)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # row -> request
@@ -254,12 +253,13 @@ class Scheduler(Admission):
             finished += self._read(now)
         elif now is not None and not all(s.done for _, s, _ in now.reqs):  # (else nothing in it is read)
             self._pending = now
+        self.clock.collect()
         return finished
 
     def _decode(self) -> _Launched:
         """Launches one decode replay (or ``k``, see ``ahead``) of every running request, the tokens'
         copy to the host behind them."""
-        g, t0 = self.gen, time.perf_counter()
+        g, start = self.gen, self.clock.start()
         top = max(self.running) + 1
         b = bucket_for(top, g.buckets)
         parked = self.prefilling.row if self.prefilling is not None else -1
@@ -280,7 +280,8 @@ class Scheduler(Admission):
         reqs = [(row, s, s.admitted) for row, s in self.running.items()]
         for s in self.running.values():
             s.unread += k
-        return _Launched(reqs, self._host.decoded(out), k, t0)
+        self.clock.stop("decode", start)  # (before the tokens' copy: a wait for those passes it)
+        return _Launched(reqs, self._host.decoded(out), k)
 
     def _read(self, launched: _Launched) -> list[Request]:
         """A launched decode's tokens read back into its requests (those that ended, were cancelled or
@@ -296,16 +297,8 @@ class Scheduler(Admission):
                 if self._finish(s, step_toks[row]):
                     finished.append(s)
                     break
-        self._count("decode", made, launched.t0)
+        self.gen.stats["decode"].record(made, 0.0)
         return finished
-
-    def _count(self, stage: str, items: int, t0: float) -> None:
-        """The Generator's stage counters (what reports and /metrics show): ``items`` done since ``t0``,
-        the time that overlaps the step counted before it counted once."""
-        now = time.perf_counter()
-        dt = max(0.0, now - max(t0, self._busy_until))
-        self._busy_until = now
-        self.gen.stats[stage].record(items, dt, dt)
 
     def run(self, requests: Sequence[dict]) -> list[list[int]]:
         """Every request (``{"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed",

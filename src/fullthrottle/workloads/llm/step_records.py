@@ -6,6 +6,7 @@ reads them, so it can queue the next step first."""
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 
@@ -100,23 +101,59 @@ class HostTokens:
         return self._copy(self._first, first)
 
 
+class StageClock:
+    """The device's time in each stage of the step loop, into the Generator's stage counters (``stats``:
+    name -> :class:`~fullthrottle.core.report.StageStats`, what reports and /metrics show). On CUDA an
+    event before and after each launch on the current stream, their time counted once a later wait of
+    the loop has passed them (:meth:`collect`: no wait of its own; the steps overlap on the host, not
+    on the stream, so no time counts twice); on the CPU, where a launch's work is done when it
+    returns, the launch's own time."""
+
+    def __init__(self, device: torch.device, stats: dict):
+        self.cuda, self.stats = device.type == "cuda", stats
+        self._open: collections.deque = collections.deque()  # (stage, start, end) not counted yet
+
+    def start(self):
+        """Before a launch: a token for :meth:`stop`."""
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def stop(self, stage: str, start) -> None:
+        """After the launch that ``start`` began: its time goes to ``stage``."""
+        if not self.cuda:
+            dt = time.perf_counter() - start
+            self.stats[stage].record(0, dt, dt)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._open.append((stage, start, end))
+
+    def collect(self) -> None:
+        """Count the launches that have ended (oldest first: the stream runs them in order)."""
+        while self._open and self._open[0][2].query():
+            stage, a, b = self._open.popleft()
+            dt = a.elapsed_time(b) / 1e3
+            self.stats[stage].record(0, dt, dt)
+
+
 @dataclass
 class Launched:
     """A decode launch: its requests ``(row, request, its admission number)`` as they were, its
-    tokens on their way to the host, the replays it ran and when it was launched."""
+    tokens on their way to the host and the replays it ran."""
 
     reqs: list
     tokens: Copied
     k: int
-    t0: float
 
 
 @dataclass
 class Begun:
     """A prefill's ended prompts ``(row, request, its admission number)``, their first tokens on their
-    way to the host, the prompt tokens the prefill took and when it was launched."""
+    way to the host and the prompt tokens the prefill took."""
 
     reqs: list
     tokens: Copied
     prompt_tokens: int
-    t0: float
