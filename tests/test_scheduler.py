@@ -704,3 +704,51 @@ def test_on_cuda_overlapped_steps_count_the_devices_prefill_time_as_steps_that_w
         assert 0 < p and 0 < d and p + d <= wall * 1.02, (overlap, p, d, wall)
         got.setdefault(overlap, []).append(p)
     assert 0.7 < min(got[True]) / max(got[False]) and max(got[True]) / min(got[False]) < 1.4, got
+
+
+def test_the_stage_clock_counts_a_launch_once_its_end_has_passed(monkeypatch):
+    """:class:`StageClock` on CUDA, with stand-in events holding device times: a launch's time (its
+    end event's minus its start's) goes to its stage once the end has passed, oldest first, each once;
+    one still running is counted at a later collect."""
+    from fullthrottle.core.report import StageStats
+    from fullthrottle.workloads.llm.step_records import StageClock
+
+    class Event:  # (torch.cuda.Event's part that the clock uses; ``now``: the device's clock, s)
+        now = 0.0
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t, self.passed = None, False
+
+        def record(self):
+            self.t = Event.now
+
+        def query(self):
+            return self.passed
+
+        def elapsed_time(self, end):  # (ms; CUDA raises unless both have passed)
+            assert self.passed and end.passed
+            return (end.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    stats = {k: StageStats(k) for k in ("prefill", "decode")}
+    clock = StageClock(torch.device("cuda"), stats)
+    events = []
+    for stage, t0, t1 in (("prefill", 1.0, 3.0), ("decode", 3.0, 3.5), ("decode", 3.5, 4.25)):
+        Event.now = t0
+        start = clock.start()
+        Event.now = t1
+        clock.stop(stage, start)
+        events.append((start, clock._open[-1][2]))
+    clock.collect()
+    assert stats["prefill"].busy_s == stats["decode"].busy_s == 0  # (nothing has passed yet)
+    for ev in (*events[0], *events[1]):
+        ev.passed = True
+    clock.collect()
+    assert stats["prefill"].busy_s == pytest.approx(2.0) and stats["decode"].busy_s == pytest.approx(0.5)
+    for ev in events[2]:
+        ev.passed = True
+    clock.collect()
+    clock.collect()
+    assert stats["prefill"].busy_s == pytest.approx(2.0) and stats["decode"].busy_s == pytest.approx(1.25)
+    assert stats["prefill"].work_s == pytest.approx(2.0) and stats["decode"].items == 0
