@@ -136,6 +136,6 @@ class Prefill:
         return self.graphs.replay(bucket)[: len(pieces)]
 
     def _host(self, flat: torch.Tensor) -> torch.Tensor:
-        # pinned for CUDA: a copy from pageable memory past a few tens of KB (a long forward's index
-        # tensors) first waits for everything queued on the stream, the decode launched before included
+        # pinned for CUDA: CUDA may make a copy from pageable memory past some tens of KB (a long
+        # forward's index tensors) wait for the work queued on the stream, the decode launched before
         return flat.pin_memory() if self.device.type == "cuda" else flat
