@@ -285,6 +285,17 @@ def test_unwritable_report_json_fails_before_the_run(samples, tmp_path, capsys, 
     rc = main(["classify", str(samples[0]), "--device", "cpu", "--no-progress", "--report-json", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and f"cannot write {tmp_path}: Is a directory" in err
+    # a folder that exists but takes no file (found out by trying, as --out is; nothing left behind)
+    for cmd in (["classify", str(samples[0]), "--device", "cpu"], ["embed", str(samples[0]), "--out", "-"]):
+        rc = main([*cmd, "--no-progress", "--report-json", "/proc/fullthrottle-report.json"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "cannot write /proc/fullthrottle-report.json: No such file or directory" in err, err
+    report = tmp_path / "r.json"
+    import fullthrottle.cli.common as common
+
+    assert common.cannot_write(str(report)) is None and not report.exists()
+    report.write_text("kept")
+    assert common.cannot_write(str(report)) is None and report.read_text() == "kept"
 
 
 def test_generate_and_embed_name_a_missing_model_folder(tmp_path, capsys, monkeypatch):
@@ -528,8 +539,10 @@ def test_random_7b_that_cannot_fit_is_refused_before_it_is_built():
 
     cfg = LlamaConfig.llama2_7b()
     assert _llama_bytes(cfg, torch.bfloat16) == 13_476_831_232
-    with pytest.raises(ValueError, match=r"need 25\.1 GiB in float32 on cpu, but only 16\.0 GiB is free.*--dtype"):
+    with pytest.raises(ValueError, match=r"need 25\.1 GiB in float32 on cpu, but only 16\.0 GiB is free") as e:
         _check_memory_for(cfg, torch.device("cpu"), torch.float32, free=16 * 2**30)
+    # (the way out: a GPU; on the CPU --dtype bfloat16 still computes in float32)
+    assert "run it on a GPU, --device cuda" in str(e.value) and "--dtype bfloat16)" not in str(e.value)
     _check_memory_for(cfg, torch.device("cpu"), torch.bfloat16, free=16 * 2**30)  # fits: no error
 
 

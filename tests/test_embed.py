@@ -82,6 +82,7 @@ def test_stream_equals_batch(emb):
     assert [len(b.vectors) for b in blocks] == [64, 64, 22]
     whole = emb.embed(texts)
     np.testing.assert_allclose(np.concatenate([b.vectors for b in blocks]), whole.vectors, atol=1e-6)
+    assert [len(b.vectors) for b in emb.embed_stream(iter(texts))] == [64, 64, 22]  # (the CPU's chunk)
     emb.chunk = 64  # embed() of more texts than a chunk: tokenised chunk by chunk, same result
     try:
         cut = emb.embed(texts)

@@ -615,13 +615,17 @@ def test_result_json_line_equals_json_dumps_of_its_dict():
 
 
 def test_a_closed_pipeline_refuses_to_run_instead_of_waiting(samples):
-    """run() on a closed Pipeline raises at once (its buffers are gone: it used to wait for ever)."""
+    """run() on a closed Pipeline, or a with block on it, raises at once (its buffers are gone: it
+    used to wait for ever)."""
     from fullthrottle import Config, Pipeline
 
     with Pipeline(Config(device="cpu", model="resnet18", preprocess="threads", threads=1)) as pipe:
         assert len(list(pipe.run([str(samples[0])]))) == 1
     with pytest.raises(RuntimeError, match="Pipeline is closed"):
         list(pipe.run([str(samples[0])]))
+    with pytest.raises(RuntimeError, match="Pipeline is closed"):  # (a with block on it: at its start)
+        with pipe:
+            pass
 
 
 def test_folder_walk_follows_symlinked_folders_and_says_why_it_skips_one(samples, tmp_path, monkeypatch):

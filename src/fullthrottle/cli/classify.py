@@ -16,6 +16,7 @@ from .common import (
     _input_limits,
     _silence_stdout,
     begin_out,
+    cannot_write,
     freeze_startup_objects,
     held_signals,
     numbered_lines,
@@ -165,12 +166,10 @@ def _classify(args) -> int:
         if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             print(f"fullthrottle: error: cannot write {path}: its folder does not exist", file=sys.stderr)
             return 2
-    if report and report != "-":
-        is_dir = os.path.isdir(report)
-        if is_dir or not os.access(os.path.dirname(os.path.abspath(report)), os.W_OK):
-            why = "Is a directory" if is_dir else "its folder is not writable"
-            print(f"fullthrottle: error: cannot write {report}: {why}", file=sys.stderr)
-            return 2
+    why = cannot_write(report) if report and report != "-" else None
+    if why:
+        print(f"fullthrottle: error: cannot write {report}: {why}", file=sys.stderr)
+        return 2
     out = None
     if args.out == "-":
         out = sys.stdout

@@ -290,6 +290,30 @@ def overwrites_an_input(outputs: dict, inputs: dict) -> str | None:
     return None
 
 
+def cannot_write(path: str) -> str | None:
+    """Why the file ``path`` cannot be written, found out by opening it to append (and removing it
+    again if it was not there), or None: before a run rather than after it. A path that is not a
+    regular file (a pipe, a device) is not tried: opening a pipe would wait for its reader."""
+    import stat
+
+    if os.path.isdir(path):
+        return "Is a directory"
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
+        existed = True
+    except OSError:
+        existed = False
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        os.remove(path)
+    return None
+
+
 def write_report_json(rep, path: str | None) -> bool:
     """Write a run's :class:`~fullthrottle.core.report.Report` as JSON to ``path`` (None: nothing;
     ``"-"``: stdout); False (the reason printed) when it cannot be written.

@@ -73,7 +73,7 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
 
 
 def cmd_embed(args) -> int:
-    from .common import held_signals, overwrites_an_input, write_report_json
+    from .common import cannot_write, held_signals, overwrites_an_input, write_report_json
 
     with held_signals():  # (a Ctrl-C or SIGTERM is taken once the native libraries have imported)
         import numpy as np
@@ -110,13 +110,15 @@ def cmd_embed(args) -> int:
         print(f"fullthrottle: error: cannot write {args.out}: {why}", file=sys.stderr)
         return 2
     if args.report_json not in (None, "-") and (  # ('-': stdout, free: the vectors go to a file)
-        args.report_json == ""
-        or os.path.isdir(args.report_json)
-        or not os.path.isdir(os.path.dirname(os.path.abspath(args.report_json)))
+        args.report_json == "" or not os.path.isdir(os.path.dirname(os.path.abspath(args.report_json)))
     ):
         print(
             f"fullthrottle: error: cannot write {args.report_json}: not a file in a folder that exists", file=sys.stderr
         )
+        return 2
+    why = cannot_write(args.report_json) if args.report_json not in (None, "-") else None
+    if why:
+        print(f"fullthrottle: error: cannot write {args.report_json}: {why}", file=sys.stderr)
         return 2
     clash = overwrites_an_input({"--out": args.out, "--report-json": args.report_json}, {"the input": args.file})
     if clash:

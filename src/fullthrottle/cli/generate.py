@@ -42,7 +42,11 @@ def _check_memory_for(cfg, device, dtype, free: int | None = None) -> None:
         raise ValueError(
             f"the weights need {need / 2**30:.1f} GiB in {str(dtype).replace('torch.', '')} on "
             f"{device}, but only {free / 2**30:.1f} GiB is free"
-            + (" (try --device cuda, or --dtype bfloat16)" if device.type == "cpu" else "")
+            + (
+                " (the CPU computes in float32, whatever --dtype says: run it on a GPU, --device cuda)"
+                if device.type == "cpu"
+                else ""
+            )
         )
 
 

@@ -145,7 +145,10 @@ class Embedder:
         self.batch_buckets = default_buckets(max_batch)
         self.graphs_enabled = graphs and cuda
         self.runners: dict[int, object] = {}  # seq bucket -> GraphRunner over batch buckets
-        self.chunk = 1024  # texts tokenised at a time by embed() / embed_stream() while the last chunk computes
+        self.chunk = 1024  # texts tokenised at a time by embed() while the last chunk computes
+        #: embed_stream()'s chunk, what it yields at a time: on the CPU, where 1024 long texts take
+        #: many seconds, fewer (a stream's output, and what an interrupted ``embed`` writes, keep up)
+        self.stream_chunk = 1024 if cuda else 64
         #: the stage counters (:class:`~fullthrottle.core.report.StageStats`) of everything embedded so
         #: far: "tokenize" (on the tokenizer's threads) and "compute" (H2D, the encoder, pooling, D2H)
         self.stats = {name: StageStats(name) for name in ("tokenize", "compute")}
@@ -216,12 +219,13 @@ class Embedder:
         source that stalls (a pipe, a terminal) has what it gave embedded at once, and a Ctrl-C
         while it blocks stops the stream.
 
-        Yields: one :class:`Embeddings` per chunk of up to ``chunk`` texts, in input order.
+        Yields: one :class:`Embeddings` per chunk of up to ``chunk`` texts (default
+        :attr:`stream_chunk`), in input order.
         Raises: what ``texts`` raised, once every text it gave before has been embedded and yielded.
         """
         from ..core.read_ahead import ReadAhead
 
-        src = ReadAhead(texts, chunk or self.chunk)
+        src = ReadAhead(texts, chunk or self.stream_chunk)
 
         def tokenized():  # (in the second ReadAhead's thread: a chunk ahead of the compute)
             while True:

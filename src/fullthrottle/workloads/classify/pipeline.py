@@ -54,6 +54,10 @@ def _stop_live_runs() -> None:
         run.stop()
 
 
+#: what using a closed Pipeline raises (RuntimeError)
+CLOSED = "this Pipeline is closed (its decoders and buffers are released): build a new one"
+
+
 class Pipeline:
     """Classify images through the five overlapped stages.
 
@@ -175,6 +179,8 @@ class Pipeline:
         return self.engine.device
 
     def __enter__(self) -> Pipeline:
+        if self.closed:  # (a with block on a closed pipeline says so at its start, not at its first run)
+            raise RuntimeError(CLOSED)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -213,7 +219,7 @@ class Pipeline:
             raise TypeError(f"inputs must be an iterable of paths, URLs, bytes or (id, bytes) pairs, got {what}")
         with self._life:
             if self.closed:
-                raise RuntimeError("this Pipeline is closed (its decoders and buffers are released): build a new one")
+                raise RuntimeError(CLOSED)
             if not self._busy.acquire(blocking=False):
                 raise RuntimeError(
                     "this Pipeline is already running a stream; finish it first (or build a second Pipeline)"
