@@ -178,7 +178,7 @@ if [[ $parts == *servegpus* ]]; then   # issue 08: serve --gpus all against one 
 fi
 if [[ ,$parts, == *,serveprof,* ]]; then  # issue 13: the server's processes' CPU per setting (py-spy: .tools)
   spy=""; compgen -G ".tools/py_spy*.whl" >/dev/null && python3 -m pip install -q --no-index --no-deps --target /tmp/spy .tools/py_spy*.whl && spy=/tmp/spy/bin/py-spy
-  timeout ${SPROF_TIMEOUT_S:-300} python3 bench/probes/serve_profile.py ${spy:+--py-spy $spy} --variants "${SPROF_VARIANTS:-A}" \
+  timeout ${SPROF_TIMEOUT_S:-300} python3 bench/probes/serve_profile.py ${spy:+--py-spy $spy} --variants="${SPROF_VARIANTS:-A}" \
     ${SPROF_ARGS:-} --out "$OUT/serve_profile.json" 2>&1 | tee "$OUT/serve_profile.log" | grep -E "^(A |[A-Z_]+=|--|Traceback|[A-Za-z]*Error)"
   if [[ -n ${SPROF_PICK:-} && -f $OUT/serve_profile.json ]]; then   # the best variant at 64 clients runs serveft
     SERVE_PICKED="$(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['variants']; print(max(r, key=lambda v: next(p['img_per_s'] for p in r[v] if p['concurrency'] == 64)))" "$OUT/serve_profile.json")"
