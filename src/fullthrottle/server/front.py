@@ -10,9 +10,8 @@ route is passed to the engine whole and its answer streamed back (embeddings, co
 server-sent events, the user's workloads, ``/readyz``).
 
 Started by :mod:`~fullthrottle.server.supervisor` as ``python -c`` :func:`main` with the listening
-socket and its link as inherited file descriptors and its settings as JSON on stdin. When its link
-closes (the engine process is gone) it drains like at SIGTERM and exits.
-"""
+socket and its link as inherited file descriptors, its settings as JSON on stdin. When its link
+closes (the engine process is gone) it drains like at SIGTERM and exits."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ from .keys import NO_KEY, authorised
 
 #: the routes an HTTP worker answers itself; every other goes to the engine
 LOCAL_ROUTES = frozenset({"/healthz", "/v1/classify", "/metrics"})
-#: seconds the engine has to answer ``/readyz`` (else 503) and the worker's ``/metrics`` (else the
-#: engine's gauges are left as they were)
+#: seconds the engine has to answer ``/readyz`` (else 503) and the worker's ``/metrics`` (else its gauges stay)
 ENGINE_PROBE_S = 2.0
 #: while the engine's queue reads full, a worker refuses classify requests itself (503) but for one
 #: per this many seconds, which goes to the engine: a depth that reads full by mistake cannot last
@@ -210,8 +208,8 @@ class EngineClient(asyncio.Protocol):
                     return late[0]
                 if got is None:  # the client or the engine went away
                     if not started and self.lost:
-                        gone = "the engine process has stopped"
-                        await _error(send, scope, 503, gone, {"Retry-After": str(retry_after_s)})
+                        retry = {"Retry-After": str(retry_after_s)}
+                        await _error(send, scope, 503, "the engine process has stopped", retry)
                         return 503
                     return None
                 kind, payload = got
