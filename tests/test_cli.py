@@ -296,6 +296,9 @@ def test_unwritable_report_json_fails_before_the_run(samples, tmp_path, capsys, 
     assert common.cannot_write(str(report)) is None and not report.exists()
     report.write_text("kept")
     assert common.cannot_write(str(report)) is None and report.read_text() == "kept"
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "target.json")  # (dangling: tried through, the link left as it was)
+    assert common.cannot_write(str(link)) is None and link.is_symlink()
 
 
 def test_generate_and_embed_name_a_missing_model_folder(tmp_path, capsys, monkeypatch):

@@ -298,12 +298,12 @@ def cannot_write(path: str) -> str | None:
 
     if os.path.isdir(path):
         return "Is a directory"
+    existed = os.path.lexists(path)  # (a link is kept, dangling or not)
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
+        if existed and not stat.S_ISREG(os.stat(path).st_mode):
             return None
-        existed = True
-    except OSError:
-        existed = False
+    except OSError:  # (a dangling link: tried below)
+        pass
     try:
         with open(path, "a", encoding="utf-8"):
             pass
