@@ -714,7 +714,7 @@ def test_the_stage_clock_counts_a_launch_once_its_end_has_passed(monkeypatch):
     from fullthrottle.workloads.llm.step_records import StageClock
 
     class Event:  # (torch.cuda.Event's part that the clock uses; ``now``: the device's clock, s)
-        now = 0.0
+        now, recorded = 0.0, []
 
         def __init__(self, enable_timing=False):
             assert enable_timing
@@ -722,6 +722,11 @@ def test_the_stage_clock_counts_a_launch_once_its_end_has_passed(monkeypatch):
 
         def record(self):
             self.t = Event.now
+            Event.recorded.append(self)
+
+        def synchronize(self):  # (one stream: every event recorded before it has passed too)
+            for ev in Event.recorded[: Event.recorded.index(self) + 1]:
+                ev.passed = True
 
         def query(self):
             return self.passed
@@ -752,3 +757,9 @@ def test_the_stage_clock_counts_a_launch_once_its_end_has_passed(monkeypatch):
     clock.collect()
     assert stats["prefill"].busy_s == pytest.approx(2.0) and stats["decode"].busy_s == pytest.approx(1.25)
     assert stats["prefill"].work_s == pytest.approx(2.0) and stats["decode"].items == 0
+    Event.now = 5.0  # settle(): a run's end waits for its last launch, then counts what is open
+    start = clock.start()
+    Event.now = 5.75
+    clock.stop("prefill", start)
+    clock.settle()
+    assert stats["prefill"].busy_s == pytest.approx(2.75) and not clock._open

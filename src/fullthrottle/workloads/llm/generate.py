@@ -361,9 +361,10 @@ class Generator:
                         for r in reqs:
                             sched.cancel(r)
                         break
+            sched.clock.settle()
         finally:
             self._generating.release()
-        # (each stage's time is up to its own read back of the device's results)
+        # (the device's time of each stage's launches: StageClock)
         st.prefill_s += self.stats["prefill"].busy_s - busy0["prefill"]
         st.decode_s += self.stats["decode"].busy_s - busy0["decode"]
         st.new_tokens += sum(len(r.tokens) for r in reqs)

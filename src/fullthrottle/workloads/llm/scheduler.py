@@ -307,4 +307,5 @@ class Scheduler(Admission):
         seqs = [self.submit(**r) for r in requests]
         while self.busy:
             self.step()
+        self.clock.settle()
         return [s.tokens for s in seqs]

@@ -138,6 +138,12 @@ class StageClock:
             dt = a.elapsed_time(b) / 1e3
             self.stats[stage].record(0, dt, dt)
 
+    def settle(self) -> None:
+        """Wait for the last launch to end, then count them all (a run's end: its counters complete)."""
+        if self._open:
+            self._open[-1][2].synchronize()
+        self.collect()
+
 
 @dataclass
 class Launched:
