@@ -581,8 +581,10 @@ def test_embeddings_route_matches_library():
             ({"model": ["x"]}, "model must be a string, got an array"),  # (was 404)
             ({"dimensions": "384"}, "dimensions must be an integer"),
             ({"input": [[1, 2, 3]]}, "input as token ids is not taken here"),
-            ({"input": [["a"]]}, re.escape('JSON body must be {"input": "text" | ["text", ...]}')),
-            ({"input": [[]]}, re.escape('JSON body must be {"input": "text" | ["text", ...]}')),
+            ({"input": [["a"]]}, re.escape("input[0] must be a string, got an array")),
+            ({"input": [[]]}, re.escape("input[0] must be a string, got an array")),
+            ({"input": ["a", 5, "b"]}, re.escape("input[1] must be a string, got a number")),  # (the item named)
+            ({"input": {"a": 1}}, re.escape('JSON body must be {"input": "text" | ["text", ...]}')),
         ):
             with pytest.raises(openai.APIStatusError, match=msg) as e:
                 c.embeddings.create(**{"model": "all-MiniLM-L6-v2", "input": "x", **kw})

@@ -93,8 +93,11 @@ class EmbeddingsAPI(Workload):
 
         if isinstance(texts, list) and texts and all(ids(t) for t in texts):
             raise ValueError("input as token ids is not taken here (they would be another tokenizer's): send the text")
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        if not isinstance(texts, list):
             raise ValueError('JSON body must be {"input": "text" | ["text", ...]}')
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+        if bad is not None:  # (the first item that is not a text, named)
+            raise ValueError(f"input[{bad}] must be a string, got {json_type(texts[bad])}")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise ValueError(f"model must be a string, got {json_type(model)}")
