@@ -682,28 +682,30 @@ def test_on_cuda_overlapped_steps_count_the_devices_prefill_time_as_steps_that_w
         vocab_size=1000,
         hidden_size=1024,
         intermediate_size=4096,
-        num_hidden_layers=4,
+        num_hidden_layers=8,
         num_attention_heads=8,
         num_key_value_heads=8,
         max_position_embeddings=1024,
     )
     model = model.to("cuda", torch.bfloat16)
-    gen = Generator(model, max_batch=32, max_seq_len=600, graphs=True, max_prefill_tokens=4096)
+    gen = Generator(model, max_batch=64, max_seq_len=600, graphs=True, max_prefill_tokens=4096)
     rng = random.Random(0)
-    reqs = [{"prompt": [rng.randrange(1000) for _ in range(512)], "max_new_tokens": 16} for _ in range(32)]
+    reqs = [{"prompt": [rng.randrange(1000) for _ in range(512)], "max_new_tokens": 16} for _ in range(64)]
     Scheduler(gen).run(reqs[:4])  # (warm-up)
     got = {}
-    for overlap in (False, True, False, True):
+    for overlap in (False, True) * 3:
         before = [gen.stats[k].busy_s for k in ("prefill", "decode")]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        Scheduler(gen, overlap=overlap).run(reqs)  # (4 prefill steps of 4096 tokens, decodes between)
+        Scheduler(gen, overlap=overlap).run(reqs)  # (8 prefill steps of 4096 tokens, decodes between)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         p, d = (gen.stats[k].busy_s - b for k, b in zip(("prefill", "decode"), before))
         assert 0 < p and 0 < d and p + d <= wall * 1.02, (overlap, p, d, wall)
         got.setdefault(overlap, []).append(p)
-    assert 0.7 < min(got[True]) / max(got[False]) and max(got[True]) / min(got[False]) < 1.4, got
+    # (the device time of the same prefills either way; counted by the read backs, overlapped steps gave
+    # a quarter of it)
+    assert 0.6 < sum(got[True]) / sum(got[False]) < 1.6, got
 
 
 def test_the_stage_clock_counts_a_launch_once_its_end_has_passed(monkeypatch):
