@@ -301,6 +301,34 @@ def test_a_huge_text_is_cut_before_tokenising_without_changing_its_vector(emb, m
     assert got.truncated.tolist() == [False, False, False, True] and got.tokens[:3].tolist() == [4, 4, 4]
 
 
+def test_a_long_text_tokenised_whole_leaves_the_other_threads_running(emb):
+    """A text whose tokens never fill the model's (4 MB of base64: one word, one [UNK]) is tokenised
+    from ever longer prefixes up to all of it; that takes seconds, and must not hold the GIL meanwhile:
+    a server's other requests and streams go on in other threads of its process."""
+    import threading
+    import time
+
+    gaps, stop = [], threading.Event()
+
+    def beat():
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    t = threading.Thread(target=beat)
+    t.start()
+    try:
+        enc = emb.tokenize(["QUJD" * 1_000_000])
+    finally:
+        stop.set()
+        t.join()
+    assert len(enc[0].ids) == 3 and not enc[0].overflowing  # [CLS] [UNK] [SEP]
+    assert max(gaps) < 0.5, max(gaps)
+
+
 def test_embeddings_workload_keeps_to_its_token_budget_and_fails_only_the_bad_request(emb, monkeypatch):
     """/v1/embeddings' workload on the generic batching service: batches stay within the token budget
     (a lone request over it still runs), a text that cannot be tokenised fails its request only."""

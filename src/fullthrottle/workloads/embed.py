@@ -195,8 +195,8 @@ class Embedder:
             for i in (i for i, t in enumerate(whole) if isinstance(t, str) and len(t) > MAX_TEXT_CHARS):
                 n = MAX_TEXT_CHARS  # (cut where its tokens do not fill the model's: a longer prefix)
                 while not out[i].overflowing and n < len(whole[i]):
-                    n *= 4
-                    out[i] = self.tokenizer.encode(whole[i][:n])
+                    n *= 4  # (the batch encoder: it releases the GIL, which megabytes of text take seconds)
+                    out[i] = self.tokenizer.encode_batch([whole[i][:n]])[0]
             done = len(texts)
             return out
         except TypeError:
