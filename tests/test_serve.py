@@ -313,6 +313,8 @@ def test_no_route_is_a_bad_request_naming_it_and_no_generated_docs_are_served(sa
         assert r.json()["detail"] == r.json()["error"]["message"] == "no route POST /v1/classify/"
         r = httpx.get(s.url + "/nowhere")
         assert (r.status_code, r.json()) == (404, {"detail": "no route GET /nowhere"})
+        r = httpx.get(s.url + "//v1/models")  # (a doubled slash, as a base URL ending in / gives)
+        assert r.status_code == 404 and r.json()["error"]["message"] == "no route GET //v1/models", r.text
         assert [httpx.get(s.url + p).status_code for p in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
 
 
@@ -602,7 +604,8 @@ def test_embeddings_route_matches_library():
         assert set(busy) == {"tokenize", "compute", "predict"} and float(busy["compute"]) > 0
         body = b'{"input": ["fine", "bad \\udc80"]}'  # (a lone surrogate, as JSON escapes allow)
         bad = httpx.post(s.url + "/v1/embeddings", content=body, headers={"content-type": "application/json"})
-        assert bad.status_code == 422 and "text 1 is not valid Unicode" in bad.json()["detail"]
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "input", bad.text
+        assert bad.json()["detail"] == "input[1] is not valid Unicode (surrogates not allowed at character 4)"
     with Server(Tiny()) as s:
         assert httpx.post(s.url + "/v1/embeddings", json={"input": "x"}).status_code == 404
 

@@ -222,7 +222,7 @@ def cmd_serve(args) -> int:
         devices=devices,
         embed_model=args.embed_model,
         llm=llm,
-        llm_name=os.path.basename(os.path.normpath(args.llm_model_dir))
+        llm_name=os.path.basename(os.path.abspath(args.llm_model_dir)) or "llm"
         if args.llm_model_dir
         else f"random-{args.llm_random}",
         workloads=workloads,

@@ -26,7 +26,7 @@ from ..core.errors import Overloaded
 from ..workloads.classify.result import Result
 from . import link as wire
 from .classify_route import EntryError
-from .guard import HTTPError, error_body, read_asgi_body, set_busy
+from .guard import HTTPError, error_body, openai_path, read_asgi_body, set_busy
 from .keys import NO_KEY, authorised
 
 #: the routes an HTTP worker answers itself; every other goes to the engine
@@ -264,7 +264,7 @@ async def _json(send, status: int, body: dict, headers: dict | None = None) -> N
 
 async def _error(send, scope, status: int, detail: str, headers: dict | None = None) -> None:
     """An error the worker answers itself, shaped as the engine's app shapes it (:func:`error_body`)."""
-    await _json(send, status, error_body(status, detail, scope["path"].startswith("/v1/")), headers)
+    await _json(send, status, error_body(status, detail, openai_path(scope["path"])), headers)
 
 
 def create_front_app(opts, max_image_pixels: int, top_k: int, client_box: list):

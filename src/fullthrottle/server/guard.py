@@ -65,6 +65,12 @@ OPENAI_FIELDS = frozenset(
 )
 
 
+def openai_path(path: str) -> bool:
+    """Whether a request's ``path`` is under ``/v1/`` (also as ``//v1/...``): its errors then carry
+    OpenAI's shape too (:func:`error_body`)."""
+    return path.lstrip("/").startswith("v1/")
+
+
 def error_body(status: int, detail: str, openai: bool = False, kind: str | None = None) -> dict:
     """An error answer's JSON: ``{"detail": ...}``, and with ``openai`` also OpenAI's ``{"error":
     {"message", "type", "param", "code"}}`` (what its client shows; ``type``: ``kind``, else the

@@ -15,7 +15,7 @@ import time
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
 from .connection import head_deadline_protocol
-from .guard import draining, error_body
+from .guard import draining, error_body, openai_path
 from .keys import NO_KEY, authorised
 from .options import ServeOptions
 from .startup import startup_error_only
@@ -74,7 +74,7 @@ def add_basics(app, requests_counter, keys: tuple[str, ...]):
         route = request.url.path if exc.status_code == 405 or request.url.path in ROUTES else "other"
         # (under /v1/ also OpenAI's error shape, which its clients show, beside "detail"; no route
         # is a bad request, as OpenAI's API answers one, not a model it lacks)
-        openai = request.url.path.startswith("/v1/")
+        openai = openai_path(request.url.path)
         detail = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else exc.detail
         body = error_body(exc.status_code, detail, openai, "invalid_request_error")
         return reply(route, exc.status_code, body, getattr(exc, "headers", None))
@@ -107,7 +107,7 @@ def busy_app(detail: str, retry_after_s: int, counter=None):
             return
         if counter is not None:
             counter.labels(scope["path"] if scope["path"] in (*ROUTES, "/healthz") else "other", "503").inc()
-        body, headers = answers[scope["path"].startswith("/v1/")]
+        body, headers = answers[openai_path(scope["path"])]
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 

@@ -41,7 +41,7 @@ def served_name(path: str | None) -> str:
     bundled = (
         [os.path.realpath(os.path.join(p, "model")) for p in (spec.submodule_search_locations or [])] if spec else []
     )
-    return "all-MiniLM-L6-v2" if os.path.realpath(path) in bundled else os.path.basename(os.path.normpath(path))
+    return "all-MiniLM-L6-v2" if os.path.realpath(path) in bundled else os.path.basename(os.path.abspath(path))
 
 
 class EmbeddingsAPI(Workload):
@@ -56,8 +56,8 @@ class EmbeddingsAPI(Workload):
         max_batch: most texts per forward batch; max_batch_tokens: most tokens per batch (None:
             :data:`MAX_BATCH_TOKENS` on a GPU, :data:`MAX_BATCH_TOKENS_CPU` on the CPU, set by :meth:`setup`).
 
-    A text that cannot be tokenised (a lone surrogate) fails its request with 422 naming it; the
-    other requests of its batch are not affected.
+    A text that is not valid Unicode (a lone surrogate, JSON's ``"\\ud800"``) fails its request with 400
+    naming it; the other requests of its batch are not affected.
     """
 
     name = "embeddings"
@@ -98,6 +98,12 @@ class EmbeddingsAPI(Workload):
         bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
         if bad is not None:  # (the first item that is not a text, named)
             raise ValueError(f"input[{bad}] must be a string, got {json_type(texts[bad])}")
+        for i, t in enumerate(texts):
+            try:
+                if not t.isascii():
+                    t.encode("utf-8")
+            except UnicodeEncodeError as e:  # (JSON's \ud800: half a surrogate pair)
+                raise ValueError(f"input[{i}] is not valid Unicode ({e.reason} at character {e.start})") from None
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise ValueError(f"model must be a string, got {json_type(model)}")

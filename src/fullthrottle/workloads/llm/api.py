@@ -127,24 +127,36 @@ def chat_request(p: dict, gen, tok) -> dict:
         raise ValueError("top_logprobs needs logprobs: true")
     room = gen.max_seq_len if gen.kv is None else min(gen.max_seq_len, gen.kv.num_pages * gen.kv.page)
     if len(ids) >= room:
-        raise ValueError(f"the prompt ({len(ids)} tokens) leaves no room for a reply in the context of {room}")
-    return _request(p, gen, ids, _integer(p, key, room - len(ids)), top if on else None, key, "top_logprobs")
+        raise ValueError(
+            f"messages ({len(ids)} tokens in the chat template) leave no room for a reply in the context of {room}"
+        )
+    return _request(
+        p, gen, ids, _integer(p, key, room - len(ids)), top if on else None, key, "top_logprobs", "messages"
+    )
 
 
 def _request(
-    p: dict, gen, ids: list[int], max_tokens: int, logprobs: int | None = None, key="max_tokens", lp_key="logprobs"
+    p: dict,
+    gen,
+    ids: list[int],
+    max_tokens: int,
+    logprobs: int | None = None,
+    key="max_tokens",
+    lp_key="logprobs",
+    prompt_key="prompt",
 ) -> dict:
     """The checked request (``key``: the field that gave ``max_tokens``; ``lp_key``: the one that gave
-    ``logprobs``, the count of top tokens per position, named in its error)."""
+    ``logprobs``, the count of top tokens per position; ``prompt_key``: the one that gave ``ids``;
+    each named in its errors)."""
     vocab = gen.model.cfg.vocab_size
     if max_tokens < 1:
         raise ValueError(f"{key} must be a positive integer")
     check_prompt(ids, vocab)
     said = f"{key} ({max_tokens})" if p.get(key) is not None else f"{key} (not given: its default, {max_tokens})"
     if len(ids) + max_tokens > gen.max_seq_len:
-        raise ValueError(f"prompt ({len(ids)} tokens) + {said} exceeds the context of {gen.max_seq_len}")
+        raise ValueError(f"{prompt_key} ({len(ids)} tokens) + {said} exceeds the context of {gen.max_seq_len}")
     if gen.kv is not None:
-        gen.kv.check_pool(f"prompt ({len(ids)} tokens) + {said}", len(ids) + max_tokens)
+        gen.kv.check_pool(f"{prompt_key} ({len(ids)} tokens) + {said}", len(ids) + max_tokens)
     if not isinstance(_get(p, "stream", False), bool):
         raise ValueError("stream must be true or false")
     opts = _get(p, "stream_options", {})
