@@ -530,6 +530,9 @@ def test_generate_names_what_a_cpu_run_leaves_out_and_the_context_it_exceeds(cap
     assert "--dtype bfloat16 needs CUDA: this run on cpu computes in float32" in err and "float32)" in err
     assert main(["generate", "--random", "tiny", "--tokens", "1,2", "--max-new-tokens", "5000", "--device", "cpu"]) == 2
     assert "2 tokens + --max-new-tokens 5000 exceed the model's context of 4096" in capsys.readouterr().err
+    # (in the flags' own words: it said "prompt 0: ... max_new_tokens 64 exceeds max_seq_len 2")
+    assert main(["generate", "--random", "tiny", "--tokens", "1", "--max-seq-len", "2", "--device", "cpu"]) == 2
+    assert "the prompt's 1 tokens + --max-new-tokens 64 exceed --max-seq-len 2" in capsys.readouterr().err
 
 
 def test_random_7b_that_cannot_fit_is_refused_before_it_is_built():

@@ -186,6 +186,11 @@ def cmd_generate(args) -> int:
                 f"the prompt's {len(ids)} tokens + --max-new-tokens {args.max_new_tokens} exceed the model's "
                 f"context of {context} tokens"
             )
+        if args.max_seq_len is not None and len(ids) + args.max_new_tokens > args.max_seq_len:
+            raise ValueError(
+                f"the prompt's {len(ids)} tokens + --max-new-tokens {args.max_new_tokens} exceed --max-seq-len "
+                f"{args.max_seq_len}"
+            )
         t0 = time.perf_counter()
         gen = Generator(
             model, max_batch=1, max_seq_len=args.max_seq_len or len(ids) + args.max_new_tokens, graphs=args.graphs
