@@ -808,11 +808,23 @@ def test_requests_the_http_parser_refuses_are_counted():
 
 
 def _one_reply(port: int, request: bytes, size: int = 1000) -> bytes:
-    """``request``'s bytes sent on a new connection to 127.0.0.1:``port``; the first bytes back."""
+    """``request``'s bytes sent on a new connection to 127.0.0.1:``port``; the answer's head and as much
+    of its body as its Content-Length says (or up to the connection's close), at most ``size`` bytes:
+    the server may write the head and the body apart, and they may arrive apart."""
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.settimeout(10)
         sock.sendall(request)
-        return sock.recv(size)
+        got = b""
+        while len(got) < size:
+            head, sep, body = got.partition(b"\r\n\r\n")
+            length = re.search(rb"(?im)^content-length:\s*(\d+)", head) if sep else None
+            if length and len(body) >= int(length.group(1)):
+                break
+            chunk = sock.recv(size - len(got))
+            if not chunk:
+                break
+            got += chunk
+        return got
 
 
 def test_bad_bytes_inside_a_request_body_count_that_request_once():

@@ -280,7 +280,7 @@ def test_sigterm_cuts_off_a_request_body_that_stopped_coming(samples, workers):
     assert b"the request body stalled" in got["stalled"], got["stalled"]
     assert stalled_s < DRAIN_BODY_IDLE_S + 2, stalled_s
     assert got["trickle"].startswith(b"HTTP/1.1 200"), got["trickle"][:300]
-    assert exit_s < 10, exit_s  # (the trickle takes 3 s; before, the stalled body held it 30 s)
+    assert exit_s < 20, exit_s  # (the trickle takes 3 s; the stalled body held it 30 s; 11.7 on a busy CI machine)
 
 
 def test_a_killed_http_worker_is_replaced_and_a_full_queue_says_503(samples):
