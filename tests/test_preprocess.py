@@ -120,6 +120,38 @@ def test_a_frame_over_the_pixel_limit_is_named_in_the_limits_words():
         decode(head + frame)
 
 
+def test_a_gif_frame_past_its_logical_screen_counts_at_the_size_it_decodes_to():
+    """A GIF whose screen says 10x10 and whose first frame is 4000x3000 (under Pillow's own limit):
+    Pillow decodes 12 megapixels; the header's size and the pixel limit go by the frame (the screen
+    let such a file through any --max-image-megapixels and --max-request-megapixels)."""
+    import struct
+
+    from fullthrottle.data.image_header import header_size
+
+    b = io.BytesIO()
+    Image.new("P", (4000, 3000)).save(b, "GIF")
+    data = bytearray(b.getvalue())
+    data[6:10] = struct.pack("<HH", 10, 10)
+    assert header_size(bytes(data), "GIF") == (4000, 3000, "GIF")
+    with pytest.raises(ImageError, match=r"^image too large: 4000x3000 = 12.0 megapixels exceeds the limit of 5 m"):
+        decode(bytes(data), 256, max_pixels=5_000_000)
+    assert decode(bytes(data), 256).shape == (3000, 4000, 3)  # (under the default limit: decoded)
+
+
+def test_16_bit_samples_read_by_pillow_scale_to_8_bits_rounded():
+    """Pillow's 16-bit greyscale (an animated PNG's first frame, say) to 8 bits: round(v * 255 / 65535),
+    in integers (a float64 copy of an 89-megapixel frame took gigabytes), every value of the ramp."""
+    from fullthrottle.data.preprocess import _decode_pil
+
+    ramp = np.arange(65536, dtype=np.uint16).reshape(256, 256)
+    b = io.BytesIO()
+    Image.fromarray(ramp).save(b, "PNG")
+    got = _decode_pil(b.getvalue(), "PNG", 10**6)
+    want = np.floor(ramp.astype(np.float64) * 255 / 65535 + 0.5).astype(np.uint8)
+    assert got.shape == (256, 256, 3) and got.dtype == np.uint8 and got.flags["C_CONTIGUOUS"]
+    assert (got == want[:, :, None]).all()
+
+
 def test_only_the_documented_formats_are_read_and_no_other_program_runs(tmp_path, monkeypatch):
     """EPS would go to Ghostscript through Pillow: refused unread, as every format outside
     image_header.FORMATS is (a stand-in `gs` first on PATH records any call)."""

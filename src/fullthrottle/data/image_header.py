@@ -125,9 +125,15 @@ def header_size(data: bytes, fmt: str | None) -> tuple[int, int, str]:
     if fmt == "PNG" and len(data) >= 24 and data[12:16] == b"IHDR":
         w, h = struct.unpack(">II", data[16:24])
         return w, h, fmt
-    if fmt == "GIF" and len(data) >= 10:  # logical screen size, as Pillow reports it
+    if fmt == "GIF" and len(data) >= 10:  # the logical screen, or the first frame where it passes it
         w, h = struct.unpack("<HH", data[6:10])
-        return w, h, fmt
+        try:  # (Pillow's size covers the first frame: the size it decodes at)
+            fw, fh, _ = _pillow_header(data)
+        except Image.DecompressionBombError as e:
+            raise ImageError(bomb_message(e)) from None
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError, struct.error):
+            return w, h, fmt  # (no frame it reads: decoding fails on its own)
+        return max(w, fw), max(h, fh), fmt
     if fmt == "BMP" and len(data) >= 26:
         (hdr,) = struct.unpack("<I", data[14:18])
         if hdr == 12 and len(data) >= 22:  # BITMAPCOREHEADER: 16-bit sizes

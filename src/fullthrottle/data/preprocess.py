@@ -89,10 +89,7 @@ def decode(data: bytes, min_side: int = 0, max_pixels: int = 89_478_485) -> np.n
     if w <= 0 or h <= 0:
         raise ImageError(f"corrupt {fmt} header: size {w}x{h}")
     if w * h > max_pixels:
-        raise ImageError(
-            f"image too large: {w}x{h} = {w * h / 1e6:.1f} megapixels exceeds the limit of "
-            f"{max_pixels / 1e6:.3g} megapixels (Config.max_image_pixels, --max-image-megapixels)"
-        )
+        raise _too_large(w, h, max_pixels)
     if min_side > 0 and resized_pixels(w, h, min_side) > max_pixels:
         raise ImageError(
             f"extreme aspect ratio: {w}x{h} with its shorter side resized to {min_side} would be "
@@ -122,21 +119,37 @@ def decode(data: bytes, min_side: int = 0, max_pixels: int = 89_478_485) -> np.n
             pass
     if fmt == "PNG" and not png_data_complete(data):  # (Pillow would blank the rows that are missing)
         raise ImageError("truncated or corrupt PNG (its image data ends before its last row)")
-    return _decode_pil(data, fmt)
+    return _decode_pil(data, fmt, max_pixels)
 
 
-def _decode_pil(data: bytes, fmt: str) -> np.ndarray:
+def _too_large(w: int, h: int, max_pixels: int) -> ImageError:
+    return ImageError(
+        f"image too large: {w}x{h} = {w * h / 1e6:.1f} megapixels exceeds the limit of "
+        f"{max_pixels / 1e6:.3g} megapixels (Config.max_image_pixels, --max-image-megapixels)"
+    )
+
+
+def _decode_pil(data: bytes, fmt: str, max_pixels: int) -> np.ndarray:
     try:
         with Image.open(io.BytesIO(data), formats=FORMATS) as im:  # (no other reader: image_header.FORMATS)
             im.seek(0)  # first frame of an animation
+            if im.width * im.height > max_pixels:  # (the size Pillow decodes at: a frame past the header's)
+                raise _too_large(im.width, im.height, max_pixels)
             im = ImageOps.exif_transpose(im)
             if im.mode == "F":  # (Pillow would clip them to 0 and 1 of 255: a black image)
                 raise ImageError(f"not a supported image: a {fmt} of floating-point samples (no agreed range)")
-            if im.mode in ("I;16", "I;16B", "I;16L", "I"):
+            if im.mode.startswith("I;16"):  # round(x * 255 / 65535), in integers: 4 bytes a pixel at most
+                v = np.asarray(im).astype(np.uint32)
+                v *= 255
+                v += 32767
+                v //= 65535
+                return np.repeat(v.astype(np.uint8)[:, :, None], 3, axis=2)
+            if im.mode == "I":  # (32-bit samples: scaled by their largest, in place)
                 arr = np.asarray(im, dtype=np.float64)
-                hi = 65535.0 if im.mode.startswith("I;16") else max(float(arr.max()), 1.0)
-                arr = np.clip(arr * (255.0 / hi) + 0.5, 0, 255).astype(np.uint8)
-                return np.ascontiguousarray(np.repeat(arr[:, :, None], 3, axis=2))
+                arr *= 255.0 / max(float(arr.max()), 1.0)
+                arr += 0.5
+                np.clip(arr, 0, 255, out=arr)
+                return np.repeat(arr.astype(np.uint8)[:, :, None], 3, axis=2)
             if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
                 im = im.convert("RGBA")
             return np.array(im.convert("RGB"))  # a writable copy
