@@ -406,7 +406,8 @@ def test_gpu_decoder_processes_path_equals_cpu_only(samples, bad_dir):
         pipe.close()
 
 
-def test_jpegs_keep_at_most_their_share_of_cpu_workers_busy(samples, bad_dir, monkeypatch):
+@pytest.mark.parametrize("cap", [1, 0])
+def test_jpegs_keep_at_most_their_share_of_cpu_workers_busy(samples, bad_dir, monkeypatch, cap):
     """With GPU decoder processes, JPEGs the GPU could take keep at most cpu_jpeg_workers CPU decoder
     processes busy (the other cores drive the GPU decoder processes): beyond that a JPEG waits for
     the GPU's room. Other images (PNG, CMYK, ...) still go to every worker; results equal the CPU
@@ -422,11 +423,13 @@ def test_jpegs_keep_at_most_their_share_of_cpu_workers_busy(samples, bad_dir, mo
     monkeypatch.setenv("FULLTHROTTLE_CPU_JPEG_WORKERS", "6")  # (trials set it)
     assert cpu_feed.cpu_jpeg_workers(15, 12, cores=16) == 6 and cpu_feed.cpu_jpeg_workers(4, 12, cores=16) == 4
     assert cpu_feed.cpu_jpeg_workers(15, 0, cores=16) == 15
-    monkeypatch.setenv("FULLTHROTTLE_CPU_JPEG_WORKERS", "0")
-    with pytest.raises(ValueError, match="FULLTHROTTLE_CPU_JPEG_WORKERS must be an integer >= 1"):
+    monkeypatch.setenv("FULLTHROTTLE_CPU_JPEG_WORKERS", "0")  # every JPEG the GPU decoders can take: theirs
+    assert cpu_feed.cpu_jpeg_workers(15, 12, cores=16) == 0 and cpu_feed.cpu_jpeg_workers(15, 0, cores=16) == 15
+    monkeypatch.setenv("FULLTHROTTLE_CPU_JPEG_WORKERS", "-1")
+    with pytest.raises(ValueError, match="FULLTHROTTLE_CPU_JPEG_WORKERS must be an integer >= 0"):
         cpu_feed.cpu_jpeg_workers(15, 12, cores=16)
     monkeypatch.delenv("FULLTHROTTLE_CPU_JPEG_WORKERS")
-    monkeypatch.setattr(cpu_feed, "cpu_jpeg_workers", lambda workers, gpu_processes, cores=None: 1)
+    monkeypatch.setattr(cpu_feed, "cpu_jpeg_workers", lambda workers, gpu_processes, cores=None: cap)
     inputs = list(samples[:60]) + [bad_dir]
     ref = {r.id: r for r in _pipe(None).run(inputs)}
     pipe = _pipe(FakeGpuDecoder(), "processes")
@@ -456,7 +459,7 @@ def test_jpegs_keep_at_most_their_share_of_cpu_workers_busy(samples, bad_dir, mo
             track(w)
         res = list(pipe.run(inputs))
         assert_same_results(res, ref)
-        assert peak[0] == 1, peak  # (0: the CPU workers took no JPEG at all)
+        assert peak[0] == cap, peak  # (cap 1 and 0 here: the CPU workers took no JPEG at all)
         assert other[0] >= 5, other  # the bad inputs that are not GPU JPEGs went to the CPU workers
         assert sum(sum(f.batches) for f in fakes) > 30
     finally:

@@ -69,7 +69,7 @@ VARS: dict[str, Var] = {
             CPU_JPEG_WORKERS,
             "",
             "with GPU decoder processes: how many CPU decoder processes JPEGs may keep busy (empty: "
-            "the cores left by the GPU decoder processes and the main process, at least 1), for trials",
+            "the cores left by the GPU decoder processes and the main process, at least 1; 0: none), for trials",
         ),
         Var(
             WORKER_STATS,

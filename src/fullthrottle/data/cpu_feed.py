@@ -37,16 +37,16 @@ def cpu_jpeg_workers(workers: int, gpu_processes: int, cores: int | None = None)
     about 250 img/s keeps a whole core from them; more CPU workers for JPEGs lowered the rate on
     640x480 files (see docs/performance.md). Other images (PNG,
     WebP, CMYK or EXIF-rotated JPEGs, ...) may use every worker. ``FULLTHROTTLE_CPU_JPEG_WORKERS``
-    sets the count instead (trials).
+    sets the count instead (trials); 0: every JPEG the GPU decoder processes can take goes to them.
 
     Raises:
-        ValueError: ``FULLTHROTTLE_CPU_JPEG_WORKERS`` is set to anything but an integer >= 1."""
+        ValueError: ``FULLTHROTTLE_CPU_JPEG_WORKERS`` is set to anything but an integer >= 0."""
     if not gpu_processes:
         return workers
     given = env.get(env.CPU_JPEG_WORKERS)
     if given:
-        if not given.isdigit() or int(given) < 1:
-            raise ValueError(f"{env.CPU_JPEG_WORKERS} must be an integer >= 1, got {given!r}")
+        if not given.isdigit():
+            raise ValueError(f"{env.CPU_JPEG_WORKERS} must be an integer >= 0, got {given!r}")
         return min(workers, int(given))
     return max(1, min(workers, (cores or usable_cores()) - 2 - gpu_processes))
 
