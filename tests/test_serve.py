@@ -598,7 +598,9 @@ def test_embeddings_route_matches_library():
         got_bom = httpx.post(s.url + "/v1/embeddings", content=bom, headers={"content-type": "application/json"})
         assert got_bom.status_code == 200 and len(got_bom.json()["data"]) == 1, got_bom.text
         assert [m.id for m in c.models.list()] == ["all-MiniLM-L6-v2"]  # (the name requests may give)
-        assert httpx.post(s.url + "/v1/embeddings", json={"input": ["a"] * 2049}).status_code == 413
+        many = httpx.post(s.url + "/v1/embeddings", json={"input": ["a"] * 2049})  # (OpenAI's limit: 400)
+        assert many.status_code == 400 and many.json()["error"]["param"] == "input", many.text
+        assert many.json()["detail"] == "input holds 2049 texts: at most 2048 per request"
         metrics = httpx.get(s.url + "/metrics").text  # the same stage metric as classify's, its own stages
         busy = dict(re.findall(r'stage_busy_percent\{replica="0",stage="(\w+)",workload="embeddings"\} (\S+)', metrics))
         assert set(busy) == {"tokenize", "compute", "predict"} and float(busy["compute"]) > 0

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..core.json_body import json_type
 from ..core.workload import ItemError, NotServed, Workload
 
-#: texts one embeddings request may carry (413 beyond)
+#: texts one embeddings request may carry (400 beyond, as OpenAI's API)
 MAX_TEXTS_PER_REQUEST = 2048
 #: tokens of one forward batch on a GPU (text-embeddings-inference's --max-batch-tokens is 16384)
 MAX_BATCH_TOKENS = 32768
@@ -95,6 +95,8 @@ class EmbeddingsAPI(Workload):
             raise ValueError("input as token ids is not taken here (they would be another tokenizer's): send the text")
         if not isinstance(texts, list):
             raise ValueError('JSON body must be {"input": "text" | ["text", ...]}')
+        if len(texts) > MAX_TEXTS_PER_REQUEST:  # (OpenAI's limit and answer: 400, not the generic 413)
+            raise ValueError(f"input holds {len(texts)} texts: at most {MAX_TEXTS_PER_REQUEST} per request")
         bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
         if bad is not None:  # (the first item that is not a text, named)
             raise ValueError(f"input[{bad}] must be a string, got {json_type(texts[bad])}")
