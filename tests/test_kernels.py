@@ -143,10 +143,12 @@ CHECK = textwrap.dedent("""
         ref = K.decode_attention_ref(q.float(), kc.float(), vc.float(), pos, 1, 150)
         counters = torch.zeros(B * H, dtype=torch.int32, device=device)
         for merge in (None, counters):
-            for per in (1, 4, 10):  # a page per program (10 splits), 4 (3 splits), every page (no split)
-                o = K.paged_decode_attention(q, pages_k, pages_v, table, pos, 1, 150, merge, per=per)
+            # a page per program (10 splits), 4 (3 splits), every page (no split); half a page (20 splits),
+            # 3 halves (7 splits), every half (no split)
+            for per, sub in ((1, 1), (4, 1), (10, 1), (1, 2), (3, 2), (20, 2)):
+                o = K.paged_decode_attention(q, pages_k, pages_v, table, pos, 1, 150, merge, per=per, sub=sub)
                 assert o.shape == (B, H, 1, D) and o.dtype == dtype
-                assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (per, (o.float() - ref).abs().max())
+                assert torch.allclose(o.float(), ref, atol=tol, rtol=tol), (per, sub, (o.float() - ref).abs().max())
         # variable-length prefill attention: pieces packed end to end (5 tokens from position 0, an
         # empty one, 70 from 0: two query blocks, 17 from position 20: a chunk reading earlier keys) and
         # 6 padding tokens, over the static rows above and over the same rows as pages
@@ -171,8 +173,8 @@ CHECK = textwrap.dedent("""
         assert (f8k.float() != pages_k.float()).any()                           # (the rounding is real)
         r8k, r8v = f8k.to(dtype), f8v.to(dtype)
         pos = torch.tensor([0, 64, 149], device=device)[:, None]
-        for per in (1, 4):
-            o = K.paged_decode_attention(q, f8k, f8v, table, pos, 1, 150, counters, per=per)
+        for per, sub in ((1, 1), (4, 1), (1, 2)):
+            o = K.paged_decode_attention(q, f8k, f8v, table, pos, 1, 150, counters, per=per, sub=sub)
             want = K.paged_decode_attention(q, r8k, r8v, table, pos, 1, 150, counters, per=per)
             assert o.dtype == dtype and torch.allclose(o.float(), want.float(), atol=tol, rtol=tol), (o.float() - want.float()).abs().max()
         o = K.prefill_attention(qp, f8k, f8v, *args, table=table)

@@ -1,6 +1,7 @@
 """Probe: the decode step's attention over paged KV memory (``kernels.paged_decode_attention``) at
-the batch sizes a serving engine runs, by how many cache blocks one program reads (``per``: 1, the
-most splits, merged after; all of them, no split) and warps per program, against cuDNN's attention
+the batch sizes a serving engine runs, by blocks per page (``--subs``: 2, half a page a block), how
+many cache blocks one program reads (``per``: 1, the most splits, merged after; all of them, no
+split) and warps per program, against cuDNN's attention
 (``F.scaled_dot_product_attention``) over the same keys and values held contiguously, as the static
 cache holds them.
 
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", default="bf16", help="comma-separated: bf16, fp8 (float8 e4m3 pages)")
     ap.add_argument("--pers", default="1,2,all", help="blocks per program to try (all: no split)")
     ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--subs", default="1", help="blocks per page to try (1: a page a block; 2: half a page)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -61,15 +63,21 @@ def main() -> None:
         valid_bytes = int((pos + 1).sum()) * H * D * 2 * pk.element_size()  # keys and values
         ref = K.paged_decode_attention(q, pk[0], pv[0], table, pos, 0, args.kv_len, cnt, per=1)
         row = {"batch": B, "kv_dtype": kvd, "pairs": B * H, "valid_mb": valid_bytes / 1e6}
-        for per in sorted({P if x == "all" else int(x) for x in args.pers.split(",")}):
-            for warps in [int(w) for w in args.warps.split(",")]:
+        settings = [
+            (per, warps, sub)
+            for sub in [int(x) for x in args.subs.split(",")]
+            for per in sorted({P * sub if x == "all" else int(x) for x in args.pers.split(",")})
+            for warps in [int(w) for w in args.warps.split(",")]
+        ]
+        for per, warps, sub in settings:
 
-                def call(i, per=per, warps=warps):
-                    return K.paged_decode_attention(q, pk[i], pv[i], table, pos, 0, args.kv_len, cnt, warps, per)
+            def call(i, per=per, warps=warps, sub=sub):
+                return K.paged_decode_attention(q, pk[i], pv[i], table, pos, 0, args.kv_len, cnt, warps, per, sub)
 
-                diff = (call(0).float() - ref.float()).abs().max().item()
-                us = graph_time_us(call, args.layers)
-                row[f"per{per}_w{warps}"] = {"us": us, "gb_s": valid_bytes / us / 1e3, "max_abs_diff": diff}
+            diff = (call(0).float() - ref.float()).abs().max().item()
+            us = graph_time_us(call, args.layers)
+            key = f"per{per}_w{warps}" + (f"_sub{sub}" if sub > 1 else "")
+            row[key] = {"us": us, "gb_s": valid_bytes / us / 1e3, "max_abs_diff": diff}
         # cuDNN over the same keys and values, contiguous (B, H, kv_len, D), as the static cache holds them
         # (float8 pages: gathered in bf16, so cuDNN reads twice the bytes the kernel does)
         every = torch.arange(B, device=dev)
@@ -89,7 +97,9 @@ def main() -> None:
         )
         del pk, pv, kc, vc
         torch.cuda.empty_cache()
-    settings = {k: getattr(args, k) for k in ("kv_len", "pos_lo", "pos_hi", "layers", "kv_dtypes", "pers", "warps")}
+    settings = {
+        k: getattr(args, k) for k in ("kv_len", "pos_lo", "pos_hi", "layers", "kv_dtypes", "pers", "warps", "subs")
+    }
     write_json(
         args.out, {"probe": "paged_attention_probe", "machine": machine_info(), "settings": settings, "rows": rows}
     )

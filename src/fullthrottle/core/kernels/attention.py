@@ -129,17 +129,20 @@ def paged_decode_attention(
     counters: torch.Tensor | None = None,
     warps: int = 2,
     per: int = 1,
+    sub: int = 1,
 ) -> torch.Tensor:
     """:func:`decode_attention` over paged KV memory (PagedAttention, Kwon et al., 2023): row ``b``'s
     positions ``[i*PAGE, (i+1)*PAGE)`` are in page ``table[row0 + b, i]``. The Triton kernel's blocks
-    are one page each, read in place; the reference gathers the pages into one contiguous cache.
+    are one page each (``sub`` > 1: a ``1/sub`` of a page each), read in place; the reference gathers
+    the pages into one contiguous cache.
 
     Args:
         q: ``(B, H, S, D)``. k_pages, v_pages: ``(num_pages, Hkv, PAGE, D)``, PAGE a power of two >= 16,
             in ``q``'s dtype or float8 e4m3 (:data:`~fullthrottle.core.kernels.common.KV_FP8`: the
             kernel converts each key and value to float32 as it reads it).
         table: ``(rows, P)`` int64 page numbers, ``P * PAGE >= kv_len``. pos, row0, kv_len, counters,
-            warps, per: as :func:`decode_attention`.
+            warps, per: as :func:`decode_attention`. sub: blocks per page (a power of two, ``PAGE / sub
+            >= 8``).
 
     Returns:
         ``(B, H, S, D)`` in ``q``'s dtype.
@@ -170,20 +173,26 @@ def paged_decode_attention(
     )
     _same_device("paged_decode_attention", q=q, k_pages=k_pages, v_pages=v_pages, table=table, pos=pos)
     _check(_is_int(per) and per >= 1, f"paged_decode_attention: per must be an int >= 1, got {per!r}")
+    _check(
+        _is_int(sub) and sub >= 1 and not sub & (sub - 1) and page // sub >= 8,
+        f"paged_decode_attention: sub must be a power of two with PAGE / sub >= 8, got {sub!r} (PAGE {page})",
+    )
     triton_ok = S == 1 and use_triton(q) and not D & (D - 1) and page >= 16 and not page & (page - 1)
     if not triton_ok or k_pages.stride(-1) != 1 or v_pages.stride() != k_pages.stride():
         rows = torch.arange(row0, row0 + B, device=q.device)
         kc, vc = gather_pages(k_pages, table, rows, kv_len), gather_pages(v_pages, table, rows, kv_len)
         return decode_attention_ref(q, kc, vc, pos, 0, kv_len)
     merge = counters is not None and counters.dtype == torch.int32 and counters.numel() >= B * H
-    return _split_kv(q, k_pages, v_pages, pos, counters if merge else None, table, row0, kv_len, page, warps, per)
+    return _split_kv(
+        q, k_pages, v_pages, pos, counters if merge else None, table, row0, kv_len, page // sub, warps, per, sub
+    )
 
 
 def _split_kv(
-    q, k, v, pos, counters, table, row0: int, kv_len: int, block_t: int, warps: int, per: int
+    q, k, v, pos, counters, table, row0: int, kv_len: int, block_t: int, warps: int, per: int, sub: int = 1
 ) -> torch.Tensor:
-    # the Triton launch of both: splits of ``per`` blocks of block_t slots (paged: a page each,
-    # through ``table``); one split: the output written directly
+    # the Triton launch of both: splits of ``per`` blocks of block_t slots (paged: a page each, or
+    # 1/sub of one, through ``table``); one split: the output written directly
     B, H, _, D = q.shape
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     blocks = triton.cdiv(kv_len, block_t)  # static per captured graph (kv_len is)
@@ -221,6 +230,7 @@ def _split_kv(
         DIRECT=direct,
         BLOCK_S=BLOCK_S,
         PAGED=paged,
+        SUB=sub,
         num_warps=warps,
     )
     if not merge and not direct:
@@ -259,11 +269,12 @@ if triton is not None:
         DIRECT: tl.constexpr,
         BLOCK_S: tl.constexpr,
         PAGED: tl.constexpr,
+        SUB: tl.constexpr,
     ):
         # split-KV decode attention, part 1: program (row*head, split) takes the PER blocks of
         # BLOCK_T cache slots [split*PER*BLOCK_T, (split+1)*PER*BLOCK_T) of the valid 0..pos, with
         # an online softmax over them, and leaves (acc[D], max, sum); DIRECT (one split): the output.
-        # PAGED: block j is page table[row, j] (BLOCK_T == PAGE), c_b its stride
+        # PAGED: block j is part j % SUB of page table[row, j // SUB] (BLOCK_T == PAGE / SUB), c_b its stride
         bh = tl.program_id(0)
         sp = tl.program_id(1)
         b = bh // H
@@ -274,7 +285,7 @@ if triton is not None:
         if sp < active:
             _attention_split(
                 q_ptr, kc_ptr, vc_ptr, part_ptr, o_ptr, cnt_ptr, table_ptr, table_stride, row0, n, bh, sp, b, h,
-                REP, SPLITS, active, c_b, c_h, c_t, sm_scale, D, BLOCK_T, PER, MERGE, DIRECT, BLOCK_S, PAGED,
+                REP, SPLITS, active, c_b, c_h, c_t, sm_scale, D, BLOCK_T, PER, MERGE, DIRECT, BLOCK_S, PAGED, SUB,
             )  # fmt: skip
 
     @triton.jit
@@ -287,7 +298,7 @@ if triton is not None:
     def _attention_split(
         q_ptr, kc_ptr, vc_ptr, part_ptr, o_ptr, cnt_ptr, table_ptr, table_stride, row0, n, bh, sp, b, h,
         REP, SPLITS, active, c_b, c_h, c_t, sm_scale, D: tl.constexpr, BLOCK_T: tl.constexpr, PER: tl.constexpr,
-        MERGE: tl.constexpr, DIRECT: tl.constexpr, BLOCK_S: tl.constexpr, PAGED: tl.constexpr,
+        MERGE: tl.constexpr, DIRECT: tl.constexpr, BLOCK_S: tl.constexpr, PAGED: tl.constexpr, SUB: tl.constexpr,
     ):  # fmt: skip
         # one split of a row's valid slots (``active`` of them hold some)
         d = tl.arange(0, D)
@@ -302,8 +313,9 @@ if triton is not None:
             t = (first + j) * BLOCK_T + slot
             mt = t < n
             if PAGED:
-                page = tl.load(table_ptr + (row0 + b).to(tl.int64) * table_stride + first + j)
-                off = page * c_b + (h // REP) * c_h + slot[:, None].to(tl.int64) * c_t + d[None, :]
+                page = tl.load(table_ptr + (row0 + b).to(tl.int64) * table_stride + (first + j) // SUB)
+                in_page = ((first + j) % SUB) * BLOCK_T + slot  # (SUB 1: slot)
+                off = page * c_b + (h // REP) * c_h + in_page[:, None].to(tl.int64) * c_t + d[None, :]
             else:
                 off = (row0 + b).to(tl.int64) * c_b + (h // REP) * c_h + t[:, None].to(tl.int64) * c_t + d[None, :]
             k = tl.load(kc_ptr + off, mask=mt[:, None], other=0.0).to(tl.float32)  # (BLOCK_T, D)
