@@ -422,7 +422,7 @@ def _compile_for_the_h200():
         assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
         for per, direct in ((1, False), (2, False), (4, True)):  # splits of a block, of 2; one program a pair
             consts = {"D": 128, "BLOCK_T": 64, "PER": per, "MERGE": not direct, "DIRECT": direct}
-            consts |= {"BLOCK_S": 64, "PAGED": paged}
+            consts |= {"BLOCK_S": 64, "PAGED": paged, "SUB": 1}
             sig = decode | dict.fromkeys(consts, "constexpr")
             src = ASTSource(fn=attention._attention_part_kernel, signature=sig, constexprs=consts)
             assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["cubin"]
@@ -442,8 +442,10 @@ def _compile_for_the_h200():
     sig = prefill | {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} | dict.fromkeys(consts, "constexpr")
     src = ASTSource(fn=varlen._prefill_kernel, signature=sig, constexprs=consts)
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
-    consts = {"D": 128, "BLOCK_T": 64, "PER": 1, "MERGE": True, "DIRECT": False, "BLOCK_S": 64, "PAGED": True}
-    sig = decode | {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"} | dict.fromkeys(consts, "constexpr")
-    src = ASTSource(fn=attention._attention_part_kernel, signature=sig, constexprs=consts)
-    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["cubin"]
+    for sub in (1, 2):  # a page a block; half a page
+        consts = {"D": 128, "BLOCK_T": 64 // sub, "PER": 1, "MERGE": True, "DIRECT": False, "BLOCK_S": 64}
+        consts |= {"PAGED": True, "SUB": sub}
+        sig = decode | {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"} | dict.fromkeys(consts, "constexpr")
+        src = ASTSource(fn=attention._attention_part_kernel, signature=sig, constexprs=consts)
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["cubin"]
     print("compiled")
