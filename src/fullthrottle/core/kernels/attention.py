@@ -8,6 +8,10 @@ import torch.nn.functional as F
 
 from .common import _FLOATS, _check, _is_int, _kv_dtype_ok, _same_device, tl, triton, use_triton
 
+#: splits the merge reads at a time: it holds a (MERGE_CHUNK, D) float32 tile, whose registers count
+#: for the whole kernel where the last split merges (more splits: more passes, the same registers)
+MERGE_CHUNK = 8
+
 
 def decode_attention_ref(q, k_cache, v_cache, pos, row0, kv_len):
     B, H, S, D = q.shape
@@ -201,7 +205,7 @@ def _split_kv(
     direct = splits == 1
     part = o if direct else torch.empty((B * H, splits, D + 2), dtype=torch.float32, device=q.device)
     merge = counters is not None and not direct
-    BLOCK_S = triton.next_power_of_2(splits)
+    BLOCK_S = min(triton.next_power_of_2(splits), MERGE_CHUNK)  # (splits merged at a time)
     paged = table is not None
     pos = pos.contiguous()
     _attention_part_kernel[(B * H, splits)](
@@ -344,18 +348,27 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits(part_ptr, o_ptr, bh, SPLITS, active, D: tl.constexpr, BLOCK_S: tl.constexpr):
-        # merge the ``active`` splits' partial softmaxes (Dao et al., 2023, "Flash-Decoding"); .cg: read
-        # the other programs' partials from L2, never a stale L1 line
-        sidx = tl.arange(0, BLOCK_S)
-        ms = sidx < active
-        base = part_ptr + (bh * SPLITS + sidx) * (D + 2)
-        m = tl.load(base + D, mask=ms, other=float("-inf"), cache_modifier=".cg")
-        l_ = tl.load(base + D + 1, mask=ms, other=0.0, cache_modifier=".cg")
-        w = tl.exp(m - tl.max(m, axis=0))  # split 0 is never empty
+        # merge the ``active`` splits' partial softmaxes (Dao et al., 2023, "Flash-Decoding"), BLOCK_S
+        # at a time with a running max (the registers of a (BLOCK_S, D) tile, however many splits);
+        # .cg: read the other programs' partials from L2, never a stale L1 line
         d = tl.arange(0, D)
-        acc = tl.load(base[:, None] + d[None, :], mask=ms[:, None], other=0.0, cache_modifier=".cg")
-        o = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_, axis=0)
-        tl.store(o_ptr + bh * D + d, o.to(o_ptr.dtype.element_ty))
+        m_run = tl.full((), float("-inf"), tl.float32)
+        l_run = tl.zeros((), tl.float32)
+        acc_run = tl.zeros((D,), tl.float32)
+        for c in range(0, tl.cdiv(active, BLOCK_S)):
+            sidx = c * BLOCK_S + tl.arange(0, BLOCK_S)
+            ms = sidx < active
+            base = part_ptr + (bh * SPLITS + sidx) * (D + 2)
+            m = tl.load(base + D, mask=ms, other=float("-inf"), cache_modifier=".cg")
+            l_ = tl.load(base + D + 1, mask=ms, other=0.0, cache_modifier=".cg")
+            acc = tl.load(base[:, None] + d[None, :], mask=ms[:, None], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_run, tl.max(m, axis=0))  # (finite: each chunk holds an active split)
+            alpha = tl.exp(m_run - m_new)
+            w = tl.exp(m - m_new)  # 0 where masked
+            l_run = l_run * alpha + tl.sum(w * l_, axis=0)
+            acc_run = acc_run * alpha + tl.sum(w[:, None] * acc, axis=0)
+            m_run = m_new
+        tl.store(o_ptr + bh * D + d, (acc_run / l_run).to(o_ptr.dtype.element_ty))
 
     @triton.jit
     def _attention_merge_kernel(
