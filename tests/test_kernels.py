@@ -306,6 +306,31 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
         K.rope_qkv_into_cache(torch.randn(B, S, (H + 2 * Hkv) * 5), cs, cs, pos, k5, k5.clone(), 0, H, Hkv)
 
 
+def test_paged_attention_trial_setting_from_the_environment(monkeypatch):
+    """FULLTHROTTLE_PAGED_ATTENTION (trials) gives the decode attention kernel's warps, per and sub; the
+    model's paged cache takes it; a malformed value or a block of under 8 positions is a clear error."""
+    from fullthrottle.core import kernels as K
+    from fullthrottle.workloads.llm.llama import Llama, LlamaConfig
+
+    assert K.paged_setting() == {}
+    monkeypatch.setenv("FULLTHROTTLE_PAGED_ATTENTION", "1,2,4")
+    assert K.paged_setting() == {"warps": 1, "per": 2, "sub": 4}
+    cfg = LlamaConfig(32, 32, 64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    model = Llama(cfg)
+    model.setup_paged_cache(rows=2, max_seq_len=128, num_pages=4)
+    assert model.layers[0].self_attn.setting == {"warps": 1, "per": 2, "sub": 4}
+    for bad in ("1,2", "0,1,1", "a,b,c"):
+        monkeypatch.setenv("FULLTHROTTLE_PAGED_ATTENTION", bad)
+        with pytest.raises(ValueError, match="FULLTHROTTLE_PAGED_ATTENTION must be WARPS,PER,SUB"):
+            K.paged_setting()
+    q, pages = torch.randn(1, 2, 1, 16), torch.randn(3, 2, 64, 16)
+    table, pos = torch.tensor([[1, 2]]), torch.tensor([[70]])
+    with pytest.raises(ValueError, match=r"sub must be a power of two with PAGE / sub >= 8, got 16 \(PAGE 64\)"):
+        K.paged_decode_attention(q, pages, pages, table, pos, 0, 128, sub=16)
+    out = K.paged_decode_attention(q, pages, pages, table, pos, 0, 128, sub=8)  # (the reference on CPU)
+    assert torch.allclose(out, K.paged_decode_attention(q, pages, pages, table, pos, 0, 128), atol=1e-6)
+
+
 @pytest.mark.gpu
 def test_normalize_matches_addcmul_on_gpu():
     """The Triton image normalisation equals the ``addcmul`` it replaced, to one bf16 rounding step."""

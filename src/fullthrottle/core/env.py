@@ -27,6 +27,7 @@ NVIMGCODEC_THREADS = "FULLTHROTTLE_NVIMGCODEC_THREADS"
 NVIMGCODEC_BACKENDS = "FULLTHROTTLE_NVIMGCODEC_BACKENDS"
 WORKER_STATS = "FULLTHROTTLE_WORKER_STATS"
 CPU_JPEG_WORKERS = "FULLTHROTTLE_CPU_JPEG_WORKERS"
+PAGED_ATTENTION = "FULLTHROTTLE_PAGED_ATTENTION"
 
 VARS: dict[str, Var] = {
     v.name: v
@@ -70,6 +71,12 @@ VARS: dict[str, Var] = {
             "",
             "with GPU decoder processes: how many CPU decoder processes JPEGs may keep busy (empty: "
             "the cores left by the GPU decoder processes and the main process, at least 1; 0: none), for trials",
+        ),
+        Var(
+            PAGED_ATTENTION,
+            "",
+            "LLM decode steps over paged KV memory: WARPS,PER,SUB of the attention kernel "
+            "(kernels.paged_decode_attention; empty: its defaults), for trials",
         ),
         Var(
             WORKER_STATS,

@@ -28,7 +28,7 @@ bf16 rounding, not bit for bit. With ``TRITON_INTERPRET=1`` Triton's interpreter
 tensors (how CI checks their indexing without a GPU).
 """
 
-from .attention import decode_attention, decode_attention_ref, gather_pages, paged_decode_attention
+from .attention import decode_attention, decode_attention_ref, gather_pages, paged_decode_attention, paged_setting
 from .common import use_triton
 from .gemv import linear, linear_ref, linear_rope_qkv_into_cache, linear_silu_mul
 from .image import normalize_u8, normalize_u8_ref, resize_crop_u8
@@ -57,6 +57,7 @@ __all__ = [
     "linear_rope_qkv_into_cache",
     "decode_attention",
     "paged_decode_attention",
+    "paged_setting",
     "gather_pages",
     "prefill_attention",
     "prefill_attention_ref",

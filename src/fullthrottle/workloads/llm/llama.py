@@ -126,6 +126,7 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None  # (maxB * H,) int32: decode attention's merge counts
         self.block_table: torch.Tensor | None = None  # paged KV memory: (rows, P) int64 (kv_pages.py)
+        self.setting: dict = {}  # paged_decode_attention's warps, per and sub (kernels.paged_setting)
 
     def forward(self, x, cos, sin, pos, row0, mask, kv_len):
         if not isinstance(row0, int):  # a packed prefill (prefill.Packed)
@@ -205,7 +206,7 @@ class Attention(nn.Module):
             q = self._qkv_into_pages(x, cos, sin, pos, rows[:, None].expand(B, S))  # (B, H, S, D)
         if mask is None:  # decode step: split-KV Triton kernels read each row's pages in place
             y = kernels.paged_decode_attention(
-                q, self.k_cache, self.v_cache, self.block_table, pos, row0, kv_len, self.counters
+                q, self.k_cache, self.v_cache, self.block_table, pos, row0, kv_len, self.counters, **self.setting
             )  # (B, H, 1, D)
         else:  # (a copy of the rows' first kv_len positions)
             kc = kernels.gather_pages(self.k_cache, self.block_table, rows, kv_len)  # (B, Hkv, T, D)
@@ -304,6 +305,7 @@ class Llama(nn.Module):
             a.k_cache = torch.zeros(num_pages + 1, a.hkv, PAGE, a.d, dtype=dtype or p.dtype, device=p.device)
             a.v_cache = torch.zeros_like(a.k_cache)
             a.block_table = self.block_table
+            a.setting = kernels.paged_setting()  # (the decode attention kernel's, for trials)
         self.max_seq_len = self.kv_len = max_seq_len
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, row0: int = 0) -> torch.Tensor:
