@@ -173,9 +173,9 @@ CHECK = textwrap.dedent("""
         assert (f8k.float() != pages_k.float()).any()                           # (the rounding is real)
         r8k, r8v = f8k.to(dtype), f8v.to(dtype)
         pos = torch.tensor([0, 64, 149], device=device)[:, None]
-        for per, sub in ((1, 1), (4, 1), (1, 2)):
+        for per, sub in ((None, 1), (1, 1), (4, 1), (1, 2)):  # (None: float8's default, 4 pages and 1 warp)
             o = K.paged_decode_attention(q, f8k, f8v, table, pos, 1, 150, counters, per=per, sub=sub)
-            want = K.paged_decode_attention(q, r8k, r8v, table, pos, 1, 150, counters, per=per)
+            want = K.paged_decode_attention(q, r8k, r8v, table, pos, 1, 150, counters, per=per or 1)
             assert o.dtype == dtype and torch.allclose(o.float(), want.float(), atol=tol, rtol=tol), (o.float() - want.float()).abs().max()
         o = K.prefill_attention(qp, f8k, f8v, *args, table=table)
         want = K.prefill_attention(qp, r8k, r8v, *args, table=table)
@@ -467,10 +467,11 @@ def _compile_for_the_h200():
     sig = prefill | {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} | dict.fromkeys(consts, "constexpr")
     src = ASTSource(fn=varlen._prefill_kernel, signature=sig, constexprs=consts)
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
-    for sub in (1, 2):  # a page a block; half a page
-        consts = {"D": 128, "BLOCK_T": 64 // sub, "PER": 1, "MERGE": True, "DIRECT": False, "BLOCK_S": 64}
+    for sub, per, warps in ((1, 1, 2), (1, 4, 1), (2, 1, 2)):  # a page a block (float8's default: 4 a
+        # program, 1 warp); half a page
+        consts = {"D": 128, "BLOCK_T": 64 // sub, "PER": per, "MERGE": True, "DIRECT": False, "BLOCK_S": 8}
         consts |= {"PAGED": True, "SUB": sub}
         sig = decode | {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"} | dict.fromkeys(consts, "constexpr")
         src = ASTSource(fn=attention._attention_part_kernel, signature=sig, constexprs=consts)
-        assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["cubin"]
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
     print("compiled")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import env
-from .common import _FLOATS, _check, _is_int, _kv_dtype_ok, _same_device, tl, triton, use_triton
+from .common import _FLOATS, KV_FP8, _check, _is_int, _kv_dtype_ok, _same_device, tl, triton, use_triton
 
 #: splits the merge reads at a time: it holds a (MERGE_CHUNK, D) float32 tile, whose registers count
 #: for the whole kernel where the last split merges (more splits: more passes, the same registers)
@@ -132,8 +132,8 @@ def paged_decode_attention(
     row0: int,
     kv_len: int,
     counters: torch.Tensor | None = None,
-    warps: int = 2,
-    per: int = 1,
+    warps: int | None = None,
+    per: int | None = None,
     sub: int = 1,
 ) -> torch.Tensor:
     """:func:`decode_attention` over paged KV memory (PagedAttention, Kwon et al., 2023): row ``b``'s
@@ -146,8 +146,11 @@ def paged_decode_attention(
             in ``q``'s dtype or float8 e4m3 (:data:`~fullthrottle.core.kernels.common.KV_FP8`: the
             kernel converts each key and value to float32 as it reads it).
         table: ``(rows, P)`` int64 page numbers, ``P * PAGE >= kv_len``. pos, row0, kv_len, counters,
-            warps, per: as :func:`decode_attention`. sub: blocks per page (a power of two, ``PAGE / sub
-            >= 8``).
+            warps, per: as :func:`decode_attention`; unset: 2 warps and a page a program (bf16 pages,
+            the fastest on an H200), over float8 pages 1 warp and 4 pages a program (the fastest of
+            27 settings on an H100 at 256 and 512 rows, 13-14% under the bf16 defaults at positions
+            128-255, ``bench/probes/paged_attention_probe.py``, docs/performance.md). sub: blocks per
+            page (a power of two, ``PAGE / sub >= 8``).
 
     Returns:
         ``(B, H, S, D)`` in ``q``'s dtype.
@@ -177,7 +180,13 @@ def paged_decode_attention(
         f"pages {k_pages.dtype}, {v_pages.dtype}",
     )
     _same_device("paged_decode_attention", q=q, k_pages=k_pages, v_pages=v_pages, table=table, pos=pos)
-    _check(_is_int(per) and per >= 1, f"paged_decode_attention: per must be an int >= 1, got {per!r}")
+    fp8 = k_pages.dtype == KV_FP8
+    warps = warps if warps is not None else 1 if fp8 else 2
+    per = per if per is not None else 4 if fp8 else 1
+    _check(
+        _is_int(per) and per >= 1 and warps in (1, 2, 4, 8),
+        f"paged_decode_attention: per must be an int >= 1 and warps 1, 2, 4 or 8, got {per!r}, {warps!r}",
+    )
     _check(
         _is_int(sub) and sub >= 1 and not sub & (sub - 1) and page // sub >= 8,
         f"paged_decode_attention: sub must be a power of two with PAGE / sub >= 8, got {sub!r} (PAGE {page})",
