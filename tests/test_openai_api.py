@@ -289,7 +289,7 @@ def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests
             ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
             ({"model": ["x"]}, "model must be a string, got an array"),  # (was 404)
             ({"prompt": ""}, "prompt is empty"),
-            ({"prompt": "a\ud800b"}, "not valid Unicode"),
+            ({"prompt": "a\ud800b"}, "prompt is not valid Unicode (a lone surrogate at character 1)"),
             ({"prompt": "x" * (64 * 128 + 1)}, "far more than the context"),
         ]
         params = {}
@@ -300,7 +300,8 @@ def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests
             params[why] = r.json()["error"]["param"]
         # the field a message starts with is OpenAI's ``param`` (its client shows it); none for others
         assert params["temperature must be a number"] == "temperature" and params["n must be an integer"] == "n"
-        assert params["model must be a string, got an array"] == "model" and params["not valid Unicode"] is None
+        assert params["model must be a string, got an array"] == "model"
+        assert params["prompt is not valid Unicode (a lone surrogate at character 1)"] == "prompt"
         ok = h.post(url, json={"prompt": "hello", "max_tokens": 2, "response_format": {"type": "text"}, "best_of": 1})
         assert ok.status_code == 200, ok.text  # (OpenAI's defaults, as its clients send them: was 400)
         chat = s.url + "/v1/chat/completions"
@@ -308,8 +309,14 @@ def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests
             ([{"role": "wizard", "content": "x"}], "messages[0].role must be one of system"),
             ([{"role": "user"}], "messages[0].content is required"),
             ([{"role": "system", "content": "be brief"}, {"role": "user", "content": None}], "messages[1].content"),
-        ):
-            r = h.post(chat, json={"messages": msgs, "max_tokens": 4})
+            # (a lone surrogate: named by its message and its place there, not the template's text)
+            ([{"role": "user", "content": "ab\udc00"}], "messages[0].content is not valid Unicode (a lone surrogate at character 2)"),
+            ([{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "\ud800"}]}],
+             "messages[0].content is not valid Unicode (a lone surrogate at character 1)"),
+            ([{"role": "user", "content": "x" * (64 * 128 + 1)}], "messages make a prompt of 8"),  # (no prompt field)
+        ):  # fmt: skip
+            body = json.dumps({"messages": msgs, "max_tokens": 4})  # (ASCII: escapes lone surrogates)
+            r = h.post(chat, content=body, headers={"content-type": "application/json"})
             assert r.status_code == 400 and why in r.json()["error"]["message"], (msgs, r.text)
             assert r.json()["error"]["param"] == "messages"
         import gzip

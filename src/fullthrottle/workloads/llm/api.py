@@ -12,7 +12,7 @@ from ...core import env
 from ...core.config import LlmSettings
 from ...core.workload import Workload
 from .checks import check_prompt, serving_context, stop_ids
-from .text import MAX_STOPS, LlmText, TextStream
+from .text import MAX_STOPS, LlmText, TextStream, valid_unicode
 
 #: OpenAI options this server does not implement: a request setting one to anything but its
 #: default (the value here) is refused with 400, rather than answered as if it had been applied
@@ -67,9 +67,11 @@ def _integer(p: dict, key: str, default: int) -> int:
     return v
 
 
-def _text_ids(tok, text: str, gen, special: bool) -> list[int]:
+def _text_ids(tok, text: str, gen, special: bool, field: str = "prompt") -> list[int]:
+    # (field: what the error names; chat's prompt is made from its messages)
+    what = "prompt" if field == "prompt" else f"{field} make a prompt"
     if len(text) > MAX_CHARS_PER_TOKEN * gen.max_seq_len:
-        raise ValueError(f"prompt of {len(text)} characters: far more than the context of {gen.max_seq_len} tokens")
+        raise ValueError(f"{what} of {len(text)} characters: far more than the context of {gen.max_seq_len} tokens")
     return tok.encode(text, special=special)
 
 
@@ -87,6 +89,7 @@ def completion_request(p: dict, gen, tok) -> dict:
     if isinstance(prompt, str):
         if tok is None:
             raise ValueError("this model has no tokenizer: send prompt as a list of token ids")
+        valid_unicode("prompt", prompt)
         ids = _text_ids(tok, prompt, gen, special=True)
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
@@ -115,7 +118,9 @@ def chat_request(p: dict, gen, tok) -> dict:
     """
     if tok is None:
         raise ValueError("this model has no tokenizer.json: chat completions need one")
-    ids = _text_ids(tok, tok.chat_prompt(p.get("messages")), gen, special=False)  # (the template writes BOS)
+    ids = _text_ids(
+        tok, tok.chat_prompt(p.get("messages")), gen, special=False, field="messages"
+    )  # (BOS: the template's)
     if not ids:
         raise ValueError("the chat template made an empty prompt")
     key = "max_completion_tokens" if p.get("max_completion_tokens") is not None else "max_tokens"

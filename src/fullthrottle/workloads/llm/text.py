@@ -34,6 +34,19 @@ def _role(i: int, m) -> str:
     return m["role"]
 
 
+def valid_unicode(field: str, text: str) -> str:
+    """``text``, refused when it holds a lone surrogate (JSON's ``"\\ud800"``: no UTF-8 for it), the
+    error naming ``field`` and the character's place in it.
+
+    Raises:
+        ValueError: ``field is not valid Unicode (...)``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field} is not valid Unicode (a lone surrogate at character {e.start})") from None
+    return text
+
+
 def _content(i: int, m: dict) -> str:
     """A message's text: a string, a list of text parts, or null or absent in an assistant turn (one
     with tool calls) only."""
@@ -45,10 +58,10 @@ def _content(i: int, m: dict) -> str:
     if isinstance(c, list) and all(
         isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c
     ):
-        return "".join(x["text"] for x in c)
+        return valid_unicode(f"messages[{i}].content", "".join(x["text"] for x in c))
     if not isinstance(c, str):
         raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-    return c
+    return valid_unicode(f"messages[{i}].content", c)
 
 
 class LlmText:
