@@ -1,6 +1,7 @@
 """Rules of the codebase that a test can hold: environment variables declared once, no import circles."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,31 @@ def test_every_environment_variable_is_declared_once(monkeypatch):
     with pytest.raises(KeyError):
         env.get("FULLTHROTTLE_NOT_DECLARED")
     assert all(name in env.describe() for name in env.VARS)
+
+
+def test_a_mistyped_environment_variable_is_one_line_before_anything_runs(monkeypatch, capsys):
+    """A declared variable with a form (env.Var.form) refuses other values: the CLI says so in one line
+    and exits 2 before starting (a mistyped FULLTHROTTLE_TRITON ran as 1, silently)."""
+    from fullthrottle.cli import main
+
+    for name, good in ((env.TRITON, "0"), (env.POOL_GATHER, "mapped"), (env.CPU_JPEG_WORKERS, "0")):
+        monkeypatch.setenv(name, good)
+        env.check()
+    for name, bad, form in (
+        (env.TRITON, "banana", "0 or 1"),
+        (env.POOL_GATHER, "Mapped", "mapped"),
+        (env.CPU_JPEG_WORKERS, "-3", "an integer >= 0"),
+        (env.NVIMGCODEC_THREADS, "two", "an integer >= 0"),
+        (env.PAGED_ATTENTION, "1,2", "WARPS,PER,SUB: three positive integers"),
+    ):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=re.escape(f"{name} must be {form} (or unset), got {bad!r}")):
+            env.check()
+        assert main(["classify", "no-such-file.jpg", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err == f"fullthrottle: error: {name} must be {form} (or unset), got {bad!r}\n", err
+        monkeypatch.delenv(name)
+    env.check()
 
 
 def test_no_import_circles():

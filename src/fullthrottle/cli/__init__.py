@@ -15,6 +15,7 @@ import contextlib
 import os
 import sys
 
+from ..core import env
 from ..core.config import Config
 from .bench import cmd_bench
 from .classify import cmd_classify
@@ -62,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     if flag := ray_only_given(args):
         sub.error(f"{flag} acts with --ray only")
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        env.check()  # (a mistyped setting: one line, before anything starts)
+    except ValueError as e:
+        print(f"fullthrottle: error: {e}", file=sys.stderr)
+        return 2
     try:
         return _run_command(args, argv)
     except KeyboardInterrupt as e:  # before a command's own handling (Ctrl-C while torch is imported, say)

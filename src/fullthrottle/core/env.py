@@ -16,6 +16,20 @@ class Var:
     name: str
     default: str
     meaning: str
+    #: the values it takes, described (checked by :func:`check`); "" leaves it unchecked here (its
+    #: reader checks it, or any text goes)
+    form: str = ""
+
+
+#: the checks of :attr:`Var.form`: a value is valid when the check returns True ("" is always valid: unset)
+_FORMS = {
+    "0 or 1": lambda v: v in ("0", "1"),
+    "mapped": lambda v: v == "mapped",
+    "an integer >= 0": lambda v: v.isdigit(),
+    "WARPS,PER,SUB: three positive integers": lambda v: (
+        len(v.split(",")) == 3 and all(p.strip().isdigit() and int(p) > 0 for p in v.split(","))
+    ),
+}
 
 
 API_KEY = "FULLTHROTTLE_API_KEY"
@@ -50,15 +64,19 @@ VARS: dict[str, Var] = {
             "the Llama folder the completions workload (fullthrottle.workloads.llm.api:Completions) loads "
             "when none is given",
         ),
-        Var(TRITON, "1", "0: no Triton kernels (the plain-PyTorch references run instead), for comparisons"),
+        Var(TRITON, "1", "0: no Triton kernels (the plain-PyTorch references run instead), for comparisons", "0 or 1"),
         Var(
             POOL_GATHER,
             "",
             "mapped: the compute stage gathers a batch's crops from the pinned pool in place "
             "(zero-copy over PCIe) instead of copying them to the device first",
+            "mapped",
         ),
         Var(
-            NVIMGCODEC_THREADS, "0", "--gpu-decoder hardware: nvImageCodec's CPU threads per decoder (0: one per core)"
+            NVIMGCODEC_THREADS,
+            "0",
+            "--gpu-decoder hardware: nvImageCodec's CPU threads per decoder (0: one per core)",
+            "an integer >= 0",
         ),
         Var(
             NVIMGCODEC_BACKENDS,
@@ -71,12 +89,14 @@ VARS: dict[str, Var] = {
             "",
             "with GPU decoder processes: how many CPU decoder processes JPEGs may keep busy (empty: "
             "the cores left by the GPU decoder processes and the main process, at least 1; 0: none), for trials",
+            "an integer >= 0",
         ),
         Var(
             PAGED_ATTENTION,
             "",
             "LLM decode steps over paged KV memory: WARPS,PER,SUB of the attention kernel "
             "(kernels.paged_decode_attention; empty: its defaults), for trials",
+            "WARPS,PER,SUB: three positive integers",
         ),
         Var(
             WORKER_STATS,
@@ -95,6 +115,18 @@ def get(name: str) -> str:
         KeyError: ``name`` is not declared in :data:`VARS`.
     """
     return os.environ.get(name, VARS[name].default)
+
+
+def check() -> None:
+    """Every declared variable that is set checked against its :attr:`Var.form` (the CLI, at start: a
+    mistyped value is one clear line, not a setting silently taken as another).
+
+    Raises:
+        ValueError: the first variable whose value does not fit, named with the values it takes."""
+    for v in VARS.values():
+        given = os.environ.get(v.name, "")
+        if v.form and given and not _FORMS[v.form](given):
+            raise ValueError(f"{v.name} must be {v.form} (or unset), got {given!r}")
 
 
 def describe() -> str:
