@@ -78,6 +78,13 @@ def test_bench_flags_are_checked_before_anything_runs(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and says in capsys.readouterr().err, argv
+    # a path that is not there: named as it is skipped, then the run's one error (was a bare [Errno 2])
+    assert main(["bench", "e2e", "--images", "/no/such/dir", "--n", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "fullthrottle bench: skipping /no/such/dir: cannot read it: No such file or directory\n"
+        "fullthrottle bench e2e: no image files found in /no/such/dir\n"
+    ), err
 
 
 def test_the_open_loop_tells_requests_never_sent_from_requests_the_server_did_not_answer():

@@ -19,7 +19,11 @@ def _blobs(paths: list[str] | None) -> list[bytes]:
     for _, p in expand(paths):
         if isinstance(p, (str, BadSource)):
             continue
-        data = p.read_bytes()
+        try:
+            data = p.read_bytes()
+        except OSError as e:  # (a path that is not there, or not readable: named, as an image that fails)
+            print(f"fullthrottle bench: skipping {p}: cannot read it: {e.strerror or e}", file=sys.stderr)
+            continue
         try:
             preprocess(data)
         except ImageError as e:  # a benchmark measures images, not errors: say which and go on
@@ -27,7 +31,7 @@ def _blobs(paths: list[str] | None) -> list[bytes]:
             continue
         out.append(data)
     if not out:
-        raise FileNotFoundError(f"no image files found in {paths}")
+        raise FileNotFoundError(f"no image files found in {', '.join(map(str, paths))}")
     return out
 
 
