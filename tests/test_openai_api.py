@@ -290,6 +290,7 @@ def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests
             ({"model": ["x"]}, "model must be a string, got an array"),  # (was 404)
             ({"prompt": ""}, "prompt is empty"),
             ({"prompt": "a\ud800b"}, "prompt is not valid Unicode (a lone surrogate at character 1)"),
+            ({"user": 5}, "user must be a string"),
             ({"prompt": "x" * (64 * 128 + 1)}, "far more than the context"),
         ]
         params = {}

@@ -582,6 +582,7 @@ def test_embeddings_route_matches_library():
             ({"encoding_format": ""}, "encoding_format must be 'float' or 'base64', got ''"),  # (was taken as float)
             ({"model": ["x"]}, "model must be a string, got an array"),  # (was 404)
             ({"dimensions": "384"}, "dimensions must be an integer"),
+            ({"user": 5}, "user must be a string, got a number"),
             ({"input": [[1, 2, 3]]}, "input as token ids is not taken here"),
             ({"input": [["a"]]}, re.escape("input[0] must be a string, got an array")),
             ({"input": [[]]}, re.escape("input[0] must be a string, got an array")),

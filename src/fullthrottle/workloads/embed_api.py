@@ -106,6 +106,9 @@ class EmbeddingsAPI(Workload):
                     t.encode("utf-8")
             except UnicodeEncodeError as e:  # (JSON's \ud800: half a surrogate pair)
                 raise ValueError(f"input[{i}] is not valid Unicode ({e.reason} at character {e.start})") from None
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):  # (OpenAI's end-user id: taken, not used)
+            raise ValueError(f"user must be a string, got {json_type(user)}")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise ValueError(f"model must be a string, got {json_type(model)}")

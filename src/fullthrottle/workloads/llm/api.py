@@ -172,6 +172,8 @@ def _request(
     seed = p.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ValueError("seed must be an integer")
+    if not isinstance(_get(p, "user", ""), str):  # (OpenAI's end-user id: taken, not used)
+        raise ValueError("user must be a string")
     if _integer(p, "n", 1) != 1:
         raise ValueError("n must be 1 (one choice per request)")
     if logprobs is not None and not gen.logprobs:
