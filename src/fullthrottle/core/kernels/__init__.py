@@ -28,8 +28,8 @@ bf16 rounding, not bit for bit. With ``TRITON_INTERPRET=1`` Triton's interpreter
 tensors (how CI checks their indexing without a GPU).
 """
 
-from .attention import decode_attention, decode_attention_ref, gather_pages, paged_decode_attention, paged_setting
-from .common import use_triton
+from .attention import decode_attention, decode_attention_ref, gather_pages, paged_decode_attention
+from .common import paged_setting, use_triton
 from .gemv import linear, linear_ref, linear_rope_qkv_into_cache, linear_silu_mul
 from .image import normalize_u8, normalize_u8_ref, resize_crop_u8
 from .layout import PAIRED_LAYOUT, deinterleave_pairs, interleave_pairs

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import env
 from .common import _FLOATS, KV_FP8, _check, _is_int, _kv_dtype_ok, _same_device, tl, triton, use_triton
 
 #: splits the merge reads at a time: it holds a (MERGE_CHUNK, D) float32 tile, whose registers count
@@ -200,21 +199,6 @@ def paged_decode_attention(
     return _split_kv(
         q, k_pages, v_pages, pos, counters if merge else None, table, row0, kv_len, page // sub, warps, per, sub
     )
-
-
-def paged_setting() -> dict:
-    """``warps``, ``per`` and ``sub`` for :func:`paged_decode_attention` from ``FULLTHROTTLE_PAGED_ATTENTION``
-    (``"WARPS,PER,SUB"``, trials), or ``{}`` (its defaults) when unset.
-
-    Raises:
-        ValueError: a value that is not three positive integers."""
-    given = env.get(env.PAGED_ATTENTION)
-    if not given:
-        return {}
-    parts = given.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"{env.PAGED_ATTENTION} must be WARPS,PER,SUB (three positive integers), got {given!r}")
-    return dict(zip(("warps", "per", "sub"), map(int, parts)))
 
 
 def _split_kv(

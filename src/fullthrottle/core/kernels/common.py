@@ -60,3 +60,18 @@ def _same_device(fn: str, **tensors) -> None:
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def paged_setting() -> dict:
+    """``warps``, ``per`` and ``sub`` for :func:`~.attention.paged_decode_attention` from ``FULLTHROTTLE_PAGED_ATTENTION``
+    (``"WARPS,PER,SUB"``, trials), or ``{}`` (its defaults) when unset.
+
+    Raises:
+        ValueError: a value that is not three positive integers."""
+    given = env.get(env.PAGED_ATTENTION)
+    if not given:
+        return {}
+    parts = given.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"{env.PAGED_ATTENTION} must be WARPS,PER,SUB (three positive integers), got {given!r}")
+    return dict(zip(("warps", "per", "sub"), map(int, parts)))
