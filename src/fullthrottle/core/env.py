@@ -117,13 +117,14 @@ def get(name: str) -> str:
     return os.environ.get(name, VARS[name].default)
 
 
-def check() -> None:
-    """Every declared variable that is set checked against its :attr:`Var.form` (the CLI, at start: a
-    mistyped value is one clear line, not a setting silently taken as another).
+def check(*names: str) -> None:
+    """The declared variables ``names`` (none: every one) that are set, checked against their
+    :attr:`Var.form` (the CLI checks them all at start, each reader its own: a mistyped value is one
+    clear line, not a setting silently taken as another).
 
     Raises:
         ValueError: the first variable whose value does not fit, named with the values it takes."""
-    for v in VARS.values():
+    for v in [VARS[n] for n in names] if names else VARS.values():
         given = os.environ.get(v.name, "")
         if v.form and given and not _FORMS[v.form](given):
             raise ValueError(f"{v.name} must be {v.form} (or unset), got {given!r}")

@@ -43,10 +43,9 @@ def cpu_jpeg_workers(workers: int, gpu_processes: int, cores: int | None = None)
         ValueError: ``FULLTHROTTLE_CPU_JPEG_WORKERS`` is set to anything but an integer >= 0."""
     if not gpu_processes:
         return workers
+    env.check(env.CPU_JPEG_WORKERS)
     given = env.get(env.CPU_JPEG_WORKERS)
     if given:
-        if not given.isdigit():
-            raise ValueError(f"{env.CPU_JPEG_WORKERS} must be an integer >= 0, got {given!r}")
         return min(workers, int(given))
     return max(1, min(workers, (cores or usable_cores()) - 2 - gpu_processes))
 

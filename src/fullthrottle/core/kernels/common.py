@@ -63,15 +63,11 @@ def _is_int(v) -> bool:
 
 
 def paged_setting() -> dict:
-    """``warps``, ``per`` and ``sub`` for :func:`~.attention.paged_decode_attention` from ``FULLTHROTTLE_PAGED_ATTENTION``
-    (``"WARPS,PER,SUB"``, trials), or ``{}`` (its defaults) when unset.
+    """``warps``, ``per`` and ``sub`` for :func:`~.attention.paged_decode_attention` from
+    ``FULLTHROTTLE_PAGED_ATTENTION`` (``"WARPS,PER,SUB"``, trials), or ``{}`` (its defaults) when unset.
 
     Raises:
-        ValueError: a value that is not three positive integers."""
+        ValueError: a value that is not three positive integers (:func:`~fullthrottle.core.env.check`)."""
+    env.check(env.PAGED_ATTENTION)
     given = env.get(env.PAGED_ATTENTION)
-    if not given:
-        return {}
-    parts = given.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"{env.PAGED_ATTENTION} must be WARPS,PER,SUB (three positive integers), got {given!r}")
-    return dict(zip(("warps", "per", "sub"), map(int, parts)))
+    return dict(zip(("warps", "per", "sub"), map(int, given.split(",")))) if given else {}
