@@ -147,9 +147,9 @@ def paged_decode_attention(
         table: ``(rows, P)`` int64 page numbers, ``P * PAGE >= kv_len``. pos, row0, kv_len, counters,
             warps, per: as :func:`decode_attention`; unset: 2 warps and a page a program (bf16 pages,
             the fastest on an H200), over float8 pages 1 warp and 4 pages a program (the fastest of
-            27 settings on an H100 at 256 and 512 rows, 13-14% under the bf16 defaults at positions
-            128-255, ``bench/probes/paged_attention_probe.py``, docs/performance.md). sub: blocks per
-            page (a power of two, ``PAGE / sub >= 8``).
+            27 settings on an H100 at 256 and 512 rows: 13-14% under 2 warps and a page at positions
+            128-255, 2% at 512-767; ``bench/probes/paged_attention_probe.py``, docs/performance.md).
+            sub: blocks per page (a power of two, ``PAGE / sub >= 8``).
 
     Returns:
         ``(B, H, S, D)`` in ``q``'s dtype.
