@@ -43,7 +43,10 @@ def valid_unicode(field: str, text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{field} is not valid Unicode (a lone surrogate at character {e.start})") from None
+        raise ValueError(
+            f"{field} is not valid Unicode (a lone surrogate at character {e.start}: bytes that are not UTF-8, "
+            "as Python reads them, or a JSON escape of half a pair): is the input UTF-8?"
+        ) from None
     return text
 
 
