@@ -117,14 +117,7 @@ class LlmText:
         Raises:
             ValueError: ``text`` is not valid Unicode (a lone surrogate, as JSON escapes allow).
         """
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(
-                f"the text is not valid Unicode at character {e.start} (a lone surrogate: bytes that are "
-                "not UTF-8, as Python reads them, or a JSON escape of half a pair): is the input UTF-8?"
-            ) from None
-        return self.tokenizer.encode(text, add_special_tokens=special).ids
+        return self.tokenizer.encode(valid_unicode("the text", text), add_special_tokens=special).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
