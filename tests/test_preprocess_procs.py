@@ -443,3 +443,26 @@ def test_a_worker_whose_parent_left_during_its_start_exits_quietly(capfd):
         conn.close()
         proc.kill()
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_jpeg_decoded_from_damaged_data_is_named_with_the_decoders_warning(samples, tmp_path, caplog, capfd):
+    """A JPEG whose data is damaged mid-way is decoded by libjpeg anyway, which writes "Corrupt JPEG
+    data: ..." to its process's stderr: the decoder process catches it and sends it back with the
+    image, and the warning is given with the file's name. No line without a name reaches stderr,
+    and the image's result is the one of the damaged image (as the thread path decodes it)."""
+    import logging
+
+    data = bytearray(samples[0].read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 200] = bytes(200)
+    damaged = tmp_path / "damaged.jpg"
+    damaged.write_bytes(data)
+    inputs = [str(damaged), str(samples[1])]
+    with caplog.at_level(logging.WARNING, logger="fullthrottle.data.cpu_feed"):
+        with tiny_pipe(preprocess="processes") as pipe:
+            got = [(r.id, r.class_ids, r.error) for r in pipe.run(inputs)]
+    assert caplog.messages == [
+        f"{damaged}: decoded from damaged data (the decoder says: Corrupt JPEG data: premature end of data segment)"
+    ]
+    assert "Corrupt JPEG data" not in capfd.readouterr().err
+    with tiny_pipe(preprocess="threads") as pipe:
+        assert got == [(r.id, r.class_ids, r.error) for r in pipe.run(inputs)]

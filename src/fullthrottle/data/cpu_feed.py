@@ -11,6 +11,7 @@ error. Takes the :class:`~fullthrottle.workloads.classify.run.Run` it serves.
 from __future__ import annotations
 
 import collections
+import logging
 import selectors
 import time
 
@@ -20,6 +21,8 @@ from .gpu_feed import GPU_CHUNK
 from .image_header import ImageError
 from .load import LoadError
 from .worker_procs import WorkerDied
+
+log = logging.getLogger(__name__)
 
 #: images out at each decoder process at once (one decoding, the rest waiting in its socket), so
 #: that a worker finishing an image finds the next one even when this process is slow to answer
@@ -220,7 +223,9 @@ def feed_cpu_decoders(run, workers: list) -> None:
                 outstanding -= 1
                 try:
                     if w not in stuck:
-                        workers[w].receive()  # the crop is in crops.array[it.pool_row]
+                        said = workers[w].receive()  # the crop is in crops.array[it.pool_row]
+                        if said:  # (libjpeg's "Corrupt JPEG data: ...": the crop is what it could read)
+                            log.warning("%s: decoded from damaged data (the decoder says: %s)", it.id, said)
                     else:  # a worker stuck on one image (a decoder hang) costs that image only
                         raise workers[w].kill(
                             f"decoding took longer than {timeout_s:g} s "

@@ -4,8 +4,13 @@ reads requests from its socket (a crop-pool row, then encoded bytes or a file's 
 answers with one status byte, or the status and the item's error.
 
 The protocol: a request is ``_ROW`` (the row, with :data:`~fullthrottle.data.worker_procs.PATH_BIT` set for
-a path) and the bytes; a reply is ``_OK``, or ``_IMAGE_ERROR`` / ``_OTHER_ERROR`` / ``_LOAD_ERROR``
-followed by the error's text.
+a path) and the bytes; a reply is ``_OK``, ``_WARNED`` followed by the decoder's warnings (the crop
+is written), or ``_IMAGE_ERROR`` / ``_OTHER_ERROR`` / ``_LOAD_ERROR`` followed by the error's text.
+
+The warnings are what C libraries write to the process's stderr while decoding the image: libjpeg's
+"Corrupt JPEG data: ..." (through OpenCV) for a JPEG it decoded from damaged data. A process decodes
+one image at a time, so they are caught here (:class:`CStderr`) and go back with the image they came
+from, for the parent to give with its name.
 """
 
 from __future__ import annotations
@@ -28,6 +33,42 @@ from .worker_procs import PATH_BIT
 _OK, _IMAGE_ERROR, _OTHER_ERROR = 0, 1, 2
 _ROW = struct.Struct("<I")  # the pool row a request's crop goes to, ahead of the encoded bytes
 _LOAD_ERROR = 3  # reply: the file could not be read (the message is the item's whole error)
+_WARNED = 4  # reply: the crop is written; the decoder's warnings follow
+#: most bytes of an image's warnings sent back (the rest dropped)
+MAX_WARNING_BYTES = 1000
+
+
+class CStderr:
+    """File descriptor 2 of this process turned into a pipe that :meth:`take` empties: what C code
+    (libjpeg) writes there is caught, Python's ``sys.stderr`` keeps the stream it had. Both ends do not
+    block: past the pipe's capacity (64 KiB) between two :meth:`take`, a decoder's lines are dropped,
+    it never waits."""
+
+    def __init__(self):
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        keep = os.dup(2)
+        sys.stderr.flush()
+        os.dup2(w, 2)
+        os.close(w)
+        sys.stderr = open(keep, "w", encoding="utf-8", errors="backslashreplace", buffering=1)  # noqa: SIM115
+        self._r = r
+
+    def take(self) -> bytes:
+        """What was written since the last call: its lines joined by "; ", at most
+        :data:`MAX_WARNING_BYTES` (b"" for none)."""
+        got = b""
+        while True:
+            try:
+                chunk = os.read(self._r, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            got += chunk[: max(0, 4 * MAX_WARNING_BYTES - len(got))]
+        lines = [ln.strip() for ln in got.splitlines() if ln.strip()]
+        return b"; ".join(dict.fromkeys(lines))[:MAX_WARNING_BYTES]
 
 
 def worker_main(argv: list[str]) -> None:
@@ -61,6 +102,7 @@ def worker_main(argv: list[str]) -> None:
     except OSError:  # the parent is gone (a second Ctrl-C during its start-up): nothing to serve
         return
     os.close(ready_fd)
+    warnings = CStderr()
     stats_path = env.get(env.WORKER_STATS)
     if stats_path:
         return _worker_loop_timed(
@@ -72,13 +114,14 @@ def worker_main(argv: list[str]) -> None:
             max_file_bytes,
             f"{stats_path}.{os.getpid()}.json",
             interpolation,
+            warnings,
         )
     while True:
         try:
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        out = _work_one(msg, crops, resize_size, crop_size, max_pixels, max_file_bytes, interpolation)
+        out = _work_one(msg, crops, resize_size, crop_size, max_pixels, max_file_bytes, interpolation, warnings)
         try:
             conn.send_bytes(out)
         except (EOFError, OSError):
@@ -106,15 +149,24 @@ def _work_one(
     max_pixels: int,
     max_file_bytes: int,
     interpolation: str = "bilinear",
+    warnings: CStderr | None = None,
 ) -> bytes:
-    """One request (pool row + encoded bytes or a path) -> its reply (status byte, or status and error text)."""
+    """One request (pool row + encoded bytes or a path) -> its reply (status byte, or status and error
+    text, or ``_WARNED`` and what ``warnings`` caught while decoding it)."""
     try:
         row, data = _request(msg, max_file_bytes)
         arr = preprocess(data, resize_size, crop_size, max_pixels, interpolation)
         crops[row] = arr  # straight into the shared (pinned) pool: the only copy of the pixels
-        return bytes([_OK])
+        return _ok(warnings)
     except Exception as e:  # noqa: BLE001 - a decoder error belongs to this item
+        if warnings is not None:
+            warnings.take()  # (the error says what went wrong)
         return _error_reply(e)
+
+
+def _ok(warnings: CStderr | None) -> bytes:
+    said = warnings.take() if warnings is not None else b""
+    return bytes([_WARNED]) + said if said else bytes([_OK])
 
 
 def _error_reply(e: Exception) -> bytes:
@@ -126,7 +178,15 @@ def _error_reply(e: Exception) -> bytes:
 
 
 def _worker_loop_timed(
-    conn, crops, resize_size, crop_size, max_pixels, max_file_bytes, path: str, interpolation: str = "bilinear"
+    conn,
+    crops,
+    resize_size,
+    crop_size,
+    max_pixels,
+    max_file_bytes,
+    path: str,
+    interpolation: str = "bilinear",
+    warnings: CStderr | None = None,
 ) -> None:
     """The worker loop with a time split per phase, written as JSON to ``path`` at exit (benchmarks)."""
     import json
@@ -148,9 +208,11 @@ def _worker_loop_timed(
                 arr = preprocess(data, resize_size, crop_size, max_pixels, interpolation)
                 c, c1 = clock(), cpu()
                 crops[row] = arr
-                out = bytes([_OK])
+                out = _ok(warnings)
             except Exception as e:  # noqa: BLE001
                 c, c1 = clock(), cpu()
+                if warnings is not None:
+                    warnings.take()
                 out = _error_reply(e)
             d = clock()
             try:

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..core import env
 from .crop_pool import CropPool
-from .decoder_worker import _LOAD_ERROR, _OK, _ROW
+from .decoder_worker import _LOAD_ERROR, _OK, _ROW, _WARNED
 from .image_header import ImageError
 from .load import LoadError
 from .worker_procs import (
@@ -222,8 +222,10 @@ class DecoderProcess:
         except OSError:
             pass  # the worker is gone: receive() reports it for this item and restarts it
 
-    def receive(self) -> None:
-        """Wait for the answer to the last :meth:`send`: returns once the crop is in its pool row.
+    def receive(self) -> str | None:
+        """Wait for the answer to the last :meth:`send`: returns once the crop is in its pool row, with
+        the decoder's warnings for the image (libjpeg's "Corrupt JPEG data: ...", the crop made
+        from what it could read) or None.
 
         Raises: see :meth:`__call__` (the item's error); :class:`~fullthrottle.data.load.LoadError`: the
             file of a path request could not be read (its message is the item's whole error).
@@ -236,7 +238,9 @@ class DecoderProcess:
             raise WorkerDied(f"decoder process died on this item ({how}): {type(e).__name__}") from None
         self.owed -= 1
         if msg[0] == _OK:
-            return
+            return None
+        if msg[0] == _WARNED:
+            return msg[1:].decode("utf-8", "replace")
         if msg[0] == _LOAD_ERROR:
             raise LoadError(msg[1:].decode("utf-8", "replace"))
         # _IMAGE_ERROR or _OTHER_ERROR: the message is already worded as the thread path words it
