@@ -507,6 +507,27 @@ def test_generate_many_keeps_the_answers_done_when_stopped(tmp_path, monkeypatch
     assert [json.loads(x)["index"] for x in out.read_text().splitlines()] == [0, 1]
 
 
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        (["--prompts", "p.txt", "--tokens", "1,2"], "give --prompts FILE, or one --prompt / --tokens, not both"),
+        (["--prompt", "hi", "--tokens", "1,2"], "give either --prompt or --tokens, not both"),
+        ([], "give --prompt TEXT or --tokens IDS"),
+        (["--prompt", "hi"], "--prompt needs a tokenizer.json in --model-dir; give --tokens instead"),
+        (["--tokens", "1,x"], "--tokens must be comma-separated integers, got '1,x'"),
+    ],
+)
+def test_generate_names_prompt_flags_that_do_not_fit_before_the_model_loads(flags, want, capsys, monkeypatch):
+    from fullthrottle.cli import generate
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(generate, "random_llama", no_load)
+    assert main(["generate", "--random", "tiny", *flags]) == 2
+    assert capsys.readouterr().err == f"fullthrottle: error: {want}\n"
+
+
 def test_generate_names_what_a_cpu_run_leaves_out_and_the_context_it_exceeds(capsys):
     assert (
         main(

@@ -110,6 +110,26 @@ def _many(args, model, tok, eos, device, dtype) -> int:
     return 1 if failed else 0
 
 
+def _prompt_args_error(args) -> str | None:
+    """What is wrong with the prompt flags as given (``--prompts``, ``--prompt``, ``--tokens``), or None."""
+    if args.prompts is not None:
+        if args.tokens is not None or args.prompt is not None:
+            return "give --prompts FILE, or one --prompt / --tokens, not both"
+        return None
+    if args.tokens is not None and args.prompt is not None:
+        return "give either --prompt or --tokens, not both"
+    if args.tokens is None and args.prompt is None:
+        return "give --prompt TEXT or --tokens IDS"
+    if args.prompt is not None and not args.model_dir:
+        return "--prompt needs a tokenizer.json in --model-dir; give --tokens instead"
+    if args.tokens is not None:
+        try:
+            [int(x) for x in args.tokens.split(",")]
+        except ValueError:
+            return f"--tokens must be comma-separated integers, got {args.tokens!r}"
+    return None
+
+
 def cmd_generate(args) -> int:
     from .common import held_signals, overwrites_an_input
 
@@ -132,6 +152,10 @@ def cmd_generate(args) -> int:
             f"fullthrottle: error: --kv-dtype {args.kv_dtype} needs paged KV memory: give --kv-pages N or auto",
             file=sys.stderr,
         )
+        return 2
+    why = _prompt_args_error(args)
+    if why:  # (before the model loads: a 7B model takes a while)
+        print(f"fullthrottle: error: {why}", file=sys.stderr)
         return 2
 
     with held_signals():  # (a Ctrl-C or SIGTERM is taken once the native libraries have imported)
@@ -163,22 +187,13 @@ def cmd_generate(args) -> int:
             print("WARNING: random weights: the tokens are meaningless", file=sys.stderr)
         eos = model.cfg.eos_token_id  # (one token id, or several: any ends a prompt)
         if args.prompts is not None:
-            if args.tokens is not None or args.prompt is not None:
-                raise ValueError("give --prompts FILE, or one --prompt / --tokens, not both")
             return _many(args, model, tok, eos if args.model_dir else None, device, dtype)
-        if args.tokens is not None and args.prompt is not None:
-            raise ValueError("give either --prompt or --tokens, not both")
         if args.tokens is not None:
-            try:
-                ids = [int(x) for x in args.tokens.split(",")]
-            except ValueError:
-                raise ValueError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
-        elif args.prompt is not None:
+            ids = [int(x) for x in args.tokens.split(",")]  # (checked by _prompt_args_error)
+        else:
             if tok is None:
                 raise ValueError("--prompt needs a tokenizer.json in --model-dir; give --tokens instead")
             ids = tok.encode(args.prompt)
-        else:
-            raise ValueError("give --prompt TEXT or --tokens IDS")
         check_prompt(ids, model.cfg.vocab_size)
         context = model.cfg.max_position_embeddings
         if args.max_seq_len is None and len(ids) + args.max_new_tokens > context:
