@@ -303,6 +303,33 @@ def test_body_limit_413(samples):
         assert got.count(b"HTTP/1.1") == 1, got[:1000]
 
 
+def test_a_client_that_sends_a_whole_body_far_over_the_limit_before_reading_gets_413():
+    """Python's http.client sends a request's whole body before it reads the answer: the server reads
+    on and drops what is over the limit, so that the 413 reaches it (a connection closed with bytes
+    unread is reset, and the answer with it). Four such uploads at once, each 24 times the limit."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    body = b"\xff\xd8" + bytes(24 << 20)
+
+    def upload(url: str):
+        u = urlsplit(url)
+        c = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        try:
+            c.request("POST", "/v1/classify", body=body, headers={"Content-Type": "image/jpeg"})
+            r = c.getresponse()
+            return r.status, json.loads(r.read())["detail"]
+        except OSError as e:
+            return type(e).__name__, str(e)
+        finally:
+            c.close()
+
+    with Server(Tiny(), ServeOptions(max_body_bytes=1 << 20)) as s, cf.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(upload, [s.url] * 4))
+    want = f"request body of {len(body)} bytes exceeds the limit of {1 << 20}"
+    assert got == [(413, want)] * 4, got
+
+
 def test_no_route_is_a_bad_request_naming_it_and_no_generated_docs_are_served(samples):
     """A path the server lacks is 404 naming method and path, under /v1/ in OpenAI's shape as an
     invalid request (it said model_not_found, which is for a model not served); FastAPI's /docs,

@@ -86,8 +86,9 @@ def error_body(status: int, detail: str, openai: bool = False, kind: str | None 
 
 #: a body over the limit is read on and dropped, up to this many bytes more and for this long, so that
 #: the 413 reaches a client still sending (a connection closed with bytes unread is reset, and the
-#: answer with it); past either, the connection closes regardless
-DRAIN_BYTES = 16 << 20
+#: answer with it: Python's http.client sends a whole body before it reads); past either, the
+#: connection closes regardless. Dropping bytes holds no memory: a few times the largest body limit
+DRAIN_BYTES = 256 << 20
 DRAIN_S = 2.0
 
 
