@@ -237,6 +237,45 @@ def test_cli_embed_a_bad_jsonl_line_costs_only_itself(tmp_path, emb, capsys):
     np.testing.assert_allclose(a[[0, 2, 4]], good, atol=1e-6)
 
 
+def test_cli_embed_names_an_input_it_cannot_read_and_leaves_no_output(tmp_path, emb, capsys, monkeypatch):
+    """An input file that cannot be opened is named as the input (not as the output), before the
+    model loads and before the output file is made; one whose read fails mid-way likewise. A
+    .jsonl line that is not valid UTF-8 and then fails is that line's error, not also "embedded with
+    U+FFFD" in the report's notes."""
+    from fullthrottle.cli import embed as cli_embed
+
+    src = tmp_path / "in.txt"
+    src.write_text("a cat\na dog\n")
+    out = tmp_path / "o.jsonl"
+    real_open = builtins.open
+
+    class Failing:  # (a file whose second line cannot be read: a disk's I/O error)
+        def __iter__(self):
+            yield b"a cat\n"
+            raise OSError(5, "Input/output error")
+
+        def close(self):
+            pass
+
+    def refused():
+        raise PermissionError(13, "Permission denied")
+
+    for make, fail_at in ((refused, "open"), (Failing, "read")):
+        monkeypatch.setattr(
+            cli_embed, "open", lambda p, *a, **k: make() if str(p) == str(src) else real_open(p, *a, **k), raising=False
+        )
+        assert main(["embed", str(src), "--out", str(out), "--device", "cpu", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        why = "Permission denied" if fail_at == "open" else "Input/output error"
+        assert f"fullthrottle: error: cannot read {src}: {why}" in err and "cannot write" not in err, err
+        assert out.exists() == (fail_at == "read")  # (open: refused before anything is made)
+    monkeypatch.undo()
+    (tmp_path / "u.jsonl").write_bytes(b'"a cat"\n\xff\n"a\xff dog"\n')
+    assert main(["embed", str(tmp_path / "u.jsonl"), "--out", str(out), "--device", "cpu", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "NOTE: 1 line not valid UTF-8 (line 3): embedded with each invalid byte read as U+FFFD" in err, err
+
+
 @pytest.mark.gpu
 def test_gpu_half_precision_and_graphs():
     texts = varied_texts(500)

@@ -23,10 +23,14 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
 
     Raises:
         ValueError: such a line when ``bad`` is None, naming the line.
+        InputError: ``path`` cannot be read (the message names it).
     """
-    f = own_stdin() if path == "-" else open(path, "rb")
     try:
-        for no, raw in numbered_lines(f):
+        f = own_stdin() if path == "-" else open(path, "rb")
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        for no, raw in _lines(f, path):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -72,6 +76,23 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
             f.close()
 
 
+class InputError(OSError):
+    """The input file could not be read (opened, or a read failed): the message names it."""
+
+
+def _lines(f, path: str):
+    """``numbered_lines(f)``, a read error raised as :class:`InputError` naming ``path``."""
+    it = numbered_lines(f)
+    while True:
+        try:
+            line = next(it)
+        except StopIteration:
+            return
+        except OSError as e:
+            raise InputError(f"cannot read {path}: {e.strerror or e}") from None
+        yield line
+
+
 def cmd_embed(args) -> int:
     from .common import cannot_write, held_signals, overwrites_an_input, write_report_json
 
@@ -100,6 +121,12 @@ def cmd_embed(args) -> int:
         what = "is a directory, not a file" if os.path.isdir(args.file) else "no such file"
         print(f"fullthrottle: error: {args.file}: {what}", file=sys.stderr)
         return 2
+    if os.path.isfile(args.file):  # (before the output file is made and the model loads; a pipe is left unopened)
+        try:
+            open(args.file, "rb").close()
+        except OSError as e:
+            print(f"fullthrottle: error: cannot read {args.file}: {e.strerror or e}", file=sys.stderr)
+            return 2
     if not to_stdout and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         print(f"fullthrottle: error: cannot write {args.out}: its folder does not exist", file=sys.stderr)
         return 2
@@ -191,6 +218,9 @@ def cmd_embed(args) -> int:
             np.save(args.out, np.concatenate(vectors) if vectors else np.zeros((0, emb.dim), np.float32))
             print(f"wrote {args.out}: the vectors of the first {n} texts", file=sys.stderr)
         raise
+    except InputError as e:
+        print(f"fullthrottle: error: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(
             f"fullthrottle: error: cannot write {'stdout' if to_stdout else args.out}: {e.strerror or e}",
@@ -225,6 +255,7 @@ def cmd_embed(args) -> int:
         gpu_mem_max_bytes=mon.max_mem_bytes,
         unit="text",
     )
+    not_utf8 = [no for no in not_utf8 if no - 1 not in bad]  # (a line that failed was not embedded)
     if not_utf8:
         lines = ", ".join(map(str, not_utf8[:10])) + (f" and {len(not_utf8) - 10} more" if len(not_utf8) > 10 else "")
         rep.notes.append(
