@@ -787,6 +787,12 @@ def test_ctrl_c_mid_run_with_decoder_processes_leaves_no_process_and_no_shared_m
     assert shm1 <= shm0, shm1 - shm0
 
 
+def test_an_empty_weights_path_is_named_as_empty_not_as_the_current_folder(samples, capsys):
+    for argv in (["classify", str(samples[0]), "--device", "cpu"], ["serve", "--device", "cpu"]):
+        assert main([*argv, "--weights="]) == 2
+        assert capsys.readouterr().err.endswith("fullthrottle: error: cannot read weights: the path given is empty\n")
+
+
 def test_a_port_out_of_range_is_a_usage_error_before_anything_loads(capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--port", "70000"])

@@ -132,7 +132,9 @@ def test_load_workload_names_what_is_not_a_workload():
     from fullthrottle.core.workload import load_workload
 
     assert isinstance(load_workload("toy_workload:Summer"), Summer)
-    with pytest.raises(ValueError, match="a OrderedDict is not a workload: subclass fullthrottle.Workload"):
+    with pytest.raises(
+        ValueError, match="^--workload collections:OrderedDict: a OrderedDict is not a workload: subclass"
+    ):
         load_workload("collections:OrderedDict")
     with pytest.raises(ValueError, match=r"NeedsArgs\(\) failed: TypeError: .*'scale'"):
         load_workload("toy_workload:NeedsArgs")

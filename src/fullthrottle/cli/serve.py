@@ -56,6 +56,8 @@ def cmd_serve(args) -> int:
             preprocess=args.preprocess,
         )
         spec(args.model)  # (a MODULE:CLASS is imported now: its errors before anything starts)
+        if args.weights == "":
+            raise ValueError("cannot read weights: the path given is empty")
         if args.weights is not None and not os.path.isfile(args.weights):
             raise FileNotFoundError(f"weights file not found: {args.weights}")
         if args.weights is not None and args.classify:  # weights that do not fit: an error before anything starts

@@ -164,7 +164,10 @@ def load_workload(spec: str) -> Workload:
     except (Exception, SystemExit) as e:  # the user's constructor: its own error, named
         hint = " (the class is built with no arguments)" if isinstance(e, TypeError) else ""
         raise ValueError(f"--workload {spec}: {obj.__name__}() failed: {raised(e)}{hint}") from e
-    check_workload(w)
+    try:
+        check_workload(w)
+    except ValueError as e:
+        raise ValueError(f"--workload {spec}: {e}") from None
     return w
 
 

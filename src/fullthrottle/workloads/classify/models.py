@@ -228,6 +228,8 @@ def load_model(name: str, weights: str | Path | None = None):
     """
     s = spec(name)
     model = build_model(name)
+    if weights is not None and not str(weights):  # (Path("") is the current folder)
+        raise WeightsError("cannot read weights: the path given is empty")
     path = Path(weights) if weights is not None else (s.bundled_weights() if s.bundled_weights else None)
     if path is not None:
         load_weights(model, path, name)
