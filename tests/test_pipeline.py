@@ -514,6 +514,28 @@ def test_bad_input_types_and_empty_matches_are_per_item_errors(samples, tmp_path
     assert "no files match the pattern" in res[3].error
 
 
+def test_a_pattern_in_a_folder_that_cannot_be_listed_says_so(tmp_path, monkeypatch):
+    """glob matches nothing in a folder it cannot list, without a word: the item's error adds why."""
+    from fullthrottle.data import sources
+
+    (tmp_path / "locked").mkdir()
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.path.abspath(path) == str(tmp_path / "locked"):
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(sources.os, "scandir", scandir)
+    [(_, locked)] = list(sources.expand([str(tmp_path / "locked" / "*.jpg")]))
+    [(_, nowhere)] = list(sources.expand([str(tmp_path / "nowhere" / "*.jpg")]))
+    assert (
+        str(locked)
+        == f"no files match the pattern {tmp_path}/locked/*.jpg (cannot read directory {tmp_path}/locked: Permission denied)"
+    )
+    assert str(nowhere) == f"no files match the pattern {tmp_path}/nowhere/*.jpg"
+
+
 def test_stage_failure_is_raised(samples):
     pipe = tiny_pipe()
     pipe.engine.class_labels.given, pipe.engine.class_labels.names = False, None  # a bug in a stage must surface

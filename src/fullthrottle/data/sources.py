@@ -77,7 +77,7 @@ def expand(inputs: Iterable[Any]) -> Iterator[tuple[str, Any]]:
                     found += 1
                     yield p, Path(p)
                 if not found:
-                    yield s, BadSource(f"no files match the pattern {s}")
+                    yield s, BadSource(f"no files match the pattern {s}{_unlisted_base(s)}")
             else:
                 yield s, Path(s)
         else:
@@ -162,6 +162,21 @@ def glob_match(parts: list[str], pattern: list[str]) -> bool:
     if not parts or (parts[0].startswith(".") and not head.startswith(".")):
         return False
     return fnmatch.fnmatchcase(parts[0], head) and glob_match(parts[1:], rest)
+
+
+def _unlisted_base(pattern: str) -> str:
+    """`` (cannot read directory D: why)`` when the fixed folder a glob pattern starts in cannot be
+    listed (``glob`` then matches nothing without a word), else ``""``."""
+    parts = pattern.split(os.sep)
+    k = next(i for i, c in enumerate(parts) if glob.has_magic(c))
+    base = os.sep.join(parts[:k]) or ("." if not pattern.startswith(os.sep) else os.sep)
+    try:
+        os.scandir(base).close()
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        return f" (cannot read directory {base}: {e.strerror or e})"
+    return ""
 
 
 def glob_files(pattern: str) -> list[str]:
