@@ -1457,6 +1457,10 @@ def test_classify_reads_its_inputs_from_stdin_with_a_dash(samples, tmp_path, mon
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(photo.getvalue())))
         assert main(["classify", "-", *args]) == 2
         assert "error: stdin holds image data, not names: 'classify -' reads paths" in capsys.readouterr().err
+    for empty in (b"", b"\n\n"):  # (nothing to classify: said, where the report is)
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(empty)))
+        assert main(["classify", "-", *args]) == 0
+        assert "NOTE: stdin held no input: 'classify -' reads paths" in capsys.readouterr().err
 
 
 def _answers_as_they_come(args: list[str], text: str, n: int) -> list[dict]:

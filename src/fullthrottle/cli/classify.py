@@ -130,7 +130,7 @@ def _classify(args) -> int:
         from ..workloads.classify.pipeline import Pipeline
         from ..workloads.classify.run import PipelineError
 
-    inputs = args.inputs
+    inputs = inputs_given = args.inputs
     refusal = ray_refusal(args) if args.ray is not None else None
     if not refusal and "-" in inputs:
         try:
@@ -310,6 +310,8 @@ def _classify(args) -> int:
         print(f"fullthrottle: error: cannot write {dest}: {err}", file=sys.stderr)
         return 2
     rep = pipe.last_report
+    if rep.items == 0 and "-" in (inputs_given or ()):  # (any other input is an item, if only an error)
+        rep.notes.append("stdin held no input: 'classify -' reads paths, folders or URLs, one a line")
     print(rep.format(), file=sys.stderr)
     if device.type == "cuda":
         print(f"GPU: {torch.cuda.get_device_name(device)}", file=sys.stderr)
