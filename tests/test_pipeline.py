@@ -330,10 +330,12 @@ def test_missing_file_and_glob_and_dir(tmp_path, samples):
         (tmp_path / "sub" / f"img{i}.jpg").write_bytes(p.read_bytes())
     (tmp_path / "sub" / "notes.txt").write_text("skip me")
     pipe = tiny_pipe()
-    res = pipe.classify([str(tmp_path), str(tmp_path / "sub" / "*.jpg"), str(tmp_path / "nope.jpg"), "   "])
-    assert [r.ok for r in res] == [True] * 6 + [False, False]
-    assert res[-2].error == f"file not found: {tmp_path / 'nope.jpg'}"
-    assert res[-1].error == "file not found: '   '"  # (a name of spaces shown quoted: seen)
+    latin1 = os.fsdecode(b"caf\xe9.jpg")  # (a name whose bytes are not UTF-8)
+    res = pipe.classify([str(tmp_path), str(tmp_path / "sub" / "*.jpg"), str(tmp_path / "nope.jpg"), "   ", latin1])
+    assert [r.ok for r in res] == [True] * 6 + [False, False, False]
+    assert res[-3].error == f"file not found: {tmp_path / 'nope.jpg'}"
+    assert res[-2].error == "file not found: '   '"  # (a name of spaces shown quoted: seen)
+    assert res[-1].error == "file not found: caf\\xe9.jpg"  # (its bytes as the id's JSON shows them)
     assert res[0].class_ids == res[3].class_ids
 
 

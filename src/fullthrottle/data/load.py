@@ -70,11 +70,22 @@ def read_local(path: str, max_bytes: int) -> bytes:
 
 
 def _shown(path) -> str:
-    """``path`` as an error names it: quoted where spaces at its ends or unprintable characters would
-    leave the name unseen."""
+    """``path`` as an error names it: bytes of the name that are not UTF-8 as ``\\xNN`` (as the item's
+    id shows them), and quoted where spaces at its ends or unprintable characters would leave the
+    name unseen."""
     s = os.fspath(path)
     s = os.fsdecode(s) if isinstance(s, bytes) else s
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        s = s.encode("utf-8", "surrogateescape" if _escapes_bytes(s) else "backslashreplace")
+        s = s.decode("utf-8", "backslashreplace")
     return repr(s) if s != s.strip() or not s.isprintable() else s
+
+
+def _escapes_bytes(s: str) -> bool:
+    """Whether every lone surrogate in ``s`` stands for a byte (``surrogateescape``: U+DC80-U+DCFF)."""
+    return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in s)
 
 
 def _read_file_inner(path: str | os.PathLike, max_bytes: int) -> bytes:
