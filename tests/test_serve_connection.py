@@ -59,21 +59,34 @@ def test_a_pipelined_requests_body_is_neither_a_head_nor_under_the_heads_deadlin
 @pytest.mark.parametrize("parser", ["httptools", "h11"])
 def test_a_request_before_bad_bytes_is_answered_then_the_400(samples, parser):
     """A whole request, then bytes that are no request, in one send: the request is answered (and
-    counted 200, not as a client gone), then 400, then the connection closes."""
+    counted 200, not as a client gone), then 400, then the connection closes. The server's log
+    names the client and the parser's reason (uvicorn's own line names neither: it is left out)."""
+    import logging
+
+    import httpx
+
     pytest.importorskip(parser)
     img = samples[0].read_bytes()
     post = b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nContent-Length: %d\r\n\r\n" % len(img)
-    with Server(Tiny(), uvicorn_kw={"http": head_deadline_protocol(5.0, parser=parser)}) as srv:
-        sock = socket.create_connection(("127.0.0.1", srv.port))
-        sock.sendall(post + img + b"garbage\r\n\r\n")
-        got, closed = read_all(sock, 5.0)
-        sock.close()
-        assert got.startswith(b"HTTP/1.1 200") and b'"top_k"' in got, got[:300]
-        assert got.count(b"HTTP/1.1 400") == 1 and got.index(b"HTTP/1.1 400") > got.index(b'"top_k"') and closed
-        import httpx
-
-        metrics = httpx.get(f"http://127.0.0.1:{srv.port}/metrics").text
-        assert 'route="/v1/classify",status="200"} 1.0' in metrics and 'status="499"' not in metrics
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: logged.append(r.getMessage())
+    try:
+        with Server(Tiny(), uvicorn_kw={"http": head_deadline_protocol(5.0, parser=parser)}) as srv:
+            logging.getLogger("uvicorn.error").addHandler(handler)  # (uvicorn's start set its handlers)
+            sock = socket.create_connection(("127.0.0.1", srv.port))
+            sock.sendall(post + img + b"garbage\r\n\r\n")
+            got, closed = read_all(sock, 5.0)
+            sock.close()
+            metrics = httpx.get(f"http://127.0.0.1:{srv.port}/metrics").text
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert got.startswith(b"HTTP/1.1 200") and b'"top_k"' in got, got[:300]
+    assert got.count(b"HTTP/1.1 400") == 1 and got.index(b"HTTP/1.1 400") > got.index(b'"top_k"') and closed
+    assert 'route="/v1/classify",status="200"} 1.0' in metrics and 'status="499"' not in metrics
+    refused = [m for m in logged if "refused" in m or "Invalid HTTP" in m]
+    assert len(refused) == 1, logged
+    assert refused[0].startswith("refused a request from 127.0.0.1: 400 malformed HTTP request: "), refused
 
 
 def test_a_connection_pipelining_past_the_bound_without_reading_is_closed(samples):

@@ -20,6 +20,16 @@ CLIENT_REFUSAL_HEAD_S = 1.0
 MAX_PIPELINED = 128
 
 
+class _NotGeneric:
+    """A filter for uvicorn's log: drops its one line for every request its parser refuses ("Invalid
+    HTTP request received."), which names neither the client nor why: the protocol below logs a line
+    that names both."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return record.msg not in ("Invalid HTTP request received.", "Invalid HTTP request received")
+
+
 class _KeepsError:
     """``obj`` as it is, but the exception of ``errors`` (and not of ``passing``) that its method ``name``
     raises is kept in ``error`` before it goes on up: uvicorn answers every parser error with one
@@ -123,6 +133,11 @@ def head_deadline_protocol(
     else:
         raise ValueError(f"parser must be auto, httptools or h11, got {parser!r}")
 
+    import logging
+
+    uv_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _NotGeneric) for f in uv_log.filters):
+        uv_log.addFilter(_NotGeneric())
     open_from: dict = {}  # client address -> its connections open now (one event loop: no lock)
     refused_open = [0]  # connections past the per-client cap still open (not counted against max_connections)
 
@@ -237,6 +252,7 @@ def head_deadline_protocol(
             if self._refusal is not None:  # (refused already: what follows is not read)
                 return
             status, reason = self._why(msg)
+            uv_log.warning("refused a request from %s: %d %s", self._peer or "a client", status, reason)
             c = self.cycle
             # (bad bytes inside a request's body: that request is the app's, which counts its end)
             if on_refused is not None and not (c is not None and c.more_body and not c.response_complete):
