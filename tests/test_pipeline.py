@@ -803,8 +803,9 @@ def test_a_module_class_for_model_is_refused_naming_the_instance_wanted():
             make()
     with pytest.raises(TypeError, match="must be a model name .str. or an nn.Module instance, got int"):
         Pipeline(Config(device="cpu"), model=3)
-    with pytest.raises(ValueError, match="unsupported device None: use auto, cpu, cuda or cuda:N"):
-        Pipeline(Config(device=None), model=Tiny())
+    for device in (None, "tpu", "cuda:x", " cpu"):  # (named by Config, before anything is built)
+        with pytest.raises(ValueError, match=rf"^device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}$"):
+            Config(device=device)
 
 
 def test_a_models_name_as_model_is_taken_as_config_model(samples):

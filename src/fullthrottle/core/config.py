@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -262,15 +263,11 @@ class Config:
             if v is not None and (not is_int(v) or v < 1):
                 raise ValueError(f"{name} must be None (the default) or an integer >= 1, got {v!r}")
         for name in ("max_wait_ms", "http_timeout_s"):
-            v = getattr(self, name)
-            if (
-                not isinstance(v, (int, float))
-                or not math.isfinite(v)
-                or v < 0
-                or (name == "http_timeout_s" and v == 0)
-            ):
-                rule = "> 0" if name == "http_timeout_s" else ">= 0"
+            v, rule = getattr(self, name), "> 0" if name == "http_timeout_s" else ">= 0"
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (rule == "> 0" and v == 0):
                 raise ValueError(f"{name} must be a finite number {rule}, got {v!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)):  # (CUDA there or not: at Pipeline)
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.labels is not None and (
             not isinstance(self.labels, (list, tuple)) or not all(isinstance(x, str) for x in self.labels)
         ):
