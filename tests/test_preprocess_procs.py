@@ -435,12 +435,13 @@ def test_a_worker_whose_parent_left_during_its_start_exits_quietly(capfd):
     import os
 
     w = DecoderProcess(resize_size=8, crop_size=4)
-    _, _, (conn, proc, ready_r), _ = w._finalizer.detach()  # (closed by hand here)
+    _, _, (conn, proc, ready_r, err_r), _ = w._finalizer.detach()  # (closed by hand here)
     os.close(ready_r)  # the parent's end of the readiness pipe, as at its exit
     try:
         assert proc.wait(60) == 0
     finally:
         conn.close()
+        os.close(err_r)
         proc.kill()
     assert "Traceback" not in capfd.readouterr().err
 
@@ -456,13 +457,64 @@ def test_a_jpeg_decoded_from_damaged_data_is_named_with_the_decoders_warning(sam
     data[len(data) // 2 : len(data) // 2 + 200] = bytes(200)
     damaged = tmp_path / "damaged.jpg"
     damaged.write_bytes(data)
-    inputs = [str(damaged), str(samples[1])]
+    odd = tmp_path / os.fsdecode(b"caf\xe9\nd.jpg")  # (a name with a byte that is not UTF-8, and a newline)
+    odd.write_bytes(data)
+    inputs = [str(damaged), str(samples[1]), str(odd)]
     with caplog.at_level(logging.WARNING, logger="fullthrottle.data.cpu_feed"):
         with tiny_pipe(preprocess="processes") as pipe:
             got = [(r.id, r.class_ids, r.error) for r in pipe.run(inputs)]
-    assert caplog.messages == [
-        f"{damaged}: decoded from damaged data (the decoder says: Corrupt JPEG data: premature end of data segment)"
-    ]
+    said = "decoded, with the decoder's warning: Corrupt JPEG data: premature end of data segment"
+    assert caplog.messages == [f"{damaged}: {said}", f"'{tmp_path}/caf\\xe9\\nd.jpg': {said}"]
     assert "Corrupt JPEG data" not in capfd.readouterr().err
     with tiny_pipe(preprocess="threads") as pipe:
         assert got == [(r.id, r.class_ids, r.error) for r in pipe.run(inputs)]
+
+
+def test_what_a_decoder_process_wrote_as_it_died_reaches_stderr(samples, monkeypatch, capfd):
+    """A decoder process's fd 2 is a pipe it empties after each image (libjpeg's warnings go back
+    with their image): what a process that crashes wrote there, a C library's abort message or
+    faulthandler's report, is read by the parent and printed, not lost with the process."""
+    import fullthrottle.data.preprocess_procs as pp
+
+    monkeypatch.setattr(
+        pp,
+        "_WORKER_CMD",
+        (
+            "import sys, os, signal; import fullthrottle.data.decoder_worker as dw; orig = dw._work_one\n"
+            "def w(msg, *a):\n"
+            "    if b'CRASHME' in msg[:40]:\n"
+            "        os.write(2, b'free(): invalid pointer\\n'); os.kill(os.getpid(), signal.SIGSEGV)\n"
+            "    return orig(msg, *a)\n"
+            "dw._work_one = w; dw.worker_main(sys.argv[1:])"
+        ),
+    )
+    w = DecoderProcess()
+    try:
+        data = samples[0].read_bytes()
+        assert np.array_equal(w(data), preprocess(data))
+        with pytest.raises(Exception, match=r"decoder process died on this item \(killed by signal SIGSEGV\)"):
+            w(b"CRASHME" + data)
+        err = capfd.readouterr().err
+        assert (
+            "fullthrottle: a decoder process died (killed by signal SIGSEGV); its last output:\nfree(): invalid pointer"
+            in err
+        )
+        assert np.array_equal(w(data), preprocess(data))  # (its replacement)
+    finally:
+        w.close()
+
+
+def test_a_file_that_cannot_be_read_is_named_alike_by_the_threads_and_the_decoder_processes(tmp_path):
+    """A FIFO and a symlink loop under names whose bytes are not UTF-8, read by the loader (threads)
+    or by the decoder processes themselves: the same errors, the names shown as their ids are (a
+    byte that is not UTF-8 as \\xNN, not '?')."""
+    fifo, loop = tmp_path / os.fsdecode(b"ff\xe9.jpg"), tmp_path / os.fsdecode(b"ll\xe9.jpg")
+    os.mkfifo(fifo)
+    loop.symlink_to(loop)
+    errors = {}
+    for how in ("threads", "processes"):
+        with tiny_pipe(preprocess=how, max_batch_size=2) as pipe:
+            errors[how] = [r.error for r in pipe.run([str(fifo), str(loop)])]
+    assert errors["threads"] == errors["processes"], errors
+    assert errors["threads"][0] == f"not a regular file: {tmp_path}/ff\\xe9.jpg"
+    assert errors["threads"][1].startswith(f"cannot read {tmp_path}/ll\\xe9.jpg: ")

@@ -19,7 +19,7 @@ from ..core import env
 from ..core.config import usable_cores
 from .gpu_feed import GPU_CHUNK
 from .image_header import ImageError
-from .load import LoadError
+from .load import LoadError, shown_path
 from .worker_procs import WorkerDied
 
 log = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ def feed_cpu_decoders(run, workers: list) -> None:
                     if w not in stuck:
                         said = workers[w].receive()  # the crop is in crops.array[it.pool_row]
                         if said:  # (libjpeg's "Corrupt JPEG data: ...": the crop is what it could read)
-                            log.warning("%s: decoded from damaged data (the decoder says: %s)", it.id, said)
+                            log.warning("%s: decoded, with the decoder's warning: %s", shown_path(it.id), said)
                     else:  # a worker stuck on one image (a decoder hang) costs that image only
                         raise workers[w].kill(
                             f"decoding took longer than {timeout_s:g} s "

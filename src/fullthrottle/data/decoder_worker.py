@@ -39,13 +39,15 @@ MAX_WARNING_BYTES = 1000
 
 
 class CStderr:
-    """File descriptor 2 of this process turned into a pipe that :meth:`take` empties: what C code
-    (libjpeg) writes there is caught, Python's ``sys.stderr`` keeps the stream it had. Both ends do not
-    block: past the pipe's capacity (64 KiB) between two :meth:`take`, a decoder's lines are dropped,
-    it never waits."""
+    """File descriptor 2 of this process turned into the pipe ``(r, w)`` (made by the parent, which
+    keeps ``r`` too: what a process that dies wrote last, a crash's report, is read there), which
+    :meth:`take` empties: what C code (libjpeg) writes there is caught. Python's ``sys.stderr``, and
+    ``faulthandler`` where it is on, keep the stream they had. Neither end blocks: past the pipe's
+    capacity (64 KiB) between two :meth:`take`, a decoder's lines are dropped, it never waits."""
 
-    def __init__(self):
-        r, w = os.pipe()
+    def __init__(self, r: int, w: int):
+        import faulthandler
+
         os.set_blocking(r, False)
         os.set_blocking(w, False)
         keep = os.dup(2)
@@ -53,6 +55,8 @@ class CStderr:
         os.dup2(w, 2)
         os.close(w)
         sys.stderr = open(keep, "w", encoding="utf-8", errors="backslashreplace", buffering=1)  # noqa: SIM115
+        if faulthandler.is_enabled():  # (it wrote to fd 2 as it was)
+            faulthandler.enable(sys.stderr)
         self._r = r
 
     def take(self) -> bytes:
@@ -73,12 +77,14 @@ class CStderr:
 
 def worker_main(argv: list[str]) -> None:
     """A CPU decoder process's main (``argv``: the socket, pool and readiness fds, then the transform
-    and limits, as :class:`~fullthrottle.data.preprocess_procs.DecoderProcess` starts it)."""
+    and limits, then the two ends of the pipe its fd 2 becomes, as
+    :class:`~fullthrottle.data.preprocess_procs.DecoderProcess` starts it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; we end on EOF
     fd, pool_fd, ready_fd, resize_size, crop_size, max_pixels, nice, pool_rows, max_file_bytes = (
         int(a) for a in argv[:9]
     )
     interpolation = argv[9] if len(argv) > 9 else "bilinear"
+    err_r, err_w = (int(a) for a in argv[10:12])  # (the pipe fd 2 becomes: CStderr)
     if nice:
         try:
             os.nice(nice)
@@ -102,7 +108,7 @@ def worker_main(argv: list[str]) -> None:
     except OSError:  # the parent is gone (a second Ctrl-C during its start-up): nothing to serve
         return
     os.close(ready_fd)
-    warnings = CStderr()
+    warnings = CStderr(err_r, err_w)
     stats_path = env.get(env.WORKER_STATS)
     if stats_path:
         return _worker_loop_timed(

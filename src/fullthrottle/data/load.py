@@ -66,10 +66,10 @@ def read_local(path: str, max_bytes: int) -> bytes:
     except LoadError:
         raise
     except OSError as e:
-        raise LoadError(f"cannot read {path}: {e.strerror or e}") from None
+        raise LoadError(f"cannot read {shown_path(path)}: {e.strerror or e}") from None
 
 
-def _shown(path) -> str:
+def shown_path(path) -> str:
     """``path`` as an error names it: bytes of the name that are not UTF-8 as ``\\xNN`` (as the item's
     id shows them), and quoted where spaces at its ends or unprintable characters would leave the
     name unseen."""
@@ -80,7 +80,9 @@ def _shown(path) -> str:
     except UnicodeEncodeError:
         s = s.encode("utf-8", "surrogateescape" if _escapes_bytes(s) else "backslashreplace")
         s = s.decode("utf-8", "backslashreplace")
-    return repr(s) if s != s.strip() or not s.isprintable() else s
+    if s != s.strip() or not s.isprintable():  # (as repr, but a \\xNN above stays one backslash)
+        return "'" + "".join(c if c.isprintable() else repr(c)[1:-1] for c in s) + "'"
+    return s
 
 
 def _escapes_bytes(s: str) -> bool:
@@ -95,11 +97,11 @@ def _read_file_inner(path: str | os.PathLike, max_bytes: int) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise LoadError(f"file not found: {_shown(path)}") from None
+        raise LoadError(f"file not found: {shown_path(path)}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise LoadError(f"not a regular file: {path}")
+            raise LoadError(f"not a regular file: {shown_path(path)}")
         if st.st_size > max_bytes:
             raise LoadError(f"file too large: {st.st_size} bytes exceeds max_file_bytes={max_bytes}")
         parts, n = [], 0
@@ -290,7 +292,7 @@ class Loader:
             except LoadError as e:
                 item.error = str(e)
             except OSError as e:
-                item.error = f"cannot read {item.id}: {e.strerror or e}"
+                item.error = f"cannot read {shown_path(item.id)}: {e.strerror or e}"
             except Exception as e:  # noqa: BLE001 - whatever else an input raises is its own error: never lost
                 item.error = f"cannot load {item.id}: {type(e).__name__}: {e}"
             finally:

@@ -127,6 +127,8 @@ class DecoderProcess:
         parent, child = socket.socketpair()
         ready_r, ready_w = os.pipe()  # the worker writes one byte here once its imports are done
         os.set_blocking(ready_r, False)
+        err_r, err_w = os.pipe()  # the worker's fd 2 (decoder_worker.CStderr); read here if it dies
+        os.set_blocking(err_r, False)
         try:  # room for several images queued in the socket (the kernel caps it at net.core.wmem_max)
             parent.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
         except OSError:
@@ -145,8 +147,10 @@ class DecoderProcess:
                 str(self.pool.fd),
                 str(ready_w),
                 *map(str, self.args),
+                str(err_r),
+                str(err_w),
             ],
-            pass_fds=(child.fileno(), self.pool.fd, ready_w),
+            pass_fds=(child.fileno(), self.pool.fd, ready_w, err_r, err_w),
             env=env,
             stdin=subprocess.DEVNULL,
             close_fds=True,
@@ -154,10 +158,24 @@ class DecoderProcess:
         )
         child.close()
         os.close(ready_w)
+        os.close(err_w)
         self.spawned = time.perf_counter()  # a new worker first imports its libraries (seconds)
-        self._ready_fd, self.ready_at = ready_r, None
+        self._ready_fd, self.ready_at, self._err_fd = ready_r, None, err_r
         self.conn = Connection(parent.detach())
-        self._finalizer = weakref.finalize(self, shutdown_worker, self.conn, self.proc, ready_r)
+        self._finalizer = weakref.finalize(self, shutdown_worker, self.conn, self.proc, ready_r, err_r)
+
+    def _last_words(self, how: str) -> None:
+        """What a worker that died wrote to its fd 2 and had not yet sent back (a crash's report:
+        faulthandler's traceback, the C library's abort message), to this process's stderr."""
+        got = b""
+        try:
+            while chunk := os.read(self._err_fd, 65536):
+                got += chunk
+        except OSError:  # (BlockingIOError: all read)
+            pass
+        text = got.decode("utf-8", "backslashreplace").strip()
+        if text:
+            print(f"fullthrottle: a decoder process died ({how}); its last output:\n{text}", file=sys.stderr)
 
     def is_ready(self) -> bool:
         """Whether the worker has done its imports and is decoding (it said so; never blocks)."""
@@ -215,6 +233,7 @@ class DecoderProcess:
         the death for that image instead, and the caller sends the others again.
         """
         if self.proc.poll() is not None and not self.owed:
+            self._last_words(exit_reason(self.proc))
             self._restart()
         self.owed += 1
         try:
@@ -234,6 +253,7 @@ class DecoderProcess:
             msg = self.conn.recv_bytes()
         except (EOFError, OSError) as e:
             how = exit_reason(self.proc)
+            self._last_words(how)
             self._restart()
             raise WorkerDied(f"decoder process died on this item ({how}): {type(e).__name__}") from None
         self.owed -= 1

@@ -55,10 +55,10 @@ def exit_reason(proc: subprocess.Popen) -> str:
     return f"exit code {code}"
 
 
-def shutdown_worker(conn: Connection, proc: subprocess.Popen, ready_fd: int = -1) -> None:
-    """Close a worker's socket (and its readiness pipe, if any): its loop ends on EOF; killed if it
-    has not exited 2 s later."""
-    for close in (conn.close, lambda: os.close(ready_fd) if ready_fd >= 0 else None):
+def shutdown_worker(conn: Connection, proc: subprocess.Popen, ready_fd: int = -1, err_fd: int = -1) -> None:
+    """Close a worker's socket (and its readiness and stderr pipes, if any): its loop ends on EOF;
+    killed if it has not exited 2 s later."""
+    for close in (conn.close, *(lambda fd=fd: os.close(fd) if fd >= 0 else None for fd in (ready_fd, err_fd))):
         try:
             close()
         except OSError:
