@@ -514,7 +514,10 @@ def test_generate_many_keeps_the_answers_done_when_stopped(tmp_path, monkeypatch
         (["--prompt", "hi", "--tokens", "1,2"], "give either --prompt or --tokens, not both"),
         ([], "give --prompt TEXT or --tokens IDS"),
         (["--prompt", "hi"], "--prompt needs a tokenizer.json in --model-dir; give --tokens instead"),
-        (["--tokens", "1,x"], "--tokens must be comma-separated integers, got '1,x'"),
+        (["--tokens", "1,x"], "--tokens must be comma-separated integers >= 0, got '1,x'"),
+        (["--tokens", "1,-1"], "--tokens must be comma-separated integers >= 0, got '1,-1'"),
+        (["--tokens", "1_0"], "--tokens must be comma-separated integers >= 0, got '1_0'"),
+        (["--prompts", "/nonexistent/p.txt"], "cannot read /nonexistent/p.txt: No such file or directory"),
     ],
 )
 def test_generate_names_prompt_flags_that_do_not_fit_before_the_model_loads(flags, want, capsys, monkeypatch):

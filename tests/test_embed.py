@@ -239,7 +239,8 @@ def test_cli_embed_a_bad_jsonl_line_costs_only_itself(tmp_path, emb, capsys):
 
 def test_cli_embed_names_an_input_it_cannot_read_and_leaves_no_output(tmp_path, emb, capsys, monkeypatch):
     """An input file that cannot be opened is named as the input (not as the output), before the
-    model loads and before the output file is made; one whose read fails mid-way likewise. A
+    model loads and before the output file is made; one that opens and cannot be read likewise, and
+    the output file made meanwhile is removed. A
     .jsonl line that is not valid UTF-8 and then fails is that line's error, not also "embedded with
     U+FFFD" in the report's notes."""
     from fullthrottle.cli import embed as cli_embed
@@ -249,9 +250,8 @@ def test_cli_embed_names_an_input_it_cannot_read_and_leaves_no_output(tmp_path, 
     out = tmp_path / "o.jsonl"
     real_open = builtins.open
 
-    class Failing:  # (a file whose second line cannot be read: a disk's I/O error)
+    class Failing:  # (a file that opens and cannot be read: a disk's I/O error, /proc/self/mem)
         def __iter__(self):
-            yield b"a cat\n"
             raise OSError(5, "Input/output error")
 
         def close(self):
@@ -268,7 +268,7 @@ def test_cli_embed_names_an_input_it_cannot_read_and_leaves_no_output(tmp_path, 
         err = capsys.readouterr().err
         why = "Permission denied" if fail_at == "open" else "Input/output error"
         assert f"fullthrottle: error: cannot read {src}: {why}" in err and "cannot write" not in err, err
-        assert out.exists() == (fail_at == "read")  # (open: refused before anything is made)
+        assert not out.exists()  # (open: refused before anything is made; read: nothing read, none left)
     monkeypatch.undo()
     (tmp_path / "u.jsonl").write_bytes(b'"a cat"\n\xff\n"a\xff dog"\n')
     assert main(["embed", str(tmp_path / "u.jsonl"), "--out", str(out), "--device", "cpu", "--no-progress"]) == 1

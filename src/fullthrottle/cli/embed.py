@@ -220,6 +220,9 @@ def cmd_embed(args) -> int:
         raise
     except InputError as e:
         print(f"fullthrottle: error: {e}", file=sys.stderr)
+        if jsonl is not None and not to_stdout and n == 0:  # (no empty file left: nothing was read)
+            jsonl.close()
+            os.unlink(args.out)
         return 2
     except OSError as e:
         print(

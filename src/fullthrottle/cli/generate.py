@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -115,6 +116,12 @@ def _prompt_args_error(args) -> str | None:
     if args.prompts is not None:
         if args.tokens is not None or args.prompt is not None:
             return "give --prompts FILE, or one --prompt / --tokens, not both"
+        if args.prompts == "-":
+            return None
+        try:
+            os.stat(args.prompts)
+        except OSError as e:  # (a file there that cannot be read: said as it is opened)
+            return f"cannot read {args.prompts}: {e.strerror or e}"
         return None
     if args.tokens is not None and args.prompt is not None:
         return "give either --prompt or --tokens, not both"
@@ -122,11 +129,8 @@ def _prompt_args_error(args) -> str | None:
         return "give --prompt TEXT or --tokens IDS"
     if args.prompt is not None and not args.model_dir:
         return "--prompt needs a tokenizer.json in --model-dir; give --tokens instead"
-    if args.tokens is not None:
-        try:
-            [int(x) for x in args.tokens.split(",")]
-        except ValueError:
-            return f"--tokens must be comma-separated integers, got {args.tokens!r}"
+    if args.tokens is not None and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", args.tokens, re.ASCII):
+        return f"--tokens must be comma-separated integers >= 0, got {args.tokens!r}"
     return None
 
 
