@@ -150,14 +150,10 @@ def check_stats(w) -> None:
 
 
 def load_workload(spec: str) -> Workload:
-    """An instance of the class ``spec`` names (``package.module:Class``, constructed with no
-    arguments), or the instance it names (``package.module:my_workload``), checked
-    (:func:`check_workload`). A module in the current folder is found.
-
-    Raises:
-        ValueError: not ``MODULE:CLASS``, the module or class not found, its constructor failed
-            (its error named), or the class breaks the contract.
-    """
+    """An instance of the class ``spec`` names (``package.module:Class``, built with no arguments), or
+    the instance it names (``package.module:my_workload``), checked (:func:`check_workload`); a module
+    in the current folder is found. Raises ValueError: not ``MODULE:CLASS``, the module or class not
+    found, its constructor failed (its error named), or the object breaks the contract (``spec`` named)."""
     obj = import_object(spec, "--workload", "my_package.my_module:MyWorkload")
     try:
         w = obj() if isinstance(obj, type) else obj

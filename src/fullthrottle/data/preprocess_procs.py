@@ -44,10 +44,12 @@ from .image_header import ImageError
 from .load import LoadError
 from .worker_procs import (
     PATH_BIT,
+    PROBE_PNG,
     STARTUP_S,
     WORKER_PROCESS_GROUP,
     WorkerDied,
     exit_reason,
+    last_words,
     shutdown_worker,
     stop_workers,
     worker_command,
@@ -164,19 +166,6 @@ class DecoderProcess:
         self.conn = Connection(parent.detach())
         self._finalizer = weakref.finalize(self, shutdown_worker, self.conn, self.proc, ready_r, err_r)
 
-    def _last_words(self, how: str) -> None:
-        """What a worker that died wrote to its fd 2 and had not yet sent back (a crash's report:
-        faulthandler's traceback, the C library's abort message), to this process's stderr."""
-        got = b""
-        try:
-            while chunk := os.read(self._err_fd, 65536):
-                got += chunk
-        except OSError:  # (BlockingIOError: all read)
-            pass
-        text = got.decode("utf-8", "backslashreplace").strip()
-        if text:
-            print(f"fullthrottle: a decoder process died ({how}); its last output:\n{text}", file=sys.stderr)
-
     def is_ready(self) -> bool:
         """Whether the worker has done its imports and is decoding (it said so; never blocks)."""
         if self.ready_at is None:
@@ -233,7 +222,7 @@ class DecoderProcess:
         the death for that image instead, and the caller sends the others again.
         """
         if self.proc.poll() is not None and not self.owed:
-            self._last_words(exit_reason(self.proc))
+            last_words(self._err_fd, exit_reason(self.proc))
             self._restart()
         self.owed += 1
         try:
@@ -253,7 +242,7 @@ class DecoderProcess:
             msg = self.conn.recv_bytes()
         except (EOFError, OSError) as e:
             how = exit_reason(self.proc)
-            self._last_words(how)
+            last_words(self._err_fd, how)
             self._restart()
             raise WorkerDied(f"decoder process died on this item ({how}): {type(e).__name__}") from None
         self.owed -= 1
@@ -353,7 +342,7 @@ class DecoderPool:
                         return
                     self.workers.append(w)
                 try:
-                    w(_PROBE)  # waits until the worker has imported and answered once
+                    w(PROBE_PNG)  # waits until the worker has imported and answered once
                 except ImageError:
                     pass
             except BaseException as e:  # noqa: BLE001
@@ -402,22 +391,3 @@ class DecoderPool:
         self._starting = []
         self.workers = []
         self.crops.close()
-
-
-def _probe_png() -> bytes:
-    import zlib
-
-    raw = b"\x00\x00\x00\x00"  # one filter byte + one RGB pixel, 1x1
-
-    def chunk(t, d):
-        return len(d).to_bytes(4, "big") + t + d + zlib.crc32(t + d).to_bytes(4, "big")
-
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", (1).to_bytes(4, "big") * 2 + b"\x08\x02\x00\x00\x00")
-        + chunk(b"IDAT", zlib.compress(raw))
-        + chunk(b"IEND", b"")
-    )
-
-
-_PROBE = _probe_png()

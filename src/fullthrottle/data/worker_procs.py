@@ -1,6 +1,7 @@
 """What the CPU and the GPU decoder processes share: how a worker process is started (its ``python -c``
 line and process group), the grace a new one gets for its imports, the request flag for file paths,
-the error of an item whose worker died, and how a worker's end is read and brought about.
+the error of an item whose worker died, how a worker's end is read and brought about (and what it
+wrote last), and the image a new CPU decoder process is first sent.
 
 The parent side of each kind lives in :mod:`~fullthrottle.data.preprocess_procs` (CPU decoders) and
 :mod:`~fullthrottle.data.gpu_decode_procs` (GPU decoders); the shared crop rows in :mod:`~fullthrottle.data.crop_pool`.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from multiprocessing.connection import Connection
 
@@ -88,3 +90,38 @@ def stop_workers(workers, grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             w.proc.kill()
         w.close()
+
+
+def last_words(fd: int, how: str) -> None:
+    """What a decoder process that died (``how``: :func:`exit_reason`) wrote to its fd 2, the pipe
+    whose read end is ``fd`` (non-blocking), and had not yet sent back: a crash's report
+    (faulthandler's traceback, the C library's abort message), printed to this process's stderr."""
+    got = b""
+    try:
+        while chunk := os.read(fd, 65536):
+            got += chunk
+    except OSError:  # (BlockingIOError: all read)
+        pass
+    text = got.decode("utf-8", "backslashreplace").strip()
+    if text:
+        print(f"fullthrottle: a decoder process died ({how}); its last output:\n{text}", file=sys.stderr)
+
+
+def _probe_png() -> bytes:
+    """A 1x1 RGB PNG: the image a new decoder process is first sent (its answer says it is up)."""
+    import zlib
+
+    raw = b"\x00\x00\x00\x00"  # one filter byte + one RGB pixel, 1x1
+
+    def chunk(t, d):
+        return len(d).to_bytes(4, "big") + t + d + zlib.crc32(t + d).to_bytes(4, "big")
+
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", (1).to_bytes(4, "big") * 2 + b"\x08\x02\x00\x00\x00")
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
+
+
+PROBE_PNG = _probe_png()
