@@ -791,9 +791,13 @@ def test_ctrl_c_mid_run_with_decoder_processes_leaves_no_process_and_no_shared_m
 
 
 def test_an_empty_weights_path_is_named_as_empty_not_as_the_current_folder(samples, capsys):
+    """... and a name of spaces or of bytes that are not UTF-8 is shown as load errors show names."""
     for argv in (["classify", str(samples[0]), "--device", "cpu"], ["serve", "--device", "cpu"]):
         assert main([*argv, "--weights="]) == 2
         assert capsys.readouterr().err.endswith("fullthrottle: error: cannot read weights: the path given is empty\n")
+        for name, shown in ((" ", "' '"), (os.fsdecode(b"w\xe9.pth"), "w\\xe9.pth")):
+            assert main([*argv, f"--weights={name}"]) == 2
+            assert capsys.readouterr().err.endswith(f"fullthrottle: error: weights file not found: {shown}\n")
 
 
 def test_a_port_out_of_range_is_a_usage_error_before_anything_loads(capsys):

@@ -59,7 +59,9 @@ def cmd_serve(args) -> int:
         if args.weights == "":
             raise ValueError("cannot read weights: the path given is empty")
         if args.weights is not None and not os.path.isfile(args.weights):
-            raise FileNotFoundError(f"weights file not found: {args.weights}")
+            from ..data.load import shown_path
+
+            raise FileNotFoundError(f"weights file not found: {shown_path(args.weights)}")
         if args.weights is not None and args.classify:  # weights that do not fit: an error before anything starts
             from ..workloads.classify.models import load_model
 

@@ -248,13 +248,15 @@ def load_state_dict(path: str | Path) -> dict:
     """
     import torch
 
+    from ...data.load import shown_path
+
     p = Path(path)
     if p.is_dir():
-        raise WeightsError(f"cannot read weights from {p}: it is a directory, not a file")
+        raise WeightsError(f"cannot read weights from {shown_path(p)}: it is a directory, not a file")
     if not p.is_file():
-        raise FileNotFoundError(f"weights file not found: {p}")
+        raise FileNotFoundError(f"weights file not found: {shown_path(p)}")
     if p.stat().st_size == 0:
-        raise WeightsError(f"cannot read weights from {p}: empty file (0 bytes)")
+        raise WeightsError(f"cannot read weights from {shown_path(p)}: empty file (0 bytes)")
     suffix = p.suffix.lower()
     try:
         if suffix == ".safetensors":
@@ -278,7 +280,7 @@ def load_state_dict(path: str | Path) -> dict:
             why = "neither a PyTorch zip archive nor a pickle of tensors alone: corrupt, cut short, or other objects pickled"
         else:
             why = f"{type(e).__name__}: {(text.splitlines() or [''])[0][:200]}"
-        raise WeightsError(f"cannot read weights from {p}: not a safe state dict file ({why})") from None
+        raise WeightsError(f"cannot read weights from {shown_path(p)}: not a safe state dict file ({why})") from None
     for key in ("state_dict", "model"):
         if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
             sd = sd[key]
