@@ -164,12 +164,18 @@ def glob_match(parts: list[str], pattern: list[str]) -> bool:
     return fnmatch.fnmatchcase(parts[0], head) and glob_match(parts[1:], rest)
 
 
+def _fixed_base(pattern: str) -> tuple[list[str], int, str]:
+    """A glob pattern's parts, the index of its first part with a wildcard, and the folder the parts
+    before it name (``.`` or ``/`` when there are none)."""
+    parts = pattern.split(os.sep)
+    k = next(i for i, c in enumerate(parts) if glob.has_magic(c))
+    return parts, k, os.sep.join(parts[:k]) or ("." if not pattern.startswith(os.sep) else os.sep)
+
+
 def _unlisted_base(pattern: str) -> str:
     """`` (cannot read directory D: why)`` when the fixed folder a glob pattern starts in cannot be
     listed (``glob`` then matches nothing without a word), else ``""``."""
-    parts = pattern.split(os.sep)
-    k = next(i for i, c in enumerate(parts) if glob.has_magic(c))
-    base = os.sep.join(parts[:k]) or ("." if not pattern.startswith(os.sep) else os.sep)
+    base = _fixed_base(pattern)[2]
     try:
         os.scandir(base).close()
     except FileNotFoundError:
@@ -187,9 +193,7 @@ def glob_files(pattern: str) -> list[str]:
     ``glob`` does (a pattern may match one of those paths only)."""
     if "**" not in pattern:
         return sorted(p for p in glob.iglob(pattern) if not os.path.isdir(p))
-    parts = pattern.split(os.sep)
-    k = next(i for i, c in enumerate(parts) if glob.has_magic(c))
-    base = os.sep.join(parts[:k]) or ("." if not pattern.startswith(os.sep) else os.sep)
+    parts, k, base = _fixed_base(pattern)
     if not os.path.isdir(base):
         return []
     out, prefix = [], parts[:k]
