@@ -212,8 +212,10 @@ def test_cli_embed_npy_and_jsonl(tmp_path, emb, capsys):
     assert main(["embed", str(tmp_path / "fifo"), "--out", str(tmp_path / "f.npy"), "--device", "cpu"]) == 0
     writer.join()
     np.testing.assert_allclose(np.load(tmp_path / "f.npy"), emb.embed(["first text", "third 🙂"]).vectors, atol=1e-6)
+    capsys.readouterr()
     assert main(["embed", os.devnull, "--out", str(tmp_path / "n.jsonl"), "--device", "cpu"]) == 0
-    assert (tmp_path / "n.jsonl").read_text() == ""
+    assert (tmp_path / "n.jsonl").read_text() == ""  # (an empty input: said, where the report is)
+    assert f"{os.devnull} is empty: no text to embed (one text a line)" in capsys.readouterr().err
 
 
 def test_cli_embed_a_bad_jsonl_line_costs_only_itself(tmp_path, emb, capsys):

@@ -273,6 +273,8 @@ def cmd_embed(args) -> int:
         rep.notes.append(f"{len(bad)} line{'s' * (len(bad) > 1)} not read as a text{more}: each has {where}")
     if n_trunc:
         rep.notes.append(f"{n_trunc} text{'s' * (n_trunc > 1)} truncated to {emb.max_seq_length} tokens")
+    if n == 0:  # (a plain-text line is a text even when blank: only an empty input gives none)
+        rep.notes.append(f"{'stdin' if args.file == '-' else args.file} is empty: no text to embed (one text a line)")
     print(rep.format(), file=sys.stderr)
     if not write_report_json(rep, args.report_json):
         return 2
