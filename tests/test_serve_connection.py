@@ -89,6 +89,46 @@ def test_a_request_before_bad_bytes_is_answered_then_the_400(samples, parser):
     assert refused[0].startswith("refused a request from 127.0.0.1: 400 malformed HTTP request: "), refused
 
 
+def test_bad_requests_in_a_loop_log_a_bounded_number_of_lines_and_say_how_many_were_left_out():
+    """A client that sends bytes that are no request, again and again: each is answered 400 and
+    counted, the log holds at most REFUSALS_LOGGED_PER_S lines a second, and the first line logged
+    after that says how many were left out."""
+    import logging
+
+    from fullthrottle.server.connection import REFUSALS_LOGGED_PER_S
+
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: logged.append(r.getMessage())
+    n = 3 * REFUSALS_LOGGED_PER_S
+    counted: list[int] = []
+    proto = head_deadline_protocol(5.0, parser="httptools", on_refused=counted.append)
+    try:
+        with Server(Tiny(), uvicorn_kw={"http": proto}) as srv:
+            logging.getLogger("uvicorn.error").addHandler(handler)
+            t0 = time.monotonic()
+            for _ in range(n):
+                sock = socket.create_connection(("127.0.0.1", srv.port))
+                sock.sendall(b"garbage\r\n\r\n")
+                got, _ = read_all(sock, 5.0)
+                sock.close()
+                assert got.startswith(b"HTTP/1.1 400"), got[:200]
+            took = time.monotonic() - t0
+            time.sleep(1.05)
+            sock = socket.create_connection(("127.0.0.1", srv.port))
+            sock.sendall(b"garbage\r\n\r\n")
+            read_all(sock, 5.0)
+            sock.close()
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert counted == [400] * (n + 1)  # (every one counted, for /metrics)
+    lines = [m for m in logged if m.startswith("refused a request")]
+    if took < 1.0:  # (the loop within one window, as it is on any machine but a stalled one)
+        assert len(lines) == REFUSALS_LOGGED_PER_S + 1, lines
+        assert lines[-1].endswith(f" ({n - REFUSALS_LOGGED_PER_S} more refused before it, not logged)"), lines[-1]
+    assert len(lines) <= REFUSALS_LOGGED_PER_S * (int(took) + 2), (took, lines)
+
+
 def test_a_connection_pipelining_past_the_bound_without_reading_is_closed(samples):
     pytest.importorskip("httptools")
     one = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"

@@ -18,6 +18,33 @@ CLIENT_REFUSAL_HEAD_S = 1.0
 #: pipelining, httptools); one more closes the connection: a client that pipelines without reading
 #: its answers would otherwise have the server queue requests, and their answers, without bound
 MAX_PIPELINED = 128
+#: most lines a second one server process logs for the requests its parser refuses; the next line
+#: logged after a second over it says how many were left out (every one is counted in /metrics)
+REFUSALS_LOGGED_PER_S = 10
+
+
+class _LogBudget:
+    """At most ``per_s`` log lines in any window of a second that starts at a line (a client that
+    sends bad bytes in a loop cannot fill the log). :meth:`take` says whether a line is logged."""
+
+    def __init__(self, per_s: int, clock=None):
+        import time
+
+        self.per_s, self.clock = per_s, clock or time.monotonic
+        self.start, self.used, self.left_out = -1e9, 0, 0
+
+    def take(self) -> int | None:
+        """None: leave this line out (it is counted); else log it, saying that the returned number
+        of lines before it were left out (0: none)."""
+        now = self.clock()
+        if now - self.start >= 1.0:
+            self.start, self.used = now, 0
+        if self.used >= self.per_s:
+            self.left_out += 1
+            return None
+        self.used += 1
+        left_out, self.left_out = self.left_out, 0
+        return left_out
 
 
 class _NotGeneric:
@@ -117,7 +144,9 @@ def head_deadline_protocol(
     then closed) for its requests (uvicorn's ``limit_concurrency`` would refuse the earlier ones too).
     ``on_refused``: called with the status for each request the parser refuses (400: malformed, with
     the parser's reason; 431: a head over :data:`MAX_HEAD_BYTES`), which never reaches the app (so the
-    caller can count it). The refusal's body is ``{"detail": reason}``, as the server's other errors.
+    caller can count it). The refusal's body is ``{"detail": reason}``, as the server's other errors;
+    the log has a line for each, naming the client and the reason, at most
+    :data:`REFUSALS_LOGGED_PER_S` a second.
     ``on_client_refused``: called with the client's address and ``per_client`` for each connection
     refused because that address held ``per_client`` already."""
     if parser == "auto":
@@ -136,6 +165,7 @@ def head_deadline_protocol(
     import logging
 
     uv_log = logging.getLogger("uvicorn.error")
+    log_budget = _LogBudget(REFUSALS_LOGGED_PER_S)
     if not any(isinstance(f, _NotGeneric) for f in uv_log.filters):
         uv_log.addFilter(_NotGeneric())
     open_from: dict = {}  # client address -> its connections open now (one event loop: no lock)
@@ -252,7 +282,10 @@ def head_deadline_protocol(
             if self._refusal is not None:  # (refused already: what follows is not read)
                 return
             status, reason = self._why(msg)
-            uv_log.warning("refused a request from %s: %d %s", self._peer or "a client", status, reason)
+            left_out = log_budget.take()
+            if left_out is not None:
+                more = f" ({left_out} more refused before it, not logged)" if left_out else ""
+                uv_log.warning("refused a request from %s: %d %s%s", self._peer or "a client", status, reason, more)
             c = self.cycle
             # (bad bytes inside a request's body: that request is the app's, which counts its end)
             if on_refused is not None and not (c is not None and c.more_body and not c.response_complete):
