@@ -696,9 +696,9 @@ def test_one_client_address_cannot_take_every_connection(samples):
 
 
 @contextlib.contextmanager
-def _uvicorn_server(max_connections: int, opts: ServeOptions | None = None):
+def _uvicorn_server(max_connections: int, opts: ServeOptions | None = None, keep: list | None = None):
     """A server of ``Tiny`` on 127.0.0.1 as ``serve`` makes it (``uvicorn_server``: the guard's
-    connection limits), run in a thread: its port."""
+    connection limits), run in a thread: its port (``keep``: the server is appended)."""
     from fullthrottle.core.config import Config
     from fullthrottle.server.app import create_app
     from fullthrottle.server.http_layer import uvicorn_server
@@ -712,11 +712,46 @@ def _uvicorn_server(max_connections: int, opts: ServeOptions | None = None):
     deadline = time.time() + 30
     while not server.started and time.time() < deadline:
         time.sleep(0.02)
+    if keep is not None:
+        keep.append(server)
     try:
         yield server.servers[0].sockets[0].getsockname()[1]
     finally:
         server.should_exit = True
         t.join(30)
+
+
+def test_requests_still_in_the_listening_backlog_when_the_drain_starts_are_answered():
+    """A busy event loop accepts late: connections whose requests were sent while it was busy may
+    still wait in the listening socket's backlog as the drain starts. They are accepted and answered
+    (closing the listening socket reset them: the clients saw ECONNRESET, their requests lost)."""
+    import asyncio
+
+    held: list = []
+    with _uvicorn_server(16, keep=held) as port:
+        server, busy = held[0], threading.Event()
+
+        def busy_then_drain():  # (in the event loop: busy while the clients connect, then the drain)
+            busy.set()
+            time.sleep(1.0)
+            asyncio.ensure_future(server.shutdown())
+
+        server.servers[0].get_loop().call_soon_threadsafe(busy_then_drain)
+        assert busy.wait(10)
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(5)]
+        for s in socks:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        answers = []
+        for s in socks:
+            got = b""
+            try:
+                while chunk := s.recv(65536):
+                    got += chunk
+            except OSError as e:
+                got += f" [{e!r}]".encode()
+            s.close()
+            answers.append(got)
+    assert all(a.startswith(b"HTTP/1.1 200") and a.endswith(b'{"status":"alive"}') for a in answers), answers
 
 
 def test_max_connections_serves_that_many_and_refuses_the_next():

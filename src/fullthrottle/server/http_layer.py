@@ -138,7 +138,8 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
     """A uvicorn server for ``app`` with the guard's limits (``where``: ``host`` and ``port``, or
     nothing when the caller passes its sockets to ``run``). Its first SIGTERM or SIGINT drains
     in-flight requests (each within ``opts.timeout_s``; a request body that stops coming is answered
-    408 after :data:`~fullthrottle.server.guard.DRAIN_BODY_IDLE_S`), the second stops waiting; ``run`` then
+    408 after :data:`~fullthrottle.server.guard.DRAIN_BODY_IDLE_S`; connections still waiting in the
+    listening sockets' backlogs are accepted and drained too), the second stops waiting; ``run`` then
     returns normally (exit status 0). Requests the HTTP parser refuses (400) are counted in
     ``app.requests_counter`` (route ``other``), where ``app`` has one (:func:`add_basics`).
     ``on_drain(seconds)``, if given, is called (in the event loop) as the drain starts, with its length,
@@ -149,6 +150,37 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
     import uvicorn
 
     class _Server(uvicorn.Server):
+        async def _take_the_backlog(self) -> None:
+            """Accept the connections still waiting in the listening sockets' backlogs, then stop
+            listening: closing a listening socket resets them, though their clients have sent their
+            requests (a busy event loop accepts late). They are drained as every open connection is."""
+            import functools
+            import os
+            import socket
+
+            taken, cfg = [], self.config
+            for server in self.servers:
+                for ts in server.sockets:
+                    listener = socket.socket(ts.family, ts.type, fileno=os.dup(ts.fileno()))
+                    listener.setblocking(False)
+                    try:
+                        for _ in range(cfg.backlog):  # (at most a backlog's worth: no client keeps it open)
+                            taken.append(listener.accept()[0])
+                    except OSError:  # (BlockingIOError: the backlog is empty)
+                        pass
+                    finally:
+                        listener.close()
+                server.close()  # (no connection joins a backlog from here on: it is refused)
+            factory = functools.partial(
+                cfg.http_protocol_class, config=cfg, server_state=self.server_state, app_state=self.lifespan.state
+            )
+            loop = asyncio.get_running_loop()
+            for conn in taken:
+                try:
+                    await loop.connect_accepted_socket(factory, conn)
+                except OSError:  # (its client has gone)
+                    conn.close()
+
         # uvicorn re-raises the captured signal after its graceful shutdown, so the process would die
         # of SIGTERM (status -15) after draining; we drain the same way and then return normally.
         def handle_exit(self, sig, frame):
@@ -161,6 +193,7 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
         async def shutdown(self, sockets=None):
             if on_drain is not None:
                 on_drain(opts.timeout_s)
+            await self._take_the_backlog()
             with draining():  # (a request body that stopped coming does not hold the drain: 408)
                 await super().shutdown(sockets)
             if self.force_exit:  # requests still in flight are dropped: their connections close unanswered
