@@ -210,9 +210,14 @@ def test_fetching_is_off_by_default(listeners):
             content=b'{"urls": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
             headers={"content-type": "application/json"},
         )
-        long_num, shape = (
+        long_num, shape, top_k, extra = (
             httpx.post(s.url + "/v1/classify", content=c, headers={"content-type": "application/json"})
-            for c in (b'{"urls": [' + b"7" * 5000 + b"]}", b'{"urls": "http://a/x.jpg"}')
+            for c in (
+                b'{"urls": [' + b"7" * 5000 + b"]}",
+                b'{"urls": "http://a/x.jpg"}',
+                b'{"urls": [], "top_k": 1}',
+                b'{"urls": [], "zeta": 1, "alpha": 2}',
+            )
         )
     assert r.status_code == 400 and "--allow-fetch" in r.json()["detail"]
     assert deep.status_code == 400 and "malformed JSON body: nested too deep" in deep.json()["detail"]
@@ -220,6 +225,10 @@ def test_fetching_is_off_by_default(listeners):
         "malformed JSON body: a number of more than 4300 digits;"
     ), long_num.text
     assert shape.status_code == 400 and shape.json()["detail"].startswith("wrong shape: the body must be")
+    assert top_k.status_code == 400 and top_k.json()["detail"].startswith(
+        "unknown field 'top_k' in the body (top_k is a query parameter: /v1/classify?top_k=N); the body must be"
+    ), top_k.text
+    assert extra.status_code == 400 and extra.json()["detail"].startswith("unknown field 'alpha' in the body;")
     assert a.paths == [] and b.paths == []
 
 

@@ -158,6 +158,9 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
         urls = payload.get("urls") if isinstance(payload, dict) else None
         if not isinstance(urls, list):
             raise HTTPError(400, f"wrong shape: {shape}")
+        if other := sorted(set(payload) - {"urls"}):  # (a key meant as an option is not dropped unsaid)
+            where = " (top_k is a query parameter: /v1/classify?top_k=N)" if "top_k" in other else ""
+            raise HTTPError(400, f"unknown field {other[0]!r} in the body{where}; {shape}")
         if policy is None:
             raise HTTPError(
                 400,
