@@ -604,7 +604,8 @@ def test_embeddings_route_matches_library():
         for kw, msg in (
             ({"model": "text-embedding-3-small"}, "'text-embedding-3-small' is not served here"),
             ({"input": []}, "input is an empty list"),
-            ({"dimensions": 8}, "this model's vectors have 384"),
+            ({"dimensions": 8}, "dimensions 8: this model's vectors have 384"),
+            ({"dimensions": -1}, "dimensions must be an integer >= 1, got -1"),
             ({"encoding_format": "xml"}, "encoding_format must be 'float' or 'base64'"),
             ({"encoding_format": ""}, "encoding_format must be 'float' or 'base64', got ''"),  # (was taken as float)
             ({"model": ["x"]}, "model must be a string, got an array"),  # (was 404)
@@ -625,6 +626,9 @@ def test_embeddings_route_matches_library():
         bom = b'\xef\xbb\xbf{"input": "x"}'  # (a UTF-8 byte-order mark, as Windows tools write: was 400)
         got_bom = httpx.post(s.url + "/v1/embeddings", content=bom, headers={"content-type": "application/json"})
         assert got_bom.status_code == 200 and len(got_bom.json()["data"]) == 1, got_bom.text
+        for body, said in ((b"", "it is empty"), (b"input=x", "it is form-encoded (name=value), not JSON")):
+            r = httpx.post(s.url + "/v1/embeddings", content=body)  # (curl -d input=x: form-encoded)
+            assert r.status_code == 400 and r.json()["detail"] == f"malformed JSON body: {said}", r.text
         assert [m.id for m in c.models.list()] == ["all-MiniLM-L6-v2"]  # (the name requests may give)
         many = httpx.post(s.url + "/v1/embeddings", json={"input": ["a"] * 2049})  # (OpenAI's limit: 400)
         assert many.status_code == 400 and many.json()["error"]["param"] == "input", many.text

@@ -89,6 +89,11 @@ def test_cli_run_gives_each_bad_line_its_own_error(tmp_path):
     assert parse_body(b'{"n": [1.5, 1e308, -0.0, 2]}') == {"n": [1.5, 1e308, -0.0, 2]}
     with pytest.raises(ValueError, match=r"the number 1000000000000000000000000000000000000\.\.\. is too large"):
         parse_body(b"[1" + b"0" * 400 + b".5]")  # (cut, and said to be)
+    for empty in (b"", b" \r\n"):  # (an empty body, and what curl -d name=value sends, said as such)
+        with pytest.raises(ValueError, match=r"^malformed JSON body: it is empty$"):
+            parse_body(empty)
+    with pytest.raises(ValueError, match=r"^malformed JSON body: it is form-encoded \(name=value\), not JSON$"):
+        parse_body(b"input=a+cat&model=x")
     # (a position inside a body is a column of its line: the row's "line" is the file's)
     assert rows[5]["line"] == 6 and rows[5]["error"].endswith("double quotes: column 2 (char 1)"), rows[5]
 

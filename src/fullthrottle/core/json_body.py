@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 
@@ -31,6 +32,10 @@ def parse_body(body: bytes | str):
             body = bytes(body).decode("utf-8")  # (json.loads would take UTF-16 and UTF-32 bytes too)
         # (a UTF-8 byte-order mark, as Windows tools write it: RFC 8259 lets a reader skip it)
         body = body.removeprefix("\ufeff")
+        if not body.strip():
+            raise ValueError("it is empty")
+        if re.match(r"[A-Za-z_][\w.\-\[\]]*=", body):  # (what curl -d name=value sends)
+            raise ValueError("it is form-encoded (name=value), not JSON")
         return json.loads(body, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
         raise ValueError("malformed JSON body: nested too deep") from None

@@ -121,8 +121,12 @@ class EmbeddingsAPI(Workload):
         dims = body.get("dimensions")
         if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool)):
             raise ValueError(f"dimensions must be an integer, got {dims!r}")
+        if dims is not None and dims < 1:
+            raise ValueError(f"dimensions must be an integer >= 1, got {dims}")
         if dims is not None and dims != self.embedder.dim:
-            raise ValueError(f"dimensions: this model's vectors have {self.embedder.dim} (they are not shortened)")
+            raise ValueError(
+                f"dimensions {dims}: this model's vectors have {self.embedder.dim} (they are not shortened)"
+            )
         return [_Text(i, t, fmt == "base64") for i, t in enumerate(texts)]
 
     def cost(self, item: _Text) -> int:
