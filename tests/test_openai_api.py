@@ -287,6 +287,7 @@ def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests
             ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
             ({"best_of": True}, "best_of is not supported"),  # (taken as 1)
             ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
+            ({"min_tokens": 3}, "min_tokens is not supported"),
             ({"model": ["x"]}, "model must be a string, got an array"),  # (was 404)
             ({"prompt": ""}, "prompt is empty"),
             ({"prompt": "a\ud800b"}, "prompt is not valid Unicode (a lone surrogate at character 1:"),
@@ -302,6 +303,11 @@ def test_bad_values_get_a_400_naming_the_field_and_do_not_disturb_other_requests
         # the field a message starts with is OpenAI's ``param`` (its client shows it); none for others
         assert params["temperature must be a number"] == "temperature" and params["n must be an integer"] == "n"
         assert params["model must be a string, got an array"] == "model"
+        assert params["min_tokens is not supported"] == "min_tokens"  # (vLLM's extensions are fields too)
+        from fullthrottle.server.guard import OPENAI_FIELDS
+        from fullthrottle.workloads.llm.api import UNSUPPORTED
+
+        assert set(UNSUPPORTED) <= OPENAI_FIELDS  # (each refused option is named as its field)
         assert params["prompt is not valid Unicode (a lone surrogate at character 1:"] == "prompt"
         ok = h.post(url, json={"prompt": "hello", "max_tokens": 2, "response_format": {"type": "text"}, "best_of": 1})
         assert ok.status_code == 200, ok.text  # (OpenAI's defaults, as its clients send them: was 400)

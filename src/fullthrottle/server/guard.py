@@ -61,7 +61,10 @@ _OPENAI_ERROR_TYPES = {404: "model_not_found", 500: "server_error", 503: "overlo
 OPENAI_FIELDS = frozenset(
     "model prompt messages max_tokens max_completion_tokens temperature top_p top_k n stream stream_options "
     "stop stop_token_ids seed logprobs top_logprobs echo suffix best_of presence_penalty frequency_penalty "
-    "logit_bias response_format tools tool_choice user input encoding_format dimensions".split()
+    "logit_bias response_format tools tool_choice user input encoding_format dimensions ignore_eos "
+    # (vLLM's sampling extensions, refused by name: workloads/llm/api.py's UNSUPPORTED)
+    "repetition_penalty min_tokens min_p typical_p length_penalty use_beam_search include_stop_str_in_output "
+    "prompt_logprobs guided_json guided_regex guided_choice guided_grammar".split()
 )
 
 
