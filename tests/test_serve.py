@@ -289,6 +289,18 @@ def test_bodies_that_are_no_image_container_get_415(samples):
         ]
         r = httpx.post(s.url + "/v1/classify", content=jpeg, headers={"content-type": "text/plain"}, timeout=30)
         assert r.status_code == 200 and r.json()["results"][0]["top_k"]  # (a raw body: decoded by its content)
+        from fullthrottle.server.classify_route import MAX_FORM_FIELDS
+
+        many = b"".join(b'--B\r\nContent-Disposition: form-data; name="f%d"\r\n\r\nx\r\n' % i for i in range(1001))
+        r = httpx.post(  # (a limit, not a malformed body)
+            s.url + "/v1/classify",
+            content=many + img + b"--B--\r\n",
+            headers={"content-type": "multipart/form-data; boundary=B"},
+        )
+        assert (r.status_code, r.json()["detail"]) == (
+            413,
+            f"more than {MAX_FORM_FIELDS} form fields that are not files",
+        )
 
 
 def test_body_limit_413(samples):

@@ -35,6 +35,9 @@ from .guard import (
 
 log = logging.getLogger("fullthrottle.server.classify")
 ROUTE = "/v1/classify"
+#: most multipart form fields that are not files in one request (starlette's parser's default): one
+#: more is answered 413
+MAX_FORM_FIELDS = 1000
 
 
 class EntryError(str):
@@ -125,6 +128,8 @@ def add_classify_route(app, state: dict, opts, policy, reply, metrics, max_image
             except Exception as e:  # noqa: BLE001 - starlette's MultiPartException and parser errors
                 if "too many files" in str(e).lower():  # (the parser stops one file past the limit)
                     raise HTTPError(413, f"more than {opts.max_images} images in one request") from None
+                if "too many fields" in str(e).lower():  # (form fields that are not files: the parser's limit)
+                    raise HTTPError(413, f"more than {MAX_FORM_FIELDS} form fields that are not files") from None
                 if boundary and f"--{boundary}".encode() not in body:  # (an image sent as multipart, say)
                     raise HTTPError(
                         400,
@@ -308,7 +313,9 @@ async def _parse_form(request, body: bytes, max_files: int) -> list[tuple[str, o
         yield body
         yield b""
 
-    parser = MultiPartParser(request.headers, stream(), max_files=max_files + 1, max_part_size=len(body) + 1)
+    parser = MultiPartParser(
+        request.headers, stream(), max_files=max_files + 1, max_fields=MAX_FORM_FIELDS, max_part_size=len(body) + 1
+    )
     form = await parser.parse()
     if form and not any(isinstance(v, UploadFile) for _, v in form.multi_items()):
         names = ", ".join(sorted({k for k, _ in form.multi_items()}))[:200]  # (parts with no plain filename=)
