@@ -798,6 +798,9 @@ def test_an_empty_weights_path_is_named_as_empty_not_as_the_current_folder(sampl
         for name, shown in ((" ", "' '"), (os.fsdecode(b"w\xe9.pth"), "w\\xe9.pth")):
             assert main([*argv, f"--weights={name}"]) == 2
             assert capsys.readouterr().err.endswith(f"fullthrottle: error: weights file not found: {shown}\n")
+    # serve without the classifier checks --weights as classify does: a folder is named as one
+    assert main(["serve", "--device", "cpu", "--no-classify", f"--weights={samples[0].parent}"]) == 2
+    assert capsys.readouterr().err.endswith("it is a directory, not a file\n")
 
 
 def test_a_port_out_of_range_is_a_usage_error_before_anything_loads(capsys):

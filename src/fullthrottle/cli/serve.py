@@ -56,16 +56,12 @@ def cmd_serve(args) -> int:
             preprocess=args.preprocess,
         )
         spec(args.model)  # (a MODULE:CLASS is imported now: its errors before anything starts)
-        if args.weights == "":
-            raise ValueError("cannot read weights: the path given is empty")
-        if args.weights is not None and not os.path.isfile(args.weights):
-            from ..data.load import shown_path
+        if args.weights is not None:  # weights that are not there, or do not fit: an error before anything starts
+            from ..workloads.classify.models import check_weights_file, load_model
 
-            raise FileNotFoundError(f"weights file not found: {shown_path(args.weights)}")
-        if args.weights is not None and args.classify:  # weights that do not fit: an error before anything starts
-            from ..workloads.classify.models import load_model
-
-            load_model(args.model, args.weights)
+            check_weights_file(args.weights)
+            if args.classify:
+                load_model(args.model, args.weights)
         if (
             min(
                 args.timeout_s,

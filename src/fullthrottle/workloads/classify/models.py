@@ -228,12 +228,33 @@ def load_model(name: str, weights: str | Path | None = None):
     """
     s = spec(name)
     model = build_model(name)
-    if weights is not None and not str(weights):  # (Path("") is the current folder)
-        raise WeightsError("cannot read weights: the path given is empty")
+    if weights is not None:
+        check_weights_file(weights)
     path = Path(weights) if weights is not None else (s.bundled_weights() if s.bundled_weights else None)
     if path is not None:
         load_weights(model, path, name)
     return model.eval(), path
+
+
+def check_weights_file(path: str | Path) -> Path:
+    """``path`` as a :class:`~pathlib.Path`, checked to be a file that is not empty (before anything
+    loads: the CLI and ``serve`` check ``--weights`` at once).
+
+    Raises:
+        FileNotFoundError: no such file. WeightsError: an empty path, a directory, an empty file.
+    """
+    from ...data.load import shown_path
+
+    if not str(path):  # (Path("") is the current folder)
+        raise WeightsError("cannot read weights: the path given is empty")
+    p = Path(path)
+    if p.is_dir():
+        raise WeightsError(f"cannot read weights from {shown_path(p)}: it is a directory, not a file")
+    if not p.is_file():
+        raise FileNotFoundError(f"weights file not found: {shown_path(p)}")
+    if p.stat().st_size == 0:
+        raise WeightsError(f"cannot read weights from {shown_path(p)}: empty file (0 bytes)")
+    return p
 
 
 def load_state_dict(path: str | Path) -> dict:
@@ -250,13 +271,7 @@ def load_state_dict(path: str | Path) -> dict:
 
     from ...data.load import shown_path
 
-    p = Path(path)
-    if p.is_dir():
-        raise WeightsError(f"cannot read weights from {shown_path(p)}: it is a directory, not a file")
-    if not p.is_file():
-        raise FileNotFoundError(f"weights file not found: {shown_path(p)}")
-    if p.stat().st_size == 0:
-        raise WeightsError(f"cannot read weights from {shown_path(p)}: empty file (0 bytes)")
+    p = check_weights_file(path)
     suffix = p.suffix.lower()
     try:
         if suffix == ".safetensors":
