@@ -58,9 +58,27 @@ def test_e2e(tmp_path, samples):
         "fullthrottle",
     }
     assert all(v["img_per_s"] > 0 for v in d["results"].values())
-    assert d["results"]["fullthrottle"]["report"]["ok"] == 24
+    assert d["results"]["fullthrottle"]["report"]["ok"] == d["n"] == 96
     assert d["verdict"].split(":")[0].endswith("-bound")
     assert len(d["ratios"]) == 3
+
+
+def test_quick_keeps_the_flags_given_and_too_few_images_for_a_steady_rate_are_refused(tmp_path, samples, capsys):
+    """--quick supplies the defaults it makes smaller, not the flags given (it replaced --n, --workers
+    and --batch unsaid); an --n whose steady window is under MIN_STEADY_BATCHES batches is refused (its
+    rate was the spacing of two bursts of results: 4 times the run's own)."""
+    from fullthrottle.cli.bench_e2e import MIN_STEADY_BATCHES, min_images
+
+    assert min_images(8) == 86 and min_images(8) * 0.75 >= MIN_STEADY_BATCHES * 8
+    args = ["bench", "e2e", "--quick", "--device", "cpu", "--images", str(samples[0]), "--out", str(tmp_path / "e")]
+    assert main([*args, "--n", "32"]) == 2
+    assert "--n 32 is too few images at --batch 8 for a steady rate: give --n 86 or more" in capsys.readouterr().err
+    assert main([*args, "--n", "24", "--batch", "2", "--workers", "1"]) == 0
+    d = json.loads((tmp_path / "e.json").read_text())
+    assert (d["n"], d["batch"], d["workers"]) == (24, 2, 1) and "DataLoader 1 workers, pil" in d["results"]
+    assert d["results"]["fullthrottle"]["report"]["ok"] == 24
+    rc, prefix = _run(tmp_path, "batch", "--batches", "1,3")
+    assert rc == 0 and [r["batch"] for r in _check_files(prefix)["rows"] if r["config"] == "cpu fp32 eager"] == [1, 3]
 
 
 def test_out_in_a_missing_folder_is_refused_before_the_run(tmp_path, capsys):

@@ -51,7 +51,7 @@ def cmd_bench(args) -> int:
             res = B.bench_threads(
                 _blobs(args.images),
                 args.threads or ([1, 2] if args.quick else default),
-                0.3 if args.quick else args.seconds,
+                args.seconds or (0.3 if args.quick else 2.0),
             )
         elif exp == "batch":
             res = B.bench_batch(
@@ -63,7 +63,8 @@ def cmd_bench(args) -> int:
         elif exp == "transfer":
             res = B.bench_transfer(args.batches or ([1, 8] if args.quick else [1, 8, 32, 128, 512]), args.model)
         else:
-            n, workers, batch = (24, 2, 8) if args.quick else (args.n, args.workers, args.batch)
+            quick = (96, 2, 8) if args.quick else (20000, usable_cores(), 128)  # (the flags given are kept)
+            n, workers, batch = (given or q for given, q in zip((args.n, args.workers, args.batch), quick))
             res = bench_e2e(_blobs(args.images), n, workers, batch, args.device, args.model)
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"fullthrottle bench {exp}: {e}", file=sys.stderr)
@@ -74,5 +75,7 @@ def cmd_bench(args) -> int:
         json.dump(res, f, indent=2)
     B.plot(res, prefix + ".png")
     print(json.dumps({k: v for k, v in res.items() if k not in ("machine",)}, indent=1)[:4000])
+    for note in res.get("notes", ()):
+        print(f"note: {note}", file=sys.stderr)
     print(f"wrote {prefix}.json and {prefix}.png", file=sys.stderr)
     return 0

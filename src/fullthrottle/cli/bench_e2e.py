@@ -4,6 +4,7 @@ DataLoader (PIL, OpenCV), in one run."""
 from __future__ import annotations
 
 import io
+import math
 import time
 
 import numpy as np
@@ -40,11 +41,22 @@ class _BytesDataset(torch.utils.data.Dataset):
         return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
 
 
+#: batches after the warm-up that the steady rate is measured over, at the least (results come a batch
+#: at a time: fewer make the rate the spacing of a few bursts)
+MIN_STEADY_BATCHES = 8
+
+
 def _steady(times: list[tuple[float, int]], n: int, warm_frac: float) -> float:
-    """img/s after the first ``warm_frac`` of the items: ``times`` is [(clock, items so far)]."""
+    """img/s after the first ``warm_frac`` of the items: ``times`` is [(clock, items so far)], a
+    point per batch or per item."""
     start = next((t for t in times if t[1] >= warm_frac * n), times[0])
     end = times[-1]
     return (end[1] - start[1]) / (end[0] - start[0]) if end[0] > start[0] else 0.0
+
+
+def min_images(batch: int, warm_frac: float = 0.25) -> int:
+    """The fewest images per method whose steady window holds :data:`MIN_STEADY_BATCHES` batches."""
+    return math.ceil(MIN_STEADY_BATCHES * batch / (1 - warm_frac))
 
 
 def bench_e2e(
@@ -61,6 +73,11 @@ def bench_e2e(
     from ..core.device import resolve_device
     from ..workloads.classify.pipeline import Pipeline
 
+    if n < min_images(batch, warm_frac):
+        raise ValueError(
+            f"--n {n} is too few images at --batch {batch} for a steady rate: give --n {min_images(batch, warm_frac)} "
+            f"or more, or a smaller --batch"
+        )
     dev = resolve_device(device)
     dtype = torch_dtype(resolve_dtype(None, dev))
     m = _model(model, dev, dtype, dev.type == "cuda")
@@ -79,7 +96,7 @@ def bench_e2e(
         top5(torch.zeros(batch, 3, 224, 224, dtype=torch.uint8))
         # (a) naive: decode, tensor, model, one fixed batch at a time, one thread
         times, buf, seen = [], [], 0
-        n_naive = max(4 * batch, n // 4)
+        n_naive = max(min_images(batch, warm_frac), n // 4)
         for i in range(n_naive):
             buf.append(torch.from_numpy(preprocess(blobs[i % len(blobs)])).permute(2, 0, 1))
             if len(buf) == batch or i == n_naive - 1:
@@ -116,8 +133,7 @@ def bench_e2e(
     times, seen = [], 0
     for r in pipe.run(blobs[i % len(blobs)] for i in range(n)):
         seen += 1
-        if seen % 16 == 0 or seen == n:
-            times.append((time.perf_counter(), seen))
+        times.append((time.perf_counter(), seen))  # (each result: they come a batch at a time)
     rep = pipe.last_report
     results["fullthrottle"] = {"images": seen, "img_per_s": _steady(times, seen, warm_frac), "report": rep.to_dict()}
     ft = results["fullthrottle"]["img_per_s"]

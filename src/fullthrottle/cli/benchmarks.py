@@ -166,6 +166,9 @@ def bench_batch(batches: list[int], model: str = "resnet18", compile: bool = Fal
         ]
         if compile:
             configs.append(("gpu bf16 channels_last compile+graphs", "cuda", torch.bfloat16, True, "compile"))
+    notes = [] if torch.cuda.is_available() or not compile else ["--compile needs CUDA: no compile row here"]
+    if any(b > 64 for b in batches):
+        notes.append("the CPU rows stop at batch 64")
     rows = []
     for name, devname, dtype, cl, mode in configs:
         dev = torch.device(devname)
@@ -195,7 +198,7 @@ def bench_batch(batches: list[int], model: str = "resnet18", compile: bool = Fal
                 s = _time_per_call(step, dev, n * (10 if devname == "cuda" else 1))
             rows.append({"config": name, "batch": bs, "img_per_s": bs / s})
         m = runner = None  # free this config's model before the next
-    return {"experiment": "batch", "model": model, "rows": rows}
+    return {"experiment": "batch", "model": model, "rows": rows, "notes": notes}
 
 
 # -- transfer --------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from .. import __version__
-from ..core.config import usable_cores
 from ..core.env import describe as describe_env
 from ..server.options import MAX_CONNECTIONS, SERVE_DECODER_PROCESSES, SERVE_MAX_WAIT_MS, ServeOptions
 from .generate_args import add_generate_parser
@@ -307,7 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
         e = bsub.add_parser(name, help=text, description=text)
         e.add_argument("--out", default=None, help="output prefix (default: fullthrottle-bench-EXPERIMENT)")
         e.add_argument(
-            "--quick", action="store_true", help="a small, fast run (what CI runs on CPU; transfer needs CUDA even so)"
+            "--quick",
+            action="store_true",
+            help="a small, fast run (what CI runs on CPU): smaller defaults; the flags given are kept"
+            + ("; needs CUDA even so" if name == "transfer" else ""),
         )
         if name in ("threads", "e2e"):
             e.add_argument(
@@ -320,27 +322,37 @@ def build_parser() -> argparse.ArgumentParser:
             e.add_argument(
                 "--threads", type=positive_int_list, default=None, help="comma list (default: 1,2,4,... up to 2x cores)"
             )
-            e.add_argument("--seconds", type=positive_float, default=2.0, help="per point (default: %(default)s)")
+            e.add_argument("--seconds", type=positive_float, default=None, help="per point (default: 2; --quick: 0.3)")
         if name in ("batch", "transfer"):
-            e.add_argument("--batches", type=positive_int_list, default=None, help="comma list of batch sizes")
+            e.add_argument(
+                "--batches",
+                type=positive_int_list,
+                default=None,
+                help="comma list of batch sizes (default: "
+                + ("1,2,4,...,1024" if name == "batch" else "1,8,32,128,512")
+                + "; --quick: "
+                + ("1,2)" if name == "batch" else "1,8)"),
+            )
             e.add_argument(
                 "--model", type=torchvision_model, default="resnet18", help="torchvision model (default: %(default)s)"
             )
         if name == "batch":
             e.add_argument("--compile", action="store_true", help="also torch.compile + graphs (slow start)")
         if name == "e2e":
-            e.add_argument("--n", type=positive_int, default=20000, help="images per method (default: %(default)s)")
+            e.add_argument(
+                "--n", type=positive_int, default=None, help="images per method (default: 20000; --quick: 96)"
+            )
             e.add_argument(
                 "--workers",
                 type=positive_int,
-                default=usable_cores(),
-                help="DataLoader workers and fullthrottle threads (default: cores)",
+                default=None,
+                help="DataLoader workers and fullthrottle threads (default: cores; --quick: 2)",
             )
             e.add_argument(
                 "--batch",
                 type=positive_int,
-                default=128,
-                help="batch size, the same for every method (default: %(default)s)",
+                default=None,
+                help="batch size, the same for every method (default: 128; --quick: 8)",
             )
             add_runtime_flags(e, "device")
             e.add_argument(
