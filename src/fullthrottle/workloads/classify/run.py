@@ -381,16 +381,16 @@ class Run:
 
     def raise_source_error(self) -> None:
         """After the last result: if the inputs iterable raised, raise that now (every item it
-        gave before is answered).
-
-        Raises:
-            PipelineError: naming the iterable's exception (chained to it).
-        """
+        gave before is answered): an ``Exception`` as a PipelineError naming it (chained to it),
+        KeyboardInterrupt or SystemExit as it is."""
         e = self.loader.source_error
+        if e is not None and not isinstance(e, Exception):  # (a Ctrl-C in the generator stays one)
+            raise e
         if e is not None:
+            n = self.ok + self.failed
             raise PipelineError(
-                f"the inputs iterable raised {type(e).__name__}: {e} (after "
-                f"{self.ok + self.failed} items, all answered)"
+                f"the inputs iterable raised {type(e).__name__}{f': {e}' if str(e) else ''} (after "
+                f"{n} item{'s' * (n != 1)}, all answered)"
             ) from e
 
     def report(self) -> Report:
