@@ -237,6 +237,10 @@ def test_cli_embed_a_bad_jsonl_line_costs_only_itself(tmp_path, emb, capsys):
     a = np.load(tmp_path / "o.npy")
     assert a.shape == (5, emb.dim) and np.isnan(a[[1, 3]]).all()
     np.testing.assert_allclose(a[[0, 2, 4]], good, atol=1e-6)
+    (tmp_path / "in.jsonl").rename(tmp_path / "IN.JSONL")  # (read as JSON lines whatever the name's case)
+    args[1] = str(tmp_path / "IN.JSONL")
+    assert main([*args, "--out", str(tmp_path / "u.npy")]) == 1
+    np.testing.assert_array_equal(np.load(tmp_path / "u.npy"), a)
 
 
 def test_cli_embed_names_an_input_it_cannot_read_and_leaves_no_output(tmp_path, emb, capsys, monkeypatch):

@@ -13,7 +13,7 @@ from .common import numbered_lines, own_stdin, stdin_bytes
 
 def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str] | None = None):
     """One text per line of ``path`` ('-': stdin), UTF-8. Lines end at ``\n`` (or ``\r\n``) only: a
-    lone ``\r`` inside a line is part of its text. ``.jsonl``: each line a JSON string or an object
+    lone ``\r`` inside a line is part of its text. ``.jsonl`` (any case): each line a JSON string or an object
     with a string field ``text`` (stdin is read as plain text). A byte-order mark opening the file
     is dropped. A line that is not valid UTF-8 is still one text (each invalid byte
     read as U+FFFD, so the vectors stay one per line); its number is appended to ``not_utf8``.
@@ -37,7 +37,7 @@ def _read_texts(path: str, not_utf8: list[int] | None = None, bad: dict[int, str
                 line = raw.decode("utf-8", errors="replace")
                 if not_utf8 is not None:
                     not_utf8.append(no)
-            if path.endswith(".jsonl"):
+            if path.lower().endswith(".jsonl"):  # (T.JSONL too)
                 why = None
                 try:
                     obj = json.loads(line)
