@@ -84,6 +84,12 @@ def test_quick_keeps_the_flags_given_and_too_few_images_for_a_steady_rate_are_re
 def test_out_in_a_missing_folder_is_refused_before_the_run(tmp_path, capsys):
     rc = main(["bench", "threads", "--quick", "--out", str(tmp_path / "no" / "such" / "b")])
     assert rc == 2 and "its folder does not exist" in capsys.readouterr().err
+    rc = main(["bench", "threads", "--quick", "--out", str(tmp_path)])  # (a folder: it wrote FOLDER.json)
+    assert (
+        rc == 2
+        and "--out is a prefix (PREFIX.json and PREFIX.png are written), not a folder" in capsys.readouterr().err
+    )
+    assert not (tmp_path.parent / f"{tmp_path.name}.json").exists()
 
 
 def test_bench_flags_are_checked_before_anything_runs(capsys):

@@ -41,6 +41,13 @@ def cmd_bench(args) -> int:
 
     exp = args.experiment
     prefix = args.out or f"fullthrottle-bench-{exp}"
+    if os.path.isdir(prefix) or prefix.endswith(os.sep):  # (a folder: it wrote FOLDER.json beside it)
+        print(
+            f"fullthrottle bench {exp}: --out is a prefix (PREFIX.json and PREFIX.png are written), not a folder: "
+            f"give {os.path.join(prefix, exp)}, say",
+            file=sys.stderr,
+        )
+        return 2
     if not os.path.isdir(os.path.dirname(os.path.abspath(prefix))):  # find out before the run, not after
         print(f"fullthrottle bench {exp}: cannot write {prefix}.json: its folder does not exist", file=sys.stderr)
         return 2
