@@ -241,10 +241,16 @@ def test_run_offline_keeps_a_workloads_system_exit_and_deep_answers_to_their_req
         def predict(self, items):
             if items == ["exit"]:
                 raise SystemExit(3)
+            if items == ["nan"]:
+                return [[1.0, float("nan")]]
             return [["deep"] if x == "deep" else x for x in items] if items != ["deep"] else [_nest(5000)]
 
-    got = run_offline(Echo(), [{"x": 1}, {"x": "exit"}, {"x": "deep"}, {"x": 2}])
+    got = run_offline(Echo(), [{"x": 1}, {"x": "exit"}, {"x": "deep"}, {"x": 2}, {"x": "nan"}])
     assert got[0] == ({"results": [{"output": 1}]}, None) and got[3] == ({"results": [{"output": 2}]}, None)
+    assert got[4] == (
+        None,
+        "the response is not JSON: it holds nan at results[0].output[1] (JSON has no NaN or Infinity)",
+    )
     assert got[1] == (None, "predict() failed: exit(3)")
     assert got[2][0] is None and got[2][1].startswith("the response is not JSON: RecursionError")
 

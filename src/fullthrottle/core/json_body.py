@@ -59,3 +59,26 @@ def json_type(x) -> str:
         return "a boolean"
     names = {int: "a number", float: "a number", str: "a string", dict: "an object", list: "an array"}
     return names.get(type(x), type(x).__name__)
+
+
+def not_json(answer, e: BaseException) -> str:
+    """Why ``json.dumps(answer, allow_nan=False)`` raised ``e``, for an error message: a NaN or
+    infinity named with where it is (``results[0].output``), else the exception's own words."""
+
+    def find(x, at: str):
+        if isinstance(x, float) and not math.isfinite(x):
+            return at, x
+        items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (list, tuple)) else ()
+        for k, v in items:
+            if (hit := find(v, f"{at}.{k}" if isinstance(k, str) else f"{at}[{k}]")) is not None:
+                return hit
+        return None
+
+    if isinstance(e, ValueError) and "out of range float" in str(e).lower():
+        try:
+            hit = find(answer, "")
+        except RecursionError:
+            hit = None
+        if hit is not None:
+            return f"it holds {hit[1]!r} at {hit[0].lstrip('.') or 'its top'} (JSON has no NaN or Infinity)"
+    return f"{type(e).__name__}: {e}"

@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from .imports import import_object, raised
+from .json_body import not_json
 from .report import StageStats
 
 
@@ -282,7 +283,7 @@ def response_of(workload, outputs: list, check_json: bool = True) -> dict:
         try:
             json.dumps(answer, allow_nan=False)
         except (TypeError, ValueError, RecursionError) as e:
-            raise ContractError(f"the response is not JSON: {type(e).__name__}: {e}") from None
+            raise ContractError(f"the response is not JSON: {not_json(answer, e)}") from None
     return answer
 
 

@@ -28,7 +28,7 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 from ..core.batch import RequestBatcher
 from ..core.errors import Overloaded
 from ..core.imports import raised
-from ..core.json_body import parse_body
+from ..core.json_body import not_json, parse_body
 from ..core.report import StageStats
 from ..core.workload import (
     ContractError,
@@ -368,7 +368,7 @@ def _handler(name: str, state: dict, opts, reply, m_latency):
             try:
                 return reply(route, status, answer)
             except (TypeError, ValueError, RecursionError) as e:  # not JSON (a tensor, NaN, too deep)
-                raise HTTPError(500, f"the response is not JSON: {type(e).__name__}: {e}") from None
+                raise HTTPError(500, f"the response is not JSON: {not_json(answer, e)}") from None
         except HTTPError as e:  # (a workload in OpenAI's shapes answers errors in its shape too)
             body = error_body(e.status, e.detail, getattr(svc.workload if svc else None, "openai", False))
             return reply(route, e.status, body, e.headers)
