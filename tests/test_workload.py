@@ -138,7 +138,8 @@ def test_load_workload_names_what_is_not_a_workload():
 
     assert isinstance(load_workload("toy_workload:Summer"), Summer)
     with pytest.raises(
-        ValueError, match="^--workload collections:OrderedDict: a OrderedDict is not a workload: subclass"
+        ValueError,
+        match="^--workload collections:OrderedDict: an object of type OrderedDict is not a workload: subclass",
     ):
         load_workload("collections:OrderedDict")
     with pytest.raises(ValueError, match=r"NeedsArgs\(\) failed: TypeError: .*'scale'"):
@@ -253,6 +254,22 @@ def test_run_offline_keeps_a_workloads_system_exit_and_deep_answers_to_their_req
     )
     assert got[1] == (None, "predict() failed: exit(3)")
     assert got[2][0] is None and got[2][1].startswith("the response is not JSON: RecursionError")
+
+
+def test_counts_in_contract_errors_are_said_in_the_singular_for_one():
+    """predict() giving no output for 1 item, a prompt of 1 token: each said in the singular."""
+    from fullthrottle.workloads.llm.api import _tokens
+
+    class Short(Summer):
+        name = "short"
+
+        def predict(self, items):
+            return []
+
+    assert run_offline(Short(), [{"inputs": [[1, 2, 3, 4]]}]) == [
+        (None, "predict() failed: RuntimeError: predict() returned 0 outputs for 1 item")
+    ]
+    assert (_tokens(1), _tokens(2)) == ("1 token", "2 tokens")
 
 
 def _nest(depth: int):

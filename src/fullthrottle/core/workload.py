@@ -119,7 +119,7 @@ def check_workload(w) -> None:
     import re
 
     if not hasattr(w, "name") and not any(callable(getattr(w, a, None)) for a in ("decode_request", "predict")):
-        raise ValueError(f"a {type(w).__name__} is not a workload: subclass fullthrottle.Workload")
+        raise ValueError(f"an object of type {type(w).__name__} is not a workload: subclass fullthrottle.Workload")
     name = getattr(w, "name", "")
     if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,63}", name):
         raise ValueError(f"{type(w).__name__}.name must be 1-64 of a-z, 0-9, '-', '_', got {name!r}")
@@ -260,7 +260,7 @@ def outputs_of(workload, items: list) -> list:
         raise RuntimeError(f"predict() returned a {type(got).__name__}, not a list of one output per item")
     got = list(got)
     if len(got) != len(items):
-        raise RuntimeError(f"predict() returned {len(got)} outputs for {len(items)} items")
+        raise RuntimeError(f"predict() returned {len(got)} outputs for {len(items)} item{'s' * (len(items) != 1)}")
     return got
 
 

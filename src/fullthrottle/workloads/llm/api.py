@@ -44,6 +44,10 @@ UNSUPPORTED = {
 MAX_CHARS_PER_TOKEN = 64
 
 
+def _tokens(n: int) -> str:
+    return f"{n} token{'s' * (n != 1)}"
+
+
 def _get(p: dict, key: str, default):
     """``p[key]``, or ``default`` when it is absent or null (as OpenAI's API reads null)."""
     v = p.get(key)
@@ -159,9 +163,9 @@ def _request(
     check_prompt(ids, vocab)
     said = f"{key} ({max_tokens})" if p.get(key) is not None else f"{key} (not given: its default, {max_tokens})"
     if len(ids) + max_tokens > gen.max_seq_len:
-        raise ValueError(f"{prompt_key} ({len(ids)} tokens) + {said} exceeds the context of {gen.max_seq_len}")
+        raise ValueError(f"{prompt_key} ({_tokens(len(ids))}) + {said} exceeds the context of {gen.max_seq_len}")
     if gen.kv is not None:
-        gen.kv.check_pool(f"{prompt_key} ({len(ids)} tokens) + {said}", len(ids) + max_tokens)
+        gen.kv.check_pool(f"{prompt_key} ({_tokens(len(ids))}) + {said}", len(ids) + max_tokens)
     if not isinstance(_get(p, "stream", False), bool):
         raise ValueError("stream must be true or false")
     opts = _get(p, "stream_options", {})
