@@ -16,6 +16,9 @@ def add_generate_parser(sub) -> None:
         "for text), or from a randomly initialised config (--random) for benchmarks. One prompt: its "
         "tokens stream to stdout as they are produced. Many (--prompts FILE): they run together "
         "through the server's continuous-batching engine and each gets a JSON line.",
+        epilog="Exit status: 0 every prompt answered; 1 some --prompts line failed (see its error), or stdout's "
+        "reader left (| head); 2 usage or model error (flags that do not fit, a model folder that does not load, "
+        "an output that cannot be written); 130 on Ctrl-C, 143 on SIGTERM.",
     )
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--model-dir", help="Hugging Face Llama folder (config.json, *.safetensors)")
@@ -54,9 +57,14 @@ def add_generate_parser(sub) -> None:
         "--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default: %(default)s)"
     )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same tokens; taken modulo 2**32)")
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1 = off (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default: %(default)s)")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed (same seed, same tokens; taken modulo 2**32; default: none, a fresh one per run)",
+    )
     add_runtime_flags(g, "device", "dtype")
     g.add_argument(
         "--max-seq-len",
