@@ -60,6 +60,9 @@ def test_cli_run_answers_a_jsonl_file_in_order(tmp_path, capsys):
     assert "workload 'badstats': stats must map names to fullthrottle.StageStats" in capsys.readouterr().err
     assert main(["run", str(src), "--workload", "toy_workload:Summer", "--out", str(src)]) == 2  # not the input
     assert "is the same file as the input" in capsys.readouterr().err and src.read_text().startswith('{"inputs"')
+    # an --out that cannot be written: said as generate says it, before setup() (here one that fails)
+    assert main(["run", str(src), "--workload", "toy_workload:BadSetup", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.endswith(f"fullthrottle: error: cannot write --out {tmp_path}: Is a directory\n")
     assert main(["run", str(tmp_path / "nope.jsonl"), "--workload", "toy_workload:Summer"]) == 2
     assert "cannot read " + str(tmp_path / "nope.jsonl") + ": No such file" in capsys.readouterr().err
     with pytest.raises(SystemExit):

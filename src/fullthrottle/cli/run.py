@@ -42,7 +42,7 @@ def cmd_run(args) -> int:
 def _run(args, stdout) -> int:
     from ..core.device import resolve_device
     from ..core.workload import check_stats, load_workload, user_traceback
-    from .common import overwrites_an_input
+    from .common import cannot_write, overwrites_an_input
 
     try:
         workload = load_workload(args.workload)
@@ -56,6 +56,8 @@ def _run(args, stdout) -> int:
     clash = overwrites_an_input({"--out": args.out}, {"the input": args.file})
     if clash:
         return _fail(clash)
+    if args.out != "-" and (why := cannot_write(args.out)):  # (before setup(), which may take long)
+        return _fail(f"cannot write --out {args.out}: {why}")
     if not args.ray:
         try:
             workload.setup(device)
@@ -68,7 +70,7 @@ def _run(args, stdout) -> int:
     try:  # (opened once the workload is ready: a failed start leaves an existing file as it was)
         out = stdout if args.out == "-" else open(args.out, "w", encoding="utf-8")
     except OSError as e:
-        return _fail(f"--out: {e}")
+        return _fail(f"cannot write --out {args.out}: {e.strerror or e}")
     failed = total = 0
     try:
         # (stdin's copy is not closed: its reader thread may still be blocked reading it, and a close
