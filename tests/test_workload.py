@@ -259,6 +259,18 @@ def test_run_offline_keeps_a_workloads_system_exit_and_deep_answers_to_their_req
     assert got[2][0] is None and got[2][1].startswith("the response is not JSON: RecursionError")
 
 
+def test_a_workload_of_its_own_class_without_stats_is_told_how_to_have_them():
+    """A class that follows the contract without subclassing Workload, and keeps no ``stats``: the
+    error says what to do (it said "stats must map names to StageStats, got None")."""
+    from fullthrottle.core.workload import check_stats
+
+    class Duck:
+        name = "duck"
+
+    with pytest.raises(ValueError, match=r"^workload 'duck' has no stats: set self.stats = \{\}, or subclass"):
+        check_stats(Duck())
+
+
 def test_counts_in_contract_errors_are_said_in_the_singular_for_one():
     """predict() giving no output for 1 item, a prompt of 1 token: each said in the singular."""
     from fullthrottle.workloads.llm.api import _tokens

@@ -7,11 +7,11 @@ requests, encode one request's answer, report stage counters.
 cost budget and deadline (:class:`~fullthrottle.core.batch.RequestBatcher`), a full queue 503, a request
 past the deadline 504, stage counters in ``/metrics`` under the workload's name. ``fullthrottle run
 FILE.jsonl --workload MODULE:CLASS`` answers one request body per line offline (:func:`run_offline`),
-and ``--ray`` in Ray Data actors. Wherever it runs, the same checks
-(:func:`items_of`, :func:`cost_of`, :func:`outputs_of`, :func:`response_of`) hold a workload to the
-contract: the client's mistakes are 4xx (or that line's error), the workload's bugs 500, and neither
-costs any other request. An error's body is ``{"detail": "<the message>"}``, except a 422 for a
-request whose items all failed, whose body :meth:`Workload.encode_response` makes.
+and ``--ray`` in Ray Data actors. Wherever it runs, the same checks (:func:`items_of`, :func:`cost_of`,
+:func:`outputs_of`, :func:`response_of`) hold a workload to the contract: the client's mistakes are 4xx
+(or that line's error), the workload's bugs 500, and neither costs any other request. An error's body
+is ``{"detail": "<the message>"}``, except a 422 for a request whose items all failed, whose body
+:meth:`Workload.encode_response` makes.
 
 Example (``decode_request``: per request, outside the batch; ``predict``: items of many requests)::
 
@@ -145,7 +145,9 @@ def check_workload(w) -> None:
 
 def check_stats(w) -> None:
     """ValueError unless ``w.stats`` (once its ``setup()`` has run) maps names to StageStats (for ``/metrics``)."""
-    st = getattr(w, "stats", None)
+    if not hasattr(w, "stats"):  # (a class of its own, not a Workload subclass: Workload's stats is {})
+        raise ValueError(f"workload {w.name!r} has no stats: set self.stats = {{}}, or subclass fullthrottle.Workload")
+    st = w.stats
     if not isinstance(st, Mapping) or not all(isinstance(v, StageStats) for v in st.values()):
         raise ValueError(f"workload {w.name!r}: stats must map names to fullthrottle.StageStats, got {st!r:.200}")
 
@@ -250,11 +252,8 @@ def predict_each(workload, items: list, on_error=None) -> list:
 
 
 def outputs_of(workload, items: list) -> list:
-    """``predict(items)`` checked: one output per item.
-
-    Raises:
-        RuntimeError: predict() returned no list (a dict, a str, a set) or another number of outputs.
-    """
+    """``predict(items)`` checked: one output per item. Raises RuntimeError: predict() returned no list
+    (a dict, a str, a set) or another number of outputs."""
     got = workload.predict(items)
     if got is None or isinstance(got, (dict, str, bytes, bytearray, set, frozenset)):  # (keys, characters)
         raise RuntimeError(f"predict() returned a {type(got).__name__}, not a list of one output per item")
