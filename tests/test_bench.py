@@ -58,7 +58,7 @@ def test_e2e(tmp_path, samples):
         "fullthrottle",
     }
     assert all(v["img_per_s"] > 0 for v in d["results"].values())
-    assert d["results"]["fullthrottle"]["report"]["ok"] == d["n"] == 96
+    assert d["results"]["fullthrottle"]["report"]["ok"] == d["n"] == 48 and d["batch"] == 4
     assert d["verdict"].split(":")[0].endswith("-bound")
     assert len(d["ratios"]) == 3
 
@@ -72,7 +72,7 @@ def test_quick_keeps_the_flags_given_and_too_few_images_for_a_steady_rate_are_re
     assert min_images(8) == 86 and min_images(8) * 0.75 >= MIN_STEADY_BATCHES * 8
     args = ["bench", "e2e", "--quick", "--device", "cpu", "--images", str(samples[0]), "--out", str(tmp_path / "e")]
     assert main([*args, "--n", "32"]) == 2
-    assert "--n 32 is too few images at --batch 8 for a steady rate: give --n 86 or more" in capsys.readouterr().err
+    assert "--n 32 is too few images at --batch 4 for a steady rate: give --n 43 or more" in capsys.readouterr().err
     assert main([*args, "--n", "24", "--batch", "2", "--workers", "1"]) == 0
     d = json.loads((tmp_path / "e.json").read_text())
     assert (d["n"], d["batch"], d["workers"]) == (24, 2, 1) and "DataLoader 1 workers, pil" in d["results"]

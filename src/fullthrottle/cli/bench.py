@@ -70,7 +70,7 @@ def cmd_bench(args) -> int:
         elif exp == "transfer":
             res = B.bench_transfer(args.batches or ([1, 8] if args.quick else [1, 8, 32, 128, 512]), args.model)
         else:
-            quick = (96, 2, 8) if args.quick else (20000, usable_cores(), 128)  # (the flags given are kept)
+            quick = (48, 2, 4) if args.quick else (20000, usable_cores(), 128)  # (the flags given are kept)
             n, workers, batch = (given or q for given, q in zip((args.n, args.workers, args.batch), quick))
             res = bench_e2e(_blobs(args.images), n, workers, batch, args.device, args.model)
     except (RuntimeError, ValueError, FileNotFoundError) as e:

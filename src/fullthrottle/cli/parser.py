@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
             e.add_argument("--compile", action="store_true", help="also torch.compile + graphs (slow start)")
         if name == "e2e":
             e.add_argument(
-                "--n", type=positive_int, default=None, help="images per method (default: 20000; --quick: 96)"
+                "--n", type=positive_int, default=None, help="images per method (default: 20000; --quick: 48)"
             )
             e.add_argument(
                 "--workers",
@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "--batch",
                 type=positive_int,
                 default=None,
-                help="batch size, the same for every method (default: 128; --quick: 8)",
+                help="batch size, the same for every method (default: 128; --quick: 4)",
             )
             add_runtime_flags(e, "device")
             e.add_argument(
