@@ -60,6 +60,15 @@ def test_cli_run_answers_a_jsonl_file_in_order(tmp_path, capsys):
     assert "workload 'badstats': stats must map names to fullthrottle.StageStats" in capsys.readouterr().err
     assert main(["run", str(src), "--workload", "toy_workload:Summer", "--out", str(src)]) == 2  # not the input
     assert "is the same file as the input" in capsys.readouterr().err and src.read_text().startswith('{"inputs"')
+    (tmp_path / "blank.jsonl").write_text("\n\n")  # (no request: said; one request: in the singular)
+    assert main(["run", str(tmp_path / "blank.jsonl"), "--workload", "toy_workload:Summer", "--device", "cpu"]) == 0
+    assert capsys.readouterr().err.endswith(
+        f"0 requests: 0 ok, 0 failed (sum)\nnote: {tmp_path / 'blank.jsonl'} holds no request (one JSON request "
+        "body a line; blank lines are skipped)\n"
+    )
+    (tmp_path / "one.jsonl").write_text('{"inputs": [[1,2,3,4]]}\n')
+    assert main(["run", str(tmp_path / "one.jsonl"), "--workload", "toy_workload:Summer", "--device", "cpu"]) == 0
+    assert "1 request: 1 ok, 0 failed (sum)" in capsys.readouterr().err
     # an --out that cannot be written: said as generate says it, before setup() (here one that fails)
     assert main(["run", str(src), "--workload", "toy_workload:BadSetup", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.endswith(f"fullthrottle: error: cannot write --out {tmp_path}: Is a directory\n")

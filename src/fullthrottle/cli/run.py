@@ -102,7 +102,12 @@ def _run(args, stdout) -> int:
         return _fail(str(e))
     except OSError as e:  # (disk full, stdout closed)
         return _fail(f"cannot write {'stdout' if out is stdout else args.out}: {e.strerror or e}")
-    print(f"{total} requests: {total - failed} ok, {failed} failed ({workload.name})", file=sys.stderr)
+    print(
+        f"{total} request{'s' * (total != 1)}: {total - failed} ok, {failed} failed ({workload.name})", file=sys.stderr
+    )
+    if total == 0:  # (said, as embed says an empty input)
+        name = "stdin" if args.file == "-" else args.file
+        print(f"note: {name} holds no request (one JSON request body a line; blank lines are skipped)", file=sys.stderr)
     return 1 if failed else 0
 
 
