@@ -803,6 +803,21 @@ def test_an_empty_weights_path_is_named_as_empty_not_as_the_current_folder(sampl
     assert capsys.readouterr().err.endswith("it is a directory, not a file\n")
 
 
+def test_a_value_that_starts_with_a_dash_is_said_how_to_give(capsys):
+    """argparse reads ``--tokens -1,2`` or ``--prompt "-x"`` as an option and says only "expected one
+    argument": the error also says how to give such a value (a subcommand's parser too)."""
+    for argv, flag in (
+        (["generate", "--random", "tiny", "--tokens", "-1,2"], "--tokens"),
+        (["classify", "--out"], "--out"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.rstrip().endswith(
+            f"argument {flag}: expected one argument (to give one that starts with '-': {flag}=VALUE)"
+        ), err
+
+
 def test_a_port_out_of_range_is_a_usage_error_before_anything_loads(capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--port", "70000"])

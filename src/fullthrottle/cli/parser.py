@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from .. import __version__
 from ..core.env import describe as describe_env
@@ -38,8 +39,19 @@ def _http_workers(s: str) -> int | str:
     return n
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too), whose "expected one argument" also says how to give a
+    value that starts with '-' (``--tokens -1,2``, ``--prompt "-x"``): argparse reads it as an option."""
+
+    def error(self, message: str):
+        m = re.match(r"argument (--[\w-]+)(?:/\S+)?: expected one argument$", message)
+        if m:
+            message += f" (to give one that starts with '-': {m.group(1)}=VALUE)"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="fullthrottle",
         description="GPU inference that keeps the GPU busy: load (asyncio) -> preprocess (threads or "
         "worker processes) -> dynamic batching -> model on the device -> top-k on the device.",
