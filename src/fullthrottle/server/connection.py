@@ -23,23 +23,23 @@ MAX_PIPELINED = 128
 REFUSALS_LOGGED_PER_S = 10
 
 
-class _LogBudget:
-    """At most ``per_s`` log lines in any window of a second that starts at a line (a client that
-    sends bad bytes in a loop cannot fill the log). :meth:`take` says whether a line is logged."""
+class LogBudget:
+    """At most ``per_window`` log lines in any window of ``window_s`` seconds that starts at a line (a
+    client that sends bad bytes in a loop cannot fill the log). :meth:`take` says whether a line is logged."""
 
-    def __init__(self, per_s: int, clock=None):
+    def __init__(self, per_window: int, window_s: float = 1.0, clock=None):
         import time
 
-        self.per_s, self.clock = per_s, clock or time.monotonic
+        self.per_window, self.window_s, self.clock = per_window, window_s, clock or time.monotonic
         self.start, self.used, self.left_out = -1e9, 0, 0
 
     def take(self) -> int | None:
         """None: leave this line out (it is counted); else log it, saying that the returned number
         of lines before it were left out (0: none)."""
         now = self.clock()
-        if now - self.start >= 1.0:
+        if now - self.start >= self.window_s:
             self.start, self.used = now, 0
-        if self.used >= self.per_s:
+        if self.used >= self.per_window:
             self.left_out += 1
             return None
         self.used += 1
@@ -165,7 +165,7 @@ def head_deadline_protocol(
     import logging
 
     uv_log = logging.getLogger("uvicorn.error")
-    log_budget = _LogBudget(REFUSALS_LOGGED_PER_S)
+    log_budget = LogBudget(REFUSALS_LOGGED_PER_S)
     if not any(isinstance(f, _NotGeneric) for f in uv_log.filters):
         uv_log.addFilter(_NotGeneric())
     open_from: dict = {}  # client address -> its connections open now (one event loop: no lock)

@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations from module globals
 
-from .connection import head_deadline_protocol
+from .connection import LogBudget, head_deadline_protocol
 from .guard import draining, error_body, openai_path
 from .keys import NO_KEY, authorised
 from .options import ServeOptions
@@ -222,12 +221,10 @@ def uvicorn_server(app, opts: ServeOptions, max_connections: int, on_drain=None,
         if counter is not None:
             counter.labels("other", str(status)).inc()
 
-    warned = [-1e9]  # when a refused client was last logged (at most one line a minute)
+    budget = LogBudget(1, window_s=60.0)  # (at most one line a minute for refused clients)
 
     def client_refused(peer, limit: int) -> None:  # (its client sees a 503, the operator this line)
-        now = time.monotonic()
-        if now - warned[0] >= 60.0:
-            warned[0] = now
+        if budget.take() is not None:
             log.warning(
                 "connections from %s answered 503 and closed: it holds %d already "
                 "(--max-connections-per-client; further refusals within a minute are not logged)",
